@@ -1,0 +1,60 @@
+"""``ostinato``: the user's command-line tool (engine build, tools, and the control-API client).
+
+Each subcommand lives in its own module with a ``main(argv) -> int``; this file only dispatches so
+that subcommands stay independent. ``ostinato help`` lists them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "build": ("ostinatod.engine.build", "main", "build/install the native engine (llama.cpp + native/)"),
+    "synth": ("ostinatod.tools.synth", "main", "write a synthetic MoE GGUF (qwen3moe, deepseek2, ...)"),
+    "bench": ("ostinatod.tools.bench", "main", "benchmarks: 'bench replay' of recorded agent sessions, "
+              "'bench engines' Ostinato vs stock"),
+    "calibrate": ("ostinatod.engine.calibrate", "main", "calibrate the cost model and Np on this machine"),
+    "plan": ("ostinatod.engine.planner", "main", "plan a residency set from routing traces"),
+    "profile": ("ostinatod.profile", "main", "record the hardware profile"),
+    "status": ("ostinatod.ctl", "cmd_status", "daemon status (control API)"),
+    "ps": ("ostinatod.ctl", "cmd_ps", "active and recent requests"),
+    "load": ("ostinatod.ctl", "cmd_load", "load a model into the running daemon"),
+    "unload": ("ostinatod.ctl", "cmd_unload", "unload the model"),
+    "residency": ("ostinatod.ctl", "cmd_residency", "show/plan/switch residency sets"),
+    "logs": ("ostinatod.ctl", "cmd_logs", "print the daemon log"),
+    "tui": ("ui.tui", "main", "live terminal UI"),
+    "tray": ("ui.tray", "main", "tray icon"),
+    "launch": ("ostinatod.launch", "main", "configure an agent (claude, opencode, openhands, codex)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: ostinato COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {h}" for name, (_, _, h) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ostinato: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    mod_name, fn_name, _ = COMMANDS[name]
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):
+            print(f"ostinato: command {name!r} is not available in this build", file=sys.stderr)
+            return 2
+        raise
+    return int(getattr(mod, fn_name)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

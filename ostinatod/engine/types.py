@@ -1,0 +1,113 @@
+"""The one internal request type and the events an engine streams back.
+
+Protocol adapters (OpenAI chat/completions, Responses, Anthropic Messages) translate their payloads
+into :class:`GenRequest` and the :class:`EngineEvent` stream back into their wire format. Everything
+here is plain data (JSON-serialisable via :func:`dataclasses.asdict`) because it crosses the pipe to
+the engine worker subprocess.
+
+Messages use the OpenAI chat shape, which is also what llama.cpp's ``common/chat`` accepts:
+``{"role": "system"|"user"|"assistant"|"tool", "content": str | [parts], "tool_calls": [...],
+"tool_call_id": str, "reasoning_content": str}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Literal, Optional, Protocol
+
+
+@dataclass
+class GenRequest:
+    """One generation request, protocol-neutral.
+
+    Either ``messages`` (chat; rendered with the model's chat template) or ``prompt`` (raw text,
+    /v1/completions) is set. ``max_tokens`` counts output tokens. ``ignore_eos`` makes the engine
+    generate exactly ``max_tokens`` tokens (used by the replay benchmark).
+    """
+
+    id: str
+    messages: Optional[list[dict[str, Any]]] = None
+    prompt: Optional[str] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Any = None  # "auto" | "none" | "required" | {"type":"function","function":{"name"}}
+    parallel_tool_calls: bool = True
+    max_tokens: int = 4096
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    enable_thinking: Optional[bool] = None
+    json_schema: Optional[dict[str, Any]] = None  # response_format json_schema, if any
+    workload: Optional[str] = None
+    client: Optional[str] = None  # e.g. "claude-code", "openai-python": for stats and workload
+    model: Optional[str] = None  # the name the client asked for (echoed back)
+
+
+# Event types streamed by EngineClient.generate(), in order:
+#   "start"   once: {"prompt_tokens", "cached_tokens"} after the prompt is tokenised and matched
+#   "delta"   0..n: {"content": str, "reasoning": str, "tool_calls": [ToolCallDelta]} (any subset)
+#   "done"    once at the end: {"finish_reason", "message", "usage", "timings"}
+#   "error"   instead of "done" on failure: {"code", "message", "status"}
+EventType = Literal["start", "delta", "done", "error"]
+
+
+@dataclass
+class EngineEvent:
+    """One event of a generation stream; ``data`` keys depend on ``type`` (see module comments).
+
+    ``delta`` tool call entries: ``{"index": int, "id": str|None, "name": str|None,
+    "arguments": str}`` where ``arguments`` is the new text of the JSON argument string (a diff,
+    as in OpenAI streaming). ``done.message`` is the final parsed assistant message in OpenAI shape
+    (``content``, ``reasoning_content``, ``tool_calls`` with full arguments). ``done.usage`` is
+    ``{"prompt_tokens", "completion_tokens", "cached_tokens", "prefilled_tokens"}``; ``done.timings``
+    is ``{"ttft_s", "tpot_s", "prefill_s", "decode_s", "total_s"}``. ``finish_reason`` is one of
+    "stop", "length", "tool_calls". ``error.code`` is a stable string such as
+    "context_length_exceeded", "invalid_request", "engine_crashed", "model_not_loaded".
+    """
+
+    type: EventType
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve. ``status`` is the HTTP status the front end should use."""
+
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = status
+
+
+class EngineClient(Protocol):
+    """What the HTTP front end and control API need from an engine (in-process or subprocess).
+
+    ``state`` is one of "stopped", "loading", "ready", "error", "restarting".
+    """
+
+    state: str
+
+    async def start(self) -> None:
+        """Start the worker and load the model (returns once loading has begun)."""
+
+    async def stop(self) -> None:
+        """Stop the worker; in-flight requests end with an ``error`` event."""
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until the model is loaded. Raises EngineError if loading failed."""
+
+    def generate(self, req: GenRequest) -> AsyncIterator[EngineEvent]:
+        """Stream events for ``req``; never raises for model output, errors arrive as events."""
+
+    async def count_tokens(self, req: GenRequest) -> int:
+        """Tokens of the rendered prompt of ``req`` (chat template applied)."""
+
+    async def info(self) -> dict[str, Any]:
+        """Loaded model: {"name", "path", "arch", "n_ctx", "n_ctx_train", "n_params", "is_demo",
+        "n_expert", "n_expert_used", "n_layer", "experts_mode", ...}."""
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine counters: slots, requests, tokens, expert-path counts and hot-route share."""

@@ -1,0 +1,90 @@
+"""Where Ostinato keeps its files (platformdirs), with one override for tests and portable installs.
+
+Layout (DESIGN.md, "Data and paths"):
+  config  -> settings.toml
+  data    -> models index, hardware profile, traces, residency sets, demo model, native build cache
+  state   -> logs
+  runtime -> pid file, control socket (mode 0600)
+
+``OSTINATO_HOME=/some/dir`` puts all four under that directory (config/, data/, state/, run/).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+APP = "ostinato"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The four Ostinato directories. Created on demand by :meth:`ensure`."""
+
+    config: Path
+    data: Path
+    state: Path
+    runtime: Path
+
+    @property
+    def settings_file(self) -> Path:
+        return self.config / "settings.toml"
+
+    @property
+    def log_file(self) -> Path:
+        return self.state / "ostinatod.log"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.runtime / "ostinatod.pid"
+
+    @property
+    def control_socket(self) -> Path:
+        return self.runtime / "control.sock"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data / "models"
+
+    @property
+    def traces_dir(self) -> Path:
+        return self.data / "traces"
+
+    @property
+    def residency_dir(self) -> Path:
+        return self.data / "residency"
+
+    @property
+    def hardware_profile(self) -> Path:
+        return self.data / "hardware.json"
+
+    @property
+    def native_dir(self) -> Path:
+        return self.data / "native"
+
+    def ensure(self) -> "Paths":
+        for p in (self.config, self.data, self.state):
+            p.mkdir(parents=True, exist_ok=True)
+        self.runtime.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return self
+
+
+def get_paths() -> Paths:
+    """Resolve the directories from ``OSTINATO_HOME`` or platformdirs (user scope)."""
+    home = os.environ.get("OSTINATO_HOME")
+    if home:
+        h = Path(home).expanduser().resolve()
+        return Paths(h / "config", h / "data", h / "state", h / "run")
+    runtime = platformdirs.user_runtime_dir(APP)
+    # user_runtime_dir may not exist without a login session (e.g. CI as root): fall back to state.
+    if not os.access(Path(runtime).parent, os.W_OK):
+        runtime = os.path.join(platformdirs.user_state_dir(APP), "run")
+    return Paths(
+        Path(platformdirs.user_config_dir(APP)),
+        Path(platformdirs.user_data_dir(APP)),
+        Path(platformdirs.user_state_dir(APP)),
+        Path(runtime),
+    )

@@ -1,0 +1,123 @@
+"""The one settings model: every knob lives here once, with its default and description.
+
+Sources, highest priority first: explicit overrides (CLI flags), environment ``OSTINATO_<FIELD>``
+(upper case), the TOML file ``<config dir>/settings.toml``, then the defaults below.
+``ostinatod --help`` and docs/settings.md are generated from this model
+(:func:`settings_markdown`).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .paths import get_paths
+
+
+class Settings(BaseSettings):
+    """Ostinato daemon settings (file + env ``OSTINATO_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="OSTINATO_", extra="forbid", validate_assignment=True)
+
+    # --- HTTP front end -------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address the HTTP API binds. Keep 127.0.0.1 unless an "
+                      "agent runs in a container (OpenHands): then e.g. 0.0.0.0 together with api_key.")
+    port: int = Field(8385, ge=0, le=65535, description="TCP port of the HTTP API (0 picks a free one).")
+    api_key: Optional[str] = Field(None, description="If set, every /v1 request must carry it as "
+                                   "'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
+    cors: bool = Field(False, description="Answer CORS preflight requests (browser clients).")
+
+    # --- model ----------------------------------------------------------------------------
+    model: Optional[Path] = Field(None, description="GGUF file to serve. Unset: a generated demo MoE "
+                                  "model with random weights (created on first start).")
+    model_alias: Optional[str] = Field(None, description="Name under which the model is listed by "
+                                       "/v1/models (default: the file name without .gguf).")
+    chat_template: Optional[str] = Field(None, description="Jinja chat template overriding the "
+                                         "GGUF's own (a file path or the template text).")
+    demo_shape: Literal["tiny", "small"] = Field("small", description="Shape of the generated demo "
+                                                 "model: 'tiny' (CI-sized) or 'small'.")
+
+    # --- engine ---------------------------------------------------------------------------
+    n_ctx: int = Field(65536, ge=256, description="Context length per slot in tokens (agents need "
+                       ">= 64K; clamped to the model's training context).")
+    n_slots: int = Field(2, ge=1, le=16, description="KV sequences kept at once. The main agent "
+                         "session and its side requests (titles, subagents) each keep their prefix.")
+    n_batch: int = Field(2048, ge=32, description="Logical batch size for prefill (tokens).")
+    n_ubatch: int = Field(512, ge=32, description="Physical batch (ubatch) size for prefill (tokens).")
+    n_threads: Optional[int] = Field(None, ge=1, description="CPU threads for the CPU branch and "
+                                     "host-side compute (default: physical cores).")
+    n_gpu_layers: int = Field(-1, description="Layers whose dense weights and KV cache go to the GPU "
+                              "(-1: all that fit; 0: CPU only).")
+    flash_attn: Optional[bool] = Field(None, description="Force flash attention on/off (default: auto).")
+    engine_mode: Literal["subprocess", "inprocess"] = Field("subprocess", description="Run the "
+                                                           "engine worker in a supervised subprocess "
+                                                           "(survives crashes) or in-process.")
+    max_tokens_default: int = Field(4096, ge=1, description="Output tokens when a request sets none.")
+    host_cache_mb: int = Field(2048, ge=0, description="Host RAM for saved slot states (prefix KV) "
+                               "of evicted sessions, in MiB.")
+
+    # --- experts (Ostinato paths) ---------------------------------------------------------
+    experts: Literal["auto", "ostinato", "stock"] = Field("auto", description="'ostinato': resident "
+                                                          "expert pool with split/upload paths; 'stock': "
+                                                          "llama.cpp's own placement; 'auto': ostinato "
+                                                          "for supported MoE architectures.")
+    residency: Optional[Path] = Field(None, description="Residency set file to load (default: the "
+                                      "planned set for the model and workload, if any).")
+    expert_budget_frac: Optional[float] = Field(None, gt=0, le=1, description="Fraction of expert "
+                                                "bytes the expert pool may hold (emulates a smaller "
+                                                "card). Default: what free GPU memory allows.")
+    expert_budget_mb: Optional[int] = Field(None, ge=0, description="Expert pool budget in MiB per "
+                                            "GPU (overrides expert_budget_frac).")
+    prefill_threshold: Optional[int] = Field(None, ge=1, description="Np: forward passes with at "
+                                             "least this many tokens take the upload path. Default: "
+                                             "from the calibration in the hardware profile.")
+    workload_default: str = Field("coding", description="Workload of requests that name none and "
+                                  "come from no known client.")
+
+    # --- scheduling / prompts -------------------------------------------------------------
+    neutralize_volatile: bool = Field(True, description="Blank per-request volatile lines (Claude "
+                                      "Code's x-anthropic-billing-header) in system prompts so "
+                                      "the prefix cache survives between turns.")
+
+    # --- logging --------------------------------------------------------------------------
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    recent_requests: int = Field(200, ge=1, description="Requests kept for the control API's "
+                                 "recent-requests list.")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _TomlSource(settings_cls))
+
+
+class _TomlSource(PydanticBaseSettingsSource):
+    """Reads ``settings.toml`` from the config dir (missing file: no values)."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = get_paths().settings_file
+        if not path.exists():
+            return {}
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        return {k: v for k, v in data.items() if k in self.settings_cls.model_fields}
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build the settings from overrides > env > file > defaults. Unknown keys raise ValidationError."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def settings_markdown() -> str:
+    """Markdown table of all settings (docs/settings.md is generated from this)."""
+    rows = ["| setting | env | default | description |", "|---|---|---|---|"]
+    for name, f in Settings.model_fields.items():
+        default = f.default if f.default is not None else "(unset)"
+        rows.append(f"| `{name}` | `OSTINATO_{name.upper()}` | `{default}` | {f.description} |")
+    return "\n".join(rows) + "\n"
