@@ -152,6 +152,17 @@ def fetch_sdist(sdist: str | None = None) -> Path:
     return _extract_sdist(tgz, root)
 
 
+def keep_vocab(pristine: Path) -> Path:
+    """Copy the sdist's qwen2 tokenizer vocabulary to ``<data>/native/vocab/`` (used by the
+    synthetic-model writer after the build tree is gone). Returns the vocab directory."""
+    dest = get_paths().native_dir / "vocab"
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in (pristine / "vendor" / "llama.cpp" / "models").glob("ggml-vocab-qwen*.gguf"):
+        if not (dest / f.name).exists():
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
 def stage_tree(pristine: Path, native: Path, dest: Path) -> None:
     """Write pristine + patches + our sources into ``dest`` (a fresh directory)."""
     shutil.copytree(pristine, dest, symlinks=True, ignore=shutil.ignore_patterns(".complete"))
@@ -209,6 +220,7 @@ def build(sdist: str | None = None, force: bool = False, with_server: bool = Fal
     whl = next(iter(sorted(wheels.glob("*.whl"))), None) if wheels.is_dir() else None
     if force or whl is None:
         pristine = fetch_sdist(sdist)
+        keep_vocab(pristine)
         tree = paths.native_dir / f"tree-{flavour}"
         with tempfile.TemporaryDirectory(prefix="ostinato-stage-") as tmp:
             staged = Path(tmp) / "tree"
