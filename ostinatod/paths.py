@@ -12,6 +12,7 @@ Layout (DESIGN.md, "Data and paths"):
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +79,9 @@ def get_paths() -> Paths:
     if home:
         h = Path(home).expanduser().resolve()
         return Paths(h / "config", h / "data", h / "state", h / "run")
-    runtime = platformdirs.user_runtime_dir(APP)
+    with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore")
+        runtime = platformdirs.user_runtime_dir(APP)
     # user_runtime_dir may not exist without a login session (e.g. CI as root): fall back to state.
     if not os.access(Path(runtime).parent, os.W_OK):
         runtime = os.path.join(platformdirs.user_state_dir(APP), "run")
