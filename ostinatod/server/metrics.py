@@ -1,0 +1,117 @@
+"""Prometheus metrics of the HTTP front end, plus the engine's own counters flattened.
+
+Built on ``prometheus_client`` with one registry per daemon state (tests run several daemons in
+one process). Request metrics are updated by the front end after each request; the engine's
+counters (slots, expert-path counts, hot-route share, ...) are whatever ``EngineClient.stats()``
+returns, flattened into gauges named ``ostinato_engine_<path_of_keys>`` at scrape time.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds; agents see TTFT from tens of ms (cached prefix) to minutes (cold 64K prefill).
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Seconds per output token; 5 ms (GPU) .. 1 s (big model on CPU).
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+
+
+def flatten(d: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
+    """Yield ``(name, value)`` for every number in a nested dict/list (``a_b_0_c``).
+
+    Booleans become 0/1; strings and None are skipped (they are not Prometheus samples). Names are
+    sanitised to ``[a-zA-Z0-9_]``.
+    """
+    if isinstance(d, bool):
+        yield prefix, float(d)
+    elif isinstance(d, (int, float)):
+        if not (isinstance(d, float) and math.isnan(d)):
+            yield prefix, float(d)
+    elif isinstance(d, dict):
+        for k, v in d.items():
+            key = re.sub(r"[^a-zA-Z0-9_]", "_", str(k))
+            yield from flatten(v, f"{prefix}_{key}" if prefix else key)
+    elif isinstance(d, (list, tuple)) and len(d) <= 64:  # long lists (per-expert counts) are not metrics
+        for i, v in enumerate(d):
+            yield from flatten(v, f"{prefix}_{i}" if prefix else str(i))
+
+
+class _EngineCollector(Collector):
+    """Exposes the last engine stats snapshot (set by :meth:`Metrics.set_engine_stats`)."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+
+    def collect(self):
+        seen = set()
+        for name, value in flatten(self.snapshot):
+            full = "ostinato_engine_" + name
+            if full in seen:
+                continue
+            seen.add(full)
+            g = GaugeMetricFamily(full, "engine counter (EngineClient.stats())")
+            g.add_metric([], value)
+            yield g
+
+
+class Metrics:
+    """Request counters, token counters and TTFT/TPOT histograms of one daemon.
+
+    Labels: ``protocol`` (openai_chat, openai_completions, responses, anthropic), ``status``
+    (ok, or the error code). Times in seconds.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ostinato_requests", "Generation requests finished",
+                                ["protocol", "status"], registry=r)
+        self.in_flight = Gauge("ostinato_requests_in_flight", "Generation requests running",
+                               registry=r)
+        self.prompt_tokens = Counter("ostinato_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.cached_tokens = Counter("ostinato_cached_prompt_tokens",
+                                     "Prompt tokens served from the prefix (KV) cache", registry=r)
+        self.prefilled_tokens = Counter("ostinato_prefilled_tokens",
+                                        "Prompt tokens newly prefilled", registry=r)
+        self.completion_tokens = Counter("ostinato_completion_tokens", "Generated tokens",
+                                         registry=r)
+        self.ttft = Histogram("ostinato_ttft_seconds", "Time to first token", ["protocol"],
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("ostinato_tpot_seconds", "Time per output token after the first",
+                              ["protocol"], buckets=_TPOT_BUCKETS, registry=r)
+        self.http_errors = Counter("ostinato_http_errors", "Requests answered with an error",
+                                   ["protocol", "code"], registry=r)
+        self._engine = _EngineCollector()
+        r.register(self._engine)
+
+    def observe_request(self, rec: dict[str, Any]) -> None:
+        """Account one finished request record (see :class:`ostinatod.server.state.DaemonState`)."""
+        proto = rec.get("protocol") or "unknown"
+        self.requests.labels(proto, rec.get("status") or "ok").inc()
+        for counter, key in ((self.prompt_tokens, "prompt_tokens"), (self.cached_tokens, "cached_tokens"),
+                             (self.prefilled_tokens, "prefilled_tokens"),
+                             (self.completion_tokens, "completion_tokens")):
+            v = rec.get(key)
+            if v:
+                counter.inc(v)
+        if rec.get("ttft_s") is not None:
+            self.ttft.labels(proto).observe(rec["ttft_s"])
+        if rec.get("tpot_s") is not None:
+            self.tpot.labels(proto).observe(rec["tpot_s"])
+
+    def set_engine_stats(self, stats: dict[str, Any]) -> None:
+        """Replace the engine snapshot exported at the next scrape."""
+        self._engine.snapshot = stats or {}
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of everything."""
+        return generate_latest(self.registry)

@@ -1,0 +1,126 @@
+"""Shared state of one running daemon: settings, engine, metrics, active and recent requests.
+
+The HTTP front end (ostinatod/server/app.py) and the control API (ostinatod/control.py) both read
+it; only the event loop thread touches it, so there is no locking.
+
+Request record (a plain dict, JSON-serialisable; ``recent`` keeps the last
+``settings.recent_requests`` of them, ``active`` the running ones by id)::
+
+    {"id", "protocol", "model", "client", "workload", "status", "prompt_tokens", "cached_tokens",
+     "prefilled_tokens", "completion_tokens", "ttft_s", "tpot_s", "total_s", "error", "started"}
+
+``status`` is "running", "ok", or an error code ("context_length_exceeded", "engine_crashed",
+"client_disconnected", ...); ``started`` is a Unix time in seconds; times are seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+from ..engine.types import EngineClient
+from ..paths import Paths, get_paths
+from ..settings import Settings
+from .metrics import Metrics
+
+log = logging.getLogger("ostinatod.requests")
+
+
+@dataclass
+class DaemonState:
+    """Everything the front end and the control API share.
+
+    ``engine`` may be None before the first model is loaded. ``reload`` is set by the daemon:
+    ``await state.reload(path_or_None)`` replaces the engine with one serving ``path`` (None:
+    unload); the control API's load/unload use it. ``model_info`` is the engine's ``info()``
+    cached at load (name, path, arch, n_ctx, is_demo, ...). ``http_url`` is set once the HTTP
+    site is bound (the actual port when port 0 was asked).
+    """
+
+    settings: Settings
+    engine: Optional[EngineClient] = None
+    metrics: Metrics = field(default_factory=Metrics)
+    paths: Paths = field(default_factory=get_paths)
+    started_at: float = field(default_factory=time.time)
+    model_info: dict[str, Any] = field(default_factory=dict)
+    http_url: Optional[str] = None
+    reload: Optional[Callable[[Optional[Path]], Awaitable[None]]] = None
+    active: dict[str, dict[str, Any]] = field(default_factory=dict)
+    recent: deque = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.recent is None:
+            self.recent = deque(maxlen=self.settings.recent_requests)
+
+    # --- names -------------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        """The served model id (alias setting, else engine info name, else the file stem)."""
+        if self.settings.model_alias:
+            return self.settings.model_alias
+        name = self.model_info.get("name")
+        if name:
+            return str(name)
+        if self.settings.model:
+            return Path(self.settings.model).stem
+        return "ostinato-demo-random-weights"
+
+    @property
+    def engine_state(self) -> str:
+        """Engine lifecycle state ("stopped" when there is no engine)."""
+        return getattr(self.engine, "state", "stopped") if self.engine is not None else "stopped"
+
+    # --- request records ----------------------------------------------------------------------
+    def begin_request(self, rid: str, protocol: str, model: Optional[str], client: Optional[str],
+                      workload: Optional[str]) -> dict[str, Any]:
+        """Create and register the record of a starting generation request; returns it."""
+        rec = {"id": rid, "protocol": protocol, "model": model, "client": client,
+               "workload": workload, "status": "running", "prompt_tokens": None,
+               "cached_tokens": None, "prefilled_tokens": None, "completion_tokens": 0,
+               "ttft_s": None, "tpot_s": None, "total_s": None, "error": None,
+               "started": time.time()}
+        self.active[rid] = rec
+        self.metrics.in_flight.inc()
+        return rec
+
+    def finish_request(self, rec: dict[str, Any], status: str = "ok",
+                       error: Optional[str] = None) -> None:
+        """Close a record: move it to ``recent``, update metrics, write the one log line."""
+        if rec.get("total_s") is None:
+            rec["total_s"] = round(time.time() - rec["started"], 4)
+        rec["status"] = status
+        rec["error"] = error
+        if self.active.pop(rec["id"], None) is not None:
+            self.metrics.in_flight.dec()
+        self.recent.append(rec)
+        self.metrics.observe_request(rec)
+
+        def f(v: Any, unit: str = "") -> str:
+            return "-" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
+
+        log.info("%s %s %s client=%s workload=%s status=%s ttft=%s tpot=%s total=%s prompt=%s "
+                 "cached=%s prefilled=%s completion=%s%s", rec["id"], rec["protocol"], rec["model"],
+                 rec["client"], rec["workload"], status, f(rec["ttft_s"], "s"), f(rec["tpot_s"], "s"),
+                 f(rec["total_s"], "s"), f(rec["prompt_tokens"]), f(rec["cached_tokens"]),
+                 f(rec["prefilled_tokens"]), f(rec["completion_tokens"]),
+                 f" error={error!r}" if error else "")
+
+    # --- snapshots for status -----------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """Status summary (the control API's ``status`` and ``ostinatod status``)."""
+        info = dict(self.model_info)
+        return {
+            "pid": __import__("os").getpid(),
+            "started_at": self.started_at,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "http_url": self.http_url,
+            "engine_state": self.engine_state,
+            "model": {"id": self.model_name, **info},
+            "random_weights": bool(info.get("is_demo")),
+            "active_requests": len(self.active),
+            "requests_total": len(self.recent) + len(self.active),
+        }
