@@ -1,0 +1,471 @@
+"""Control API: JSON over HTTP on a Unix socket (runtime dir, mode 0600).
+
+Only the user who runs the daemon can reach it (socket mode 0600 in a 0700 runtime dir), so it
+carries no token. The TUI, the tray and ``ostinato status|ps|load|unload|residency`` use it; none of
+them imports the engine (DESIGN.md, "UI clients").
+
+Routes (all answers JSON; errors are ``{"error": {"code", "message"}}`` with a 4xx/5xx status):
+
+=========================  ==================================================================
+GET  /status               :meth:`DaemonState.status` + workload, paused, residency summary
+GET  /models               loaded model and the GGUF files in the models dir
+POST /models/load          ``{"path": "/x.gguf"}`` -> reloads the engine with that file
+POST /models/unload        unloads (frees RAM and GPU memory)
+POST /pause, /resume       unload keeping the model path / load it again (tray Pause/Resume)
+GET  /residency            current workload, residency sets and traces of the loaded model
+POST /residency/plan       ``{"workload": "coding"}`` -> plans a set from the traces (planner)
+POST /residency/switch     ``{"workload": "..."}`` or ``{"path": "..."}`` -> swaps the set
+GET  /profile              the stored hardware profile (404 before ``ostinato profile``)
+GET  /metrics              :func:`metrics_snapshot` (JSON; Prometheus text is on HTTP /metrics)
+GET  /requests?limit=N     active and recent request records
+GET  /events?interval=S    live stream: one :func:`metrics_snapshot` per line (NDJSON)
+=========================  ==================================================================
+
+Pieces that other modules provide (planner, residency fingerprints, the engine's residency
+switch) are looked up when called; when one is missing the route answers 501 ``not_implemented``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+from aiohttp import web
+
+log = logging.getLogger("ostinatod.control")
+
+STATE_KEY = web.AppKey("state", object)
+
+
+class ControlError(Exception):
+    """An error answered as ``{"error": {"code", "message"}}`` with HTTP ``status``."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def _err(e: ControlError) -> web.Response:
+    return web.json_response({"error": {"code": e.code, "message": e.message}}, status=e.status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ControlError as e:
+        return _err(e)
+    except web.HTTPException as e:  # unknown route / method: JSON too
+        if e.status < 400:
+            raise
+        return _err(ControlError(e.status, "not_found" if e.status == 404 else "bad_request", e.reason))
+    except Exception as e:  # a bug here must not kill the daemon; say what it was
+        log.exception("control API %s %s failed", request.method, request.path)
+        return _err(ControlError(500, "internal_error", f"{type(e).__name__}: {e}"))
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    try:
+        data = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ControlError(400, "invalid_json", f"request body is not valid JSON: {e}")
+    if not isinstance(data, dict):
+        raise ControlError(400, "invalid_request", "request body must be a JSON object")
+    return data
+
+
+def _state(request: web.Request):
+    return request.app[STATE_KEY]
+
+
+# --- snapshots -----------------------------------------------------------------------------------
+
+_nvml_ok: Optional[bool] = None
+
+
+def gpu_memory() -> list[dict[str, Any]]:
+    """Per NVIDIA GPU ``{"index", "name", "total_bytes", "used_bytes"}`` (NVML); [] without one."""
+    global _nvml_ok
+    if _nvml_ok is False:
+        return []
+    try:
+        import pynvml
+        if not _nvml_ok:
+            pynvml.nvmlInit()
+            _nvml_ok = True
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            m = pynvml.nvmlDeviceGetMemoryInfo(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                        "total_bytes": int(m.total), "used_bytes": int(m.used)})
+        return out
+    except Exception:
+        _nvml_ok = False
+        return []
+
+
+def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
+    """The expert-path figures the UIs show, from the engine's ``stats()``.
+
+    Accepts the counters either at the top level or under ``"experts"`` (the ExpertRuntime's
+    ``stats()`` as the worker embeds it). Returns ``{"mode", "hot_route_share" (0..1 or None),
+    "per_layer_hot_share" ([float] or None), "paths" ({"decode", "split", "upload", "stock"}
+    counts), "routes", "hot_routes", "cold_routes", "residency", "workload"}``.
+    """
+    ex = stats.get("experts") if isinstance(stats.get("experts"), dict) else stats
+    paths = ex.get("paths") or ex.get("path_counts") or {}
+    hot, routes = ex.get("hot_routes"), ex.get("routes")
+    share = ex.get("hot_route_share")
+    if share is None and routes:
+        share = (hot or 0) / routes
+    per_layer = ex.get("per_layer_hot_share") or ex.get("hot_route_share_per_layer")
+    return {
+        "mode": ex.get("mode") or stats.get("experts_mode"),
+        "hot_route_share": share,
+        "per_layer_hot_share": per_layer,
+        "paths": {k: int(paths.get(k, 0) or 0) for k in ("decode", "split", "upload", "stock")},
+        "routes": routes, "hot_routes": hot, "cold_routes": ex.get("cold_routes"),
+        "residency": ex.get("residency") or ex.get("residency_path"),
+        "workload": ex.get("workload"),
+    }
+
+
+async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
+    """One JSON snapshot for the TUI/tray: ``{"time", "engine_state", "model", "workload",
+    "paused", "requests": {"active", "total", "recent": [{"id", "workload", "status", "ttft_s",
+    "tpot_s", "prompt_tokens", "cached_tokens", "completion_tokens"}]}, "experts":
+    :func:`expert_view`, "engine": raw ``stats()``, "memory": {"host": {"total_bytes",
+    "available_bytes", "daemon_rss_bytes"}, "gpus": :func:`gpu_memory`}}``. Times in seconds."""
+    stats: dict[str, Any] = {}
+    if state.engine is not None and state.engine_state == "ready":
+        try:
+            stats = await asyncio.wait_for(state.engine.stats(), 5) or {}
+            state.metrics.set_engine_stats(stats)
+        except Exception as e:  # a crashed/restarting worker: report, do not fail the snapshot
+            stats = {"error": f"{type(e).__name__}: {e}"}
+    keys = ("id", "workload", "status", "ttft_s", "tpot_s", "prompt_tokens", "cached_tokens",
+            "completion_tokens", "client")
+    rec = [{k: r.get(k) for k in keys} for r in list(state.recent)[-recent:]]
+    vm = psutil.virtual_memory()
+    ex = expert_view(stats)
+    return {
+        "time": time.time(),
+        "engine_state": state.engine_state,
+        "model": {"id": state.model_name, **state.model_info},
+        "workload": ex.get("workload") or state.settings.workload_default,
+        "paused": _ctl(state).get("paused_model") is not None,
+        "requests": {"active": len(state.active), "total": len(state.recent) + len(state.active),
+                     "active_list": [{k: r.get(k) for k in keys} for r in state.active.values()],
+                     "recent": rec},
+        "experts": ex,
+        "engine": stats,
+        "memory": {"host": {"total_bytes": vm.total, "available_bytes": vm.available,
+                            "daemon_rss_bytes": psutil.Process().memory_info().rss},
+                   "gpus": gpu_memory()},
+    }
+
+
+def _ctl(state) -> dict[str, Any]:
+    """Control-API private state kept on the DaemonState object (paused model path)."""
+    d = state.__dict__.get("_control")
+    if d is None:
+        d = state.__dict__["_control"] = {"paused_model": None, "last_switch": None}
+    return d
+
+
+# --- residency helpers ---------------------------------------------------------------------------
+
+def _model_path(state) -> Path:
+    p = state.model_info.get("path") or state.settings.model
+    if not p:
+        raise ControlError(409, "model_not_loaded", "no model is loaded")
+    return Path(p)
+
+
+def _fingerprint(state) -> str:
+    try:
+        from .engine.residency import model_fingerprint
+    except ImportError:
+        raise ControlError(501, "not_implemented", "residency sets are not available in this build "
+                           "(ostinatod.engine.residency missing)")
+    return model_fingerprint(_model_path(state))
+
+
+def _list_json(d: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted(d.glob("*.json")) if d.is_dir() else []:
+        st = f.stat()
+        out.append({"workload": f.stem, "path": str(f), "modified": st.st_mtime, "bytes": st.st_size})
+    return out
+
+
+def _workload_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise ControlError(400, "invalid_workload", f"workload must be a non-empty name of letters, "
+                           f"digits, '-' or '_', got {name!r}")
+    return name
+
+
+# --- handlers ------------------------------------------------------------------------------------
+
+async def h_status(request: web.Request) -> web.Response:
+    st = _state(request)
+    out = st.status()
+    out["workload"] = st.settings.workload_default
+    out["paused"] = _ctl(st)["paused_model"] is not None
+    out["control_socket"] = str(st.paths.control_socket)
+    out["log_file"] = str(st.paths.log_file)
+    out["last_residency_switch"] = _ctl(st)["last_switch"]
+    return web.json_response(out)
+
+
+async def h_models(request: web.Request) -> web.Response:
+    st = _state(request)
+    files = []
+    d = st.paths.models_dir
+    if d.is_dir():
+        for f in sorted(d.rglob("*.gguf")):
+            files.append({"path": str(f), "bytes": f.stat().st_size})
+    return web.json_response({"loaded": {"id": st.model_name, "state": st.engine_state, **st.model_info}
+                              if st.engine is not None else None,
+                              "available": files, "models_dir": str(d)})
+
+
+def _check_gguf(path: Path) -> Path:
+    path = path.expanduser()
+    if not path.is_file():
+        raise ControlError(404, "model_not_found", f"no such file: {path}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ControlError(400, "model_unreadable", f"cannot read {path}: {e}")
+    if magic != b"GGUF":
+        raise ControlError(400, "not_gguf", f"{path} is not a GGUF file (magic {magic!r})")
+    return path.resolve()
+
+
+async def _reload(st, path: Optional[Path]) -> None:
+    if st.reload is None:
+        raise ControlError(501, "not_implemented", "this daemon cannot load or unload models")
+    await st.reload(path)
+
+
+async def h_load(request: web.Request) -> web.Response:
+    st = _state(request)
+    body = await _body(request)
+    if not isinstance(body.get("path"), str):
+        raise ControlError(400, "invalid_request", "body must be {\"path\": \"/path/to/model.gguf\"}")
+    path = _check_gguf(Path(body["path"]))
+    await _reload(st, path)
+    _ctl(st)["paused_model"] = None
+    return web.json_response({"ok": True, "state": st.engine_state, "model": {"id": st.model_name,
+                                                                              **st.model_info}})
+
+
+async def h_unload(request: web.Request) -> web.Response:
+    st = _state(request)
+    await _reload(st, None)
+    return web.json_response({"ok": True, "state": st.engine_state})
+
+
+async def h_pause(request: web.Request) -> web.Response:
+    st = _state(request)
+    c = _ctl(st)
+    if c["paused_model"] is None:
+        path = st.model_info.get("path") or st.settings.model
+        if st.engine is None or not path:
+            raise ControlError(409, "model_not_loaded", "no model is loaded; nothing to pause")
+        await _reload(st, None)
+        c["paused_model"] = str(path)
+    return web.json_response({"ok": True, "paused": True, "state": st.engine_state})
+
+
+async def h_resume(request: web.Request) -> web.Response:
+    st = _state(request)
+    c = _ctl(st)
+    p = c["paused_model"]
+    if p is not None:
+        await _reload(st, Path(p))
+        c["paused_model"] = None
+    return web.json_response({"ok": True, "paused": False, "state": st.engine_state})
+
+
+async def h_residency(request: web.Request) -> web.Response:
+    st = _state(request)
+    out: dict[str, Any] = {"workload": st.settings.workload_default, "last_switch": _ctl(st)["last_switch"]}
+    stats = {}
+    if st.engine is not None and st.engine_state == "ready":
+        try:
+            stats = await st.engine.stats()
+        except Exception:
+            stats = {}
+    out["current"] = expert_view(stats)
+    try:
+        fp = _fingerprint(st)
+    except ControlError as e:
+        out["sets"], out["traces"], out["note"] = [], [], e.message
+        return web.json_response(out)
+    out["fingerprint"] = fp
+    out["sets"] = _list_json(st.paths.residency_dir / fp)
+    out["traces"] = _list_json(st.paths.traces_dir / fp)
+    return web.json_response(out)
+
+
+async def h_plan(request: web.Request) -> web.Response:
+    st = _state(request)
+    body = await _body(request)
+    workload = _workload_name(body.get("workload") or st.settings.workload_default)
+    try:
+        from .engine import planner
+    except ImportError:
+        raise ControlError(501, "not_implemented", "the residency planner is not available in this build")
+    fn = getattr(planner, "plan_for_model", None) or getattr(planner, "plan_residency", None)
+    if fn is None:
+        raise ControlError(501, "not_implemented", "the planner has no plan_for_model()/plan_residency()")
+    model = _model_path(st)
+    t0 = time.perf_counter()
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: fn(model, workload, settings=st.settings))
+    except FileNotFoundError as e:
+        raise ControlError(404, "no_traces", f"no routing traces for workload {workload!r}: {e}")
+    except ValueError as e:
+        raise ControlError(400, "plan_failed", str(e))
+    out = {"ok": True, "workload": workload, "seconds": round(time.perf_counter() - t0, 3)}
+    if isinstance(result, (str, Path)):
+        out["path"] = str(result)
+    elif isinstance(result, dict):
+        out.update({k: (str(v) if isinstance(v, Path) else v) for k, v in result.items()
+                    if k in ("path", "expected_hot_route_share", "n_hot", "gpus")})
+    return web.json_response(out)
+
+
+async def h_switch(request: web.Request) -> web.Response:
+    st = _state(request)
+    body = await _body(request)
+    if body.get("path"):
+        path = Path(str(body["path"])).expanduser()
+        workload = body.get("workload") and _workload_name(body["workload"])
+    else:
+        workload = _workload_name(body.get("workload"))
+        path = st.paths.residency_dir / _fingerprint(st) / f"{workload}.json"
+    if not path.is_file():
+        raise ControlError(404, "residency_not_found",
+                           f"no residency set {path}" + (f"; plan one first: ostinato residency plan "
+                                                         f"{workload}" if workload else ""))
+    fn = getattr(st.engine, "switch_residency", None) if st.engine is not None else None
+    if fn is None:
+        raise ControlError(501, "not_implemented", "the loaded engine cannot swap residency sets")
+    if st.engine_state != "ready":
+        raise ControlError(409, "model_not_loaded", f"engine is {st.engine_state}")
+    try:
+        res = await fn(path)
+    except ValueError as e:  # e.g. fingerprint mismatch: refused with the engine's message
+        raise ControlError(400, "residency_refused", str(e))
+    seconds = res.get("seconds") if isinstance(res, dict) else res
+    if workload:
+        st.settings.workload_default = workload
+    info = {"path": str(path), "workload": workload, "seconds": seconds, "at": time.time()}
+    _ctl(st)["last_switch"] = info
+    log.info("residency switched to %s (workload %s) in %ss", path, workload, seconds)
+    return web.json_response({"ok": True, **info})
+
+
+async def h_profile(request: web.Request) -> web.Response:
+    from .profile import load_profile
+    p = load_profile(_state(request).paths.hardware_profile)
+    if p is None:
+        raise ControlError(404, "no_profile", "no hardware profile yet; run 'ostinato profile'")
+    return web.json_response(p)
+
+
+async def h_metrics(request: web.Request) -> web.Response:
+    return web.json_response(await metrics_snapshot(_state(request)))
+
+
+async def h_requests(request: web.Request) -> web.Response:
+    st = _state(request)
+    try:
+        limit = max(1, int(request.query.get("limit", "50")))
+    except ValueError:
+        raise ControlError(400, "invalid_request", "limit must be an integer")
+    return web.json_response({"active": list(st.active.values()), "recent": list(st.recent)[-limit:][::-1]})
+
+
+async def h_events(request: web.Request) -> web.StreamResponse:
+    st = _state(request)
+    try:
+        interval = min(60.0, max(0.05, float(request.query.get("interval", "1"))))
+        count = int(request.query["count"]) if "count" in request.query else None
+    except ValueError:
+        raise ControlError(400, "invalid_request", "interval must be a number, count an integer")
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    n = 0
+    try:
+        while count is None or n < count:
+            snap = await metrics_snapshot(st)
+            snap.pop("engine", None)  # raw counters can be large; /metrics has them
+            await resp.write((json.dumps(snap) + "\n").encode())
+            n += 1
+            if count is not None and n >= count:
+                break
+            await asyncio.sleep(interval)
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    return resp
+
+
+def make_app(state) -> web.Application:
+    """The control API as an aiohttp application bound to ``state`` (a DaemonState)."""
+    app = web.Application(middlewares=[_errors])
+    app[STATE_KEY] = state
+    r = app.router
+    r.add_get("/status", h_status)
+    r.add_get("/models", h_models)
+    r.add_post("/models/load", h_load)
+    r.add_post("/models/unload", h_unload)
+    r.add_post("/pause", h_pause)
+    r.add_post("/resume", h_resume)
+    r.add_get("/residency", h_residency)
+    r.add_post("/residency/plan", h_plan)
+    r.add_post("/residency/switch", h_switch)
+    r.add_get("/profile", h_profile)
+    r.add_get("/metrics", h_metrics)
+    r.add_get("/requests", h_requests)
+    r.add_get("/events", h_events)
+    return app
+
+
+async def start_control_server(state, path: Optional[Path] = None) -> web.AppRunner:
+    """Serve the control API on the Unix socket ``path`` (default ``state.paths.control_socket``).
+
+    A stale socket file is replaced; the socket is made mode 0600 and its directory 0700.
+    Returns the started runner; ``await runner.cleanup()`` stops it (the socket file is removed).
+    Raises OSError when the path cannot be bound (e.g. longer than the ~107-byte AF_UNIX limit).
+    """
+    path = Path(path or state.paths.control_socket)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None)
+    await runner.setup()
+    old = os.umask(0o177)  # no window where the socket is reachable by others
+    try:
+        await web.UnixSite(runner, str(path)).start()
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    log.info("control API on %s", path)
+    return runner

@@ -1,0 +1,269 @@
+"""Control-API client (:class:`ControlClient`) and the ``ostinato status|ps|load|unload|residency|logs``
+commands built on it. The TUI and the tray use the same client.
+
+Talks JSON over HTTP on the daemon's Unix socket with aiohttp's ``UnixConnector``; see
+ostinatod/control.py for the routes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+import aiohttp
+
+from .paths import get_paths
+
+
+class DaemonNotRunning(Exception):
+    """No daemon answers on the control socket (message says how to start one)."""
+
+
+class ControlAPIError(Exception):
+    """The daemon answered with an error: ``status`` (HTTP), ``code`` (stable string), ``message``."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"{message} ({code})")
+        self.status, self.code, self.message = status, code, message
+
+
+class ControlClient:
+    """Async client of the control API on ``socket`` (default: this user's daemon).
+
+    Use as ``async with ControlClient() as c: await c.get("/status")``. Raises
+    :class:`DaemonNotRunning` when nothing listens and :class:`ControlAPIError` on error answers.
+    ``timeout`` is the per-request total time in seconds (streams have none).
+    """
+
+    def __init__(self, socket: Optional[Path] = None, timeout: float = 600.0):
+        self.socket = Path(socket or get_paths().control_socket)
+        self.timeout = timeout
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    async def __aenter__(self) -> "ControlClient":
+        self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(self.socket)))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _not_running(self, e: Exception) -> DaemonNotRunning:
+        return DaemonNotRunning(f"ostinatod is not running (no answer on {self.socket}: {e}); "
+                                f"start it with 'ostinatod start'")
+
+    async def request(self, method: str, path: str, body: Optional[dict] = None) -> dict[str, Any]:
+        """One call; returns the decoded JSON object of a 2xx answer."""
+        assert self._session is not None, "use 'async with ControlClient()'"
+        try:
+            async with self._session.request(method, "http://ostinatod" + path, json=body,
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                try:
+                    data = await r.json(content_type=None)
+                except (json.JSONDecodeError, aiohttp.ContentTypeError):
+                    data = {"error": {"code": "bad_answer", "message": (await r.text())[:200]}}
+        except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as e:
+            raise self._not_running(e) from None
+        if r.status >= 400:
+            err = (data or {}).get("error") or {}
+            raise ControlAPIError(r.status, err.get("code", "error"), err.get("message", str(data)))
+        return data
+
+    async def get(self, path: str) -> dict[str, Any]:
+        return await self.request("GET", path)
+
+    async def post(self, path: str, body: Optional[dict] = None) -> dict[str, Any]:
+        return await self.request("POST", path, body or {})
+
+    async def events(self, interval: float = 1.0, count: Optional[int] = None) -> AsyncIterator[dict]:
+        """Yield live metrics snapshots (``GET /events``, one JSON object per line)."""
+        assert self._session is not None, "use 'async with ControlClient()'"
+        q = f"?interval={interval}" + (f"&count={count}" if count else "")
+        try:
+            async with self._session.get("http://ostinatod/events" + q,
+                                         timeout=aiohttp.ClientTimeout(total=None)) as r:
+                async for line in r.content:
+                    if line.strip():
+                        yield json.loads(line)
+        except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as e:
+            raise self._not_running(e) from None
+
+
+def call(method: str, path: str, body: Optional[dict] = None, socket: Optional[Path] = None) -> dict:
+    """Synchronous one-shot call (for the CLI and the tray's menu actions)."""
+    async def go():
+        async with ControlClient(socket) as c:
+            return await c.request(method, path, body)
+    return asyncio.run(go())
+
+
+# --- formatting ----------------------------------------------------------------------------------
+
+def _f(v: Any, fmt: str = "{:.3f}") -> str:
+    return "-" if v is None else (fmt.format(v) if isinstance(v, float) else str(v))
+
+
+def format_status(s: dict[str, Any]) -> str:
+    """Multi-line human summary of ``GET /status``."""
+    m = s.get("model") or {}
+    up = int(s.get("uptime_s") or 0)
+    lines = [
+        f"ostinatod  pid {s.get('pid')}, up {up // 3600}h{up % 3600 // 60:02d}m{up % 60:02d}s, "
+        f"engine {s.get('engine_state')}" + ("  [PAUSED]" if s.get("paused") else ""),
+        f"model      {m.get('id')}" + (f"  ({m.get('arch')}, {m.get('n_layer')} layers, "
+                                        f"{m.get('n_expert')} experts, k={m.get('n_expert_used')})"
+                                        if m.get("arch") else ""),
+    ]
+    if s.get("random_weights"):
+        lines.append("           demo model with RANDOM WEIGHTS: output is gibberish (set a model with --model)")
+    lines += [f"http       {s.get('http_url')}",
+              f"workload   {s.get('workload')}",
+              f"requests   {s.get('active_requests')} active, {s.get('requests_total')} total"]
+    sw = s.get("last_residency_switch")
+    if sw:
+        lines.append(f"residency  {sw.get('path')} (switched in {_f(sw.get('seconds'))} s)")
+    return "\n".join(lines)
+
+
+def format_requests(d: dict[str, Any]) -> str:
+    """Table of ``GET /requests``: active first, then recent (newest first)."""
+    hdr = f"{'id':<26} {'status':<12} {'workload':<10} {'client':<14} {'prompt':>7} {'cached':>7} " \
+          f"{'out':>5} {'ttft s':>8} {'tpot s':>8}  started"
+    rows = [hdr]
+    for r in list(d.get("active", [])) + list(d.get("recent", [])):
+        t = _dt.datetime.fromtimestamp(r.get("started") or 0).strftime("%H:%M:%S")
+        rows.append(f"{str(r.get('id'))[:26]:<26} {str(r.get('status'))[:12]:<12} "
+                    f"{str(r.get('workload'))[:10]:<10} {str(r.get('client'))[:14]:<14} "
+                    f"{_f(r.get('prompt_tokens')):>7} {_f(r.get('cached_tokens')):>7} "
+                    f"{_f(r.get('completion_tokens')):>5} {_f(r.get('ttft_s')):>8} {_f(r.get('tpot_s')):>8}  {t}")
+    if len(rows) == 1:
+        rows.append("(no requests yet)")
+    return "\n".join(rows)
+
+
+# --- commands ------------------------------------------------------------------------------------
+
+def _run(fn, *args) -> int:
+    try:
+        out = fn(*args)
+    except DaemonNotRunning as e:
+        print(f"ostinato: {e}", file=sys.stderr)
+        return 3
+    except ControlAPIError as e:
+        print(f"ostinato: {e.message} [{e.code}]", file=sys.stderr)
+        return 1
+    if out is not None:
+        print(out)
+    return 0
+
+
+def _parser(prog: str, desc: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"ostinato {prog}", description=desc)
+    ap.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    return ap
+
+
+def cmd_status(argv: list[str]) -> int:
+    """``ostinato status [--json]``: daemon, model, workload, request counts."""
+    a = _parser("status", "Show the running daemon's status.").parse_args(argv)
+    return _run(lambda: (lambda s: json.dumps(s, indent=2) if a.json else format_status(s))(call("GET", "/status")))
+
+
+def cmd_ps(argv: list[str]) -> int:
+    """``ostinato ps [-n N] [--json]``: active and recent requests with TTFT/TPOT."""
+    ap = _parser("ps", "Active and recent requests.")
+    ap.add_argument("-n", type=int, default=20, help="recent requests to show")
+    a = ap.parse_args(argv)
+    return _run(lambda: (lambda d: json.dumps(d, indent=2) if a.json else format_requests(d))(
+        call("GET", f"/requests?limit={a.n}")))
+
+
+def cmd_load(argv: list[str]) -> int:
+    """``ostinato load PATH.gguf``: serve another model (waits until loaded)."""
+    ap = _parser("load", "Load a GGUF model into the running daemon.")
+    ap.add_argument("path", type=Path)
+    a = ap.parse_args(argv)
+    return _run(lambda: (lambda d: json.dumps(d, indent=2) if a.json else
+                         f"loaded {d['model'].get('id')} (engine {d['state']})")(
+        call("POST", "/models/load", {"path": str(a.path.expanduser().resolve())})))
+
+
+def cmd_unload(argv: list[str]) -> int:
+    """``ostinato unload``: free the model's RAM and GPU memory (the daemon keeps running)."""
+    a = _parser("unload", "Unload the model.").parse_args(argv)
+    return _run(lambda: (lambda d: json.dumps(d) if a.json else "unloaded")(call("POST", "/models/unload")))
+
+
+def cmd_residency(argv: list[str]) -> int:
+    """``ostinato residency [show] | plan [WORKLOAD] | switch WORKLOAD | switch --path FILE``."""
+    ap = _parser("residency", "Show, plan or switch the residency set (hot experts) per workload.")
+    ap.add_argument("action", nargs="?", default="show", choices=["show", "plan", "switch"])
+    ap.add_argument("workload", nargs="?")
+    ap.add_argument("--path", type=Path, help="switch: a residency set file instead of a workload")
+    a = ap.parse_args(argv)
+
+    def go():
+        if a.action == "show":
+            d = call("GET", "/residency")
+            if a.json:
+                return json.dumps(d, indent=2)
+            cur = d.get("current") or {}
+            share = cur.get("hot_route_share")
+            lines = [f"workload {d.get('workload')}   hot-route share "
+                     f"{'-' if share is None else f'{share:.1%}'}   residency {cur.get('residency') or '-'}"]
+            for s in d.get("sets", []):
+                lines.append(f"  set   {s['workload']:<16} {s['path']}")
+            for s in d.get("traces", []):
+                lines.append(f"  trace {s['workload']:<16} {s['path']}")
+            if d.get("note"):
+                lines.append(f"  ({d['note']})")
+            return "\n".join(lines)
+        if a.action == "plan":
+            d = call("POST", "/residency/plan", {"workload": a.workload} if a.workload else {})
+            return json.dumps(d, indent=2) if a.json else f"planned {d.get('workload')}: {d.get('path')}"
+        if not a.workload and not a.path:
+            raise ControlAPIError(400, "invalid_request", "switch needs a WORKLOAD or --path FILE")
+        body = {"workload": a.workload} if a.workload else {}
+        if a.path:
+            body["path"] = str(a.path.expanduser().resolve())
+        d = call("POST", "/residency/switch", body)
+        return json.dumps(d, indent=2) if a.json else \
+            f"switched to {d.get('workload') or d.get('path')} in {_f(d.get('seconds'))} s"
+    return _run(go)
+
+
+def cmd_logs(argv: list[str]) -> int:
+    """``ostinato logs [-n N] [-f]``: the daemon log (read from the state dir; needs no daemon)."""
+    ap = argparse.ArgumentParser(prog="ostinato logs", description="Print the daemon log.")
+    ap.add_argument("-n", type=int, default=50, help="last N lines")
+    ap.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    a = ap.parse_args(argv)
+    path = get_paths().log_file
+    if not path.exists():
+        print(f"ostinato: no log yet at {path}", file=sys.stderr)
+        return 1
+    with open(path, "r", errors="replace") as f:
+        lines = f.readlines()
+        sys.stdout.write("".join(lines[-a.n:] if a.n > 0 else []))
+        sys.stdout.flush()
+        try:
+            while a.follow:
+                line = f.readline()
+                if line:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                else:
+                    time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0

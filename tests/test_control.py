@@ -1,0 +1,235 @@
+"""Control API on a real Unix socket, driven by the real client (ControlClient) and the CLI commands.
+
+The server runs in its own thread and event loop around a real DaemonState, so the synchronous CLI
+(`ostinato status` etc.) and async clients can both talk to it as they do to a running daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from ostinatod import ctl
+from ostinatod.control import start_control_server
+from ostinatod.ctl import ControlAPIError, ControlClient, DaemonNotRunning, call
+
+
+class ControlThread:
+    """A control server for ``state_factory()`` in a background event loop (started/stopped by
+    the caller). ``run(coro)`` executes a coroutine in that loop (e.g. to mutate the state)."""
+
+    def __init__(self, state_factory):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.state = self.run(self._mk(state_factory))
+        self.runner = self.run(start_control_server(self.state))
+        self.socket = self.state.paths.control_socket
+
+    async def _mk(self, factory):
+        return factory()
+
+    def run(self, coro, timeout=60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self):
+        self.run(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A minimal valid GGUF file (header + one tensor) written with the gguf package."""
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    # AF_UNIX paths are limited to ~107 bytes: keep the home short
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix="ost-", dir="/tmp"))
+    monkeypatch.setenv("OSTINATO_HOME", str(d))
+    yield d
+    import shutil
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture()
+def server(home):
+    from ostinatod.server.state import DaemonState
+    from ostinatod.settings import load_settings
+
+    loads: list = []
+
+    def factory():
+        st = DaemonState(settings=load_settings())
+
+        async def reload(path):  # the daemon sets this; here we record what the API asked for
+            loads.append(path)
+            st.model_info = {"path": str(path), "name": Path(path).stem} if path else {}
+        st.reload = reload
+        return st
+    t = ControlThread(factory)
+    t.loads = loads
+    yield t
+    t.stop()
+
+
+def test_socket_is_private_and_status_answers(server):
+    mode = stat.S_IMODE(os.stat(server.socket).st_mode)
+    assert mode == 0o600
+    s = call("GET", "/status")
+    assert s["pid"] == os.getpid()
+    assert s["engine_state"] == "stopped"
+    assert s["workload"] == "coding"
+    assert s["paused"] is False
+
+
+def test_cli_without_daemon_says_how_to_start(home, capsys):
+    assert ctl.cmd_status([]) == 3
+    err = capsys.readouterr().err
+    assert "not running" in err and "ostinatod start" in err
+    with pytest.raises(DaemonNotRunning):
+        call("GET", "/status")
+
+
+def test_cli_status_and_ps(server, capsys):
+    rec = server.state.begin_request("req-1", "anthropic", "m", "claude-code", "coding")
+    rec.update(ttft_s=0.25, tpot_s=0.02, prompt_tokens=1200, cached_tokens=1000, completion_tokens=7)
+
+    async def finish():
+        server.state.finish_request(rec)
+    server.run(finish())
+    server.state.begin_request("req-2", "openai_chat", "m", "opencode", "coding")
+    assert ctl.cmd_status([]) == 0
+    out = capsys.readouterr().out
+    assert "engine stopped" in out and "workload   coding" in out
+    assert ctl.cmd_ps(["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in d["active"]] == ["req-2"]
+    assert d["recent"][0]["id"] == "req-1" and d["recent"][0]["ttft_s"] == 0.25
+    assert ctl.cmd_ps([]) == 0
+    table = capsys.readouterr().out
+    assert "req-1" in table and "0.250" in table and "running" in table
+
+
+def test_models_and_load_unload(server, home, capsys):
+    models = home / "data" / "models"
+    models.mkdir(parents=True)
+    g = write_tiny_gguf(models / "tiny.gguf")
+    d = call("GET", "/models")
+    assert [m["path"] for m in d["available"]] == [str(g)]
+    assert ctl.cmd_load([str(g)]) == 0
+    assert server.loads == [g]
+    assert ctl.cmd_unload([]) == 0
+    assert server.loads == [g, None]
+
+
+@pytest.mark.parametrize("body,status,code", [
+    ({"path": "/nonexistent/x.gguf"}, 404, "model_not_found"),
+    ({}, 400, "invalid_request"),
+    ({"path": 3}, 400, "invalid_request"),
+])
+def test_load_bad_input_is_a_clear_error(server, body, status, code):
+    with pytest.raises(ControlAPIError) as e:
+        call("POST", "/models/load", body)
+    assert (e.value.status, e.value.code) == (status, code)
+    assert server.loads == []
+
+
+def test_load_refuses_a_non_gguf_file(server, home, capsys):
+    bad = home / "notes.gguf"
+    bad.write_text("hello")
+    assert ctl.cmd_load([str(bad)]) == 1
+    assert "not a GGUF file" in capsys.readouterr().err
+    assert server.loads == []
+
+
+def test_malformed_json_and_unknown_route(server):
+    async def raw():
+        async with ControlClient() as c:
+            s = c._session
+            async with s.post("http://x/models/load", data=b"{nope",
+                              headers={"Content-Type": "application/json"}) as r:
+                return r.status, await r.json()
+    status, body = asyncio.run(raw())
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    with pytest.raises(ControlAPIError) as e:
+        call("GET", "/nope")
+    assert e.value.status == 404
+
+
+def test_pause_resume_round_trip(server, home):
+    with pytest.raises(ControlAPIError) as e:  # nothing loaded yet
+        call("POST", "/pause")
+    assert e.value.code == "model_not_loaded"
+    g = write_tiny_gguf(home / "m.gguf")
+    call("POST", "/models/load", {"path": str(g)})
+
+    class Loaded:  # an engine object is only needed for "is something loaded"; state comes from it
+        state = "ready"
+    server.state.engine = Loaded()
+    assert call("POST", "/pause")["paused"] is True
+    assert call("GET", "/status")["paused"] is True
+    assert call("POST", "/resume")["paused"] is False
+    assert server.loads == [g, None, g]
+
+
+def test_profile_route(server, capsys):
+    with pytest.raises(ControlAPIError) as e:
+        call("GET", "/profile")
+    assert e.value.code == "no_profile"
+    from ostinatod.profile import update_profile
+    update_profile(measure=False, recalibrate=False)
+    assert call("GET", "/profile")["format"] == "ostinato-hardware/1"
+
+
+def test_metrics_snapshot_and_events_stream(server):
+    m = call("GET", "/metrics")
+    assert m["engine_state"] == "stopped"
+    assert m["memory"]["host"]["total_bytes"] > 0
+    assert set(m["experts"]["paths"]) == {"decode", "split", "upload", "stock"}
+
+    async def stream():
+        async with ControlClient() as c:
+            return [e async for e in c.events(interval=0.05, count=3)]
+    evs = asyncio.run(stream())
+    assert len(evs) == 3 and evs[0]["time"] <= evs[-1]["time"]
+    assert "engine" not in evs[0]  # raw counters stay on /metrics
+
+
+def test_residency_routes_answer_clearly_without_a_model(server, capsys):
+    d = call("GET", "/residency")
+    assert d["workload"] == "coding" and d["sets"] == []
+    with pytest.raises(ControlAPIError) as e:
+        call("POST", "/residency/switch", {"workload": "../etc"})
+    assert e.value.code == "invalid_workload"
+    with pytest.raises(ControlAPIError) as e:
+        call("POST", "/residency/switch", {"workload": "coding"})
+    assert e.value.status in (409, 501)  # no model loaded / no residency module yet
+    assert ctl.cmd_residency(["switch"]) == 1
+    assert "needs a WORKLOAD" in capsys.readouterr().err
+
+
+def test_logs_command(home, capsys):
+    assert ctl.cmd_logs([]) == 1
+    log = home / "state" / "ostinatod.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"line {i}\n" for i in range(10)))
+    assert ctl.cmd_logs(["-n", "3"]) == 0
+    assert capsys.readouterr().out == "line 7\nline 8\nline 9\n"
