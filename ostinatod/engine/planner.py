@@ -1,0 +1,522 @@
+"""Residency planner (``ostinato plan``): which experts stay resident on each GPU.
+
+Method of the paper (arXiv 2611.11533, Section 3.1 steps 1-3 and Appendix B):
+
+1. Rank the experts of every layer by the route counts of development traces (prefill + decode).
+2. Capacity test: per GPU, the longest development request (with the workload's tool definitions,
+   which are part of its prompt tokens) must run with a margin free at peak. Its need is estimated
+   as dense weights of the GPU's layers + KV cache at that length + compute buffers + the upload
+   staging buffer + the k zero slots; what is left of free memory (pynvml) is the pool's capacity.
+   An explicit budget (``--budget-frac`` of the expert bytes, or ``--budget-mb`` per GPU) caps it;
+   without a GPU the budget alone sets it (emulation, CI).
+3. Fill each GPU's slots with the highest-ranked experts of its layers *across* layers (one pool per
+   GPU, no per-layer quota). Rule 1 / Proposition 3.1: with equal-size slots, keeping the most
+   frequently routed experts minimises the expected number of cold routes. With layers of different
+   expert sizes (Appendix B, "Slots of two sizes") we rank globally by routes per byte and then fill
+   leftover space greedily, the usual knapsack rule.
+
+Layers are assigned to GPUs as contiguous ranges proportional to each GPU's free memory (unequal
+GPUs get unequal ranges). The result is written as an ``ostinato-residency/1`` file under
+``<data>/residency/<fingerprint>/<workload>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import logging
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ..paths import get_paths
+from .traces import Trace, TraceError, _atomic_write_json, load_traces, trace_path
+
+log = logging.getLogger(__name__)
+
+RESIDENCY_FORMAT = "ostinato-residency/1"
+MiB = 1 << 20
+DEFAULT_MARGIN_MB = 1024  # kept free at peak on every GPU (capacity test)
+_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_[a-z_]*exps\.(weight|bias)$")
+
+
+class PlanError(ValueError):
+    """The plan cannot be made (no traces, capacity test failed, bad arguments)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Model shape from the GGUF
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelShape:
+    """What the planner needs to know about a model (sizes in bytes, counts in tokens/experts).
+
+    ``expert_bytes[l]``: bytes of ONE expert of layer l (all its ``*_exps`` tensors / n_expert), 0
+    for dense layers. ``size_class[l]``: string key of the layer's expert tensor types and shapes
+    (experts of one class can share pool slots). ``dense_layer_bytes[l]``: non-expert bytes of layer l;
+    ``other_bytes``: tensors outside the layers (output head, norms; token_embd excluded: llama.cpp
+    keeps it on the host). ``kv_bytes_per_token``: K+V bytes per token over all layers (f16 cache).
+    """
+
+    fingerprint: str
+    name: str
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    n_embd: int = 0
+    n_vocab: int = 0
+    n_head: int = 0
+    n_ff_exp: int = 0
+    expert_bytes: list[int] = field(default_factory=list)
+    size_class: list[str] = field(default_factory=list)
+    dense_layer_bytes: list[int] = field(default_factory=list)
+    other_bytes: int = 0
+    kv_bytes_per_token: int = 0
+
+    def model_block(self) -> dict[str, Any]:
+        """The shared ``model`` block of trace and residency files."""
+        return {"fingerprint": self.fingerprint, "name": self.name, "arch": self.arch,
+                "n_layer": self.n_layer, "n_expert": self.n_expert,
+                "n_expert_used": self.n_expert_used}
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [l for l in range(self.n_layer) if self.expert_bytes[l] > 0]
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return sum(b * self.n_expert for b in self.expert_bytes)
+
+
+def _fingerprint(path: Path) -> str:
+    try:
+        from .residency import model_fingerprint  # the one definition (native-engine engineer)
+    except ImportError:
+        model_fingerprint = None
+    if model_fingerprint is not None:
+        return model_fingerprint(path)
+    # Same inputs as the shared spec; only used while residency.py is absent.
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    arch = r.fields["general.architecture"].contents()
+    h = hashlib.sha256()
+    for key in ("block_count", "expert_count", "expert_used_count"):
+        f = r.fields.get(f"{arch}.{key}")
+        h.update(f"{key}={f.contents() if f else None};".encode())
+    h.update(f"arch={arch};".encode())
+    for t in r.tensors:
+        h.update(f"{t.name}:{list(map(int, t.shape))}:{int(t.tensor_type)};".encode())
+    return h.hexdigest()
+
+
+def read_model_shape(path: Path) -> ModelShape:
+    """Read a GGUF's MoE shape and tensor sizes with the ``gguf`` package (no weights are read).
+
+    Raises ValueError for a file that is missing or not a GGUF, or has no architecture key.
+    """
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"model file not found: {path}")
+    try:
+        r = gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/struct errors on foreign or truncated files
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+
+    def kv(key: str, default: Any = None) -> Any:
+        f = r.fields.get(key)
+        if f is None:
+            return default
+        v = f.contents()
+        return v
+
+    arch = kv("general.architecture")
+    if not arch:
+        raise ValueError(f"{path}: GGUF has no general.architecture")
+    n_layer = int(kv(f"{arch}.block_count", 0))
+    n_expert = int(kv(f"{arch}.expert_count", 0) or 0)
+    n_used = int(kv(f"{arch}.expert_used_count", 0) or 0)
+    n_embd = int(kv(f"{arch}.embedding_length", 0) or 0)
+    n_head = kv(f"{arch}.attention.head_count", 0) or 0
+    n_head_kv = kv(f"{arch}.attention.head_count_kv", n_head) or n_head
+    n_head = int(max(n_head) if isinstance(n_head, list) else n_head)
+    heads_kv = (list(n_head_kv) if isinstance(n_head_kv, list) else [int(n_head_kv)] * n_layer)
+    head_dim = n_embd // n_head if n_head else 0
+    k_len = int(kv(f"{arch}.attention.key_length", head_dim) or head_dim)
+    v_len = int(kv(f"{arch}.attention.value_length", head_dim) or head_dim)
+    kv_per_token = sum(int(h) * (k_len + v_len) * 2 for h in heads_kv[:n_layer])
+
+    exp_bytes = [0] * n_layer
+    dense = [0] * n_layer
+    classes: list[list[str]] = [[] for _ in range(n_layer)]
+    other = 0
+    n_vocab = 0
+    n_ff_exp = int(kv(f"{arch}.expert_feed_forward_length", 0) or 0)
+    for t in r.tensors:
+        m = _EXPS_RE.match(t.name)
+        if t.name == "token_embd.weight":
+            n_vocab = int(t.shape[-1]) if len(t.shape) > 1 else 0
+            continue
+        if m and n_expert:
+            l = int(m.group(1))
+            exp_bytes[l] += int(t.n_bytes)
+            classes[l].append(f"{t.name.split('.', 2)[2]}:{t.tensor_type.name}:"
+                              f"{'x'.join(str(int(s)) for s in t.shape)}")
+        elif t.name.startswith("blk."):
+            dense[int(t.name.split(".")[1])] += int(t.n_bytes)
+        else:
+            other += int(t.n_bytes)
+    exp_bytes = [b // n_expert if n_expert else 0 for b in exp_bytes]
+    return ModelShape(
+        fingerprint=_fingerprint(path), name=str(kv("general.name", path.stem)), arch=str(arch),
+        n_layer=n_layer, n_expert=n_expert, n_expert_used=n_used, n_embd=n_embd, n_vocab=n_vocab,
+        n_head=n_head, n_ff_exp=n_ff_exp, expert_bytes=exp_bytes,
+        size_class=["|".join(sorted(c)) for c in classes], dense_layer_bytes=dense,
+        other_bytes=other, kv_bytes_per_token=kv_per_token)
+
+
+# --------------------------------------------------------------------------------------------
+# GPUs
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class GpuSpec:
+    """One GPU for planning. ``free_bytes`` None = unknown (emulated GPU: budget alone decides)."""
+
+    device: int
+    free_bytes: Optional[int] = None
+    name: str = ""
+
+
+def detect_gpus() -> list[GpuSpec]:
+    """NVIDIA GPUs with their free memory, via nvidia-ml-py; [] when there is none or no driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append(GpuSpec(i, int(pynvml.nvmlDeviceGetMemoryInfo(h).free),
+                               name.decode() if isinstance(name, bytes) else str(name)))
+        return out
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def resolve_gpus(gpus: str | int) -> list[GpuSpec]:
+    """``"auto"``: the detected GPUs (one emulated device if none); N: N devices (detected ones
+    first, emulated ones with unknown free memory beyond). Raises PlanError for N < 1."""
+    found = detect_gpus()
+    if str(gpus) == "auto":
+        return found or [GpuSpec(0)]
+    try:
+        n = int(gpus)
+    except ValueError:
+        raise PlanError(f"--gpus must be 'auto' or a number, not {gpus!r}") from None
+    if n < 1:
+        raise PlanError("--gpus must be at least 1")
+    if len(found) >= n:
+        return found[:n]
+    if found:
+        log.warning("%d GPUs requested but %d found: emulating the rest", n, len(found))
+    # Mixed known/unknown free memory would skew the layer split: emulate all equally.
+    return [GpuSpec(i) for i in range(n)]
+
+
+def split_layers(n_layer: int, weights: Sequence[float]) -> list[list[int]]:
+    """Contiguous layer ranges per GPU, sizes proportional to ``weights`` (e.g. free memory).
+
+    Largest-remainder rounding; every GPU gets at least one layer when n_layer >= len(weights).
+    Returns one list of layer indices per GPU, in order.
+    """
+    w = np.asarray(weights, dtype=float)
+    if len(w) == 0 or (w <= 0).any():
+        raise PlanError("GPU weights must be positive")
+    quota = w / w.sum() * n_layer
+    n = np.floor(quota).astype(int)
+    for i in np.argsort(-(quota - n), kind="stable")[: n_layer - n.sum()]:
+        n[i] += 1
+    if n_layer >= len(w):  # no empty GPU: take one layer from the largest share
+        for i in np.where(n == 0)[0]:
+            j = int(np.argmax(n))
+            n[j] -= 1
+            n[i] += 1
+    out, start = [], 0
+    for c in n:
+        out.append(list(range(start, start + int(c))))
+        start += int(c)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Capacity test and fill
+# --------------------------------------------------------------------------------------------
+
+def estimate_gpu_need(shape: ModelShape, layers: Sequence[int], max_tokens: int, *,
+                      n_ubatch: int = 512, last: bool = False) -> dict[str, int]:
+    """Bytes a GPU needs besides its expert pool to run a ``max_tokens`` request (estimates).
+
+    dense: non-expert weights of ``layers`` (+ output head on the ``last`` GPU); kv: f16 KV cache
+    of those layers at ``max_tokens``; compute: llama.cpp-style compute buffers of one ubatch
+    (logits + activations + expert intermediates, f32); staging: the upload path's staging buffer
+    (every expert of the largest layer: the most distinct cold experts one layer can have);
+    zero_slots: k all-zero slots per size class. Returns a dict of these and ``total``.
+    """
+    layers = list(layers)
+    frac = len(layers) / max(1, shape.n_layer)
+    dense = sum(shape.dense_layer_bytes[l] for l in layers) + (shape.other_bytes if last else 0)
+    kv = int(shape.kv_bytes_per_token * frac * max_tokens)
+    ff = shape.n_ff_exp or 4 * shape.n_embd
+    compute = 4 * n_ubatch * ((shape.n_vocab if last else 0) + 16 * shape.n_embd
+                              + 3 * max(1, shape.n_expert_used) * ff)
+    moe = [l for l in layers if shape.expert_bytes[l] > 0]
+    staging = max((shape.expert_bytes[l] * shape.n_expert for l in moe), default=0)
+    zero = sum(shape.n_expert_used * shape.expert_bytes[l]
+               for l in {shape.size_class[l]: l for l in moe}.values())
+    need = {"dense": dense, "kv": kv, "compute": compute, "staging": staging, "zero_slots": zero}
+    need["total"] = sum(need.values())
+    return need
+
+
+def fill_pool(counts: np.ndarray, expert_bytes: Sequence[int], layers: Sequence[int],
+              budget_bytes: int) -> tuple[dict[int, list[int]], int]:
+    """Choose the hot experts of one GPU: highest route counts per byte first, across its layers.
+
+    ``counts``: (n_layer, n_expert) route counts; ``expert_bytes[l]``: bytes of one expert of
+    layer l (0 = dense layer, skipped). Greedy in order of count/bytes (ties: more routes, lower
+    layer, lower expert id), skipping experts that no longer fit so smaller ones fill leftover space.
+    With equal sizes this is exactly Rule 1 (paper Prop. 3.1). Zero-count experts fill what is left
+    (adding a slot never adds cold routes). Returns ({layer: sorted expert ids}, bytes used).
+    """
+    cand = []
+    for l in layers:
+        b = int(expert_bytes[l])
+        if b <= 0:
+            continue
+        for e in range(counts.shape[1]):
+            c = int(counts[l, e])
+            cand.append((-c / b, -c, l, e, b))
+    cand.sort()
+    used, hot = 0, {}
+    for _, _, l, e, b in cand:
+        if used + b <= budget_bytes:
+            used += b
+            hot.setdefault(l, []).append(e)
+    return {l: sorted(v) for l, v in sorted(hot.items())}, used
+
+
+def hot_route_share(counts: np.ndarray, hot: dict[int, Sequence[int]] | list[dict]) -> float:
+    """Share of the routes in ``counts`` (n_layer, n_expert) that go to hot experts, in [0, 1].
+
+    ``hot`` is {layer: expert ids} or the residency file's ``gpus`` list. NaN if no routes.
+    """
+    if isinstance(hot, list):
+        merged: dict[int, list[int]] = {}
+        for g in hot:
+            for l, es in g["hot"].items():
+                merged.setdefault(int(l), []).extend(es)
+        hot = merged
+    total = counts.sum()
+    if total <= 0:
+        return float("nan")
+    h = sum(int(counts[int(l), list(es)].sum()) for l, es in hot.items() if len(es))
+    return float(h / total)
+
+
+def plan_residency(shape: ModelShape, dev: Trace, *, workload: str,
+                   gpus: Sequence[GpuSpec], budget_frac: Optional[float] = None,
+                   budget_mb: Optional[int] = None, margin_mb: int = DEFAULT_MARGIN_MB,
+                   n_ubatch: int = 512, heldout: Optional[Trace] = None,
+                   source_traces: Sequence[str] = ()) -> dict[str, Any]:
+    """Plan a residency set; returns the ``ostinato-residency/1`` dict (not yet written).
+
+    Budget per GPU j: ``budget_frac`` x the expert bytes of its layers, or ``budget_mb`` MiB, capped
+    by the capacity test when the GPU's free memory is known (free - need(longest request) - margin).
+    Without either budget, free memory alone decides (needs real GPUs). Raises PlanError when the
+    traces do not fit the model, no budget can be derived, or the capacity test leaves no room.
+    """
+    if dev.counts.shape != (shape.n_layer, shape.n_expert):
+        raise PlanError(f"trace counts {dev.counts.shape} do not match the model "
+                        f"({shape.n_layer}, {shape.n_expert})")
+    fp = dev.model.get("fingerprint")
+    if fp and fp != shape.fingerprint:
+        raise PlanError(f"traces are for model {fp[:12]}, the model is {shape.fingerprint[:12]}")
+    if not shape.moe_layers:
+        raise PlanError(f"{shape.name}: no expert tensors (dense model): nothing to plan")
+    if budget_frac is not None and not 0 < budget_frac <= 1:
+        raise PlanError("budget fraction must be in (0, 1]")
+    counts = dev.counts
+    if counts.sum() == 0:
+        log.warning("development traces hold no routes: the plan is arbitrary")
+    known = [g.free_bytes is not None for g in gpus]
+    weights = [g.free_bytes for g in gpus] if all(known) else [1.0] * len(gpus)
+    ranges = split_layers(shape.n_layer, weights)
+    max_tokens = max(int(dev.max_request_tokens), 1)
+    out_gpus, capacity = [], []
+    for j, (g, layers) in enumerate(zip(gpus, ranges)):
+        exp_bytes = sum(shape.expert_bytes[l] * shape.n_expert for l in layers)
+        need = estimate_gpu_need(shape, layers, max_tokens, n_ubatch=n_ubatch,
+                                 last=(j == len(gpus) - 1))
+        budget: Optional[int] = None
+        if budget_mb is not None:
+            budget = int(budget_mb) * MiB
+        elif budget_frac is not None:
+            budget = int(budget_frac * exp_bytes)
+        cap = None
+        if g.free_bytes is not None:
+            cap = int(g.free_bytes) - need["total"] - margin_mb * MiB
+            if cap < 0:
+                raise PlanError(
+                    f"capacity test failed on GPU {g.device}: the longest development request "
+                    f"({max_tokens} tokens) needs {need['total'] / MiB:.0f} MiB + {margin_mb} MiB "
+                    f"margin without any expert pool, {g.free_bytes / MiB:.0f} MiB are free")
+            budget = cap if budget is None else min(budget, cap)
+        if budget is None:
+            raise PlanError("no GPU memory information: give --budget-frac or --budget-mb")
+        hot, used = fill_pool(counts, shape.expert_bytes, layers, max(0, budget))
+        out_gpus.append({"device": g.device, "layers": list(layers), "budget_bytes": int(budget),
+                         "hot": {str(l): es for l, es in hot.items()}})
+        capacity.append({"device": g.device, "name": g.name, "free_bytes": g.free_bytes,
+                         "need_bytes": need, "margin_bytes": margin_mb * MiB,
+                         "capacity_bytes": cap, "expert_bytes_of_layers": exp_bytes,
+                         "pool_bytes": used,
+                         "n_hot": sum(len(v) for v in hot.values()),
+                         "test": "passed" if cap is not None else "emulated (free memory unknown)"})
+    dev_share = hot_route_share(counts, out_gpus)
+    held_share = hot_route_share(heldout.counts, out_gpus) if heldout is not None else None
+    plan = {
+        "source_traces": list(source_traces),
+        "expected_hot_route_share": held_share if held_share is not None else dev_share,
+        "dev_hot_route_share": dev_share,
+        "heldout_hot_route_share": held_share,
+        "dev_routes": int(counts.sum()),
+        "heldout_routes": int(heldout.counts.sum()) if heldout is not None else None,
+        "budget_frac": budget_frac, "budget_mb": budget_mb,
+        "expert_bytes_total": shape.total_expert_bytes,
+        "pool_bytes_total": sum(c["pool_bytes"] for c in capacity),
+        "max_request_tokens": max_tokens,
+        "capacity": capacity,
+        "method": "rank by dev route counts (prefill+decode), fill each GPU by routes per byte "
+                  "across its layers (arXiv 2611.11533 Sec. 3.1, Rule 1 / Prop. 3.1, App. B)",
+    }
+    return {"format": RESIDENCY_FORMAT, "model": shape.model_block(), "workload": workload,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "gpus": out_gpus, "plan": plan}
+
+
+def residency_path(fingerprint: str, workload: str, data_dir: Optional[Path] = None) -> Path:
+    """Default residency-set path: ``<data>/residency/<fingerprint>/<workload>.json``."""
+    base = Path(data_dir) / "residency" if data_dir else get_paths().residency_dir
+    return base / fingerprint / f"{workload}.json"
+
+
+def write_residency(res: dict[str, Any], path: Path) -> Path:
+    """Write a residency set atomically; returns the path."""
+    _atomic_write_json(Path(path), res)
+    return Path(path)
+
+
+def plan_for_model(model_path: Path, workload: str, *, traces: Sequence[Path] = (),
+                   heldout_traces: Sequence[Path] = (), budget_frac: Optional[float] = None,
+                   budget_mb: Optional[int] = None, gpus: str | int = "auto",
+                   margin_mb: int = DEFAULT_MARGIN_MB, out: Optional[Path] = None,
+                   data_dir: Optional[Path] = None) -> tuple[dict[str, Any], Path]:
+    """Plan and write a residency set for a GGUF file (the Python form of ``ostinato plan``).
+
+    ``traces`` default to the model's trace file for ``workload`` in the data dir. Returns
+    (residency dict, written path). Raises PlanError/TraceError/ValueError with a clear message.
+    """
+    shape = read_model_shape(model_path)
+    tpaths = [Path(p) for p in traces] or [trace_path(shape.fingerprint, workload, data_dir)]
+    missing = [str(p) for p in tpaths if not p.exists()]
+    if missing:
+        raise PlanError(f"no routing traces: {', '.join(missing)} missing (replay development "
+                        f"sessions through the daemon with this model and workload first)")
+    dev = load_traces(tpaths, shape.fingerprint)
+    held = load_traces([Path(p) for p in heldout_traces], shape.fingerprint) if heldout_traces else None
+    if budget_frac is None and budget_mb is None:
+        from ..settings import load_settings
+
+        s = load_settings()
+        budget_frac, budget_mb = s.expert_budget_frac, s.expert_budget_mb
+    res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(gpus),
+                         budget_frac=budget_frac, budget_mb=budget_mb, margin_mb=margin_mb,
+                         heldout=held, source_traces=[str(p) for p in tpaths])
+    path = Path(out) if out else residency_path(shape.fingerprint, workload, data_dir)
+    return res, write_residency(res, path)
+
+
+def summary(res: dict[str, Any]) -> str:
+    """Human-readable lines about a plan."""
+    p = res["plan"]
+    lines = [f"residency set for {res['model']['name']} ({res['model']['fingerprint'][:12]}), "
+             f"workload {res['workload']}"]
+    for c, g in zip(p["capacity"], res["gpus"]):
+        lines.append(f"  GPU {g['device']}: layers {g['layers'][0]}-{g['layers'][-1]}, "
+                     f"{c['n_hot']} hot experts, pool {c['pool_bytes'] / MiB:.1f} MiB of "
+                     f"{c['expert_bytes_of_layers'] / MiB:.1f} MiB expert bytes; capacity test: "
+                     f"{c['test']}" if g["layers"] else f"  GPU {g['device']}: no layers")
+    lines.append(f"  pool {p['pool_bytes_total'] / MiB:.1f} MiB = "
+                 f"{p['pool_bytes_total'] / max(1, p['expert_bytes_total']):.1%} of expert bytes; "
+                 f"longest dev request {p['max_request_tokens']} tokens")
+    lines.append(f"  hot-route share: dev {p['dev_hot_route_share']:.1%}" +
+                 (f", held-out {p['heldout_hot_route_share']:.1%}"
+                  if p["heldout_hot_route_share"] is not None else " (no held-out traces given)"))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``ostinato plan``: plan a residency set from routing traces and write it."""
+    ap = argparse.ArgumentParser(prog="ostinato plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, type=Path, help="GGUF file")
+    ap.add_argument("--workload", default="coding", help="workload name (default coding)")
+    ap.add_argument("--traces", nargs="*", type=Path, default=[],
+                    help="development trace files (default: the data dir's trace of this model "
+                         "and workload)")
+    ap.add_argument("--heldout-traces", nargs="*", type=Path, default=[],
+                    help="held-out trace files: report the expected hot-route share on them")
+    b = ap.add_mutually_exclusive_group()
+    b.add_argument("--budget-frac", type=float, help="pool budget as a fraction of the expert bytes")
+    b.add_argument("--budget-mb", type=int, help="pool budget in MiB per GPU")
+    ap.add_argument("--gpus", default="auto", help="'auto' or a number of GPUs")
+    ap.add_argument("--margin-mb", type=int, default=DEFAULT_MARGIN_MB,
+                    help="memory kept free at peak on each GPU (capacity test)")
+    ap.add_argument("-o", "--out", type=Path, help="output file (default: the data dir's "
+                    "residency/<fingerprint>/<workload>.json)")
+    ap.add_argument("--json", action="store_true", help="print the residency set as JSON")
+    a = ap.parse_args(argv)
+    try:
+        res, path = plan_for_model(a.model, a.workload, traces=a.traces,
+                                   heldout_traces=a.heldout_traces, budget_frac=a.budget_frac,
+                                   budget_mb=a.budget_mb, gpus=a.gpus, margin_mb=a.margin_mb,
+                                   out=a.out)
+    except (PlanError, TraceError, ValueError, OSError) as e:
+        print(f"ostinato plan: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(res, indent=1) if a.json else summary(res))
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

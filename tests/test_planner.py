@@ -1,0 +1,213 @@
+"""Residency planner: Rule 1 fill, multi-GPU layer split, capacity test, the residency file.
+
+Synthetic route counts; the GGUF for the CLI test is a tiny MoE-shaped file written here with the
+``gguf`` package (the planner reads only metadata and tensor sizes, never runs it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from ostinatod.engine import planner
+from ostinatod.engine.planner import (GpuSpec, ModelShape, PlanError, fill_pool, hot_route_share,
+                                      plan_residency, split_layers)
+from ostinatod.engine.traces import Trace
+
+MiB = 1 << 20
+
+
+def _zipf_counts(n_layer, n_expert, seed, skew=1.1):
+    rng = np.random.default_rng(seed)
+    base = 1.0 / np.arange(1, n_expert + 1) ** skew
+    out = np.zeros((n_layer, n_expert), np.int64)
+    for l in range(n_layer):
+        p = base[rng.permutation(n_expert)]
+        out[l] = rng.multinomial(20000, p / p.sum())
+    return out
+
+
+def _shape(n_layer=8, n_expert=16, k=4, expert_bytes=None):
+    eb = expert_bytes or [1000] * n_layer
+    return ModelShape(fingerprint="f" * 64, name="t", arch="qwen3moe", n_layer=n_layer,
+                      n_expert=n_expert, n_expert_used=k, n_embd=64, n_vocab=1000, n_head=4,
+                      n_ff_exp=32, expert_bytes=list(eb),
+                      size_class=[f"c{b}" for b in eb], dense_layer_bytes=[5000] * n_layer,
+                      other_bytes=10000, kv_bytes_per_token=256)
+
+
+def _trace(shape, counts, max_tokens=3000):
+    t = Trace.empty(shape.model_block(), "coding")
+    t.add_counts(counts // 2, counts - counts // 2)
+    t.max_request_tokens = max_tokens
+    return t
+
+
+def test_fill_equal_sizes_is_optimal_rule1():
+    """With equal slots, the fill covers the most routes of any set of that size (Prop. 3.1)."""
+    counts = _zipf_counts(2, 5, seed=3)
+    hot, used = fill_pool(counts, [10, 10], [0, 1], budget_bytes=40)
+    assert used == 40 and sum(len(v) for v in hot.values()) == 4
+    got = sum(counts[l, e] for l, es in hot.items() for e in es)
+    best = max(sum(counts[l, e] for l, e in comb)
+               for comb in itertools.combinations([(l, e) for l in range(2) for e in range(5)], 4))
+    assert got == best
+
+
+def test_fill_is_across_layers_not_per_layer_quota():
+    counts = np.zeros((2, 4), np.int64)
+    counts[0] = [100, 90, 80, 70]
+    counts[1] = [5, 1, 0, 0]
+    hot, _ = fill_pool(counts, [1, 1], [0, 1], budget_bytes=5)
+    assert hot[0] == [0, 1, 2, 3] and hot[1] == [0]
+
+
+def test_fill_mixed_sizes_respects_budget_and_ranks_per_byte():
+    counts = np.array([[100, 60, 10], [90, 50, 40]], np.int64)
+    hot, used = fill_pool(counts, [100, 50], [0, 1], budget_bytes=200)
+    assert used <= 200
+    # per byte: l1e0 1.8, l0e0 1.0, l1e1 1.0 -> 50 + 100 + 50 = 200
+    assert hot == {0: [0], 1: [0, 1]}
+
+
+def test_fill_only_layers_of_the_gpu_and_skips_dense_layers():
+    counts = _zipf_counts(4, 8, seed=1)
+    hot, _ = fill_pool(counts, [0, 10, 10, 10], [0, 1], budget_bytes=10**6)
+    assert set(hot) == {1} and hot[1] == list(range(8))
+
+
+@pytest.mark.parametrize("n_gpu", [1, 2, 3, 4])
+def test_split_layers_contiguous_and_proportional(n_gpu):
+    weights = [1.0, 3.0, 2.0, 2.0][:n_gpu]
+    ranges = split_layers(24, weights)
+    assert [l for r in ranges for l in r] == list(range(24))
+    assert all(r for r in ranges)
+    for r, w in zip(ranges, weights):
+        assert abs(len(r) - 24 * w / sum(weights)) <= 1
+
+
+@pytest.mark.parametrize("n_gpu", [1, 2, 3, 4])
+def test_plan_any_number_of_gpus(n_gpu):
+    shape = _shape(n_layer=12, n_expert=16)
+    dev = _trace(shape, _zipf_counts(12, 16, seed=0))
+    held = _trace(shape, _zipf_counts(12, 16, seed=0) // 3 + _zipf_counts(12, 16, seed=7) // 10)
+    res = plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(i) for i in range(n_gpu)],
+                         budget_frac=0.45, heldout=held)
+    assert res["format"] == "ostinato-residency/1" and len(res["gpus"]) == n_gpu
+    seen = []
+    for g in res["gpus"]:
+        seen += g["layers"]
+        assert set(int(l) for l in g["hot"]) <= set(g["layers"])
+        pool = sum(len(es) * 1000 for es in g["hot"].values())
+        assert pool <= g["budget_bytes"] and g["budget_bytes"] - pool < 1000
+    assert seen == list(range(12))
+    p = res["plan"]
+    assert p["pool_bytes_total"] <= 0.45 * shape.total_expert_bytes
+    # Frequency-ranked residency beats the 45% of routes a random pool would get on skewed traffic.
+    assert p["dev_hot_route_share"] > 0.6
+    assert 0.45 < p["heldout_hot_route_share"] <= 1.0
+    assert p["expected_hot_route_share"] == p["heldout_hot_route_share"]
+
+
+def test_plan_unequal_gpus_get_unequal_ranges_and_capacity_caps_budget():
+    shape = _shape(n_layer=12, n_expert=16)
+    dev = _trace(shape, _zipf_counts(12, 16, seed=2), max_tokens=1000)
+    big, small = 400 * MiB, 200 * MiB
+    res = plan_residency(shape, dev, workload="coding", margin_mb=0,
+                         gpus=[GpuSpec(0, big), GpuSpec(1, small)], budget_frac=1.0)
+    l0, l1 = (len(g["layers"]) for g in res["gpus"])
+    assert l0 == 8 and l1 == 4
+    # Budget 1.0 fits on these GPUs: all experts hot.
+    assert hot_route_share(dev.counts, res["gpus"]) == pytest.approx(1.0)
+
+
+def test_capacity_test_fails_with_clear_error_and_caps_pool():
+    shape = _shape(n_layer=4, n_expert=8, expert_bytes=[MiB] * 4)
+    dev = _trace(shape, _zipf_counts(4, 8, seed=4), max_tokens=4096)
+    need = planner.estimate_gpu_need(shape, range(4), 4096, last=True)["total"]
+    with pytest.raises(PlanError, match="capacity test failed"):
+        plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0, need // 2)],
+                       budget_frac=0.5, margin_mb=0)
+    # Free memory for exactly 5 experts beyond the need: the pool gets 5 despite budget 1.0.
+    res = plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0, need + 5 * MiB)],
+                         budget_frac=1.0, margin_mb=0)
+    assert sum(len(v) for v in res["gpus"][0]["hot"].values()) == 5
+    # A longer development request needs more KV cache, so fewer experts fit.
+    dev.max_request_tokens = 4096 + 2 * MiB // 256
+    res = plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0, need + 5 * MiB)],
+                         budget_frac=1.0, margin_mb=0)
+    assert sum(len(v) for v in res["gpus"][0]["hot"].values()) == 3
+
+
+def test_plan_refuses_foreign_traces_and_missing_budget():
+    shape = _shape()
+    dev = _trace(shape, _zipf_counts(8, 16, seed=0))
+    dev.model["fingerprint"] = "0" * 64
+    with pytest.raises(PlanError, match="traces are for model"):
+        plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0)], budget_frac=0.5)
+    dev.model["fingerprint"] = shape.fingerprint
+    with pytest.raises(PlanError, match="budget"):
+        plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0)])
+
+
+def _write_tiny_moe(path: Path, n_layer=3, n_expert=8, k=2, n_embd=32, n_ff=16):
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_name("planner-test")
+    w.add_block_count(n_layer)
+    w.add_embedding_length(n_embd)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(k)
+    w.add_expert_feed_forward_length(n_ff)
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.random((100, n_embd), dtype=np.float32))
+    w.add_tensor("output.weight", rng.random((100, n_embd), dtype=np.float32))
+    for l in range(n_layer):
+        w.add_tensor(f"blk.{l}.attn_q.weight", rng.random((n_embd, n_embd), dtype=np.float32))
+        w.add_tensor(f"blk.{l}.ffn_gate_inp.weight", rng.random((n_expert, n_embd), dtype=np.float32))
+        for n in ("gate", "up"):
+            w.add_tensor(f"blk.{l}.ffn_{n}_exps.weight",
+                         rng.random((n_expert, n_ff, n_embd), dtype=np.float32).astype(np.float16))
+        w.add_tensor(f"blk.{l}.ffn_down_exps.weight",
+                     rng.random((n_expert, n_embd, n_ff), dtype=np.float32).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_read_model_shape(tmp_path):
+    shape = planner.read_model_shape(_write_tiny_moe(tmp_path / "m.gguf"))
+    assert (shape.arch, shape.n_layer, shape.n_expert, shape.n_expert_used) == ("qwen3moe", 3, 8, 2)
+    assert shape.expert_bytes == [3 * 16 * 32 * 2] * 3
+    assert shape.moe_layers == [0, 1, 2] and len(shape.fingerprint) == 64
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        (tmp_path / "bad.gguf").write_bytes(b"not a gguf at all")
+        planner.read_model_shape(tmp_path / "bad.gguf")
+
+
+def test_cli_writes_residency_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
+    model = _write_tiny_moe(tmp_path / "m.gguf")
+    shape = planner.read_model_shape(model)
+    tr = tmp_path / "dev.json"
+    _trace(shape, _zipf_counts(3, 8, seed=5), max_tokens=500).save(tr)
+    rc = planner.main(["--model", str(model), "--traces", str(tr), "--heldout-traces", str(tr),
+                       "--budget-frac", "0.5", "--gpus", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    path = tmp_path / "home" / "data" / "residency" / shape.fingerprint / "coding.json"
+    res = json.loads(path.read_text())
+    assert res["model"]["fingerprint"] == shape.fingerprint and res["workload"] == "coding"
+    assert sum(len(v) for v in res["gpus"][0]["hot"].values()) == 12  # half of 3 x 8
+    assert "hot-route share" in out
+    # No traces for another workload: a clear error, exit code 1.
+    assert planner.main(["--model", str(model), "--workload", "service", "--budget-frac", "0.5"]) == 1
+    assert "no routing traces" in capsys.readouterr().err
