@@ -1,0 +1,325 @@
+"""Pieces shared by the protocol adapters: body parsing, model names, client and workload
+detection, volatile-prefix neutralisation, and the generation driver that keeps the request
+record (TTFT, TPOT, token counts) while an adapter turns engine events into its wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from ..engine.types import EngineError, EngineEvent, GenRequest
+from .errors import ApiError
+from .state import DaemonState
+
+WORKLOAD_HEADER = "x-ostinato-workload"
+WORKLOAD_SEP = "@"  # model alias suffix: "<model>@<workload>"
+DEMO_MODEL_ID = "ostinato-demo-random-weights"
+
+# Claude Code (>= 2.1.36) puts a per-request line like
+#   x-anthropic-billing-header: cc_version=2.1.37.abc; cc_entrypoint=cli; cch=1f2e3;
+# at the top of the system prompt. It changes every call, so it would break the prefix cache.
+_VOLATILE_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*$", re.MULTILINE)
+NEUTRAL_LINE = "x-anthropic-billing-header: (neutralized by ostinato)"
+
+# User-Agent substrings -> (client name, implied workload). First match wins.
+_CLIENTS: list[tuple[str, str, Optional[str]]] = [
+    ("claude-cli/", "claude-code", "coding"), ("claude-code", "claude-code", "coding"),
+    ("opencode", "opencode", "coding"), ("openhands", "openhands", "coding"),
+    ("litellm", "litellm", "coding"), ("codex", "codex", "coding"),
+    ("openai/python", "openai-python", None), ("anthropic/python", "anthropic-python", None),
+    ("ostinato", "ostinato", None),
+]
+
+
+def new_id(prefix: str) -> str:
+    """Random request/item id with a protocol prefix (``chatcmpl-``, ``msg_``, ``resp_`` ...)."""
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """Parse the body as a JSON object. Raises ApiError 400 ``invalid_json`` with the position."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "invalid_json", "Request body must be a JSON object.")
+    return body
+
+
+def validate(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:
+    """Validate ``body`` with a pydantic model; errors become ApiError 400 ``invalid_request``
+    naming the first bad field."""
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise ApiError(400, "invalid_request", f"Invalid request: {loc}: {first.get('msg')}",
+                       param=loc or None) from None
+
+
+def neutralize_text(text: str) -> str:
+    """Replace per-request volatile lines (Claude Code's billing header) by a constant line."""
+    return _VOLATILE_LINE.sub(NEUTRAL_LINE, text) if "x-anthropic-billing-header" in text else text
+
+
+def neutralize_messages(messages: list[dict[str, Any]]) -> None:
+    """In place: neutralise volatile lines in every system message (str or text parts)."""
+    for m in messages:
+        if m.get("role") not in ("system", "developer"):
+            continue
+        c = m.get("content")
+        if isinstance(c, str):
+            m["content"] = neutralize_text(c)
+        elif isinstance(c, list):
+            for part in c:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    part["text"] = neutralize_text(part["text"])
+
+
+def detect_client(request: web.Request) -> tuple[Optional[str], Optional[str]]:
+    """(client name, implied workload) from the User-Agent; (product token, None) if unknown."""
+    ua = request.headers.get("User-Agent", "")
+    low = ua.lower()
+    for needle, name, workload in _CLIENTS:
+        if needle in low:
+            return name, workload
+    return (ua.split("/")[0][:40] or None), None
+
+
+def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool = False
+                  ) -> tuple[str, Optional[str]]:
+    """Map the client's model name to the served model.
+
+    Accepted: the served id, the GGUF file name/stem, the demo id, any of those with an
+    ``@<workload>`` suffix, and, for Anthropic clients, any ``claude-*`` name. Returns
+    ``(echoed name, workload from the suffix or None)``. Raises ApiError 404 ``model_not_found``.
+    """
+    if not requested:
+        if anthropic:
+            raise ApiError(400, "invalid_request", "Field 'model' is required.", param="model")
+        return state.model_name, None
+    base, workload = requested, None
+    if WORKLOAD_SEP in requested:
+        base, workload = requested.rsplit(WORKLOAD_SEP, 1)
+        workload = workload or None
+    names = {state.model_name}
+    path = state.model_info.get("path") or state.settings.model
+    if path:
+        p = str(path).rsplit("/", 1)[-1]
+        names |= {p, p[:-5] if p.endswith(".gguf") else p}
+    if state.model_info.get("is_demo") or not state.settings.model:
+        names.add(DEMO_MODEL_ID)
+    if base in names or (anthropic and base.startswith("claude")):
+        return requested, workload
+    raise ApiError(404, "model_not_found", f"Model {requested!r} is not served here; "
+                   f"this daemon serves {state.model_name!r} (GET /v1/models).", param="model")
+
+
+def request_workload(state: DaemonState, request: web.Request, suffix_workload: Optional[str],
+                     client_workload: Optional[str]) -> str:
+    """Workload: header ``x-ostinato-workload`` > model suffix > known client > default."""
+    return (request.headers.get(WORKLOAD_HEADER) or suffix_workload or client_workload
+            or state.settings.workload_default)
+
+
+def fill_common(state: DaemonState, request: web.Request, req: GenRequest, requested_model: Optional[str],
+                anthropic: bool = False) -> None:
+    """Set ``model``, ``client`` and ``workload`` of ``req`` from the HTTP request."""
+    echoed, suffix = resolve_model(state, requested_model, anthropic)
+    client, cw = detect_client(request)
+    req.model = echoed
+    req.client = client
+    req.workload = request_workload(state, request, suffix, cw)
+    if req.messages and state.settings.neutralize_volatile:
+        neutralize_messages(req.messages)
+
+
+async def ensure_engine(state: DaemonState) -> Any:
+    """The engine, waiting while it loads/restarts. Raises ApiError 503 ``model_not_loaded``."""
+    eng = state.engine
+    if eng is None:
+        raise ApiError(503, "model_not_loaded", "No model is loaded.")
+    if eng.state in ("loading", "restarting"):
+        try:
+            await eng.wait_ready(timeout=600)
+        except (EngineError, asyncio.TimeoutError) as e:
+            raise ApiError(503, "model_not_loaded", f"Model failed to load: {e}") from None
+    if eng.state not in ("ready",):
+        raise ApiError(503, "model_not_loaded", f"Engine is {eng.state}; no model to serve.")
+    return eng
+
+
+class Generation:
+    """Drives one engine generation for an adapter and keeps its request record.
+
+    Usage: ``gen = await Generation.open(state, req, protocol)`` — raises ApiError if the engine
+    refuses the request before producing anything (context too long, bad params), so the adapter
+    can still answer a plain HTTP error; then ``async for ev in gen.events()`` yields the
+    remaining "delta"/"done"/"error" events (the "start" event is consumed and kept in
+    ``gen.start``). ``gen.close(status)`` must be called at the end (the adapters use
+    ``try/finally``). TTFT is measured from the request's arrival to the first delta; the
+    engine's own timings replace the measurement when the "done" event carries them.
+    """
+
+    def __init__(self, state: DaemonState, req: GenRequest, protocol: str):
+        self.state = state
+        self.req = req
+        self.protocol = protocol
+        self.rec = state.begin_request(req.id, protocol, req.model, req.client, req.workload)
+        self.t0 = time.monotonic()
+        self.t_first: Optional[float] = None
+        self.n_deltas = 0
+        self.start: dict[str, Any] = {}
+        self.done: Optional[dict[str, Any]] = None
+        self.error: Optional[dict[str, Any]] = None
+        self._it: Optional[AsyncIterator[EngineEvent]] = None
+        self._pending: Optional[EngineEvent] = None
+        self._closed = False
+
+    @classmethod
+    async def open(cls, state: DaemonState, req: GenRequest, protocol: str) -> "Generation":
+        """Start generating; raises ApiError for errors reported before any output."""
+        gen = cls(state, req, protocol)
+        try:
+            eng = await ensure_engine(state)
+            gen._it = eng.generate(req).__aiter__()
+            first = await gen._next()
+        except ApiError as e:
+            gen.close(e.code, e.message)
+            raise
+        except EngineError as e:
+            gen.close(e.code, e.message)
+            raise ApiError(e.status, e.code, e.message) from None
+        if first is None:
+            gen.close("engine_crashed", "engine ended the stream without a result")
+            raise ApiError(502, "engine_crashed", "The engine ended the stream without a result.")
+        if first.type == "error":
+            d = first.data
+            gen.close(d.get("code", "engine_error"), d.get("message"))
+            raise ApiError(int(d.get("status") or 500), d.get("code", "engine_error"),
+                           d.get("message") or "engine error")
+        if first.type == "start":
+            gen._on_start(first.data)
+        else:
+            gen._pending = first
+        return gen
+
+    async def _next(self) -> Optional[EngineEvent]:
+        try:
+            return await self._it.__anext__()  # type: ignore[union-attr]
+        except StopAsyncIteration:
+            return None
+
+    def _on_start(self, d: dict[str, Any]) -> None:
+        self.start = d
+        self.rec["prompt_tokens"] = d.get("prompt_tokens")
+        self.rec["cached_tokens"] = d.get("cached_tokens")
+        if d.get("prompt_tokens") is not None and d.get("cached_tokens") is not None:
+            self.rec["prefilled_tokens"] = d["prompt_tokens"] - d["cached_tokens"]
+
+    async def events(self) -> AsyncIterator[EngineEvent]:
+        """Remaining events; ends after "done" or "error" (a vanished stream becomes an error)."""
+        while True:
+            if self._pending is not None:
+                ev, self._pending = self._pending, None
+            else:
+                try:
+                    ev = await self._next()
+                except EngineError as e:
+                    ev = EngineEvent("error", {"code": e.code, "message": e.message, "status": e.status})
+                if ev is None:
+                    ev = EngineEvent("error", {"code": "engine_crashed", "status": 502,
+                                               "message": "The engine ended the stream without a result."})
+            if ev.type == "start":
+                self._on_start(ev.data)
+                continue
+            if ev.type == "delta":
+                if self.t_first is None:
+                    self.t_first = time.monotonic()
+                    self.rec["ttft_s"] = round(self.t_first - self.t0, 4)
+                self.n_deltas += 1
+            elif ev.type == "done":
+                self._on_done(ev.data)
+            elif ev.type == "error":
+                self.error = ev.data
+            yield ev
+            if ev.type in ("done", "error"):
+                return
+
+    def _on_done(self, d: dict[str, Any]) -> None:
+        self.done = d
+        u = d.get("usage") or {}
+        t = d.get("timings") or {}
+        for k in ("prompt_tokens", "cached_tokens", "prefilled_tokens", "completion_tokens"):
+            if u.get(k) is not None:
+                self.rec[k] = u[k]
+        if self.rec["prefilled_tokens"] is None and self.rec["prompt_tokens"] is not None:
+            self.rec["prefilled_tokens"] = self.rec["prompt_tokens"] - (self.rec["cached_tokens"] or 0)
+        now = time.monotonic()
+        if t.get("ttft_s") is not None:
+            self.rec["ttft_s"] = round(float(t["ttft_s"]), 4)
+        if t.get("tpot_s") is not None:
+            self.rec["tpot_s"] = round(float(t["tpot_s"]), 5)
+        elif self.t_first is not None and (self.rec["completion_tokens"] or 0) > 1:
+            self.rec["tpot_s"] = round((now - self.t_first) / (self.rec["completion_tokens"] - 1), 5)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """{"prompt_tokens", "completion_tokens", "cached_tokens"} as known so far (0 if unknown)."""
+        return {"prompt_tokens": int(self.rec["prompt_tokens"] or 0),
+                "completion_tokens": int(self.rec["completion_tokens"] or 0),
+                "cached_tokens": int(self.rec["cached_tokens"] or 0)}
+
+    async def aclose(self) -> None:
+        """Stop the engine stream early (client went away); safe to call twice."""
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "aclose"):
+            try:
+                await it.aclose()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - the stream is being abandoned anyway
+                pass
+
+    def close(self, status: Optional[str] = None, error: Optional[str] = None) -> None:
+        """Finish the record once: status "ok" after done, else the error code."""
+        if self._closed:
+            return
+        self._closed = True
+        if status is None:
+            if self.error is not None:
+                status, error = self.error.get("code", "engine_error"), self.error.get("message")
+            elif self.done is not None:
+                status = "ok"
+            else:
+                status, error = "client_disconnected", error or "stream abandoned"
+        self.state.finish_request(self.rec, status, error)
+
+
+def sse_headers() -> dict[str, str]:
+    """Headers of an SSE answer (no proxy buffering)."""
+    return {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"}
+
+
+async def start_sse(request: web.Request) -> web.StreamResponse:
+    """Prepare a streaming SSE response."""
+    resp = web.StreamResponse(status=200, headers=sse_headers())
+    await resp.prepare(request)
+    return resp
+
+
+def sse(data: Any, event: Optional[str] = None) -> bytes:
+    """One SSE frame (``event:`` line when given; data JSON-encoded unless already a str)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()

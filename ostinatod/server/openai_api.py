@@ -1,0 +1,296 @@
+"""OpenAI adapters: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``.
+
+Follows the OpenAI wire format (platform.openai.com/docs/api-reference/chat). Extensions accepted
+as extra body fields, as llama-server does: ``top_k``, ``min_p``, ``ignore_eos`` (the replay
+benchmark), ``chat_template_kwargs.enable_thinking``. Reasoning text streams as
+``delta.reasoning_content``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.types import GenRequest
+from .common import Generation, fill_common, new_id, read_json, sse, start_sse, validate
+from .errors import ApiError
+from .state import DaemonState
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, ge=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    n: int = Field(1, ge=1, le=1)
+    ignore_eos: bool = False
+
+
+class ChatBody(_Base):
+    """Validated subset of a chat completion request."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
+    response_format: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class CompletionBody(_Base):
+    """Validated subset of a legacy completion request."""
+
+    prompt: Union[str, list[str]]
+
+
+def _sampling(state: DaemonState, b: _Base, req: GenRequest) -> None:
+    req.max_tokens = b.max_completion_tokens or b.max_tokens or state.settings.max_tokens_default
+    for k in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        v = getattr(b, k)
+        if v is not None:
+            setattr(req, k, v)
+    req.stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
+    req.ignore_eos = b.ignore_eos
+
+
+def json_schema_of(fmt: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """JSON schema constraint from an OpenAI ``response_format`` (None for text)."""
+    if not fmt or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "object"}
+    if fmt.get("type") == "json_schema":
+        js = fmt.get("json_schema") or {}
+        schema = js.get("schema", fmt.get("schema"))
+        if not isinstance(schema, dict):
+            raise ApiError(400, "invalid_request", "response_format.json_schema.schema must be an object",
+                           param="response_format")
+        return schema
+    raise ApiError(400, "invalid_request", f"Unsupported response_format type {fmt.get('type')!r}",
+                   param="response_format")
+
+
+def check_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any) -> None:
+    """Reject tool definitions without a function name and tool_choice naming an unknown tool."""
+    names = set()
+    for i, t in enumerate(tools or []):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(400, "invalid_request", f"tools[{i}] needs type 'function' and "
+                           "function.name", param=f"tools.{i}")
+        names.add(fn["name"])
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        if name not in names:
+            raise ApiError(400, "invalid_request", f"tool_choice names unknown tool {name!r}",
+                           param="tool_choice")
+    elif tool_choice == "required" and not names:
+        raise ApiError(400, "invalid_request", "tool_choice 'required' needs tools", param="tool_choice")
+
+
+def chat_request(state: DaemonState, request: web.Request, b: ChatBody) -> GenRequest:
+    """GenRequest from a validated chat body (messages pass through in OpenAI shape)."""
+    for i, m in enumerate(b.messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise ApiError(400, "invalid_request", f"messages[{i}].role must be system, developer, "
+                           "user, assistant or tool", param=f"messages.{i}.role")
+    msgs = [dict(m, role="system") if m["role"] == "developer" else dict(m) for m in b.messages]
+    check_tools(b.tools, b.tool_choice)
+    req = GenRequest(id=new_id("chatcmpl-"), messages=msgs, tools=b.tools or None,
+                     tool_choice=b.tool_choice, parallel_tool_calls=b.parallel_tool_calls,
+                     json_schema=json_schema_of(b.response_format))
+    _sampling(state, b, req)
+    ctk = b.chat_template_kwargs or {}
+    if "enable_thinking" in ctk:
+        req.enable_thinking = bool(ctk["enable_thinking"])
+    elif b.reasoning_effort is not None:
+        req.enable_thinking = b.reasoning_effort not in ("none", "minimal")
+    fill_common(state, request, req, b.model)
+    return req
+
+
+def _usage(gen: Generation) -> dict[str, Any]:
+    u = gen.usage
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+
+def _message(done: dict[str, Any]) -> dict[str, Any]:
+    m = done.get("message") or {}
+    out: dict[str, Any] = {"role": "assistant", "content": m.get("content") or None}
+    if m.get("reasoning_content"):
+        out["reasoning_content"] = m["reasoning_content"]
+    calls = []
+    for i, tc in enumerate(m.get("tool_calls") or []):
+        fn = tc.get("function") or tc
+        calls.append({"id": tc.get("id") or new_id("call_"), "type": "function",
+                      "function": {"name": fn.get("name", ""), "arguments": fn.get("arguments") or "{}"}})
+    if calls:
+        out["tool_calls"] = calls
+    elif out["content"] is None:
+        out["content"] = ""
+    return out
+
+
+def _error_payload(data: dict[str, Any]) -> dict[str, Any]:
+    return {"error": {"message": data.get("message") or "engine error", "type": "server_error",
+                      "code": data.get("code", "engine_error"), "param": None}}
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    state: DaemonState = request.app["state"]
+    b = validate(ChatBody, await read_json(request))
+    req = chat_request(state, request, b)
+    gen = await Generation.open(state, req, "openai_chat")
+    created = int(time.time())
+    try:
+        if not b.stream:
+            async for ev in gen.events():
+                if ev.type == "error":
+                    raise ApiError(int(ev.data.get("status") or 502), ev.data.get("code", "engine_error"),
+                                   ev.data.get("message") or "engine error")
+            done = gen.done or {}
+            msg = _message(done)
+            finish = done.get("finish_reason") or "stop"
+            if msg.get("tool_calls"):
+                finish = "tool_calls"
+            return web.json_response({
+                "id": req.id, "object": "chat.completion", "created": created, "model": req.model,
+                "system_fingerprint": "ostinato",
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
+                "usage": _usage(gen)})
+
+        include_usage = bool((b.stream_options or {}).get("include_usage"))
+        resp = await start_sse(request)
+
+        def chunk(delta: dict[str, Any], finish: Optional[str] = None) -> bytes:
+            c: dict[str, Any] = {"id": req.id, "object": "chat.completion.chunk", "created": created,
+                                 "model": req.model, "system_fingerprint": "ostinato",
+                                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                              "logprobs": None}]}
+            if include_usage:
+                c["usage"] = None
+            return sse(c)
+
+        await resp.write(chunk({"role": "assistant", "content": ""}))
+        ids: dict[int, str] = {}
+        saw_tools = False
+        async for ev in gen.events():
+            if ev.type == "delta":
+                d = ev.data
+                if d.get("reasoning"):
+                    await resp.write(chunk({"reasoning_content": d["reasoning"]}))
+                if d.get("content"):
+                    await resp.write(chunk({"content": d["content"]}))
+                tcs = []
+                for tc in d.get("tool_calls") or []:
+                    idx = int(tc.get("index", 0))
+                    entry: dict[str, Any] = {"index": idx}
+                    if idx not in ids:
+                        ids[idx] = tc.get("id") or new_id("call_")
+                        entry.update(id=ids[idx], type="function",
+                                     function={"name": tc.get("name") or "", "arguments": tc.get("arguments") or ""})
+                    else:
+                        entry["function"] = {"arguments": tc.get("arguments") or ""}
+                        if tc.get("name"):
+                            entry["function"]["name"] = tc["name"]
+                    tcs.append(entry)
+                if tcs:
+                    saw_tools = True
+                    await resp.write(chunk({"tool_calls": tcs}))
+            elif ev.type == "done":
+                finish = ev.data.get("finish_reason") or "stop"
+                if saw_tools:
+                    finish = "tool_calls"
+                await resp.write(chunk({}, finish))
+                if include_usage:
+                    await resp.write(sse({"id": req.id, "object": "chat.completion.chunk", "created": created,
+                                          "model": req.model, "choices": [], "usage": _usage(gen)}))
+            elif ev.type == "error":
+                await resp.write(sse(_error_payload(ev.data)))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    finally:
+        await gen.aclose()
+        gen.close()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions (raw prompt, no chat template)."""
+    state: DaemonState = request.app["state"]
+    b = validate(CompletionBody, await read_json(request))
+    prompt = b.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise ApiError(400, "invalid_request", "Only one prompt per request is supported.", param="prompt")
+        prompt = prompt[0]
+    req = GenRequest(id=new_id("cmpl-"), prompt=prompt)
+    _sampling(state, b, req)
+    fill_common(state, request, req, b.model)
+    gen = await Generation.open(state, req, "openai_completions")
+    created = int(time.time())
+    try:
+        if not b.stream:
+            async for ev in gen.events():
+                if ev.type == "error":
+                    raise ApiError(int(ev.data.get("status") or 502), ev.data.get("code", "engine_error"),
+                                   ev.data.get("message") or "engine error")
+            done = gen.done or {}
+            text = (done.get("message") or {}).get("content") or done.get("text") or ""
+            u = _usage(gen)
+            return web.json_response({
+                "id": req.id, "object": "text_completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": done.get("finish_reason") or "stop",
+                             "logprobs": None}], "usage": u})
+        include_usage = bool((b.stream_options or {}).get("include_usage"))
+        resp = await start_sse(request)
+
+        def chunk(text: str, finish: Optional[str] = None) -> bytes:
+            return sse({"id": req.id, "object": "text_completion", "created": created, "model": req.model,
+                        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
+
+        async for ev in gen.events():
+            if ev.type == "delta" and ev.data.get("content"):
+                await resp.write(chunk(ev.data["content"]))
+            elif ev.type == "done":
+                await resp.write(chunk("", ev.data.get("finish_reason") or "stop"))
+                if include_usage:
+                    await resp.write(sse({"id": req.id, "object": "text_completion", "created": created,
+                                          "model": req.model, "choices": [], "usage": _usage(gen)}))
+            elif ev.type == "error":
+                await resp.write(sse(_error_payload(ev.data)))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    finally:
+        await gen.aclose()
+        gen.close()
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models: the served model; ``random_weights`` true for the generated demo model."""
+    state: DaemonState = request.app["state"]
+    info = state.model_info
+    entry = {"id": state.model_name, "object": "model", "created": int(state.started_at),
+             "owned_by": "ostinato", "random_weights": bool(info.get("is_demo")),
+             "engine_state": state.engine_state,
+             "meta": {k: info.get(k) for k in ("path", "arch", "n_ctx", "n_ctx_train", "n_params",
+                                               "n_layer", "n_expert", "n_expert_used", "experts_mode")
+                      if info.get(k) is not None}}
+    if info.get("is_demo"):
+        entry["description"] = "Generated demo MoE model with RANDOM WEIGHTS: output is gibberish."
+    return web.json_response({"object": "list", "data": [entry]})
