@@ -1,0 +1,78 @@
+"""Installers: the rendered systemd unit (checked by systemd-analyze verify where it exists), the
+launchd plist (parsed with plistlib), and install/uninstall without a systemd user session."""
+
+from __future__ import annotations
+
+import plistlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ostinatod import installer
+
+
+@pytest.fixture()
+def xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
+    # no user bus reachable: install must write the unit and explain, never enable a real service
+    monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent/bus")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "norun"))
+    return tmp_path
+
+
+def test_unit_runs_this_venv_and_restarts_on_failure(xdg):
+    text = installer.render_systemd_unit()
+    cmd = installer.daemon_command()
+    assert Path(cmd[0]).exists() and cmd[-1] == "run"
+    assert f"ExecStart={cmd[0]}" in text
+    assert "Restart=on-failure" in text and "WantedBy=default.target" in text
+    assert f'Environment="OSTINATO_HOME={xdg / "home"}"' in text
+
+
+def test_unit_quotes_paths_with_spaces_and_percent(xdg):
+    text = installer.render_systemd_unit(["/opt/my venv/bin/ostinatod", "run"], {"OSTINATO_HOME": "/a%b"})
+    assert "ExecStart='/opt/my venv/bin/ostinatod' run" in text
+    assert 'Environment="OSTINATO_HOME=/a%%b"' in text
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_systemd_analyze_verify_accepts_the_unit(xdg):
+    d = xdg / "verify"
+    d.mkdir()
+    unit = d / installer.UNIT_NAME
+    unit.write_text(installer.render_systemd_unit())
+    p = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    # and the check is real: a unit whose command does not exist is refused
+    unit.write_text(installer.render_systemd_unit(["/nonexistent/ostinatod", "run"]))
+    p = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
+    assert p.returncode != 0 and "nonexistent" in p.stderr
+
+
+def test_launchd_plist_is_valid(xdg):
+    data = plistlib.loads(installer.render_launchd_plist(["/x/<ostinatod>", "run"],
+                                                         {"OSTINATO_HOME": "/h&"}).encode())
+    assert data["Label"] == "dev.ostinato.ostinatod"
+    assert data["ProgramArguments"] == ["/x/<ostinatod>", "run"]
+    assert data["EnvironmentVariables"]["OSTINATO_HOME"] == "/h&"
+    assert data["RunAtLoad"] is True and data["KeepAlive"] == {"SuccessfulExit": False}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="systemd installer is Linux-only")
+def test_install_without_user_session_writes_and_explains(xdg):
+    lines: list[str] = []
+    assert installer.install(out=lines.append) == 0
+    unit = xdg / "cfg" / "systemd" / "user" / "ostinatod.service"
+    assert unit.read_text() == installer.render_systemd_unit()
+    text = "\n".join(lines)
+    assert "not enabled" in text and "systemctl --user enable --now ostinatod.service" in text
+    lines.clear()
+    assert installer.uninstall(out=lines.append) == 0
+    assert not unit.exists() and "removed" in lines[0]
+    lines.clear()
+    assert installer.uninstall(out=lines.append) == 0
+    assert lines == ["nothing installed"]
