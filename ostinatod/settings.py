@@ -53,6 +53,8 @@ class Settings(BaseSettings):
     n_gpu_layers: int = Field(-1, description="Layers whose dense weights and KV cache go to the GPU "
                               "(-1: all that fit; 0: CPU only).")
     flash_attn: Optional[bool] = Field(None, description="Force flash attention on/off (default: auto).")
+    n_cpu_moe: int = Field(0, ge=0, description="Keep the expert tensors of the first N layers in host "
+                           "memory (llama.cpp's --n-cpu-moe; the 'stock' baseline of the benchmarks).")
     engine_mode: Literal["subprocess", "inprocess"] = Field("subprocess", description="Run the "
                                                            "engine worker in a supervised subprocess "
                                                            "(survives crashes) or in-process.")
