@@ -48,6 +48,7 @@ class DaemonState:
     started_at: float = field(default_factory=time.time)
     model_info: dict[str, Any] = field(default_factory=dict)
     http_url: Optional[str] = None
+    phase: Optional[str] = None  # what the daemon is doing before an engine exists ("generating demo model")
     reload: Optional[Callable[[Optional[Path]], Awaitable[None]]] = None
     active: dict[str, dict[str, Any]] = field(default_factory=dict)
     recent: deque = field(default=None)  # type: ignore[assignment]
@@ -59,20 +60,22 @@ class DaemonState:
     # --- names -------------------------------------------------------------------------------
     @property
     def model_name(self) -> str:
-        """The served model id (alias setting, else engine info name, else the file stem)."""
+        """The served model id: the model_alias setting, else "ostinato-demo-random-weights" for
+        the generated demo model, else the GGUF file name without ``.gguf``."""
         if self.settings.model_alias:
             return self.settings.model_alias
-        name = self.model_info.get("name")
-        if name:
-            return str(name)
-        if self.settings.model:
-            return Path(self.settings.model).stem
-        return "ostinato-demo-random-weights"
+        if self.model_info.get("is_demo") or (not self.settings.model and not self.model_info.get("path")):
+            return "ostinato-demo-random-weights"
+        path = self.model_info.get("path") or self.settings.model
+        return Path(str(path)).stem
 
     @property
     def engine_state(self) -> str:
-        """Engine lifecycle state ("stopped" when there is no engine)."""
-        return getattr(self.engine, "state", "stopped") if self.engine is not None else "stopped"
+        """Engine lifecycle state; "loading" while the daemon prepares one (``phase``), "stopped"
+        when there is none."""
+        if self.engine is None:
+            return "loading" if self.phase else "stopped"
+        return getattr(self.engine, "state", "stopped")
 
     # --- request records ----------------------------------------------------------------------
     def begin_request(self, rid: str, protocol: str, model: Optional[str], client: Optional[str],
@@ -119,6 +122,7 @@ class DaemonState:
             "uptime_s": round(time.time() - self.started_at, 1),
             "http_url": self.http_url,
             "engine_state": self.engine_state,
+            "phase": self.phase,
             "model": {"id": self.model_name, **info},
             "random_weights": bool(info.get("is_demo")),
             "active_requests": len(self.active),
