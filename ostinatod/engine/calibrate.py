@@ -1,0 +1,391 @@
+"""Calibration of the cost model and of the prefill threshold Np (``ostinato calibrate``).
+
+Cost model of the paper (arXiv 2611.11533, Section 2-3 and Appendix B), per MoE layer:
+
+* CPU branch of a decode step with r cold routes: ``C(0) = gamma0``, ``C(r) = alpha + beta * r``
+  for r >= 1 (Section 3.2; calibration in Appendix B, "Calibration").
+* GPU branch ``G`` (fixed: zero slots keep it at k experts), pinned host->GPU bandwidth ``B``.
+* Prefill: the split path costs ``a_s + c_s n`` and the upload path ``a_u + c_u n + phi2 u(n)`` for
+  an n-token forward pass with u(n) distinct cold experts. Their difference
+  ``Phi(n) = phi0 + phi1 n - phi2 u(n)`` (phi0 = a_s - a_u < 0, phi1 = c_s - c_u > 0, phi2 = w/B the
+  time to upload one expert) is convex because u is concave (Lemma B.3), so the paths switch once
+  (Proposition 3.2): ``Np = min{n : Phi(n) >= 0}``.
+
+Measurement runs forward passes through the real engine (our native expert paths) with forced
+paths: decode steps under residency sets of several sizes (per-layer cold routes r_l are known
+exactly from the per-step route counts and the hot set), and prefill passes of several sizes on the
+split and on the upload path. Fits are ordinary least squares (numpy). The result is stored under
+``"calibration"`` in the hardware profile (read-modify-write; other keys are kept).
+
+On a machine without a GPU the calibration still runs: the CPU-branch terms are measured, the GPU
+terms (G, B, Np) are absent and the result says so (the engine then uses Np from settings or 512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from ..paths import get_paths
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_FORMAT = "ostinato-calibration/1"
+DEFAULT_NP = 512  # the paper's threshold on PCIe 4.0 (Section 3.3), used when nothing is calibrated
+SOURCE = "arXiv 2611.11533 Sec. 3.2-3.3, Prop. 3.2, App. B"
+
+
+class CalibrationError(RuntimeError):
+    """Calibration could not measure or fit (no engine, no model, too few samples)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Pure math (unit-tested with synthetic measurements)
+# --------------------------------------------------------------------------------------------
+
+def fit_cpu_branch(rows: Iterable[Sequence[float]]) -> dict[str, Any]:
+    """Least-squares fit of the per-layer CPU-branch cost C(r) from pass measurements.
+
+    Each row is ``(n0, n1, R, cpu_ms)`` for one decode step: n0 layers with no cold route, n1
+    layers with at least one, R cold routes over all layers, cpu_ms the summed CPU-branch time.
+    Model (paper Sec. 3.2): ``cpu_ms = gamma0 n0 + alpha n1 + beta R``. A per-layer sample (r, ms)
+    is the row (1, 0, 0, ms) for r = 0 and (0, 1, r, ms) otherwise.
+    Returns {"gamma0_ms", "alpha_ms", "beta_ms", "rmse_ms", "samples"}; a term without data is None.
+    Raises CalibrationError with fewer than 2 rows or no step with a cold route.
+    """
+    a = np.asarray(list(rows), dtype=float)
+    if a.ndim != 2 or a.shape[0] < 2 or a.shape[1] != 4:
+        raise CalibrationError("need at least 2 rows of (n0, n1, R, cpu_ms)")
+    X, y = a[:, :3], a[:, 3]
+    used = [j for j in range(3) if np.any(X[:, j] > 0)]
+    if 1 not in used and 2 not in used:
+        raise CalibrationError("no step with a cold route: alpha and beta cannot be fitted")
+    coef = np.full(3, np.nan)
+    sol, *_ = np.linalg.lstsq(X[:, used], y, rcond=None)
+    coef[used] = sol
+    if 1 in used and 2 in used and np.linalg.matrix_rank(X[:, [1, 2]]) < 2:
+        # Every layer had the same r: alpha and beta are confounded; attribute all to beta.
+        log.warning("cold routes per layer did not vary: alpha set to 0, beta = C(r)/r")
+        sol, *_ = np.linalg.lstsq(X[:, [j for j in used if j != 1]], y, rcond=None)
+        coef[[j for j in used if j != 1]] = sol
+        coef[1] = 0.0
+    resid = y - np.nan_to_num(X @ np.nan_to_num(coef))
+    out = {"gamma0_ms": coef[0], "alpha_ms": coef[1], "beta_ms": coef[2],
+           "rmse_ms": float(np.sqrt(np.mean(resid ** 2))), "samples": int(a.shape[0])}
+    return {k: (None if isinstance(v, float) and np.isnan(v) else
+                (float(v) if isinstance(v, (float, np.floating)) else v)) for k, v in out.items()}
+
+
+def cpu_branch_cost(r: int | np.ndarray, gamma0: float, alpha: float, beta: float) -> np.ndarray:
+    """C(r) of the paper (Sec. 3.2): gamma0 for r = 0, alpha + beta r otherwise (ms)."""
+    r = np.asarray(r, dtype=float)
+    return np.where(r == 0, gamma0, alpha + beta * r)
+
+
+def fit_linear(x: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[np.ndarray, float]:
+    """Least squares y ~ [1, x...] @ coef; returns (coef with intercept first, rmse)."""
+    X = np.column_stack([np.ones(len(y)), np.asarray(x, dtype=float)])
+    y = np.asarray(y, dtype=float)
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    return coef, float(np.sqrt(np.mean((y - X @ coef) ** 2)))
+
+
+@dataclass
+class PrefillPoint:
+    """One measured prefill forward pass: tokens n, path, wall time, distinct cold experts u."""
+
+    n: int
+    path: str  # "split" | "upload"
+    total_ms: float
+    distinct_cold: float = 0.0
+    cold_routes: float = 0.0
+
+
+def ubar_curve(points: Sequence[PrefillPoint]) -> tuple[np.ndarray, np.ndarray]:
+    """Mean distinct cold experts per forward pass by token count: (ns, ū(ns)), with ū(0) = 0.
+
+    Made non-decreasing (Lemma B.3) so that interpolation keeps the lemma's shape.
+    """
+    by_n: dict[int, list[float]] = {}
+    for p in points:
+        by_n.setdefault(int(p.n), []).append(float(p.distinct_cold))
+    ns = np.array([0] + sorted(by_n), dtype=float)
+    us = np.array([0.0] + [float(np.mean(by_n[int(n)])) for n in ns[1:]])
+    return ns, np.maximum.accumulate(us)
+
+
+def fit_prefill_paths(points: Sequence[PrefillPoint], *, expert_upload_ms: Optional[float] = None
+                      ) -> dict[str, Any]:
+    """Fit the two prefill paths and return Phi's coefficients (Prop. 3.2).
+
+    split:  total_ms = a_s + c_s n;    upload: total_ms = a_u + c_u n + phi2 u.
+    ``expert_upload_ms`` (bytes of one expert / pinned bandwidth) fixes phi2 when the upload points
+    cannot separate it from n (too few sizes). Returns {"phi0_ms", "phi1_ms_per_token",
+    "phi2_ms_per_expert", "split": {...}, "upload": {...}}. Raises CalibrationError when a path has
+    fewer than 2 sizes.
+    """
+    sp = [p for p in points if p.path == "split"]
+    up = [p for p in points if p.path == "upload"]
+    if len({p.n for p in sp}) < 2 or len({p.n for p in up}) < 2:
+        raise CalibrationError("need split and upload passes of at least 2 sizes each")
+    (a_s, c_s), rm_s = fit_linear([[p.n] for p in sp], [p.total_ms for p in sp])
+    phi2 = None
+    if len({p.n for p in up}) >= 3:
+        (a_u, c_u, phi2_fit), rm_u = fit_linear([[p.n, p.distinct_cold] for p in up],
+                                                [p.total_ms for p in up])
+        if phi2_fit > 0:
+            phi2 = float(phi2_fit)
+    if phi2 is None:
+        phi2 = float(expert_upload_ms or 0.0)
+        (a_u, c_u), rm_u = fit_linear([[p.n] for p in up],
+                                      [p.total_ms - phi2 * p.distinct_cold for p in up])
+    return {"phi0_ms": float(a_s - a_u), "phi1_ms_per_token": float(c_s - c_u),
+            "phi2_ms_per_expert": phi2,
+            "split": {"a_ms": float(a_s), "c_ms_per_token": float(c_s), "rmse_ms": rm_s,
+                      "points": len(sp)},
+            "upload": {"a_ms": float(a_u), "c_ms_per_token": float(c_u), "rmse_ms": rm_u,
+                       "points": len(up)}}
+
+
+def switch_point(phi0: float, phi1: float, phi2: float, ubar_n: Sequence[float],
+                 ubar_u: Sequence[float], n_max: int = 1 << 16) -> Optional[int]:
+    """Np = min{n >= 1 : Phi(n) >= 0} with Phi(n) = phi0 + phi1 n - phi2 ū(n) (Prop. 3.2).
+
+    ū is interpolated linearly between the measured sizes and held at its last value beyond them
+    (it is bounded by the number of cold experts, Lemma B.3). Returns None when the upload path is
+    never cheaper up to ``n_max`` tokens (e.g. phi1 <= 0).
+    """
+    n = np.arange(1, n_max + 1, dtype=float)
+    u = np.interp(n, np.asarray(ubar_n, float), np.asarray(ubar_u, float))
+    phi = phi0 + phi1 * n - phi2 * u
+    idx = np.nonzero(phi >= 0)[0]
+    return int(n[idx[0]]) if len(idx) else None
+
+
+def measured_crossing(points: Sequence[PrefillPoint]) -> Optional[int]:
+    """Smallest measured n whose median upload time is <= its median split time (a check on Np)."""
+    ns = sorted({p.n for p in points})
+    for n in ns:
+        s = [p.total_ms for p in points if p.n == n and p.path == "split"]
+        u = [p.total_ms for p in points if p.n == n and p.path == "upload"]
+        if s and u and np.median(u) <= np.median(s):
+            return int(n)
+    return None
+
+
+def solve_calibration(decode_rows: Sequence[Sequence[float]], gpu_ms_per_layer: Sequence[float],
+                      prefill: Sequence[PrefillPoint], *, gpu: bool,
+                      expert_bytes: Optional[int] = None, h2d_gbps: Optional[float] = None
+                      ) -> dict[str, Any]:
+    """Turn measurements into the stored calibration dict (no I/O).
+
+    ``decode_rows``: see :func:`fit_cpu_branch`; ``gpu_ms_per_layer``: GPU-branch time per layer of
+    decode steps; ``prefill``: forced-path prefill passes. With ``gpu=False`` the GPU terms are left
+    out (None) and a note says why. Np comes from :func:`switch_point`.
+    """
+    notes: list[str] = []
+    cal: dict[str, Any] = {"format": CALIBRATION_FORMAT, "source": SOURCE, "gpu_terms": gpu,
+                           "cpu_branch": fit_cpu_branch(decode_rows)}
+    cb = cal["cpu_branch"]
+    cal["gpu_branch_ms"] = (float(np.median(gpu_ms_per_layer))
+                            if gpu and len(gpu_ms_per_layer) else None)
+    cal["h2d_pinned_gbps"] = h2d_gbps if gpu else None
+    up_ms = (expert_bytes / (h2d_gbps * 1e9) * 1e3) if (expert_bytes and h2d_gbps) else None
+    cal["expert_upload_ms"] = up_ms if gpu else None
+    cal["np_tokens"] = None
+    cal["prefill"] = None
+    if not gpu:
+        notes.append("no GPU: G, pinned H2D bandwidth and Np are not measured (the upload path "
+                     f"equals the split path here); the engine uses settings.prefill_threshold or "
+                     f"{DEFAULT_NP}")
+    elif prefill:
+        try:
+            fit = fit_prefill_paths(prefill, expert_upload_ms=up_ms)
+            ns, us = ubar_curve([p for p in prefill if p.path == "upload"] or prefill)
+            fit["ubar"] = [[int(a), float(b)] for a, b in zip(ns, us)]
+            cal["prefill"] = fit
+            cal["np_tokens"] = switch_point(fit["phi0_ms"], fit["phi1_ms_per_token"],
+                                            fit["phi2_ms_per_expert"], ns, us)
+            cal["np_measured_crossing"] = measured_crossing(prefill)
+            if cal["np_tokens"] is None:
+                notes.append("the upload path was never cheaper than the split path: Np unset")
+        except CalibrationError as e:
+            notes.append(f"prefill paths not fitted: {e}")
+    if cb["gamma0_ms"] is not None and cal["gpu_branch_ms"] is not None and cb["alpha_ms"] is not None:
+        g = max(cb["gamma0_ms"], cal["gpu_branch_ms"])
+        cal["residual_alpha_minus_g_ms"] = cb["alpha_ms"] - g  # delta of Prop. B.1
+    cal["notes"] = notes
+    return cal
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware profile I/O
+# --------------------------------------------------------------------------------------------
+
+def load_calibration(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
+    """The ``calibration`` section of the hardware profile, or None (missing/unreadable)."""
+    path = Path(path) if path else get_paths().hardware_profile
+    try:
+        return json.loads(path.read_text()).get("calibration")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def prefill_threshold(settings: Any = None, path: Optional[Path] = None) -> int:
+    """Np to use: ``settings.prefill_threshold`` if set, else the calibrated value (unless stale),
+    else 512 (the paper's value, Sec. 3.3)."""
+    if settings is not None and getattr(settings, "prefill_threshold", None):
+        return int(settings.prefill_threshold)
+    cal = load_calibration(path)
+    if cal and not cal.get("stale") and cal.get("np_tokens"):
+        return int(cal["np_tokens"])
+    return DEFAULT_NP
+
+
+def store_calibration(cal: dict[str, Any], path: Optional[Path] = None) -> Path:
+    """Write ``cal`` under ``"calibration"`` in the hardware profile, keeping every other key.
+
+    Atomic (temp file + rename). Creates the file (``{"calibration": ...}``) when it is missing.
+    """
+    path = Path(path) if path else get_paths().hardware_profile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        prof = json.loads(path.read_text())
+        if not isinstance(prof, dict):
+            prof = {}
+    except (OSError, ValueError):
+        prof = {}
+    prof["calibration"] = cal
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(prof, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Measurement through the engine
+# --------------------------------------------------------------------------------------------
+
+def _h2d_from_profile(path: Optional[Path] = None) -> Optional[float]:
+    try:
+        prof = json.loads((Path(path) if path else get_paths().hardware_profile).read_text())
+        vals = [e.get("gbps") for e in prof.get("bandwidth", {}).get("h2d_pinned", []) if e.get("gbps")]
+        return float(max(vals)) if vals else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _default_model() -> Optional[Path]:
+    try:
+        from ..settings import load_settings
+
+        m = load_settings().model
+        if m and Path(m).is_file():
+            return Path(m)
+    except Exception:  # a broken settings file must not stop the profile code
+        pass
+    models = get_paths().models_dir
+    cands = sorted(models.glob("*demo*.gguf")) + sorted(models.glob("*.gguf")) if models.is_dir() else []
+    return cands[0] if cands else None
+
+
+def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence[int] = (),
+            hot_fracs: Sequence[float] = (0.25, 0.5, 0.75, 1.0), repeats: int = 2,
+            n_threads: Optional[int] = None, progress=None) -> dict[str, Any]:
+    """Run forced-path forward passes through the native expert engine; return raw measurements.
+
+    Returns {"decode_rows", "gpu_ms_per_layer", "prefill": [PrefillPoint], "gpu", "expert_bytes",
+    "model"}. Raises CalibrationError when the engine or the model cannot be used.
+    """
+    from .calib_runner import run_measurements  # engine-facing part, kept apart from the math
+
+    return run_measurements(model_path, decode_steps=decode_steps, prefill_sizes=prefill_sizes,
+                            hot_fracs=hot_fracs, repeats=repeats, n_threads=n_threads,
+                            progress=progress)
+
+
+def run_calibration(model_path: Optional[Path] = None, *, profile_path: Optional[Path] = None,
+                    quick: bool = True, progress=None) -> dict[str, Any]:
+    """Measure, fit and store the calibration; never raises (the profile code calls it).
+
+    ``model_path`` defaults to settings.model, else a GGUF in the models dir (the demo model).
+    Returns the calibration dict as stored; on failure {"error": message, ...} (also stored, so
+    the profile shows why) unless nothing could be attempted.
+    """
+    t0 = time.monotonic()
+    model_path = Path(model_path) if model_path else _default_model()
+    if model_path is None:
+        msg = "no model to calibrate with (set a model or start the daemon once for the demo model)"
+        log.warning("calibration skipped: %s", msg)
+        return {"format": CALIBRATION_FORMAT, "error": msg}
+    try:
+        m = measure(model_path, decode_steps=12 if quick else 48,
+                    prefill_sizes=(32, 128, 512) if quick else (16, 64, 128, 256, 512, 1024, 2048),
+                    repeats=1 if quick else 3, progress=progress)
+        cal = solve_calibration(m["decode_rows"], m["gpu_ms_per_layer"], m["prefill"],
+                                gpu=m["gpu"], expert_bytes=m.get("expert_bytes"),
+                                h2d_gbps=_h2d_from_profile(profile_path))
+        cal["measurements"] = {"decode_steps": len(m["decode_rows"]),
+                               "prefill_passes": len(m["prefill"]),
+                               "prefill": [vars(p) for p in m["prefill"]]}
+        cal["model"] = m.get("model")
+    except Exception as e:  # noqa: BLE001 - reported in the profile instead of crashing the caller
+        log.warning("calibration failed: %s", e)
+        cal = {"format": CALIBRATION_FORMAT, "error": f"{type(e).__name__}: {e}",
+               "model": {"path": str(model_path)}}
+    cal["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    cal["seconds"] = round(time.monotonic() - t0, 2)
+    store_calibration(cal, profile_path)
+    return cal
+
+
+def format_calibration(cal: dict[str, Any]) -> str:
+    """Human-readable summary of a calibration dict."""
+    if cal.get("error"):
+        return f"calibration failed: {cal['error']}"
+    cb = cal["cpu_branch"]
+
+    def f(v, unit="ms"):
+        return "n/a" if v is None else f"{v:.4f} {unit}"
+
+    lines = [f"CPU branch per layer: gamma0 {f(cb['gamma0_ms'])}, alpha {f(cb['alpha_ms'])}, "
+             f"beta {f(cb['beta_ms'])} per cold route (rmse {cb['rmse_ms']:.4f} ms, "
+             f"{cb['samples']} steps)",
+             f"GPU branch per layer G: {f(cal.get('gpu_branch_ms'))}; pinned H2D: "
+             f"{cal.get('h2d_pinned_gbps') or 'n/a'} GB/s",
+             f"prefill threshold Np: {cal.get('np_tokens') or 'not calibrated'}"
+             + (f" (measured crossing {cal['np_measured_crossing']})"
+                if cal.get("np_measured_crossing") else "")]
+    lines += [f"note: {n}" for n in cal.get("notes", [])]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``ostinato calibrate [--model M.gguf] [--full] [--json]``."""
+    ap = argparse.ArgumentParser(prog="ostinato calibrate",
+                                 description="Calibrate the cost model (gamma0, alpha, beta, G, "
+                                             "H2D) and the prefill threshold Np on this machine.")
+    ap.add_argument("--model", type=Path, help="MoE GGUF to measure with (default: settings.model "
+                    "or the demo model)")
+    ap.add_argument("--full", action="store_true", help="more steps and prefill sizes (slower)")
+    ap.add_argument("--json", action="store_true", help="print the stored calibration as JSON")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cal = run_calibration(a.model, quick=not a.full, progress=lambda s: print(s, file=sys.stderr))
+    print(json.dumps(cal, indent=1) if a.json else format_calibration(cal))
+    print(f"stored in {get_paths().hardware_profile}")
+    return 1 if cal.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
