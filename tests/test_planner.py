@@ -207,6 +207,11 @@ def test_cli_writes_residency_file(tmp_path, monkeypatch, capsys):
     res = json.loads(path.read_text())
     assert res["model"]["fingerprint"] == shape.fingerprint and res["workload"] == "coding"
     assert sum(len(v) for v in res["gpus"][0]["hot"].values()) == 12  # half of 3 x 8
+    # The engine's own reader accepts it for this model.
+    from ostinatod.engine.residency import model_block, read_residency
+
+    assert read_residency(path, model_block(model)).n_hot == 12
+    assert shape.model_block() == model_block(model)
     assert "hot-route share" in out
     # No traces for another workload: a clear error, exit code 1.
     assert planner.main(["--model", str(model), "--workload", "service", "--budget-frac", "0.5"]) == 1

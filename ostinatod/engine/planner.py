@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
 import json
 import logging
 import re
@@ -36,7 +35,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..paths import get_paths
-from .traces import Trace, TraceError, _atomic_write_json, load_traces, trace_path
+from .traces import Trace, TraceError, load_traces, trace_path
 
 log = logging.getLogger(__name__)
 
@@ -97,25 +96,9 @@ class ModelShape:
 
 
 def _fingerprint(path: Path) -> str:
-    try:
-        from .residency import model_fingerprint  # the one definition (native-engine engineer)
-    except ImportError:
-        model_fingerprint = None
-    if model_fingerprint is not None:
-        return model_fingerprint(path)
-    # Same inputs as the shared spec; only used while residency.py is absent.
-    import gguf
+    from .residency import model_fingerprint  # the one definition (shared file format)
 
-    r = gguf.GGUFReader(str(path))
-    arch = r.fields["general.architecture"].contents()
-    h = hashlib.sha256()
-    for key in ("block_count", "expert_count", "expert_used_count"):
-        f = r.fields.get(f"{arch}.{key}")
-        h.update(f"{key}={f.contents() if f else None};".encode())
-    h.update(f"arch={arch};".encode())
-    for t in r.tensors:
-        h.update(f"{t.name}:{list(map(int, t.shape))}:{int(t.tensor_type)};".encode())
-    return h.hexdigest()
+    return model_fingerprint(path)
 
 
 def read_model_shape(path: Path) -> ModelShape:
@@ -431,9 +414,11 @@ def residency_path(fingerprint: str, workload: str, data_dir: Optional[Path] = N
 
 
 def write_residency(res: dict[str, Any], path: Path) -> Path:
-    """Write a residency set atomically; returns the path."""
-    _atomic_write_json(Path(path), res)
-    return Path(path)
+    """Validate (structure) and write a residency set atomically via
+    :func:`ostinatod.engine.residency.write_residency`; returns the path."""
+    from .residency import write_residency as _write
+
+    return _write(res, Path(path))
 
 
 def plan_for_model(model_path: Path, workload: str, *, traces: Sequence[Path] = (),

@@ -335,9 +335,9 @@ def model_block(model_path: Path) -> dict[str, Any]:
     comes from :func:`ostinatod.engine.residency.model_fingerprint`. Raises ValueError for a file
     that is not a readable GGUF.
     """
-    from .planner import read_model_shape
+    from .residency import model_block as _block
 
-    return read_model_shape(model_path).model_block()
+    return _block(model_path)
 
 
 def load_traces(paths: Iterable[Path], fingerprint: Optional[str] = None) -> Trace:
