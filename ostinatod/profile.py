@@ -305,8 +305,9 @@ def collect_profile(measure: bool = True, host_read_mb: int = 512, h2d_mb: int =
     return prof
 
 
-def _recalibrate() -> bool:
-    """Run the engine calibration if that module exists; True when it ran."""
+def _recalibrate(path: Path) -> bool:
+    """Run the engine calibration (it stores its section into ``path``) if that module exists;
+    True when it ran. ``run_calibration`` never raises."""
     try:
         from .engine.calibrate import run_calibration  # type: ignore[attr-defined]
     except ImportError:
@@ -314,7 +315,9 @@ def _recalibrate() -> bool:
                  "'ostinato calibrate' once it is)")
         return False
     log.info("hardware changed: re-running the engine calibration")
-    run_calibration()
+    cal = run_calibration(profile_path=path)
+    if cal.get("error"):
+        log.info("calibration: %s", cal["error"])
     return True
 
 
@@ -337,7 +340,7 @@ def update_profile(path: Optional[Path] = None, measure: bool = True, recalibrat
         if changed and isinstance(new["calibration"], dict):
             new["calibration"]["stale"] = True
     _write_json_atomic(path, new)
-    if changed and recalibrate and _recalibrate():
+    if changed and recalibrate and _recalibrate(path):
         new = load_profile(path) or new
     new["changed"] = changed
     return new
@@ -382,8 +385,13 @@ def format_profile(p: dict[str, Any]) -> str:
                      f"({_gb(g['memory_free_bytes'])} free), PCIe gen {g.get('pcie_gen')}/{g.get('pcie_gen_max')} "
                      f"x{g.get('pcie_width')}/{g.get('pcie_width_max')}, pinned H2D {e.get('gbps')} GB/s")
     cal = p.get("calibration")
-    lines.append("calib  " + ("none yet ('ostinato calibrate')" if not cal else
-                              ("stale (hardware changed)" if cal.get("stale") else "present")))
+    if not cal:
+        state = "none yet ('ostinato calibrate')"
+    elif cal.get("error"):
+        state = f"failed: {cal['error']}"
+    else:
+        state = "stale (hardware changed)" if cal.get("stale") else f"present ({cal.get('created', '?')})"
+    lines.append("calib  " + state)
     lines.append(f"fingerprint {p.get('fingerprint', '')[:16]}")
     return "\n".join(lines)
 
