@@ -10,6 +10,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <list>
+#include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -376,6 +379,22 @@ char * ostinato_chat_parser_feed(void * parser, const char * text_so_far, int is
     } catch (const std::exception & e) {
         return error_json("parse_error", e.what());
     }
+}
+
+// --n-cpu-moe for the ctypes loader: llama.cpp's own override list (common.h, llm_add_n_cpu_ffn_overrides),
+// kept alive for the process and terminated by a {NULL, NULL} entry.
+const struct llama_model_tensor_buft_override * ostinato_n_cpu_moe_overrides(int n_layers) {
+    static std::mutex mu;
+    static std::map<int, std::vector<llama_model_tensor_buft_override>> cache;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(n_layers);
+    if (it == cache.end()) {
+        std::vector<llama_model_tensor_buft_override> v;
+        llm_add_n_cpu_ffn_overrides(n_layers < 0 ? 0 : n_layers, LLM_FFN_EXPS_REGEX, v);
+        v.push_back({nullptr, nullptr});
+        it = cache.emplace(n_layers, std::move(v)).first;
+    }
+    return it->second.data();
 }
 
 }  // extern "C"

@@ -49,6 +49,10 @@ void   ostinato_chat_parser_free(void * parser);
 // "parse_error": str (only when the final parse failed and the text was kept as content)}.
 char * ostinato_chat_parser_feed(void * parser, const char * text_so_far, int is_partial);
 
+// tensor_buft_overrides keeping the expert tensors of layers [0, n_layers) in host memory, like
+// llama.cpp's --n-cpu-moe (the "stock" baseline). NULL-terminated; owned by the library.
+const struct llama_model_tensor_buft_override * ostinato_n_cpu_moe_overrides(int n_layers);
+
 #ifdef __cplusplus
 }
 #endif
