@@ -1,0 +1,284 @@
+"""Chat templates and output parsing through llama.cpp's ``common/chat`` (our native shim).
+
+:class:`ChatTemplates` renders OpenAI-shaped messages with the model's own chat template (Jinja,
+tool-call grammar, stop words); :class:`ChatParser` parses the generated text — reasoning, content and
+tool calls, also partially while streaming — and yields OpenAI-style diffs. Nothing here parses model
+output itself: the PEG parsers and template handlers are llama.cpp's.
+
+Errors: :class:`~ostinatod.engine.types.EngineError` with code ``invalid_request`` (bad messages,
+tools, tool_choice) or ``template_error`` (the template failed to render).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from . import native
+from .types import EngineError
+
+
+@dataclass
+class RenderedPrompt:
+    """Result of applying the chat template (fields of llama.cpp's ``common_chat_params``).
+
+    ``raw`` is the shim's JSON result, needed to build the grammar sampler and the parser.
+    ``grammar_lazy`` grammars only constrain output after one of ``grammar_triggers`` appears.
+    """
+
+    prompt: str
+    format_name: str
+    grammar: str
+    grammar_lazy: bool
+    additional_stops: list[str]
+    preserved_tokens: list[str]
+    generation_prompt: str
+    supports_thinking: bool
+    raw: str = field(repr=False)
+
+    @classmethod
+    def from_result(cls, res: dict[str, Any]) -> "RenderedPrompt":
+        return cls(prompt=res["prompt"], format_name=res.get("format_name", ""),
+                   grammar=res.get("grammar", ""), grammar_lazy=bool(res.get("grammar_lazy")),
+                   additional_stops=list(res.get("additional_stops") or []),
+                   preserved_tokens=list(res.get("preserved_tokens") or []),
+                   generation_prompt=res.get("generation_prompt", ""),
+                   supports_thinking=bool(res.get("supports_thinking")), raw=json.dumps(res))
+
+
+def _text_of_parts(parts: list[Any]) -> list[dict[str, str]]:
+    out = []
+    for p in parts:
+        if isinstance(p, str):
+            out.append({"type": "text", "text": p})
+        elif isinstance(p, dict) and isinstance(p.get("text"), str):
+            out.append({"type": "text", "text": p["text"]})
+        elif isinstance(p, dict) and p.get("type") in ("image_url", "image", "input_image"):
+            out.append({"type": "text", "text": "[image omitted]"})  # text-only models
+        else:
+            raise EngineError("invalid_request", f"unsupported content part: {json.dumps(p)[:200]}")
+    return out
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-shaped messages in the exact shape common/chat accepts: ``None`` fields dropped,
+    non-text parts rejected, tool call ``type`` defaulted, dict arguments serialised.
+
+    Raises EngineError("invalid_request") for shapes that cannot be rendered.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise EngineError("invalid_request", "'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise EngineError("invalid_request", f"messages[{i}] must be an object with a 'role'")
+        n: dict[str, Any] = {"role": m["role"]}
+        content = m.get("content")
+        if isinstance(content, list):
+            n["content"] = _text_of_parts(content)
+        elif content is None:
+            n["content"] = ""
+        elif isinstance(content, str):
+            n["content"] = content
+        else:
+            raise EngineError("invalid_request", f"messages[{i}].content must be a string or a list")
+        if m.get("tool_calls"):
+            calls = []
+            for tc in m["tool_calls"]:
+                fnc = (tc or {}).get("function") or {}
+                if not isinstance(fnc.get("name"), str):
+                    raise EngineError("invalid_request", f"messages[{i}] has a tool call without a name")
+                args = fnc.get("arguments", "{}")
+                if not isinstance(args, str):
+                    args = json.dumps(args)
+                call = {"type": "function", "function": {"name": fnc["name"], "arguments": args}}
+                if tc.get("id"):
+                    call["id"] = str(tc["id"])
+                calls.append(call)
+            n["tool_calls"] = calls
+        for key in ("reasoning_content", "tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                n[key] = m[key]
+        out.append(n)
+    return out
+
+
+class ChatTemplates:
+    """The chat templates of a loaded model (``llama_model *``), via ``ostinato_chat_init``.
+
+    ``template_override``: Jinja source replacing the GGUF's template. Raises EngineError
+    ("template_error") if the template does not parse, NativeError if the shim is not built.
+    """
+
+    def __init__(self, model_ptr: int, template_override: Optional[str] = None):
+        self._fn_apply = native.fn("ostinato_chat_apply")
+        h = native.fn("ostinato_chat_init")(model_ptr, template_override.encode() if template_override else None)
+        if not h:
+            raise EngineError("template_error", native.last_error() or "chat template init failed", 500)
+        self._h = h
+        self.info = native.take_json(native.fn("ostinato_chat_info")(h))
+
+    def close(self) -> None:
+        """Free the native templates (idempotent)."""
+        if getattr(self, "_h", None):
+            native.fn("ostinato_chat_free")(self._h)
+            self._h = None
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def render(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None,
+               tool_choice: Any = None, parallel_tool_calls: bool = True,
+               enable_thinking: Optional[bool] = None, json_schema: Optional[dict[str, Any]] = None,
+               add_generation_prompt: bool = True) -> RenderedPrompt:
+        """Apply the template. ``tool_choice``: "auto" | "none" | "required" | {"type": "function",
+        "function": {"name": N}} (a named tool: only that tool is offered and a call is required).
+
+        Raises EngineError("invalid_request" | "template_error").
+        """
+        tools = list(tools or [])
+        choice = tool_choice if tool_choice is not None else "auto"
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") or choice.get("name")
+            named = [t for t in tools if (t.get("function") or {}).get("name") == name]
+            if not named:
+                raise EngineError("invalid_request", f"tool_choice names unknown tool {name!r}")
+            tools, choice = named, "required"
+        if choice not in ("auto", "none", "required"):
+            raise EngineError("invalid_request", f"invalid tool_choice {choice!r}")
+        if choice == "required" and not tools:
+            raise EngineError("invalid_request", "tool_choice 'required' needs at least one tool")
+        req: dict[str, Any] = {"messages": normalize_messages(messages), "tool_choice": choice,
+                               "parallel_tool_calls": bool(parallel_tool_calls),
+                               "add_generation_prompt": add_generation_prompt,
+                               "enable_thinking": True if enable_thinking is None else bool(enable_thinking)}
+        if tools:
+            req["tools"] = [t if "type" in t else {"type": "function", "function": t} for t in tools]
+        if json_schema is not None:
+            req["json_schema"] = json_schema
+        if self._h is None:
+            raise EngineError("model_not_loaded", "chat templates are closed", 503)
+        res = native.take_json(self._fn_apply(self._h, json.dumps(req).encode()))
+        if "error" in res:
+            err = res["error"]
+            status = 400 if err.get("type") == "invalid_request" else 500
+            raise EngineError(err.get("type", "template_error"), err.get("message", "template error"), status)
+        return RenderedPrompt.from_result(res)
+
+
+def grammar_sampler(model_ptr: int, rendered: RenderedPrompt) -> Optional[int]:
+    """A ``llama_sampler *`` enforcing the rendered prompt's grammar (None if it has none).
+
+    Raises EngineError("invalid_request") if the grammar does not compile.
+    """
+    if not rendered.grammar:
+        return None
+    ptr = native.fn("ostinato_chat_grammar_sampler")(model_ptr, rendered.raw.encode())
+    if not ptr:
+        raise EngineError("invalid_request", native.last_error() or "grammar failed to compile")
+    return ptr
+
+
+@dataclass
+class ParseResult:
+    """One parse of the text so far: the message and the diffs since the previous parse."""
+
+    message: dict[str, Any]
+    diffs: list[dict[str, Any]]
+    parse_error: Optional[str] = None
+
+
+class ChatParser:
+    """Incremental parser of one generation (reasoning / content / tool calls).
+
+    Feed the whole text generated so far; :meth:`feed` returns the diffs since the last call as
+    engine delta dicts. ``final=True`` on the last call: a text that does not match the format
+    becomes plain content (``parse_error`` set), never an exception.
+    """
+
+    def __init__(self, rendered: Optional[RenderedPrompt], parse_tool_calls: bool = True):
+        raw = rendered.raw if rendered is not None else json.dumps({"format": 0})
+        opts = json.dumps({"parse_tool_calls": parse_tool_calls, "reasoning": True})
+        self._feed = native.fn("ostinato_chat_parser_feed")
+        h = native.fn("ostinato_chat_parser_new")(raw.encode(), opts.encode())
+        if not h:
+            raise EngineError("template_error", native.last_error() or "chat parser init failed", 500)
+        self._h = h
+        self.message: dict[str, Any] = {"role": "assistant", "content": "", "reasoning_content": "",
+                                        "tool_calls": []}
+        self._sent: set[int] = set()  # tool call indexes whose id/name were emitted
+
+    def close(self) -> None:
+        """Free the native parser (idempotent)."""
+        if getattr(self, "_h", None):
+            native.fn("ostinato_chat_parser_free")(self._h)
+            self._h = None
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def feed(self, text_so_far: str, final: bool = False) -> ParseResult:
+        """Parse ``text_so_far``; returns the message and the diffs as engine ``delta`` payloads
+        (``{"content"}``, ``{"reasoning"}``, ``{"tool_calls": [{"index", "id", "name", "arguments"}]}``)."""
+        res = native.take_json(self._feed(self._h, text_so_far.encode("utf-8", errors="replace"),
+                                          0 if final else 1))
+        if "error" in res:
+            # only when even the fallback failed: keep the text as content
+            self.message = {"role": "assistant", "content": text_so_far, "reasoning_content": "",
+                            "tool_calls": []}
+            return ParseResult(self.message, [], res["error"].get("message"))
+        self.message = res["msg"]
+        calls = self.message.get("tool_calls", [])
+        deltas: list[dict[str, Any]] = []
+
+        def header(i: int, args: str) -> None:
+            deltas.append({"tool_calls": [{"index": i, "id": calls[i]["id"], "name": calls[i]["name"],
+                                           "arguments": args}]})
+            self._sent.add(i)
+
+        # like llama-server: a tool call's id/name go out once the name is complete (its arguments
+        # started, a later call began, or the text ended), then only argument diffs follow
+        for d in res.get("diffs", []):
+            if d.get("reasoning_content_delta"):
+                deltas.append({"reasoning": d["reasoning_content_delta"]})
+            if d.get("content_delta"):
+                deltas.append({"content": d["content_delta"]})
+            i = d.get("tool_call_index")
+            if i is None or i >= len(calls):
+                continue
+            for j in range(i):
+                if j not in self._sent and calls[j]["name"]:
+                    header(j, "")
+            args = (d.get("tool_call_delta") or {}).get("arguments", "")
+            if i in self._sent:
+                if args:
+                    deltas.append({"tool_calls": [{"index": i, "id": None, "name": None, "arguments": args}]})
+            elif args or final:
+                header(i, args)
+        if final:
+            for j in range(len(calls)):
+                if j not in self._sent and calls[j]["name"]:
+                    header(j, "")
+        return ParseResult(self.message, deltas, res.get("parse_error"))
+
+
+def openai_message(msg: dict[str, Any]) -> dict[str, Any]:
+    """The shim's parsed message in OpenAI shape (``tool_calls`` with type/function, None content
+    when empty and there are tool calls)."""
+    calls = [{"id": tc["id"], "type": "function",
+              "function": {"name": tc["name"], "arguments": tc["arguments"]}}
+             for tc in msg.get("tool_calls", [])]
+    out: dict[str, Any] = {"role": "assistant",
+                           "content": msg.get("content") or (None if calls else "")}
+    if msg.get("reasoning_content"):
+        out["reasoning_content"] = msg["reasoning_content"]
+    if calls:
+        out["tool_calls"] = calls
+    return out

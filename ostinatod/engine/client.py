@@ -1,0 +1,419 @@
+"""Engine clients: the :class:`~ostinatod.engine.types.EngineClient` protocol over a worker.
+
+- :class:`InProcessEngine`: the :class:`~ostinatod.engine.worker.Worker` loop in a thread of this
+  process (tests, tools). A native crash takes the process with it.
+- :class:`SubprocessEngine`: the worker in a supervised child process
+  (``python -m ostinatod.engine.worker_main``) speaking JSON lines over its stdin/stdout. If the
+  child dies, every in-flight request ends with an ``error`` event of code ``engine_crashed``, the
+  state goes "restarting", the child is started again and reloads the model, then "ready".
+
+Both stop generation when the consumer of :meth:`generate` goes away (client disconnect): closing
+the async iterator cancels the request in the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+from ..settings import Settings
+from .types import EngineError, EngineEvent, GenRequest
+
+log = logging.getLogger("ostinatod.engine")
+
+_TERMINAL = ("done", "error")
+
+
+def _resolve_model(settings: Settings, model_path: Optional[Path]) -> Path:
+    p = model_path or settings.model
+    if p is None:
+        raise EngineError("model_not_loaded", "no model configured (set 'model' or pass model_path)", 503)
+    return Path(p).expanduser()
+
+
+def _error_event(code: str, message: str, status: int) -> EngineEvent:
+    return EngineEvent("error", {"code": code, "message": message, "status": status})
+
+
+class InProcessEngine:
+    """Worker loop in a daemon thread of this process. ``model_path`` overrides ``settings.model``."""
+
+    def __init__(self, settings: Settings, model_path: Optional[Path] = None):
+        self.settings = settings
+        self.model_path = model_path
+        self.state = "stopped"
+        self.error: Optional[EngineError] = None
+        self._worker = None
+        self._thread: Optional[threading.Thread] = None
+        self._loaded: Optional[asyncio.Future] = None
+        self._info: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        """Start loading the model in the worker thread (returns at once; see wait_ready)."""
+        from .worker import Worker
+        if self.state in ("loading", "ready"):
+            return
+        loop = asyncio.get_running_loop()
+        self._loaded = loop.create_future()
+        self.state = "loading"
+        self.error = None
+        try:
+            path = _resolve_model(self.settings, self.model_path)
+        except EngineError as e:
+            self._set_loaded(loop, e)
+            return
+        worker = Worker(self.settings, path)
+        self._worker = worker
+
+        def body() -> None:
+            try:
+                worker.load()
+                self._info = worker.info()
+            except EngineError as e:
+                loop.call_soon_threadsafe(self._set_loaded, loop, e)
+                worker.close()
+                return
+            except Exception as e:  # pragma: no cover - unexpected loader failure
+                log.exception("model load failed")
+                loop.call_soon_threadsafe(self._set_loaded, loop,
+                                          EngineError("model_not_loaded", f"model load failed: {e}", 503))
+                worker.close()
+                return
+            loop.call_soon_threadsafe(self._set_loaded, loop, None)
+            try:
+                worker.run()
+            finally:
+                worker.close()
+
+        self._thread = threading.Thread(target=body, name="ostinato-engine", daemon=True)
+        self._thread.start()
+
+    def _set_loaded(self, loop: asyncio.AbstractEventLoop, err: Optional[EngineError]) -> None:
+        if err is None:
+            self.state = "ready"
+        else:
+            self.state = "error"
+            self.error = err
+            log.error("engine: %s", err.message)
+        if self._loaded is not None and not self._loaded.done():
+            self._loaded.set_result(err)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait for the model. Raises EngineError (load failure, or "timeout" after ``timeout`` s)."""
+        if self._loaded is None:
+            raise EngineError("model_not_loaded", "engine not started", 503)
+        try:
+            err = await asyncio.wait_for(asyncio.shield(self._loaded), timeout)
+        except asyncio.TimeoutError:
+            raise EngineError("model_not_loaded", f"model not loaded after {timeout} s", 503) from None
+        if err is not None:
+            raise err
+
+    async def stop(self) -> None:
+        """Stop the worker thread and free the model."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 60)
+        self._worker = None
+        self._thread = None
+        self.state = "stopped"
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[EngineEvent]:
+        """Stream the events of ``req`` (ends after "done" or "error")."""
+        if self.state != "ready" or self._worker is None:
+            yield _error_event("model_not_loaded", f"the engine is {self.state}", 503)
+            return
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[EngineEvent] = asyncio.Queue()
+
+        def emit(ev: EngineEvent) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+        worker = self._worker
+        worker.submit(req, emit)
+        finished = False
+        try:
+            while True:
+                ev = await q.get()
+                if ev.type in _TERMINAL:
+                    finished = True
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                worker.cancel(req.id)
+
+    async def count_tokens(self, req: GenRequest) -> int:
+        """Tokens of the rendered prompt. Raises EngineError for bad requests."""
+        if self.state != "ready" or self._worker is None:
+            raise EngineError("model_not_loaded", f"the engine is {self.state}", 503)
+        return await asyncio.to_thread(self._worker.count_tokens, req)
+
+    async def info(self) -> dict[str, Any]:
+        """Loaded model facts ({} before the model is loaded)."""
+        return dict(self._info, state=self.state)
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine counters (see Worker.stats)."""
+        if self._worker is None or self.state != "ready":
+            return {"state": self.state}
+        return dict(self._worker.stats(), state=self.state)
+
+
+class SubprocessEngine:
+    """Supervised worker process (see module docstring).
+
+    ``restart_limit`` crashes within ``restart_window_s`` put the engine in state "error" instead of
+    restarting again. ``pid`` is the current child's process id (None when not running).
+    """
+
+    def __init__(self, settings: Settings, model_path: Optional[Path] = None,
+                 restart_limit: int = 5, restart_window_s: float = 120.0):
+        self.settings = settings
+        self.model_path = model_path
+        self.state = "stopped"
+        self.error: Optional[EngineError] = None
+        self.restarts = 0
+        self.restart_limit = restart_limit
+        self.restart_window_s = restart_window_s
+        self._crash_times: list[float] = []
+        self._proc: Optional[asyncio.subprocess.Process] = None
+        self._reader: Optional[asyncio.Task] = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._replies: dict[str, asyncio.Future] = {}
+        self._rid = itertools.count(1)
+        self._ready: Optional[asyncio.Event] = None
+        self._stopping = False
+        self._info: dict[str, Any] = {}
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
+
+    async def start(self) -> None:
+        """Spawn the worker process; the model loads in it (see wait_ready)."""
+        if self.state in ("loading", "ready", "restarting"):
+            return
+        self._stopping = False
+        self._ready = asyncio.Event()
+        self.error = None
+        try:
+            path = _resolve_model(self.settings, self.model_path)
+        except EngineError as e:
+            self.state, self.error = "error", e
+            self._ready.set()
+            return
+        self.state = "loading"
+        await self._spawn(path)
+
+    async def _spawn(self, path: Path) -> None:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ostinatod.engine.worker_main",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+            limit=64 * 1024 * 1024)
+        init = {"op": "init", "settings": self.settings.model_dump(mode="json"), "model_path": str(path)}
+        await self._send(init)
+        self._reader = asyncio.create_task(self._read_loop(self._proc, path))
+
+    async def _send(self, msg: dict[str, Any]) -> bool:
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.returncode is not None:
+            return False
+        try:
+            proc.stdin.write((json.dumps(msg) + "\n").encode())
+            await proc.stdin.drain()
+            return True
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            return False
+
+    async def _read_loop(self, proc: asyncio.subprocess.Process, path: Path) -> None:
+        assert proc.stdout is not None
+        while True:
+            try:
+                line = await proc.stdout.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                continue
+            if not line:
+                break
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            op = msg.get("op")
+            if op == "event":
+                q = self._streams.get(msg.get("id"))
+                if q is not None:
+                    q.put_nowait(EngineEvent(msg["type"], msg.get("data") or {}))
+            elif op == "reply":
+                fut = self._replies.pop(msg.get("rid"), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif op == "state":
+                if msg.get("state") == "ready":
+                    self._info = msg.get("info") or {}
+                    self.state = "ready"
+                    self.error = None
+                    assert self._ready is not None
+                    self._ready.set()
+                elif msg.get("state") == "error":
+                    self.error = EngineError(msg.get("code", "model_not_loaded"), msg.get("message", "load failed"),
+                                             int(msg.get("status", 503)))
+        rc = await proc.wait()
+        await self._on_exit(proc, rc, path)
+
+    async def _on_exit(self, proc: asyncio.subprocess.Process, rc: int, path: Path) -> None:
+        # every in-flight request learns that its worker is gone
+        for q in list(self._streams.values()):
+            q.put_nowait(_error_event("engine_crashed", f"the engine worker exited (code {rc}); it is "
+                                      "being restarted, retry the request", 503))
+        self._streams.clear()
+        for fut in list(self._replies.values()):
+            if not fut.done():
+                fut.set_result({"error": {"code": "engine_crashed", "message": "engine worker exited",
+                                          "status": 503}})
+        self._replies.clear()
+        if self._stopping or proc is not self._proc:
+            return
+        if self.error is not None and self.state in ("loading", "restarting"):
+            # the model failed to load: restarting would fail the same way
+            self.state = "error"
+            assert self._ready is not None
+            self._ready.set()
+            return
+        now = time.monotonic()
+        self._crash_times = [t for t in self._crash_times if now - t < self.restart_window_s] + [now]
+        if len(self._crash_times) > self.restart_limit:
+            self.state = "error"
+            self.error = EngineError("engine_crashed", f"the engine worker crashed {len(self._crash_times)} "
+                                     f"times in {self.restart_window_s:.0f} s; not restarting", 503)
+            assert self._ready is not None
+            self._ready.set()
+            return
+        log.error("engine worker exited with code %s; restarting", rc)
+        self.state = "restarting"
+        self.restarts += 1
+        self._ready = asyncio.Event()
+        await asyncio.sleep(0.2)
+        if not self._stopping:
+            await self._spawn(path)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait until a worker has loaded the model. Raises EngineError on failure or timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self.state == "ready":
+                return
+            if self.state in ("error", "stopped"):
+                raise self.error or EngineError("model_not_loaded", f"the engine is {self.state}", 503)
+            ev = self._ready
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise EngineError("model_not_loaded", f"model not loaded after {timeout} s", 503)
+            try:
+                assert ev is not None
+                await asyncio.wait_for(ev.wait(), left if left is None else min(left, 1.0))
+            except asyncio.TimeoutError:
+                pass
+            if ev is not None and ev.is_set() and self.state not in ("ready", "error", "stopped"):
+                await asyncio.sleep(0.05)  # a restart replaced the event
+
+    async def stop(self) -> None:
+        """Stop the worker process (in-flight requests get an error event)."""
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            await self._send({"op": "shutdown"})
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if self._reader is not None:
+            try:
+                await asyncio.wait_for(self._reader, 5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+        self._proc = None
+        self.state = "stopped"
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[EngineEvent]:
+        """Stream the events of ``req`` from the worker process."""
+        if self.state != "ready":
+            yield _error_event("model_not_loaded", f"the engine is {self.state}", 503)
+            return
+        if req.id in self._streams:
+            yield _error_event("invalid_request", f"request id {req.id!r} is already running", 400)
+            return
+        q: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._streams[req.id] = q
+        finished = False
+        try:
+            if not await self._send({"op": "generate", "req": asdict(req)}):
+                self._streams.pop(req.id, None)
+                finished = True
+                yield _error_event("engine_crashed", "the engine worker is not running", 503)
+                return
+            while True:
+                ev = await q.get()
+                if ev.type in _TERMINAL:
+                    finished = True
+                yield ev
+                if finished:
+                    return
+        finally:
+            self._streams.pop(req.id, None)
+            if not finished:
+                await self._send({"op": "cancel", "id": req.id})
+
+    async def _call(self, op: str, **kw: Any) -> Any:
+        if self.state != "ready":
+            raise EngineError("model_not_loaded", f"the engine is {self.state}", 503)
+        rid = str(next(self._rid))
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[rid] = fut
+        if not await self._send({"op": op, "rid": rid, **kw}):
+            self._replies.pop(rid, None)
+            raise EngineError("engine_crashed", "the engine worker is not running", 503)
+        msg = await fut
+        if "error" in msg:
+            e = msg["error"]
+            raise EngineError(e.get("code", "internal_error"), e.get("message", ""), int(e.get("status", 500)))
+        return msg.get("result")
+
+    async def count_tokens(self, req: GenRequest) -> int:
+        """Tokens of the rendered prompt of ``req``. Raises EngineError."""
+        return int(await self._call("count_tokens", req=asdict(req)))
+
+    async def info(self) -> dict[str, Any]:
+        """Loaded model facts (from the worker at load time)."""
+        return dict(self._info, state=self.state, restarts=self.restarts)
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine counters from the worker process."""
+        if self.state != "ready":
+            return {"state": self.state, "restarts": self.restarts}
+        try:
+            st = await self._call("stats")
+        except EngineError:
+            return {"state": self.state, "restarts": self.restarts}
+        return dict(st, state=self.state, restarts=self.restarts)
+
+
+def make_engine(settings: Settings, model_path: Optional[Path] = None):
+    """The engine client that ``settings.engine_mode`` selects."""
+    if settings.engine_mode == "inprocess":
+        return InProcessEngine(settings, model_path)
+    return SubprocessEngine(settings, model_path)
