@@ -299,19 +299,150 @@ def _default_model() -> Optional[Path]:
     return cands[0] if cands else None
 
 
+def _hot_sets(block: dict[str, Any], fracs: Sequence[float]) -> list[tuple[float, dict[int, list[int]]]]:
+    """Hot sets keeping ``frac`` of each layer's experts: the most routed ones when a trace of this
+    model exists (any workload), else the lowest ids. Returns [(frac, {layer: ids})]."""
+    from .traces import Trace
+
+    counts = None
+    tdir = get_paths().traces_dir / block["fingerprint"]
+    for p in sorted(tdir.glob("*.json")) if tdir.is_dir() else []:
+        try:
+            c = Trace.load(p).counts
+            counts = c if counts is None else counts + c
+        except Exception:  # noqa: BLE001 - a bad trace only loses the better ranking
+            continue
+    n_l, n_e = int(block["n_layer"]), int(block["n_expert"])
+    out = []
+    for f in fracs:
+        k = max(1, min(n_e, int(round(f * n_e))))
+        hot = {}
+        for l in range(n_l):
+            order = (np.argsort(-counts[l], kind="stable") if counts is not None else np.arange(n_e))
+            hot[l] = sorted(int(e) for e in order[:k])
+        out.append((float(f), hot))
+    return out
+
+
 def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence[int] = (),
             hot_fracs: Sequence[float] = (0.25, 0.5, 0.75, 1.0), repeats: int = 2,
             n_threads: Optional[int] = None, progress=None) -> dict[str, Any]:
     """Run forced-path forward passes through the native expert engine; return raw measurements.
 
+    The model is loaded once by the engine worker's loader (:class:`ostinatod.engine.worker.Worker`,
+    so the expert runtime is set up exactly as when serving) and driven with ``llama_decode``:
+    for each hot fraction, ``decode_steps`` one-token steps (per-layer cold routes from the step's
+    route counts and the hot set), then prefill passes of each size on the split and on the upload
+    path (``force_path``), ``repeats`` times, timed around ``llama_decode``.
     Returns {"decode_rows", "gpu_ms_per_layer", "prefill": [PrefillPoint], "gpu", "expert_bytes",
     "model"}. Raises CalibrationError when the engine or the model cannot be used.
     """
-    from .calib_runner import run_measurements  # engine-facing part, kept apart from the math
+    import tempfile
 
-    return run_measurements(model_path, decode_steps=decode_steps, prefill_sizes=prefill_sizes,
-                            hot_fracs=hot_fracs, repeats=repeats, n_threads=n_threads,
-                            progress=progress)
+    import llama_cpp
+
+    from ..settings import load_settings
+    from . import experts
+    from .residency import make_residency, model_block, write_residency
+    from .worker import Worker
+
+    say = progress or (lambda s: None)
+    block = model_block(model_path)
+    if block["n_expert"] <= 0:
+        raise CalibrationError(f"{model_path} is a dense model: nothing to calibrate")
+    sets = _hot_sets(block, hot_fracs)
+    tmp = Path(tempfile.mkdtemp(prefix="ostinato-calib-"))
+    paths = []
+    for f, hot in sets:
+        paths.append(write_residency(make_residency(block, hot, workload="calibration"),
+                                     tmp / f"hot-{f:.2f}.json"))
+    n_max = max([16, *prefill_sizes])
+    s = load_settings(model=model_path, experts="ostinato", residency=paths[0], n_slots=1,
+                      n_ctx=max(512, n_max + decode_steps + 64), n_batch=n_max, n_ubatch=max(32, n_max),
+                      n_threads=n_threads, engine_mode="inprocess")
+    w = Worker(s, model_path)
+    w.load()
+    try:
+        if w.rt is None:
+            raise CalibrationError("the expert engine is not active for this model (stock run)")
+        info = w.rt.info() if hasattr(w.rt, "info") else {}
+        gpu = bool(experts._has_gpu())
+        n_moe = int(info.get("moe_layers") or block["n_layer"])
+        n_vocab = int(llama_cpp.llama_vocab_n_tokens(w.vocab))
+        rng = np.random.default_rng(0)
+        mem = llama_cpp.llama_get_memory(w.ctx)
+        batch = llama_cpp.llama_batch_init(n_max, 0, 1)
+
+        def decode(tokens: Sequence[int], pos0: int) -> float:
+            batch.n_tokens = len(tokens)
+            for i, t in enumerate(tokens):
+                batch.token[i] = int(t)
+                batch.pos[i] = pos0 + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1 if i == len(tokens) - 1 else 0
+            t0 = time.perf_counter()
+            rc = llama_cpp.llama_decode(w.ctx, batch)
+            llama_cpp.llama_synchronize(w.ctx)
+            ms = (time.perf_counter() - t0) * 1e3
+            if rc != 0:
+                raise CalibrationError(f"llama_decode returned {rc}")
+            return ms
+
+        def toks(n: int) -> list[int]:
+            return [int(x) for x in rng.integers(100, max(101, n_vocab - 300), size=n)]
+
+        rows: list[tuple[int, int, int, float]] = []
+        gpu_ms: list[float] = []
+        prefill: list[PrefillPoint] = []
+        try:
+            for (f, hot), path in zip(sets, paths):
+                if path != paths[0]:
+                    w.rt.switch(path)
+                cold_mask = np.ones((block["n_layer"], block["n_expert"]), bool)
+                for l, ids in hot.items():
+                    cold_mask[l, ids] = False
+                llama_cpp.llama_memory_clear(mem, True)
+                decode(toks(16), 0)
+                w.rt.take_request_stats()
+                for step in range(decode_steps):
+                    decode(toks(1), 16 + step)
+                    st = w.rt.take_request_stats()
+                    cd = np.asarray(st.get("counts_decode") or st.get("counts_prefill"), np.int64)
+                    r = (cd * cold_mask).sum(axis=1)
+                    moe_r = r[: cd.shape[0]]
+                    n1 = int((moe_r > 0).sum())
+                    rows.append((n_moe - n1, n1, int(r.sum()), float(st.get("cpu_branch_ms", 0.0))))
+                    if gpu:
+                        gpu_ms.append(float(st.get("gpu_branch_ms", 0.0)) / n_moe)
+                say(f"calibration: decode with {f:.0%} hot experts: {decode_steps} steps")
+            if prefill_sizes:
+                mid = paths[len(paths) // 2]
+                w.rt.switch(mid)
+                for path_name in ("split", "upload"):
+                    w.rt.force_path(path_name)
+                    llama_cpp.llama_memory_clear(mem, True)
+                    decode(toks(min(prefill_sizes)), 0)  # warm-up (allocations, staging buffer)
+                    for n in prefill_sizes:
+                        for _ in range(repeats):
+                            llama_cpp.llama_memory_clear(mem, True)
+                            w.rt.take_request_stats()
+                            ms = decode(toks(n), 0)
+                            st = w.rt.take_request_stats()
+                            prefill.append(PrefillPoint(int(n), path_name, ms,
+                                                        float(st.get("distinct_cold_experts", 0)),
+                                                        float(st.get("cold_routes", 0))))
+                    say(f"calibration: prefill on the {path_name} path: sizes {list(prefill_sizes)}")
+                w.rt.force_path("auto")
+        finally:
+            llama_cpp.llama_batch_free(batch)
+        exp_bytes = info.get("expert_bytes")
+        if isinstance(exp_bytes, list):
+            exp_bytes = max(exp_bytes) if exp_bytes else None
+        return {"decode_rows": rows, "gpu_ms_per_layer": gpu_ms, "prefill": prefill, "gpu": gpu,
+                "expert_bytes": exp_bytes, "model": {k: block[k] for k in ("fingerprint", "name")}}
+    finally:
+        w.close()
 
 
 def run_calibration(model_path: Optional[Path] = None, *, profile_path: Optional[Path] = None,
