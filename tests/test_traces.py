@@ -106,3 +106,15 @@ def test_concurrent_writers_lose_no_counts(tmp_path):
     with ctx.Pool(2) as pool:
         pool.map(_worker, [(path, 0), (path, 1)])
     assert Trace.load(path).counts_prefill.sum() == 2 * 20 * 12
+
+
+def test_record_done_event(tmp_path):
+    rec = TraceRecorder(MODEL, data_dir=tmp_path, flush_interval_s=0)
+    done = {"usage": {"prompt_tokens": 40, "prefilled_tokens": 30, "completion_tokens": 7},
+            "experts": {"active": True, **_stats(9)}}
+    rec.record_done("service", done, n_tools=2)
+    rec.record_done("service", {"usage": {}, "experts": {"active": False}})  # stock run: skipped
+    rec.record_done("service", {"usage": {}})
+    t = Trace.load(trace_path(MODEL["fingerprint"], "service", tmp_path))
+    assert t.requests == [{"prompt_tokens": 40, "new_tokens": 30, "generated_tokens": 7, "n_tools": 2}]
+    assert np.array_equal(t.counts_decode, _stats(9)["counts_decode"])

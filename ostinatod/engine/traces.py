@@ -305,6 +305,17 @@ class TraceRecorder:
         if due:
             self.flush()
 
+    def record_done(self, workload: Optional[str], done: dict[str, Any], n_tools: int = 0) -> None:
+        """Record a finished request from its ``done`` event data (``usage`` + ``experts``, as the
+        engine worker emits them). Requests without expert stats (stock runs) are skipped."""
+        ex = done.get("experts")
+        if not isinstance(ex, dict) or ex.get("error") or ex.get("active") is False:
+            return
+        u = done.get("usage") or {}
+        self.record(workload or "coding", ex, prompt_tokens=u.get("prompt_tokens", 0),
+                    new_tokens=u.get("prefilled_tokens", 0),
+                    generated_tokens=u.get("completion_tokens", 0), n_tools=n_tools)
+
     def flush(self) -> None:
         """Merge pending counts into the files now (errors logged, pending kept for a retry)."""
         import time
