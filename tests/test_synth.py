@@ -1,0 +1,143 @@
+"""Synthetic MoE GGUF writer: loads and generates in the real engine, deterministic, skewed routing."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ostinatod.tools import synth
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def _greedy(path: Path, prompt: bytes, n: int) -> list[int]:
+    """Greedy tokens from the real llama.cpp build (low-level API, stock paths)."""
+    import llama_cpp as L
+
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.use_extra_bufts = False  # CPU repack/AMX buffers are irrelevant here (and AMX traps in some sandboxes)
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    assert model, f"llama.cpp could not load {path}"
+    try:
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 256, 256, 2, 2
+        ctx = L.llama_init_from_model(model, cp)
+        assert ctx
+        vocab = L.llama_model_get_vocab(model)
+        buf = (L.llama_token * 128)()
+        n_prompt = L.llama_tokenize(vocab, prompt, len(prompt), buf, 128, False, True)
+        assert n_prompt > 0
+        assert L.llama_decode(ctx, L.llama_batch_get_one(buf, n_prompt)) == 0
+        n_vocab = L.llama_vocab_n_tokens(vocab)
+        out = []
+        one = (L.llama_token * 1)()
+        for _ in range(n):
+            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+            assert np.isfinite(logits).all()
+            one[0] = int(logits.argmax())
+            out.append(one[0])
+            assert L.llama_decode(ctx, L.llama_batch_get_one(one, 1)) == 0
+        L.llama_free(ctx)
+        return out
+    finally:
+        L.llama_model_free(model)
+
+
+def test_tiny_loads_and_generates(tiny_model: Path):
+    toks = _greedy(tiny_model, b"<|im_start|>user\ndef f(x):\n    return x + 1<|im_end|>\n", 100)
+    assert len(toks) == 100
+    assert len(set(toks)) > 1  # random weights, but not a constant output
+
+
+def test_metadata_marks_demo(tiny_model: Path):
+    import gguf
+
+    r = gguf.GGUFReader(tiny_model)
+    f = {k: v.contents() for k, v in r.fields.items() if not k.startswith("tokenizer.ggml.")}
+    assert f["general.architecture"] == "qwen3moe"
+    assert f["ostinato.demo"] is True
+    assert "random weights" in f["general.name"]
+    assert f["qwen3moe.expert_count"] == 8 and f["qwen3moe.expert_used_count"] == 2
+    assert "<tool_call>" in f["tokenizer.chat_template"]
+    names = {t.name for t in r.tensors}
+    assert {"blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_inp.weight", "output.weight"} <= names
+    toks = r.fields["tokenizer.ggml.tokens"].contents()
+    assert toks[151657] == "<tool_call>" and toks[151667] == "<think>"
+
+
+def test_deterministic_from_seed(tiny_model: Path, tmp_path: Path):
+    again = synth.write_synthetic_moe(tmp_path / "again.gguf", arch="qwen3moe", shape="tiny", seed=0)
+    assert _sha(again) == _sha(tiny_model)
+    assert not (tmp_path / "again.gguf.part").exists()
+    # another seed: other router weights (checked on the builder, no second file needed)
+    a = synth._router(_ctx(0), 0)
+    b = synth._router(_ctx(1), 0)
+    assert a.shape == (8, 64) and not np.allclose(a, b)
+
+
+def _ctx(seed: int, shape: str = "tiny") -> "synth._Ctx":
+    tok = synth.load_tokenizer()
+    return synth._Ctx(arch="qwen3moe", shape=synth.SHAPES[shape], routing=synth.Routing(), seed=seed,
+                      qexp=synth.QUANTS["q8_0"], qmat=synth.QUANTS["q8_0"],
+                      classes=np.asarray(tok["classes"], dtype=np.int8), n_vocab=len(tok["tokens"]))
+
+
+def test_token_classes():
+    C, P, O = synth.CODE, synth.PROSE, synth.OTHER
+    cases = {"    ": C, "\n": C, "){": C, "_name": C, "getValue": C, "def": C, "self": C,
+             " the": P, "Hello": P, " house": P, ",": P, "42": O, "é": O}
+    got = {t: synth.classify_token(t) for t in cases}
+    assert got == cases
+
+
+def test_routing_is_skewed_and_content_dependent():
+    """Numpy forward of each layer's router on the token embeddings (small shape, 32 experts)."""
+    cx = _ctx(0, "small")
+    emb = synth._embedding(cx)
+    rng = np.random.default_rng(0)
+    code_ids = rng.choice(np.flatnonzero(cx.classes == synth.CODE), 3000)
+    prose_ids = rng.choice(np.flatnonzero(cx.classes == synth.PROSE), 3000)
+    for il in (0, cx.shape.n_layer - 1):
+        W = synth._router(cx, il)
+        counts = []
+        for ids in (code_ids, prose_ids):
+            x = emb[ids] / np.sqrt((emb[ids] ** 2).mean(axis=1, keepdims=True))
+            top = np.argsort(-(x @ W.T), axis=1)[:, :cx.shape.n_expert_used]
+            counts.append(np.bincount(top.ravel(), minlength=cx.shape.n_expert))
+        n_hot = round(0.44 * cx.shape.n_expert)
+        for c in counts:
+            assert np.sort(c)[::-1][:n_hot].sum() / c.sum() > 0.75  # uniform would be 0.44
+        hot_code = set(np.argsort(-counts[0])[:n_hot])
+        hot_prose = set(np.argsort(-counts[1])[:n_hot])
+        assert hot_code != hot_prose
+        # prose routes land much less on the code hot set than code routes do
+        share = lambda c, hot: c[sorted(hot)].sum() / c.sum()  # noqa: E731
+        assert share(counts[1], hot_code) < share(counts[0], hot_code) - 0.1
+
+
+def test_quant_blocks_are_valid():
+    import gguf
+
+    rng = np.random.default_rng(0)
+    for qt in (synth.QUANTS["q4_0"], synth.QUANTS["q8_0"]):
+        blocks = synth.random_quant_blocks((4, 64, 128), qt, 0.05, rng)
+        vals = gguf.quants.dequantize(blocks, qt)
+        assert vals.shape == (4, 64, 128)
+        assert np.isfinite(vals).all()
+        assert 0.02 < vals.std() < 0.1
+
+
+def test_bad_arguments(tmp_path: Path):
+    with pytest.raises(synth.SynthError):
+        synth.write_synthetic_moe(tmp_path / "x.gguf", arch="llama")
+    with pytest.raises(synth.SynthError):
+        synth.write_synthetic_moe(tmp_path / "x.gguf", shape="huge")
+    with pytest.raises(SystemExit):
+        synth.main(["--quant", "q3", "-o", str(tmp_path / "y.gguf")])
