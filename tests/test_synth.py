@@ -56,20 +56,48 @@ def test_tiny_loads_and_generates(tiny_model: Path):
     assert len(set(toks)) > 1  # random weights, but not a constant output
 
 
-def test_metadata_marks_demo(tiny_model: Path):
-    import gguf
+@pytest.fixture(scope="module")
+def tiny_deepseek2(tmp_path_factory) -> Path:
+    return synth.write_synthetic_moe(tmp_path_factory.mktemp("ds") / "ds.gguf", arch="deepseek2", shape="tiny")
 
-    r = gguf.GGUFReader(tiny_model)
-    f = {k: v.contents() for k, v in r.fields.items() if not k.startswith("tokenizer.ggml.")}
-    assert f["general.architecture"] == "qwen3moe"
-    assert f["ostinato.demo"] is True
-    assert "random weights" in f["general.name"]
-    assert f["qwen3moe.expert_count"] == 8 and f["qwen3moe.expert_used_count"] == 2
-    assert "<tool_call>" in f["tokenizer.chat_template"]
-    names = {t.name for t in r.tensors}
-    assert {"blk.1.ffn_gate_exps.weight", "blk.1.ffn_gate_inp.weight", "output.weight"} <= names
-    toks = r.fields["tokenizer.ggml.tokens"].contents()
-    assert toks[151657] == "<tool_call>" and toks[151667] == "<think>"
+
+def test_deepseek2_loads_and_generates(tiny_deepseek2: Path):
+    """MLA attention, a dense first layer, shared expert and exp_probs_b selection bias."""
+    toks = _greedy(tiny_deepseek2, b"<|im_start|>user\nhello there<|im_end|>\n", 30)
+    assert len(toks) == 30 and len(set(toks)) > 1
+
+
+def _meta(path: Path) -> tuple[dict, dict]:
+    """GGUF metadata (as llama.cpp reads it) and a few token texts, via a vocab-only load."""
+    import llama_cpp as L
+
+    mp = L.llama_model_default_params()
+    mp.vocab_only = True
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    assert model
+    try:
+        buf = ctypes.create_string_buffer(1 << 16)
+        meta = {}
+        for i in range(L.llama_model_meta_count(model)):
+            L.llama_model_meta_key_by_index(model, i, buf, len(buf))
+            k = buf.value.decode()
+            L.llama_model_meta_val_str_by_index(model, i, buf, len(buf))
+            meta[k] = buf.value.decode()
+        vocab = L.llama_model_get_vocab(model)
+        texts = {i: L.llama_vocab_get_text(vocab, i).decode() for i in (151645, 151657, 151667)}
+        return meta, texts
+    finally:
+        L.llama_model_free(model)
+
+
+def test_metadata_marks_demo(tiny_model: Path):
+    meta, texts = _meta(tiny_model)
+    assert meta["general.architecture"] == "qwen3moe"
+    assert meta["ostinato.demo"] == "true"
+    assert "random weights" in meta["general.name"]
+    assert meta["qwen3moe.expert_count"] == "8" and meta["qwen3moe.expert_used_count"] == "2"
+    assert "<tool_call>" in meta["tokenizer.chat_template"]
+    assert texts == {151645: "<|im_end|>", 151657: "<tool_call>", 151667: "<think>"}
 
 
 def test_deterministic_from_seed(tiny_model: Path, tmp_path: Path):

@@ -81,7 +81,7 @@ class Shape:
     n_expert_shared: int = 1
     n_layer_dense_lead: int = 1
     n_ff_dense: int = 0          # 0: 4 * n_ff_exp
-    q_lora_rank: int = 0         # 0: no q compression (lite variant layout)
+    q_lora_rank: int = 0         # 0: no q compression (plain attn_q)
     kv_lora_rank: int = 64
     qk_rope_dim: int = 16
     qk_nope_dim: int = 32
@@ -92,15 +92,16 @@ SHAPES: dict[str, Shape] = {
     # CI: ~10 MB of embedding/output plus well under 1 MB of layers.
     "tiny": Shape(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16,
                   n_expert=8, n_expert_used=2, n_ff_exp=64,
-                  kv_lora_rank=32, qk_rope_dim=16, qk_nope_dim=16, v_head_dim=16),
+                  q_lora_rank=32, kv_lora_rank=32, qk_rope_dim=16, qk_nope_dim=16, v_head_dim=16),
     # demo model: generated in well under a minute, tens of tokens/s on 2 CPU cores.
     "small": Shape(n_layer=8, n_embd=256, n_head=8, n_head_kv=2, head_dim=32,
                    n_expert=32, n_expert_used=4, n_ff_exp=128,
-                   kv_lora_rank=64, qk_rope_dim=16, qk_nope_dim=32, v_head_dim=32),
+                   q_lora_rank=64, kv_lora_rank=64, qk_rope_dim=16, qk_nope_dim=32, v_head_dim=32),
     # Qwen3-30B-A3B (config.json of the released model): use --layers to cut depth.
     "qwen3-30b-a3b": Shape(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                            n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx_train=262144,
-                           kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128),
+                           q_lora_rank=768, kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128,
+                           v_head_dim=128),
 }
 
 ARCHS = ("qwen3moe", "deepseek2")
@@ -530,7 +531,100 @@ def _kv_qwen3moe(w: gguf.GGUFWriter, cx: _Ctx) -> None:
     w.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
 
 
-_PLANS = {"qwen3moe": (_plan_qwen3moe, _kv_qwen3moe)}
+def _mat(qm: QT, shape: tuple[int, ...]) -> QT:
+    # block quants need rows that are a multiple of 32 values; small MLA heads fall back to f16
+    return qm if qm == QT.F16 or shape[-1] % 32 == 0 else QT.F16
+
+
+def _plan_deepseek2(cx: _Ctx) -> list[_T]:
+    """DeepSeek-V3-style layout: MLA attention (q/kv LoRA, split k_b/v_b), first
+    ``n_layer_dense_lead`` layers dense, then routed experts + shared expert + selection bias
+    ``exp_probs_b`` (sigmoid gating, normalised top-k weights)."""
+    s = cx.shape
+    d, E, F, S = s.n_embd, s.n_expert, s.n_ff_exp, s.n_expert_shared
+    H, nope, rope, vh, kvr, qr = s.n_head, s.qk_nope_dim, s.qk_rope_dim, s.v_head_dim, s.kv_lora_rank, s.q_lora_rank
+    n_ff = s.n_ff_dense or 4 * F
+    qm = cx.qmat
+
+    def mat(name: str, shape: tuple[int, ...], std: float) -> _T:
+        qt = _mat(qm, shape)
+        return _T(name + ".weight", shape, qt, _gauss(cx, name, shape, std, qt))
+
+    ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        ts.append(_T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))))
+        if qr > 0:
+            ts += [_T(p + "attn_q_a_norm.weight", (qr,), QT.F32, _ones((qr,))),
+                   mat(p + "attn_q_a", (qr, d), d ** -0.5),
+                   mat(p + "attn_q_b", (H * (nope + rope), qr), qr ** -0.5)]
+        else:
+            ts.append(mat(p + "attn_q", (H * (nope + rope), d), d ** -0.5))
+        ts += [_T(p + "attn_kv_a_norm.weight", (kvr,), QT.F32, _ones((kvr,))),
+               mat(p + "attn_kv_a_mqa", (kvr + rope, d), d ** -0.5),
+               mat(p + "attn_k_b", (H, kvr, nope), nope ** -0.5),
+               mat(p + "attn_v_b", (H, vh, kvr), kvr ** -0.5),
+               mat(p + "attn_output", (d, H * vh), cx.out_std(H * vh)),
+               _T(p + "ffn_norm.weight", (d,), QT.F32, _ones((d,)))]
+        if il < _n_dense(s):
+            ts += [mat(p + "ffn_gate", (n_ff, d), d ** -0.5),
+                   mat(p + "ffn_down", (d, n_ff), 2 * cx.out_std(n_ff)),
+                   mat(p + "ffn_up", (n_ff, d), d ** -0.5)]
+            continue
+        ts += [
+            _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
+            _T(p + "exp_probs_b.bias", (E,), QT.F32, (lambda il=il: _probs_bias(cx, il))),
+            _T(p + "ffn_gate_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_gate_exps", (E, F, d), d ** -0.5)),
+            _T(p + "ffn_down_exps.weight", (E, d, F), cx.qexp, _experts(cx, p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F))),
+            _T(p + "ffn_up_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_up_exps", (E, F, d), d ** -0.5)),
+            _T(p + "ffn_gate_shexp.weight", (F * S, d), cx.qexp, _experts(cx, p + "ffn_gate_shexp", (F * S, d), d ** -0.5)),
+            _T(p + "ffn_down_shexp.weight", (d, F * S), cx.qexp, _experts(cx, p + "ffn_down_shexp", (d, F * S), 2 * cx.out_std(F * S))),
+            _T(p + "ffn_up_shexp.weight", (F * S, d), cx.qexp, _experts(cx, p + "ffn_up_shexp", (F * S, d), d ** -0.5)),
+        ]
+    ts += [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
+           _T("output.weight", (cx.n_vocab, d), qm, _gauss(cx, "output", (cx.n_vocab, d), 3.0 / math.sqrt(d), qm))]
+    return ts
+
+
+def _n_dense(s: Shape) -> int:
+    # leading dense layers (deepseek2), keeping at least one MoE layer
+    return max(0, min(s.n_layer_dense_lead, s.n_layer - 1))
+
+
+def _probs_bias(cx: _Ctx, il: int) -> np.ndarray:
+    """exp_probs_b of a deepseek2 layer: small per-expert selection biases (added to the sigmoid
+    probabilities for the top-k choice only), enough to change some selections."""
+    return (0.05 * _rng(cx.seed, f"blk.{il}.exp_probs_b").standard_normal(cx.shape.n_expert)).astype(np.float32)
+
+
+def _kv_deepseek2(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+    s, a = cx.shape, cx.arch
+    w.add_uint32(f"{a}.block_count", s.n_layer)
+    w.add_uint32(f"{a}.context_length", s.n_ctx_train)
+    w.add_uint32(f"{a}.embedding_length", s.n_embd)
+    w.add_uint32(f"{a}.feed_forward_length", s.n_ff_dense or 4 * s.n_ff_exp)
+    w.add_uint32(f"{a}.attention.head_count", s.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", 1)  # MLA: one compressed KV "head"
+    w.add_uint32(f"{a}.attention.key_length", s.kv_lora_rank + s.qk_rope_dim)
+    w.add_uint32(f"{a}.attention.value_length", s.kv_lora_rank)
+    w.add_uint32(f"{a}.attention.key_length_mla", s.qk_nope_dim + s.qk_rope_dim)
+    w.add_uint32(f"{a}.attention.value_length_mla", s.v_head_dim)
+    w.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora_rank)
+    w.add_uint32(f"{a}.attention.kv_lora_rank", s.kv_lora_rank)
+    w.add_uint32(f"{a}.rope.dimension_count", s.qk_rope_dim)
+    w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_uint32(f"{a}.leading_dense_block_count", _n_dense(s))
+    w.add_uint32(f"{a}.expert_count", s.n_expert)
+    w.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+    w.add_uint32(f"{a}.expert_shared_count", s.n_expert_shared)
+    w.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+    w.add_float32(f"{a}.expert_weights_scale", 1.0)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_uint32(f"{a}.expert_gating_func", 2)  # sigmoid (LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)
+
+
+_PLANS = {"qwen3moe": (_plan_qwen3moe, _kv_qwen3moe), "deepseek2": (_plan_deepseek2, _kv_deepseek2)}
 
 
 def chat_template() -> str:
