@@ -10,10 +10,11 @@ Scheduling (DESIGN.md "Scheduling for agent sessions"):
 - ``n_slots`` KV sequences in one unified KV cache of ``n_slots * n_ctx`` cells; each request may use
   ``n_ctx`` tokens (prompt + output).
 - A new request takes the free slot whose cached tokens share the longest common prefix with its
-  prompt. If using that slot would cut away cached tokens while another slot is free, the prefix is
-  copied (``llama_memory_seq_cp``, cells are shared, no data copied) into the least recently used
-  free slot instead, so a side request never evicts the main session's cache. Only the tail beyond
-  the match is dropped; each turn prefills only its new tokens.
+  prompt. If that match covers less than ``SAME_SESSION_SHARE`` of the slot's tokens (another
+  conversation) while another slot is free, the prefix is copied (``llama_memory_seq_cp``: cells are
+  shared, no data copied) into the least recently used free slot instead, so a side request never
+  evicts the main session's cache. Only the tail beyond the match is dropped; each turn prefills
+  only its new tokens.
 - Every step builds one batch: one token for each generating slot (batched decode across slots) and
   then prefill chunks of waiting slots up to ``n_batch`` tokens.
 """
@@ -36,6 +37,11 @@ from .types import EngineError, EngineEvent, GenRequest
 log = logging.getLogger("ostinatod.engine")
 
 Emit = Callable[[EngineEvent], None]
+
+# A request continues a slot's conversation in place when it matches at least this share of the
+# slot's cached tokens (a re-rendered last turn differs only at the tail); below it the slot is kept
+# for its own conversation and the common prefix is shared into another slot.
+SAME_SESSION_SHARE = 0.75
 
 
 # --------------------------------------------------------------------------------------------------
@@ -559,8 +565,9 @@ class Worker:
             best = max(free, key=lambda s: (matches[s.id], -s.last_used))
             target = best
             n_match = matches[best.id]
-            if n_match < len(best.tokens) and len(free) > 1:
-                # using `best` would cut cached tokens: take the LRU other free slot and share the prefix
+            if n_match < SAME_SESSION_SHARE * len(best.tokens) and len(free) > 1:
+                # `best` holds another conversation that shares only a prefix with this one (a side
+                # request, a subagent): keep it, and share the prefix into the LRU other free slot
                 others = [s for s in free if s is not best]
                 target = min(others, key=lambda s: s.last_used)
                 if matches[target.id] < n_match:
