@@ -158,12 +158,19 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
     rec = [{k: r.get(k) for k in keys} for r in list(state.recent)[-recent:]]
     vm = psutil.virtual_memory()
     ex = expert_view(stats)
+    if ex["per_layer_hot_share"] is None:
+        ex["per_layer_hot_share"] = _per_layer_from_traces(state, ex.get("workload"))
+        ex["per_layer_source"] = "traces" if ex["per_layer_hot_share"] else None
+    else:
+        ex["per_layer_source"] = "engine"
     return {
         "time": time.time(),
         "engine_state": state.engine_state,
         "model": {"id": state.model_name, **state.model_info},
         "workload": ex.get("workload") or state.settings.workload_default,
         "paused": _ctl(state).get("paused_model") is not None,
+        "phase": getattr(state, "phase", None),
+        "last_residency_switch": _ctl(state).get("last_switch"),
         "requests": {"active": len(state.active), "total": len(state.recent) + len(state.active),
                      "active_list": [{k: r.get(k) for k in keys} for r in state.active.values()],
                      "recent": rec},
@@ -183,6 +190,48 @@ def _ctl(state) -> dict[str, Any]:
     return d
 
 
+_layer_cache: dict[tuple, Optional[list[float]]] = {}
+
+
+def _per_layer_from_traces(state, workload: Optional[str]) -> Optional[list[float]]:
+    """Per-layer hot-route share of the current residency set over the workload's routing trace:
+    ``sum(counts[l, hot_l]) / sum(counts[l])`` for each layer l (Rule 1's objective per layer,
+    paper Sec. 3.1). Used when the engine reports no per-layer figure. Cached per file mtimes;
+    None when there is no model, set or trace."""
+    try:
+        path = state.model_info.get("path")
+        if not path:
+            return None
+        from .engine.residency import model_fingerprint
+        import numpy as np
+        fp = _fp_cache.get(path) or _fp_cache.setdefault(path, model_fingerprint(Path(path)))
+        wl = workload or state.settings.workload_default
+        sw = _ctl(state).get("last_switch") or {}
+        rpath = Path(sw["path"]) if sw.get("path") else state.paths.residency_dir / fp / f"{wl}.json"
+        tpath = state.paths.traces_dir / fp / f"{wl}.json"
+        if not rpath.is_file() or not tpath.is_file():
+            return None
+        key = (str(rpath), rpath.stat().st_mtime, str(tpath), tpath.stat().st_mtime)
+        if key not in _layer_cache:
+            res, tr = json.loads(rpath.read_text()), json.loads(tpath.read_text())
+            counts = np.asarray(tr["counts_prefill"], dtype=np.float64) + np.asarray(tr["counts_decode"])
+            hot = np.zeros_like(counts, dtype=bool)
+            for g in res.get("gpus", []):
+                for layer, ids in g.get("hot", {}).items():
+                    hot[int(layer), list(ids)] = True
+            tot = counts.sum(axis=1)
+            share = np.where(tot > 0, (counts * hot).sum(axis=1) / np.maximum(tot, 1), 0.0)
+            _layer_cache.clear()
+            _layer_cache[key] = [round(float(x), 4) for x in share]
+        return _layer_cache[key]
+    except Exception as e:  # stale/odd files must not break the live snapshot
+        log.debug("per-layer share from traces: %s", e)
+        return None
+
+
+_fp_cache: dict[str, str] = {}
+
+
 # --- residency helpers ---------------------------------------------------------------------------
 
 def _model_path(state) -> Path:
@@ -193,12 +242,22 @@ def _model_path(state) -> Path:
 
 
 def _fingerprint(state) -> str:
+    """Model fingerprint of the loaded model (engine.residency; the planner's shape reader as a
+    fallback while that module is absent)."""
+    path = _model_path(state)
     try:
         from .engine.residency import model_fingerprint
+        return model_fingerprint(path)
     except ImportError:
-        raise ControlError(501, "not_implemented", "residency sets are not available in this build "
-                           "(ostinatod.engine.residency missing)")
-    return model_fingerprint(_model_path(state))
+        pass
+    try:
+        from .engine.planner import read_model_shape
+    except ImportError:
+        raise ControlError(501, "not_implemented", "residency sets are not available in this build")
+    try:
+        return read_model_shape(path).fingerprint
+    except ValueError as e:
+        raise ControlError(409, "model_unreadable", str(e))
 
 
 def _list_json(d: Path) -> list[dict[str, Any]]:
@@ -258,7 +317,11 @@ def _check_gguf(path: Path) -> Path:
 async def _reload(st, path: Optional[Path]) -> None:
     if st.reload is None:
         raise ControlError(501, "not_implemented", "this daemon cannot load or unload models")
-    await st.reload(path)
+    from .engine.types import EngineError
+    try:
+        await st.reload(path)
+    except EngineError as e:  # the daemon keeps running without a model; say why
+        raise ControlError(e.status if 400 <= e.status < 600 else 400, e.code, e.message)
 
 
 async def h_load(request: web.Request) -> web.Response:
@@ -327,27 +390,21 @@ async def h_plan(request: web.Request) -> web.Response:
     body = await _body(request)
     workload = _workload_name(body.get("workload") or st.settings.workload_default)
     try:
-        from .engine import planner
+        from .engine.planner import plan_for_model
     except ImportError:
         raise ControlError(501, "not_implemented", "the residency planner is not available in this build")
-    fn = getattr(planner, "plan_for_model", None) or getattr(planner, "plan_residency", None)
-    if fn is None:
-        raise ControlError(501, "not_implemented", "the planner has no plan_for_model()/plan_residency()")
     model = _model_path(st)
     t0 = time.perf_counter()
     try:
-        result = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: fn(model, workload, settings=st.settings))
-    except FileNotFoundError as e:
-        raise ControlError(404, "no_traces", f"no routing traces for workload {workload!r}: {e}")
-    except ValueError as e:
-        raise ControlError(400, "plan_failed", str(e))
-    out = {"ok": True, "workload": workload, "seconds": round(time.perf_counter() - t0, 3)}
-    if isinstance(result, (str, Path)):
-        out["path"] = str(result)
-    elif isinstance(result, dict):
-        out.update({k: (str(v) if isinstance(v, Path) else v) for k, v in result.items()
-                    if k in ("path", "expected_hot_route_share", "n_hot", "gpus")})
+        res, path = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_for_model(
+            model, workload, budget_frac=st.settings.expert_budget_frac,
+            budget_mb=st.settings.expert_budget_mb, data_dir=st.paths.data))
+    except ValueError as e:  # PlanError / TraceError: missing traces, budget too small, ...
+        code = "no_traces" if "no routing traces" in str(e) else "plan_failed"
+        raise ControlError(404 if code == "no_traces" else 400, code, str(e))
+    out = {"ok": True, "workload": workload, "path": str(path),
+           "seconds": round(time.perf_counter() - t0, 3),
+           "expected_hot_route_share": (res.get("plan") or {}).get("expected_hot_route_share")}
     return web.json_response(out)
 
 

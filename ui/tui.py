@@ -1,0 +1,273 @@
+"""``ostinato tui``: live terminal UI of a running daemon (Textual), over the control API only.
+
+Shows the hot-route share overall and per layer (a heat strip: one cell per MoE layer, red = most
+routes cold, green = all hot), TTFT and TPOT of recent requests (sparklines), the expert-path
+counts (decode / split / upload), GPU and host memory, active slots and requests, and the recent
+requests with their workload. Keys: ``w`` switch workload, ``p`` re-plan the residency set of the
+current workload from its traces, ``l`` load a model, ``q`` quit.
+
+Data comes from ``GET /events`` (one snapshot per ``--interval`` seconds); actions are POSTs.
+When no daemon answers, the UI says so and keeps retrying.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Footer, Header, Input, Label, Sparkline, Static
+
+from ostinatod.ctl import ControlAPIError, ControlClient, DaemonNotRunning
+
+GIB = 1 << 30
+
+
+def heat_color(share: float) -> str:
+    """Cell colour for a hot-route share in [0, 1]: red (cold) -> yellow -> green (hot)."""
+    s = min(1.0, max(0.0, share))
+    r = int(230 * min(1.0, 2 * (1 - s)))
+    g = int(200 * min(1.0, 2 * s))
+    return f"rgb({r},{g},60)"
+
+
+def heat_strip(shares: Optional[list[float]]) -> Text:
+    """One coloured block per layer (layer 0 first); a legend with min/mean/max below."""
+    if not shares:
+        return Text("no per-layer figures yet (needs a residency set and routing traces)", style="dim")
+    t = Text()
+    for s in shares:
+        t.append("█", style=heat_color(s))
+    lo, hi = min(shares), max(shares)
+    t.append(f"\n{len(shares)} layers   min {lo:.0%}  mean {sum(shares) / len(shares):.0%}  max {hi:.0%}",
+             style="dim")
+    return t
+
+
+def bar(used: float, total: float, width: int = 24) -> str:
+    """A text bar ``[#####.....] 12.3/24.0 GiB``."""
+    frac = 0.0 if not total else min(1.0, used / total)
+    n = int(round(frac * width))
+    return f"[{'#' * n}{'.' * (width - n)}] {used / GIB:5.1f}/{total / GIB:5.1f} GiB"
+
+
+class PromptScreen(ModalScreen[Optional[str]]):
+    """A one-line question; dismisses with the text, or None on Escape."""
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def __init__(self, question: str, value: str = "", hint: str = ""):
+        super().__init__()
+        self.question, self.value, self.hint = question, value, hint
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="prompt"):
+            yield Label(self.question)
+            yield Input(value=self.value, id="prompt-input")
+            if self.hint:
+                yield Label(self.hint, classes="hint")
+
+    @on(Input.Submitted)
+    def submitted(self, ev: Input.Submitted) -> None:
+        self.dismiss(ev.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class OstinatoTUI(App):
+    """The live view. ``socket``: control socket (default: this user's daemon); ``interval``:
+    seconds between snapshots."""
+
+    CSS_PATH = "tui.tcss"
+    TITLE = "Ostinato"
+    BINDINGS = [
+        Binding("w", "switch_workload", "switch workload"),
+        Binding("p", "plan", "re-plan"),
+        Binding("l", "load_model", "load model"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, socket: Optional[Path] = None, interval: float = 1.0):
+        super().__init__()
+        self.socket = socket
+        self.interval = interval
+        self.snapshot: dict[str, Any] = {}
+        self.snapshots_seen = 0
+        self.last_action: Optional[str] = None  # text of the last action's result (tests read it)
+
+    # --- layout -----------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=True)
+        with Horizontal(id="top"):
+            yield Static("connecting…", id="status", classes="panel")
+            with Vertical(id="share-panel", classes="panel"):
+                yield Static("hot-route share  -", id="share")
+                yield Static("", id="heat")
+        with Horizontal(id="middle"):
+            with Vertical(classes="panel", id="ttft-panel"):
+                yield Label("TTFT of recent requests (s)", id="ttft-label")
+                yield Sparkline([], id="ttft")
+            with Vertical(classes="panel", id="tpot-panel"):
+                yield Label("TPOT of recent requests (s)", id="tpot-label")
+                yield Sparkline([], id="tpot")
+            yield Static("", id="paths", classes="panel")
+            yield Static("", id="memory", classes="panel")
+        yield DataTable(id="requests", zebra_stripes=True, cursor_type="row")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        t = self.query_one("#requests", DataTable)
+        t.add_columns("id", "workload", "client", "status", "prompt", "cached", "out", "TTFT s", "TPOT s")
+        self.follow()
+
+    # --- live data ----------------------------------------------------------------------------
+    @work(exclusive=True, group="events")
+    async def follow(self) -> None:
+        """Consume /events forever; reconnect every 2 s while the daemon is away."""
+        while True:
+            try:
+                async with ControlClient(self.socket) as c:
+                    async for snap in c.events(interval=self.interval):
+                        self.render_snapshot(snap)
+            except DaemonNotRunning as e:
+                self.query_one("#status", Static).update(Text(str(e), style="bold red"))
+            except (ControlAPIError, OSError, ValueError) as e:
+                self.query_one("#status", Static).update(Text(f"control API: {e}", style="red"))
+            await asyncio.sleep(2)
+
+    def render_snapshot(self, snap: dict[str, Any]) -> None:
+        """Update every widget from one ``/events`` snapshot (see ostinatod.control.metrics_snapshot)."""
+        self.snapshot = snap
+        self.snapshots_seen += 1
+        m, ex, req = snap.get("model") or {}, snap.get("experts") or {}, snap.get("requests") or {}
+        state = snap.get("engine_state")
+        style = {"ready": "green", "loading": "yellow", "error": "red"}.get(state, "yellow")
+        st = Text()
+        st.append("model     ", style="bold")
+        st.append(f"{m.get('id', '-')}\n")
+        if m.get("is_demo"):
+            st.append("          demo model, RANDOM WEIGHTS\n", style="bold yellow")
+        st.append("engine    ", style="bold")
+        st.append(f"{state}" + (f" ({snap['phase']})" if snap.get("phase") else "") +
+                  ("  PAUSED" if snap.get("paused") else "") + "\n", style=style)
+        st.append("experts   ", style="bold")
+        st.append(f"{ex.get('mode') or m.get('experts_mode') or '-'}"
+                  f"  {m.get('arch') or ''} {m.get('n_layer') or ''}L×{m.get('n_expert') or ''}E k={m.get('n_expert_used') or ''}\n")
+        st.append("workload  ", style="bold")
+        st.append(f"{snap.get('workload')}\n", style="cyan")
+        sw = snap.get("last_residency_switch")
+        if sw:
+            st.append("          switched to ", style="dim")
+            st.append(f"{sw.get('workload') or Path(sw.get('path', '')).stem} in {sw.get('seconds') or 0:.3f} s\n",
+                      style="dim")
+        slots = (snap.get("engine") or {}).get("slots") or []
+        busy = sum(1 for s in slots if s.get("busy"))
+        st.append("requests  ", style="bold")
+        st.append(f"{req.get('active', 0)} active, {req.get('total', 0)} total")
+        if slots:
+            st.append(f"   slots {busy}/{len(slots)} busy")
+        self.query_one("#status", Static).update(st)
+
+        share = ex.get("hot_route_share")
+        txt = Text("hot-route share  ", style="bold")
+        txt.append("-" if share is None else f"{share:.1%}", style="bold green" if share else "dim")
+        if ex.get("routes"):
+            txt.append(f"   {ex.get('hot_routes') or 0}/{ex['routes']} routes hot", style="dim")
+        self.query_one("#share", Static).update(txt)
+        self.query_one("#heat", Static).update(heat_strip(ex.get("per_layer_hot_share")))
+
+        recent = req.get("recent") or []
+        ttft = [r["ttft_s"] for r in recent if r.get("ttft_s") is not None]
+        tpot = [r["tpot_s"] for r in recent if r.get("tpot_s") is not None]
+        self.query_one("#ttft", Sparkline).data = ttft or [0.0]
+        self.query_one("#tpot", Sparkline).data = tpot or [0.0]
+        self.query_one("#ttft-label", Label).update(
+            f"TTFT (s)  last {ttft[-1]:.3f}  max {max(ttft):.3f}" if ttft else "TTFT (s)  no requests yet")
+        self.query_one("#tpot-label", Label).update(
+            f"TPOT (s)  last {tpot[-1]:.4f}  max {max(tpot):.4f}" if tpot else "TPOT (s)  no requests yet")
+
+        paths = ex.get("paths") or {}
+        pt = Text("forward passes by path\n", style="bold")
+        for k in ("decode", "split", "upload", "stock"):
+            pt.append(f"  {k:<7}{paths.get(k, 0):>10,}\n")
+        self.query_one("#paths", Static).update(pt)
+
+        mem = snap.get("memory") or {}
+        host = mem.get("host") or {}
+        mt = Text("memory\n", style="bold")
+        tot = host.get("total_bytes") or 0
+        mt.append(f"  host {bar(tot - (host.get('available_bytes') or 0), tot)}\n")
+        mt.append(f"  daemon RSS {(host.get('daemon_rss_bytes') or 0) / GIB:.2f} GiB\n")
+        for g in mem.get("gpus") or []:
+            mt.append(f"  GPU{g['index']} {bar(g['used_bytes'], g['total_bytes'])}\n")
+        if not mem.get("gpus"):
+            mt.append("  no NVIDIA GPU\n", style="dim")
+        self.query_one("#memory", Static).update(mt)
+
+        t = self.query_one("#requests", DataTable)
+        t.clear()
+        rows = list(req.get("active_list") or []) + list(reversed(recent))
+        for r in rows[:50]:
+            def f(v, p=3):
+                return "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
+            t.add_row(str(r.get("id"))[:24], f(r.get("workload")), f(r.get("client")), f(r.get("status")),
+                      f(r.get("prompt_tokens")), f(r.get("cached_tokens")), f(r.get("completion_tokens")),
+                      f(r.get("ttft_s")), f(r.get("tpot_s"), 4))
+
+    # --- actions ------------------------------------------------------------------------------
+    async def _post(self, path: str, body: dict, ok: str) -> Optional[dict]:
+        try:
+            async with ControlClient(self.socket) as c:
+                d = await c.post(path, body)
+        except (ControlAPIError, DaemonNotRunning) as e:
+            self.last_action = f"error: {e}"
+            self.notify(str(e), title=path, severity="error", timeout=8)
+            return None
+        self.last_action = ok.format(**d)
+        self.notify(self.last_action, title=path)
+        return d
+
+    def action_switch_workload(self) -> None:
+        cur = self.snapshot.get("workload") or ""
+
+        async def done(value: Optional[str]) -> None:
+            if value:
+                await self._post("/residency/switch", {"workload": value},
+                                 "workload {workload}: residency set switched in {seconds:.3f} s")
+        self.push_screen(PromptScreen("Switch to workload:", cur, "e.g. coding, customer-service; "
+                                      "the set must have been planned (p)"), done)
+
+    @work(exclusive=True, group="plan")
+    async def action_plan(self) -> None:
+        wl = self.snapshot.get("workload")
+        self.notify(f"planning the residency set for {wl}…")
+        await self._post("/residency/plan", {"workload": wl} if wl else {},
+                         "planned {workload}: {path}")
+
+    def action_load_model(self) -> None:
+        cur = (self.snapshot.get("model") or {}).get("path") or ""
+
+        async def done(value: Optional[str]) -> None:
+            if value:
+                self.notify(f"loading {value}…")
+                await self._post("/models/load", {"path": str(Path(value).expanduser())},
+                                 "loaded {state}")
+        self.push_screen(PromptScreen("Load model (GGUF path):", cur), done)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ostinato tui [--interval S] [--socket PATH]``."""
+    ap = argparse.ArgumentParser(prog="ostinato tui", description="Live terminal UI of the daemon.")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between updates")
+    ap.add_argument("--socket", type=Path, help="control socket (default: this user's daemon)")
+    a = ap.parse_args(argv)
+    OstinatoTUI(a.socket, a.interval).run()
+    return 0
