@@ -105,9 +105,7 @@ def make_engine(settings: Settings, model_path: Path) -> Any:
     """An EngineClient for ``model_path`` per ``settings.engine_mode`` (ostinatod/engine/client.py)."""
     from .engine import client as engine_client
 
-    settings = settings.model_copy(update={"model": model_path})
-    cls = engine_client.SubprocessEngine if settings.engine_mode == "subprocess" else engine_client.InProcessEngine
-    return cls(settings)
+    return engine_client.make_engine(settings.model_copy(update={"model": model_path}), model_path)
 
 
 class Daemon:
@@ -277,7 +275,8 @@ def _running_pid(paths: Paths) -> Optional[int]:
         cmd = " ".join(psutil.Process(pid).cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    return pid if "ostinatod" in cmd else None
+    # a recycled pid belongs to some other program: require our name or our runtime file
+    return pid if "ostinatod" in cmd or _runtime_info(paths).get("pid") == pid else None
 
 
 def _runtime_info(paths: Paths) -> dict[str, Any]:
@@ -361,6 +360,11 @@ def cmd_start(ns: argparse.Namespace) -> int:
         url = url or _runtime_info(paths).get("http_url")
         if url:
             code, body = _get_json(url + "/health", timeout=2)
+            if code == 503 and body.get("status") == "error":
+                print(f"ostinatod (pid {proc.pid}) runs but its model failed to load; "
+                      f"'ostinatod stop' to stop it. Log ({log_file}):", file=sys.stderr)
+                print(_new_log(log_file, start_offset), file=sys.stderr)
+                return 1
             if code == 200:
                 demo = "  [DEMO MODEL: RANDOM WEIGHTS]" if body.get("random_weights") else ""
                 print(f"ostinatod running (pid {proc.pid}) at {url}  model {body.get('model')}{demo}")

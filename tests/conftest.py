@@ -1,0 +1,170 @@
+"""Shared fixtures: a tiny synthetic MoE model and a live daemon on loopback.
+
+``tiny_model``   session-scoped Path of a tiny qwen3moe GGUF (ostinatod.tools.synth, random weights),
+                 cached under ~/.cache/ostinato-test/ so reruns skip writing it.
+``live_daemon``  session-scoped :class:`LiveDaemon`: a real ``ostinatod run`` process (subprocess
+                 engine worker) serving ``tiny_model`` on 127.0.0.1 with a free port and its own
+                 OSTINATO_HOME. Use ``live_daemon.url`` (no /v1), ``live_daemon.home``,
+                 ``live_daemon.env`` (environment that points CLIs such as ``ostinato status`` at it),
+                 ``live_daemon.log()``, ``live_daemon.worker_pids()``, ``live_daemon.wait_healthy()``.
+``start_daemon`` function to start further daemons with other flags (closed at session end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("OSTINATO_TEST_CACHE", Path.home() / ".cache" / "ostinato-test"))
+
+
+def _health(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except OSError:
+        return 0, {}
+
+
+class LiveDaemon:
+    """A running ``ostinatod run`` process (see module doc)."""
+
+    def __init__(self, home: Path, proc: subprocess.Popen, url: str):
+        self.home = home
+        self.proc = proc
+        self.url = url
+        self.env = dict(os.environ, OSTINATO_HOME=str(home))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log_file(self) -> Path:
+        return self.home / "state" / "ostinatod.log"
+
+    @property
+    def control_socket(self) -> Path:
+        return self.home / "run" / "control.sock"
+
+    def log(self) -> str:
+        """The daemon log so far."""
+        try:
+            return self.log_file.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the daemon's child processes (the engine worker)."""
+        import psutil
+
+        try:
+            return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def wait_healthy(self, timeout: float = 120) -> dict:
+        """Wait until /health answers 200; returns its body. Fails the test with the log tail."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"daemon exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            code, body = _health(self.url)
+            if code == 200:
+                return body
+            time.sleep(0.2)
+        pytest.fail(f"daemon not healthy after {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def launch_daemon(home: Path, *flags: str, wait: bool = True, timeout: float = 180) -> LiveDaemon:
+    """Start ``ostinatod run --port 0 FLAGS`` with OSTINATO_HOME=home; wait until it serves
+    (``wait``) or only until it has bound its port (``wait=False``, the process may also exit)."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OSTINATO_HOME=str(home), OSTINATOD_DETACHED="1")
+    (home / "state").mkdir(parents=True, exist_ok=True)
+    out = open(home / "state" / "stdio.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "ostinatod.daemon_cli", "run", "--port", "0", *flags],
+                            env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=str(ROOT))
+    info = home / "run" / "ostinatod.json"
+    deadline = time.monotonic() + timeout
+    url: Optional[str] = None
+    while time.monotonic() < deadline and url is None:
+        if proc.poll() is not None:
+            break
+        try:
+            url = json.loads(info.read_text())["http_url"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            time.sleep(0.1)
+    d = LiveDaemon(home, proc, url or "")
+    if wait:
+        if url is None:
+            pytest.fail(f"daemon did not bind (rc={proc.poll()}):\n{d.log()[-4000:]}\n"
+                        f"{(home / 'state' / 'stdio.log').read_text(errors='replace')[-4000:]}")
+        d.wait_healthy(timeout)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """A tiny synthetic qwen3moe GGUF (random weights), cached across test runs."""
+    from ostinatod.tools.synth import write_synthetic_moe
+
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = CACHE / "tiny-qwen3moe.gguf"
+    src = ROOT / "ostinatod" / "tools" / "synth.py"
+    # rewrite when the writer changed since the cached file was made
+    if not path.exists() or path.stat().st_mtime < src.stat().st_mtime:
+        write_synthetic_moe(path, arch="qwen3moe", shape="tiny")
+    return path
+
+
+# Small context and slots keep the tests fast on 2 cores; the oversize-context test relies on n_ctx.
+LIVE_N_CTX = 2048
+
+
+@pytest.fixture(scope="session")
+def live_daemon(tiny_model: Path) -> Iterator[LiveDaemon]:
+    """A live daemon serving ``tiny_model`` (subprocess engine worker)."""
+    home = Path(tempfile.mkdtemp(prefix="ostinato-live-"))
+    d = launch_daemon(home, "--model", str(tiny_model), "--n-ctx", str(LIVE_N_CTX), "--n-slots", "2",
+                      "--n-threads", "2", "--engine-mode", "subprocess", "--max-tokens-default", "16")
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="session")
+def start_daemon() -> Iterator:
+    """``start_daemon(*flags, wait=True) -> LiveDaemon`` in a fresh OSTINATO_HOME; stopped at the end."""
+    started: list[LiveDaemon] = []
+
+    def start(*flags: str, wait: bool = True, timeout: float = 180) -> LiveDaemon:
+        d = launch_daemon(Path(tempfile.mkdtemp(prefix="ostinato-d-")), *flags, wait=wait, timeout=timeout)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
