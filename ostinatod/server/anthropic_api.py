@@ -17,8 +17,8 @@ from typing import Any, Optional, Union
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..engine.types import GenRequest
-from .common import Generation, fill_common, new_id, read_json, sse, start_sse, validate
+from ..engine.types import EngineError, GenRequest
+from .common import Generation, ensure_engine, fill_common, new_id, read_json, sse, start_sse, validate
 from .errors import ApiError
 from .state import DaemonState
 
@@ -370,14 +370,11 @@ class CountBody(BaseModel):
 
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens -> {"input_tokens": n} (chat template applied)."""
-    from .common import ensure_engine
-
     state: DaemonState = request.app["state"]
     cb = validate(CountBody, await read_json(request))
-    b = MessagesBody(max_tokens=1, **cb.model_dump())
+    b = MessagesBody(**{**cb.model_dump(), "max_tokens": 1, "stream": False})
     req = build_request(state, request, b, new_id("msg_"))
     eng = await ensure_engine(state)
-    from ..engine.types import EngineError
     try:
         n = await eng.count_tokens(req)
     except EngineError as e:

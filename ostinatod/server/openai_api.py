@@ -147,7 +147,8 @@ def _message(done: dict[str, Any]) -> dict[str, Any]:
 
 
 def _error_payload(data: dict[str, Any]) -> dict[str, Any]:
-    return {"error": {"message": data.get("message") or "engine error", "type": "server_error",
+    code = data.get("code", "engine_error")
+    return {"error": {"message": f"{data.get('message') or 'engine error'} ({code})", "type": "server_error",
                       "code": data.get("code", "engine_error"), "param": None}}
 
 
