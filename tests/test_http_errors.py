@@ -1,0 +1,130 @@
+"""Bad input and failures give clear, protocol-shaped errors and the daemon keeps serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import anthropic
+import openai
+import psutil
+import pytest
+
+from conftest import LIVE_N_CTX
+
+
+def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def oai(live_daemon):
+    return openai.OpenAI(base_url=live_daemon.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ant(live_daemon):
+    return anthropic.Anthropic(base_url=live_daemon.url, api_key="none", max_retries=0, timeout=120)
+
+
+def test_malformed_json_openai_and_anthropic_shapes(live_daemon):
+    code, body = post(live_daemon.url + "/v1/chat/completions", b'{"model": "x", "messages": [')
+    assert code == 400 and body["error"]["code"] == "invalid_json"
+    assert body["error"]["type"] == "invalid_request_error"
+    code, body = post(live_daemon.url + "/v1/messages?beta=true", b"not json")
+    assert code == 400 and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
+    code, body = post(live_daemon.url + "/v1/responses", b"[1, 2]")
+    assert code == 400 and body["error"]["code"] == "invalid_json"
+
+
+def test_unknown_model(oai, ant):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(anthropic.NotFoundError) as e2:
+        ant.messages.create(model="llama-3", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    assert e2.value.body["error"]["type"] == "not_found_error"
+
+
+def test_bad_params(oai, ant):
+    model = oai.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], temperature=7)
+    assert e.value.code == "invalid_request" and "temperature" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=model, messages=[])
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                    tools=[{"type": "function", "function": {"name": "a"}}],
+                                    tool_choice={"type": "function", "function": {"name": "b"}})
+    assert "unknown tool" in str(e.value)
+    with pytest.raises(anthropic.BadRequestError) as e2:
+        ant.messages.create(model="claude-x", max_tokens=0, messages=[{"role": "user", "content": "x"}])
+    assert "max_tokens" in e2.value.body["error"]["message"]
+
+
+def test_context_too_long(oai, ant, live_daemon):
+    model = oai.models.list().data[0].id
+    long = "word " * (LIVE_N_CTX * 2)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": long}], max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(anthropic.BadRequestError) as e2:
+        ant.messages.create(model="claude-x", max_tokens=4, messages=[{"role": "user", "content": long}])
+    assert "context_length_exceeded" in e2.value.body["error"]["message"]
+    # still serving
+    r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "ok"}], max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_unknown_route_is_json_404(live_daemon):
+    code, body = post(live_daemon.url + "/v1/embeddings", b"{}")
+    assert code == 404 and body["error"]["code"] == "not_found"
+
+
+def test_api_key_required_when_configured(start_daemon, tiny_model):
+    d = start_daemon("--model", str(tiny_model), "--api-key", "sekret", "--n-ctx", "512",
+                     "--engine-mode", "inprocess", "--n-threads", "2")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=d.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    ok = openai.OpenAI(base_url=d.url + "/v1", api_key="sekret", max_retries=0).models.list()
+    assert ok.data
+    m = anthropic.Anthropic(base_url=d.url, api_key="sekret", max_retries=0).messages.create(
+        model="claude-x", max_tokens=1, messages=[{"role": "user", "content": "x"}])  # x-api-key
+    assert m.type == "message"
+    with urllib.request.urlopen(d.url + "/health") as r:  # health stays open
+        assert r.status == 200
+
+
+def test_worker_killed_mid_stream_then_recovers(oai, live_daemon):
+    model = oai.models.list().data[0].id
+    workers = live_daemon.worker_pids()
+    assert workers, "expected a subprocess engine worker"
+    stream = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "go"}],
+                                         max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    with pytest.raises(openai.APIError) as e:
+        for chunk in stream:
+            got += 1
+            if got == 3:
+                for pid in workers:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+    assert "engine_crashed" in str(e.value) or "crash" in str(e.value).lower()
+    assert live_daemon.proc.poll() is None  # the daemon itself survives
+    live_daemon.wait_healthy(180)
+    r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "again"}], max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+    assert set(live_daemon.worker_pids()).isdisjoint(workers)  # a new worker
