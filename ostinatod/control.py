@@ -158,8 +158,9 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
     rec = [{k: r.get(k) for k in keys} for r in list(state.recent)[-recent:]]
     vm = psutil.virtual_memory()
     ex = expert_view(stats)
-    if ex["per_layer_hot_share"] is None:
-        ex["per_layer_hot_share"] = _per_layer_from_traces(state, ex.get("workload"))
+    if ex["per_layer_hot_share"] is None:  # file reads (and a first fingerprint) off the loop
+        ex["per_layer_hot_share"] = await asyncio.get_running_loop().run_in_executor(
+            None, _per_layer_from_traces, state, ex.get("workload"))
         ex["per_layer_source"] = "traces" if ex["per_layer_hot_share"] else None
     else:
         ex["per_layer_source"] = "engine"
@@ -202,9 +203,8 @@ def _per_layer_from_traces(state, workload: Optional[str]) -> Optional[list[floa
         path = state.model_info.get("path")
         if not path:
             return None
-        from .engine.residency import model_fingerprint
         import numpy as np
-        fp = _fp_cache.get(path) or _fp_cache.setdefault(path, model_fingerprint(Path(path)))
+        fp = _cached_fingerprint(Path(path))
         wl = workload or state.settings.workload_default
         sw = _ctl(state).get("last_switch") or {}
         rpath = Path(sw["path"]) if sw.get("path") else state.paths.residency_dir / fp / f"{wl}.json"
@@ -229,7 +229,18 @@ def _per_layer_from_traces(state, workload: Optional[str]) -> Optional[list[floa
         return None
 
 
-_fp_cache: dict[str, str] = {}
+_fp_cache: dict[tuple, str] = {}
+
+
+def _cached_fingerprint(path: Path) -> str:
+    """Model fingerprint, cached per (path, size, mtime): reading a GGUF's metadata with the
+    gguf package takes tens of seconds for a 150K-token vocabulary on 2 cores."""
+    from .engine.residency import model_fingerprint
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime)
+    if key not in _fp_cache:
+        _fp_cache[key] = model_fingerprint(path)
+    return _fp_cache[key]
 
 
 # --- residency helpers ---------------------------------------------------------------------------
@@ -241,22 +252,17 @@ def _model_path(state) -> Path:
     return Path(p)
 
 
-def _fingerprint(state) -> str:
-    """Model fingerprint of the loaded model (engine.residency; the planner's shape reader as a
-    fallback while that module is absent)."""
+async def _fingerprint(state) -> str:
+    """Model fingerprint of the loaded model (engine.residency), computed off the event loop."""
     path = _model_path(state)
     try:
-        from .engine.residency import model_fingerprint
-        return model_fingerprint(path)
-    except ImportError:
-        pass
-    try:
-        from .engine.planner import read_model_shape
+        import importlib
+        importlib.import_module("ostinatod.engine.residency")
     except ImportError:
         raise ControlError(501, "not_implemented", "residency sets are not available in this build")
     try:
-        return read_model_shape(path).fingerprint
-    except ValueError as e:
+        return await asyncio.get_running_loop().run_in_executor(None, _cached_fingerprint, path)
+    except (OSError, ValueError) as e:
         raise ControlError(409, "model_unreadable", str(e))
 
 
@@ -375,7 +381,7 @@ async def h_residency(request: web.Request) -> web.Response:
             stats = {}
     out["current"] = expert_view(stats)
     try:
-        fp = _fingerprint(st)
+        fp = await _fingerprint(st)
     except ControlError as e:
         out["sets"], out["traces"], out["note"] = [], [], e.message
         return web.json_response(out)
@@ -416,7 +422,7 @@ async def h_switch(request: web.Request) -> web.Response:
         workload = body.get("workload") and _workload_name(body["workload"])
     else:
         workload = _workload_name(body.get("workload"))
-        path = st.paths.residency_dir / _fingerprint(st) / f"{workload}.json"
+        path = st.paths.residency_dir / (await _fingerprint(st)) / f"{workload}.json"
     if not path.is_file():
         raise ControlError(404, "residency_not_found",
                            f"no residency set {path}" + (f"; plan one first: ostinato residency plan "

@@ -58,6 +58,38 @@ def write_tiny_gguf(path: Path) -> Path:
     return path
 
 
+def write_moe_gguf(path: Path, n_layer: int = 6, n_expert: int = 16, k: int = 4, n_embd: int = 32,
+                   n_ff: int = 16) -> Path:
+    """A metadata-complete qwen3moe-shaped GGUF (no vocabulary, random tensors) that the planner
+    and the fingerprint read in milliseconds. Not runnable by llama.cpp (no tokenizer)."""
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_name(path.stem)
+    w.add_block_count(n_layer)
+    w.add_embedding_length(n_embd)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(k)
+    w.add_expert_feed_forward_length(n_ff)
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.random((100, n_embd), dtype=np.float32))
+    for l in range(n_layer):
+        w.add_tensor(f"blk.{l}.attn_q.weight", rng.random((n_embd, n_embd), dtype=np.float32))
+        w.add_tensor(f"blk.{l}.ffn_gate_inp.weight", rng.random((n_expert, n_embd), dtype=np.float32))
+        for n in ("gate", "up"):
+            w.add_tensor(f"blk.{l}.ffn_{n}_exps.weight",
+                         rng.random((n_expert, n_ff, n_embd), dtype=np.float32).astype(np.float16))
+        w.add_tensor(f"blk.{l}.ffn_down_exps.weight",
+                     rng.random((n_expert, n_embd, n_ff), dtype=np.float32).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 @pytest.fixture()
 def home(tmp_path, monkeypatch):
     # AF_UNIX paths are limited to ~107 bytes: keep the home short
