@@ -197,3 +197,6 @@ def test_daemon_away_means_error_state(xdisplay, monkeypatch, tmp_path):
     assert app.refresh() == "error"
     assert "not running" in app.error
     assert "Model: daemon not running" in [str(i) for i in app.icon.menu.items]
+    del app  # its X connection closes in __del__, while the X server still runs
+    import gc
+    gc.collect()
