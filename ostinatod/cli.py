@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "unload": ("ostinatod.ctl", "cmd_unload", "unload the model"),
     "residency": ("ostinatod.ctl", "cmd_residency", "show/plan/switch residency sets"),
     "logs": ("ostinatod.ctl", "cmd_logs", "print the daemon log"),
+    "pause": ("ostinatod.ctl", "cmd_pause", "unload the model until 'resume' (frees RAM/GPU memory)"),
+    "resume": ("ostinatod.ctl", "cmd_resume", "load the paused model again"),
     "tui": ("ui.tui", "main", "live terminal UI"),
     "tray": ("ui.tray", "main", "tray icon"),
     "launch": ("ostinatod.launch", "main", "configure an agent (claude, opencode, openhands, codex)"),

@@ -267,3 +267,17 @@ def cmd_logs(argv: list[str]) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def cmd_pause(argv: list[str]) -> int:
+    """``ostinato pause``: unload the model to free RAM/GPU memory; ``ostinato resume`` loads it back."""
+    a = _parser("pause", "Unload the model until 'ostinato resume' (frees RAM and GPU memory).").parse_args(argv)
+    return _run(lambda: (lambda d: json.dumps(d) if a.json else "paused (model unloaded; 'ostinato resume' "
+                         "loads it again)")(call("POST", "/pause")))
+
+
+def cmd_resume(argv: list[str]) -> int:
+    """``ostinato resume``: load the model unloaded by ``ostinato pause``."""
+    a = _parser("resume", "Load the model again after 'ostinato pause'.").parse_args(argv)
+    return _run(lambda: (lambda d: json.dumps(d) if a.json else f"resumed (engine {d.get('state')})")(
+        call("POST", "/resume")))

@@ -216,9 +216,10 @@ def test_pause_resume_round_trip(server, home):
     class Loaded:  # an engine object is only needed for "is something loaded"; state comes from it
         state = "ready"
     server.state.engine = Loaded()
-    assert call("POST", "/pause")["paused"] is True
+    assert ctl.cmd_pause([]) == 0
     assert call("GET", "/status")["paused"] is True
-    assert call("POST", "/resume")["paused"] is False
+    assert call("POST", "/pause")["paused"] is True  # twice: still paused, nothing reloaded
+    assert ctl.cmd_resume([]) == 0
     assert server.loads == [g, None, g]
 
 
