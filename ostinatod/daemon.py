@@ -155,6 +155,9 @@ class Daemon:
                 st.phase = None
                 raise
             st.phase = None
+            from .demo import demo_model_path
+
+            st.demo = path == demo_model_path(self.settings, self.paths)
             st.settings = st.settings.model_copy(update={"model": path})
             info = st.model_info
             demo = " — DEMO MODEL WITH RANDOM WEIGHTS (output is gibberish)" if info.get("is_demo") else ""
@@ -191,6 +194,7 @@ class Daemon:
                 st.phase = "generating demo model"
                 model = await asyncio.get_running_loop().run_in_executor(
                     None, ensure_demo_model, self.settings, self.paths)
+                st.demo = True
             st.phase = None
             load = asyncio.ensure_future(self.reload(Path(model)))
             stop = asyncio.ensure_future(self._stop.wait())

@@ -118,7 +118,7 @@ def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool 
     if path:
         p = str(path).rsplit("/", 1)[-1]
         names |= {p, p[:-5] if p.endswith(".gguf") else p}
-    if state.model_info.get("is_demo") or not state.settings.model:
+    if state.demo or not state.settings.model:
         names.add(DEMO_MODEL_ID)
     if base in names or (anthropic and base.startswith("claude")):
         return requested, workload

@@ -48,6 +48,7 @@ class DaemonState:
     started_at: float = field(default_factory=time.time)
     model_info: dict[str, Any] = field(default_factory=dict)
     http_url: Optional[str] = None
+    demo: bool = False  # serving the generated demo model (listed as "ostinato-demo-random-weights")
     phase: Optional[str] = None  # what the daemon is doing before an engine exists ("generating demo model")
     reload: Optional[Callable[[Optional[Path]], Awaitable[None]]] = None
     active: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -61,10 +62,11 @@ class DaemonState:
     @property
     def model_name(self) -> str:
         """The served model id: the model_alias setting, else "ostinato-demo-random-weights" for
-        the generated demo model, else the GGUF file name without ``.gguf``."""
+        the generated demo model (``demo``), else the GGUF file name without ``.gguf``. Other
+        random-weight files keep their name; ``model_info["is_demo"]`` flags them."""
         if self.settings.model_alias:
             return self.settings.model_alias
-        if self.model_info.get("is_demo") or (not self.settings.model and not self.model_info.get("path")):
+        if self.demo or (not self.settings.model and not self.model_info.get("path")):
             return "ostinato-demo-random-weights"
         path = self.model_info.get("path") or self.settings.model
         return Path(str(path)).stem
