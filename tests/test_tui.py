@@ -36,7 +36,8 @@ async def _until(pilot, cond, timeout: float = 30.0) -> None:
 def test_heat_strip_colours_follow_share():
     assert heat_color(0.0) != heat_color(1.0)
     t = heat_strip([0.0, 0.5, 1.0])
-    assert t.plain.startswith("███\n3 layers") and "mean 50%" in t.plain
+    assert t.plain.startswith("per layer\n██████\n3 layers") and "mean 50%" in t.plain
+    assert heat_strip([0.5] * 48, "engine").plain.startswith("per layer (engine)\n" + "█" * 48 + "\n")
     assert "no per-layer" in heat_strip(None).plain
 
 
@@ -95,6 +96,9 @@ def test_tui_shows_requests_and_plans_and_switches(planned_server):
             await _until(pilot, lambda: "layers" in str(app.query_one("#heat").render()))
             shares = app.snapshot["experts"]["per_layer_hot_share"]
             assert len(shares) == planned_server.shape.n_layer and all(0 < s <= 1 for s in shares)
+            if os.environ.get("OSTINATO_TUI_SCREENSHOTS") == "1":
+                await pilot.pause(0.3)
+                app.save_screenshot("tui-planned.svg", str(ROOT / "docs" / "img"))
 
             app.last_action = None
             await pilot.press("w")

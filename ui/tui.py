@@ -38,24 +38,27 @@ def heat_color(share: float) -> str:
     return f"rgb({r},{g},60)"
 
 
-def heat_strip(shares: Optional[list[float]]) -> Text:
-    """One coloured block per layer (layer 0 first); a legend with min/mean/max below."""
+def heat_strip(shares: Optional[list[float]], source: Optional[str] = None) -> Text:
+    """One coloured block per layer (layer 0 first; two cells wide up to 32 layers); a legend with
+    min/mean/max below. ``source``: "engine" (live counters) or "traces" (the set over the
+    workload's routing trace)."""
     if not shares:
         return Text("no per-layer figures yet (needs a residency set and routing traces)", style="dim")
-    t = Text()
+    t = Text("per layer" + (f" ({source})" if source else "") + "\n", style="dim")
+    cell = "██" if len(shares) <= 32 else "█"
     for s in shares:
-        t.append("█", style=heat_color(s))
+        t.append(cell, style=heat_color(s))
     lo, hi = min(shares), max(shares)
     t.append(f"\n{len(shares)} layers   min {lo:.0%}  mean {sum(shares) / len(shares):.0%}  max {hi:.0%}",
              style="dim")
     return t
 
 
-def bar(used: float, total: float, width: int = 24) -> str:
-    """A text bar ``[#####.....] 12.3/24.0 GiB``."""
+def bar(used: float, total: float, width: int = 14) -> str:
+    """A text bar ``[#####.....] 12.3/24.0 GiB`` (bytes in, GiB shown)."""
     frac = 0.0 if not total else min(1.0, used / total)
     n = int(round(frac * width))
-    return f"[{'#' * n}{'.' * (width - n)}] {used / GIB:5.1f}/{total / GIB:5.1f} GiB"
+    return f"[{'#' * n}{'.' * (width - n)}] {used / GIB:.1f}/{total / GIB:.1f} GiB"
 
 
 class PromptScreen(ModalScreen[Optional[str]]):
@@ -182,7 +185,8 @@ class OstinatoTUI(App):
         if ex.get("routes"):
             txt.append(f"   {ex.get('hot_routes') or 0}/{ex['routes']} routes hot", style="dim")
         self.query_one("#share", Static).update(txt)
-        self.query_one("#heat", Static).update(heat_strip(ex.get("per_layer_hot_share")))
+        self.query_one("#heat", Static).update(heat_strip(ex.get("per_layer_hot_share"),
+                                                          ex.get("per_layer_source")))
 
         recent = req.get("recent") or []
         ttft = [r["ttft_s"] for r in recent if r.get("ttft_s") is not None]
