@@ -7,11 +7,13 @@ with npm into ~/.cache/ostinato-test/claude-code on first use (reruns reuse it).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -47,11 +49,12 @@ def agent_daemon(start_daemon, tiny_model):
 
 def test_claude_print_mode_completes(claude_cli, agent_daemon):
     exe, env = claude_cli
+    # the served id, as `ostinato launch claude` configures it (claude-* names would work too)
+    model = json.loads(urllib.request.urlopen(agent_daemon.url + "/v1/models").read())["data"][0]["id"]
     cfg = Path(tempfile.mkdtemp(prefix="claude-cfg-"))
     env = dict(env, ANTHROPIC_BASE_URL=agent_daemon.url, ANTHROPIC_AUTH_TOKEN="ostinato-test",
-               ANTHROPIC_MODEL="ostinato", ANTHROPIC_DEFAULT_SONNET_MODEL="ostinato",
-               ANTHROPIC_DEFAULT_OPUS_MODEL="ostinato", ANTHROPIC_DEFAULT_HAIKU_MODEL="ostinato",
-               ANTHROPIC_SMALL_FAST_MODEL="ostinato",
+               ANTHROPIC_MODEL=model, ANTHROPIC_DEFAULT_SONNET_MODEL=model,
+               ANTHROPIC_DEFAULT_OPUS_MODEL=model, ANTHROPIC_DEFAULT_HAIKU_MODEL=model,
                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="32",
                MAX_THINKING_TOKENS="0", DISABLE_AUTOUPDATER="1", API_TIMEOUT_MS="600000",
                CLAUDE_CONFIG_DIR=str(cfg), HOME=str(cfg))
