@@ -18,7 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import EngineError, GenRequest
-from .common import Generation, ensure_engine, fill_common, new_id, read_json, sse, start_sse, validate
+from .common import HEARTBEAT_S, Generation, ensure_engine, fill_common, new_id, read_json, sse, start_sse, validate
 from .errors import ApiError
 from .state import DaemonState
 
@@ -313,8 +313,10 @@ async def _stream(request: web.Request, gen: Generation, req: GenRequest, rid: s
             p["args"] = ""
         # deltas of an earlier, already closed tool block cannot be reopened; they stay buffered
 
-    async for ev in gen.events():
-        if ev.type == "delta":
+    async for ev in gen.events(heartbeat=HEARTBEAT_S):
+        if ev.type == "ping":
+            await emit("ping", {})
+        elif ev.type == "delta":
             d = ev.data
             if d.get("reasoning"):
                 if open_kind != "thinking":

@@ -185,6 +185,7 @@ class Generation:
         self.error: Optional[dict[str, Any]] = None
         self._it: Optional[AsyncIterator[EngineEvent]] = None
         self._pending: Optional[EngineEvent] = None
+        self._next_task: Optional[asyncio.Future] = None
         self._closed = False
 
     @classmethod
@@ -228,14 +229,30 @@ class Generation:
         if d.get("prompt_tokens") is not None and d.get("cached_tokens") is not None:
             self.rec["prefilled_tokens"] = d["prompt_tokens"] - d["cached_tokens"]
 
-    async def events(self) -> AsyncIterator[EngineEvent]:
-        """Remaining events; ends after "done" or "error" (a vanished stream becomes an error)."""
+    async def _next_or_ping(self, heartbeat: Optional[float]) -> Optional[EngineEvent]:
+        """Next engine event, or EngineEvent("ping") after ``heartbeat`` s without one (the pending
+        read is kept, not cancelled, so no event is lost)."""
+        if heartbeat is None:
+            return await self._next()
+        if self._next_task is None:
+            self._next_task = asyncio.ensure_future(self._next())
+        done, _ = await asyncio.wait({self._next_task}, timeout=heartbeat)
+        if not done:
+            return EngineEvent("ping", {})  # type: ignore[arg-type]
+        task, self._next_task = self._next_task, None
+        return task.result()
+
+    async def events(self, heartbeat: Optional[float] = None) -> AsyncIterator[EngineEvent]:
+        """Remaining events; ends after "done" or "error" (a vanished stream becomes an error).
+
+        With ``heartbeat`` (seconds), an ``EngineEvent("ping")`` is yielded whenever the engine is
+        silent that long (long prefills), so streaming adapters can keep the connection alive."""
         while True:
             if self._pending is not None:
                 ev, self._pending = self._pending, None
             else:
                 try:
-                    ev = await self._next()
+                    ev = await self._next_or_ping(heartbeat)
                 except EngineError as e:
                     ev = EngineEvent("error", {"code": e.code, "message": e.message, "status": e.status})
                 if ev is None:
@@ -243,6 +260,9 @@ class Generation:
                                                "message": "The engine ended the stream without a result."})
             if ev.type == "start":
                 self._on_start(ev.data)
+                continue
+            if ev.type == "ping":
+                yield ev
                 continue
             if ev.type == "delta":
                 if self.t_first is None:
@@ -283,6 +303,13 @@ class Generation:
 
     async def aclose(self) -> None:
         """Stop the engine stream early (client went away); safe to call twice."""
+        task, self._next_task = self._next_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - abandoning the stream
+                pass
         it, self._it = self._it, None
         if it is not None and hasattr(it, "aclose"):
             try:
@@ -303,6 +330,10 @@ class Generation:
             else:
                 status, error = "client_disconnected", error or "stream abandoned"
         self.state.finish_request(self.rec, status, error)
+
+
+HEARTBEAT_S = 10.0  # keep-alive interval of streams while the engine is silent (long prefill)
+SSE_COMMENT_PING = b": ping\n\n"  # SSE comment: ignored by clients, keeps proxies and timers happy
 
 
 def sse_headers() -> dict[str, str]:

@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import Generation, fill_common, new_id, read_json, sse, start_sse, validate
+from .common import HEARTBEAT_S, SSE_COMMENT_PING, Generation, fill_common, new_id, read_json, sse, start_sse, validate
 from .errors import ApiError
 from .state import DaemonState
 
@@ -191,8 +191,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await resp.write(chunk({"role": "assistant", "content": ""}))
         ids: dict[int, str] = {}
         saw_tools = False
-        async for ev in gen.events():
-            if ev.type == "delta":
+        async for ev in gen.events(heartbeat=HEARTBEAT_S):
+            if ev.type == "ping":
+                await resp.write(SSE_COMMENT_PING)
+            elif ev.type == "delta":
                 d = ev.data
                 if d.get("reasoning"):
                     await resp.write(chunk({"reasoning_content": d["reasoning"]}))
@@ -265,8 +267,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return sse({"id": req.id, "object": "text_completion", "created": created, "model": req.model,
                         "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
 
-        async for ev in gen.events():
-            if ev.type == "delta" and ev.data.get("content"):
+        async for ev in gen.events(heartbeat=HEARTBEAT_S):
+            if ev.type == "ping":
+                await resp.write(SSE_COMMENT_PING)
+            elif ev.type == "delta" and ev.data.get("content"):
                 await resp.write(chunk(ev.data["content"]))
             elif ev.type == "done":
                 await resp.write(chunk("", ev.data.get("finish_reason") or "stop"))

@@ -19,7 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import Generation, fill_common, new_id, read_json, sse, start_sse, validate
+from .common import HEARTBEAT_S, SSE_COMMENT_PING, Generation, fill_common, new_id, read_json, sse, start_sse, validate
 from .errors import ApiError
 from .openai_api import check_tools, json_schema_of
 from .state import DaemonState
@@ -275,8 +275,10 @@ async def _stream(request: web.Request, b: ResponsesBody, gen: Generation, req: 
                                                        "content_index": 0, "part": part})
         cur = {"kind": kind, "item": item, "text": "", "tool_index": tool_index}
 
-    async for ev in gen.events():
-        if ev.type == "delta":
+    async for ev in gen.events(heartbeat=HEARTBEAT_S):
+        if ev.type == "ping":
+            await resp.write(SSE_COMMENT_PING)
+        elif ev.type == "delta":
             d = ev.data
             if d.get("reasoning"):
                 if cur is None or cur["kind"] != "reasoning":
