@@ -121,7 +121,7 @@ def test_token_classes():
     C, P, O = synth.CODE, synth.PROSE, synth.OTHER
     cases = {"    ": C, "\n": C, "){": C, "_name": C, "getValue": C, "def": C, "self": C,
              " the": P, "Hello": P, " house": P, ",": P, "42": O, "é": O}
-    got = {t: synth.classify_token(t) for t in cases}
+    got = {t: synth.coarse_class(t) for t in cases}
     assert got == cases
 
 
@@ -130,8 +130,9 @@ def test_routing_is_skewed_and_content_dependent():
     cx = _ctx(0, "small")
     emb = synth._embedding(cx)
     rng = np.random.default_rng(0)
-    code_ids = rng.choice(np.flatnonzero(cx.classes == synth.CODE), 3000)
-    prose_ids = rng.choice(np.flatnonzero(cx.classes == synth.PROSE), 3000)
+    coarse = np.asarray(synth.COARSE_OF)[cx.classes]
+    code_ids = rng.choice(np.flatnonzero(coarse == synth.CODE), 3000)
+    prose_ids = rng.choice(np.flatnonzero(coarse == synth.PROSE), 3000)
     for il in (0, cx.shape.n_layer - 1):
         W = synth._router(cx, il)
         counts = []

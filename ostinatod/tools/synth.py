@@ -5,16 +5,18 @@ The files load and generate in the llama.cpp that llama-cpp-python 0.3.36 vendor
 0c1e57098). Their text is gibberish; their *routing* is built to look like a real MoE's on agent
 traffic, which is what the expert paths, the planner and the benchmarks need:
 
-* every vocabulary token is classed as code-like, prose-like or other (:func:`classify_token`);
+* every vocabulary token gets a fine class: syntax, ident (code-like), word, name (prose-like),
+  number, misc (:func:`classify_token`);
 * its embedding is ``sqrt(d) * (sqrt(rho) * C[class] + sqrt(1 - rho) * noise)`` (``C``: orthonormal
   class directions; per-element rms 1), so the class survives the RMS norm in front of each router;
 * the router of layer ``l`` (``ffn_gate_inp``) has rows ``g * sum_c P[l,c,e] * C[c] + s * R[l,e]``
   where ``P[l,c,e] = -log(1 + rank of expert e for class c in layer l)`` (a Zipf-like preference,
-  one random ranking per layer and class; the prose ranking is partly correlated with the code
-  ranking) and ``R`` is Gaussian: the logits of a token are ``A * P + B * z`` with ``z`` a fixed
-  per-token, per-expert N(0, 1) draw. ``A`` shrinks with the expert count so that, for coding text,
-  the top 44 % of experts receive roughly 80-90 % of the routes (the Ostinato paper's observation,
-  arXiv 2611.11533 Sec. 2), and code and prose text have different hot sets;
+  one random ranking per layer and class; related classes' rankings are correlated) and ``R`` is
+  Gaussian: the logits of a token are ``A * P + B * z`` with ``z`` a fixed per-token, per-expert
+  N(0, 1) draw. ``A`` shrinks with the expert count so that, for coding text, the top 44 % of
+  experts receive ~84 % of the routes (the Ostinato paper's observation, arXiv 2611.11533 Sec. 2);
+  code-like and prose-like tokens prefer different experts, so text with another class mix has
+  another hot set (see docs/synthetic-models.md for measured figures);
 * attention and expert outputs are kept small relative to the embedding (their scale falls with
   1/sqrt(n_layer)), so the class signal reaches the last layer but the experts still change the
   logits (exactness tests can see a wrong expert).
@@ -51,9 +53,12 @@ SYNTH_FORMAT = "ostinato-synth/1"
 VOCAB_NAME = "ggml-vocab-qwen2.gguf"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
-# Token classes (index into the class directions).
+# Fine token classes (index into the class directions) and the coarse kind each belongs to.
+SYNTAX, IDENT, WORD, NAME, NUMBER, MISC = range(6)
+FINE_NAMES = ("syntax", "ident", "word", "name", "number", "misc")
 CODE, PROSE, OTHER = 0, 1, 2
 CLASS_NAMES = ("code", "prose", "other")
+COARSE_OF = (CODE, CODE, PROSE, PROSE, OTHER, OTHER)
 
 
 class SynthError(RuntimeError):
@@ -131,25 +136,25 @@ class Routing:
     """Knobs of the synthetic routing (see the module docstring for the formula).
 
     ``class_energy``: rho, share of an embedding's energy along its class direction;
-    ``prose_code_corr``/``other_code_corr``: correlation of the per-layer expert rankings of prose
-    (other) tokens with that of code tokens (0: independent hot sets, 1: identical);
+    ``related_corr``: correlation of the per-layer expert rankings of related fine classes
+    (syntax~ident, word~name, number~misc); unrelated classes rank independently;
     ``strength``: A, the weight of the preference in the router logit (None: by expert count);
     ``spread``: B, the per-token noise in the router logit;
     ``branch_scale``: attention/expert output size relative to the residual, for the whole depth.
     """
 
     class_energy: float = 0.5
-    prose_code_corr: float = 0.2
-    other_code_corr: float = 0.5
+    related_corr: float = 0.5
     strength: float | None = None
     spread: float = 1.0
     branch_scale: float = 0.5
 
     def strength_for(self, n_expert: int) -> float:
-        # tuned by simulation so that the top 44 % of experts take ~80-90 % of code routes
+        # tuned by simulation on the class mix of ../shared/sessions/swe.jsonl so that the top 44 %
+        # of experts take ~84 % of the routes (32 experts: A=1.6, 128 experts: A=0.9)
         if self.strength is not None:
             return self.strength
-        return 0.7 * (128.0 / max(n_expert, 2)) ** 0.2
+        return min(2.5, 0.9 * (128.0 / max(n_expert, 2)) ** 0.4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,7 +267,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 _BYTE_DECODER = _byte_decoder()
-_CLASSIFIER_VERSION = 1  # bump when classify_token changes (invalidates the tokenizer cache)
+_CLASSIFIER_VERSION = 2  # bump when classify_token changes (invalidates the tokenizer cache)
 _CODE_CHARS = set("{}[]()<>;=+*/%&|^~\\@#$_`:")
 _CODE_WORDS = {"def", "return", "import", "from", "class", "self", "if", "elif", "else", "for",
                "while", "in", "not", "and", "or", "None", "True", "False", "try", "except",
@@ -284,35 +289,44 @@ def token_text(token: str) -> str:
 
 
 def classify_token(text: str, ttype: int = 1) -> int:
-    """Class of a token's decoded text: CODE (brackets, operators, indentation, snake_case /
-    camelCase identifiers, code keywords), PROSE (plain words, prose punctuation) or OTHER (digits,
-    non-ASCII, special tokens, single letters)."""
+    """Fine class of a token's decoded text (index into :data:`FINE_NAMES`):
+    SYNTAX (brackets, operators, indentation), IDENT (code keywords, snake_case / camelCase
+    identifiers, dotted names), WORD (lower-case words, prose punctuation, a lone space), NAME
+    (capitalised words), NUMBER (digits), MISC (non-ASCII, special tokens, single letters).
+    :data:`COARSE_OF` maps them to CODE / PROSE / OTHER."""
     if ttype != 1:
-        return OTHER
+        return MISC
     s = text
     core = s.strip()
     if not core:
         # indentation and line breaks are code-like; a lone space is prose
-        return CODE if ("\n" in s or "\t" in s or len(s) >= 2) else PROSE
+        return SYNTAX if ("\n" in s or "\t" in s or len(s) >= 2) else WORD
+    if core.isascii() and core.replace("_", "").isalnum() and any(c.isalpha() for c in core):
+        if "_" in core or core in _CODE_WORDS or any(a.islower() and b.isupper() for a, b in zip(core, core[1:])):
+            return IDENT  # snake_case, keyword, camelCase
+        if not core.isalpha():
+            return IDENT  # letters mixed with digits: v2, utf8, x86
+        if len(core) < 2:
+            return MISC
+        return NAME if core[0].isupper() else WORD
     if any(ch in _CODE_CHARS for ch in core):
-        return CODE
-    if core.isascii() and core.isalpha():
-        if core in _CODE_WORDS:
-            return CODE
-        if any(a.islower() and b.isupper() for a, b in zip(core, core[1:])):
-            return CODE  # camelCase
-        if len(core) >= 2:
-            return PROSE
-        return OTHER
+        return SYNTAX
     if all(ch in ".,;!?'\"-" for ch in core):
-        return PROSE if core in (".", ",", "!", "?", "'", "\"", "-", "'s") else CODE
+        return WORD if core in (".", ",", "!", "?", "'", "\"", "-", "'s") else SYNTAX
     if core.isascii() and any(ch.isalpha() for ch in core) and "." in core:
-        return CODE  # file.ext, module.attr
-    return OTHER
+        return IDENT  # file.ext, module.attr
+    if core.isdigit():
+        return NUMBER
+    return MISC
+
+
+def coarse_class(text: str, ttype: int = 1) -> int:
+    """CODE, PROSE or OTHER for a token's decoded text (:func:`classify_token`, coarsened)."""
+    return COARSE_OF[classify_token(text, ttype)]
 
 
 def token_classes(tokens: list[str], types: list[int]) -> np.ndarray:
-    """Class id (CODE/PROSE/OTHER) of every vocabulary token, shape (n_vocab,), int8."""
+    """Fine class id (:func:`classify_token`) of every vocabulary token, shape (n_vocab,), int8."""
     return np.fromiter((classify_token(token_text(t), ty) for t, ty in zip(tokens, types)),
                        dtype=np.int8, count=len(tokens))
 
@@ -417,23 +431,24 @@ class _Ctx:
     classes: np.ndarray  # (n_vocab,)
     n_vocab: int
     pool: np.ndarray | None = None
-    C: np.ndarray = field(default=None)  # (3, d) class directions
-    prefs: np.ndarray = field(default=None)  # (n_layer, 3, n_expert)
+    C: np.ndarray = field(default=None)  # (n_class, d) class directions
+    prefs: np.ndarray = field(default=None)  # (n_layer, n_class, n_expert)
 
     def __post_init__(self):
         d = self.shape.n_embd
         rng = _rng(self.seed, "class_directions")
-        q, _ = np.linalg.qr(rng.standard_normal((d, 3)))
-        self.C = q.T.astype(np.float64)  # orthonormal rows
+        nc = len(FINE_NAMES)
+        q, _ = np.linalg.qr(rng.standard_normal((d, nc)))
+        self.C = q.T.astype(np.float64)  # orthonormal rows, one per fine class
         L, E = self.shape.n_layer, self.shape.n_expert
-        self.prefs = np.empty((L, 3, E))
-        r = self.routing
+        self.prefs = np.empty((L, nc, E))
+        rc = self.routing.related_corr
         for il in range(L):
             rg = _rng(self.seed, f"ranking.{il}")
-            keys = rg.standard_normal((3, E))
-            keys[PROSE] = r.prose_code_corr * keys[CODE] + math.sqrt(1 - r.prose_code_corr ** 2) * keys[PROSE]
-            keys[OTHER] = r.other_code_corr * keys[CODE] + math.sqrt(1 - r.other_code_corr ** 2) * keys[OTHER]
-            for c in range(3):
+            keys = rg.standard_normal((nc, E))
+            for a, b in ((SYNTAX, IDENT), (WORD, NAME), (NUMBER, MISC)):
+                keys[b] = rc * keys[a] + math.sqrt(1 - rc ** 2) * keys[b]
+            for c in range(nc):
                 rank = np.argsort(np.argsort(-keys[c]))
                 self.prefs[il, c] = -np.log1p(rank)
 
@@ -740,6 +755,134 @@ def synthetic_model(directory: str | os.PathLike, arch: str = "qwen3moe", shape:
 
 
 # --------------------------------------------------------------------------------------------
+# routing check (numpy forward of the routers on the token embeddings)
+
+
+def tokenize(model_path: str | os.PathLike, text: str) -> np.ndarray:
+    """Token ids of ``text`` with the model's own tokenizer (llama.cpp, vocab-only load)."""
+    import ctypes
+
+    import llama_cpp as L
+
+    mp = L.llama_model_default_params()
+    mp.vocab_only = True
+    model = L.llama_model_load_from_file(str(model_path).encode(), mp)
+    if not model:
+        raise SynthError(f"llama.cpp could not load {model_path}")
+    try:
+        vocab = L.llama_model_get_vocab(model)
+        raw = text.encode("utf-8", errors="replace")
+        cap = len(raw) + 16
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(vocab, raw, len(raw), buf, cap, False, True)
+        if n < 0:
+            raise SynthError("tokenize: buffer too small")
+        return np.ctypeslib.as_array(ctypes.cast(buf, ctypes.POINTER(ctypes.c_int32)), shape=(n,)).copy()
+    finally:
+        L.llama_model_free(model)
+
+
+def router_counts(model_path: str | os.PathLike, token_ids: np.ndarray) -> dict[int, np.ndarray]:
+    """Route counts per MoE layer, {layer: (n_expert,) int64}, for ``token_ids``.
+
+    A numpy forward of each layer's router on the token embeddings as stored in the file
+    (dequantised): RMS norm, ``ffn_norm`` weight, ``ffn_gate_inp``, the gating (softmax, or sigmoid
+    plus ``exp_probs_b`` for the selection), top-k. It ignores what attention and earlier layers add
+    to the residual stream (kept small by construction), so it is the routing the writer designed,
+    not a replacement for the engine's own route counters.
+    """
+    r = gguf.GGUFReader(model_path)
+    t = {x.name: x for x in r.tensors}
+    arch = r.fields["general.architecture"].contents()
+    k = int(r.fields[f"{arch}.expert_used_count"].contents())
+    eps = float(r.fields[f"{arch}.attention.layer_norm_rms_epsilon"].contents())
+
+    def deq(name: str) -> np.ndarray:
+        x = t[name]
+        return np.asarray(gguf.quants.dequantize(x.data, x.tensor_type), dtype=np.float32)
+
+    ids = np.asarray(token_ids)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    emb = deq("token_embd.weight")[uniq]
+    x = emb / np.sqrt((emb ** 2).mean(axis=1, keepdims=True) + eps)
+    out: dict[int, np.ndarray] = {}
+    il = 0
+    while f"blk.{il}.ffn_norm.weight" in t:
+        if f"blk.{il}.ffn_gate_inp.weight" in t:
+            W = deq(f"blk.{il}.ffn_gate_inp.weight")
+            logits = (x * deq(f"blk.{il}.ffn_norm.weight")) @ W.T
+            if f"blk.{il}.exp_probs_b.bias" in t:
+                sel = 1 / (1 + np.exp(-logits)) + deq(f"blk.{il}.exp_probs_b.bias")
+            else:
+                sel = logits  # softmax is monotonic
+            top = np.argpartition(-sel, k - 1, axis=1)[:, :k]
+            per_tok = np.zeros((len(uniq), W.shape[0]), dtype=np.int64)
+            np.put_along_axis(per_tok, top, 1, axis=1)
+            out[il] = np.bincount(inv, minlength=len(uniq)) @ per_tok
+        il += 1
+    return out
+
+
+def _session_text(s: dict) -> str:
+    parts = []
+    for m in s.get("messages", []):
+        parts.append(m.get("content") or "")
+        for c in m.get("tool_calls") or []:
+            parts.append(json.dumps(c.get("function", {})))
+    return "\n".join(parts)
+
+
+def routing_report(model_path: str | os.PathLike, session_files: list[str | os.PathLike],
+                   hot_frac: float = 0.44, seed: int = 0, max_chars: int = 2_000_000) -> dict:
+    """Skew and workload dependence of the synthetic routing on recorded sessions.
+
+    Per sessions file: the ``hot_frac`` most-routed experts of each MoE layer on the development
+    sessions (``sessions.split_sessions``) and the share of the held-out sessions' routes that they
+    receive (the Ostinato paper's Sec. 2 statistic); across files: the Jaccard overlap of their hot
+    sets and the share of each file's routes that land on the other file's hot set. Text is capped
+    at ``max_chars`` per side. Returns a JSON-able dict.
+    """
+    from .sessions import split_sessions
+
+    rep: dict = {"model": str(model_path), "hot_frac": hot_frac, "files": {}}
+    hot: dict[str, dict[int, set]] = {}
+    counts_all: dict[str, dict[int, np.ndarray]] = {}
+    for f in session_files:
+        name = Path(f).stem
+        dev, held = split_sessions(f, seed=seed)
+        c = {}
+        for side, ss in (("dev", dev), ("held_out", held)):
+            text = "\n".join(_session_text(s) for s in ss)[:max_chars]
+            ids = tokenize(model_path, text)
+            c[side] = router_counts(model_path, ids)
+            c[side + "_tokens"] = int(len(ids))
+        layers = sorted(c["dev"])
+        n_exp = len(c["dev"][layers[0]])
+        n_hot = max(1, round(hot_frac * n_exp))
+        hot[name] = {il: set(np.argsort(-c["dev"][il], kind="stable")[:n_hot].tolist()) for il in layers}
+        shares = [c["held_out"][il][sorted(hot[name][il])].sum() / max(1, c["held_out"][il].sum()) for il in layers]
+        dev_shares = [np.sort(c["dev"][il])[::-1][:n_hot].sum() / max(1, c["dev"][il].sum()) for il in layers]
+        counts_all[name] = {il: c["dev"][il] + c["held_out"][il] for il in layers}
+        rep["files"][name] = {"dev_sessions": len(dev), "held_out_sessions": len(held),
+                              "dev_tokens": c["dev_tokens"], "held_out_tokens": c["held_out_tokens"],
+                              "n_expert": n_exp, "hot_experts_per_layer": n_hot,
+                              "held_out_share_on_dev_hot_set": float(np.mean(shares)),
+                              "dev_share_on_own_hot_set": float(np.mean(dev_shares)),
+                              "per_layer_held_out_share": [round(float(x), 4) for x in shares]}
+    names = list(hot)
+    if len(names) >= 2:
+        a, b = names[:2]
+        layers = sorted(hot[a])
+        jac = [len(hot[a][il] & hot[b][il]) / len(hot[a][il] | hot[b][il]) for il in layers]
+        cross = lambda x, y: float(np.mean([counts_all[x][il][sorted(hot[y][il])].sum() /  # noqa: E731
+                                            max(1, counts_all[x][il].sum()) for il in layers]))
+        rep["cross"] = {"pair": [a, b], "hot_set_jaccard": float(np.mean(jac)),
+                        f"{a}_routes_on_{b}_hot_set": cross(a, b), f"{b}_routes_on_{a}_hot_set": cross(b, a),
+                        f"{a}_routes_on_own_hot_set": cross(a, a), f"{b}_routes_on_own_hot_set": cross(b, b)}
+    return rep
+
+
+# --------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -751,8 +894,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="number of layers (default: the shape's)")
     ap.add_argument("--quant", default="q8_0", choices=list(QUANTS), help="expert weight type")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("-o", "--output", required=True, help="output .gguf path")
+    ap.add_argument("-o", "--output", help="output .gguf path")
+    ap.add_argument("--report", metavar="MODEL.gguf", help="instead of writing: print the routing "
+                    "skew of an existing synthetic model on --sessions files (JSON)")
+    ap.add_argument("--sessions", nargs="+", default=[], help="session JSONL files for --report")
     args = ap.parse_args(argv)
+    if args.report:
+        if not args.sessions:
+            ap.error("--report needs --sessions FILE.jsonl [FILE.jsonl]")
+        print(json.dumps(routing_report(args.report, args.sessions), indent=1))
+        return 0
+    if not args.output:
+        ap.error("-o/--output is required")
     t0 = time.time()
     try:
         p = write_synthetic_moe(args.output, arch=args.arch, shape=args.shape, n_layer=args.layers,
