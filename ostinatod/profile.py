@@ -187,7 +187,8 @@ def _find_cudart() -> Optional[str]:
     except Exception:
         pass
     for p in sys.path:
-        cands += sorted(str(x) for x in Path(p).glob("nvidia/cuda_runtime/lib/libcudart.so*"))
+        for pat in ("nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*"):
+            cands += sorted(str(x) for x in Path(p).glob(pat))
     found = ctypes.util.find_library("cudart")
     if found:
         cands.append(found)
