@@ -92,8 +92,10 @@ def prepare_model(a: argparse.Namespace) -> Path:
     return path
 
 
-def _assistant_turns(s: dict[str, Any]) -> list[int]:
-    return [i for i, m in enumerate(s["messages"]) if m.get("role") == "assistant" and i > 0]
+def _assistant_turns(s: dict[str, Any]):
+    from .sessions import assistant_turns
+
+    return assistant_turns(s)
 
 
 def select_sessions(a: argparse.Namespace) -> tuple[Path, list[dict], list[dict]]:
@@ -122,14 +124,6 @@ def select_sessions(a: argparse.Namespace) -> tuple[Path, list[dict], list[dict]
 # development traces (in-process engine) and plan
 # --------------------------------------------------------------------------------------------
 
-def _assistant_text(m: dict[str, Any]) -> str:
-    parts = [m.get("content") or ""]
-    for c in m.get("tool_calls") or []:
-        fn = c.get("function", {})
-        parts.append(f"{fn.get('name', '')} {fn.get('arguments', '')}")
-    return "\n".join(parts)
-
-
 def collect_dev_traces(model: Path, dev: list[dict], a: argparse.Namespace, run_dir: Path,
                        workload: str):
     """Replay ``a.dev_turns`` turns of each dev session through the Ostinato engine in this process
@@ -139,6 +133,7 @@ def collect_dev_traces(model: Path, dev: list[dict], a: argparse.Namespace, run_
     from ..engine.types import GenRequest
     from ..engine.worker import Worker
     from ..settings import load_settings
+    from .sessions import assistant_text
 
     block = model_block(model)
     empty = write_residency(make_residency(block, {}, workload=workload), run_dir / "residency-empty.json")
@@ -156,10 +151,10 @@ def collect_dev_traces(model: Path, dev: list[dict], a: argparse.Namespace, run_
     n_req = 0
     try:
         for si, sess in enumerate(dev):
-            for turn, idx in enumerate(_assistant_turns(sess)[: a.dev_turns]):
-                gen = max(1, min(a.dev_max_gen, len(w.tokenize(_assistant_text(sess["messages"][idx]),
+            for turn in _assistant_turns(sess)[: a.dev_turns]:
+                gen = max(1, min(a.dev_max_gen, len(w.tokenize(assistant_text(turn.target),
                                                                add_special=False))))
-                req = GenRequest(id=f"dev-{si}-{turn}", messages=sess["messages"][:idx],
+                req = GenRequest(id=f"dev-{si}-{turn.index}", messages=turn.context,
                                  tools=sess.get("tools") or None, max_tokens=gen, ignore_eos=True,
                                  temperature=0.0, workload=workload)
                 done = _run_one(w, req)
@@ -301,7 +296,7 @@ def start_daemon(name: str, model: Path, settings: dict[str, Any], run_dir: Path
     if prof.exists():
         shutil.copy(prof, home / "data" / prof.name)
     env = dict(os.environ, OSTINATO_HOME=str(home), OSTINATOD_DETACHED="1")
-    base = {"model": model, "n_ctx": a.n_ctx, "n_slots": 2, "engine_mode": "subprocess",
+    base = {"model": model, "n_ctx": a.n_ctx, "n_slots": 2, "engine_mode": a.engine_mode,
             "n_threads": a.threads, "prefill_threshold": a.prefill_threshold, "log_level": "INFO"}
     for k, v in {**base, **settings}.items():
         if v is not None:
@@ -355,18 +350,22 @@ def _model_name(url: str) -> str:
 
 
 def replay(url: str, sessions_file: Path, held: list[dict], a: argparse.Namespace, out: Path) -> dict:
-    """Run ``ostinato bench replay`` (the one replay client) against ``url``; returns its JSON."""
-    cmd = [sys.executable, "-m", "ostinatod.cli", "bench", "replay", "--sessions", str(sessions_file),
-           "--base-url", url, "--model", _model_name(url), "--client", a.client,
-           "--max-turns", str(a.turns), "--json", str(out), "--ids", *[s["id"] for s in held]]
-    say("  " + " ".join(cmd[2:]))
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    (out.with_suffix(".log")).write_text(p.stdout)
-    if not out.exists():
-        raise BenchError(f"replay wrote no JSON (exit {p.returncode}):\n{p.stdout[-3000:]}")
-    data = json.loads(out.read_text())
-    if p.returncode != 0:
-        say(f"  replay exit code {p.returncode} (some turns failed; see {out.with_suffix('.log')})")
+    """Replay the held-out sessions against ``url`` with the one replay client
+    (:func:`ostinatod.tools.replay.run_replay`, what ``ostinato bench replay`` runs); the result
+    JSON is also written to ``out``."""
+    from .replay import run_replay
+
+    log_lines: list[str] = []
+
+    def log(line: str) -> None:
+        log_lines.append(line)
+        if a.verbose:
+            say("    " + line)
+
+    data = run_replay(held, url, client=a.client, model=_model_name(url), max_turns=a.turns,
+                      log=log, sessions_file=str(sessions_file))
+    out.write_text(json.dumps(data, indent=1))
+    out.with_suffix(".log").write_text("\n".join(log_lines) + "\n")
     return data
 
 
@@ -563,6 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", help="result name (default engines-<shape>-L<layers>)")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--work-dir", type=Path, help="keep logs, traces and replay JSON here")
+    ap.add_argument("--engine-mode", default="subprocess", choices=("subprocess", "inprocess"),
+                    help="engine worker mode of the daemons (default: the daemon's default)")
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
