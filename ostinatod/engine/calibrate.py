@@ -356,7 +356,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
     for f, hot in sets:
         paths.append(write_residency(make_residency(block, hot, workload="calibration"),
                                      tmp / f"hot-{f:.2f}.json"))
-    n_max = max([16, *prefill_sizes])
+    n_max = max([32, *prefill_sizes])
     s = load_settings(model=model_path, experts="ostinato", residency=paths[0], n_slots=1,
                       n_ctx=max(512, n_max + decode_steps + 64), n_batch=n_max, n_ubatch=max(32, n_max),
                       n_threads=n_threads, engine_mode="inprocess")
@@ -408,10 +408,12 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
                 for step in range(decode_steps):
                     decode(toks(1), 16 + step)
                     st = w.rt.take_request_stats()
-                    cd = np.asarray(st.get("counts_decode") or st.get("counts_prefill"), np.int64)
+                    # a one-token pass is a decode step; count both kinds in case the engine
+                    # files it under prefill
+                    cd = sum(np.asarray(st.get(k) or np.zeros_like(cold_mask), np.int64)
+                             for k in ("counts_decode", "counts_prefill"))
                     r = (cd * cold_mask).sum(axis=1)
-                    moe_r = r[: cd.shape[0]]
-                    n1 = int((moe_r > 0).sum())
+                    n1 = int((r > 0).sum())
                     rows.append((n_moe - n1, n1, int(r.sum()), float(st.get("cpu_branch_ms", 0.0))))
                     if gpu:
                         gpu_ms.append(float(st.get("gpu_branch_ms", 0.0)) / n_moe)
