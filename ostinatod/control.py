@@ -145,7 +145,7 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
     "paused", "requests": {"active", "total", "recent": [{"id", "workload", "status", "ttft_s",
     "tpot_s", "prompt_tokens", "cached_tokens", "completion_tokens"}]}, "experts":
     :func:`expert_view`, "engine": raw ``stats()``, "memory": {"host": {"total_bytes",
-    "available_bytes", "daemon_rss_bytes"}, "gpus": :func:`gpu_memory`}}``. Times in seconds."""
+    "available_bytes", "daemon_rss_bytes" (daemon + engine worker)}, "gpus": :func:`gpu_memory`}}``. Times in seconds."""
     stats: dict[str, Any] = {}
     if state.engine is not None and state.engine_state == "ready":
         try:
@@ -178,9 +178,21 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
         "experts": ex,
         "engine": stats,
         "memory": {"host": {"total_bytes": vm.total, "available_bytes": vm.available,
-                            "daemon_rss_bytes": psutil.Process().memory_info().rss},
+                            "daemon_rss_bytes": _rss_with_children()},
                    "gpus": gpu_memory()},
     }
+
+
+def _rss_with_children() -> int:
+    """Resident bytes of the daemon and its children (the engine worker subprocess)."""
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for c in me.children(recursive=True):
+        try:
+            total += c.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
 
 
 def _ctl(state) -> dict[str, Any]:

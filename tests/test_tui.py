@@ -123,12 +123,18 @@ def test_tui_against_live_daemon(live_daemon):
             await _until(pilot, lambda: app.snapshot.get("engine_state") == "ready", 120)
             n0 = len(app.snapshot["requests"]["recent"])
             client = OpenAI(base_url=live_daemon.url + "/v1", api_key="x")
-            await asyncio.to_thread(lambda: client.chat.completions.create(
-                model="any", max_tokens=8, messages=[{"role": "user", "content": "def add(a, b):"}]))
-            await _until(pilot, lambda: len(app.snapshot["requests"]["recent"]) > n0, 60)
-            last = app.snapshot["requests"]["recent"][-1]
-            assert last["status"] == "ok" and last["ttft_s"] is not None
-            assert app.query_one("#requests").row_count >= 1
+            model = app.snapshot["model"]["id"]
+            for text, workload in (("def add(a, b):", "coding"),
+                                   ("I want to change my flight to Tuesday.", "customer-service")):
+                await asyncio.to_thread(lambda: client.chat.completions.create(
+                    model=model, max_tokens=8, messages=[{"role": "user", "content": text}],
+                    extra_headers={"x-ostinato-workload": workload}))
+            await _until(pilot, lambda: len(app.snapshot["requests"]["recent"]) >= n0 + 2, 60)
+            recent = app.snapshot["requests"]["recent"]
+            assert [r["workload"] for r in recent[-2:]] == ["coding", "customer-service"]
+            assert all(r["status"] == "ok" and r["ttft_s"] is not None for r in recent[-2:])
+            assert app.query_one("#requests").row_count >= 2
+            assert len(app.query_one("#ttft").data) >= 2
             assert "tiny" in str(app.query_one("#status").render())
             if shots:
                 app.save_screenshot("tui-live.svg", str(ROOT / "docs" / "img"))

@@ -209,7 +209,7 @@ class OstinatoTUI(App):
         mt = Text("memory\n", style="bold")
         tot = host.get("total_bytes") or 0
         mt.append(f"  host {bar(tot - (host.get('available_bytes') or 0), tot)}\n")
-        mt.append(f"  daemon RSS {(host.get('daemon_rss_bytes') or 0) / GIB:.2f} GiB\n")
+        mt.append(f"  daemon+engine RSS {(host.get('daemon_rss_bytes') or 0) / GIB:.2f} GiB\n")
         for g in mem.get("gpus") or []:
             mt.append(f"  GPU{g['index']} {bar(g['used_bytes'], g['total_bytes'])}\n")
         if not mem.get("gpus"):
