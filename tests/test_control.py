@@ -266,3 +266,23 @@ def test_logs_command(home, capsys):
     log.write_text("".join(f"line {i}\n" for i in range(10)))
     assert ctl.cmd_logs(["-n", "3"]) == 0
     assert capsys.readouterr().out == "line 7\nline 8\nline 9\n"
+
+
+def test_cli_processes_against_the_live_daemon(live_daemon):
+    """The real `ostinato` console commands, as separate processes, against the live daemon."""
+    import subprocess
+    import sys
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ostinatod.cli", *a], env=live_daemon.env,
+                                    capture_output=True, text=True, timeout=120)
+    p = run("status", "--json")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["pid"] == live_daemon.pid and s["engine_state"] == "ready"
+    assert s["http_url"] == live_daemon.url
+    p = run("ps")
+    assert p.returncode == 0 and p.stdout.startswith("id ")
+    p = run("load", "/nonexistent/model.gguf")
+    assert p.returncode == 1 and "no such file" in p.stderr
+    m = call("GET", "/metrics", socket=live_daemon.control_socket)
+    assert m["engine_state"] == "ready" and len(m["engine"]["slots"]) == 2
+    assert m["memory"]["host"]["daemon_rss_bytes"] > 0
