@@ -392,6 +392,9 @@ async def h_residency(request: web.Request) -> web.Response:
         except Exception:
             stats = {}
     out["current"] = expert_view(stats)
+    rp = _ctl(st).get("replanner")
+    out["background_replan"] = {"idle_s": st.settings.replan_idle_s, "growth": st.settings.replan_growth,
+                                "planned": rp.planned[-10:] if rp else []}
     try:
         fp = await _fingerprint(st)
     except ControlError as e:
@@ -523,8 +526,11 @@ def make_app(state) -> web.Application:
     return app
 
 
-async def start_control_server(state, path: Optional[Path] = None) -> web.AppRunner:
+async def start_control_server(state, path: Optional[Path] = None, replan: bool = True) -> web.AppRunner:
     """Serve the control API on the Unix socket ``path`` (default ``state.paths.control_socket``).
+
+    With ``replan`` it also runs the background re-planner (:class:`ostinatod.workload.Replanner`,
+    settings ``replan_idle_s``/``replan_growth``) for the lifetime of the runner.
 
     A stale socket file is replaced; the socket is made mode 0600 and its directory 0700.
     Returns the started runner; ``await runner.cleanup()`` stops it (the socket file is removed).
@@ -534,7 +540,20 @@ async def start_control_server(state, path: Optional[Path] = None) -> web.AppRun
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     if path.exists() or path.is_symlink():
         path.unlink()
-    runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None)
+    app = make_app(state)
+    if replan:
+        from .workload import Replanner
+        rp = Replanner(state)
+        _ctl(state)["replanner"] = rp
+
+        async def _start_rp(_app):
+            rp.start()
+
+        async def _stop_rp(_app):
+            await rp.stop()
+        app.on_startup.append(_start_rp)
+        app.on_cleanup.append(_stop_rp)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     old = os.umask(0o177)  # no window where the socket is reachable by others
     try:

@@ -79,6 +79,12 @@ class Settings(BaseSettings):
                                              "from the calibration in the hardware profile.")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
+    replan_idle_s: int = Field(300, ge=0, description="Re-plan residency sets in the background "
+                               "after the daemon has been idle this many seconds and a workload's "
+                               "traces have moved (0: never).")
+    replan_growth: float = Field(0.25, gt=0, description="A workload's traces have moved when they "
+                                 "hold this fraction more routes than its residency set was planned "
+                                 "from.")
 
     # --- scheduling / prompts -------------------------------------------------------------
     neutralize_volatile: bool = Field(True, description="Blank per-request volatile lines (Claude "

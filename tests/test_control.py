@@ -286,3 +286,48 @@ def test_cli_processes_against_the_live_daemon(live_daemon):
     m = call("GET", "/metrics", socket=live_daemon.control_socket)
     assert m["engine_state"] == "ready" and len(m["engine"]["slots"]) == 2
     assert m["memory"]["host"]["daemon_rss_bytes"] > 0
+
+
+def test_background_replan_when_idle_and_traces_moved(home):
+    """Replanner: plans a workload whose traces have no set, leaves it alone until the traces grow
+    by replan_growth, and never plans while a request runs."""
+    import numpy as np
+    from ostinatod.engine.planner import read_model_shape
+    from ostinatod.engine.traces import Trace, merge_into_file, trace_path
+    from ostinatod.server.state import DaemonState
+    from ostinatod.settings import load_settings
+    from ostinatod.workload import Replanner
+
+    model = write_moe_gguf(home / "m.gguf")
+    shape = read_model_shape(model)
+    tpath = trace_path(shape.fingerprint, "customer-service", home / "data")
+    counts = np.random.default_rng(1).zipf(1.4, size=(shape.n_layer, shape.n_expert)).astype(np.int64)
+
+    def add(c):
+        t = Trace.empty(shape.model_block(), "customer-service")
+        t.add_counts(c, np.zeros_like(c))
+        t.max_request_tokens = 128
+        merge_into_file(tpath, t)
+    add(counts)
+    st = DaemonState(settings=load_settings(replan_idle_s=60, expert_budget_frac=0.5))
+    st.model_info = {"path": str(model)}
+    rp = Replanner(st)
+
+    async def go():
+        t0 = rp.last_busy
+        assert await rp.check_once(now=t0 + 10) == []  # not idle long enough
+        st.begin_request("r", "openai_chat", "m", None, "coding")
+        assert await rp.check_once(now=t0 + 100) == []  # busy: nothing, idle clock restarts
+        st.active.clear()
+        assert await rp.check_once(now=t0 + 120) == []
+        first = await rp.check_once(now=t0 + 200)
+        assert [d["workload"] for d in first] == ["customer-service"]
+        assert first[0]["planned_routes"] is None and Path(first[0]["path"]).is_file()
+        assert await rp.check_once(now=t0 + 300) == []  # traces unchanged: set is current
+        add(counts // 10)  # +10%: below replan_growth
+        assert await rp.check_once(now=t0 + 400) == []
+        add(counts // 2)  # now +60% over what the set was planned from
+        again = await rp.check_once(now=t0 + 500)
+        assert [d["workload"] for d in again] == ["customer-service"]
+        assert again[0]["planned_routes"] == int(counts.sum())
+    asyncio.run(go())
