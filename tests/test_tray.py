@@ -188,7 +188,7 @@ def test_tray_docks_and_follows_the_daemon(xdisplay, server, monkeypatch, tmp_pa
     finally:
         app.quit()  # the daemon here is this process: only the icon stops
     assert app.stopped and not app.icon._running
-    assert not app._poller.is_alive()
+    assert not app._poller.is_alive() and not app._thread.is_alive()
 
 
 def test_daemon_away_means_error_state(xdisplay, monkeypatch, tmp_path):

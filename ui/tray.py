@@ -240,10 +240,19 @@ class TrayApp:
                 self.icon.stop()
             except Exception:
                 pass
-        # pystray's Xorg loop sometimes misses its own DestroyNotify when stopped from another
-        # thread; the loop thread is a daemon thread, so the process still exits (see main()).
+        # pystray's Xorg loop can miss its own DestroyNotify when stopped from another thread
+        # (python-xlib queues the event without waking the reader); a round trip wakes it.
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(2)
+            self._thread.join(1)
+            disp = getattr(self.icon, "_display", None)
+            for _ in range(10):
+                if not self._thread.is_alive() or disp is None:
+                    break
+                try:  # a round trip on the icon's X connection wakes a loop that missed the event
+                    disp.sync()
+                except Exception:
+                    break
+                self._thread.join(0.2)
 
     @property
     def stopped(self) -> bool:
