@@ -526,11 +526,28 @@ def make_app(state) -> web.Application:
     return app
 
 
-async def start_control_server(state, path: Optional[Path] = None, replan: bool = True) -> web.AppRunner:
+def _first_start_profile(path: Path) -> None:
+    """Hardware profile at daemon start (first start or changed hardware); logs, never raises."""
+    try:
+        from .profile import ensure_profile
+        p = ensure_profile(path, recalibrate=False)
+        if p.get("changed"):
+            cal = p.get("calibration") or {}
+            hint = "" if cal and not cal.get("error") and not cal.get("stale") else \
+                "; run 'ostinato calibrate' to calibrate the engine on this hardware"
+            log.info("hardware profile recorded in %s%s", path, hint)
+    except Exception as e:  # a profile problem must not stop the daemon
+        log.warning("hardware profile not recorded: %s: %s", type(e).__name__, e)
+
+
+async def start_control_server(state, path: Optional[Path] = None, replan: bool = True,
+                               profile: bool = True) -> web.AppRunner:
     """Serve the control API on the Unix socket ``path`` (default ``state.paths.control_socket``).
 
     With ``replan`` it also runs the background re-planner (:class:`ostinatod.workload.Replanner`,
-    settings ``replan_idle_s``/``replan_growth``) for the lifetime of the runner.
+    settings ``replan_idle_s``/``replan_growth``) for the lifetime of the runner. With ``profile``
+    it records the hardware profile in a worker thread when there is none or the hardware changed
+    (:func:`ostinatod.profile.ensure_profile`; the calibration is left to ``ostinato calibrate``).
 
     A stale socket file is replaced; the socket is made mode 0600 and its directory 0700.
     Returns the started runner; ``await runner.cleanup()`` stops it (the socket file is removed).
@@ -553,6 +570,10 @@ async def start_control_server(state, path: Optional[Path] = None, replan: bool 
             await rp.stop()
         app.on_startup.append(_start_rp)
         app.on_cleanup.append(_stop_rp)
+    if profile:
+        async def _profile(_app):
+            asyncio.get_running_loop().run_in_executor(None, _first_start_profile, state.paths.hardware_profile)
+        app.on_startup.append(_profile)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     old = os.umask(0o177)  # no window where the socket is reachable by others

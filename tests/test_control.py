@@ -29,7 +29,7 @@ class ControlThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.state = self.run(self._mk(state_factory))
-        self.runner = self.run(start_control_server(self.state))
+        self.runner = self.run(start_control_server(self.state, profile=False))
         self.socket = self.state.paths.control_socket
 
     async def _mk(self, factory):
@@ -331,3 +331,22 @@ def test_background_replan_when_idle_and_traces_moved(home):
         assert [d["workload"] for d in again] == ["customer-service"]
         assert again[0]["planned_routes"] == int(counts.sum())
     asyncio.run(go())
+
+
+def test_control_server_records_the_profile_at_first_start(home):
+    from ostinatod.server.state import DaemonState
+    from ostinatod.settings import load_settings
+
+    async def go():
+        st = DaemonState(settings=load_settings())
+        runner = await start_control_server(st, profile=True, replan=False)
+        try:
+            for _ in range(600):
+                if st.paths.hardware_profile.exists():
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await runner.cleanup()
+        return json.loads(st.paths.hardware_profile.read_text())
+    p = asyncio.run(go())
+    assert p["format"] == "ostinato-hardware/1" and p["bandwidth"]["host_read_gbps"] > 0
