@@ -4,7 +4,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --find-links .carry/wheels -e . > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
+python3 -m pip install -q --no-index --no-build-isolation --find-links .carry/wheels -e . > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
 nproc; free -g | head -2
 start=$(date +%s)
