@@ -168,3 +168,16 @@ def start_daemon() -> Iterator:
     yield start
     for d in started:
         d.stop()
+
+
+@pytest.fixture(scope="session")
+def tool_call_bias() -> dict[str, float]:
+    """OpenAI-style logit_bias that starts a ``<tool_call>`` at once on the synthetic model.
+
+    llama.cpp's common/chat grammar for tool_choice "required" lets free text precede the first
+    ``<tool_call>`` (a lazy grammar); random weights never end that text, so tests that need a
+    forced tool call bias the trigger token (the grammar then forces a valid name and arguments)."""
+    from ostinatod.tools.synth import ADDED_TOKENS
+
+    (tok,) = [i for i, (name, _) in ADDED_TOKENS.items() if name == "<tool_call>"]
+    return {str(tok): 30.0}

@@ -9,7 +9,8 @@ import anthropic
 import pytest
 
 TOOLS = [{"name": "read_file", "description": "Read a file",
-          "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+          "input_schema": {"type": "object", "properties": {"path": {"type": "string", "enum": ["a.py", "main.py"]}},
+                           "required": ["path"]}}]
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def client(live_daemon):
 
 
 def test_message_non_stream_any_claude_name(client):
-    m = client.messages.create(model="claude-sonnet-4-5", max_tokens=5, temperature=0,
+    m = client.messages.create(model="claude-sonnet-4-5", max_tokens=5,
                                system="You are helpful.", messages=[{"role": "user", "content": "Hi"}])
     assert m.type == "message" and m.role == "assistant"
     assert m.model == "claude-sonnet-4-5"
@@ -43,16 +44,18 @@ def test_stream_event_sequence(client):
     assert final.usage.output_tokens == 6
 
 
-def test_tool_use_forced_stream_and_non_stream(client):
-    m = client.messages.create(model="claude-x", max_tokens=64, tools=TOOLS, tool_choice={"type": "any"},
+def test_tool_use_forced_stream_and_non_stream(client, tool_call_bias):
+    m = client.messages.create(model="claude-x", max_tokens=96, tools=TOOLS, tool_choice={"type": "any"},
+                               extra_body={"logit_bias": tool_call_bias},
                                messages=[{"role": "user", "content": "Open main.py"}])
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use"
     assert uses and uses[0].name == "read_file" and isinstance(uses[0].input, dict)
 
     deltas = []
-    with client.messages.stream(model="claude-x", max_tokens=64, tools=TOOLS,
+    with client.messages.stream(model="claude-x", max_tokens=96, tools=TOOLS,
                                 tool_choice={"type": "tool", "name": "read_file"},
+                                extra_body={"logit_bias": tool_call_bias},
                                 messages=[{"role": "user", "content": "Open a.py"}]) as s:
         for ev in s:
             if ev.type == "content_block_delta":

@@ -11,7 +11,9 @@ import pytest
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    # an enum keeps the grammar-forced arguments short on a random-weight model
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]}},
+                   "required": ["city"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +69,10 @@ def test_chat_stream_with_usage(client, model):
     assert all(c.id == chunks[0].id for c in chunks)
 
 
-def test_chat_tool_choice_required_gives_structured_call(client, model):
+def test_chat_tool_choice_required_gives_structured_call(client, model, tool_call_bias):
     r = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
-        tool_choice="required", max_tokens=64, temperature=0)
+        tool_choice="required", max_tokens=96, temperature=0, logit_bias=tool_call_bias)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     call = choice.message.tool_calls[0]
@@ -80,10 +82,11 @@ def test_chat_tool_choice_required_gives_structured_call(client, model):
     assert "<tool_call>" not in (choice.message.content or "")
 
 
-def test_chat_stream_named_tool_call_assembles(client, model):
+def test_chat_stream_named_tool_call_assembles(client, model, tool_call_bias):
     with client.chat.completions.stream(
             model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
-            tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=64) as s:
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=96,
+            logit_bias=tool_call_bias) as s:
         for _ in s:
             pass
         final = s.get_final_completion()
@@ -138,7 +141,7 @@ def test_responses_plain_and_usage(client, model):
     assert isinstance(r.output_text, str)
 
 
-def test_responses_stream_function_call_with_history(client, model):
+def test_responses_stream_function_call_with_history(client, model, tool_call_bias):
     tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
               "parameters": WEATHER["function"]["parameters"]}]
     history = [{"role": "user", "content": "Weather in Rome?"},

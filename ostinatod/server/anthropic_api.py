@@ -18,7 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import EngineError, GenRequest
-from .common import HEARTBEAT_S, Generation, ensure_engine, fill_common, new_id, read_json, sse, start_sse, validate
+from .common import HEARTBEAT_S, Generation, apply_logit_bias, ensure_engine, fill_common, new_id, read_json, sse, start_sse, validate
 from .errors import ApiError
 from .state import DaemonState
 
@@ -43,6 +43,7 @@ class MessagesBody(BaseModel):
     stream: bool = False
     thinking: Optional[dict[str, Any]] = None
     ignore_eos: bool = False
+    logit_bias: Optional[dict[str, float]] = None  # extension (OpenAI semantics)
 
 
 def _text_of(content: Any) -> str:
@@ -177,6 +178,7 @@ def build_request(state: DaemonState, request: web.Request, b: MessagesBody, rid
         v = getattr(b, k)
         if v is not None:
             setattr(req, k, v)
+    apply_logit_bias(req, b.logit_bias)
     if b.thinking:
         req.enable_thinking = b.thinking.get("type") in ("enabled", "adaptive")
     fill_common(state, request, req, b.model, anthropic=True)

@@ -336,6 +336,23 @@ HEARTBEAT_S = 10.0  # keep-alive interval of streams while the engine is silent 
 SSE_COMMENT_PING = b": ping\n\n"  # SSE comment: ignored by clients, keeps proxies and timers happy
 
 
+def apply_logit_bias(req: GenRequest, bias: Any) -> None:
+    """Set ``req.logit_bias`` from an OpenAI-style ``{"token id": bias}`` map (bias -100..100).
+    Raises ApiError 400 ``invalid_request`` on non-integer ids or out-of-range values."""
+    if not bias:
+        return
+    if not isinstance(bias, dict):
+        raise ApiError(400, "invalid_request", "logit_bias must map token ids to numbers", param="logit_bias")
+    try:
+        out = {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise ApiError(400, "invalid_request", "logit_bias must map token ids to numbers",
+                       param="logit_bias") from None
+    if any(not -100 <= v <= 100 for v in out.values()) or any(k < 0 for k in out):
+        raise ApiError(400, "invalid_request", "logit_bias values must be in [-100, 100]", param="logit_bias")
+    req.logit_bias = out  # type: ignore[attr-defined]
+
+
 def sse_headers() -> dict[str, str]:
     """Headers of an SSE answer (no proxy buffering)."""
     return {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import HEARTBEAT_S, SSE_COMMENT_PING, Generation, fill_common, new_id, read_json, sse, start_sse, validate
+from .common import HEARTBEAT_S, SSE_COMMENT_PING, Generation, apply_logit_bias, fill_common, new_id, read_json, sse, start_sse, validate
 from .errors import ApiError
 from .state import DaemonState
 
@@ -36,6 +36,7 @@ class _Base(BaseModel):
     stream_options: Optional[dict[str, Any]] = None
     n: int = Field(1, ge=1, le=1)
     ignore_eos: bool = False
+    logit_bias: Optional[dict[str, float]] = None
 
 
 class ChatBody(_Base):
@@ -64,6 +65,7 @@ def _sampling(state: DaemonState, b: _Base, req: GenRequest) -> None:
             setattr(req, k, v)
     req.stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
     req.ignore_eos = b.ignore_eos
+    apply_logit_bias(req, b.logit_bias)
 
 
 def json_schema_of(fmt: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

@@ -19,7 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import HEARTBEAT_S, SSE_COMMENT_PING, Generation, fill_common, new_id, read_json, sse, start_sse, validate
+from .common import HEARTBEAT_S, SSE_COMMENT_PING, Generation, apply_logit_bias, fill_common, new_id, read_json, sse, start_sse, validate
 from .errors import ApiError
 from .openai_api import check_tools, json_schema_of
 from .state import DaemonState
@@ -44,6 +44,7 @@ class ResponsesBody(BaseModel):
     text: Optional[dict[str, Any]] = None
     previous_response_id: Optional[str] = None
     ignore_eos: bool = False
+    logit_bias: Optional[dict[str, float]] = None  # extension (OpenAI chat semantics)
 
 
 def _part_text(content: Any) -> str:
@@ -196,6 +197,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     for k in ("temperature", "top_p"):
         if getattr(b, k) is not None:
             setattr(req, k, getattr(b, k))
+    apply_logit_bias(req, b.logit_bias)
     if b.reasoning and b.reasoning.get("effort") is not None:
         req.enable_thinking = b.reasoning["effort"] not in ("none", "minimal")
     fill_common(state, request, req, b.model)
