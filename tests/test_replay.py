@@ -18,7 +18,7 @@ SESSIONS = Path(__file__).resolve().parents[2] / "shared" / "sessions"
 if not SESSIONS.is_dir():  # checkout elsewhere: the shared tree's usual place
     SESSIONS = Path("/work/shared/sessions")
 SWE, TAU2 = SESSIONS / "swe.jsonl", SESSIONS / "tau2.jsonl"
-# short contexts (first turns fit in a few thousand tokens); the swe one uses tool calls
+# short context (its first three turns fit in 2048 tokens), tool-calling
 SWE_ID = "swe-mini-astropy__astropy-6938"
 TAU2_ID = "tau2-retail-task18-gpt41-cee86852"
 
@@ -59,34 +59,27 @@ def test_anthropic_conversion_alternates_and_pairs_tool_ids():
     assert all(isinstance(b["input"], dict) for m in msgs for b in m["content"] if b["type"] == "tool_use")
 
 
-@pytest.fixture(scope="module")
-def replay_daemon(start_daemon, tiny_model: Path):
-    """A daemon with a context long enough for the first turns of the recorded sessions."""
-    return start_daemon("--model", str(tiny_model), "--n-ctx", "12288", "--n-slots", "2",
-                        "--n-threads", "2", "--engine-mode", "subprocess")
-
-
-@pytest.mark.parametrize("client,file,sid", [("openai", TAU2, TAU2_ID), ("anthropic", SWE, SWE_ID)])
-def test_replay_live(replay_daemon, client: str, file: Path, sid: str, tmp_path: Path, capsys):
+@pytest.mark.parametrize("client,turns", [("openai", 2), ("anthropic", 3)])
+def test_replay_live(live_daemon, client: str, turns: int, tmp_path: Path, capsys):
+    """The shared live daemon (n_ctx 2048): the first three turns of SWE_ID fit in it."""
     out = tmp_path / "r.json"
-    rc = replay.main(["--sessions", str(file), "--ids", sid, "--max-turns", "3", "--client", client,
-                      "--base-url", replay_daemon.url, "--json", str(out)])
+    rc = replay.main(["--sessions", str(SWE), "--ids", SWE_ID, "--max-turns", str(turns), "--client", client,
+                      "--base-url", live_daemon.url, "--json", str(out), "--cap-tokens", "12"])
     data = json.loads(out.read_text())
-    turns = data["sessions"][0]["turns"]
-    assert rc == 0, [t["error"] for t in turns]
-    assert len(turns) == 3 and data["summary"]["errors"] == 0
+    got = data["sessions"][0]["turns"]
+    assert rc == 0, [t["error"] for t in got]
+    assert len(got) == turns and data["summary"]["errors"] == 0
     assert data["token_count_method"] == "count_tokens"
-    kinds = [t["after"] for t in turns]
-    assert kinds[0] == "first" and set(kinds[1:]) <= {"tool", "user"}
-    if client == "anthropic":
-        assert "tool" in kinds  # a function-calling session: turns after tool results
-    for t in turns:
-        assert t["completion_tokens"] == t["max_tokens"]  # ignore_eos: exactly the recorded length
+    assert [t["after"] for t in got] == ["first"] + ["tool"] * (turns - 1)
+    for t in got:
+        assert t["completion_tokens"] == t["max_tokens"]  # ignore_eos: exactly as many as asked
+        assert t["max_tokens"] == min(12, t["target_tokens"]) and t["target_tokens"] > 1
         assert t["ttft_s"] is not None and t["total_s"] >= t["ttft_s"]
         assert t["prompt_tokens"] > 0 and t["new_tokens"] is not None
-    # the prefix of turn i is reused by turn i+1: later turns prefill only their new tokens
-    assert turns[2]["cached_tokens"] > 0 and turns[2]["new_tokens"] < turns[2]["prompt_tokens"]
-    assert sid in capsys.readouterr().out  # the table
+    # turn i+1 reuses the prefix of turn i: it prefills only its new tokens
+    last = got[-1]
+    assert last["cached_tokens"] > 0 and last["new_tokens"] < last["prompt_tokens"]
+    assert SWE_ID in capsys.readouterr().out  # the table
 
 
 def test_replay_records_errors(tmp_path: Path):

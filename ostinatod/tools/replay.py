@@ -19,7 +19,7 @@ JSON written by ``--json`` (also read by ``ostinato bench engines``)::
 
   {"format": "ostinato-replay/1", "base_url", "client", "model", "sessions_file", "started",
    "sessions": [{"id", "workload", "turns": [{"index", "message_index", "after", "max_tokens",
-                 "target_tokens_source", "ttft_s", "tpot_s", "total_s", "prompt_tokens",
+                 "target_tokens", "target_tokens_source", "ttft_s", "tpot_s", "total_s", "prompt_tokens",
                  "cached_tokens", "new_tokens", "completion_tokens", "finish_reason", "error"}],
                  "summary": {...}}],
    "summary": {"turns", "errors", "ttft_after_tool_median_s", "ttft_after_user_median_s",
@@ -209,6 +209,7 @@ class TurnResult:
     after: str
     max_tokens: int
     target_tokens_source: str
+    target_tokens: Optional[int] = None
     ttft_s: Optional[float] = None
     tpot_s: Optional[float] = None
     total_s: Optional[float] = None
@@ -347,11 +348,13 @@ def select(sessions: list[dict[str, Any]], ids: Optional[list[str]], limit: Opti
 
 def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "openai",
                model: str = "default", max_turns: Optional[int] = None, api_key: str = "ostinato",
-               timeout: float = 600.0, log=None, sessions_file: str = "") -> dict[str, Any]:
+               timeout: float = 600.0, log=None, sessions_file: str = "",
+               cap_tokens: Optional[int] = None) -> dict[str, Any]:
     """Replay ``sessions`` against ``base_url`` (no /v1) and return the result dict (module doc).
 
-    ``client``: "openai" or "anthropic"; ``max_turns``: first M assistant turns per session.
-    Never raises for a failing turn: its error is recorded and the next turn runs.
+    ``client``: "openai" or "anthropic"; ``max_turns``: first M assistant turns per session;
+    ``cap_tokens``: generate at most this many tokens per turn (quick runs; the recorded count is
+    kept in ``target_tokens``). Never raises for a failing turn: its error is recorded and the next turn runs.
     """
     if client not in ("openai", "anthropic"):
         raise ReplayError(f"unknown client {client!r} (openai or anthropic)")
@@ -371,6 +374,7 @@ def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "ope
     counter = TokenCounter(base, model, api_key)
     result: dict[str, Any] = {"format": REPLAY_FORMAT, "base_url": base, "client": client, "model": model,
                               "sessions_file": sessions_file, "max_turns": max_turns,
+                              "cap_tokens": cap_tokens,
                               "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                               "sessions": []}
     try:
@@ -379,7 +383,8 @@ def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "ope
             rec: dict[str, Any] = {"id": s["id"], "workload": s.get("workload"), "turns": []}
             for t in turns:
                 n, src = counter.count(assistant_text(t.target))
-                res = TurnResult(t.index, t.message_index, t.after, n, src)
+                res = TurnResult(t.index, t.message_index, t.after, min(n, cap_tokens) if cap_tokens else n, src,
+                                 target_tokens=n)
                 try:
                     one(cl, model, s, t, res)
                     if res.ttft_s is None:
@@ -451,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N sessions")
     ap.add_argument("--max-turns", type=int, default=None, help="replay only the first M assistant turns per session")
     ap.add_argument("--ids", nargs="+", default=None, help="session ids to replay (in this order)")
+    ap.add_argument("--cap-tokens", type=int, default=None,
+                    help="generate at most N tokens per turn (quick runs; default: the recorded length)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--quiet", action="store_true", help="no per-turn lines")
@@ -472,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     say = None if a.quiet else (lambda s: print(s, flush=True))
     print(f"replaying {len(sessions)} session(s) from {a.sessions} against {base} "
           f"({a.client} client, model {model})", flush=True)
-    result = run_replay(sessions, base, a.client, model, a.max_turns, key, a.timeout, say, str(a.sessions))
+    result = run_replay(sessions, base, a.client, model, a.max_turns, key, a.timeout, say, str(a.sessions),
+                        a.cap_tokens)
     print()
     print(table(result))
     print(f"token counts from: {result.get('token_count_method')}")
