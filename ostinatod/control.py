@@ -216,7 +216,9 @@ def _per_layer_from_traces(state, workload: Optional[str]) -> Optional[list[floa
         if not path:
             return None
         import numpy as np
-        fp = _cached_fingerprint(Path(path))
+        fp = _fingerprint_nowait(Path(path))
+        if fp is None:  # still being computed in the background: no figure this time
+            return None
         wl = workload or state.settings.workload_default
         sw = _ctl(state).get("last_switch") or {}
         rpath = Path(sw["path"]) if sw.get("path") else state.paths.residency_dir / fp / f"{wl}.json"
@@ -262,6 +264,31 @@ def _model_path(state) -> Path:
     if not p:
         raise ControlError(409, "model_not_loaded", "no model is loaded")
     return Path(p)
+
+
+_fp_pending: set = set()
+_fp_lock = __import__("threading").Lock()
+
+
+def _fingerprint_nowait(path: Path) -> Optional[str]:
+    """The cached fingerprint, or None while a background thread computes it (started here once),
+    so live snapshots never wait the tens of seconds a first GGUF metadata read can take."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime)
+    if key in _fp_cache:
+        return _fp_cache[key]
+    with _fp_lock:
+        if key in _fp_pending:
+            return None
+        _fp_pending.add(key)
+
+    def work():
+        try:
+            _cached_fingerprint(path)
+        except Exception as e:  # unreadable model: no per-layer figures
+            log.debug("fingerprint of %s: %s", path, e)
+    __import__("threading").Thread(target=work, name="fingerprint", daemon=True).start()
+    return None
 
 
 async def _fingerprint(state) -> str:
