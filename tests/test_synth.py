@@ -56,15 +56,15 @@ def test_tiny_loads_and_generates(tiny_model: Path):
     assert len(set(toks)) > 1  # random weights, but not a constant output
 
 
-@pytest.fixture(scope="module")
-def tiny_deepseek2(tmp_path_factory) -> Path:
-    return synth.write_synthetic_moe(tmp_path_factory.mktemp("ds") / "ds.gguf", arch="deepseek2", shape="tiny")
-
-
-def test_deepseek2_loads_and_generates(tiny_deepseek2: Path):
-    """MLA attention, a dense first layer, shared expert and exp_probs_b selection bias."""
-    toks = _greedy(tiny_deepseek2, b"<|im_start|>user\nhello there<|im_end|>\n", 30)
-    assert len(toks) == 30 and len(set(toks)) > 1
+@pytest.mark.parametrize("arch", ["deepseek2", "gpt-oss"])
+def test_other_archs_load_and_generate(arch: str, tmp_path: Path):
+    """deepseek2: MLA attention, a dense first layer, shared expert, exp_probs_b selection bias;
+    gpt-oss: MXFP4 experts with biases, attention sinks, sliding-window layers."""
+    p = synth.write_synthetic_moe(tmp_path / f"{arch}.gguf", arch=arch, shape="tiny")
+    meta, _ = _meta(p)
+    assert meta["general.architecture"] == arch and meta["ostinato.demo"] == "true"
+    toks = _greedy(p, b"<|im_start|>user\nhello there<|im_end|>\n", 20)
+    assert len(toks) == 20 and len(set(toks)) > 1
 
 
 def _meta(path: Path) -> tuple[dict, dict]:

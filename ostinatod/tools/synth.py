@@ -109,10 +109,10 @@ SHAPES: dict[str, Shape] = {
                            v_head_dim=128),
 }
 
-ARCHS = ("qwen3moe", "deepseek2")
-QUANTS = {"f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
+ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
+QUANTS = {"f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "mxfp4": QT.MXFP4}
 # general.file_type (llama_ftype) of a file whose experts are in that quant
-FTYPES = {"f16": 1, "q8_0": 7, "q4_0": 2}
+FTYPES = {"f16": 1, "q8_0": 7, "q4_0": 2, "mxfp4": 38}
 
 # Qwen3's added tokens sit at these ids in its 151,936-entry vocabulary; the qwen2 test vocabulary
 # of llama.cpp has [PADnnn] placeholders there, which we name so the chat markers are single tokens.
@@ -639,7 +639,67 @@ def _kv_deepseek2(w: gguf.GGUFWriter, cx: _Ctx) -> None:
     w.add_uint32(f"{a}.expert_gating_func", 2)  # sigmoid (LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)
 
 
-_PLANS = {"qwen3moe": (_plan_qwen3moe, _kv_qwen3moe), "deepseek2": (_plan_deepseek2, _kv_deepseek2)}
+def _plan_gpt_oss(cx: _Ctx) -> list[_T]:
+    """gpt-oss layout (llama.cpp arch "gpt-oss"): GQA attention with q/k/v/o biases and attention
+    sinks, sliding-window attention on every other layer, post-attention norm, router with bias,
+    MXFP4 experts with per-expert biases (SwiGLU-OAI)."""
+    s = cx.shape
+    d, hd, E, F = s.n_embd, s.head_dim, s.n_expert, s.n_ff_exp
+    qm = cx.qmat
+
+    def bias(name: str, shape: tuple[int, ...], std: float) -> _T:
+        return _T(name + ".bias", shape, QT.F32, _gauss(cx, name + ".bias", shape, std, QT.F32))
+
+    ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        ts += [
+            _T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T(p + "attn_q.weight", (s.n_head * hd, d), qm, _gauss(cx, p + "attn_q", (s.n_head * hd, d), d ** -0.5, qm)),
+            bias(p + "attn_q", (s.n_head * hd,), 0.02),
+            _T(p + "attn_k.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_k", (s.n_head_kv * hd, d), d ** -0.5, qm)),
+            bias(p + "attn_k", (s.n_head_kv * hd,), 0.02),
+            _T(p + "attn_v.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_v", (s.n_head_kv * hd, d), d ** -0.5, qm)),
+            bias(p + "attn_v", (s.n_head_kv * hd,), 0.02),
+            _T(p + "attn_output.weight", (d, s.n_head * hd), qm,
+               _gauss(cx, p + "attn_output", (d, s.n_head * hd), cx.out_std(s.n_head * hd), qm)),
+            bias(p + "attn_output", (d,), 0.002),
+            _T(p + "attn_sinks.weight", (s.n_head,), QT.F32, _gauss(cx, p + "attn_sinks", (s.n_head,), 1.0, QT.F32)),
+            _T(p + "post_attention_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
+            bias(p + "ffn_gate_inp", (E,), 0.05),
+            _T(p + "ffn_gate_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_gate_exps", (E, F, d), d ** -0.5)),
+            bias(p + "ffn_gate_exps", (E, F), 0.02),
+            _T(p + "ffn_down_exps.weight", (E, d, F), cx.qexp, _experts(cx, p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F))),
+            bias(p + "ffn_down_exps", (E, d), 0.002),
+            _T(p + "ffn_up_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_up_exps", (E, F, d), d ** -0.5)),
+            bias(p + "ffn_up_exps", (E, F), 0.02),
+        ]
+    ts += [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
+           _T("output.weight", (cx.n_vocab, d), qm, _gauss(cx, "output", (cx.n_vocab, d), 3.0 / math.sqrt(d), qm))]
+    return ts
+
+
+def _kv_gpt_oss(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+    s, a = cx.shape, cx.arch
+    w.add_uint32(f"{a}.block_count", s.n_layer)
+    w.add_uint32(f"{a}.context_length", s.n_ctx_train)
+    w.add_uint32(f"{a}.embedding_length", s.n_embd)
+    w.add_uint32(f"{a}.feed_forward_length", s.n_ff_exp)
+    w.add_uint32(f"{a}.attention.head_count", s.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
+    w.add_uint32(f"{a}.attention.key_length", s.head_dim)
+    w.add_uint32(f"{a}.attention.value_length", s.head_dim)
+    w.add_uint32(f"{a}.attention.sliding_window", 128)
+    w.add_float32(f"{a}.rope.freq_base", 150000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_uint32(f"{a}.expert_count", s.n_expert)
+    w.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+    w.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+
+
+_PLANS = {"qwen3moe": (_plan_qwen3moe, _kv_qwen3moe), "deepseek2": (_plan_deepseek2, _kv_deepseek2),
+          "gpt-oss": (_plan_gpt_oss, _kv_gpt_oss)}
 
 
 def chat_template() -> str:
@@ -655,7 +715,7 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
 
     ``arch``: one of :data:`ARCHS`; ``shape``: a key of :data:`SHAPES`; ``n_layer`` cuts (or
     extends) the depth; ``quant``: type of the routed (and shared) experts, "f16" | "q8_0" |
-    "q4_0" (attention, embedding and output are q8_0, f16 when quant="f16"; norms and routers
+    "q4_0" | "mxfp4" (gpt-oss turns the default q8_0 into mxfp4) (attention, embedding and output are q8_0, f16 when quant="f16"; norms and routers
     f32); ``seed``: all weights are a deterministic function of it. The file is written to
     ``path + '.part'`` and renamed at the end, so a reader never sees half a model.
 
@@ -667,6 +727,8 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
         raise SynthError(f"unknown shape {shape!r} (have: {', '.join(SHAPES)})")
     if quant not in QUANTS:
         raise SynthError(f"unknown quant {quant!r} (have: {', '.join(QUANTS)})")
+    if arch == "gpt-oss" and quant == "q8_0":
+        quant = "mxfp4"  # gpt-oss ships its experts in MXFP4; q8_0 is the other archs' default
     shp = SHAPES[shape] if n_layer is None else replace(SHAPES[shape], n_layer=int(n_layer))
     if shp.n_layer < 1:
         raise SynthError("n_layer must be >= 1")
@@ -807,10 +869,13 @@ def router_counts(model_path: str | os.PathLike, token_ids: np.ndarray) -> dict[
     x = emb / np.sqrt((emb ** 2).mean(axis=1, keepdims=True) + eps)
     out: dict[int, np.ndarray] = {}
     il = 0
-    while f"blk.{il}.ffn_norm.weight" in t:
+    while f"blk.{il}.attn_norm.weight" in t:
         if f"blk.{il}.ffn_gate_inp.weight" in t:
             W = deq(f"blk.{il}.ffn_gate_inp.weight")
-            logits = (x * deq(f"blk.{il}.ffn_norm.weight")) @ W.T
+            norm = f"blk.{il}.ffn_norm.weight" if f"blk.{il}.ffn_norm.weight" in t else f"blk.{il}.post_attention_norm.weight"
+            logits = (x * deq(norm)) @ W.T
+            if f"blk.{il}.ffn_gate_inp.bias" in t:
+                logits = logits + deq(f"blk.{il}.ffn_gate_inp.bias")
             if f"blk.{il}.exp_probs_b.bias" in t:
                 sel = 1 / (1 + np.exp(-logits)) + deq(f"blk.{il}.exp_probs_b.bias")
             else:
