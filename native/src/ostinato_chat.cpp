@@ -5,8 +5,10 @@
 #include "chat.h"
 #include "common.h"
 #include "json.h"
+#include "sampling.h"
 
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -395,6 +397,102 @@ const struct llama_model_tensor_buft_override * ostinato_n_cpu_moe_overrides(int
         it = cache.emplace(n_layers, std::move(v)).first;
     }
     return it->second.data();
+}
+
+// ---- sampler: llama.cpp's common_sampler (grammar checked on the sampled token first, the full
+// vocabulary only when it is rejected, as in llama-server) ----
+
+void * ostinato_sampler_new(const struct llama_model * model, const char * json_params, const char * json_apply_result) {
+    g_last_error.clear();
+    try {
+        common_json prm = common_json::parse_no_throw(json_params ? json_params : "{}");
+        if (prm.is_discarded() || !prm.is_object()) {
+            g_last_error = "sampler params are not a JSON object";
+            return nullptr;
+        }
+        const llama_vocab * vocab = llama_model_get_vocab(model);
+        common_params_sampling sp;
+        sp.temp      = prm.value("temperature", 0.8);
+        sp.top_k     = prm.value("top_k", 40);
+        sp.top_p     = prm.value("top_p", 0.95);
+        sp.min_p     = prm.value("min_p", 0.05);
+        sp.seed      = (uint32_t) prm.value("seed", (long long) LLAMA_DEFAULT_SEED);
+        sp.no_perf   = true;
+        sp.ignore_eos = prm.value("ignore_eos", false);
+        common_json bias = prm.value("logit_bias", common_json::array());
+        for (size_t i = 0; i < bias.size(); i++) {
+            const common_json & b = bias.at(i);
+            sp.logit_bias.push_back({ (llama_token) b.at((size_t) 0).get<int>(), b.at((size_t) 1).get<float>() });
+        }
+        if (sp.ignore_eos) {
+            const int n_vocab = llama_vocab_n_tokens(vocab);
+            for (llama_token t = 0; t < n_vocab; t++) {
+                if (llama_vocab_is_eog(vocab, t)) {
+                    sp.logit_bias.push_back({ t, -INFINITY });
+                }
+            }
+        }
+        common_json r = common_json::parse_no_throw(json_apply_result ? json_apply_result : "null");
+        if (!r.is_discarded() && r.is_object() && !sp.ignore_eos) {
+            // (under ignore_eos a completed grammar would only allow the banned EOG: no grammar)
+            const std::string grammar = r.value("grammar", std::string());
+            if (!grammar.empty()) {
+                sp.grammar = common_grammar(prm.value("json_schema", false) ? COMMON_GRAMMAR_TYPE_OUTPUT_FORMAT
+                                                                           : COMMON_GRAMMAR_TYPE_TOOL_CALLS,
+                                            grammar);
+                sp.grammar_lazy      = r.value("grammar_lazy", false);
+                sp.generation_prompt = r.value("generation_prompt", std::string());
+                common_json triggers = r.value("grammar_triggers", common_json::array());
+                for (size_t i = 0; i < triggers.size(); i++) {
+                    const common_json & t = triggers.at(i);
+                    const std::string type = t.value("type", std::string("word"));
+                    common_grammar_trigger trig;
+                    trig.value = t.value("value", std::string());
+                    trig.token = (llama_token) t.value("token", (int) LLAMA_TOKEN_NULL);
+                    trig.type  = type == "token"        ? COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN
+                               : type == "pattern"      ? COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN
+                               : type == "pattern_full" ? COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN_FULL
+                                                        : COMMON_GRAMMAR_TRIGGER_TYPE_WORD;
+                    sp.grammar_triggers.push_back(trig);
+                }
+            }
+        }
+        common_sampler * smpl = common_sampler_init(model, sp);
+        if (!smpl) {
+            g_last_error = "failed to create the sampler (grammar does not compile?)";
+        }
+        return smpl;
+    } catch (const std::exception & e) {
+        g_last_error = std::string("sampler: ") + e.what();
+    } catch (...) {
+        g_last_error = "sampler: unknown error";
+    }
+    return nullptr;
+}
+
+int32_t ostinato_sampler_sample(void * sampler, struct llama_context * ctx, int32_t idx) {
+    g_last_error.clear();
+    if (!sampler) {
+        g_last_error = "no sampler";
+        return -1;
+    }
+    try {
+        auto * smpl = static_cast<common_sampler *>(sampler);
+        const llama_token tok = common_sampler_sample(smpl, ctx, idx, false);
+        common_sampler_accept(smpl, tok, true);
+        return tok;
+    } catch (const std::exception & e) {
+        g_last_error = std::string("sampling: ") + e.what();
+    } catch (...) {
+        g_last_error = "sampling: unknown error";
+    }
+    return -1;
+}
+
+void ostinato_sampler_free(void * sampler) {
+    if (sampler) {
+        common_sampler_free(static_cast<common_sampler *>(sampler));
+    }
 }
 
 }  // extern "C"

@@ -49,6 +49,17 @@ void   ostinato_chat_parser_free(void * parser);
 // "parse_error": str (only when the final parse failed and the text was kept as content)}.
 char * ostinato_chat_parser_feed(void * parser, const char * text_so_far, int is_partial);
 
+// Sampler for one request: llama.cpp's common_sampler. json_params: {"temperature" (<= 0: greedy),
+// "top_k", "top_p", "min_p", "seed", "ignore_eos" (bans EOG tokens, drops the grammar),
+// "logit_bias": [[token, bias], ...], "json_schema": bool (grammar is an output format)};
+// json_apply_result: an ostinato_chat_apply result whose grammar applies, or NULL.
+// NULL on error (ostinato_last_error()).
+void *  ostinato_sampler_new(const struct llama_model * model, const char * json_params,
+                             const char * json_apply_result);
+// Sample at batch index idx and accept the token. Returns the token, or -1 (ostinato_last_error()).
+int32_t ostinato_sampler_sample(void * sampler, struct llama_context * ctx, int32_t idx);
+void    ostinato_sampler_free(void * sampler);
+
 // tensor_buft_overrides keeping the expert tensors of layers [0, n_layers) in host memory, like
 // llama.cpp's --n-cpu-moe (the "stock" baseline). NULL-terminated; owned by the library.
 const struct llama_model_tensor_buft_override * ostinato_n_cpu_moe_overrides(int n_layers);
