@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -42,6 +43,9 @@ _DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_chat_parser_free": ([c_void_p], None),
     "ostinato_chat_parser_feed": ([c_void_p, c_char_p, c_int], c_void_p),
     "ostinato_n_cpu_moe_overrides": ([c_int], c_void_p),
+    "ostinato_sampler_new": ([c_void_p, c_char_p, c_char_p], c_void_p),
+    "ostinato_sampler_sample": ([c_void_p, c_void_p, ctypes.c_int32], ctypes.c_int32),
+    "ostinato_sampler_free": ([c_void_p], None),
 }
 
 
@@ -72,7 +76,8 @@ def lib() -> ctypes.CDLL:
     with _lock:
         if _lib is None:
             d = lib_dir()
-            path = d / "libostinato.so"
+            # OSTINATO_NATIVE_LIB: a libostinato.so built by hand (native development only)
+            path = Path(os.environ.get("OSTINATO_NATIVE_LIB") or d / "libostinato.so")
             if not path.exists():
                 raise NativeError(f"{path} not found: the native engine was built without native/ "
                                   "additions; run 'ostinato build'")

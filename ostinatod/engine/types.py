@@ -41,6 +41,7 @@ class GenRequest:
     ignore_eos: bool = False
     enable_thinking: Optional[bool] = None
     json_schema: Optional[dict[str, Any]] = None  # response_format json_schema, if any
+    logit_bias: Optional[dict[int, float]] = None  # token id -> bias added to its logit (OpenAI logit_bias)
     workload: Optional[str] = None
     client: Optional[str] = None  # e.g. "claude-code", "openai-python": for stats and workload
     model: Optional[str] = None  # the name the client asked for (echoed back)

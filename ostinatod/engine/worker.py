@@ -168,7 +168,7 @@ class Task:
     prompt: list[int] = field(default_factory=list)
     rendered: Any = None
     parser: Any = None
-    sampler: Any = None  # llama_sampler * (chain)
+    sampler: Any = None  # common_sampler * (native shim)
     slot: Optional[Slot] = None
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
     next_token: Optional[int] = None  # sampled, not yet in the KV cache
@@ -213,7 +213,6 @@ class Worker:
         self._active: list[Task] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards counters read by stats()
-        self._eog_bias = None
         self._batch = None
         self._counters = {"requests": 0, "requests_ok": 0, "requests_error": 0, "requests_cancelled": 0,
                           "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0,
@@ -513,43 +512,23 @@ class Worker:
         return ids
 
     def _make_sampler(self, req: GenRequest, rendered: Any) -> Any:
-        import llama_cpp
-        from . import chat
-        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-        try:
-            # no grammar under ignore_eos: a completed grammar only allows EOG, which is banned there
-            if rendered is not None and rendered.grammar and not req.ignore_eos:
-                llama_cpp.llama_sampler_chain_add(chain, chat.grammar_sampler(int(self.model), rendered))
-            if req.ignore_eos:
-                llama_cpp.llama_sampler_chain_add(chain, self._eog_bias_sampler())
-            if req.temperature is None or req.temperature <= 0:
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_greedy())
-            else:
-                if req.top_k and req.top_k > 0:
-                    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_k(req.top_k))
-                if req.top_p is not None and 0 < req.top_p < 1:
-                    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_top_p(req.top_p, 1))
-                if req.min_p and req.min_p > 0:
-                    llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_min_p(req.min_p, 1))
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_temp(req.temperature))
-                seed = req.seed if req.seed is not None else llama_cpp.LLAMA_DEFAULT_SEED
-                llama_cpp.llama_sampler_chain_add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        except BaseException:
-            llama_cpp.llama_sampler_free(chain)
-            raise
-        return chain
+        """llama.cpp's common_sampler through the shim (grammar, penalties-free chain, EOG ban under
+        ignore_eos). Raises EngineError("invalid_request") if e.g. the grammar does not compile."""
+        import json as _json
 
-    def _eog_bias_sampler(self) -> Any:
-        import llama_cpp
-        if self._eog_bias is None:
-            n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-            self._eog_bias = [i for i in range(n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, i)]
-        arr = (llama_cpp.llama_logit_bias * max(1, len(self._eog_bias)))()
-        for j, tok in enumerate(self._eog_bias):
-            arr[j].token = tok
-            arr[j].bias = float("-inf")
-        n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        return llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(self._eog_bias), arr)
+        from . import native
+        params = {"temperature": float(req.temperature if req.temperature is not None else 0.8),
+                  "top_k": int(req.top_k or 0), "top_p": float(req.top_p if req.top_p is not None else 1.0),
+                  "min_p": float(req.min_p or 0.0), "ignore_eos": bool(req.ignore_eos),
+                  "json_schema": req.json_schema is not None,
+                  "logit_bias": [[int(k), float(v)] for k, v in (req.logit_bias or {}).items()]}
+        if req.seed is not None:
+            params["seed"] = int(req.seed) & 0xFFFFFFFF
+        raw = rendered.raw.encode() if rendered is not None else None
+        smpl = native.fn("ostinato_sampler_new")(int(self.model), _json.dumps(params).encode(), raw)
+        if not smpl:
+            raise EngineError("invalid_request", native.last_error() or "could not create the sampler")
+        return smpl
 
     # ---- slots ----------------------------------------------------------------------------------
 
@@ -567,10 +546,9 @@ class Worker:
             n_match = matches[best.id]
             if n_match < SAME_SESSION_SHARE * len(best.tokens) and len(free) > 1:
                 # `best` holds another conversation that shares only a prefix with this one (a side
-                # request, a subagent): keep it, and share the prefix into the LRU other free slot
-                others = [s for s in free if s is not best]
-                target = min(others, key=lambda s: s.last_used)
-                if matches[target.id] < n_match:
+                # request, a subagent): keep it, and share the prefix into the least recently used free slot
+                target = min(free, key=lambda s: s.last_used)
+                if target is not best and matches[target.id] < n_match:
                     llama_cpp.llama_memory_seq_rm(self.mem, target.id, -1, -1)
                     llama_cpp.llama_memory_seq_cp(self.mem, best.id, target.id, 0, n_match)
                     target.tokens = best.tokens[:n_match]
@@ -601,8 +579,8 @@ class Worker:
             t.slot.task = None
             t.slot.last_used = time.monotonic()
         if t.sampler is not None:
-            import llama_cpp
-            llama_cpp.llama_sampler_free(t.sampler)
+            from . import native
+            native.fn("ostinato_sampler_free")(t.sampler)
             t.sampler = None
         if t.parser is not None:
             t.parser.close()
@@ -658,13 +636,14 @@ class Worker:
                 t.pending = t.pending[len(toks):]
                 with self._lock:
                     self._counters["prefilled_tokens"] += len(toks)
+        from . import native
+        sample = native.fn("ostinato_sampler_sample")
         for t, idx in rows:
             if t.finished or t.cancelled:
                 continue
-            try:
-                tok = llama_cpp.llama_sampler_sample(t.sampler, self.ctx, idx)
-            except Exception as e:  # grammar sampler can throw through ctypes as an OSError
-                self._end(t, None, error=("sampling_failed", f"sampling failed: {e}"))
+            tok = sample(t.sampler, self.ctx, idx)
+            if tok < 0:
+                self._end(t, None, error=("sampling_failed", native.last_error() or "sampling failed"))
                 continue
             self._on_token(t, tok)
         for t in [t for t in self._active if t.finished]:
