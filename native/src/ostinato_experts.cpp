@@ -1,0 +1,675 @@
+// Ostinato native expert engine (see ostinato_experts.h). Paper: arXiv 2611.11533, Sections 2-3.
+//
+// At model load (ostinato_on_model_loaded, called by the patched loader) the hot experts named by the
+// configured residency set are copied into one expert pool per device, one set of pool tensors
+// [.., .., n_slots + k] per size class (same types and shapes of up/gate/down), the last k slots
+// all-zero (zero slots). Per MoE layer two I32 index tables map each expert to its pool slot (hot) or
+// a zero slot (cold) for the GPU branch, and to itself (cold) or -1 (hot) for the CPU branch. The
+// patched build_moe_ffn runs both branches over the same selected experts and sums them, which is
+// exact because every position is computed by exactly one branch and is exactly zero in the other.
+
+#include "ostinato_experts.h"
+
+#include "ggml-backend.h"
+#include "llama-model.h"
+#include "llama-impl.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+using json = nlohmann::ordered_json;
+
+namespace {
+
+enum force_path_t { FORCE_AUTO = 0, FORCE_SPLIT = 1, FORCE_UPLOAD = 2 };
+
+struct config_t {
+    bool set = false;
+    std::map<int, std::vector<int>> hot;   // layer -> hot expert ids
+    int device = -1;                       // GPU index among GPU devices, -1 = CPU pool
+    int64_t np = 512;                      // prefill threshold Np (tokens)
+    int force = FORCE_AUTO;
+};
+
+struct size_class_t {
+    ggml_type t_up, t_gate, t_down;
+    int64_t up0, up1, down0, down1;
+    bool has_gate;
+    std::vector<std::pair<int, int>> members;   // (layer, expert) in slot order
+    int n_stage = 0;                            // max cold experts of one layer of the class
+    ggml_tensor * up = nullptr, * gate = nullptr, * down = nullptr;
+    ggml_tensor * s_up = nullptr, * s_gate = nullptr, * s_down = nullptr;
+    bool operator==(const size_class_t & o) const {
+        return t_up == o.t_up && t_gate == o.t_gate && t_down == o.t_down && up0 == o.up0 &&
+               up1 == o.up1 && down0 == o.down0 && down1 == o.down1 && has_gate == o.has_gate;
+    }
+};
+
+struct pass_t {
+    int64_t tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
+    double cpu_ms = 0, gpu_ms = 0, total_ms = 0;
+    std::string path;
+};
+
+struct totals_t {
+    int64_t passes = 0, tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
+    double cpu_ms = 0, gpu_ms = 0, total_ms = 0;
+    std::map<std::string, int64_t> paths;
+    std::vector<int64_t> counts_prefill, counts_decode;   // [n_layer * n_expert]
+    void add(const pass_t & p) {
+        passes++; tokens += p.tokens; routes += p.routes; hot += p.hot; cold += p.cold;
+        distinct_cold += p.distinct_cold; upload_bytes += p.upload_bytes;
+        cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; total_ms += p.total_ms; paths[p.path]++;
+    }
+};
+
+struct engine_t {
+    llama_model * model = nullptr;
+    int n_layer = 0, n_expert = 0, k = 0;
+    std::unordered_map<const ggml_tensor *, int> by_down;
+    std::vector<ostinato_moe_layer> layers;
+    std::vector<std::vector<uint8_t>> hot;     // [layer][expert]
+    std::vector<int64_t> expert_bytes;         // per layer: bytes of one expert (up+gate+down)
+    std::vector<int> layer_nstage;             // per layer: staging slots of its size class
+    std::vector<size_class_t> classes;
+    ggml_context * ctx_pool = nullptr, * ctx_cpu = nullptr;
+    ggml_backend_buffer_t buf_pool = nullptr, buf_cpu = nullptr;
+    std::string pool_device = "CPU";
+    int64_t pool_bytes = 0, n_hot = 0;
+    std::vector<std::string> notes;
+
+    // stats (guarded by mu)
+    pass_t cur;
+    bool in_pass = false;
+    int64_t pass_t0_us = 0;
+    std::vector<uint8_t> cold_seen;            // [layer * n_expert] for distinct cold experts
+    std::vector<int64_t> mark_us;              // [layer]: time of the last marker
+    totals_t total, request;
+    std::deque<pass_t> last;
+};
+
+std::mutex g_mu;
+config_t   g_cfg;                 // loader config: consumed by the next model load
+int64_t    g_np = 512;            // run-time: prefill threshold Np and forced path (kept across loads)
+int        g_force = FORCE_AUTO;
+engine_t * g_eng = nullptr;
+std::string g_err;
+std::string g_out_info, g_out_stats, g_out_req;
+bool g_graph_dirty = false;   // set by a residency switch: cached graphs reference the old pool
+
+int64_t now_us() {
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void free_engine(engine_t * e) {
+    if (!e) return;
+    if (e->buf_pool) ggml_backend_buffer_free(e->buf_pool);
+    if (e->buf_cpu)  ggml_backend_buffer_free(e->buf_cpu);
+    if (e->ctx_pool) ggml_free(e->ctx_pool);
+    if (e->ctx_cpu)  ggml_free(e->ctx_cpu);
+    delete e;
+}
+
+ggml_backend_dev_t pool_device(int gpu_index) {
+    if (gpu_index >= 0) {
+        int seen = 0;
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            ggml_backend_dev_t d = ggml_backend_dev_get(i);
+            if (ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_GPU) {
+                if (seen++ == gpu_index) return d;
+            }
+        }
+    }
+    return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+}
+
+void totals_init(totals_t & t, size_t n) {
+    t = totals_t();
+    t.counts_prefill.assign(n, 0);
+    t.counts_decode.assign(n, 0);
+}
+
+json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
+    json j;
+    j["passes"] = t.passes; j["tokens"] = t.tokens; j["routes"] = t.routes;
+    j["hot_routes"] = t.hot; j["cold_routes"] = t.cold;
+    j["hot_route_share"] = t.routes ? double(t.hot) / double(t.routes) : 0.0;
+    j["distinct_cold_experts"] = t.distinct_cold; j["upload_bytes"] = t.upload_bytes;
+    j["cpu_branch_ms"] = t.cpu_ms; j["gpu_branch_ms"] = t.gpu_ms; j["total_ms"] = t.total_ms;
+    j["paths"] = json::object();
+    for (const char * p : {"decode", "split", "upload"}) j["paths"][p] = 0;
+    for (auto & kv : t.paths) j["paths"][kv.first] = kv.second;
+    if (with_counts) {
+        json cp = json::array(), cd = json::array();
+        for (int il = 0; il < e.n_layer; ++il) {
+            json rp = json::array(), rd = json::array();
+            for (int x = 0; x < e.n_expert; ++x) {
+                rp.push_back(t.counts_prefill[(size_t) il * e.n_expert + x]);
+                rd.push_back(t.counts_decode[(size_t) il * e.n_expert + x]);
+            }
+            cp.push_back(rp); cd.push_back(rd);
+        }
+        j["counts_prefill"] = cp; j["counts_decode"] = cd;
+    }
+    return j;
+}
+
+json pass_json(const pass_t & p) {
+    return json{{"tokens", p.tokens}, {"routes", p.routes}, {"hot_routes", p.hot},
+                {"cold_routes", p.cold}, {"distinct_cold_experts", p.distinct_cold}, {"path", p.path},
+                {"cpu_branch_ms", p.cpu_ms}, {"gpu_branch_ms", p.gpu_ms},
+                {"upload_bytes", p.upload_bytes}, {"total_ms", p.total_ms}};
+}
+
+// Custom CPU op: copies selected_experts [k, n_tokens] (possibly a strided view) to a contiguous
+// tensor and counts the layer's routes into the current pass (n_tasks = 1: no locking per route).
+void count_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    const int il = (int) (intptr_t) ud;
+    const int64_t k = a->ne[0], n = a->ne[1];
+    int32_t * out = (int32_t *) dst->data;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t j = 0; j < k; ++j) {
+            out[t * k + j] = *(const int32_t *) ((const char *) a->data + t * a->nb[1] + j * a->nb[0]);
+        }
+    }
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || il < 0 || il >= e->n_layer) return;
+    const bool decode = n == 1;
+    auto & counts = decode ? e->total.counts_decode : e->total.counts_prefill;
+    auto & rcounts = decode ? e->request.counts_decode : e->request.counts_prefill;
+    for (int64_t i = 0; i < n * k; ++i) {
+        const int x = out[i];
+        if (x < 0 || x >= e->n_expert) continue;
+        const size_t idx = (size_t) il * e->n_expert + x;
+        counts[idx]++; rcounts[idx]++;
+        e->cur.routes++;
+        if (e->hot[il][x]) {
+            e->cur.hot++;
+        } else {
+            e->cur.cold++;
+            if (!e->cold_seen[idx]) { e->cold_seen[idx] = 1; e->cur.distinct_cold++; }
+        }
+    }
+    e->mark_us[il] = now_us();
+}
+
+// Custom CPU op of the upload path (Section 3.3): for layer il, copies each distinct cold expert of
+// the pass once from host memory into the staging buffer and writes the staging ids: cold -> its
+// staging slot, hot -> a zero slot (the hot route is computed from the pool). n_tasks = 1.
+void upload_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    const int il = (int) (intptr_t) ud;
+    const int64_t n = ggml_nelements(a);
+    const int32_t * in = (const int32_t *) a->data;
+    int32_t * out = (int32_t *) dst->data;
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || il < 0 || il >= e->n_layer || !e->layers[il].up_stage) {
+        for (int64_t i = 0; i < n; ++i) out[i] = 0;
+        return;
+    }
+    const auto & L = e->model->layers[il];
+    const auto & ol = e->layers[il];
+    const int n_stage = e->layer_nstage[il];
+    std::vector<int> slot(e->n_expert, -1);
+    int used = 0;
+    auto put = [&](const ggml_tensor * src, ggml_tensor * st, int x, int s) {
+        const size_t nb = src->nb[2];
+        if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
+            ggml_backend_tensor_set(st, (const char *) src->data + (size_t) x * nb, (size_t) s * nb, nb);
+        } else {
+            std::vector<uint8_t> tmp(nb);
+            ggml_backend_tensor_get(src, tmp.data(), (size_t) x * nb, nb);
+            ggml_backend_tensor_set(st, tmp.data(), (size_t) s * nb, nb);
+        }
+        e->cur.upload_bytes += (int64_t) nb;
+    };
+    for (int64_t i = 0; i < n; ++i) {
+        const int x = in[i];
+        if (x < 0 || x >= e->n_expert || e->hot[il][x]) {
+            out[i] = n_stage + (x < 0 ? 0 : x % e->k);   // zero slot
+            continue;
+        }
+        if (slot[x] < 0) {
+            GGML_ASSERT(used < n_stage);
+            slot[x] = used++;
+            put(L.ffn_up_exps, ol.up_stage, x, slot[x]);
+            if (ol.gate_stage) put(L.ffn_gate_exps, ol.gate_stage, x, slot[x]);
+            put(L.ffn_down_exps, ol.down_stage, x, slot[x]);
+        }
+        out[i] = slot[x];
+    }
+}
+
+// Custom CPU op used as a timestamp after a branch: kind 1 = GPU branch, 2 = CPU branch.
+void mark_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud) {
+    (void) a; (void) nth;
+    if (ith != 0) return;
+    std::memset(dst->data, 0, ggml_nbytes(dst));
+    const intptr_t v = (intptr_t) ud;
+    const int il = (int) (v >> 2), kind = (int) (v & 3);
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || il < 0 || il >= e->n_layer) return;
+    const int64_t t = now_us();
+    const double ms = (t - e->mark_us[il]) / 1000.0;
+    if (kind == 2) e->cur.cpu_ms += ms; else e->cur.gpu_ms += ms;   // 3: upload branch runs on the GPU
+    e->mark_us[il] = t;
+}
+
+bool build_engine(llama_model * model, const config_t & cfg, std::string & err) {
+    auto * e = new engine_t();
+    e->model = model;
+    e->n_layer = (int) model->layers.size();
+    e->n_expert = (int) model->hparams.n_expert;
+    e->k = (int) model->hparams.n_expert_used();
+    if (e->n_expert <= 0 || e->k <= 0) {
+        err = "model has no routed experts (dense model): run stock";
+        free_engine(e);
+        return false;
+    }
+    e->layers.resize(e->n_layer);
+    e->hot.assign(e->n_layer, std::vector<uint8_t>(e->n_expert, 0));
+    e->expert_bytes.assign(e->n_layer, 0);
+    e->layer_nstage.assign(e->n_layer, 0);
+    for (auto & kv : cfg.hot) {
+        if (kv.first < 0 || kv.first >= e->n_layer) {
+            err = "residency set names layer " + std::to_string(kv.first) + " but the model has " +
+                  std::to_string(e->n_layer) + " layers";
+            free_engine(e);
+            return false;
+        }
+        for (int x : kv.second) {
+            if (x < 0 || x >= e->n_expert) {
+                err = "residency set names expert " + std::to_string(x) + " of layer " +
+                      std::to_string(kv.first) + " but the model has " + std::to_string(e->n_expert) +
+                      " experts";
+                free_engine(e);
+                return false;
+            }
+            e->hot[kv.first][x] = 1;
+        }
+    }
+    // size classes over the layers that have hot experts and a supported expert layout
+    std::vector<int> layer_class(e->n_layer, -1);
+    for (int il = 0; il < e->n_layer && il < (int) model->layers.size(); ++il) {
+        const auto & L = model->layers[il];
+        if (!L.ffn_down_exps) continue;
+        e->by_down[L.ffn_down_exps] = il;
+        e->layers[il].il = il;
+        const int64_t eb = (int64_t) L.ffn_down_exps->nb[2] + (L.ffn_up_exps ? (int64_t) L.ffn_up_exps->nb[2] : 0) +
+                           (L.ffn_gate_exps ? (int64_t) L.ffn_gate_exps->nb[2] : 0) +
+                           (L.ffn_gate_up_exps ? (int64_t) L.ffn_gate_up_exps->nb[2] : 0);
+        e->expert_bytes[il] = eb;
+        int n_hot_l = 0;
+        for (int x = 0; x < e->n_expert; ++x) n_hot_l += e->hot[il][x];
+        if (n_hot_l == 0) continue;
+        if (!L.ffn_up_exps || L.ffn_gate_up_exps || L.ffn_up_exps_b || L.ffn_gate_exps_b || L.ffn_down_exps_b) {
+            // merged gate_up or expert biases: not handled yet, the layer runs stock (all on host)
+            e->notes.push_back("layer " + std::to_string(il) + ": expert layout not supported, runs stock");
+            std::fill(e->hot[il].begin(), e->hot[il].end(), 0);
+            continue;
+        }
+        size_class_t c{};
+        c.t_up = L.ffn_up_exps->type; c.up0 = L.ffn_up_exps->ne[0]; c.up1 = L.ffn_up_exps->ne[1];
+        c.has_gate = L.ffn_gate_exps != nullptr;
+        c.t_gate = c.has_gate ? L.ffn_gate_exps->type : GGML_TYPE_F32;
+        c.t_down = L.ffn_down_exps->type; c.down0 = L.ffn_down_exps->ne[0]; c.down1 = L.ffn_down_exps->ne[1];
+        int ci = -1;
+        for (size_t i = 0; i < e->classes.size(); ++i) if (e->classes[i] == c) { ci = (int) i; break; }
+        if (ci < 0) { e->classes.push_back(c); ci = (int) e->classes.size() - 1; }
+        for (int x = 0; x < e->n_expert; ++x) if (e->hot[il][x]) e->classes[ci].members.push_back({il, x});
+        e->classes[ci].n_stage = std::max(e->classes[ci].n_stage, e->n_expert - n_hot_l);
+        layer_class[il] = ci;
+        e->layers[il].has_hot = true;
+    }
+
+    ggml_backend_dev_t dev = pool_device(cfg.device);
+    if (!dev) { err = "no backend device for the expert pool"; free_engine(e); return false; }
+    e->pool_device = ggml_backend_dev_name(dev);
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+
+    const size_t n_tensors = 6 * e->classes.size() + 2 * e->n_layer + 1;
+    ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
+    e->ctx_pool = ggml_init(ip);
+    e->ctx_cpu = ggml_init(ip);
+    for (auto & c : e->classes) {
+        const int64_t n_slots = (int64_t) c.members.size() + e->k;   // + k zero slots
+        c.up = ggml_new_tensor_3d(e->ctx_pool, c.t_up, c.up0, c.up1, n_slots);
+        if (c.has_gate) c.gate = ggml_new_tensor_3d(e->ctx_pool, c.t_gate, c.up0, c.up1, n_slots);
+        c.down = ggml_new_tensor_3d(e->ctx_pool, c.t_down, c.down0, c.down1, n_slots);
+        // staging buffer of the upload path, preallocated here: n_stage slots + k zero slots
+        const int64_t n_st = (int64_t) c.n_stage + e->k;
+        c.s_up = ggml_new_tensor_3d(e->ctx_pool, c.t_up, c.up0, c.up1, n_st);
+        if (c.has_gate) c.s_gate = ggml_new_tensor_3d(e->ctx_pool, c.t_gate, c.up0, c.up1, n_st);
+        c.s_down = ggml_new_tensor_3d(e->ctx_pool, c.t_down, c.down0, c.down1, n_st);
+    }
+    for (int il = 0; il < e->n_layer; ++il) {
+        if (!e->layers[il].has_hot) continue;
+        auto & l = e->layers[il];
+        auto & c = e->classes[layer_class[il]];
+        l.up_pool = c.up; l.gate_pool = c.gate; l.down_pool = c.down;
+        l.up_stage = c.s_up; l.gate_stage = c.s_gate; l.down_stage = c.s_down;
+        e->layer_nstage[il] = c.n_stage;
+        // both index tables live in host memory: the router's ids are on the host already (the
+        // route-count op runs there), and ggml's CUDA get_rows has no I32 kernel
+        l.map_gpu = ggml_new_tensor_2d(e->ctx_cpu, GGML_TYPE_I32, 1, e->n_expert);
+        l.map_cpu = ggml_new_tensor_2d(e->ctx_cpu, GGML_TYPE_I32, 1, e->n_expert);
+        ggml_format_name(l.map_gpu, "ostinato_map_gpu-%d", il);
+        ggml_format_name(l.map_cpu, "ostinato_map_cpu-%d", il);
+    }
+    if (!e->classes.empty()) {
+        e->buf_pool = ggml_backend_alloc_ctx_tensors_from_buft(e->ctx_pool, ggml_backend_dev_buffer_type(dev));
+        e->buf_cpu = ggml_backend_alloc_ctx_tensors_from_buft(e->ctx_cpu, ggml_backend_dev_buffer_type(cpu));
+        if (!e->buf_pool || !e->buf_cpu) {
+            err = std::string("cannot allocate the expert pool on ") + e->pool_device;
+            free_engine(e);
+            return false;
+        }
+        ggml_backend_buffer_set_usage(e->buf_pool, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_set_usage(e->buf_cpu, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_clear(e->buf_pool, 0);   // zero slots (and any padding) are all-zero
+        e->pool_bytes = (int64_t) ggml_backend_buffer_get_size(e->buf_pool);
+    }
+    // copy hot experts into their slots; fill the index tables
+    std::vector<uint8_t> tmp;
+    auto copy_expert = [&](ggml_tensor * src, ggml_tensor * dst, int x, int slot) {
+        const size_t nb = src->nb[2];
+        GGML_ASSERT(dst->nb[2] == nb);
+        tmp.resize(nb);
+        ggml_backend_tensor_get(src, tmp.data(), (size_t) x * nb, nb);
+        ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * nb, nb);
+    };
+    for (auto & c : e->classes) {
+        std::map<std::pair<int, int>, int> slot_of;
+        for (size_t s = 0; s < c.members.size(); ++s) {
+            const auto [il, x] = c.members[s];
+            const auto & L = model->layers[il];
+            copy_expert(L.ffn_up_exps, c.up, x, (int) s);
+            if (c.has_gate) copy_expert(L.ffn_gate_exps, c.gate, x, (int) s);
+            copy_expert(L.ffn_down_exps, c.down, x, (int) s);
+            slot_of[{il, x}] = (int) s;
+            e->n_hot++;
+        }
+        const int zero0 = (int) c.members.size();
+        for (int il = 0; il < e->n_layer; ++il) {
+            if (!e->layers[il].has_hot || e->layers[il].up_pool != c.up) continue;
+            std::vector<int32_t> mg(e->n_expert), mc(e->n_expert);
+            for (int x = 0; x < e->n_expert; ++x) {
+                if (e->hot[il][x]) { mg[x] = slot_of[{il, x}]; mc[x] = -1; }
+                else               { mg[x] = zero0 + x % e->k; mc[x] = x; }
+            }
+            ggml_backend_tensor_set(e->layers[il].map_gpu, mg.data(), 0, mg.size() * sizeof(int32_t));
+            ggml_backend_tensor_set(e->layers[il].map_cpu, mc.data(), 0, mc.size() * sizeof(int32_t));
+        }
+    }
+    const size_t nle = (size_t) e->n_layer * e->n_expert;
+    totals_init(e->total, nle);
+    totals_init(e->request, nle);
+    if (g_eng && g_eng->model == model) {   // residency switch: keep the counters
+        e->total = g_eng->total;
+        e->request = g_eng->request;
+        e->last = g_eng->last;
+    }
+    e->cold_seen.assign(nle, 0);
+    e->mark_us.assign(e->n_layer, 0);
+    free_engine(g_eng);
+    g_eng = e;
+    g_graph_dirty = true;
+    return true;
+}
+
+const char * keep(std::string & slot, const json & j) {
+    slot = j.dump();
+    return slot.c_str();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// hooks called by the patched llama.cpp
+
+const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_eng || !down_exps) return nullptr;
+    auto it = g_eng->by_down.find(down_exps);
+    if (it == g_eng->by_down.end()) return nullptr;
+    return &g_eng->layers[it->second];
+}
+
+ggml_tensor * ostinato_moe_count(ggml_context * ctx, ggml_tensor * selected_experts, int il) {
+    return ggml_map_custom1(ctx, selected_experts, count_op, 1, (void *) (intptr_t) il);
+}
+
+ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il, int kind) {
+    ggml_tensor * one = ggml_view_1d(ctx, after, 1, 0);
+    return ggml_map_custom1(ctx, one, mark_op, 1, (void *) (intptr_t) ((il << 2) | (kind & 3)));
+}
+
+ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * sel, int il) {
+    return ggml_map_custom1(ctx, sel, upload_op, 1, (void *) (intptr_t) il);
+}
+
+int ostinato_moe_upload_path(int64_t n_tokens) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (n_tokens <= 1) return 0;   // decode
+    if (g_force == FORCE_UPLOAD) return 1;
+    if (g_force == FORCE_SPLIT) return 0;
+    return n_tokens >= g_np ? 1 : 0;
+}
+
+bool ostinato_graph_reusable(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const bool ok = !g_graph_dirty;
+    g_graph_dirty = false;
+    return ok;
+}
+
+void ostinato_pass_begin(int64_t n_tokens) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e) return;
+    e->cur = pass_t();
+    e->cur.tokens = n_tokens;
+    std::fill(e->cold_seen.begin(), e->cold_seen.end(), 0);
+    e->in_pass = true;
+    e->pass_t0_us = now_us();
+}
+
+void ostinato_pass_end(int64_t n_tokens) {
+    const int up = ostinato_moe_upload_path(n_tokens);
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || !e->in_pass) return;
+    e->in_pass = false;
+    e->cur.total_ms = (now_us() - e->pass_t0_us) / 1000.0;
+    e->cur.path = n_tokens <= 1 ? "decode" : (up ? "upload" : "split");
+    e->total.add(e->cur);
+    e->request.add(e->cur);
+    e->last.push_back(e->cur);
+    while (e->last.size() > 32) e->last.pop_front();
+}
+
+bool ostinato_on_model_loaded(llama_model * model) {
+    config_t cfg;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!g_cfg.set) return true;
+        cfg = g_cfg;
+    }
+    std::string err;
+    const int64_t t0 = now_us();
+    bool ok;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        ok = build_engine(model, cfg, err);
+        if (!ok) g_err = err;
+    }
+    if (!ok) {
+        LLAMA_LOG_ERROR("ostinato: %s\n", err.c_str());
+        return false;
+    }
+    LLAMA_LOG_INFO("ostinato: expert pool on %s: %lld hot experts, %zu size classes, %.1f MiB, %.1f ms\n",
+                   g_eng->pool_device.c_str(), (long long) g_eng->n_hot, g_eng->classes.size(),
+                   g_eng->pool_bytes / 1048576.0, (now_us() - t0) / 1000.0);
+    return true;
+}
+
+void ostinato_on_model_free(llama_model * model) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_eng && g_eng->model == model) {
+        free_engine(g_eng);
+        g_eng = nullptr;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// C API (ctypes)
+
+extern "C" {
+
+int ostinato_experts_configure(const char * js) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_err.clear();
+    if (!js || !*js) { g_cfg = config_t(); return 0; }
+    try {
+        json j = json::parse(js);
+        config_t c;
+        c.set = true;
+        if (j.contains("hot")) {
+            for (auto & kv : j["hot"].items()) {
+                c.hot[std::stoi(kv.key())] = kv.value().get<std::vector<int>>();
+            }
+        }
+        c.device = j.value("device", -1);
+        c.np = j.value("prefill_threshold", g_np);   // absent: keep the current value
+        if (c.np < 1) throw std::runtime_error("prefill_threshold must be >= 1");
+        const std::string f = j.value("force_path", std::string(
+            g_force == FORCE_SPLIT ? "split" : g_force == FORCE_UPLOAD ? "upload" : "auto"));
+        if (f == "auto") c.force = FORCE_AUTO;
+        else if (f == "split") c.force = FORCE_SPLIT;
+        else if (f == "upload") c.force = FORCE_UPLOAD;
+        else throw std::runtime_error("force_path must be auto, split or upload");
+        if (c.np != g_np || c.force != g_force) g_graph_dirty = true;
+        g_np = c.np;
+        g_force = c.force;
+        g_cfg = c;
+        return 0;
+    } catch (const std::exception & ex) {
+        g_err = std::string("bad expert config: ") + ex.what();
+        return -1;
+    }
+}
+
+int ostinato_experts_switch(const char * js) {
+    llama_model * model;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (!g_eng) { g_err = "no model with an active expert engine"; return -1; }
+        model = g_eng->model;
+    }
+    if (ostinato_experts_configure(js) != 0) return -1;
+    return ostinato_on_model_loaded(model) ? 0 : -1;
+}
+
+int ostinato_experts_active(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return g_eng != nullptr ? 1 : 0;
+}
+
+const char * ostinato_experts_last_error(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return g_err.c_str();
+}
+
+int ostinato_experts_set_threshold(int64_t np) {
+    if (np < 1) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_np != np) g_graph_dirty = true;   // the path is part of the cached graph
+    g_np = np;
+    return 0;
+}
+
+int ostinato_experts_force_path(const char * p) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const std::string f = p ? p : "auto";
+    if (f == "auto") g_force = FORCE_AUTO;
+    else if (f == "split") g_force = FORCE_SPLIT;
+    else if (f == "upload") g_force = FORCE_UPLOAD;
+    else return -1;
+    g_graph_dirty = true;
+    return 0;
+}
+
+const char * ostinato_experts_info(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    json j;
+    j["active"] = g_eng != nullptr;
+    j["prefill_threshold"] = g_np;
+    j["force_path"] = g_force == FORCE_AUTO ? "auto" : g_force == FORCE_SPLIT ? "split" : "upload";
+    if (g_eng) {
+        const engine_t & e = *g_eng;
+        j["pool_device"] = e.pool_device;
+        j["pool_bytes"] = e.pool_bytes;
+        j["hot_experts"] = e.n_hot;
+        j["n_layer"] = e.n_layer; j["n_expert"] = e.n_expert; j["n_expert_used"] = e.k;
+        json cls = json::array();
+        for (auto & c : e.classes) {
+            cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)},
+                               {"up_shape", {c.up0, c.up1}}, {"down_shape", {c.down0, c.down1}},
+                               {"slots", c.members.size()}, {"zero_slots", e.k}});
+        }
+        j["size_classes"] = cls;
+        j["expert_bytes"] = e.expert_bytes;
+        int moe_layers = 0;
+        for (auto & l : e.layers) moe_layers += l.il >= 0;
+        j["moe_layers"] = moe_layers;
+        j["notes"] = e.notes;
+    }
+    return keep(g_out_info, j);
+}
+
+const char * ostinato_experts_stats(int with_counts) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_eng) return keep(g_out_stats, json{{"active", false}});
+    json j = totals_json(*g_eng, g_eng->total, with_counts != 0);
+    j["active"] = true;
+    json last = json::array();
+    for (auto & p : g_eng->last) last.push_back(pass_json(p));
+    j["last_passes"] = last;
+    return keep(g_out_stats, j);
+}
+
+const char * ostinato_experts_take_request_stats(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_eng) return keep(g_out_req, json{{"active", false}});
+    json j = totals_json(*g_eng, g_eng->request, true);
+    j["active"] = true;
+    totals_init(g_eng->request, (size_t) g_eng->n_layer * g_eng->n_expert);
+    return keep(g_out_req, j);
+}
+
+void ostinato_experts_reset_stats(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_eng) return;
+    const size_t n = (size_t) g_eng->n_layer * g_eng->n_expert;
+    totals_init(g_eng->total, n);
+    totals_init(g_eng->request, n);
+    g_eng->last.clear();
+}
+
+}  // extern "C"

@@ -1,0 +1,72 @@
+// Ostinato native expert engine: residency set, expert pool, index tables, split/upload paths, stats.
+// Compiled into libllama (see CMakeLists.txt) because the patched llama.cpp files call the hooks
+// below; the extern "C" API at the end is what ostinatod/engine/native.py reaches through ctypes.
+// Method: arXiv 2611.11533, Sections 2-3 and Appendix B.
+#pragma once
+
+#include "ggml.h"
+
+#include <cstdint>
+
+struct llama_model;
+struct ggml_cgraph;
+
+// Graph-time view of one MoE layer (what build_moe_ffn needs).
+struct ostinato_moe_layer {
+    int il = -1;
+    bool has_hot = false;                    // false: layer computed by the stock code (all cold)
+    ggml_tensor * up_pool   = nullptr;       // pool of the layer's size class, [.., .., n_slots + k]
+    ggml_tensor * gate_pool = nullptr;
+    ggml_tensor * down_pool = nullptr;
+    ggml_tensor * up_stage   = nullptr;      // upload path: staging of the size class, [.., .., n_stage + k]
+    ggml_tensor * gate_stage = nullptr;
+    ggml_tensor * down_stage = nullptr;
+    ggml_tensor * map_gpu   = nullptr;       // I32 [1, n_expert]: expert -> pool slot or zero slot
+    ggml_tensor * map_cpu   = nullptr;       // I32 [1, n_expert]: expert -> expert id (cold) or -1 (hot)
+};
+
+// Hooks used by the patched llama.cpp (C++ linkage, inside libllama).
+// Returns the layer entry when the engine is active for the model owning down_exps, else nullptr.
+const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps);
+// Counts the routes of layer il (custom CPU op over selected_experts [k, n_tokens]); returns a copy
+// of selected_experts that the branches must consume (orders the op before them).
+ggml_tensor * ostinato_moe_count(ggml_context * ctx, ggml_tensor * selected_experts, int il);
+// Upload path: custom CPU op over the counted ids [k, n_tokens] that copies each distinct cold expert
+// of layer il once into the staging buffer and returns staging ids (hot positions -> zero slots).
+ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * sel, int il);
+// Timing marker after a branch (kind 1: GPU branch done, 2: CPU branch done, 3: upload branch done); returns the node.
+ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il, int kind);
+// 1 when a forward pass of n_tokens takes the upload path, else 0 (split path / decode).
+int  ostinato_moe_upload_path(int64_t n_tokens);
+// False once after a residency switch: the context must rebuild its cached graph.
+bool ostinato_graph_reusable(void);
+void ostinato_pass_begin(int64_t n_tokens);
+void ostinato_pass_end(int64_t n_tokens);
+// Returns false (and sets the last error) when the configured residency set cannot be applied.
+bool ostinato_on_model_loaded(llama_model * model);
+void ostinato_on_model_free(llama_model * model);
+
+extern "C" {
+#if defined(_WIN32)
+#  define OSTINATO_API __declspec(dllexport)
+#else
+#  define OSTINATO_API __attribute__((visibility("default")))
+#endif
+// JSON config consumed by the next llama_model_load_from_file:
+//   {"hot": {"<layer>": [expert ids]}, "device": -1|gpu index, "prefill_threshold": Np,
+//    "force_path": "auto"|"split"|"upload"}
+// Returns 0 on success, -1 on bad JSON (see ostinato_experts_last_error). NULL or "" clears it.
+OSTINATO_API int          ostinato_experts_configure(const char * json);
+// Rebuild the pool of the loaded model with another config (same JSON) at a request boundary.
+OSTINATO_API int          ostinato_experts_switch(const char * json);
+OSTINATO_API int          ostinato_experts_active(void);
+OSTINATO_API const char * ostinato_experts_last_error(void);
+// Np (tokens) and forced path ("auto", "split", "upload") at run time; 0 on success.
+OSTINATO_API int          ostinato_experts_set_threshold(int64_t np);
+OSTINATO_API int          ostinato_experts_force_path(const char * path);
+// Stats as JSON; the returned string stays valid until the next call of the same function.
+OSTINATO_API const char * ostinato_experts_info(void);
+OSTINATO_API const char * ostinato_experts_stats(int with_counts);
+OSTINATO_API const char * ostinato_experts_take_request_stats(void);
+OSTINATO_API void         ostinato_experts_reset_stats(void);
+}

@@ -1,0 +1,271 @@
+"""The engine worker's hook into the native expert engine (resident expert pool, split/upload paths).
+
+Use (arXiv 2611.11533, Sections 2-3; DESIGN.md "The native engine")::
+
+    rt = ExpertRuntime.prepare(model_path, settings)   # before llama_model_load_from_file
+    if rt: rt.adjust_model_params(mparams)              # before the load
+    model = llama_model_load_from_file(path, mparams)   # the patched loader builds the pool
+    ctx = llama_init_from_model(model, cparams)
+    if rt: rt.attach(model, ctx)
+    ... rt.stats(), rt.take_request_stats(), rt.switch(path), rt.close()
+
+``prepare`` returns None (one log line) when the model runs stock: ``settings.experts == "stock"``,
+a dense model, or an architecture the engine does not support. Without a residency set the engine
+still runs (all experts cold, computed from host memory) so that route counts for the planner's
+traces are collected.
+
+The native functions live in libllama (they are called by the patched llama.cpp) and are reached
+through llama-cpp-python's handle of libllama; :mod:`ostinatod.engine.native` (libostinato) is used
+only for the n_cpu_moe tensor overrides on GPU builds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .residency import ResidencyError, ResidencySet, model_block, read_residency
+
+log = logging.getLogger("ostinatod.experts")
+
+# Architectures whose MoE layers the engine splits (up/gate/down expert tensors, no expert biases).
+SUPPORTED_ARCHS = ("qwen3moe", "deepseek2")
+
+_C = ctypes.c_char_p
+_SIGS: dict[str, tuple[list[Any], Any]] = {
+    "ostinato_experts_configure": ([_C], ctypes.c_int),
+    "ostinato_experts_switch": ([_C], ctypes.c_int),
+    "ostinato_experts_active": ([], ctypes.c_int),
+    "ostinato_experts_last_error": ([], _C),
+    "ostinato_experts_set_threshold": ([ctypes.c_int64], ctypes.c_int),
+    "ostinato_experts_force_path": ([_C], ctypes.c_int),
+    "ostinato_experts_info": ([], _C),
+    "ostinato_experts_stats": ([ctypes.c_int], _C),
+    "ostinato_experts_take_request_stats": ([], _C),
+    "ostinato_experts_reset_stats": ([], None),
+}
+
+
+class ExpertEngineError(RuntimeError):
+    """The native expert engine is missing (stale build) or refused a configuration."""
+
+
+_bound: dict[str, Any] = {}
+
+
+def _fn(name: str):
+    """The native function ``name``. The expert engine is part of libllama (the patched llama.cpp
+    calls it), so it is reached through llama-cpp-python's own handle of that library."""
+    f = _bound.get(name)
+    if f is not None:
+        return f
+    try:
+        from llama_cpp import llama_cpp as _ll
+        f = getattr(_ll._lib, name)
+    except ImportError as e:
+        raise ExpertEngineError(f"llama_cpp is not importable ({e}); run 'ostinato build'") from e
+    except AttributeError:
+        raise ExpertEngineError(f"libllama lacks {name}: the native engine was built without "
+                                "the expert engine; run 'ostinato build'") from None
+    f.argtypes, f.restype = _SIGS[name]
+    _bound[name] = f
+    return f
+
+
+def _err() -> str:
+    return (_fn("ostinato_experts_last_error")() or b"").decode(errors="replace")
+
+
+def _json(name: str, *args: Any) -> dict[str, Any]:
+    return json.loads(_fn(name)(*args).decode())
+
+
+def native_available() -> bool:
+    """True if the installed native engine has the expert engine (``ostinato build`` done)."""
+    try:
+        _fn("ostinato_experts_configure")
+        return True
+    except ExpertEngineError:
+        return False
+
+
+def configure(hot: Optional[dict[int, list[int]]], *, device: int = -1, prefill_threshold: int = 512,
+              force_path: str = "auto") -> None:
+    """Set the process-global config read by the next model load.
+
+    ``hot`` is {layer: hot expert ids}; None clears the config (next loads run stock).
+    ``device``: GPU index of the pool (-1: a CPU pool, as on CPU-only builds). Raises ExpertEngineError.
+    """
+    if hot is None:
+        _fn("ostinato_experts_configure")(None)
+        return
+    cfg = {"hot": {str(k): list(map(int, v)) for k, v in hot.items()}, "device": int(device),
+           "prefill_threshold": int(prefill_threshold), "force_path": force_path}
+    if _fn("ostinato_experts_configure")(json.dumps(cfg).encode()) != 0:
+        raise ExpertEngineError(_err())
+
+
+def set_prefill_threshold(np_tokens: int) -> None:
+    """Set Np: forward passes of >= Np tokens take the upload path. Raises ValueError if < 1."""
+    if _fn("ostinato_experts_set_threshold")(int(np_tokens)) != 0:
+        raise ValueError(f"prefill threshold must be >= 1, got {np_tokens}")
+
+
+def force_path(path: str) -> None:
+    """Force prefill passes onto one path: "split", "upload", or "auto" (by Np). Raises ValueError."""
+    if _fn("ostinato_experts_force_path")(path.encode()) != 0:
+        raise ValueError(f"path must be auto, split or upload, got {path!r}")
+
+
+def _default_np(settings: Any) -> int:
+    if getattr(settings, "prefill_threshold", None):
+        return int(settings.prefill_threshold)
+    try:
+        from .calibrate import prefill_threshold
+        return int(prefill_threshold(settings))
+    except Exception:  # no calibration module/profile yet: the paper's PCIe 4.0 value
+        return 512
+
+
+class ExpertRuntime:
+    """One model's expert engine in the worker process (see module docstring)."""
+
+    def __init__(self, model_path: Path, model: dict[str, Any], residency: Optional[ResidencySet],
+                 prefill_threshold: int, device: int):
+        self.model_path = Path(model_path)
+        self.model = model
+        self.residency = residency
+        self.prefill_threshold = prefill_threshold
+        self.device = device
+        self.forced = "auto"
+        self.attached = False
+
+    @classmethod
+    def prepare(cls, model_path: Path, settings: Any, *, workload: Optional[str] = None
+                ) -> Optional["ExpertRuntime"]:
+        """Validate/load the residency set and configure the native loader, before the model load.
+
+        Returns None (logging one line) when the model runs stock. Raises ResidencyError for a
+        residency set that is malformed or belongs to another model, ExpertEngineError when the
+        native engine lacks the expert engine while ``settings.experts == "ostinato"``.
+        """
+        mode = getattr(settings, "experts", "auto")
+        if mode == "stock":
+            log.info("experts: stock llama.cpp placement (settings.experts = 'stock')")
+            return None
+        model = model_block(Path(model_path))
+        if model["n_expert"] <= 0:
+            log.info("experts: %s is a dense model (no routed experts): running stock", model["arch"])
+            return None
+        if model["arch"] not in SUPPORTED_ARCHS:
+            log.info("experts: architecture %s is not supported by the expert engine yet: running "
+                     "stock", model["arch"])
+            return None
+        if not native_available():
+            if mode == "ostinato":
+                raise ExpertEngineError("the installed native engine has no expert engine; run "
+                                        "'ostinato build'")
+            log.warning("experts: native expert engine not built: running stock")
+            return None
+        res_path = getattr(settings, "residency", None)
+        if res_path is None:
+            from ..paths import get_paths
+            wl = workload or getattr(settings, "workload_default", "coding")
+            cand = get_paths().data_dir / "residency" / model["fingerprint"] / f"{wl}.json"
+            res_path = cand if cand.exists() else None
+        residency = read_residency(Path(res_path), model) if res_path else None
+        hot = residency.hot_all() if residency else {}
+        device = min(residency.hot) if residency and residency.hot else 0
+        # a CPU-only build has no GPU device: the pool then lives in a CPU buffer
+        dev = device if _has_gpu() else -1
+        np_tokens = _default_np(settings)
+        configure(hot, device=dev, prefill_threshold=np_tokens)
+        log.info("experts: %d hot experts from %s, Np = %d", sum(len(v) for v in hot.values()),
+                 res_path or "no residency set (all experts cold)", np_tokens)
+        return cls(Path(model_path), model, residency, np_tokens, dev)
+
+    def adjust_model_params(self, mparams: Any) -> None:
+        """Set fields of ``llama_model_params`` (ctypes struct) before the load.
+
+        Turns off the CPU's repacked weight buffers: the CPU branch skips hot routes in ggml-cpu's
+        generic mul_mat_id, which repacked weights bypass.
+        """
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = False
+        if self.device >= 0:
+            # GPU build: every layer's expert tensors stay in host memory (the cold experts); the
+            # hot ones are copied into the pool by the patched loader
+            from . import native
+            mparams.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(
+                int(self.model["n_layer"]))
+
+    def attach(self, model: Any, ctx: Any) -> None:
+        """Check, after the context exists, that the patched loader built the pool. Raises
+        ExpertEngineError with the native error when it did not."""
+        if not _fn("ostinato_experts_active")():
+            raise ExpertEngineError(f"expert engine not active after load: {_err() or 'unknown'}")
+        self.attached = True
+
+    def info(self) -> dict[str, Any]:
+        """Pool layout: device, bytes, hot experts, size classes, Np, forced path."""
+        return _json("ostinato_experts_info")
+
+    def stats(self, with_counts: bool = False) -> dict[str, Any]:
+        """Cumulative counters: passes, tokens, routes, hot_routes, cold_routes, hot_route_share,
+        paths {decode, split, upload}, branch times (ms), ``last_passes`` (per-pass dicts) and with
+        ``with_counts`` the per (layer, expert) ``counts_prefill``/``counts_decode``."""
+        d = _json("ostinato_experts_stats", 1 if with_counts else 0)
+        d["prefill_threshold"] = self.prefill_threshold
+        return d
+
+    def take_request_stats(self) -> dict[str, Any]:
+        """Counters since the previous call (per request, for traces), incl. per (layer, expert)
+        ``counts_prefill`` and ``counts_decode`` as [n_layer][n_expert] lists."""
+        return _json("ostinato_experts_take_request_stats")
+
+    def set_prefill_threshold(self, np_tokens: int) -> None:
+        """Change Np at run time (calibration / tests)."""
+        set_prefill_threshold(np_tokens)
+        self.prefill_threshold = int(np_tokens)
+
+    def force_path(self, path: str) -> None:
+        """Force "split" or "upload" for prefill passes, or "auto"."""
+        force_path(path)
+        self.forced = path
+
+    def switch(self, residency_path: Path) -> float:
+        """Swap the residency set at a request boundary (no forward pass may be running).
+        Returns the seconds it took. Raises ResidencyError / ExpertEngineError; on error the old
+        set stays in use."""
+        t0 = time.perf_counter()
+        res = read_residency(Path(residency_path), self.model)
+        hot = res.hot_all()
+        cfg = {"hot": {str(k): v for k, v in hot.items()}, "device": self.device,
+               "prefill_threshold": self.prefill_threshold, "force_path": self.forced}
+        if _fn("ostinato_experts_switch")(json.dumps(cfg).encode()) != 0:
+            raise ExpertEngineError(_err())
+        self.residency = res
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Clear the loader config (the pool itself is freed with the model)."""
+        try:
+            configure(None)
+        except ExpertEngineError:
+            pass
+
+
+def _has_gpu() -> bool:
+    try:
+        import llama_cpp
+        return bool(llama_cpp.llama_supports_gpu_offload())
+    except Exception:
+        return False
+
+
+__all__ = ["ExpertRuntime", "ExpertEngineError", "ResidencyError", "SUPPORTED_ARCHS", "configure",
+           "force_path", "set_prefill_threshold", "native_available"]

@@ -1,0 +1,270 @@
+"""Exactness of the Ostinato expert paths against stock llama.cpp (same build), on the CPU.
+
+Tiny synthetic qwen3moe and deepseek2 models (ostinatod.tools.synth) with a residency set that makes about half of the experts hot:
+greedy generation after a prompt on each path (decode; split path, n < Np; upload path, n >= Np via
+a small forced Np) must give the same tokens as stock llama.cpp with all experts in host memory.
+On a CPU-only build the pool is a CPU buffer: this still exercises the index tables, zero slots,
+skipped routes and the sum of both branches. Max |delta logit| per path is printed (pytest -s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from ostinatod.engine import experts  # noqa: E402
+from ostinatod.engine.residency import (ResidencyError, make_residency, model_block,  # noqa: E402
+                                        write_residency)
+
+if not experts.native_available():  # pragma: no cover - stale build
+    pytest.skip("native engine built without the expert engine (run 'ostinato build')",
+                allow_module_level=True)
+
+PROMPT_LEN, N_NEW = 24, 8
+# OSTINATO_TEST_GPU=1 (GPU machine only): pool on GPU 0, attention on the GPU, experts in host
+# memory for both runs; hot experts then use CUDA kernels, so logits get a tolerance.
+GPU = os.environ.get("OSTINATO_TEST_GPU") == "1"
+TOL = 0.05 if GPU else 1e-3
+
+
+ARCHS = ("qwen3moe", "deepseek2")
+
+
+def _moe_layers(path):
+    import gguf
+    r = gguf.GGUFReader(str(path))
+    return sorted({int(t.name.split(".")[1]) for t in r.tensors if t.name.endswith("ffn_down_exps.weight")})
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def moe(request):
+    """(path, model block, MoE layer ids) of a tiny synthetic model per architecture (q8_0 experts)."""
+    from ostinatod.tools.synth import synthetic_model
+
+    from conftest import CACHE
+    CACHE.mkdir(parents=True, exist_ok=True)
+    p = synthetic_model(CACHE, arch=request.param, shape="tiny")
+    return p, model_block(p), _moe_layers(p)
+
+
+def half_hot(moe, seed=1):
+    """Half of each MoE layer's experts hot (a fixed random choice): {layer: expert ids}."""
+    rng = np.random.default_rng(seed)
+    n = moe[1]["n_expert"]
+    return {il: sorted(rng.choice(n, n // 2, replace=False).tolist()) for il in moe[2]}
+
+
+class Runner:
+    """Loads the model with the low-level API and generates greedily; returns tokens and logits."""
+
+    def __init__(self, path, hot=None, prefill_threshold=512, force="auto", all_logits=False):
+        # all_logits: every token is an output, so llama.cpp does not prune the last layer to the
+        # output rows and every MoE layer sees every token of the pass
+        self.all_logits = all_logits
+        llama_cpp.llama_backend_init()
+        if hot is None:
+            experts.configure(None)
+        else:
+            experts.configure(hot, device=0 if GPU else -1, prefill_threshold=prefill_threshold,
+                              force_path=force)
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = 999 if GPU else 0
+        mp.use_extra_bufts = False  # both runs: same CPU kernels (see ExpertRuntime.adjust_model_params)
+        if GPU:
+            from ostinatod.engine import native
+            mp.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(999)
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        experts.configure(None)
+        assert self.model, "model load failed"
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = 64, 32, 32
+        cp.n_threads = cp.n_threads_batch = 1  # spinning thread barriers crawl on a busy 2-core CI box
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        assert self.ctx
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.batch = llama_cpp.llama_batch_init(32, 0, 1)
+
+    def _decode(self, toks, pos0):
+        b = self.batch
+        b.n_tokens = len(toks)
+        for i, t in enumerate(toks):
+            b.token[i] = t
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1 if (self.all_logits or i == len(toks) - 1) else 0
+        assert llama_cpp.llama_decode(self.ctx, b) == 0
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def generate(self, prompt, n_new):
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+        logits = [self._decode(prompt, 0)]
+        out = []
+        pos = len(prompt)
+        for _ in range(n_new):
+            tok = int(np.argmax(logits[-1]))
+            out.append(tok)
+            logits.append(self._decode([tok], pos))
+            pos += 1
+        return out, np.stack(logits)
+
+    def close(self):
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+
+
+def _prompt(n, seed=3):
+    return np.random.default_rng(seed).integers(100, 20000, n).tolist()
+
+
+@pytest.fixture(scope="session")
+def stock(moe):
+    r = Runner(moe[0])
+    try:
+        assert not experts._fn("ostinato_experts_active")()
+        return {n: r.generate(_prompt(n), N_NEW) for n in (PROMPT_LEN, 4)}
+    finally:
+        r.close()
+
+
+def _stats(with_counts=0):
+    return json.loads(experts._fn("ostinato_experts_stats")(with_counts).decode())
+
+
+@pytest.mark.parametrize("path, np_tokens, force", [
+    ("split", 512, "auto"),      # prompt of 24 tokens < Np: split path, then decode
+    ("upload", 8, "auto"),       # small Np: the prompt takes the upload path
+    ("split-forced", 8, "split"),
+])
+def test_paths_match_stock(moe, stock, path, np_tokens, force):
+    r = Runner(moe[0], hot=half_hot(moe), prefill_threshold=np_tokens, force=force)
+    try:
+        toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        st = _stats()
+    finally:
+        r.close()
+    ref_toks, ref_logits = stock[PROMPT_LEN]
+    d_prefill = float(np.max(np.abs(logits[0] - ref_logits[0])))
+    d_decode = float(np.max(np.abs(logits[1:] - ref_logits[1:])))
+    print(f"\n[exactness] {moe[1]['arch']} {path}: max|dlogit| prefill {d_prefill:.3g}, decode "
+          f"{d_decode:.3g}; hot-route share {st['hot_route_share']:.2f}; paths {st['paths']}; "
+          f"upload bytes {st['upload_bytes']}")
+    assert toks == ref_toks
+    assert d_prefill <= TOL and d_decode <= TOL
+    up = force == "auto" and PROMPT_LEN >= np_tokens
+    assert st["paths"]["upload" if up else "split"] == 1 and st["paths"]["decode"] == N_NEW
+    assert 0 < st["hot_routes"] < st["routes"]  # both branches did work
+    assert (st["upload_bytes"] > 0) == up       # cold experts uploaded only on the upload path
+
+
+def test_all_cold_and_all_hot_match_stock(moe, stock):
+    ref_toks, _ = stock[4]
+    n = moe[1]["n_expert"]
+    for hot in ({}, {il: list(range(n)) for il in moe[2]}):
+        r = Runner(moe[0], hot=hot, prefill_threshold=2)
+        try:
+            toks, _ = r.generate(_prompt(4), N_NEW)
+            st = _stats()
+        finally:
+            r.close()
+        assert toks == ref_toks
+        assert st["hot_routes"] == (st["routes"] if hot else 0)
+
+
+def test_stats_are_consistent(moe):
+    hot = half_hot(moe)
+    r = Runner(moe[0], hot=hot, prefill_threshold=16, all_logits=True)
+    try:
+        experts._fn("ostinato_experts_take_request_stats")()
+        r.generate(_prompt(PROMPT_LEN), 3)
+        st = _stats(1)
+        req = json.loads(experts._fn("ostinato_experts_take_request_stats")().decode())
+        again = json.loads(experts._fn("ostinato_experts_take_request_stats")().decode())
+    finally:
+        r.close()
+    k, L, n_exp = moe[1]["n_expert_used"], len(moe[2]), moe[1]["n_expert"]
+    n_tok = PROMPT_LEN + 3
+    assert st["tokens"] == n_tok and st["passes"] == 4
+    assert st["hot_routes"] + st["cold_routes"] == st["routes"] == n_tok * k * L
+    cp, cd = np.array(st["counts_prefill"]), np.array(st["counts_decode"])
+    assert cp.shape == cd.shape == (moe[1]["n_layer"], n_exp)
+    assert cp.sum() == PROMPT_LEN * k * L and cd.sum() == 3 * k * L
+    hot_mask = np.zeros_like(cp, dtype=bool)
+    for il, ids in hot.items():
+        hot_mask[il, ids] = True
+    assert (cp + cd)[hot_mask].sum() == st["hot_routes"]
+    for p in st["last_passes"]:
+        assert p["hot_routes"] + p["cold_routes"] == p["routes"] == p["tokens"] * k * L
+        assert p["distinct_cold_experts"] <= min(p["cold_routes"], L * (n_exp - n_exp // 2))
+    assert [p["path"] for p in st["last_passes"]] == ["upload", "decode", "decode", "decode"]
+    assert req["routes"] == st["routes"] and np.array(req["counts_prefill"]).sum() == cp.sum()
+    assert again["routes"] == 0 and again["passes"] == 0
+
+
+def test_runtime_refuses_other_models_set(moe, tmp_path):
+    other = dict(moe[1], fingerprint="0" * 64, name="other")
+    p = write_residency(make_residency(other, {moe[2][0]: [0]}), tmp_path / "other.json")
+    from ostinatod.settings import Settings
+    with pytest.raises(ResidencyError, match="fingerprint"):
+        experts.ExpertRuntime.prepare(moe[0], Settings(residency=p))
+
+
+def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
+    """prepare -> load -> attach -> info/stats -> switch, as the engine worker calls it."""
+    from ostinatod.settings import Settings
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
+    path, info_m, layers = moe
+    p = write_residency(make_residency(info_m, half_hot(moe)), tmp_path / "a.json")
+    rt = experts.ExpertRuntime.prepare(path, Settings(residency=p, prefill_threshold=4))
+    assert rt is not None
+    mp = llama_cpp.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    rt.adjust_model_params(mp)
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    assert model
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = 128
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    try:
+        rt.attach(model, ctx)
+        info = rt.info()
+        assert info["hot_experts"] == sum(len(v) for v in half_hot(moe).values())
+        assert info["moe_layers"] == len(layers)
+        assert info["size_classes"][0]["zero_slots"] == info_m["n_expert_used"]
+        all_hot = {il: list(range(info_m["n_expert"])) for il in layers}
+        p2 = write_residency(make_residency(info_m, all_hot), tmp_path / "b.json")
+        secs = rt.switch(p2)
+        assert secs >= 0 and rt.info()["hot_experts"] == len(layers) * info_m["n_expert"]
+        batch = llama_cpp.llama_batch_init(8, 0, 1)
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = 1000, 0, 1, 1
+        batch.seq_id[0][0] = 0
+        assert llama_cpp.llama_decode(ctx, batch) == 0
+        llama_cpp.llama_batch_free(batch)
+        st = rt.stats()
+        last = st["last_passes"][-1]
+        assert last["cold_routes"] == 0 and last["hot_routes"] > 0  # the switched set is in use
+    finally:
+        rt.close()
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    assert not experts._fn("ostinato_experts_active")()
+
+
+def test_stock_setting_returns_none(moe):
+    from ostinatod.settings import Settings
+    assert experts.ExpertRuntime.prepare(moe[0], Settings(experts="stock")) is None
+
+
+def test_bad_config_is_a_clear_error():
+    with pytest.raises(experts.ExpertEngineError, match="force_path"):
+        experts.configure({0: [1]}, force_path="sideways")
+    with pytest.raises(ValueError):
+        experts.set_prefill_threshold(0)
