@@ -168,7 +168,7 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
         "time": time.time(),
         "engine_state": state.engine_state,
         "model": {"id": state.model_name, **state.model_info},
-        "workload": ex.get("workload") or state.settings.workload_default,
+        **_current_workload(state, ex),
         "paused": _ctl(state).get("paused_model") is not None,
         "phase": getattr(state, "phase", None),
         "last_residency_switch": _ctl(state).get("last_switch"),
@@ -181,6 +181,24 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
                             "daemon_rss_bytes": _rss_with_children()},
                    "gpus": gpu_memory()},
     }
+
+
+def _current_workload(state, ex: dict[str, Any]) -> dict[str, Any]:
+    """``{"workload", "workload_source", "workload_counts"}``: the workload the engine's residency
+    set serves if it says, else that of the running/latest request, else the default; and how many
+    of the recent requests each workload had."""
+    counts: dict[str, int] = {}
+    for r in state.recent:
+        w = r.get("workload") or "?"
+        counts[w] = counts.get(w, 0) + 1
+    latest = [r for r in state.active.values()] or list(state.recent)[-1:]
+    if ex.get("workload"):
+        cur, src = ex["workload"], "engine"
+    elif latest and latest[-1].get("workload"):
+        cur, src = latest[-1]["workload"], "requests"
+    else:
+        cur, src = state.settings.workload_default, "default"
+    return {"workload": cur, "workload_source": src, "workload_counts": counts}
 
 
 def _rss_with_children() -> int:
@@ -520,9 +538,14 @@ async def h_events(request: web.Request) -> web.StreamResponse:
     n = 0
     try:
         while count is None or n < count:
-            snap = await metrics_snapshot(st)
-            snap.pop("engine", None)  # raw counters can be large; /metrics has them
-            await resp.write((json.dumps(snap) + "\n").encode())
+            try:
+                snap = await metrics_snapshot(st)
+                snap.pop("engine", None)  # raw counters can be large; /metrics has them
+                line = json.dumps(snap, default=str)
+            except Exception as e:  # one bad tick must not end the stream
+                log.warning("events snapshot: %s: %s", type(e).__name__, e)
+                line = json.dumps({"time": time.time(), "error": f"{type(e).__name__}: {e}"})
+            await resp.write((line + "\n").encode())
             n += 1
             if count is not None and n >= count:
                 break

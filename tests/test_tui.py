@@ -132,6 +132,12 @@ def test_tui_against_live_daemon(live_daemon):
             await _until(pilot, lambda: len(app.snapshot["requests"]["recent"]) >= n0 + 2, 60)
             recent = app.snapshot["requests"]["recent"]
             assert [r["workload"] for r in recent[-2:]] == ["coding", "customer-service"]
+            # the switch shows: current workload follows the latest request, counts per workload
+            assert app.snapshot["workload"] == "customer-service"
+            assert app.snapshot["workload_counts"]["customer-service"] >= 1
+            await pilot.pause(0.5)
+            status = str(app.query_one("#status").render())
+            assert "customer-service" in status and "latest request" in status
             assert all(r["status"] == "ok" and r["ttft_s"] is not None for r in recent[-2:])
             assert app.query_one("#requests").row_count >= 2
             assert len(app.query_one("#ttft").data) >= 2

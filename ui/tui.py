@@ -17,6 +17,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Optional
 
+import aiohttp
 from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -142,12 +143,18 @@ class OstinatoTUI(App):
                         self.render_snapshot(snap)
             except DaemonNotRunning as e:
                 self.query_one("#status", Static).update(Text(str(e), style="bold red"))
-            except (ControlAPIError, OSError, ValueError) as e:
-                self.query_one("#status", Static).update(Text(f"control API: {e}", style="red"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # dropped stream, bad line, …: say so and reconnect
+                self.query_one("#status", Static).update(
+                    Text(f"control API: {type(e).__name__}: {e}; reconnecting", style="red"))
             await asyncio.sleep(2)
 
     def render_snapshot(self, snap: dict[str, Any]) -> None:
         """Update every widget from one ``/events`` snapshot (see ostinatod.control.metrics_snapshot)."""
+        if "engine_state" not in snap:  # the daemon could not build this snapshot
+            self.query_one("#status", Static).update(Text(f"daemon: {snap.get('error')}", style="red"))
+            return
         self.snapshot = snap
         self.snapshots_seen += 1
         m, ex, req = snap.get("model") or {}, snap.get("experts") or {}, snap.get("requests") or {}
@@ -165,7 +172,9 @@ class OstinatoTUI(App):
         st.append(f"{ex.get('mode') or m.get('experts_mode') or '-'}"
                   f"  {m.get('arch') or ''} {m.get('n_layer') or ''}L×{m.get('n_expert') or ''}E k={m.get('n_expert_used') or ''}\n")
         st.append("workload  ", style="bold")
-        st.append(f"{snap.get('workload')}\n", style="cyan")
+        st.append(f"{snap.get('workload')}", style="cyan")
+        src = {"requests": "latest request", "engine": "residency set"}.get(snap.get("workload_source"))
+        st.append((f"  ({src})" if src else "") + "\n", style="dim")
         sw = snap.get("last_residency_switch")
         if sw:
             st.append("          switched to ", style="dim")
@@ -175,6 +184,9 @@ class OstinatoTUI(App):
         busy = sum(1 for s in slots if s.get("busy"))
         st.append("requests  ", style="bold")
         st.append(f"{req.get('active', 0)} active, {req.get('total', 0)} total")
+        counts = snap.get("workload_counts") or {}
+        if len(counts) > 1:
+            st.append("  (" + ", ".join(f"{w} {n}" for w, n in counts.items()) + ")", style="dim")
         if slots:
             st.append(f"   slots {busy}/{len(slots)} busy")
         self.query_one("#status", Static).update(st)
@@ -231,7 +243,7 @@ class OstinatoTUI(App):
         try:
             async with ControlClient(self.socket) as c:
                 d = await c.post(path, body)
-        except (ControlAPIError, DaemonNotRunning) as e:
+        except (ControlAPIError, DaemonNotRunning, aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.last_action = f"error: {e}"
             self.notify(str(e), title=path, severity="error", timeout=8)
             return None
