@@ -341,6 +341,7 @@ def _workload_name(name: Any) -> str:
 # --- handlers ------------------------------------------------------------------------------------
 
 async def h_status(request: web.Request) -> web.Response:
+    """GET /status: DaemonState.status() + workload, paused, socket/log paths, last switch."""
     st = _state(request)
     out = st.status()
     out["workload"] = st.settings.workload_default
@@ -352,6 +353,7 @@ async def h_status(request: web.Request) -> web.Response:
 
 
 async def h_models(request: web.Request) -> web.Response:
+    """GET /models: the loaded model and the GGUF files under the models dir."""
     st = _state(request)
     files = []
     d = st.paths.models_dir
@@ -388,6 +390,7 @@ async def _reload(st, path: Optional[Path]) -> None:
 
 
 async def h_load(request: web.Request) -> web.Response:
+    """POST /models/load {"path"}: check the file is a GGUF, then reload the engine with it."""
     st = _state(request)
     body = await _body(request)
     if not isinstance(body.get("path"), str):
@@ -400,12 +403,14 @@ async def h_load(request: web.Request) -> web.Response:
 
 
 async def h_unload(request: web.Request) -> web.Response:
+    """POST /models/unload: drop the engine (frees RAM and GPU memory)."""
     st = _state(request)
     await _reload(st, None)
     return web.json_response({"ok": True, "state": st.engine_state})
 
 
 async def h_pause(request: web.Request) -> web.Response:
+    """POST /pause: unload, remembering the model path for /resume (idempotent)."""
     st = _state(request)
     c = _ctl(st)
     if c["paused_model"] is None:
@@ -418,6 +423,7 @@ async def h_pause(request: web.Request) -> web.Response:
 
 
 async def h_resume(request: web.Request) -> web.Response:
+    """POST /resume: load the model unloaded by /pause (no-op when not paused)."""
     st = _state(request)
     c = _ctl(st)
     p = c["paused_model"]
@@ -428,6 +434,7 @@ async def h_resume(request: web.Request) -> web.Response:
 
 
 async def h_residency(request: web.Request) -> web.Response:
+    """GET /residency: current workload and expert figures, sets, traces, background re-plans."""
     st = _state(request)
     out: dict[str, Any] = {"workload": st.settings.workload_default, "last_switch": _ctl(st)["last_switch"]}
     stats = {}
@@ -452,6 +459,7 @@ async def h_residency(request: web.Request) -> web.Response:
 
 
 async def h_plan(request: web.Request) -> web.Response:
+    """POST /residency/plan {"workload"}: plan_for_model() in a worker thread; 404 without traces."""
     st = _state(request)
     body = await _body(request)
     workload = _workload_name(body.get("workload") or st.settings.workload_default)
@@ -475,6 +483,7 @@ async def h_plan(request: web.Request) -> web.Response:
 
 
 async def h_switch(request: web.Request) -> web.Response:
+    """POST /residency/switch {"workload"} | {"path"}: swap the set through engine.switch_residency."""
     st = _state(request)
     body = await _body(request)
     if body.get("path"):
@@ -506,6 +515,7 @@ async def h_switch(request: web.Request) -> web.Response:
 
 
 async def h_profile(request: web.Request) -> web.Response:
+    """GET /profile: the stored hardware profile (404 before the first one)."""
     from .profile import load_profile
     p = load_profile(_state(request).paths.hardware_profile)
     if p is None:
@@ -514,10 +524,12 @@ async def h_profile(request: web.Request) -> web.Response:
 
 
 async def h_metrics(request: web.Request) -> web.Response:
+    """GET /metrics: one metrics_snapshot() as JSON."""
     return web.json_response(await metrics_snapshot(_state(request)))
 
 
 async def h_requests(request: web.Request) -> web.Response:
+    """GET /requests?limit=N: active request records and the last N finished ones (newest first)."""
     st = _state(request)
     try:
         limit = max(1, int(request.query.get("limit", "50")))
@@ -527,6 +539,7 @@ async def h_requests(request: web.Request) -> web.Response:
 
 
 async def h_events(request: web.Request) -> web.StreamResponse:
+    """GET /events?interval=S[&count=N]: NDJSON stream of metrics snapshots."""
     st = _state(request)
     try:
         interval = min(60.0, max(0.05, float(request.query.get("interval", "1"))))

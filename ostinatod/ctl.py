@@ -54,6 +54,7 @@ class ControlClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the HTTP session (idempotent)."""
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -80,9 +81,11 @@ class ControlClient:
         return data
 
     async def get(self, path: str) -> dict[str, Any]:
+        """``GET path``; see :meth:`request`."""
         return await self.request("GET", path)
 
     async def post(self, path: str, body: Optional[dict] = None) -> dict[str, Any]:
+        """``POST path`` with a JSON body; see :meth:`request`."""
         return await self.request("POST", path, body or {})
 
     async def events(self, interval: float = 1.0, count: Optional[int] = None) -> AsyncIterator[dict]:

@@ -70,9 +70,11 @@ class Replanner:
         self._task: Optional[asyncio.Task] = None
 
     def start(self) -> None:
+        """Start the checking task on the running event loop."""
         self._task = asyncio.ensure_future(self._loop())
 
     async def stop(self) -> None:
+        """Cancel the checking task and wait for it."""
         if self._task is not None:
             self._task.cancel()
             try:
