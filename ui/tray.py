@@ -128,15 +128,18 @@ class TrayApp:
     # --- state --------------------------------------------------------------------------------
     @property
     def paused(self) -> bool:
+        """True while the daemon's model is paused (unloaded by Pause)."""
         return bool(self.snapshot and self.snapshot.get("paused"))
 
     def model_text(self) -> str:
+        """Menu line: served model id and engine state, or that no daemon answers."""
         if self.snapshot is None:
             return "daemon not running"
         m = self.snapshot.get("model") or {}
         return f"{m.get('id', '-')} ({self.snapshot.get('engine_state')})"
 
     def workload_text(self) -> str:
+        """Menu line: the current workload."""
         return (self.snapshot or {}).get("workload") or "-"
 
     def refresh(self) -> str:
