@@ -31,6 +31,17 @@ def test_fit_cpu_branch_recovers_the_paper_constants():
     assert f["samples"] == 200 and f["rmse_ms"] < 0.05
 
 
+def test_fit_cpu_branch_drops_disturbed_steps():
+    rows = _decode_rows(steps=100, noise=0.002)
+    for i in range(0, 100, 10):  # 10% of the steps hit by other work on the machine
+        n0, n1, r, ms = rows[i]
+        rows[i] = (n0, n1, r, ms + 25.0)
+    f = cal.fit_cpu_branch(rows)
+    assert f["outliers_dropped"] >= 10
+    assert f["beta_ms"] == pytest.approx(0.184, abs=0.003)
+    assert f["alpha_ms"] == pytest.approx(0.14, abs=0.01)
+
+
 def test_fit_cpu_branch_per_layer_samples_and_missing_terms():
     rows = [(0, 1, r, 0.2 + 0.1 * r) for r in (1, 2, 3, 4)]  # no r = 0 layer: gamma0 unknown
     f = cal.fit_cpu_branch(rows)
@@ -121,3 +132,20 @@ def test_run_calibration_without_model_never_raises(tmp_path, monkeypatch):
     monkeypatch.delenv("OSTINATO_MODEL", raising=False)
     c = cal.run_calibration(profile_path=tmp_path / "p.json")
     assert "no model" in c["error"]
+
+
+def test_run_calibration_on_the_engine_cpu(tiny_model, tmp_path, monkeypatch):
+    """The real engine (CPU build): forced-path passes run, the fit is stored, GPU terms absent."""
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
+    prof = tmp_path / "hw.json"
+    prof.write_text(json.dumps({"format": "ostinato-hardware/1", "host": {"x": 1}}))
+    c = cal.run_calibration(tiny_model, profile_path=prof)
+    assert "error" not in c, c
+    stored = json.loads(prof.read_text())
+    assert stored["host"] == {"x": 1} and stored["calibration"]["created"] == c["created"]
+    assert c["measurements"]["decode_steps"] == 48 and c["measurements"]["prefill_passes"] == 6
+    assert {p["path"] for p in c["measurements"]["prefill"]} == {"split", "upload"}
+    assert c["cpu_branch"]["samples"] == 48
+    if not c["gpu_terms"]:
+        assert c["gpu_branch_ms"] is None and c["np_tokens"] is None
+    print(cal.format_calibration(c))
