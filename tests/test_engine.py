@@ -47,7 +47,7 @@ def engine(loop, tiny_model, tmp_path_factory):
     os.environ.setdefault("OSTINATO_HOME", str(tmp_path_factory.mktemp("home")))
     eng = InProcessEngine(_settings(), tiny_model)
     loop.run_until_complete(eng.start())
-    loop.run_until_complete(eng.wait_ready(120))
+    loop.run_until_complete(eng.wait_ready(600))
     yield eng
     loop.run_until_complete(eng.stop())
 
@@ -236,7 +236,7 @@ def test_subprocess_worker_killed_midstream_recovers(loop, tiny_model):
 
     async def go():
         await eng.start()
-        await eng.wait_ready(120)
+        await eng.wait_ready(600)
         pid = eng.pid
         events = []
         async for e in eng.generate(req(messages=[{"role": "user", "content": "Go on."}], max_tokens=900,
@@ -246,7 +246,7 @@ def test_subprocess_worker_killed_midstream_recovers(loop, tiny_model):
                 os.kill(pid, signal.SIGKILL)
         assert events[-1].type == "error" and events[-1].data["code"] == "engine_crashed"
         assert eng.state in ("restarting", "ready")
-        await eng.wait_ready(120)
+        await eng.wait_ready(600)
         assert eng.state == "ready" and eng.restarts == 1 and eng.pid != pid
         after = [e async for e in eng.generate(req(messages=[{"role": "user", "content": "Back?"}],
                                                     max_tokens=3, ignore_eos=True))]

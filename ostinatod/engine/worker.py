@@ -25,6 +25,7 @@ import ctypes
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -62,11 +63,95 @@ class GGUFInfo:
     size_bytes: int
 
 
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+               12: "<d"}  # gguf.GGUFValueType -> struct format
+
+
+def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, int]], int]:
+    """Parse a GGUF header: scalar/string metadata (arrays are skipped), and for every tensor
+    ``(name, n_bytes, data offset)``; also the data section start. Uses the ``gguf`` package's type
+    tables; a plain sequential read because ``gguf.GGUFReader`` builds numpy views of every vocabulary
+    entry (tens of seconds of CPU for a 151k-token vocabulary).
+
+    Raises ValueError (with the reason) on a malformed header.
+    """
+    import mmap
+
+    import gguf
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        pos = 0
+
+        def take(fmt: str) -> Any:
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            if pos + n > len(mm):
+                raise ValueError("header ends early")
+            (v,) = struct.unpack_from(fmt, mm, pos)
+            pos += n
+            return v
+
+        def string() -> str:
+            nonlocal pos
+            n = take("<Q")
+            if pos + n > len(mm):
+                raise ValueError("header ends early")
+            v = mm[pos:pos + n].decode("utf-8", errors="replace")
+            pos += n
+            return v
+
+        def value(vtype: int, keep: bool) -> Any:
+            nonlocal pos
+            if vtype == 8:
+                return string()
+            if vtype == 9:
+                etype, count = take("<I"), take("<Q")
+                if etype in _SCALAR_FMT:
+                    pos += struct.calcsize(_SCALAR_FMT[etype]) * count
+                    if pos > len(mm):
+                        raise ValueError("header ends early")
+                else:
+                    for _ in range(count):
+                        value(etype, False)
+                return None
+            if vtype not in _SCALAR_FMT:
+                raise ValueError(f"unknown metadata value type {vtype}")
+            return take(_SCALAR_FMT[vtype])
+
+        if mm[:4] != b"GGUF":
+            raise ValueError("no GGUF magic")
+        pos = 4
+        version = take("<I")
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version}")
+        n_tensors, n_kv = take("<Q"), take("<Q")
+        kv: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = string()
+            kv[key] = value(take("<I"), True)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            n_dims = take("<I")
+            dims = [take("<Q") for _ in range(n_dims)]
+            ttype, offset = take("<I"), take("<Q")
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError):
+                raise ValueError(f"tensor {name} has unknown type {ttype}") from None
+            n_el = 1
+            for d in dims:
+                n_el *= d
+            infos.append((name, n_el // block * type_size, offset))
+        align = int(kv.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT)
+        data_start = (pos + align - 1) // align * align
+    return kv, infos, data_start
+
+
 def inspect_gguf(path: Path) -> GGUFInfo:
     """Validate ``path`` as a complete GGUF file and read its key metadata.
 
-    Raises EngineError("model_not_loaded", status 503) if the file is missing, not a GGUF, or
-    truncated (tensor data extends beyond the end of the file).
+    Raises EngineError("model_not_loaded", status 503) if the file is missing, not a GGUF, damaged,
+    or truncated (tensor data extends beyond the end of the file).
     """
     p = Path(path)
     if not p.is_file():
@@ -77,34 +162,25 @@ def inspect_gguf(path: Path) -> GGUFInfo:
     if magic != b"GGUF":
         raise EngineError("model_not_loaded", f"{p} is not a GGUF file (magic {magic!r})", 503)
     try:
-        import gguf
-        reader = gguf.GGUFReader(str(p), "r")
-    except Exception as e:  # the reader raises ValueError/IndexError/... on damaged headers
-        raise EngineError("model_not_loaded", f"{p} is not a readable GGUF file: {e}", 503) from e
-    end = 0
-    for t in reader.tensors:
-        end = max(end, int(t.data_offset) + int(t.n_bytes))
+        kv, infos, data_start = read_gguf_header(p)
+    except (ValueError, OSError, struct.error) as e:
+        raise EngineError("model_not_loaded", f"{p} is truncated or damaged: not a readable GGUF header "
+                          f"({e})", 503) from e
+    end = max((data_start + off + n for _, n, off in infos), default=data_start)
     if end > size:
         raise EngineError("model_not_loaded", f"{p} is truncated: tensor data needs {end} bytes, the file "
                           f"has {size}", 503)
+    arch = str(kv.get("general.architecture") or "unknown")
 
-    def field_val(key: str, default: Any = None) -> Any:
-        fld = reader.fields.get(key)
-        if fld is None:
-            return default
-        try:
-            return fld.contents()
-        except Exception:
-            return default
+    def num(key: str) -> int:
+        v = kv.get(key)
+        return int(v) if isinstance(v, (int, float)) else 0
 
-    arch = str(field_val("general.architecture", "unknown"))
-    return GGUFInfo(
-        arch=arch, name=str(field_val("general.name", p.stem)),
-        n_layer=int(field_val(f"{arch}.block_count", 0) or 0),
-        n_expert=int(field_val(f"{arch}.expert_count", 0) or 0),
-        n_expert_used=int(field_val(f"{arch}.expert_used_count", 0) or 0),
-        n_ctx_train=int(field_val(f"{arch}.context_length", 0) or 0),
-        is_demo=bool(field_val("ostinato.demo", False)), size_bytes=size)
+    return GGUFInfo(arch=arch, name=str(kv.get("general.name") or p.stem),
+                    n_layer=num(f"{arch}.block_count"), n_expert=num(f"{arch}.expert_count"),
+                    n_expert_used=num(f"{arch}.expert_used_count"),
+                    n_ctx_train=num(f"{arch}.context_length"), is_demo=bool(kv.get("ostinato.demo")),
+                    size_bytes=size)
 
 
 # --------------------------------------------------------------------------------------------------
