@@ -28,8 +28,9 @@ TOOLS = [{"type": "function", "function": {
 
 
 def _settings(**kw) -> Settings:
+    # experts="stock": these tests are about the worker; the expert engine has its own tests
     base = dict(n_ctx=N_CTX, n_slots=2, n_threads=1, n_batch=256, n_ubatch=256, engine_mode="inprocess",
-                log_level="WARNING")
+                log_level="WARNING", experts="stock")
     base.update(kw)
     return Settings(**base)
 
