@@ -315,13 +315,22 @@ class Worker:
         rt = None
         try:
             from . import experts  # owned by the native-engine work; optional
-            rt = experts.ExpertRuntime.prepare(self.model_path, self.settings)
         except ImportError:
-            rt = None
-        except EngineError:
-            raise
-        except Exception as e:
-            raise EngineError("model_not_loaded", f"expert runtime: {e}", 503) from e
+            experts = None
+        if experts is not None:
+            refuse = tuple(c for c in (getattr(experts, "ResidencyError", None),
+                                       getattr(experts, "ExpertEngineError", None)) if c)
+            try:
+                rt = experts.ExpertRuntime.prepare(self.model_path, self.settings)
+            except EngineError:
+                raise
+            except Exception as e:
+                # a wrong residency set, or experts="ostinato" that cannot be honoured, is refused;
+                # any other failure under experts="auto" falls back to stock placement and keeps serving
+                if isinstance(e, refuse) or self.settings.experts != "auto":
+                    raise EngineError("model_not_loaded", f"expert runtime: {e}", 503) from e
+                log.exception("expert runtime failed, serving with stock placement: %s", e)
+                rt = None
         self.rt = rt
 
         mparams = llama_cpp.llama_model_default_params()
