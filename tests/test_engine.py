@@ -255,6 +255,39 @@ def test_subprocess_worker_killed_midstream_recovers(loop, tiny_model):
         assert (await eng.count_tokens(req(messages=[{"role": "user", "content": "Back?"}]))) > 0
         st = await eng.stats()
         assert st["restarts"] == 1 and len(st["slots"]) == 2
+        # a consumer that goes away (client disconnect) stops the generation in the worker process
+        gen = eng.generate(req(messages=[{"role": "user", "content": "Long."}], max_tokens=900, ignore_eos=True))
+        async for e in gen:
+            if e.type == "delta":
+                break
+        await gen.aclose()
+        for _ in range(200):
+            st = await eng.stats()
+            if st.get("requests_cancelled") and st["active"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert st["requests_cancelled"] == 1 and st["active"] == 0
+        assert st["generated_tokens"] < 900 + 3
         await eng.stop()
         assert eng.state == "stopped"
     loop.run_until_complete(go())
+
+
+def test_stop_string_helpers():
+    from ostinatod.engine.worker import _find_stop, _partial_stop_len
+    assert _find_stop("abc</s>def<END>", ["<END>", "</s>"]) == 3
+    assert _find_stop("nothing here", ["<END>"]) is None
+    # a suffix that may still become a stop string is held back from the stream
+    assert _partial_stop_len("hello <EN", ["<END>"]) == 3
+    assert _partial_stop_len("hello <", ["<END>", "<x>"]) == 1
+    assert _partial_stop_len("hello", ["<END>"]) == 0
+
+
+def test_utf8_pieces_split_inside_a_character():
+    from ostinatod.engine.worker import _Utf8Text
+    t = _Utf8Text()
+    data = "héllo → 世界".encode()
+    for i in range(len(data)):
+        t.add(data[i:i + 1])
+        assert "\ufffd" not in t.text  # never a half character in the streamed text
+    assert t.flush() == "héllo → 世界"
