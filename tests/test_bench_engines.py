@@ -44,13 +44,13 @@ def test_engine_metrics_buckets_and_ratios():
 
 
 @pytest.mark.slow
-def test_tiny_bench_end_to_end(tmp_path, monkeypatch, capsys):
+def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
     out = tmp_path / "out"
     argv = ["--shape", "tiny", "--turns", "2", "--sessions", "1", "--dev-sessions", "1",
             "--dev-turns", "2", "--dev-max-gen", "4", "--no-server", "--n-ctx", "16384",
             "--threads", "2", "--out-dir", str(out), "--work-dir", str(tmp_path / "work"),
-            "--name", "tiny", "--sessions-dir", str(SESSIONS)]
+            "--name", "tiny", "--sessions-dir", str(SESSIONS), "--model", str(tiny_model)]
     rc = be.main(argv)
     printed = capsys.readouterr().out
     sys.stdout.write(printed)  # the figures, for the log

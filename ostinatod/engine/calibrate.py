@@ -362,11 +362,12 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
 
     from ..settings import load_settings
     from . import experts
-    from .residency import make_residency, model_block, write_residency
+    from .planner import read_model_shape
+    from .residency import make_residency, write_residency
     from .worker import Worker
 
     say = progress or (lambda s: None)
-    block = model_block(model_path)
+    block = read_model_shape(model_path).model_block()
     if block["n_expert"] <= 0:
         raise CalibrationError(f"{model_path} is a dense model: nothing to calibrate")
     sets = _hot_sets(block, hot_fracs)

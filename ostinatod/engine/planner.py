@@ -101,16 +101,29 @@ def _fingerprint(path: Path) -> str:
     return model_fingerprint(path)
 
 
+_SHAPES: dict[tuple[str, int, int], ModelShape] = {}
+
+
 def read_model_shape(path: Path) -> ModelShape:
     """Read a GGUF's MoE shape and tensor sizes with the ``gguf`` package (no weights are read).
 
-    Raises ValueError for a file that is missing or not a GGUF, or has no architecture key.
+    Cached per (path, size, mtime) in this process: parsing a GGUF's metadata with a 150K-token
+    vocabulary takes seconds. Raises ValueError for a file that is missing or not a GGUF, or has
+    no architecture key.
     """
-    import gguf
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"model file not found: {path}")
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SHAPES:
+        _SHAPES[key] = _read_model_shape(path)
+    return _SHAPES[key]
+
+
+def _read_model_shape(path: Path) -> ModelShape:
+    import gguf
+
     try:
         r = gguf.GGUFReader(str(path))
     except Exception as e:  # gguf raises ValueError/struct errors on foreign or truncated files

@@ -23,6 +23,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,7 +280,7 @@ class TraceRecorder:
         self.flush_interval_s = flush_interval_s
         self._pending: dict[str, Trace] = {}
         self._lock = threading.Lock()
-        self._last_flush = 0.0
+        self._last_flush = time.monotonic()  # first flush after one interval
 
     def path(self, workload: str) -> Path:
         return trace_path(self.model["fingerprint"], workload, self.data_dir)
@@ -287,8 +288,6 @@ class TraceRecorder:
     def record(self, workload: str, stats: dict[str, Any] | None, *, prompt_tokens: int = 0,
                new_tokens: int = 0, generated_tokens: int = 0, n_tools: int = 0) -> None:
         """Add one request. ``stats`` as accepted by :func:`counts_from_stats` (None: sizes only)."""
-        import time
-
         try:
             pre, dec = counts_from_stats(stats or {}, int(self.model["n_layer"]),
                                          int(self.model["n_expert"]))
@@ -318,8 +317,6 @@ class TraceRecorder:
 
     def flush(self) -> None:
         """Merge pending counts into the files now (errors logged, pending kept for a retry)."""
-        import time
-
         with self._lock:
             pending, self._pending = self._pending, {}
             self._last_flush = time.monotonic()

@@ -124,18 +124,17 @@ def select_sessions(a: argparse.Namespace) -> tuple[Path, list[dict], list[dict]
 # development traces (in-process engine) and plan
 # --------------------------------------------------------------------------------------------
 
-def collect_dev_traces(model: Path, dev: list[dict], a: argparse.Namespace, run_dir: Path,
-                       workload: str):
+def collect_dev_traces(model: Path, block: dict[str, Any], dev: list[dict], a: argparse.Namespace,
+                       run_dir: Path, workload: str):
     """Replay ``a.dev_turns`` turns of each dev session through the Ostinato engine in this process
     (all experts cold: an empty residency set) and return the accumulated :class:`Trace`."""
-    from ..engine.residency import make_residency, model_block, write_residency
+    from ..engine.residency import make_residency, write_residency
     from ..engine.traces import Trace
     from ..engine.types import GenRequest
     from ..engine.worker import Worker
     from ..settings import load_settings
     from .sessions import assistant_text
 
-    block = model_block(model)
     empty = write_residency(make_residency(block, {}, workload=workload), run_dir / "residency-empty.json")
     s = load_settings(model=model, experts="ostinato", residency=empty, n_slots=1, n_ctx=a.n_ctx,
                       n_threads=a.threads, engine_mode="inprocess", prefill_threshold=a.prefill_threshold)
@@ -571,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """The whole benchmark; returns the result dict (also written to ``a.out_dir``)."""
-    from ..engine.residency import model_block
+    from ..engine.planner import read_model_shape
 
     if a.layers is None and a.shape == "qwen3-30b-a3b" and not a.model:
         a.layers = 24
@@ -589,7 +588,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     workload = WORKLOAD_OF_FILE.get(Path(a.sessions_file).stem, "coding")
 
     model = prepare_model(a)
-    block = model_block(model)
+    block = read_model_shape(model).model_block()  # parsed once (cached) for the plan as well
     sessions_file, dev, held = select_sessions(a)
     say(f"sessions: dev {[s['id'] for s in dev]}, held-out {[s['id'] for s in held]}")
     # only the held-out sessions go to the replay client: a file with just them
@@ -597,7 +596,7 @@ def run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     held_file.write_text("".join(json.dumps(s) + "\n" for s in held))
 
     say(f"dev traces: {len(dev)} sessions x {a.dev_turns} turns through the Ostinato engine")
-    trace = collect_dev_traces(model, dev, a, run_dir, workload)
+    trace = collect_dev_traces(model, block, dev, a, run_dir, workload)
     res, res_path, stock = plan(model, trace, a, run_dir, workload)
 
     results: dict[str, dict[str, Any]] = {}
