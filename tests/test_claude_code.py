@@ -58,6 +58,11 @@ def test_claude_print_mode_completes(claude_cli, agent_daemon):
                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="32",
                MAX_THINKING_TOKENS="0", DISABLE_AUTOUPDATER="1", API_TIMEOUT_MS="600000",
                CLAUDE_CONFIG_DIR=str(cfg), HOME=str(cfg))
+    # Random weights never emit <|im_end|> by themselves and Claude Code fails a turn that stops at
+    # max_tokens; a header (ANTHROPIC_CUSTOM_HEADERS) biases the end-of-turn token so turns end.
+    from ostinatod.tools.synth import TOKEN_IM_END
+
+    env["ANTHROPIC_CUSTOM_HEADERS"] = "x-ostinato-logit-bias: " + json.dumps({str(TOKEN_IM_END): 12.0})
     env.pop("ANTHROPIC_API_KEY", None)
     workdir = tempfile.mkdtemp(prefix="claude-work-")
     r = subprocess.run([str(exe), "-p", "say hi", "--max-turns", "1"], env=env, cwd=workdir,

@@ -20,6 +20,9 @@ from .errors import ApiError
 from .state import DaemonState
 
 WORKLOAD_HEADER = "x-ostinato-workload"
+# JSON {"token id": bias} merged under the body's logit_bias: for clients that cannot add body fields
+# but can add headers (Claude Code: ANTHROPIC_CUSTOM_HEADERS); tests use it on random-weight models.
+LOGIT_BIAS_HEADER = "x-ostinato-logit-bias"
 WORKLOAD_SEP = "@"  # model alias suffix: "<model>@<workload>"
 DEMO_MODEL_ID = "ostinato-demo-random-weights"
 
@@ -141,6 +144,15 @@ def fill_common(state: DaemonState, request: web.Request, req: GenRequest, reque
     req.model = echoed
     req.client = client
     req.workload = request_workload(state, request, suffix, cw)
+    hdr = request.headers.get(LOGIT_BIAS_HEADER)
+    if hdr:
+        try:
+            extra = json.loads(hdr)
+        except json.JSONDecodeError:
+            raise ApiError(400, "invalid_request", f"{LOGIT_BIAS_HEADER} must be a JSON object") from None
+        body_bias = getattr(req, "logit_bias", None) or {}
+        apply_logit_bias(req, extra)
+        req.logit_bias = {**req.logit_bias, **body_bias}  # type: ignore[attr-defined]
     if req.messages and state.settings.neutralize_volatile:
         neutralize_messages(req.messages)
 
