@@ -92,6 +92,19 @@ def prepare_model(a: argparse.Namespace) -> Path:
     return path
 
 
+def default_sessions_dir() -> Path:
+    """Where the recorded sessions are, on this machine or the GPU machine (see --sessions-dir)."""
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ.get("OSTINATO_SESSIONS_DIR")
+    for d in ([Path(env)] if env else []) + [root / "shared" / "sessions",
+                                             root.parent / "shared" / "sessions",
+                                             root / ".carry" / "sessions", Path("/work/shared/sessions")]:
+        if d.is_dir():
+            return d
+    raise BenchError("recorded sessions not found: pass --sessions-dir (e.g. copy "
+                     "../shared/sessions into .carry/sessions for the GPU machine)")
+
+
 def _assistant_turns(s: dict[str, Any]):
     from .sessions import assistant_turns
 
@@ -105,7 +118,7 @@ def select_sessions(a: argparse.Namespace) -> tuple[Path, list[dict], list[dict]
     """
     from .sessions import split_sessions
 
-    f = Path(a.sessions_dir) / a.sessions_file
+    f = Path(a.sessions_dir or default_sessions_dir()) / a.sessions_file
     if not f.is_file():
         raise BenchError(f"sessions file not found: {f}")
     dev, held = split_sessions(f, held_out_frac=1 / 3, seed=a.seed)
@@ -542,10 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quant", default="q4_0", help="expert quantization of the synthetic model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, help="benchmark this GGUF instead of a synthetic model")
-    ap.add_argument("--sessions-dir", type=Path, default=Path("/work/shared/sessions"))
+    ap.add_argument("--sessions-dir", type=Path, default=None,
+                    help="recorded sessions (default: the first existing of $OSTINATO_SESSIONS_DIR, "
+                         "./shared/sessions, ../shared/sessions, .carry/sessions, /work/shared/sessions)")
     ap.add_argument("--sessions-file", default="swe.jsonl", help="file in --sessions-dir")
-    ap.add_argument("--dev-sessions", type=int, default=4, help="dev sessions replayed for traces")
-    ap.add_argument("--dev-turns", type=int, default=8, help="turns per dev session")
+    ap.add_argument("--dev-sessions", type=int, default=3, help="dev sessions replayed for traces")
+    ap.add_argument("--dev-turns", type=int, default=6, help="turns per dev session")
     ap.add_argument("--dev-max-gen", type=int, default=48, help="generated tokens per dev turn (cap)")
     ap.add_argument("--sessions", type=int, default=2, help="held-out sessions per engine")
     ap.add_argument("--turns", type=int, default=16, help="turns per held-out session")
