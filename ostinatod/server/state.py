@@ -16,6 +16,7 @@ Request record (a plain dict, JSON-serialisable; ``recent`` keeps the last
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -119,7 +120,7 @@ class DaemonState:
         """Status summary (the control API's ``status`` and ``ostinatod status``)."""
         info = dict(self.model_info)
         return {
-            "pid": __import__("os").getpid(),
+            "pid": os.getpid(),
             "started_at": self.started_at,
             "uptime_s": round(time.time() - self.started_at, 1),
             "http_url": self.http_url,
