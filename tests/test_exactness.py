@@ -26,8 +26,8 @@ if not experts.native_available():  # pragma: no cover - stale build
                 allow_module_level=True)
 
 PROMPT_LEN, N_NEW = 24, 8
-# OSTINATO_TEST_GPU=1 (GPU machine only): pool on GPU 0, attention on the GPU, experts in host
-# memory for both runs; hot experts then use CUDA kernels, so logits get a tolerance.
+# OSTINATO_TEST_GPU=1 (GPU machine only): pool and dense layers on GPU 0 (the stock reference stays
+# all on the CPU); hot experts then use CUDA kernels, so logits get a tolerance.
 GPU = os.environ.get("OSTINATO_TEST_GPU") == "1"
 TOL = 0.05 if GPU else 1e-3
 
@@ -35,10 +35,12 @@ TOL = 0.05 if GPU else 1e-3
 ARCHS = ("qwen3moe", "deepseek2")
 
 
-def _moe_layers(path):
-    import gguf
-    r = gguf.GGUFReader(str(path))
-    return sorted({int(t.name.split(".")[1]) for t in r.tensors if t.name.endswith("ffn_down_exps.weight")})
+def _moe_layers(arch, n_layer):
+    """MoE layer ids of a synthetic model (deepseek2 starts with dense layers). Taken from the
+    writer's shape rather than the GGUF: parsing a 150k-token vocabulary takes seconds."""
+    from ostinatod.tools.synth import SHAPES
+    first = SHAPES["tiny"].n_layer_dense_lead if arch == "deepseek2" else 0
+    return list(range(first, n_layer))
 
 
 @pytest.fixture(scope="session", params=ARCHS)
@@ -49,7 +51,8 @@ def moe(request):
     from conftest import CACHE
     CACHE.mkdir(parents=True, exist_ok=True)
     p = synthetic_model(CACHE, arch=request.param, shape="tiny")
-    return p, model_block(p), _moe_layers(p)
+    m = model_block(p)
+    return p, m, _moe_layers(m["arch"], m["n_layer"])
 
 
 def half_hot(moe, seed=1):
@@ -73,11 +76,10 @@ class Runner:
             experts.configure(hot, device=0 if GPU else -1, prefill_threshold=prefill_threshold,
                               force_path=force)
         mp = llama_cpp.llama_model_default_params()
-        mp.n_gpu_layers = 999 if GPU else 0
+        # stock reference: everything in host memory; with a config the patched loader keeps the
+        # routed experts in host memory and (GPU) puts the pool and the dense layers on the GPU
+        mp.n_gpu_layers = 999 if (GPU and hot is not None) else 0
         mp.use_extra_bufts = False  # both runs: same CPU kernels (see ExpertRuntime.adjust_model_params)
-        if GPU:
-            from ostinatod.engine import native
-            mp.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(999)
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         experts.configure(None)
         assert self.model, "model load failed"
@@ -126,6 +128,7 @@ def _prompt(n, seed=3):
 
 @pytest.fixture(scope="session")
 def stock(moe):
+    drop_ost()
     r = Runner(moe[0])
     try:
         assert not experts._fn("ostinato_experts_active")()
@@ -138,18 +141,54 @@ def _stats(with_counts=0):
     return json.loads(experts._fn("ostinato_experts_stats")(with_counts).decode())
 
 
+# One Ostinato-loaded model at a time (the engine is process-global): tests share it and change
+# Np, the forced path and the residency set at run time, which also tests those switches.
+_OST: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_shared_runner():
+    yield
+    drop_ost()
+
+
+def ost_runner(moe):
+    """The shared Ostinato runner of this architecture (half of the experts hot, Np = 512)."""
+    arch = moe[1]["arch"]
+    if arch not in _OST:
+        drop_ost()
+        _OST[arch] = Runner(moe[0], hot=half_hot(moe), prefill_threshold=512)
+    return _OST[arch]
+
+
+def drop_ost():
+    """Free the shared runner (before a test loads a model of its own)."""
+    for r in _OST.values():
+        r.close()
+    _OST.clear()
+
+
+def _switch(hot):
+    cfg = {"hot": {str(k): v for k, v in hot.items()}, "device": 0 if GPU else -1}
+    assert experts._fn("ostinato_experts_switch")(json.dumps(cfg).encode()) == 0
+
+
 @pytest.mark.parametrize("path, np_tokens, force", [
     ("split", 512, "auto"),      # prompt of 24 tokens < Np: split path, then decode
     ("upload", 8, "auto"),       # small Np: the prompt takes the upload path
     ("split-forced", 8, "split"),
 ])
 def test_paths_match_stock(moe, stock, path, np_tokens, force):
-    r = Runner(moe[0], hot=half_hot(moe), prefill_threshold=np_tokens, force=force)
+    r = ost_runner(moe)
+    _switch(half_hot(moe))
+    experts.set_prefill_threshold(np_tokens)
+    experts.force_path(force)
+    experts._fn("ostinato_experts_reset_stats")()
     try:
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
-        r.close()
+        experts.force_path("auto")
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d_prefill = float(np.max(np.abs(logits[0] - ref_logits[0])))
     d_decode = float(np.max(np.abs(logits[1:] - ref_logits[1:])))
@@ -167,20 +206,28 @@ def test_paths_match_stock(moe, stock, path, np_tokens, force):
 def test_all_cold_and_all_hot_match_stock(moe, stock):
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]
-    for hot in ({}, {il: list(range(n)) for il in moe[2]}):
-        r = Runner(moe[0], hot=hot, prefill_threshold=2)
-        try:
+    r = ost_runner(moe)
+    experts.set_prefill_threshold(2)  # the 4-token prompt takes the upload path
+    try:
+        for hot in ({}, {il: list(range(n)) for il in moe[2]}):
+            _switch(hot)
+            experts._fn("ostinato_experts_reset_stats")()
             toks, _ = r.generate(_prompt(4), N_NEW)
             st = _stats()
-        finally:
-            r.close()
-        assert toks == ref_toks
-        assert st["hot_routes"] == (st["routes"] if hot else 0)
+            assert toks == ref_toks
+            assert st["hot_routes"] == (st["routes"] if hot else 0)
+    finally:
+        _switch(half_hot(moe))
+        experts.set_prefill_threshold(512)
 
 
 def test_stats_are_consistent(moe):
     hot = half_hot(moe)
-    r = Runner(moe[0], hot=hot, prefill_threshold=16, all_logits=True)
+    r = ost_runner(moe)
+    _switch(hot)
+    experts.set_prefill_threshold(16)
+    experts._fn("ostinato_experts_reset_stats")()
+    r.all_logits = True
     try:
         experts._fn("ostinato_experts_take_request_stats")()
         r.generate(_prompt(PROMPT_LEN), 3)
@@ -188,7 +235,8 @@ def test_stats_are_consistent(moe):
         req = json.loads(experts._fn("ostinato_experts_take_request_stats")().decode())
         again = json.loads(experts._fn("ostinato_experts_take_request_stats")().decode())
     finally:
-        r.close()
+        r.all_logits = False
+        experts.set_prefill_threshold(512)
     k, L, n_exp = moe[1]["n_expert_used"], len(moe[2]), moe[1]["n_expert"]
     n_tok = PROMPT_LEN + 3
     assert st["tokens"] == n_tok and st["passes"] == 4
@@ -219,6 +267,7 @@ def test_runtime_refuses_other_models_set(moe, tmp_path):
 def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
     """prepare -> load -> attach -> info/stats -> switch, as the engine worker calls it."""
     from ostinatod.settings import Settings
+    drop_ost()
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
     path, info_m, layers = moe
     p = write_residency(make_residency(info_m, half_hot(moe)), tmp_path / "a.json")

@@ -529,6 +529,12 @@ bool ostinato_on_model_loaded(llama_model * model) {
     return true;
 }
 
+bool ostinato_keep_on_host(const char * name) {
+    if (!name || std::strncmp(name, "blk.", 4) != 0 || !std::strstr(name, "_exps.")) return false;
+    std::lock_guard<std::mutex> lock(g_mu);
+    return g_cfg.set;
+}
+
 void ostinato_on_model_free(llama_model * model) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_eng && g_eng->model == model) {

@@ -44,6 +44,9 @@ void ostinato_pass_begin(int64_t n_tokens);
 void ostinato_pass_end(int64_t n_tokens);
 // Returns false (and sets the last error) when the configured residency set cannot be applied.
 bool ostinato_on_model_loaded(llama_model * model);
+// True while a config is set and `name` is a routed-expert tensor (blk.N.ffn_*_exps.*): the loader
+// then keeps it in host memory.
+bool ostinato_keep_on_host(const char * name);
 void ostinato_on_model_free(llama_model * model);
 
 extern "C" {

@@ -15,8 +15,7 @@ still runs (all experts cold, computed from host memory) so that route counts fo
 traces are collected.
 
 The native functions live in libllama (they are called by the patched llama.cpp) and are reached
-through llama-cpp-python's handle of libllama; :mod:`ostinatod.engine.native` (libostinato) is used
-only for the n_cpu_moe tensor overrides on GPU builds.
+through llama-cpp-python's handle of libllama (no dependency on libostinato).
 """
 
 from __future__ import annotations
@@ -192,16 +191,11 @@ class ExpertRuntime:
         """Set fields of ``llama_model_params`` (ctypes struct) before the load.
 
         Turns off the CPU's repacked weight buffers: the CPU branch skips hot routes in ggml-cpu's
-        generic mul_mat_id, which repacked weights bypass.
+        generic mul_mat_id, which repacked weights bypass. (Routed experts are kept in host memory
+        by the patched loader itself while a config is set: no tensor overrides needed.)
         """
         if hasattr(mparams, "use_extra_bufts"):
             mparams.use_extra_bufts = False
-        if self.device >= 0:
-            # GPU build: every layer's expert tensors stay in host memory (the cold experts); the
-            # hot ones are copied into the pool by the patched loader
-            from . import native
-            mparams.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(
-                int(self.model["n_layer"]))
 
     def attach(self, model: Any, ctx: Any) -> None:
         """Check, after the context exists, that the patched loader built the pool. Raises

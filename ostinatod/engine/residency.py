@@ -18,6 +18,7 @@ A set whose fingerprint differs from the loaded model's is refused (:class:`Resi
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
 import os
@@ -45,43 +46,57 @@ def _reader(path: Path):
         raise ResidencyError(f"{path}: not a readable GGUF file ({e})") from e
 
 
-def model_fingerprint(path: Path) -> str:
-    """Hex sha256 identifying a GGUF model independently of its path.
+def _file_key(path: Path) -> tuple[str, int, int]:
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ResidencyError(f"model file not found: {path}") from e
+    return (str(path.resolve()), st.st_mtime_ns, st.st_size)
 
-    Hashes the architecture, ``<arch>.block_count``, ``expert_count``, ``expert_used_count`` and every
-    tensor's name, shape and type (read with the ``gguf`` package; no weights are read), so copies of
-    the same file agree and a re-quantised file differs. Raises ResidencyError for a missing or
-    unreadable file.
-    """
+
+@functools.lru_cache(maxsize=16)
+def _model_block_cached(key: tuple[str, int, int]) -> tuple[tuple[str, Any], ...]:
+    path = Path(key[0])
     r = _reader(path)
     f = r.fields.get("general.architecture")
     if f is None:
         raise ResidencyError(f"{path}: GGUF has no general.architecture")
     arch = f.contents()
+
+    def kv(k: str, default: Any = None) -> Any:
+        fld = r.fields.get(k)
+        return default if fld is None else fld.contents()
+
     h = hashlib.sha256()
-    for key in ("block_count", "expert_count", "expert_used_count"):
-        kf = r.fields.get(f"{arch}.{key}")
-        h.update(f"{key}={kf.contents() if kf else None};".encode())
+    for k in ("block_count", "expert_count", "expert_used_count"):
+        kf = r.fields.get(f"{arch}.{k}")
+        h.update(f"{k}={kf.contents() if kf else None};".encode())
     h.update(f"arch={arch};".encode())
     for t in r.tensors:
         h.update(f"{t.name}:{list(map(int, t.shape))}:{int(t.tensor_type)};".encode())
-    return h.hexdigest()
+    return (("fingerprint", h.hexdigest()), ("name", str(kv("general.name", path.stem))),
+            ("arch", str(arch)), ("n_layer", int(kv(f"{arch}.block_count", 0) or 0)),
+            ("n_expert", int(kv(f"{arch}.expert_count", 0) or 0)),
+            ("n_expert_used", int(kv(f"{arch}.expert_used_count", 0) or 0)))
+
+
+def model_fingerprint(path: Path) -> str:
+    """Hex sha256 identifying a GGUF model independently of its path.
+
+    Hashes the architecture, ``<arch>.block_count``, ``expert_count``, ``expert_used_count`` and every
+    tensor's name, shape and type (read with the ``gguf`` package; no weights are read), so copies of
+    the same file agree and a re-quantised file differs. Cached per (path, mtime, size): parsing a
+    GGUF's 150k-token vocabulary takes seconds. Raises ResidencyError for a missing or unreadable
+    file.
+    """
+    return model_block(path)["fingerprint"]
 
 
 def model_block(path: Path) -> dict[str, Any]:
     """The ``model`` block of residency and trace files for a GGUF:
     ``{"fingerprint", "name", "arch", "n_layer", "n_expert", "n_expert_used"}``. Raises ResidencyError."""
-    r = _reader(path)
-
-    def kv(key: str, default: Any = None) -> Any:
-        f = r.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = str(kv("general.architecture", ""))
-    return {"fingerprint": model_fingerprint(path), "name": str(kv("general.name", Path(path).stem)),
-            "arch": arch, "n_layer": int(kv(f"{arch}.block_count", 0) or 0),
-            "n_expert": int(kv(f"{arch}.expert_count", 0) or 0),
-            "n_expert_used": int(kv(f"{arch}.expert_used_count", 0) or 0)}
+    return dict(_model_block_cached(_file_key(path)))
 
 
 @dataclass
