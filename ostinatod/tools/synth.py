@@ -888,6 +888,56 @@ def router_counts(model_path: str | os.PathLike, token_ids: np.ndarray) -> dict[
     return out
 
 
+def engine_router_counts(model_path: str | os.PathLike, token_ids: np.ndarray, window: int = 2048,
+                         n_threads: int | None = None) -> dict[int, np.ndarray]:
+    """Route counts per MoE layer, {layer: (n_expert,) int64}, as the real engine routes them.
+
+    Runs the model (llama.cpp with Ostinato's native expert engine, all experts cold, CPU) over
+    ``token_ids`` in independent windows of ``window`` tokens (the KV cache is cleared between
+    windows) and reads the engine's per (layer, expert) prefill route counters. Unlike
+    :func:`router_counts` this includes what attention and earlier layers add to the residual
+    stream. Raises SynthError when the native expert engine is not built.
+    """
+    import llama_cpp as L
+
+    from ..engine import experts
+
+    if not experts.native_available():
+        raise SynthError("the native expert engine is not built (ostinato build)")
+    experts.configure({}, device=-1, prefill_threshold=1 << 30)  # all cold: only the counters matter
+    try:
+        L.llama_backend_init()
+        mp = L.llama_model_default_params()
+        mp.use_extra_bufts = False
+        model = L.llama_model_load_from_file(str(model_path).encode(), mp)
+        if not model:
+            raise SynthError(f"llama.cpp could not load {model_path}")
+        try:
+            cp = L.llama_context_default_params()
+            cp.n_ctx = cp.n_batch = cp.n_ubatch = window
+            cp.n_threads = cp.n_threads_batch = n_threads or max(1, (os.cpu_count() or 2))
+            ctx = L.llama_init_from_model(model, cp)
+            if not ctx:
+                raise SynthError("llama.cpp could not create a context")
+            experts._json("ostinato_experts_take_request_stats")  # reset
+            ids = np.asarray(token_ids, dtype=np.int32)
+            mem = L.llama_get_memory(ctx)
+            for i in range(0, len(ids), window):
+                chunk = ids[i:i + window]
+                buf = (L.llama_token * len(chunk))(*chunk.tolist())
+                if L.llama_decode(ctx, L.llama_batch_get_one(buf, len(chunk))) != 0:
+                    raise SynthError("llama_decode failed")
+                L.llama_memory_clear(mem, True)
+            st = experts._json("ostinato_experts_take_request_stats")
+            L.llama_free(ctx)
+        finally:
+            L.llama_model_free(model)
+    finally:
+        experts.configure(None)
+    counts = np.asarray(st["counts_prefill"], dtype=np.int64) + np.asarray(st["counts_decode"], dtype=np.int64)
+    return {il: counts[il] for il in range(counts.shape[0]) if counts[il].sum() > 0}
+
+
 def _session_text(s: dict) -> str:
     parts = []
     for m in s.get("messages", []):
@@ -898,18 +948,22 @@ def _session_text(s: dict) -> str:
 
 
 def routing_report(model_path: str | os.PathLike, session_files: list[str | os.PathLike],
-                   hot_frac: float = 0.44, seed: int = 0, max_chars: int = 2_000_000) -> dict:
+                   hot_frac: float = 0.44, seed: int = 0, max_chars: int = 2_000_000,
+                   engine: bool = False) -> dict:
     """Skew and workload dependence of the synthetic routing on recorded sessions.
 
     Per sessions file: the ``hot_frac`` most-routed experts of each MoE layer on the development
     sessions (``sessions.split_sessions``) and the share of the held-out sessions' routes that they
     receive (the Ostinato paper's Sec. 2 statistic); across files: the Jaccard overlap of their hot
     sets and the share of each file's routes that land on the other file's hot set. Text is capped
-    at ``max_chars`` per side. Returns a JSON-able dict.
+    at ``max_chars`` per side. ``engine``: count routes with the real engine
+    (:func:`engine_router_counts`) instead of the numpy router forward. Returns a JSON-able dict.
     """
     from .sessions import split_sessions
 
-    rep: dict = {"model": str(model_path), "hot_frac": hot_frac, "files": {}}
+    rep: dict = {"model": str(model_path), "hot_frac": hot_frac, "max_chars": max_chars,
+                 "counts_from": "engine" if engine else "numpy router forward", "files": {}}
+    count = engine_router_counts if engine else router_counts
     hot: dict[str, dict[int, set]] = {}
     counts_all: dict[str, dict[int, np.ndarray]] = {}
     for f in session_files:
@@ -919,7 +973,7 @@ def routing_report(model_path: str | os.PathLike, session_files: list[str | os.P
         for side, ss in (("dev", dev), ("held_out", held)):
             text = "\n".join(_session_text(s) for s in ss)[:max_chars]
             ids = tokenize(model_path, text)
-            c[side] = router_counts(model_path, ids)
+            c[side] = count(model_path, ids)
             c[side + "_tokens"] = int(len(ids))
         layers = sorted(c["dev"])
         n_exp = len(c["dev"][layers[0]])
@@ -963,11 +1017,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", metavar="MODEL.gguf", help="instead of writing: print the routing "
                     "skew of an existing synthetic model on --sessions files (JSON)")
     ap.add_argument("--sessions", nargs="+", default=[], help="session JSONL files for --report")
+    ap.add_argument("--engine", action="store_true", help="--report: count routes with the real "
+                    "engine (native expert counters) instead of a numpy forward of the routers")
+    ap.add_argument("--max-chars", type=int, default=2_000_000, help="--report: text per side")
     args = ap.parse_args(argv)
     if args.report:
         if not args.sessions:
             ap.error("--report needs --sessions FILE.jsonl [FILE.jsonl]")
-        print(json.dumps(routing_report(args.report, args.sessions), indent=1))
+        print(json.dumps(routing_report(args.report, args.sessions, max_chars=args.max_chars,
+                                        engine=args.engine), indent=1))
         return 0
     if not args.output:
         ap.error("-o/--output is required")
