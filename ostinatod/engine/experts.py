@@ -200,8 +200,12 @@ class ExpertRuntime:
     def attach(self, model: Any, ctx: Any) -> None:
         """Check, after the context exists, that the patched loader built the pool. Raises
         ExpertEngineError with the native error when it did not."""
-        if not _fn("ostinato_experts_active")():
-            raise ExpertEngineError(f"expert engine not active after load: {_err() or 'unknown'}")
+        # the loader config is consumed: a later load in this process (another model, a
+        # vocab-only load) must not pick it up; Np and the forced path live on
+        active, err = _fn("ostinato_experts_active")(), _err()
+        configure(None)
+        if not active:
+            raise ExpertEngineError(f"expert engine not active after load: {err or 'unknown'}")
         self.attached = True
 
     def info(self) -> dict[str, Any]:
