@@ -174,7 +174,7 @@ class ExpertRuntime:
         if res_path is None:
             from ..paths import get_paths
             wl = workload or getattr(settings, "workload_default", "coding")
-            cand = get_paths().data_dir / "residency" / model["fingerprint"] / f"{wl}.json"
+            cand = get_paths().residency_dir / model["fingerprint"] / f"{wl}.json"
             res_path = cand if cand.exists() else None
         residency = read_residency(Path(res_path), model) if res_path else None
         hot = residency.hot_all() if residency else {}

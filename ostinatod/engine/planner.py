@@ -122,19 +122,16 @@ def read_model_shape(path: Path) -> ModelShape:
 
 
 def _read_model_shape(path: Path) -> ModelShape:
-    import gguf
+    from .gguf_header import read_header
 
     try:
-        r = gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on foreign or truncated files
+        hdr = read_header(path)
+    except (OSError, ValueError) as e:  # foreign or truncated file
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
 
     def kv(key: str, default: Any = None) -> Any:
-        f = r.fields.get(key)
-        if f is None:
-            return default
-        v = f.contents()
-        return v
+        v = hdr.kv.get(key)
+        return default if v is None else v
 
     arch = kv("general.architecture")
     if not arch:
@@ -158,7 +155,7 @@ def _read_model_shape(path: Path) -> ModelShape:
     other = 0
     n_vocab = 0
     n_ff_exp = int(kv(f"{arch}.expert_feed_forward_length", 0) or 0)
-    for t in r.tensors:
+    for t in hdr.tensors:
         m = _EXPS_RE.match(t.name)
         if t.name == "token_embd.weight":
             n_vocab = int(t.shape[-1]) if len(t.shape) > 1 else 0
@@ -166,7 +163,7 @@ def _read_model_shape(path: Path) -> ModelShape:
         if m and n_expert:
             l = int(m.group(1))
             exp_bytes[l] += int(t.n_bytes)
-            classes[l].append(f"{t.name.split('.', 2)[2]}:{t.tensor_type.name}:"
+            classes[l].append(f"{t.name.split('.', 2)[2]}:{t.type_name}:"
                               f"{'x'.join(str(int(s)) for s in t.shape)}")
         elif t.name.startswith("blk."):
             dense[int(t.name.split(".")[1])] += int(t.n_bytes)

@@ -34,18 +34,6 @@ class ResidencyError(ValueError):
     """A residency set that cannot be used: unreadable, malformed, or for another model."""
 
 
-def _reader(path: Path):
-    import gguf
-
-    path = Path(path)
-    if not path.is_file():
-        raise ResidencyError(f"model file not found: {path}")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct.error on foreign or truncated files
-        raise ResidencyError(f"{path}: not a readable GGUF file ({e})") from e
-
-
 def _file_key(path: Path) -> tuple[str, int, int]:
     path = Path(path)
     try:
@@ -57,28 +45,27 @@ def _file_key(path: Path) -> tuple[str, int, int]:
 
 @functools.lru_cache(maxsize=16)
 def _model_block_cached(key: tuple[str, int, int]) -> tuple[tuple[str, Any], ...]:
+    from .gguf_header import read_header
+
     path = Path(key[0])
-    r = _reader(path)
-    f = r.fields.get("general.architecture")
-    if f is None:
+    try:
+        hdr = read_header(path)
+    except (OSError, ValueError) as e:  # foreign, truncated or vanished file
+        raise ResidencyError(f"{path}: not a readable GGUF file ({e})") from e
+    arch = hdr.arch
+    if not arch:
         raise ResidencyError(f"{path}: GGUF has no general.architecture")
-    arch = f.contents()
-
-    def kv(k: str, default: Any = None) -> Any:
-        fld = r.fields.get(k)
-        return default if fld is None else fld.contents()
-
     h = hashlib.sha256()
     for k in ("block_count", "expert_count", "expert_used_count"):
-        kf = r.fields.get(f"{arch}.{k}")
-        h.update(f"{k}={kf.contents() if kf else None};".encode())
+        h.update(f"{k}={hdr.arch_kv(k)};".encode())
     h.update(f"arch={arch};".encode())
-    for t in r.tensors:
-        h.update(f"{t.name}:{list(map(int, t.shape))}:{int(t.tensor_type)};".encode())
-    return (("fingerprint", h.hexdigest()), ("name", str(kv("general.name", path.stem))),
-            ("arch", str(arch)), ("n_layer", int(kv(f"{arch}.block_count", 0) or 0)),
-            ("n_expert", int(kv(f"{arch}.expert_count", 0) or 0)),
-            ("n_expert_used", int(kv(f"{arch}.expert_used_count", 0) or 0)))
+    for t in hdr.tensors:
+        # gguf's reader lists shapes in ggml order, as read_header does
+        h.update(f"{t.name}:{list(t.shape)}:{t.ggml_type};".encode())
+    return (("fingerprint", h.hexdigest()), ("name", str(hdr.kv.get("general.name") or path.stem)),
+            ("arch", arch), ("n_layer", int(hdr.arch_kv("block_count") or 0)),
+            ("n_expert", int(hdr.arch_kv("expert_count") or 0)),
+            ("n_expert_used", int(hdr.arch_kv("expert_used_count") or 0)))
 
 
 def model_fingerprint(path: Path) -> str:
@@ -87,7 +74,7 @@ def model_fingerprint(path: Path) -> str:
     Hashes the architecture, ``<arch>.block_count``, ``expert_count``, ``expert_used_count`` and every
     tensor's name, shape and type (read with the ``gguf`` package; no weights are read), so copies of
     the same file agree and a re-quantised file differs. Cached per (path, mtime, size): parsing a
-    GGUF's 150k-token vocabulary takes seconds. Raises ResidencyError for a missing or unreadable
+    GGUF's 150k-token vocabulary takes seconds even with the fast header reader. Raises ResidencyError for a missing or unreadable
     file.
     """
     return model_block(path)["fingerprint"]

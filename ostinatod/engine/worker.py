@@ -25,7 +25,6 @@ import ctypes
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..settings import Settings
+from .gguf_header import read_header
 from .types import EngineError, EngineEvent, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
@@ -63,90 +63,6 @@ class GGUFInfo:
     size_bytes: int
 
 
-_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-               12: "<d"}  # gguf.GGUFValueType -> struct format
-
-
-def read_gguf_header(path: Path) -> tuple[dict[str, Any], list[tuple[str, int, int]], int]:
-    """Parse a GGUF header: scalar/string metadata (arrays are skipped), and for every tensor
-    ``(name, n_bytes, data offset)``; also the data section start. Uses the ``gguf`` package's type
-    tables; a plain sequential read because ``gguf.GGUFReader`` builds numpy views of every vocabulary
-    entry (tens of seconds of CPU for a 151k-token vocabulary).
-
-    Raises ValueError (with the reason) on a malformed header.
-    """
-    import mmap
-
-    import gguf
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        pos = 0
-
-        def take(fmt: str) -> Any:
-            nonlocal pos
-            n = struct.calcsize(fmt)
-            if pos + n > len(mm):
-                raise ValueError("header ends early")
-            (v,) = struct.unpack_from(fmt, mm, pos)
-            pos += n
-            return v
-
-        def string() -> str:
-            nonlocal pos
-            n = take("<Q")
-            if pos + n > len(mm):
-                raise ValueError("header ends early")
-            v = mm[pos:pos + n].decode("utf-8", errors="replace")
-            pos += n
-            return v
-
-        def value(vtype: int, keep: bool) -> Any:
-            nonlocal pos
-            if vtype == 8:
-                return string()
-            if vtype == 9:
-                etype, count = take("<I"), take("<Q")
-                if etype in _SCALAR_FMT:
-                    pos += struct.calcsize(_SCALAR_FMT[etype]) * count
-                    if pos > len(mm):
-                        raise ValueError("header ends early")
-                else:
-                    for _ in range(count):
-                        value(etype, False)
-                return None
-            if vtype not in _SCALAR_FMT:
-                raise ValueError(f"unknown metadata value type {vtype}")
-            return take(_SCALAR_FMT[vtype])
-
-        if mm[:4] != b"GGUF":
-            raise ValueError("no GGUF magic")
-        pos = 4
-        version = take("<I")
-        if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version}")
-        n_tensors, n_kv = take("<Q"), take("<Q")
-        kv: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = string()
-            kv[key] = value(take("<I"), True)
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            n_dims = take("<I")
-            dims = [take("<Q") for _ in range(n_dims)]
-            ttype, offset = take("<I"), take("<Q")
-            try:
-                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-            except (ValueError, KeyError):
-                raise ValueError(f"tensor {name} has unknown type {ttype}") from None
-            n_el = 1
-            for d in dims:
-                n_el *= d
-            infos.append((name, n_el // block * type_size, offset))
-        align = int(kv.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT)
-        data_start = (pos + align - 1) // align * align
-    return kv, infos, data_start
-
-
 def inspect_gguf(path: Path) -> GGUFInfo:
     """Validate ``path`` as a complete GGUF file and read its key metadata.
 
@@ -162,14 +78,14 @@ def inspect_gguf(path: Path) -> GGUFInfo:
     if magic != b"GGUF":
         raise EngineError("model_not_loaded", f"{p} is not a GGUF file (magic {magic!r})", 503)
     try:
-        kv, infos, data_start = read_gguf_header(p)
-    except (ValueError, OSError, struct.error) as e:
+        hdr = read_header(p)
+    except (ValueError, OSError) as e:
         raise EngineError("model_not_loaded", f"{p} is truncated or damaged: not a readable GGUF header "
                           f"({e})", 503) from e
-    end = max((data_start + off + n for _, n, off in infos), default=data_start)
-    if end > size:
-        raise EngineError("model_not_loaded", f"{p} is truncated: tensor data needs {end} bytes, the file "
-                          f"has {size}", 503)
+    if hdr.data_end > size:
+        raise EngineError("model_not_loaded", f"{p} is truncated: tensor data needs {hdr.data_end} bytes, "
+                          f"the file has {size}", 503)
+    kv = hdr.kv
     arch = str(kv.get("general.architecture") or "unknown")
 
     def num(key: str) -> int:
@@ -280,6 +196,7 @@ class Worker:
         self.vocab = None
         self.templates = None
         self.rt = None  # ExpertRuntime, if the native engine provides one
+        self.traces = None  # TraceRecorder of the expert runtime's per-request route counts
         self.gguf: Optional[GGUFInfo] = None
         self.n_ctx_slot = 0
         self.n_batch = settings.n_batch
@@ -332,6 +249,9 @@ class Worker:
                 log.exception("expert runtime failed, serving with stock placement: %s", e)
                 rt = None
         self.rt = rt
+        if rt is not None:
+            from .traces import TraceRecorder  # routing traces per model and workload (planner input)
+            self.traces = TraceRecorder(rt.model)
 
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = self.settings.n_gpu_layers if self.settings.n_gpu_layers >= 0 else 999
@@ -395,6 +315,9 @@ class Worker:
         if self.templates is not None:
             self.templates.close()
             self.templates = None
+        if self.traces is not None:
+            self.traces.close()
+            self.traces = None
         if self.rt is not None:
             try:
                 self.rt.close()
@@ -833,6 +756,9 @@ class Worker:
                 data["experts"] = self.rt.take_request_stats()
             except Exception as e:
                 data["experts"] = {"error": str(e)}
+            if self.traces is not None:
+                self.traces.record_done(t.req.workload or self.settings.workload_default, data,
+                                        n_tools=len(t.req.tools or []))
         self._release(t)
         with self._lock:
             self._counters["requests_ok"] += 1
