@@ -134,9 +134,10 @@ def tiny_model() -> Path:
 
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / "tiny-qwen3moe.gguf"
-    src = ROOT / "ostinatod" / "tools" / "synth.py"
-    # rewrite when the writer changed since the cached file was made
-    if not path.exists() or path.stat().st_mtime < src.stat().st_mtime:
+    srcs = [ROOT / "ostinatod" / "tools" / n for n in ("synth.py", "chat_template.jinja")]
+    newest = max(p.stat().st_mtime for p in srcs if p.exists())
+    # rewrite when the writer or its chat template changed since the cached file was made
+    if not path.exists() or path.stat().st_mtime < newest:
         write_synthetic_moe(path, arch="qwen3moe", shape="tiny")
     return path
 
