@@ -173,12 +173,15 @@ def start_daemon() -> Iterator:
 
 @pytest.fixture(scope="session")
 def tool_call_bias() -> dict[str, float]:
-    """OpenAI-style logit_bias that starts a ``<tool_call>`` at once on the synthetic model.
+    """OpenAI-style logit_bias that makes the synthetic model open a ``<tool_call>`` quickly.
 
-    llama.cpp's common/chat grammar for tool_choice "required" lets free text precede the first
-    ``<tool_call>`` (a lazy grammar); random weights never end that text, so tests that need a
-    forced tool call bias the trigger token (the grammar then forces a valid name and arguments)."""
+    llama.cpp's common/chat grammar for tool_choice "required" is lazy: free text may precede the
+    trigger ``<tool_call>\n`` and random weights never produce it. Biasing ``<tool_call>`` and ``\n``
+    (sampled with temperature 1, so the two alternate until the trigger appears; EOG is banned until
+    a call is made) starts the call; the grammar then forces a valid name and arguments, and the
+    ``<|im_end|>`` bias ends the turn right after ``</tool_call>``."""
     from ostinatod.tools.synth import ADDED_TOKENS
 
-    (tok,) = [i for i, (name, _) in ADDED_TOKENS.items() if name == "<tool_call>"]
-    return {str(tok): 30.0}
+    (call,) = [i for i, (name, _) in ADDED_TOKENS.items() if name == "<tool_call>"]
+    newline, im_end = 198, 151645  # "\n" and "<|im_end|>" in the qwen2 vocabulary of the synthetic models
+    return {str(call): 30.0, str(newline): 30.0, str(im_end): 50.0}

@@ -72,7 +72,7 @@ def test_chat_stream_with_usage(client, model):
 def test_chat_tool_choice_required_gives_structured_call(client, model, tool_call_bias):
     r = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
-        tool_choice="required", max_tokens=96, temperature=0, logit_bias=tool_call_bias)
+        tool_choice="required", max_tokens=96, temperature=1.0, seed=7, logit_bias=tool_call_bias)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     call = choice.message.tool_calls[0]
@@ -86,7 +86,7 @@ def test_chat_stream_named_tool_call_assembles(client, model, tool_call_bias):
     with client.chat.completions.stream(
             model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
             tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=96,
-            logit_bias=tool_call_bias) as s:
+            temperature=1.0, seed=11, logit_bias=tool_call_bias) as s:
         for _ in s:
             pass
         final = s.get_final_completion()
@@ -151,7 +151,8 @@ def test_responses_stream_function_call_with_history(client, model, tool_call_bi
                {"role": "user", "content": "And in Paris?"}]
     types = []
     with client.responses.stream(model=model, input=history, tools=tools, tool_choice="required",
-                                 max_output_tokens=64) as s:
+                                 max_output_tokens=64, temperature=1.0,
+                                 extra_body={"logit_bias": tool_call_bias}) as s:
         for ev in s:
             types.append(ev.type)
         final = s.get_final_response()
