@@ -456,6 +456,11 @@ ggml_tensor * ostinato_moe_count(ggml_context * ctx, ggml_tensor * selected_expe
 }
 
 ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il, int kind) {
+    // the marker reads one element of the branch output; a view or non-contiguous output (seen on
+    // CUDA for long ubatches) cannot be viewed that way: leave that branch untimed
+    if (after->view_src != nullptr || !ggml_is_contiguous(after) || ggml_nelements(after) == 0) {
+        return after;
+    }
     ggml_tensor * one = ggml_view_1d(ctx, after, 1, 0);
     return ggml_map_custom1(ctx, one, mark_op, 1, (void *) (intptr_t) ((il << 2) | (kind & 3)));
 }
