@@ -123,10 +123,20 @@ def test_prefix_reuse_across_turns_and_side_request(loop, engine):
 
 
 def test_context_overflow_is_structured_error(loop, engine):
-    ev = run(loop, engine, req(messages=[{"role": "user", "content": "hi"}], max_tokens=N_CTX))
+    ev = run(loop, engine, req(messages=[{"role": "user", "content": "word " * (2 * N_CTX)}]))
     assert len(ev) == 1 and ev[0].type == "error"
     assert ev[0].data["code"] == "context_length_exceeded" and ev[0].data["status"] == 400
     assert str(N_CTX) in ev[0].data["message"]
+
+
+def test_max_tokens_beyond_the_context_is_clamped(loop, engine):
+    # a prompt that fits, with an output budget that does not: generate to the end of the context
+    ev = run(loop, engine, req(messages=[{"role": "user", "content": "word " * (N_CTX - 40)}],
+                               max_tokens=32000, ignore_eos=True))
+    done = ev[-1]
+    assert done.type == "done" and done.data["finish_reason"] == "length"
+    u = done.data["usage"]
+    assert u["prompt_tokens"] + u["completion_tokens"] == N_CTX
 
 
 def test_bad_request_is_structured_error(loop, engine):

@@ -486,11 +486,16 @@ class Worker:
             if not t.prompt:
                 raise EngineError("invalid_request", "the prompt is empty")
             n_prompt = len(t.prompt)
-            if n_prompt + req.max_tokens > self.n_ctx_slot:
+            if n_prompt >= self.n_ctx_slot:
                 raise EngineError("context_length_exceeded",
-                                  f"this request needs {n_prompt} prompt tokens + {req.max_tokens} output "
-                                  f"tokens = {n_prompt + req.max_tokens}, more than the context of "
-                                  f"{self.n_ctx_slot} tokens per slot", 400)
+                                  f"the prompt has {n_prompt} tokens; the context holds {self.n_ctx_slot} "
+                                  "tokens per slot (prompt + at least one output token)", 400)
+            if n_prompt + req.max_tokens > self.n_ctx_slot:
+                # agents ask for far more output than they need (Claude Code: 32000): generate up to
+                # the end of the context and finish with "length" rather than refuse the turn
+                log.info("request %s: max_tokens %d clamped to the %d tokens left in the context",
+                         req.id, req.max_tokens, self.n_ctx_slot - n_prompt)
+                req.max_tokens = self.n_ctx_slot - n_prompt
             t.stops = [] if req.ignore_eos else [s for s in (req.stop or []) if s]
             if t.rendered is not None and not req.ignore_eos:
                 t.stops += [s for s in t.rendered.additional_stops if s and s not in t.stops]
