@@ -59,8 +59,6 @@ class Settings(BaseSettings):
                                                            "engine worker in a supervised subprocess "
                                                            "(survives crashes) or in-process.")
     max_tokens_default: int = Field(4096, ge=1, description="Output tokens when a request sets none.")
-    host_cache_mb: int = Field(2048, ge=0, description="Host RAM for saved slot states (prefix KV) "
-                               "of evicted sessions, in MiB.")
 
     # --- experts (Ostinato paths) ---------------------------------------------------------
     experts: Literal["auto", "ostinato", "stock"] = Field("auto", description="'ostinato': resident "
