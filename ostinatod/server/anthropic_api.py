@@ -233,11 +233,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     gen = await Generation.open(state, req, "anthropic")
     try:
         if not b.stream:
-            async for ev in gen.events():
-                if ev.type == "error":
-                    raise ApiError(int(ev.data.get("status") or 502), ev.data.get("code", "engine_error"),
-                                   ev.data.get("message") or "engine error")
-            done = gen.done or {}
+            done = await gen.result()
             blocks = _blocks(done)
             stop = _STOP.get(done.get("finish_reason") or "stop", "end_turn")
             if any(bl["type"] == "tool_use" for bl in blocks):

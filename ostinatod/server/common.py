@@ -254,6 +254,15 @@ class Generation:
         task, self._next_task = self._next_task, None
         return task.result()
 
+    async def result(self) -> dict[str, Any]:
+        """Run to the end (non-streaming responses): the ``done`` data, or ApiError with the
+        engine's status and code when the stream ends in an error."""
+        async for ev in self.events():
+            if ev.type == "error":
+                raise ApiError(int(ev.data.get("status") or 502), ev.data.get("code", "engine_error"),
+                               ev.data.get("message") or "engine error")
+        return self.done or {}
+
     async def events(self, heartbeat: Optional[float] = None) -> AsyncIterator[EngineEvent]:
         """Remaining events; ends after "done" or "error" (a vanished stream becomes an error).
 

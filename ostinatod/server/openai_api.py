@@ -163,11 +163,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     try:
         if not b.stream:
-            async for ev in gen.events():
-                if ev.type == "error":
-                    raise ApiError(int(ev.data.get("status") or 502), ev.data.get("code", "engine_error"),
-                                   ev.data.get("message") or "engine error")
-            done = gen.done or {}
+            done = await gen.result()
             msg = _message(done)
             finish = done.get("finish_reason") or "stop"
             if msg.get("tool_calls"):
@@ -251,11 +247,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     try:
         if not b.stream:
-            async for ev in gen.events():
-                if ev.type == "error":
-                    raise ApiError(int(ev.data.get("status") or 502), ev.data.get("code", "engine_error"),
-                                   ev.data.get("message") or "engine error")
-            done = gen.done or {}
+            done = await gen.result()
             text = (done.get("message") or {}).get("content") or done.get("text") or ""
             u = _usage(gen)
             return web.json_response({

@@ -205,11 +205,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     try:
         if not b.stream:
-            async for ev in gen.events():
-                if ev.type == "error":
-                    raise ApiError(int(ev.data.get("status") or 502), ev.data.get("code", "engine_error"),
-                                   ev.data.get("message") or "engine error")
-            done = gen.done or {}
+            done = await gen.result()
             inc = "max_output_tokens" if done.get("finish_reason") == "length" else None
             return web.json_response(_response_obj(b, req.id, req.model, created,
                                                    "incomplete" if inc else "completed",
