@@ -104,12 +104,34 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-class ChatTemplates:
+class _NativeHandle:
+    """Owner of one libostinato handle ``_h``, freed by the function named ``_free_fn`` on
+    :meth:`close` (idempotent) or, as a fallback, when garbage-collected."""
+
+    _free_fn = ""
+    _h = None
+
+    def close(self) -> None:
+        """Free the native object (idempotent)."""
+        if getattr(self, "_h", None):
+            native.fn(self._free_fn)(self._h)
+            self._h = None
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class ChatTemplates(_NativeHandle):
     """The chat templates of a loaded model (``llama_model *``), via ``ostinato_chat_init``.
 
     ``template_override``: Jinja source replacing the GGUF's template. Raises EngineError
     ("template_error") if the template does not parse, NativeError if the shim is not built.
     """
+
+    _free_fn = "ostinato_chat_free"
 
     def __init__(self, model_ptr: int, template_override: Optional[str] = None):
         self._fn_apply = native.fn("ostinato_chat_apply")
@@ -118,18 +140,6 @@ class ChatTemplates:
             raise EngineError("template_error", native.last_error() or "chat template init failed", 500)
         self._h = h
         self.info = native.take_json(native.fn("ostinato_chat_info")(h))
-
-    def close(self) -> None:
-        """Free the native templates (idempotent)."""
-        if getattr(self, "_h", None):
-            native.fn("ostinato_chat_free")(self._h)
-            self._h = None
-
-    def __del__(self):  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def render(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None,
                tool_choice: Any = None, parallel_tool_calls: bool = True,
@@ -195,13 +205,15 @@ class ParseResult:
     parse_error: Optional[str] = None
 
 
-class ChatParser:
+class ChatParser(_NativeHandle):
     """Incremental parser of one generation (reasoning / content / tool calls).
 
     Feed the whole text generated so far; :meth:`feed` returns the diffs since the last call as
     engine delta dicts. ``final=True`` on the last call: a text that does not match the format
     becomes plain content (``parse_error`` set), never an exception.
     """
+
+    _free_fn = "ostinato_chat_parser_free"
 
     def __init__(self, rendered: Optional[RenderedPrompt], parse_tool_calls: bool = True):
         raw = rendered.raw if rendered is not None else json.dumps({"format": 0})
@@ -214,18 +226,6 @@ class ChatParser:
         self.message: dict[str, Any] = {"role": "assistant", "content": "", "reasoning_content": "",
                                         "tool_calls": []}
         self._sent: set[int] = set()  # tool call indexes whose id/name were emitted
-
-    def close(self) -> None:
-        """Free the native parser (idempotent)."""
-        if getattr(self, "_h", None):
-            native.fn("ostinato_chat_parser_free")(self._h)
-            self._h = None
-
-    def __del__(self):  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def feed(self, text_so_far: str, final: bool = False) -> ParseResult:
         """Parse ``text_so_far``; returns the message and the diffs as engine ``delta`` payloads
