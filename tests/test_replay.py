@@ -93,3 +93,20 @@ def test_replay_records_errors(tmp_path: Path):
     assert rc == 1
     turns = json.loads(out.read_text())["sessions"][0]["turns"]
     assert len(turns) == 2 and all(t["error"] for t in turns)
+
+
+def test_sessions_map_to_daemon_workloads():
+    from ostinatod.tools.sessions import workload_of
+
+    assert workload_of({"workload": "swe"}) == "coding"
+    assert workload_of({"workload": "tau2"}) == "customer-service"
+    assert workload_of({}) == "coding"
+
+
+def test_replay_sends_the_session_workload(live_daemon, tmp_path: Path):
+    """tau2 sessions are replayed as workload customer-service (x-ostinato-workload), which the daemon
+    logs per request; the tau2 prompt exceeds the small live context, which is fine here: the request
+    is still filed under its workload."""
+    replay.main(["--sessions", str(TAU2), "--ids", TAU2_ID, "--max-turns", "1", "--base-url", live_daemon.url,
+                 "--json", str(tmp_path / "r.json"), "--cap-tokens", "2"])
+    assert "workload=customer-service" in live_daemon.log()

@@ -48,11 +48,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..paths import get_paths
+from .sessions import WORKLOAD_OF_SESSION
 
 BUCKETS = ((0, 128, "<128"), (128, 512, "128-511"), (512, 2048, "512-2047"), (2048, 1 << 62, ">=2048"))
 ENGINES = ("ostinato", "stock-layers", "stock-cpu", "llama-server")
 STOCK = ("stock-layers", "stock-cpu", "llama-server")
-WORKLOAD_OF_FILE = {"swe": "coding", "tau2": "customer-service"}
+WORKLOAD_OF_FILE = WORKLOAD_OF_SESSION  # keyed by file stem: swe.jsonl, tau2.jsonl
 _T0 = time.monotonic()
 
 

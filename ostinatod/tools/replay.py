@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .sessions import SessionError, Turn, assistant_text, assistant_turns, load_sessions
+from .sessions import SessionError, Turn, assistant_text, assistant_turns, load_sessions, workload_of
 
 REPLAY_FORMAT = "ostinato-replay/1"
 
@@ -381,12 +381,13 @@ def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "ope
         for s in sessions:
             turns = assistant_turns(s)[: max_turns if max_turns is not None else None]
             rec: dict[str, Any] = {"id": s["id"], "workload": s.get("workload"), "turns": []}
+            scl = cl.with_options(default_headers={"x-ostinato-workload": workload_of(s)})
             for t in turns:
                 n, src = counter.count(assistant_text(t.target))
                 res = TurnResult(t.index, t.message_index, t.after, min(n, cap_tokens) if cap_tokens else n, src,
                                  target_tokens=n)
                 try:
-                    one(cl, model, s, t, res)
+                    one(scl, model, s, t, res)
                     if res.ttft_s is None:
                         res.error = "no token streamed"
                 except Exception as e:  # noqa: BLE001 - recorded per turn, never dropped

@@ -20,6 +20,16 @@ class SessionError(ValueError):
     """A sessions file is missing or malformed (the message names the file and line)."""
 
 
+
+# Workload of a recorded session (its "workload" field) as the daemon names it: the replay sends it
+# in the x-ostinato-workload header so that traces and residency sets are kept per workload.
+WORKLOAD_OF_SESSION = {"swe": "coding", "tau2": "customer-service"}
+
+
+def workload_of(session: dict) -> str:
+    """The daemon workload of a recorded session ("coding" for unknown kinds)."""
+    return WORKLOAD_OF_SESSION.get(str(session.get("workload")), "coding")
+
 def load_sessions(path: str | Path) -> list[dict[str, Any]]:
     """Sessions of a JSON Lines file, in file order.
 
