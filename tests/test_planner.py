@@ -10,7 +10,6 @@ import itertools
 import json
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 
@@ -155,32 +154,10 @@ def test_plan_refuses_foreign_traces_and_missing_budget():
         plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0)])
 
 
-def _write_tiny_moe(path: Path, n_layer=3, n_expert=8, k=2, n_embd=32, n_ff=16):
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_name("planner-test")
-    w.add_block_count(n_layer)
-    w.add_embedding_length(n_embd)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_expert_count(n_expert)
-    w.add_expert_used_count(k)
-    w.add_expert_feed_forward_length(n_ff)
-    rng = np.random.default_rng(0)
-    w.add_tensor("token_embd.weight", rng.random((100, n_embd), dtype=np.float32))
-    w.add_tensor("output.weight", rng.random((100, n_embd), dtype=np.float32))
-    for l in range(n_layer):
-        w.add_tensor(f"blk.{l}.attn_q.weight", rng.random((n_embd, n_embd), dtype=np.float32))
-        w.add_tensor(f"blk.{l}.ffn_gate_inp.weight", rng.random((n_expert, n_embd), dtype=np.float32))
-        for n in ("gate", "up"):
-            w.add_tensor(f"blk.{l}.ffn_{n}_exps.weight",
-                         rng.random((n_expert, n_ff, n_embd), dtype=np.float32).astype(np.float16))
-        w.add_tensor(f"blk.{l}.ffn_down_exps.weight",
-                     rng.random((n_expert, n_embd, n_ff), dtype=np.float32).astype(np.float16))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+def _write_tiny_moe(path: Path) -> Path:
+    from test_control import write_moe_gguf  # the one metadata-only MoE GGUF writer of the tests
+
+    return write_moe_gguf(path, n_layer=3, n_expert=8, k=2, n_embd=32, n_ff=16)
 
 
 def test_read_model_shape(tmp_path):
