@@ -32,30 +32,35 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def _usage() -> str:
-    lines = ["usage: ostinato COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<10} {h}" for name, (_, _, h) in COMMANDS.items()]
-    return "\n".join(lines)
+def dispatch(prog: str, commands: dict[str, tuple[str, str, str]], argv: list[str] | None) -> int:
+    """Run ``commands[argv[0]]`` (module, function, help) with the remaining arguments.
 
-
-def main(argv: list[str] | None = None) -> int:
+    Prints the command list for no argument or -h; returns 2 for an unknown or unavailable command.
+    Shared by ``ostinato`` and its command groups (``ostinato bench``).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "\n".join([f"usage: {prog} COMMAND [ARGS...]", "", "commands:"] +
+                       [f"  {name:<10} {h}" for name, (_, _, h) in commands.items()])
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
+        print(usage)
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"ostinato: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+    if name not in commands:
+        print(f"{prog}: unknown command {name!r}\n\n{usage}", file=sys.stderr)
         return 2
-    mod_name, fn_name, _ = COMMANDS[name]
+    mod_name, fn_name, _ = commands[name]
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         if e.name and (mod_name == e.name or mod_name.startswith(e.name + ".")):
-            print(f"ostinato: command {name!r} is not available in this build", file=sys.stderr)
+            print(f"{prog}: command {name!r} is not available in this build", file=sys.stderr)
             return 2
         raise
     return int(getattr(mod, fn_name)(rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return dispatch("ostinato", COMMANDS, argv)
 
 
 if __name__ == "__main__":
