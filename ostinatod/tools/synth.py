@@ -502,6 +502,19 @@ def _experts(cx: _Ctx, name: str, shape: tuple[int, ...], std: float) -> Callabl
     return make
 
 
+def _routed_experts(cx: "_Ctx", p: str, E: int, F: int, d: int) -> list:
+    """The routed-expert tensors gate, down, up of one layer (prefix ``p``), in file order."""
+    return [_T(p + "ffn_gate_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_gate_exps", (E, F, d), d ** -0.5)),
+            _T(p + "ffn_down_exps.weight", (E, d, F), cx.qexp, _experts(cx, p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F))),
+            _T(p + "ffn_up_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_up_exps", (E, F, d), d ** -0.5))]
+
+
+def _output_tensors(cx: "_Ctx", d: int, qm) -> list:
+    """Final norm and output projection."""
+    return [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T("output.weight", (cx.n_vocab, d), qm, _gauss(cx, "output", (cx.n_vocab, d), 3.0 / math.sqrt(d), qm))]
+
+
 def _plan_qwen3moe(cx: _Ctx) -> list[_T]:
     s = cx.shape
     d, hd, E, F = s.n_embd, s.head_dim, s.n_expert, s.n_ff_exp
@@ -520,12 +533,9 @@ def _plan_qwen3moe(cx: _Ctx) -> list[_T]:
             _T(p + "attn_k_norm.weight", (hd,), QT.F32, _ones((hd,))),
             _T(p + "ffn_norm.weight", (d,), QT.F32, _ones((d,))),
             _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
-            _T(p + "ffn_gate_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_gate_exps", (E, F, d), d ** -0.5)),
-            _T(p + "ffn_down_exps.weight", (E, d, F), cx.qexp, _experts(cx, p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F))),
-            _T(p + "ffn_up_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_up_exps", (E, F, d), d ** -0.5)),
+            *_routed_experts(cx, p, E, F, d),
         ]
-    ts += [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
-           _T("output.weight", (cx.n_vocab, d), qm, _gauss(cx, "output", (cx.n_vocab, d), 3.0 / math.sqrt(d), qm))]
+    ts += _output_tensors(cx, d, qm)
     return ts
 
 
@@ -589,15 +599,12 @@ def _plan_deepseek2(cx: _Ctx) -> list[_T]:
         ts += [
             _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
             _T(p + "exp_probs_b.bias", (E,), QT.F32, (lambda il=il: _probs_bias(cx, il))),
-            _T(p + "ffn_gate_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_gate_exps", (E, F, d), d ** -0.5)),
-            _T(p + "ffn_down_exps.weight", (E, d, F), cx.qexp, _experts(cx, p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F))),
-            _T(p + "ffn_up_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_up_exps", (E, F, d), d ** -0.5)),
+            *_routed_experts(cx, p, E, F, d),
             _T(p + "ffn_gate_shexp.weight", (F * S, d), cx.qexp, _experts(cx, p + "ffn_gate_shexp", (F * S, d), d ** -0.5)),
             _T(p + "ffn_down_shexp.weight", (d, F * S), cx.qexp, _experts(cx, p + "ffn_down_shexp", (d, F * S), 2 * cx.out_std(F * S))),
             _T(p + "ffn_up_shexp.weight", (F * S, d), cx.qexp, _experts(cx, p + "ffn_up_shexp", (F * S, d), d ** -0.5)),
         ]
-    ts += [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
-           _T("output.weight", (cx.n_vocab, d), qm, _gauss(cx, "output", (cx.n_vocab, d), 3.0 / math.sqrt(d), qm))]
+    ts += _output_tensors(cx, d, qm)
     return ts
 
 
@@ -653,6 +660,7 @@ def _plan_gpt_oss(cx: _Ctx) -> list[_T]:
     ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
     for il in range(s.n_layer):
         p = f"blk.{il}."
+        gate_e, down_e, up_e = _routed_experts(cx, p, E, F, d)
         ts += [
             _T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))),
             _T(p + "attn_q.weight", (s.n_head * hd, d), qm, _gauss(cx, p + "attn_q", (s.n_head * hd, d), d ** -0.5, qm)),
@@ -668,15 +676,14 @@ def _plan_gpt_oss(cx: _Ctx) -> list[_T]:
             _T(p + "post_attention_norm.weight", (d,), QT.F32, _ones((d,))),
             _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
             bias(p + "ffn_gate_inp", (E,), 0.05),
-            _T(p + "ffn_gate_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_gate_exps", (E, F, d), d ** -0.5)),
+            gate_e,
             bias(p + "ffn_gate_exps", (E, F), 0.02),
-            _T(p + "ffn_down_exps.weight", (E, d, F), cx.qexp, _experts(cx, p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F))),
+            down_e,
             bias(p + "ffn_down_exps", (E, d), 0.002),
-            _T(p + "ffn_up_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_up_exps", (E, F, d), d ** -0.5)),
+            up_e,
             bias(p + "ffn_up_exps", (E, F), 0.02),
         ]
-    ts += [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
-           _T("output.weight", (cx.n_vocab, d), qm, _gauss(cx, "output", (cx.n_vocab, d), 3.0 / math.sqrt(d), qm))]
+    ts += _output_tensors(cx, d, qm)
     return ts
 
 
