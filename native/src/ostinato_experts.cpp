@@ -3,10 +3,16 @@
 // At model load (ostinato_on_model_loaded, called by the patched loader) the hot experts named by the
 // configured residency set are copied into one expert pool per device, one set of pool tensors
 // [.., .., n_slots + k] per size class (same types and shapes of up/gate/down), the last k slots
-// all-zero (zero slots). Per MoE layer two I32 index tables map each expert to its pool slot (hot) or
-// a zero slot (cold) for the GPU branch, and to itself (cold) or -1 (hot) for the CPU branch. The
-// patched build_moe_ffn runs both branches over the same selected experts and sums them, which is
-// exact because every position is computed by exactly one branch and is exactly zero in the other.
+// all-zero (zero slots). Per MoE layer an index table maps each expert to its pool slot (hot) or to
+// the CPU (cold). The route op applies it after the router: GPU-branch ids (hot -> slot, cold -> a
+// zero slot) and CPU-branch ids (cold -> expert, hot -> -1, skipped). The patched build_moe_ffn runs
+// both branches over the same selected experts and sums them, which is exact because every position
+// is computed by exactly one branch and is exactly zero in the other.
+//
+// Scheduling (ggml_backend_sched runs splits in graph order, a GPU split asynchronously): the route
+// op's split brings the ids and the hidden states to the host; then the GPU branch is launched and
+// the CPU branch, whose inputs are all on the host already, runs while it computes (decode overlap);
+// the sum waits for both. The only GPU syncs per layer are the route op's and the sum's.
 
 #include "ostinato_experts.h"
 
@@ -56,19 +62,21 @@ struct size_class_t {
 
 struct pass_t {
     int64_t tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
-    double cpu_ms = 0, gpu_ms = 0, total_ms = 0;
+    double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
+    bool gpu_timed = false;
     std::string path;
 };
 
 struct totals_t {
     int64_t passes = 0, tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
-    double cpu_ms = 0, gpu_ms = 0, total_ms = 0;
+    double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
     std::map<std::string, int64_t> paths;
     std::vector<int64_t> counts_prefill, counts_decode;   // [n_layer * n_expert]
     void add(const pass_t & p) {
         passes++; tokens += p.tokens; routes += p.routes; hot += p.hot; cold += p.cold;
         distinct_cold += p.distinct_cold; upload_bytes += p.upload_bytes;
-        cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; total_ms += p.total_ms; paths[p.path]++;
+        cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; upload_ms += p.upload_ms; total_ms += p.total_ms;
+        paths[p.path]++;
     }
 };
 
@@ -80,10 +88,13 @@ struct engine_t {
     std::vector<std::vector<uint8_t>> hot;     // [layer][expert]
     std::vector<int64_t> expert_bytes;         // per layer: bytes of one expert (up+gate+down)
     std::vector<int> layer_nstage;             // per layer: staging slots of its size class
+    std::vector<std::vector<int32_t>> slot;    // [layer][expert]: pool slot (hot) or -1 (cold)
     std::vector<size_class_t> classes;
-    ggml_context * ctx_pool = nullptr, * ctx_cpu = nullptr;
-    ggml_backend_buffer_t buf_pool = nullptr, buf_cpu = nullptr;
+    ggml_context * ctx_pool = nullptr;
+    ggml_backend_buffer_t buf_pool = nullptr;
+    ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
     std::string pool_device = "CPU";
+    std::string host_buffer = "";             // buffer type holding the cold experts (e.g. CUDA_Host = pinned)
     int64_t pool_bytes = 0, n_hot = 0;
     std::vector<std::string> notes;
 
@@ -105,6 +116,7 @@ engine_t * g_eng = nullptr;
 std::string g_err;
 std::string g_out_info, g_out_stats, g_out_req;
 bool g_graph_dirty = false;   // set by a residency switch: cached graphs reference the old pool
+bool g_timing = false;        // timing mode: GPU branches get a synchronising marker
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -113,10 +125,9 @@ int64_t now_us() {
 
 void free_engine(engine_t * e) {
     if (!e) return;
+    if (e->upload_backend) ggml_backend_free(e->upload_backend);
     if (e->buf_pool) ggml_backend_buffer_free(e->buf_pool);
-    if (e->buf_cpu)  ggml_backend_buffer_free(e->buf_cpu);
     if (e->ctx_pool) ggml_free(e->ctx_pool);
-    if (e->ctx_cpu)  ggml_free(e->ctx_cpu);
     delete e;
 }
 
@@ -145,7 +156,8 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
     j["hot_routes"] = t.hot; j["cold_routes"] = t.cold;
     j["hot_route_share"] = t.routes ? double(t.hot) / double(t.routes) : 0.0;
     j["distinct_cold_experts"] = t.distinct_cold; j["upload_bytes"] = t.upload_bytes;
-    j["cpu_branch_ms"] = t.cpu_ms; j["gpu_branch_ms"] = t.gpu_ms; j["total_ms"] = t.total_ms;
+    j["cpu_branch_ms"] = t.cpu_ms; j["gpu_branch_ms"] = t.gpu_ms; j["upload_ms"] = t.upload_ms;
+    j["total_ms"] = t.total_ms;
     j["paths"] = json::object();
     for (const char * p : {"decode", "split", "upload"}) j["paths"][p] = 0;
     for (auto & kv : t.paths) j["paths"][kv.first] = kv.second;
@@ -167,97 +179,116 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
 json pass_json(const pass_t & p) {
     return json{{"tokens", p.tokens}, {"routes", p.routes}, {"hot_routes", p.hot},
                 {"cold_routes", p.cold}, {"distinct_cold_experts", p.distinct_cold}, {"path", p.path},
-                {"cpu_branch_ms", p.cpu_ms}, {"gpu_branch_ms", p.gpu_ms},
-                {"upload_bytes", p.upload_bytes}, {"total_ms", p.total_ms}};
+                {"cpu_branch_ms", p.cpu_ms}, {"gpu_branch_ms", p.gpu_ms}, {"gpu_timed", p.gpu_timed},
+                {"upload_bytes", p.upload_bytes}, {"upload_ms", p.upload_ms}, {"total_ms", p.total_ms}};
 }
 
-// Custom CPU op: copies selected_experts [k, n_tokens] (possibly a strided view) to a contiguous
-// tensor and counts the layer's routes into the current pass (n_tasks = 1: no locking per route).
-void count_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud) {
+// Route op (custom CPU op, n_tasks = 1): reads selected_experts [k, n_tokens] (possibly a strided
+// view), counts the routes into the current pass and writes the two planes of ids (see the header).
+void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) return;
+    const ggml_tensor * a = dst->src[0];
     const int il = (int) (intptr_t) ud;
     const int64_t k = a->ne[0], n = a->ne[1];
-    int32_t * out = (int32_t *) dst->data;
-    for (int64_t t = 0; t < n; ++t) {
-        for (int64_t j = 0; j < k; ++j) {
-            out[t * k + j] = *(const int32_t *) ((const char *) a->data + t * a->nb[1] + j * a->nb[0]);
-        }
-    }
+    int32_t * g = (int32_t *) dst->data;
+    int32_t * c = g + k * n;
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
-    if (!e || il < 0 || il >= e->n_layer) return;
+    const bool ok = e && il >= 0 && il < e->n_layer;
+    const bool split = ok && e->layers[il].has_hot;
+    const int zero0 = split ? (int) (e->layers[il].down_pool->ne[2] - e->k) : 0;
     const bool decode = n == 1;
-    auto & counts = decode ? e->total.counts_decode : e->total.counts_prefill;
-    auto & rcounts = decode ? e->request.counts_decode : e->request.counts_prefill;
-    for (int64_t i = 0; i < n * k; ++i) {
-        const int x = out[i];
-        if (x < 0 || x >= e->n_expert) continue;
-        const size_t idx = (size_t) il * e->n_expert + x;
-        counts[idx]++; rcounts[idx]++;
-        e->cur.routes++;
-        if (e->hot[il][x]) {
-            e->cur.hot++;
-        } else {
-            e->cur.cold++;
-            if (!e->cold_seen[idx]) { e->cold_seen[idx] = 1; e->cur.distinct_cold++; }
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t x = *(const int32_t *) ((const char *) a->data + t * a->nb[1] + j * a->nb[0]);
+            const int64_t i = t * k + j;
+            if (!ok || x < 0 || x >= e->n_expert) { g[i] = x; c[i] = x; continue; }
+            const size_t idx = (size_t) il * e->n_expert + x;
+            (decode ? e->total.counts_decode : e->total.counts_prefill)[idx]++;
+            (decode ? e->request.counts_decode : e->request.counts_prefill)[idx]++;
+            e->cur.routes++;
+            const int32_t s = e->slot[il][x];
+            if (s >= 0) {
+                e->cur.hot++;
+                g[i] = s; c[i] = -1;
+            } else {
+                e->cur.cold++;
+                if (!e->cold_seen[idx]) { e->cold_seen[idx] = 1; e->cur.distinct_cold++; }
+                g[i] = split ? zero0 + (int32_t) j : x;   // a zero slot per position: exact zeros
+                c[i] = x;
+            }
         }
     }
-    e->mark_us[il] = now_us();
+    if (ok) e->mark_us[il] = now_us();
 }
 
-// Custom CPU op of the upload path (Section 3.3): for layer il, copies each distinct cold expert of
-// the pass once from host memory into the staging buffer and writes the staging ids: cold -> its
-// staging slot, hot -> a zero slot (the hot route is computed from the pool). n_tasks = 1.
-void upload_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud) {
+// Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
+// cold expert of the pass once from host memory into the staging buffer (ascending expert ids into
+// ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the engine's
+// own stream, joined once at the end) and writes the staging ids: cold -> its staging slot, hot -> a
+// zero slot (the hot route is computed from the pool).
+void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) return;
+    const ggml_tensor * route = dst->src[0];
     const int il = (int) (intptr_t) ud;
-    const int64_t n = ggml_nelements(a);
-    const int32_t * in = (const int32_t *) a->data;
+    const int64_t k = route->ne[0], n = route->ne[1];
+    const int32_t * c = (const int32_t *) route->data + k * n;   // plane 1: cold -> expert, hot -> -1
     int32_t * out = (int32_t *) dst->data;
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
     if (!e || il < 0 || il >= e->n_layer || !e->layers[il].up_stage) {
-        for (int64_t i = 0; i < n; ++i) out[i] = 0;
+        for (int64_t i = 0; i < k * n; ++i) out[i] = 0;
         return;
     }
+    const int64_t t0 = now_us();
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
     const int n_stage = e->layer_nstage[il];
-    std::vector<int> slot(e->n_expert, -1);
+    std::vector<int32_t> slot(e->n_expert, -1);
+    for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) slot[c[i]] = 1;   // seen
     int used = 0;
-    auto put = [&](const ggml_tensor * src, ggml_tensor * st, int x, int s) {
+    for (int x = 0; x < e->n_expert; ++x) if (slot[x] == 1) slot[x] = -2 - used++;   // ascending slots
+    for (int x = 0; x < e->n_expert; ++x) slot[x] = slot[x] <= -2 ? -2 - slot[x] : -1;
+    GGML_ASSERT(used <= n_stage);
+    auto put = [&](const ggml_tensor * src, ggml_tensor * st, int x0, int s0, int m) {
         const size_t nb = src->nb[2];
+        const size_t sz = (size_t) m * nb;
         if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
-            ggml_backend_tensor_set(st, (const char *) src->data + (size_t) x * nb, (size_t) s * nb, nb);
+            const char * p = (const char *) src->data + (size_t) x0 * nb;
+            if (e->upload_backend) ggml_backend_tensor_set_async(e->upload_backend, st, p, (size_t) s0 * nb, sz);
+            else                   ggml_backend_tensor_set(st, p, (size_t) s0 * nb, sz);
         } else {
-            std::vector<uint8_t> tmp(nb);
-            ggml_backend_tensor_get(src, tmp.data(), (size_t) x * nb, nb);
-            ggml_backend_tensor_set(st, tmp.data(), (size_t) s * nb, nb);
+            std::vector<uint8_t> tmp(sz);
+            ggml_backend_tensor_get(src, tmp.data(), (size_t) x0 * nb, sz);
+            ggml_backend_tensor_set(st, tmp.data(), (size_t) s0 * nb, sz);
         }
-        e->cur.upload_bytes += (int64_t) nb;
+        e->cur.upload_bytes += (int64_t) sz;
     };
-    for (int64_t i = 0; i < n; ++i) {
-        const int x = in[i];
-        if (x < 0 || x >= e->n_expert || e->hot[il][x]) {
-            out[i] = n_stage + (x < 0 ? 0 : x % e->k);   // zero slot
-            continue;
-        }
-        if (slot[x] < 0) {
-            GGML_ASSERT(used < n_stage);
-            slot[x] = used++;
-            put(L.ffn_up_exps, ol.up_stage, x, slot[x]);
-            if (ol.gate_stage) put(L.ffn_gate_exps, ol.gate_stage, x, slot[x]);
-            put(L.ffn_down_exps, ol.down_stage, x, slot[x]);
-        }
-        out[i] = slot[x];
+    for (int x = 0; x < e->n_expert;) {
+        if (slot[x] < 0) { ++x; continue; }
+        int m = 1;
+        while (x + m < e->n_expert && slot[x + m] >= 0) ++m;   // consecutive experts, consecutive slots
+        put(L.ffn_up_exps, ol.up_stage, x, slot[x], m);
+        if (ol.gate_stage) put(L.ffn_gate_exps, ol.gate_stage, x, slot[x], m);
+        put(L.ffn_down_exps, ol.down_stage, x, slot[x], m);
+        x += m;
     }
+    for (int64_t i = 0; i < k * n; ++i) {
+        const int32_t x = c[i];
+        out[i] = (x >= 0 && x < e->n_expert) ? slot[x] : n_stage + (int32_t) (i % k);   // hot: zero slot
+    }
+    if (e->upload_backend) ggml_backend_synchronize(e->upload_backend);
+    e->cur.upload_ms += (now_us() - t0) / 1000.0;
+    e->mark_us[il] = now_us();
 }
 
-// Custom CPU op used as a timestamp after a branch: kind 1 = GPU branch, 2 = CPU branch.
-void mark_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * ud) {
-    (void) a; (void) nth;
+// Custom CPU op used as a timestamp after a branch: kind 1 = GPU branch, 2 = CPU branch, 3 = upload
+// branch. The time since the layer's previous marker (route op, upload op or GPU marker) is added to
+// the branch's total.
+void mark_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
     if (ith != 0) return;
     std::memset(dst->data, 0, ggml_nbytes(dst));
     const intptr_t v = (intptr_t) ud;
@@ -267,7 +298,12 @@ void mark_op(ggml_tensor * dst, const ggml_tensor * a, int ith, int nth, void * 
     if (!e || il < 0 || il >= e->n_layer) return;
     const int64_t t = now_us();
     const double ms = (t - e->mark_us[il]) / 1000.0;
-    if (kind == 2) e->cur.cpu_ms += ms; else e->cur.gpu_ms += ms;   // 3: upload branch runs on the GPU
+    if (kind == 2) {
+        e->cur.cpu_ms += ms;
+    } else {
+        e->cur.gpu_ms += ms;
+        e->cur.gpu_timed = true;
+    }
     e->mark_us[il] = t;
 }
 
@@ -338,15 +374,20 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         e->layers[il].has_hot = true;
     }
 
+    for (int il = 0; il < e->n_layer; ++il) {
+        const auto & L = model->layers[il];
+        if (L.ffn_down_exps && L.ffn_down_exps->buffer) {
+            e->host_buffer = ggml_backend_buffer_name(L.ffn_down_exps->buffer);
+            break;
+        }
+    }
     ggml_backend_dev_t dev = pool_device(cfg.device);
     if (!dev) { err = "no backend device for the expert pool"; free_engine(e); return false; }
     e->pool_device = ggml_backend_dev_name(dev);
-    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
 
-    const size_t n_tensors = 6 * e->classes.size() + 2 * e->n_layer + 1;
+    const size_t n_tensors = 6 * e->classes.size() + 1;
     ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
     e->ctx_pool = ggml_init(ip);
-    e->ctx_cpu = ggml_init(ip);
     for (auto & c : e->classes) {
         const int64_t n_slots = (int64_t) c.members.size() + e->k;   // + k zero slots
         c.up = ggml_new_tensor_3d(e->ctx_pool, c.t_up, c.up0, c.up1, n_slots);
@@ -365,27 +406,24 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         l.up_pool = c.up; l.gate_pool = c.gate; l.down_pool = c.down;
         l.up_stage = c.s_up; l.gate_stage = c.s_gate; l.down_stage = c.s_down;
         e->layer_nstage[il] = c.n_stage;
-        // both index tables live in host memory: the router's ids are on the host already (the
-        // route-count op runs there), and ggml's CUDA get_rows has no I32 kernel
-        l.map_gpu = ggml_new_tensor_2d(e->ctx_cpu, GGML_TYPE_I32, 1, e->n_expert);
-        l.map_cpu = ggml_new_tensor_2d(e->ctx_cpu, GGML_TYPE_I32, 1, e->n_expert);
-        ggml_format_name(l.map_gpu, "ostinato_map_gpu-%d", il);
-        ggml_format_name(l.map_cpu, "ostinato_map_cpu-%d", il);
     }
     if (!e->classes.empty()) {
         e->buf_pool = ggml_backend_alloc_ctx_tensors_from_buft(e->ctx_pool, ggml_backend_dev_buffer_type(dev));
-        e->buf_cpu = ggml_backend_alloc_ctx_tensors_from_buft(e->ctx_cpu, ggml_backend_dev_buffer_type(cpu));
-        if (!e->buf_pool || !e->buf_cpu) {
+        if (!e->buf_pool) {
             err = std::string("cannot allocate the expert pool on ") + e->pool_device;
             free_engine(e);
             return false;
         }
         ggml_backend_buffer_set_usage(e->buf_pool, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        ggml_backend_buffer_set_usage(e->buf_cpu, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_buffer_clear(e->buf_pool, 0);   // zero slots (and any padding) are all-zero
         e->pool_bytes = (int64_t) ggml_backend_buffer_get_size(e->buf_pool);
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            // a stream of our own for the upload path's copies (joined at the end of each upload op)
+            e->upload_backend = ggml_backend_dev_init(dev, nullptr);
+        }
     }
-    // copy hot experts into their slots; fill the index tables
+    // copy hot experts into their slots; fill the index table
+    e->slot.assign(e->n_layer, std::vector<int32_t>(e->n_expert, -1));
     std::vector<uint8_t> tmp;
     auto copy_expert = [&](ggml_tensor * src, ggml_tensor * dst, int x, int slot) {
         const size_t nb = src->nb[2];
@@ -395,26 +433,14 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * nb, nb);
     };
     for (auto & c : e->classes) {
-        std::map<std::pair<int, int>, int> slot_of;
         for (size_t s = 0; s < c.members.size(); ++s) {
             const auto [il, x] = c.members[s];
             const auto & L = model->layers[il];
             copy_expert(L.ffn_up_exps, c.up, x, (int) s);
             if (c.has_gate) copy_expert(L.ffn_gate_exps, c.gate, x, (int) s);
             copy_expert(L.ffn_down_exps, c.down, x, (int) s);
-            slot_of[{il, x}] = (int) s;
+            e->slot[il][x] = (int32_t) s;
             e->n_hot++;
-        }
-        const int zero0 = (int) c.members.size();
-        for (int il = 0; il < e->n_layer; ++il) {
-            if (!e->layers[il].has_hot || e->layers[il].up_pool != c.up) continue;
-            std::vector<int32_t> mg(e->n_expert), mc(e->n_expert);
-            for (int x = 0; x < e->n_expert; ++x) {
-                if (e->hot[il][x]) { mg[x] = slot_of[{il, x}]; mc[x] = -1; }
-                else               { mg[x] = zero0 + x % e->k; mc[x] = x; }
-            }
-            ggml_backend_tensor_set(e->layers[il].map_gpu, mg.data(), 0, mg.size() * sizeof(int32_t));
-            ggml_backend_tensor_set(e->layers[il].map_cpu, mc.data(), 0, mc.size() * sizeof(int32_t));
         }
     }
     const size_t nle = (size_t) e->n_layer * e->n_expert;
@@ -451,22 +477,40 @@ const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps) {
     return &g_eng->layers[it->second];
 }
 
-ggml_tensor * ostinato_moe_count(ggml_context * ctx, ggml_tensor * selected_experts, int il) {
-    return ggml_map_custom1(ctx, selected_experts, count_op, 1, (void *) (intptr_t) il);
+ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il) {
+    ggml_tensor * args[2] = { selected_experts, cur };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 2, 1,
+                                     args, cur ? 2 : 1, route_op, 1, (void *) (intptr_t) il);
+    ggml_format_name(t, "ostinato_route-%d", il);
+    return t;
 }
 
 ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il, int kind) {
-    // the marker reads one element of the branch output; a view or non-contiguous output (seen on
-    // CUDA for long ubatches) cannot be viewed that way: leave that branch untimed
-    if (after->view_src != nullptr || !ggml_is_contiguous(after) || ggml_nelements(after) == 0) {
-        return after;
+    // a GPU-resident branch output is read through a one-element view (a 4-byte copy); outputs that
+    // cannot be viewed that way are left untimed
+    ggml_tensor * src = after;
+    if (kind != 2) {
+        if (after->view_src != nullptr || !ggml_is_contiguous(after) || ggml_nelements(after) == 0) {
+            return after;
+        }
+        src = ggml_view_1d(ctx, after, 1, 0);
     }
-    ggml_tensor * one = ggml_view_1d(ctx, after, 1, 0);
-    return ggml_map_custom1(ctx, one, mark_op, 1, (void *) (intptr_t) ((il << 2) | (kind & 3)));
+    ggml_tensor * args[1] = { src };
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 1, mark_op, 1,
+                          (void *) (intptr_t) ((il << 2) | (kind & 3)));
 }
 
-ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * sel, int il) {
-    return ggml_map_custom1(ctx, sel, upload_op, 1, (void *) (intptr_t) il);
+ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il) {
+    ggml_tensor * args[1] = { route };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], 1, 1, args, 1,
+                                     upload_op, 1, (void *) (intptr_t) il);
+    ggml_format_name(t, "ostinato_upload-%d", il);
+    return t;
+}
+
+int ostinato_moe_timing(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return g_timing ? 1 : 0;
 }
 
 int ostinato_moe_upload_path(int64_t n_tokens) {
@@ -528,9 +572,10 @@ bool ostinato_on_model_loaded(llama_model * model) {
         LLAMA_LOG_ERROR("ostinato: %s\n", err.c_str());
         return false;
     }
-    LLAMA_LOG_INFO("ostinato: expert pool on %s: %lld hot experts, %zu size classes, %.1f MiB, %.1f ms\n",
+    LLAMA_LOG_INFO("ostinato: expert pool on %s: %lld hot experts, %zu size classes, %.1f MiB, %.1f ms; "
+                   "cold experts in %s\n",
                    g_eng->pool_device.c_str(), (long long) g_eng->n_hot, g_eng->classes.size(),
-                   g_eng->pool_bytes / 1048576.0, (now_us() - t0) / 1000.0);
+                   g_eng->pool_bytes / 1048576.0, (now_us() - t0) / 1000.0, g_eng->host_buffer.c_str());
     return true;
 }
 
@@ -626,16 +671,25 @@ int ostinato_experts_force_path(const char * p) {
     return 0;
 }
 
+int ostinato_experts_set_timing(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_timing != (on != 0)) g_graph_dirty = true;   // the markers are part of the graph
+    g_timing = on != 0;
+    return 0;
+}
+
 const char * ostinato_experts_info(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     json j;
     j["active"] = g_eng != nullptr;
     j["prefill_threshold"] = g_np;
     j["force_path"] = g_force == FORCE_AUTO ? "auto" : g_force == FORCE_SPLIT ? "split" : "upload";
+    j["timing"] = g_timing;
     if (g_eng) {
         const engine_t & e = *g_eng;
         j["pool_device"] = e.pool_device;
         j["pool_bytes"] = e.pool_bytes;
+        j["host_buffer"] = e.host_buffer;
         j["hot_experts"] = e.n_hot;
         j["n_layer"] = e.n_layer; j["n_expert"] = e.n_expert; j["n_expert_used"] = e.k;
         json cls = json::array();

@@ -21,21 +21,26 @@ struct ostinato_moe_layer {
     ggml_tensor * up_stage   = nullptr;      // upload path: staging of the size class, [.., .., n_stage + k]
     ggml_tensor * gate_stage = nullptr;
     ggml_tensor * down_stage = nullptr;
-    ggml_tensor * map_gpu   = nullptr;       // I32 [1, n_expert]: expert -> pool slot or zero slot
-    ggml_tensor * map_cpu   = nullptr;       // I32 [1, n_expert]: expert -> expert id (cold) or -1 (hot)
 };
 
 // Hooks used by the patched llama.cpp (C++ linkage, inside libllama).
 // Returns the layer entry when the engine is active for the model owning down_exps, else nullptr.
 const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps);
-// Counts the routes of layer il (custom CPU op over selected_experts [k, n_tokens]); returns a copy
-// of selected_experts that the branches must consume (orders the op before them).
-ggml_tensor * ostinato_moe_count(ggml_context * ctx, ggml_tensor * selected_experts, int il);
-// Upload path: custom CPU op over the counted ids [k, n_tokens] that copies each distinct cold expert
-// of layer il once into the staging buffer and returns staging ids (hot positions -> zero slots).
-ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * sel, int il);
-// Timing marker after a branch (kind 1: GPU branch done, 2: CPU branch done, 3: upload branch done); returns the node.
+// Route op of layer il: custom CPU op over selected_experts [k, n_tokens] that counts the routes and
+// applies the index tables. Returns I32 [k, n_tokens, 2]: plane 0 the GPU-branch ids (hot -> pool
+// slot, cold -> zero slot; for a layer without hot experts: the expert ids), plane 1 the CPU-branch
+// ids (cold -> expert id, hot -> -1). `cur` (may be null) is taken as a second source only so that
+// the hidden states reach the host in the same scheduler split as the ids: the CPU branch then
+// starts without waiting for the GPU branch (decode overlap, DESIGN.md item 5).
+ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il);
+// Upload path: custom CPU op over the route op's output that copies each distinct cold expert of
+// layer il once into the staging buffer and returns staging ids [k, n_tokens] (hot -> zero slot).
+ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il);
+// Timing marker after a branch (kind 1: GPU branch, 2: CPU branch, 3: upload branch); a node to
+// expand into the graph. Kind 1 and 3 read GPU memory (a sync point): only used in timing mode.
 ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il, int kind);
+// 1 while timing mode is on (calibration): GPU branches get a (synchronising) timing marker.
+int  ostinato_moe_timing(void);
 // 1 when a forward pass of n_tokens takes the upload path, else 0 (split path / decode).
 int  ostinato_moe_upload_path(int64_t n_tokens);
 // False once after a residency switch: the context must rebuild its cached graph.
@@ -67,6 +72,8 @@ OSTINATO_API const char * ostinato_experts_last_error(void);
 // Np (tokens) and forced path ("auto", "split", "upload") at run time; 0 on success.
 OSTINATO_API int          ostinato_experts_set_threshold(int64_t np);
 OSTINATO_API int          ostinato_experts_force_path(const char * path);
+// Timing mode (1/0): GPU-branch times per pass at the cost of one sync per layer (calibration).
+OSTINATO_API int          ostinato_experts_set_timing(int on);
 // Stats as JSON; the returned string stays valid until the next call of the same function.
 OSTINATO_API const char * ostinato_experts_info(void);
 OSTINATO_API const char * ostinato_experts_stats(int with_counts);

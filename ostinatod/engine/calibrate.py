@@ -412,6 +412,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
         def toks(n: int) -> list[int]:
             return [int(x) for x in rng.integers(100, max(101, n_vocab - 300), size=n)]
 
+        w.rt.set_timing(True)   # GPU-branch times (one sync per layer; off again when serving)
         rows: list[tuple[int, int, int, float]] = []
         gpu_ms: list[float] = []
         prefill: list[PrefillPoint] = []
@@ -459,6 +460,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
                     say(f"calibration: prefill on the {path_name} path: sizes {list(prefill_sizes)}")
                 w.rt.force_path("auto")
         finally:
+            w.rt.set_timing(False)
             llama_cpp.llama_batch_free(batch)
         exp_bytes = info.get("expert_bytes")
         if isinstance(exp_bytes, list):

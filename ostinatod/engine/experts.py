@@ -42,6 +42,7 @@ _SIGS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_last_error": ([], _C),
     "ostinato_experts_set_threshold": ([ctypes.c_int64], ctypes.c_int),
     "ostinato_experts_force_path": ([_C], ctypes.c_int),
+    "ostinato_experts_set_timing": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -118,6 +119,13 @@ def force_path(path: str) -> None:
     """Force prefill passes onto one path: "split", "upload", or "auto" (by Np). Raises ValueError."""
     if _fn("ostinato_experts_force_path")(path.encode()) != 0:
         raise ValueError(f"path must be auto, split or upload, got {path!r}")
+
+
+def set_timing(on: bool) -> None:
+    """Timing mode: GPU-branch times per forward pass (``gpu_branch_ms``, ``gpu_timed``) at the cost
+    of one GPU sync per MoE layer. Off while serving (the branches then overlap); on for calibration.
+    CPU-branch and upload times are measured in both modes."""
+    _fn("ostinato_experts_set_timing")(1 if on else 0)
 
 
 def _default_np(settings: Any) -> int:
@@ -234,6 +242,10 @@ class ExpertRuntime:
         """Force "split" or "upload" for prefill passes, or "auto"."""
         force_path(path)
         self.forced = path
+
+    def set_timing(self, on: bool) -> None:
+        """See :func:`set_timing`."""
+        set_timing(on)
 
     def switch(self, residency_path: Path) -> float:
         """Swap the residency set at a request boundary (no forward pass may be running).
