@@ -26,6 +26,10 @@ from typing import Iterator, Optional
 
 import pytest
 
+# before any test module imports llama_cpp: ostinatod.engine puts libstdc++ into the global symbol
+# scope first (a CUDA build's model load crashes otherwise; see ostinatod/engine/__init__.py)
+import ostinatod.engine  # noqa: E402,F401
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("OSTINATO_TEST_CACHE", Path.home() / ".cache" / "ostinato-test"))
 

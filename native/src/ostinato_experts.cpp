@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -52,8 +53,7 @@ struct size_class_t {
     bool has_gate;
     std::vector<std::pair<int, int>> members;   // (layer, expert) in slot order
     int n_stage = 0;                            // max cold experts of one layer of the class
-    ggml_tensor * up = nullptr, * gate = nullptr, * down = nullptr;
-    ggml_tensor * s_up = nullptr, * s_gate = nullptr, * s_down = nullptr;
+    ggml_tensor * up = nullptr, * gate = nullptr, * down = nullptr;   // [.., .., slots + k + n_stage]
     bool operator==(const size_class_t & o) const {
         return t_up == o.t_up && t_gate == o.t_gate && t_down == o.t_down && up0 == o.up0 &&
                up1 == o.up1 && down0 == o.down0 && down1 == o.down1 && has_gate == o.has_gate;
@@ -108,7 +108,20 @@ struct engine_t {
     std::deque<pass_t> last;
 };
 
+// Cold experts in pageable memory (mmap-ed weights) are pinned with cudaHostRegister through the
+// CUDA backend's "ggml_backend_register_host_buffer" (DESIGN.md item 1): the upload path's copies then
+// run at the pinned H2D bandwidth. Per model, once; unregistered when the model is freed.
+struct pinned_t {
+    const llama_model * model = nullptr;
+    ggml_backend_reg_t reg = nullptr;
+    std::vector<void *> ptrs;
+    int64_t bytes = 0;
+    bool already_pinned = false;   // the loader put the experts in a pinned (CUDA_Host) buffer
+    std::string note;
+};
+
 std::mutex g_mu;
+pinned_t g_pin;
 config_t   g_cfg;                 // loader config: consumed by the next model load
 int64_t    g_np = 512;            // run-time: prefill threshold Np and forced path (kept across loads)
 int        g_force = FORCE_AUTO;
@@ -197,7 +210,7 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     engine_t * e = g_eng;
     const bool ok = e && il >= 0 && il < e->n_layer;
     const bool split = ok && e->layers[il].has_hot;
-    const int zero0 = split ? (int) (e->layers[il].down_pool->ne[2] - e->k) : 0;
+    const int zero0 = split ? e->layers[il].zero0 : 0;
     const bool decode = n == 1;
     for (int64_t t = 0; t < n; ++t) {
         for (int64_t j = 0; j < k; ++j) {
@@ -224,45 +237,44 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
 }
 
 // Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
-// cold expert of the pass once from host memory into the staging buffer (ascending expert ids into
-// ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the engine's
-// own stream, joined once at the end) and writes the staging ids: cold -> its staging slot, hot -> a
-// zero slot (the hot route is computed from the pool).
+// cold expert of the pass once from host memory into the staging slots of the pool (ascending expert
+// ids into ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the
+// engine's own stream, joined once at the end) and writes pool ids: hot -> its slot, cold -> its
+// staging slot. Hot experts are never uploaded.
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) return;
     const ggml_tensor * route = dst->src[0];
     const int il = (int) (intptr_t) ud;
     const int64_t k = route->ne[0], n = route->ne[1];
-    const int32_t * c = (const int32_t *) route->data + k * n;   // plane 1: cold -> expert, hot -> -1
+    const int32_t * g = (const int32_t *) route->data;   // plane 0: hot -> slot
+    const int32_t * c = g + k * n;                        // plane 1: cold -> expert, hot -> -1
     int32_t * out = (int32_t *) dst->data;
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
-    if (!e || il < 0 || il >= e->n_layer || !e->layers[il].up_stage) {
-        for (int64_t i = 0; i < k * n; ++i) out[i] = 0;
+    if (!e || il < 0 || il >= e->n_layer || !e->layers[il].has_hot) {
+        for (int64_t i = 0; i < k * n; ++i) out[i] = g[i];
         return;
     }
     const int64_t t0 = now_us();
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
-    const int n_stage = e->layer_nstage[il];
     std::vector<int32_t> slot(e->n_expert, -1);
     for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) slot[c[i]] = 1;   // seen
     int used = 0;
-    for (int x = 0; x < e->n_expert; ++x) if (slot[x] == 1) slot[x] = -2 - used++;   // ascending slots
-    for (int x = 0; x < e->n_expert; ++x) slot[x] = slot[x] <= -2 ? -2 - slot[x] : -1;
-    GGML_ASSERT(used <= n_stage);
-    auto put = [&](const ggml_tensor * src, ggml_tensor * st, int x0, int s0, int m) {
+    for (int x = 0; x < e->n_expert; ++x) slot[x] = slot[x] == 1 ? ol.stage0 + used++ : -1;
+    GGML_ASSERT(ol.stage0 + used <= ol.down_pool->ne[2]);
+    auto put = [&](const ggml_tensor * src, ggml_tensor * pool, int x0, int s0, int m) {
         const size_t nb = src->nb[2];
         const size_t sz = (size_t) m * nb;
         if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
             const char * p = (const char *) src->data + (size_t) x0 * nb;
-            if (e->upload_backend) ggml_backend_tensor_set_async(e->upload_backend, st, p, (size_t) s0 * nb, sz);
-            else                   ggml_backend_tensor_set(st, p, (size_t) s0 * nb, sz);
+            if (e->upload_backend) ggml_backend_tensor_set_async(e->upload_backend, pool, p, (size_t) s0 * nb, sz);
+            else                   ggml_backend_tensor_set(pool, p, (size_t) s0 * nb, sz);
         } else {
             std::vector<uint8_t> tmp(sz);
             ggml_backend_tensor_get(src, tmp.data(), (size_t) x0 * nb, sz);
-            ggml_backend_tensor_set(st, tmp.data(), (size_t) s0 * nb, sz);
+            ggml_backend_tensor_set(pool, tmp.data(), (size_t) s0 * nb, sz);
         }
         e->cur.upload_bytes += (int64_t) sz;
     };
@@ -270,14 +282,14 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         if (slot[x] < 0) { ++x; continue; }
         int m = 1;
         while (x + m < e->n_expert && slot[x + m] >= 0) ++m;   // consecutive experts, consecutive slots
-        put(L.ffn_up_exps, ol.up_stage, x, slot[x], m);
-        if (ol.gate_stage) put(L.ffn_gate_exps, ol.gate_stage, x, slot[x], m);
-        put(L.ffn_down_exps, ol.down_stage, x, slot[x], m);
+        put(L.ffn_up_exps, ol.up_pool, x, slot[x], m);
+        if (ol.gate_pool) put(L.ffn_gate_exps, ol.gate_pool, x, slot[x], m);
+        put(L.ffn_down_exps, ol.down_pool, x, slot[x], m);
         x += m;
     }
     for (int64_t i = 0; i < k * n; ++i) {
         const int32_t x = c[i];
-        out[i] = (x >= 0 && x < e->n_expert) ? slot[x] : n_stage + (int32_t) (i % k);   // hot: zero slot
+        out[i] = (x >= 0 && x < e->n_expert) ? slot[x] : g[i];
     }
     if (e->upload_backend) ggml_backend_synchronize(e->upload_backend);
     e->cur.upload_ms += (now_us() - t0) / 1000.0;
@@ -305,6 +317,69 @@ void mark_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         e->cur.gpu_timed = true;
     }
     e->mark_us[il] = t;
+}
+
+void unpin(pinned_t & p) {
+    if (p.reg && !p.ptrs.empty()) {
+        auto fn = (void (*)(void *)) ggml_backend_reg_get_proc_address(p.reg, "ggml_backend_unregister_host_buffer");
+        const bool had_env = std::getenv("GGML_CUDA_REGISTER_HOST") != nullptr;   // see pin_experts
+        if (!had_env) setenv("GGML_CUDA_REGISTER_HOST", "1", 1);
+        if (fn) for (void * q : p.ptrs) fn(q);
+        if (!had_env) unsetenv("GGML_CUDA_REGISTER_HOST");
+    }
+    p = pinned_t();
+}
+
+// Pins the routed-expert tensors of `model` (all of them: a residency switch changes which are cold).
+// Ranges are page-aligned and merged within one buffer (gaps under 64 MiB are pinned too) to keep
+// the calls few.
+void pin_experts(llama_model * model, ggml_backend_dev_t dev) {
+    if (g_pin.model == model) return;
+    unpin(g_pin);
+    g_pin.model = model;
+    if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) return;
+    struct range_t { const void * buf; uintptr_t a, b; };
+    std::vector<range_t> r;
+    for (const auto & L : model->layers) {
+        for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps}) {
+            if (!t || !t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data) continue;
+            if (std::strstr(ggml_backend_buffer_name(t->buffer), "CUDA_Host")) { g_pin.already_pinned = true; continue; }
+            r.push_back({t->buffer, (uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t)});
+        }
+    }
+    if (r.empty()) return;
+    const uintptr_t page = 4096, gap = 64u << 20;
+    std::sort(r.begin(), r.end(), [](const range_t & x, const range_t & y) {
+        return x.buf != y.buf ? x.buf < y.buf : x.a < y.a;
+    });
+    std::vector<std::pair<uintptr_t, uintptr_t>> m;
+    const void * last_buf = nullptr;
+    for (auto [buf, a, b] : r) {
+        a &= ~(page - 1); b = (b + page - 1) & ~(page - 1);
+        if (!m.empty() && buf == last_buf && a <= m.back().second + gap) m.back().second = std::max(m.back().second, b);
+        else m.push_back({a, b});
+        last_buf = buf;
+    }
+    g_pin.reg = ggml_backend_dev_backend_reg(dev);
+    auto fn = (bool (*)(void *, size_t)) ggml_backend_reg_get_proc_address(g_pin.reg, "ggml_backend_register_host_buffer");
+    if (!fn) { g_pin.note = "the GPU backend cannot pin host memory: cold experts stay pageable"; return; }
+    // ggml's CUDA backend registers only when GGML_CUDA_REGISTER_HOST is set
+    const bool had_env = std::getenv("GGML_CUDA_REGISTER_HOST") != nullptr;
+    if (!had_env) setenv("GGML_CUDA_REGISTER_HOST", "1", 1);
+    const int64_t t0 = now_us();
+    int64_t failed = 0;
+    for (auto [a, b] : m) {
+        if (fn((void *) a, b - a)) { g_pin.ptrs.push_back((void *) a); g_pin.bytes += (int64_t) (b - a); }
+        else failed += (int64_t) (b - a);
+    }
+    if (!had_env) unsetenv("GGML_CUDA_REGISTER_HOST");
+    if (failed) {
+        g_pin.note = "pinning " + std::to_string(failed >> 20) + " MiB of cold experts failed (cudaHostRegister): "
+                     "those stay pageable and upload slower";
+        LLAMA_LOG_WARN("ostinato: %s\n", g_pin.note.c_str());
+    }
+    LLAMA_LOG_INFO("ostinato: pinned %.1f MiB of host experts in %zu ranges, %.1f ms\n", g_pin.bytes / 1048576.0,
+                   g_pin.ptrs.size(), (now_us() - t0) / 1000.0);
 }
 
 bool build_engine(llama_model * model, const config_t & cfg, std::string & err) {
@@ -384,27 +459,25 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     ggml_backend_dev_t dev = pool_device(cfg.device);
     if (!dev) { err = "no backend device for the expert pool"; free_engine(e); return false; }
     e->pool_device = ggml_backend_dev_name(dev);
+    pin_experts(model, dev);
 
-    const size_t n_tensors = 6 * e->classes.size() + 1;
+    const size_t n_tensors = 3 * e->classes.size() + 1;
     ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
     e->ctx_pool = ggml_init(ip);
     for (auto & c : e->classes) {
-        const int64_t n_slots = (int64_t) c.members.size() + e->k;   // + k zero slots
+        // hot slots, k zero slots, then the upload path's staging slots (preallocated here)
+        const int64_t n_slots = (int64_t) c.members.size() + e->k + c.n_stage;
         c.up = ggml_new_tensor_3d(e->ctx_pool, c.t_up, c.up0, c.up1, n_slots);
         if (c.has_gate) c.gate = ggml_new_tensor_3d(e->ctx_pool, c.t_gate, c.up0, c.up1, n_slots);
         c.down = ggml_new_tensor_3d(e->ctx_pool, c.t_down, c.down0, c.down1, n_slots);
-        // staging buffer of the upload path, preallocated here: n_stage slots + k zero slots
-        const int64_t n_st = (int64_t) c.n_stage + e->k;
-        c.s_up = ggml_new_tensor_3d(e->ctx_pool, c.t_up, c.up0, c.up1, n_st);
-        if (c.has_gate) c.s_gate = ggml_new_tensor_3d(e->ctx_pool, c.t_gate, c.up0, c.up1, n_st);
-        c.s_down = ggml_new_tensor_3d(e->ctx_pool, c.t_down, c.down0, c.down1, n_st);
     }
     for (int il = 0; il < e->n_layer; ++il) {
         if (!e->layers[il].has_hot) continue;
         auto & l = e->layers[il];
         auto & c = e->classes[layer_class[il]];
         l.up_pool = c.up; l.gate_pool = c.gate; l.down_pool = c.down;
-        l.up_stage = c.s_up; l.gate_stage = c.s_gate; l.down_stage = c.s_down;
+        l.zero0 = (int) c.members.size();
+        l.stage0 = l.zero0 + e->k;
         e->layer_nstage[il] = c.n_stage;
     }
     if (!e->classes.empty()) {
@@ -591,6 +664,7 @@ void ostinato_on_model_free(llama_model * model) {
         free_engine(g_eng);
         g_eng = nullptr;
     }
+    if (g_pin.model == model) unpin(g_pin);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -690,6 +764,9 @@ const char * ostinato_experts_info(void) {
         j["pool_device"] = e.pool_device;
         j["pool_bytes"] = e.pool_bytes;
         j["host_buffer"] = e.host_buffer;
+        j["host_pinned"] = g_pin.model == e.model && (g_pin.already_pinned || g_pin.bytes > 0);
+        j["pinned_bytes"] = g_pin.model == e.model ? g_pin.bytes : 0;
+        if (g_pin.model == e.model && !g_pin.note.empty()) j["pin_note"] = g_pin.note;
         j["hot_experts"] = e.n_hot;
         j["n_layer"] = e.n_layer; j["n_expert"] = e.n_expert; j["n_expert_used"] = e.k;
         json cls = json::array();

@@ -15,12 +15,13 @@ struct ggml_cgraph;
 struct ostinato_moe_layer {
     int il = -1;
     bool has_hot = false;                    // false: layer computed by the stock code (all cold)
-    ggml_tensor * up_pool   = nullptr;       // pool of the layer's size class, [.., .., n_slots + k]
+    // pool of the layer's size class, [.., .., n_slots + k + n_stage]: hot experts, k zero slots, then
+    // the upload path's staging slots (so that an upload-path pass is one mul_mat_id per matrix)
+    ggml_tensor * up_pool   = nullptr;
     ggml_tensor * gate_pool = nullptr;
     ggml_tensor * down_pool = nullptr;
-    ggml_tensor * up_stage   = nullptr;      // upload path: staging of the size class, [.., .., n_stage + k]
-    ggml_tensor * gate_stage = nullptr;
-    ggml_tensor * down_stage = nullptr;
+    int zero0  = 0;                          // first zero slot
+    int stage0 = 0;                          // first staging slot
 };
 
 // Hooks used by the patched llama.cpp (C++ linkage, inside libllama).
@@ -34,7 +35,8 @@ const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps);
 // starts without waiting for the GPU branch (decode overlap, DESIGN.md item 5).
 ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il);
 // Upload path: custom CPU op over the route op's output that copies each distinct cold expert of
-// layer il once into the staging buffer and returns staging ids [k, n_tokens] (hot -> zero slot).
+// layer il once into the staging slots of the pool and returns pool ids [k, n_tokens] (hot -> its
+// slot, cold -> its staging slot): the whole layer then runs on the GPU in one branch.
 ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il);
 // Timing marker after a branch (kind 1: GPU branch, 2: CPU branch, 3: upload branch); a node to
 // expand into the graph. Kind 1 and 3 read GPU memory (a sync point): only used in timing mode.
