@@ -58,6 +58,7 @@ if has bench; then
   left=$(( 590 - $(el) ))
   timeout "$left" python3 -m ostinatod.cli bench engines --model /tmp/m.gguf --sessions-dir .carry/sessions \
     --out-dir "$OUT" --work-dir /tmp/bench-work --name "engines-h200-L$LAYERS" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
-  for f in /tmp/bench-work/ostinato.log; do [ -f "$f" ] && grep -nE "ostinato:|CUDA error|GGML|abort|Traceback" "$f" | head -20; done
+  grep -hE "ostinato: |pinned|CUDA error|GGML_ASSERT|Traceback|model buffer size" /tmp/bench-work/*.log \
+    2>/dev/null | sort | uniq -c | head -30
   echo "[$(el)s] done"
 fi

@@ -80,6 +80,25 @@ def test_np_is_the_single_switch_point_of_prop_3_2():
     assert crossing is not None and crossing >= np_ / 2
 
 
+def test_np_is_the_measured_crossing_when_the_linear_model_misleads():
+    # median costs measured on the H200 (16-layer Qwen3-30B-A3B-shape model, pageable host experts):
+    # the split path is cheaper up to 64 tokens, the upload path from 128 on; a straight line through
+    # the split points has a large intercept, so the cost model alone would put Np at 1
+    med = {16: (31.7, 73.8), 64: (97.8, 120.5), 128: (167.6, 145.4), 256: (315.0, 165.3),
+           512: (612.1, 220.2), 1024: (1256.9, 274.3), 2048: (2451.6, 361.7)}
+    ubar = {16: 197, 64: 314, 128: 373, 256: 415, 512: 438, 1024: 461, 2048: 471}
+    pts = [PrefillPoint(n, path, ms, ubar[n], 0) for n, (s_, u) in med.items()
+           for path, ms in (("split", s_), ("upload", u))]
+    # split - upload: -22.7 at 64, +22.2 at 128 -> zero at 64 + 64 * 22.7 / 44.9 = 96.4
+    assert cal.measured_switch_point(pts) == 97
+    c = cal.solve_calibration(_decode_rows(steps=50), [0.06] * 8, pts, gpu=True)
+    assert c["np_tokens"] == 97 and c["np_measured_crossing"] == 128
+    assert c["np_model"] is not None and c["np_model"] < 97 / 4
+    assert any("far from the measured" in n for n in c["notes"])
+    assert cal.measured_switch_point([p for p in pts if p.n >= 256]) == 256  # upload wins from the start
+    assert cal.measured_switch_point([p for p in pts if p.n <= 64]) is None
+
+
 def test_np_none_when_upload_never_pays_and_phi2_from_bandwidth():
     pts = [PrefillPoint(n, path, 1.0 + 0.1 * n + (5.0 if path == "upload" else 0), 10, 0)
            for n in (32, 128) for path in ("split", "upload")]

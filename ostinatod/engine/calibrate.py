@@ -199,6 +199,27 @@ def measured_crossing(points: Sequence[PrefillPoint]) -> Optional[int]:
     return None
 
 
+def measured_switch_point(points: Sequence[PrefillPoint]) -> Optional[int]:
+    """Np from the measured costs: the first token count where the upload path's median time drops to
+    the split path's, linearly interpolated between the two bracketing measured sizes.
+
+    ``points``: forced-path prefill passes (both paths at the same sizes). Returns the smallest
+    measured size when the upload path already wins there, None when it never does.
+    """
+    ns = sorted({p.n for p in points if p.path == "split"} & {p.n for p in points if p.path == "upload"})
+    prev = None
+    for n in ns:
+        d = (float(np.median([p.total_ms for p in points if p.n == n and p.path == "split"]))
+             - float(np.median([p.total_ms for p in points if p.n == n and p.path == "upload"])))
+        if d >= 0:
+            if prev is None:
+                return int(n)
+            n0, d0 = prev  # d0 < 0 <= d: zero crossing of split - upload between n0 and n
+            return int(np.ceil(n0 + (n - n0) * (-d0) / (d - d0)))
+        prev = (n, d)
+    return None
+
+
 def solve_calibration(decode_rows: Sequence[Sequence[float]], gpu_ms_per_layer: Sequence[float],
                       prefill: Sequence[PrefillPoint], *, gpu: bool,
                       expert_bytes: Optional[int] = None, h2d_gbps: Optional[float] = None
@@ -207,7 +228,9 @@ def solve_calibration(decode_rows: Sequence[Sequence[float]], gpu_ms_per_layer: 
 
     ``decode_rows``: see :func:`fit_cpu_branch`; ``gpu_ms_per_layer``: GPU-branch time per layer of
     decode steps; ``prefill``: forced-path prefill passes. With ``gpu=False`` the GPU terms are left
-    out (None) and a note says why. Np comes from :func:`switch_point`.
+    out (None) and a note says why. Np is the measured switch point of the two paths
+    (:func:`measured_switch_point`); the cost model's value (:func:`switch_point`, Prop. 3.2) is kept
+    as ``np_model`` and used only when the measurements never cross.
     """
     notes: list[str] = []
     cal: dict[str, Any] = {"format": CALIBRATION_FORMAT, "source": SOURCE, "gpu_terms": gpu,
@@ -233,9 +256,16 @@ def solve_calibration(decode_rows: Sequence[Sequence[float]], gpu_ms_per_layer: 
             ns, us = ubar_curve([p for p in prefill if p.path == "upload"] or prefill)
             fit["ubar"] = [[int(a), float(b)] for a, b in zip(ns, us)]
             cal["prefill"] = fit
-            cal["np_tokens"] = switch_point(fit["phi0_ms"], fit["phi1_ms_per_token"],
-                                            fit["phi2_ms_per_expert"], ns, us)
+            cal["np_model"] = switch_point(fit["phi0_ms"], fit["phi1_ms_per_token"],
+                                           fit["phi2_ms_per_expert"], ns, us)
             cal["np_measured_crossing"] = measured_crossing(prefill)
+            measured = measured_switch_point(prefill)
+            cal["np_tokens"] = measured if measured is not None else cal["np_model"]
+            if measured is not None and cal["np_model"] is not None and \
+                    not (measured / 4 <= cal["np_model"] <= measured * 4):
+                notes.append(f"the cost model's Np ({cal['np_model']}) is far from the measured "
+                             f"switch point ({measured}): the linear path fits do not hold over "
+                             "the measured sizes; Np is the measured one")
             if cal["np_tokens"] is None:
                 notes.append("the upload path was never cheaper than the split path: Np unset")
         except CalibrationError as e:
@@ -540,7 +570,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cal = run_calibration(a.model, quick=not a.full, progress=lambda s: print(s, file=sys.stderr))
     print(json.dumps(cal, indent=1) if a.json else format_calibration(cal))
-    print(f"stored in {get_paths().hardware_profile}")
+    print(f"stored in {get_paths().hardware_profile}", file=sys.stderr if a.json else sys.stdout)
     return 1 if cal.get("error") else 0
 
 
