@@ -153,8 +153,9 @@ class Replanner:
         path = st.model_info.get("path")
         if not path:
             return []
-        from .control import _cached_fingerprint
+        from .control import _cached_fingerprint, _flush_traces
         loop = asyncio.get_running_loop()
+        await _flush_traces(st)  # the worker writes its counts every few requests; idle: now
         fp = await loop.run_in_executor(None, _cached_fingerprint, Path(path))
         stale = await loop.run_in_executor(None, stale_workloads, st.paths.traces_dir / fp,
                                            st.paths.residency_dir / fp, st.settings.replan_growth)

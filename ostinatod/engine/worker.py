@@ -27,9 +27,10 @@ when no generation is in progress (:meth:`Worker.switch_residency`; DESIGN.md "P
   while no other request is generating, if its workload differs from the workload of the active set
   (or the active set is that workload's planned file and the file was re-planned since) and a
   planned set ``<data>/residency/<fingerprint>/<workload>.json`` exists, that set is swapped in
-  first and the request's "start" event carries ``residency_switch`` (the swap's facts). A request
-  that arrives while another one generates runs with the current set; it is never held back for a
-  swap.
+  first and the request's "start" event carries ``residency_switch`` (the swap's facts). A set the
+  engine refuses (malformed, another model's) is skipped, said once in ``residency_switch_skipped``
+  of the start event, and not tried again until its file changes. A request that arrives while
+  another one generates runs with the current set; it is never held back for a swap.
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ class Task:
     finished: bool = False
     special_ids: set = field(default_factory=set)
     residency_switch: Optional[dict[str, Any]] = None  # set swapped in right before this request
+    residency_skipped: Optional[str] = None  # why its workload's planned set was not swapped in
 
 
 # workload names that may name a residency file (the HTTP header is free text)
@@ -729,7 +731,8 @@ class Worker:
             t.residency_switch = self._switch_now(path, "auto")
         except EngineError as e:
             self._failed_sets.add(key)
-            log.warning("request %s: automatic swap to the %s set skipped: %s", t.req.id, workload, e.message)
+            t.residency_skipped = f"automatic swap to the {workload} set skipped: {e.message}"
+            log.warning("request %s: %s", t.req.id, t.residency_skipped)
 
     # ---- slots ----------------------------------------------------------------------------------
 
@@ -777,6 +780,8 @@ class Worker:
             start = {"prompt_tokens": len(t.prompt), "cached_tokens": n_keep, "slot": target.id}
             if t.residency_switch is not None:
                 start["residency_switch"] = t.residency_switch
+            if t.residency_skipped is not None:
+                start["residency_switch_skipped"] = t.residency_skipped
             self._emit(t, "start", start)
 
     def _release(self, t: Task) -> None:
