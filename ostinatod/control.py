@@ -353,7 +353,7 @@ async def h_status(request: web.Request) -> web.Response:
     """GET /status: DaemonState.status() + workload (the default of requests that name none),
     paused, socket/log paths, ``last_residency_switch`` and ``residency`` (the active set as
     :func:`expert_view` reports it: workload, residency path, hot_experts, pool_bytes, switches,
-    auto_switch, hot_route_share; None without an engine)."""
+    auto_switch, hot_route_share; None without an engine or when it runs stock)."""
     st = _state(request)
     out = st.status()
     out["workload"] = st.settings.workload_default
@@ -364,10 +364,12 @@ async def h_status(request: web.Request) -> web.Response:
     out["residency"] = None
     if st.engine is not None and st.engine_state == "ready":
         try:
-            ex = expert_view(await asyncio.wait_for(st.engine.stats(), 5) or {})
-            out["residency"] = {k: ex.get(k) for k in ("workload", "residency", "hot_experts",
-                                                        "pool_bytes", "switches", "auto_switch",
-                                                        "hot_route_share")}
+            stats = await asyncio.wait_for(st.engine.stats(), 5) or {}
+            if isinstance(stats.get("experts"), dict):  # stock engines have no residency set
+                ex = expert_view(stats)
+                out["residency"] = {k: ex.get(k) for k in ("workload", "residency", "hot_experts",
+                                                            "pool_bytes", "switches", "auto_switch",
+                                                            "hot_route_share")}
         except Exception as e:  # a restarting worker: status still answers
             log.debug("status: engine stats: %s", e)
     return web.json_response(out)

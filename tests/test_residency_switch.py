@@ -160,6 +160,10 @@ def test_automatic_swap_per_workload(sw):
     last = s["last_residency_switch"]
     assert (last["reason"], last["previous_workload"], last["workload"]) == ("auto", "coding", "customer-service")
     assert last["request_id"].startswith("chatcmpl-") and last["seconds"] >= 0
+    from ostinatod.ctl import format_status  # what `ostinato status` prints
+    text = format_status(s)
+    assert "residency  customer-service, " in text and "auto-switch on" in text
+    assert "last swap  coding -> customer-service in " in text and "(auto)" in text
     n = residency(sw)["switches"]
     chat(sw, PROSE + " Thanks!", "customer-service")  # same workload: nothing to swap
     assert residency(sw)["switches"] == n
@@ -274,6 +278,7 @@ def test_switch_without_the_expert_engine_is_409(tiny_model, tmp_path):
             ctl(d, "POST", "/residency/switch", {"path": str(p)})
         assert (e.value.status, e.value.code) == (409, "residency_unavailable")
         assert "experts = 'stock'" in e.value.message and "load the model again" in e.value.message
+        assert ctl(d, "GET", "/status")["residency"] is None
         assert chat(d, PROSE, "coding")["usage"]["completion_tokens"] >= 1
     finally:
         d.stop()
