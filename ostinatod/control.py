@@ -14,15 +14,17 @@ POST /models/unload        unloads (frees RAM and GPU memory)
 POST /pause, /resume       unload keeping the model path / load it again (tray Pause/Resume)
 GET  /residency            current workload, residency sets and traces of the loaded model
 POST /residency/plan       ``{"workload": "coding"}`` -> plans a set from the traces (planner)
-POST /residency/switch     ``{"workload": "..."}`` or ``{"path": "..."}`` -> swaps the set
+POST /residency/switch     ``{"workload": "..."}`` or ``{"path": "..."}`` -> swaps the set at the
+                           engine's next request boundary; answers the swap's facts
 GET  /profile              the stored hardware profile (404 before ``ostinato profile``)
 GET  /metrics              :func:`metrics_snapshot` (JSON; Prometheus text is on HTTP /metrics)
 GET  /requests?limit=N     active and recent request records
 GET  /events?interval=S    live stream: one :func:`metrics_snapshot` per line (NDJSON)
 =========================  ==================================================================
 
-Pieces that other modules provide (planner, residency fingerprints, the engine's residency
-switch) are looked up when called; when one is missing the route answers 501 ``not_implemented``.
+Pieces that other modules provide (planner, residency fingerprints) are looked up when called; when
+one is missing the route answers 501 ``not_implemented``. A residency switch on an engine that runs
+without the expert engine (stock placement) answers 409 ``residency_unavailable`` saying why.
 """
 
 from __future__ import annotations
@@ -120,7 +122,9 @@ def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
     Accepts the counters either at the top level or under ``"experts"`` (the ExpertRuntime's
     ``stats()`` as the worker embeds it). Returns ``{"mode", "hot_route_share" (0..1 or None),
     "per_layer_hot_share" ([float] or None), "paths" ({"decode", "split", "upload", "stock"}
-    counts), "routes", "hot_routes", "cold_routes", "residency", "workload"}``.
+    counts), "routes", "hot_routes", "cold_routes", "residency" (path of the active set or None),
+    "workload" (of the active set or None), "hot_experts", "pool_bytes", "switches" (swaps since
+    the model was loaded), "auto_switch" (setting residency_auto_switch)}``.
     """
     ex = stats.get("experts") if isinstance(stats.get("experts"), dict) else stats
     paths = ex.get("paths") or ex.get("path_counts") or {}
@@ -137,15 +141,19 @@ def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
         "routes": routes, "hot_routes": hot, "cold_routes": ex.get("cold_routes"),
         "residency": ex.get("residency") or ex.get("residency_path"),
         "workload": ex.get("workload"),
+        "hot_experts": ex.get("hot_experts"), "pool_bytes": ex.get("pool_bytes"),
+        "switches": ex.get("switches"), "auto_switch": ex.get("auto_switch"),
     }
 
 
 async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
     """One JSON snapshot for the TUI/tray: ``{"time", "engine_state", "model", "workload",
     "paused", "requests": {"active", "total", "recent": [{"id", "workload", "status", "ttft_s",
-    "tpot_s", "prompt_tokens", "cached_tokens", "completion_tokens"}]}, "experts":
-    :func:`expert_view`, "engine": raw ``stats()``, "memory": {"host": {"total_bytes",
-    "available_bytes", "daemon_rss_bytes" (daemon + engine worker)}, "gpus": :func:`gpu_memory`}}``. Times in seconds."""
+    "tpot_s", "prompt_tokens", "cached_tokens", "completion_tokens", "residency_switch_s"}]},
+    "experts": :func:`expert_view`, "last_residency_switch": the last swap (see
+    DaemonState.note_residency_switch) or None, "engine": raw ``stats()``, "memory": {"host":
+    {"total_bytes", "available_bytes", "daemon_rss_bytes" (daemon + engine worker)}, "gpus":
+    :func:`gpu_memory`}}``. Times in seconds."""
     stats: dict[str, Any] = {}
     if state.engine is not None and state.engine_state == "ready":
         try:
@@ -154,13 +162,13 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
         except Exception as e:  # a crashed/restarting worker: report, do not fail the snapshot
             stats = {"error": f"{type(e).__name__}: {e}"}
     keys = ("id", "workload", "status", "ttft_s", "tpot_s", "prompt_tokens", "cached_tokens",
-            "completion_tokens", "client")
+            "completion_tokens", "client", "residency_switch_s")
     rec = [{k: r.get(k) for k in keys} for r in list(state.recent)[-recent:]]
     vm = psutil.virtual_memory()
     ex = expert_view(stats)
     if ex["per_layer_hot_share"] is None:  # file reads (and a first fingerprint) off the loop
         ex["per_layer_hot_share"] = await asyncio.get_running_loop().run_in_executor(
-            None, _per_layer_from_traces, state, ex.get("workload"))
+            None, _per_layer_from_traces, state, ex.get("workload"), ex.get("residency"))
         ex["per_layer_source"] = "traces" if ex["per_layer_hot_share"] else None
     else:
         ex["per_layer_source"] = "engine"
@@ -171,7 +179,7 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
         **_current_workload(state, ex),
         "paused": _ctl(state).get("paused_model") is not None,
         "phase": getattr(state, "phase", None),
-        "last_residency_switch": _ctl(state).get("last_switch"),
+        "last_residency_switch": state.last_residency_switch,
         "requests": {"active": len(state.active), "total": len(state.recent) + len(state.active),
                      "active_list": [{k: r.get(k) for k in keys} for r in state.active.values()],
                      "recent": rec},
@@ -217,15 +225,17 @@ def _ctl(state) -> dict[str, Any]:
     """Control-API private state kept on the DaemonState object (paused model path)."""
     d = state.__dict__.get("_control")
     if d is None:
-        d = state.__dict__["_control"] = {"paused_model": None, "last_switch": None}
+        d = state.__dict__["_control"] = {"paused_model": None}
     return d
 
 
 _layer_cache: dict[tuple, Optional[list[float]]] = {}
 
 
-def _per_layer_from_traces(state, workload: Optional[str]) -> Optional[list[float]]:
-    """Per-layer hot-route share of the current residency set over the workload's routing trace:
+def _per_layer_from_traces(state, workload: Optional[str], residency: Optional[str] = None
+                           ) -> Optional[list[float]]:
+    """Per-layer hot-route share of the current residency set (``residency``, the path the engine
+    reports, else the workload's planned set) over the workload's routing trace:
     ``sum(counts[l, hot_l]) / sum(counts[l])`` for each layer l (Rule 1's objective per layer,
     paper Sec. 3.1). Used when the engine reports no per-layer figure. Cached per file mtimes;
     None when there is no model, set or trace."""
@@ -238,8 +248,7 @@ def _per_layer_from_traces(state, workload: Optional[str]) -> Optional[list[floa
         if fp is None:  # still being computed in the background: no figure this time
             return None
         wl = workload or state.settings.workload_default
-        sw = _ctl(state).get("last_switch") or {}
-        rpath = Path(sw["path"]) if sw.get("path") else state.paths.residency_dir / fp / f"{wl}.json"
+        rpath = Path(residency) if residency else state.paths.residency_dir / fp / f"{wl}.json"
         tpath = state.paths.traces_dir / fp / f"{wl}.json"
         if not rpath.is_file() or not tpath.is_file():
             return None
@@ -341,14 +350,28 @@ def _workload_name(name: Any) -> str:
 # --- handlers ------------------------------------------------------------------------------------
 
 async def h_status(request: web.Request) -> web.Response:
-    """GET /status: DaemonState.status() + workload, paused, socket/log paths, last switch."""
+    """GET /status: DaemonState.status() + workload (the default of requests that name none),
+    paused, socket/log paths, ``last_residency_switch`` and ``residency`` (the active set as
+    :func:`expert_view` reports it: workload, residency path, hot_experts, pool_bytes, switches,
+    auto_switch, hot_route_share; None without an engine or when it runs stock)."""
     st = _state(request)
     out = st.status()
     out["workload"] = st.settings.workload_default
     out["paused"] = _ctl(st)["paused_model"] is not None
     out["control_socket"] = str(st.paths.control_socket)
     out["log_file"] = str(st.paths.log_file)
-    out["last_residency_switch"] = _ctl(st)["last_switch"]
+    out["last_residency_switch"] = st.last_residency_switch
+    out["residency"] = None
+    if st.engine is not None and st.engine_state == "ready":
+        try:
+            stats = await asyncio.wait_for(st.engine.stats(), 5) or {}
+            if isinstance(stats.get("experts"), dict):  # stock engines have no residency set
+                ex = expert_view(stats)
+                out["residency"] = {k: ex.get(k) for k in ("workload", "residency", "hot_experts",
+                                                            "pool_bytes", "switches", "auto_switch",
+                                                            "hot_route_share")}
+        except Exception as e:  # a restarting worker: status still answers
+            log.debug("status: engine stats: %s", e)
     return web.json_response(out)
 
 
@@ -436,7 +459,7 @@ async def h_resume(request: web.Request) -> web.Response:
 async def h_residency(request: web.Request) -> web.Response:
     """GET /residency: current workload and expert figures, sets, traces, background re-plans."""
     st = _state(request)
-    out: dict[str, Any] = {"workload": st.settings.workload_default, "last_switch": _ctl(st)["last_switch"]}
+    out: dict[str, Any] = {"workload": st.settings.workload_default, "last_switch": st.last_residency_switch}
     stats = {}
     if st.engine is not None and st.engine_state == "ready":
         try:
@@ -458,8 +481,20 @@ async def h_residency(request: web.Request) -> web.Response:
     return web.json_response(out)
 
 
+async def _flush_traces(st) -> None:
+    """Ask the engine to write its pending routing counts, so a plan sees the latest requests."""
+    fn = getattr(st.engine, "flush_traces", None) if st.engine is not None else None
+    if fn is not None and st.engine_state == "ready":
+        try:
+            await asyncio.wait_for(fn(), 30)
+        except Exception as e:  # plan from what is on disk
+            log.warning("flushing routing traces before planning: %s", e)
+
+
 async def h_plan(request: web.Request) -> web.Response:
-    """POST /residency/plan {"workload"}: plan_for_model() in a worker thread; 404 without traces."""
+    """POST /residency/plan {"workload"}: flush the engine's pending routing counts, then
+    plan_for_model() in a worker thread; 404 without traces. The new set takes effect at the next
+    request of that workload (automatic swap) or on POST /residency/switch."""
     st = _state(request)
     body = await _body(request)
     workload = _workload_name(body.get("workload") or st.settings.workload_default)
@@ -468,6 +503,7 @@ async def h_plan(request: web.Request) -> web.Response:
     except ImportError:
         raise ControlError(501, "not_implemented", "the residency planner is not available in this build")
     model = _model_path(st)
+    await _flush_traces(st)
     t0 = time.perf_counter()
     try:
         res, path = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_for_model(
@@ -483,7 +519,15 @@ async def h_plan(request: web.Request) -> web.Response:
 
 
 async def h_switch(request: web.Request) -> web.Response:
-    """POST /residency/switch {"workload"} | {"path"}: swap the set through engine.switch_residency."""
+    """POST /residency/switch {"workload"} | {"path"[, "workload"]}: swap the engine's residency
+    set (engine.switch_residency; it runs at the engine's next request boundary, so this waits for
+    the running requests). Answers ``{"ok", "seconds", "workload", "path", "previous_workload",
+    "hot_experts", "pool_bytes", "reason", "at"}``. Errors: 400 ``invalid_workload``, 404
+    ``residency_not_found`` (no planned set), 409 ``model_not_loaded``, 409
+    ``residency_unavailable`` (the model runs without the expert engine), 400
+    ``residency_refused`` (malformed, or a set for another model: the old set stays active), 500
+    ``residency_switch_failed``. A switch naming a workload also makes it the default workload of
+    requests that name none (setting workload_default, in memory)."""
     st = _state(request)
     body = await _body(request)
     if body.get("path"):
@@ -497,20 +541,18 @@ async def h_switch(request: web.Request) -> web.Response:
                            f"no residency set {path}" + (f"; plan one first: ostinato residency plan "
                                                          f"{workload}" if workload else ""))
     fn = getattr(st.engine, "switch_residency", None) if st.engine is not None else None
+    if st.engine is None or st.engine_state != "ready":
+        raise ControlError(409, "model_not_loaded", f"engine is {st.engine_state}")
     if fn is None:
         raise ControlError(501, "not_implemented", "the loaded engine cannot swap residency sets")
-    if st.engine_state != "ready":
-        raise ControlError(409, "model_not_loaded", f"engine is {st.engine_state}")
+    from .engine.types import EngineError
     try:
-        res = await fn(path)
-    except ValueError as e:  # e.g. fingerprint mismatch: refused with the engine's message
-        raise ControlError(400, "residency_refused", str(e))
-    seconds = res.get("seconds") if isinstance(res, dict) else res
+        info = await fn(path, reason="control")
+    except EngineError as e:  # refused (another model's set, stock engine, ...): old set stays active
+        raise ControlError(e.status if 400 <= e.status < 600 else 500, e.code, e.message)
     if workload:
         st.settings.workload_default = workload
-    info = {"path": str(path), "workload": workload, "seconds": seconds, "at": time.time()}
-    _ctl(st)["last_switch"] = info
-    log.info("residency switched to %s (workload %s) in %ss", path, workload, seconds)
+    st.note_residency_switch(info)
     return web.json_response({"ok": True, **info})
 
 

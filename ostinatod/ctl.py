@@ -132,9 +132,15 @@ def format_status(s: dict[str, Any]) -> str:
     lines += [f"http       {s.get('http_url')}",
               f"workload   {s.get('workload')}",
               f"requests   {s.get('active_requests')} active, {s.get('requests_total')} total"]
+    res = s.get("residency") or {}
+    if res:
+        lines.append(f"residency  {res.get('workload') or 'no set'}"
+                     + (f", {res.get('hot_experts')} hot experts" if res.get("hot_experts") is not None else "")
+                     + f", {res.get('switches') or 0} swaps, auto-switch {'on' if res.get('auto_switch') else 'off'}")
     sw = s.get("last_residency_switch")
     if sw:
-        lines.append(f"residency  {sw.get('path')} (switched in {_f(sw.get('seconds'))} s)")
+        lines.append(f"last swap  {sw.get('previous_workload') or 'none'} -> {sw.get('workload') or sw.get('path')} "
+                     f"in {_f(sw.get('seconds'))} s ({sw.get('reason') or 'control'})")
     return "\n".join(lines)
 
 

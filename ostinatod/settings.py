@@ -77,12 +77,17 @@ class Settings(BaseSettings):
                                              "from the calibration in the hardware profile.")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
+    residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "
+                                        "request boundaries: to the planned set of a request's "
+                                        "workload when it differs from the active set's, and to a "
+                                        "re-planned set of the active workload. Off: sets change "
+                                        "only on an explicit switch (control API, TUI key w).")
     replan_idle_s: int = Field(300, ge=0, description="Re-plan residency sets in the background "
                                "after the daemon has been idle this many seconds and a workload's "
                                "traces have moved (0: never).")
     replan_growth: float = Field(0.25, gt=0, description="A workload's traces have moved when they "
                                  "hold this fraction more routes than its residency set was planned "
-                                 "from.")
+                                 "from (0.25: 25% more).")
 
     # --- scheduling / prompts -------------------------------------------------------------
     neutralize_volatile: bool = Field(True, description="Blank per-request volatile lines (Claude "

@@ -4,11 +4,20 @@ and a workload's routing traces have moved (issue "desktop daemon", part 2).
 Started by the control server (:func:`ostinatod.control.start_control_server`) inside the daemon,
 so it needs nothing from the daemon but its :class:`~ostinatod.server.state.DaemonState`.
 
-"Moved" means the workload's trace holds at least ``settings.replan_growth`` more routes than the
-set was planned from (``plan.dev_routes`` of the residency file), or the workload has traces but no
-set yet. Planning is the planner's (:func:`ostinatod.engine.planner.plan_for_model`, Rule 1 fill of
-paper Sec. 3.1) and runs in a worker thread. When the re-planned workload is the current one and the
-engine can swap sets (``engine.switch_residency``), the new set is swapped in at once.
+*Idle* means no request has run for ``settings.replan_idle_s`` seconds (0: never re-plan), counted
+from the end of the last request. *Moved* means the workload's trace holds at least
+``settings.replan_growth`` more routes than the set was planned from (``plan.dev_routes`` of the
+residency file; 0.25: the route counts grew by >= 25%), or the workload has traces but no set yet.
+Growth of the route total is the trigger because it is cheap to read and bounds how much of the
+ranking can have changed: a set planned from N routes can be displaced by at most the new routes.
+
+Each check is cheap (route totals are cached per trace file version) and runs off the event loop
+(file reads and the planner, :func:`ostinatod.engine.planner.plan_for_model`, Rule 1 fill of paper
+Sec. 3.1, run in the default executor). The active workload (the engine's set, else
+``workload_default``) is re-planned first. When the re-planned workload is the active one and
+``settings.residency_auto_switch`` is on, the new set is handed to the engine
+(``engine.switch_residency``, reason "replan"), which swaps it at its next request boundary (at once
+while idle). Other workloads' new sets are used by the automatic swap when their next request comes.
 """
 
 from __future__ import annotations
@@ -23,10 +32,39 @@ from typing import Any, Optional
 log = logging.getLogger("ostinatod.workload")
 
 
+_routes_cache: dict[tuple, int] = {}
+
+
+def _file_key(path: Path) -> tuple:
+    st = path.stat()
+    return (str(path), st.st_mtime_ns, st.st_size)
+
+
 def trace_routes(path: Path) -> int:
-    """Total routes (prefill + decode) in a trace file (``ostinato-trace/1``)."""
-    d = json.loads(path.read_text())
-    return int(sum(map(sum, d.get("counts_prefill", []))) + sum(map(sum, d.get("counts_decode", []))))
+    """Total routes (prefill + decode) in a trace file (``ostinato-trace/1``). Cached per file
+    version (path, mtime, size). Raises OSError/ValueError for an unreadable file."""
+    key = _file_key(path)
+    got = _routes_cache.get(key)
+    if got is None:
+        d = json.loads(path.read_text())
+        got = int(sum(map(sum, d.get("counts_prefill", []))) + sum(map(sum, d.get("counts_decode", []))))
+        if len(_routes_cache) > 256:
+            _routes_cache.clear()
+        _routes_cache[key] = got
+    return got
+
+
+def planned_routes(path: Path) -> int:
+    """Routes the residency set in ``path`` was planned from (``plan.dev_routes``; 0 if unknown)."""
+    key = ("set",) + _file_key(path)
+    got = _routes_cache.get(key)
+    if got is None:
+        try:
+            got = int((json.loads(path.read_text()).get("plan") or {}).get("dev_routes") or 0)
+        except (OSError, ValueError, TypeError, AttributeError):
+            got = 0
+        _routes_cache[key] = got
+    return got
 
 
 def stale_workloads(traces_dir: Path, residency_dir: Path, growth: float) -> list[dict[str, Any]]:
@@ -46,10 +84,7 @@ def stale_workloads(traces_dir: Path, residency_dir: Path, growth: float) -> lis
         rset = residency_dir / t.name
         planned: Optional[int] = None
         if rset.is_file():
-            try:
-                planned = int((json.loads(rset.read_text()).get("plan") or {}).get("dev_routes") or 0)
-            except (OSError, ValueError):
-                planned = 0
+            planned = planned_routes(rset)
             if planned and routes < planned * (1 + growth):
                 continue
         out.append({"workload": t.stem, "routes": routes, "planned_routes": planned})
@@ -57,14 +92,15 @@ def stale_workloads(traces_dir: Path, residency_dir: Path, growth: float) -> lis
 
 
 class Replanner:
-    """Background task of the daemon (see module doc). ``check_every_s``: seconds between checks.
-    ``failed`` remembers workloads whose plan failed at a given route count, so a failing plan
-    (e.g. no GPU and no budget set) is not retried until the traces grow again."""
+    """Background task of the daemon (see module doc). ``check_every_s``: seconds between checks
+    (default: a quarter of ``replan_idle_s``, between 0.5 and 15 s). ``failed`` remembers
+    workloads whose plan failed at a given route count, so a failing plan (e.g. no GPU and no
+    budget set) is not retried until the traces grow again. Times are Unix seconds."""
 
-    def __init__(self, state, check_every_s: float = 15.0):
+    def __init__(self, state, check_every_s: Optional[float] = None):
         self.state = state
         self.check_every_s = check_every_s
-        self.last_busy = time.monotonic()
+        self.last_busy = time.time()
         self.failed: dict[str, int] = {}
         self.planned: list[dict[str, Any]] = []  # what this task planned (status, tests)
         self._task: Optional[asyncio.Task] = None
@@ -82,9 +118,15 @@ class Replanner:
             except (asyncio.CancelledError, Exception):
                 pass
 
+    def interval(self) -> float:
+        """Seconds between two checks."""
+        if self.check_every_s is not None:
+            return self.check_every_s
+        return min(15.0, max(0.5, self.state.settings.replan_idle_s / 4))
+
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.check_every_s)
+            await asyncio.sleep(self.interval())
             try:
                 await self.check_once()
             except asyncio.CancelledError:
@@ -93,29 +135,38 @@ class Replanner:
                 log.warning("background re-plan: %s: %s", type(e).__name__, e)
 
     async def check_once(self, now: Optional[float] = None) -> list[dict[str, Any]]:
-        """One check: if idle long enough, plan every stale workload. Returns what was planned."""
+        """One check (``now``: Unix time, default the clock): if the daemon has been idle for
+        ``replan_idle_s``, plan every stale workload, the active one first; a request arriving
+        meanwhile stops the round. Returns what was planned: ``[{"workload", "routes",
+        "planned_routes", "path", "expected_hot_route_share"[, "switch_seconds"]}]``."""
         st = self.state
-        now = time.monotonic() if now is None else now
+        now = time.time() if now is None else now
         idle_s = st.settings.replan_idle_s
         if st.active or st.engine_state not in ("ready", "stopped"):
             self.last_busy = now
             return []
+        if st.recent:  # a request that ran between two checks counts as activity too
+            r = st.recent[-1]
+            self.last_busy = max(self.last_busy, float(r.get("started") or 0) + float(r.get("total_s") or 0))
         if idle_s <= 0 or now - self.last_busy < idle_s:
             return []
         path = st.model_info.get("path")
         if not path:
             return []
-        from .control import _cached_fingerprint
+        from .control import _cached_fingerprint, _flush_traces
         loop = asyncio.get_running_loop()
+        await _flush_traces(st)  # the worker writes its counts every few requests; idle: now
         fp = await loop.run_in_executor(None, _cached_fingerprint, Path(path))
-        stale = stale_workloads(st.paths.traces_dir / fp, st.paths.residency_dir / fp,
-                                st.settings.replan_growth)
+        stale = await loop.run_in_executor(None, stale_workloads, st.paths.traces_dir / fp,
+                                           st.paths.residency_dir / fp, st.settings.replan_growth)
+        active = await self._active_workload()
+        stale.sort(key=lambda w: w["workload"] != active)
         done = []
         for w in stale:
             name = w["workload"]
             if self.failed.get(name) == w["routes"]:
                 continue
-            res = await self._plan(Path(path), name)
+            res = await self._plan(Path(path), name, active)
             if res is None:
                 self.failed[name] = w["routes"]
                 continue
@@ -125,8 +176,22 @@ class Replanner:
         self.planned += done
         return done
 
-    async def _plan(self, model: Path, workload: str) -> Optional[dict[str, Any]]:
+    async def _active_workload(self) -> str:
+        """Workload of the engine's active residency set, else the default workload."""
+        st = self.state
+        if st.engine is not None and st.engine_state == "ready":
+            try:
+                stats = await asyncio.wait_for(st.engine.stats(), 5)
+                wl = (stats.get("experts") or {}).get("workload") if isinstance(stats, dict) else None
+                if wl:
+                    return str(wl)
+            except Exception as e:  # restarting worker: fall back to the default
+                log.debug("re-plan: engine stats: %s", e)
+        return st.settings.workload_default
+
+    async def _plan(self, model: Path, workload: str, active: Optional[str] = None) -> Optional[dict[str, Any]]:
         from .engine.planner import plan_for_model
+        from .engine.types import EngineError
         st = self.state
         t0 = time.perf_counter()
         try:
@@ -141,10 +206,13 @@ class Replanner:
                  f"{share:.1%}" if share is not None else "?", time.perf_counter() - t0)
         info: dict[str, Any] = {"path": str(out), "expected_hot_route_share": share}
         switch = getattr(st.engine, "switch_residency", None) if st.engine is not None else None
-        if switch is not None and workload == st.settings.workload_default and not st.active:
+        if (switch is not None and st.settings.residency_auto_switch and st.engine_state == "ready"
+                and workload == (active or st.settings.workload_default) and not st.active):
             try:
-                r = await switch(out)
-                info["switch_seconds"] = r.get("seconds") if isinstance(r, dict) else r
-            except Exception as e:  # the old set stays in use
+                r = await switch(out, reason="replan")
+            except (EngineError, ValueError) as e:  # the old set stays in use
                 log.warning("switching to the re-planned %s set failed: %s", workload, e)
+            else:
+                info["switch_seconds"] = r.get("seconds")
+                st.note_residency_switch(r)
         return info

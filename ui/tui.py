@@ -1,9 +1,11 @@
 """``ostinato tui``: live terminal UI of a running daemon (Textual), over the control API only.
 
 Shows the hot-route share overall and per layer (a heat strip: one cell per MoE layer, red = most
-routes cold, green = all hot), TTFT and TPOT of recent requests (sparklines), the expert-path
-counts (decode / split / upload), GPU and host memory, active slots and requests, and the recent
-requests with their workload. Keys: ``w`` switch workload, ``p`` re-plan the residency set of the
+routes cold, green = all hot), the active residency set (workload, hot experts, swaps) and the last
+swap (from -> to, seconds, why: control / auto / replan), TTFT and TPOT of recent requests
+(sparklines), the expert-path counts (decode / split / upload), GPU and host memory, active slots
+and requests, and the recent requests with their workload (``*`` marks a request whose workload's
+set was swapped in before it ran). Keys: ``w`` switch workload, ``p`` re-plan the residency set of the
 current workload from its traces, ``l`` load a model, ``q`` quit.
 
 Data comes from ``GET /events`` (one snapshot per ``--interval`` seconds); actions are POSTs.
@@ -53,6 +55,30 @@ def heat_strip(shares: Optional[list[float]], source: Optional[str] = None) -> T
     t.append(f"\n{len(shares)} layers   min {lo:.0%}  mean {sum(shares) / len(shares):.0%}  max {hi:.0%}",
              style="dim")
     return t
+
+
+def residency_line(ex: dict[str, Any], mode: Optional[str] = None) -> str:
+    """The active residency set from :func:`ostinatod.control.expert_view` (``mode``: the model's
+    experts_mode): ``coding set, 96 hot experts, 1.5 MiB, 3 swaps, auto`` (or what is missing)."""
+    mode = ex.get("mode") or mode
+    if mode == "stock" or (ex.get("switches") is None and ex.get("hot_experts") is None):
+        return "-  (stock engine: no residency sets)" if mode == "stock" else "-"
+    wl = ex.get("workload")
+    parts = [f"{wl} set" if wl else "no set (all experts cold)"]
+    if ex.get("hot_experts") is not None and wl:
+        parts.append(f"{ex['hot_experts']} hot experts")
+    if ex.get("pool_bytes"):
+        parts.append(f"{ex['pool_bytes'] / (1 << 20):.1f} MiB")
+    parts.append(f"{ex.get('switches') or 0} swaps")
+    parts.append("auto" if ex.get("auto_switch") else "auto off")
+    return ", ".join(parts)
+
+
+def switch_line(sw: dict[str, Any]) -> str:
+    """The last swap: ``swapped coding -> customer-service in 0.004 s (auto)``."""
+    to = sw.get("workload") or Path(sw.get("path") or "").stem or "?"
+    frm = sw.get("previous_workload") or "none"
+    return f"swapped {frm} -> {to} in {float(sw.get('seconds') or 0):.3f} s ({sw.get('reason') or 'control'})"
 
 
 def bar(used: float, total: float, width: int = 14) -> str:
@@ -175,11 +201,11 @@ class OstinatoTUI(App):
         st.append(f"{snap.get('workload')}", style="cyan")
         src = {"requests": "latest request", "engine": "residency set"}.get(snap.get("workload_source"))
         st.append((f"  ({src})" if src else "") + "\n", style="dim")
+        st.append("residency ", style="bold")
+        st.append(residency_line(ex, m.get("experts_mode")) + "\n")
         sw = snap.get("last_residency_switch")
         if sw:
-            st.append("          switched to ", style="dim")
-            st.append(f"{sw.get('workload') or Path(sw.get('path', '')).stem} in {sw.get('seconds') or 0:.3f} s\n",
-                      style="dim")
+            st.append("          " + switch_line(sw) + "\n", style="yellow" if sw.get("reason") == "auto" else "dim")
         slots = (snap.get("engine") or {}).get("slots") or []
         busy = sum(1 for s in slots if s.get("busy"))
         st.append("requests  ", style="bold")
@@ -234,7 +260,8 @@ class OstinatoTUI(App):
         for r in rows[:50]:
             def f(v, p=3):
                 return "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
-            t.add_row(str(r.get("id"))[:24], f(r.get("workload")), f(r.get("client")), f(r.get("status")),
+            wl = f(r.get("workload")) + (" *" if r.get("residency_switch_s") is not None else "")
+            t.add_row(str(r.get("id"))[:24], wl, f(r.get("client")), f(r.get("status")),
                       f(r.get("prompt_tokens")), f(r.get("cached_tokens")), f(r.get("completion_tokens")),
                       f(r.get("ttft_s")), f(r.get("tpot_s"), 4))
 

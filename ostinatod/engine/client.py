@@ -170,6 +170,34 @@ class InProcessEngine:
             return {"state": self.state}
         return dict(self._worker.stats(), state=self.state)
 
+    async def switch_residency(self, path: Path, reason: str = "control") -> dict[str, Any]:
+        """Swap the residency set to the file ``path`` at the next request boundary (see
+        :meth:`ostinatod.engine.worker.Worker.switch_residency`: waits until no request generates).
+        Returns ``{"seconds", "workload", "path", "previous_workload", "hot_experts", "pool_bytes",
+        "reason", "at"}``. Raises EngineError: ``residency_unavailable`` (409), ``residency_refused``
+        (400), ``residency_switch_failed`` (500), ``model_not_loaded`` / ``engine_stopped`` (503);
+        the previous set then stays active."""
+        if self.state != "ready" or self._worker is None:
+            raise EngineError("model_not_loaded", f"the engine is {self.state}", 503)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def settle(info: Optional[dict[str, Any]], err: Optional[EngineError]) -> None:
+            if not fut.done():
+                if err is not None:
+                    fut.set_exception(err)
+                else:
+                    fut.set_result(info)
+
+        self._worker.switch_residency(Path(path), lambda i, e: loop.call_soon_threadsafe(settle, i, e),
+                                      reason=reason)
+        return await fut
+
+    async def flush_traces(self) -> None:
+        """Write pending routing counts to the trace files (before planning from them)."""
+        if self._worker is not None and self.state == "ready":
+            await asyncio.to_thread(self._worker.flush_traces)
+
 
 class SubprocessEngine:
     """Supervised worker process (see module docstring).
@@ -410,6 +438,16 @@ class SubprocessEngine:
         except EngineError:
             return {"state": self.state, "restarts": self.restarts}
         return dict(st, state=self.state, restarts=self.restarts)
+
+    async def switch_residency(self, path: Path, reason: str = "control") -> dict[str, Any]:
+        """Swap the residency set in the worker process at its next request boundary; same answer
+        and errors as :meth:`InProcessEngine.switch_residency` (``engine_crashed`` if the worker
+        dies meanwhile)."""
+        return dict(await self._call("switch_residency", path=str(path), reason=reason))
+
+    async def flush_traces(self) -> None:
+        """Make the worker write its pending routing counts to the trace files."""
+        await self._call("flush_traces")
 
 
 def make_engine(settings: Settings, model_path: Optional[Path] = None):

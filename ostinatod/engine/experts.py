@@ -248,16 +248,28 @@ class ExpertRuntime:
         set_timing(on)
 
     def switch(self, residency_path: Path) -> float:
-        """Swap the residency set at a request boundary (no forward pass may be running).
-        Returns the seconds it took. Raises ResidencyError / ExpertEngineError; on error the old
-        set stays in use."""
+        """Swap the residency set at a request boundary (no forward pass may be running: call it
+        on the thread that runs the forward passes, between them).
+
+        Reads and validates ``residency_path`` against this model (fingerprint, layer and expert
+        ranges), rebuilds the expert pool with its hot experts (route counters are kept) and makes
+        the context rebuild its graph. Returns the seconds it took (file read included).
+        Raises ResidencyError (unreadable, malformed, or a set for another model) or
+        ExpertEngineError (the native engine refused it, e.g. no active engine or no memory for the
+        pool); on error the old set stays in use.
+        """
         t0 = time.perf_counter()
         res = read_residency(Path(residency_path), self.model)
         hot = res.hot_all()
         cfg = {"hot": {str(k): v for k, v in hot.items()}, "device": self.device,
                "prefill_threshold": self.prefill_threshold, "force_path": self.forced}
-        if _fn("ostinato_experts_switch")(json.dumps(cfg).encode()) != 0:
-            raise ExpertEngineError(_err())
+        try:
+            if _fn("ostinato_experts_switch")(json.dumps(cfg).encode()) != 0:
+                raise ExpertEngineError(_err())
+        finally:
+            # the switch goes through the loader config: clear it, so that a later model load in
+            # this process does not pick it up (as attach does after the load)
+            configure(None)
         self.residency = res
         return time.perf_counter() - t0
 

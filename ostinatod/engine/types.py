@@ -112,3 +112,11 @@ class EngineClient(Protocol):
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters: slots, requests, tokens, expert-path counts and hot-route share."""
+
+    async def switch_residency(self, path: Any, reason: str = "control") -> dict[str, Any]:
+        """Swap the residency set to the file ``path`` at the next request boundary; returns the
+        swap's facts (``seconds``, ``workload``, ``hot_experts``, ``pool_bytes``, ...). Raises
+        EngineError (409 ``residency_unavailable``, 400 ``residency_refused``, ...)."""
+
+    async def flush_traces(self) -> None:
+        """Write the routing counts recorded so far to the trace files."""

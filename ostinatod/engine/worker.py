@@ -17,6 +17,20 @@ Scheduling (DESIGN.md "Scheduling for agent sessions"):
   only its new tokens.
 - Every step builds one batch: one token for each generating slot (batched decode across slots) and
   then prefill chunks of waiting slots up to ``n_batch`` tokens.
+
+Residency sets (which experts are hot) are swapped on this loop, at request boundaries only, i.e.
+when no generation is in progress (:meth:`Worker.switch_residency`; DESIGN.md "Planning"):
+
+- an explicit switch (control API, background re-plan) is queued; the loop runs it as soon as no
+  request is generating and admits no new request while it waits, so it cannot be starved;
+- the automatic per-workload swap (setting ``residency_auto_switch``): before a request is admitted
+  while no other request is generating, if its workload differs from the workload of the active set
+  (or the active set is that workload's planned file and the file was re-planned since) and a
+  planned set ``<data>/residency/<fingerprint>/<workload>.json`` exists, that set is swapped in
+  first and the request's "start" event carries ``residency_switch`` (the swap's facts). A set the
+  engine refuses (malformed, another model's) is skipped, said once in ``residency_switch_skipped``
+  of the start event, and not tried again until its file changes. A request that arrives while
+  another one generates runs with the current set; it is never held back for a swap.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import ctypes
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -174,6 +189,14 @@ class Task:
     cancelled: bool = False
     finished: bool = False
     special_ids: set = field(default_factory=set)
+    residency_switch: Optional[dict[str, Any]] = None  # set swapped in right before this request
+    residency_skipped: Optional[str] = None  # why its workload's planned set was not swapped in
+
+
+# workload names that may name a residency file (the HTTP header is free text)
+_WORKLOAD_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+SwitchDone = Callable[[Optional[dict[str, Any]], Optional[EngineError]], None]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,6 +233,12 @@ class Worker:
         self._counters = {"requests": 0, "requests_ok": 0, "requests_error": 0, "requests_cancelled": 0,
                           "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0,
                           "generated_tokens": 0, "decode_calls": 0}
+        # residency sets: the active one, queued explicit switches, the history of swaps
+        self._active_set: dict[str, Any] = {}  # {"workload", "path", "key", "hot_experts", "pool_bytes"}
+        self._switches: list[tuple[Path, str, SwitchDone]] = []
+        self._switch_count = 0
+        self._last_switch: Optional[dict[str, Any]] = None
+        self._failed_sets: set = set()  # (path, mtime_ns, size) of planned sets an auto swap refused
 
     # ---- loading --------------------------------------------------------------------------------
 
@@ -293,6 +322,8 @@ class Worker:
         self.mem = llama_cpp.llama_get_memory(ctx)
         if rt is not None:
             rt.attach(model, ctx)
+            self._note_active_set(rt.residency.path if rt.residency else None,
+                                  rt.residency.workload if rt.residency else None)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [Slot(i) for i in range(n_slots)]
         override = self.settings.chat_template
@@ -367,7 +398,19 @@ class Worker:
                 out["experts"] = self.rt.stats()
             except Exception as e:
                 out["experts"] = {"error": str(e)}
+            out["experts"].update(self.residency_state())
         return out
+
+    def residency_state(self) -> dict[str, Any]:
+        """The active residency set and the swaps so far: ``{"workload" (of the active set; None
+        without one), "residency" (its path or None), "hot_experts", "pool_bytes", "switches"
+        (count since load), "last_switch" (see :meth:`switch_residency`, or None), "auto_switch"
+        (the setting)}``."""
+        a = self._active_set
+        return {"workload": a.get("workload"), "residency": a.get("path"),
+                "hot_experts": a.get("hot_experts"), "pool_bytes": a.get("pool_bytes"),
+                "switches": self._switch_count, "last_switch": self._last_switch,
+                "auto_switch": bool(self.settings.residency_auto_switch)}
 
     # ---- tokens ---------------------------------------------------------------------------------
 
@@ -422,6 +465,26 @@ class Worker:
         """Stop request ``req_id`` (no further events, the slot keeps what was decoded)."""
         self._inbox.put(("cancel", req_id))
 
+    def switch_residency(self, path: Path, done: SwitchDone, reason: str = "control") -> None:
+        """Queue a swap of the residency set to the file ``path`` (any thread).
+
+        The loop runs it at the next request boundary (no request generating; new requests wait
+        for it) and then calls ``done(info, None)`` on the loop thread, with ``info`` =
+        ``{"seconds" (float, the swap incl. reading the file), "workload" (the set's), "path",
+        "previous_workload", "hot_experts" (int), "pool_bytes" (int), "reason", "at" (Unix time)}``;
+        or ``done(None, EngineError)``: ``residency_unavailable`` (409: the model runs without the
+        expert engine, the message says why), ``residency_refused`` (400: unreadable, malformed or
+        another model's set), ``residency_switch_failed`` (500: the native engine refused it) or
+        ``engine_stopped`` (503). On error the previous set stays active.
+        """
+        self._inbox.put(("switch", (Path(path), reason, done)))
+
+    def flush_traces(self) -> None:
+        """Write the routing counts recorded since the last flush to the trace files (any thread;
+        the planner reads the files)."""
+        if self.traces is not None:
+            self.traces.flush()
+
     def shutdown(self) -> None:
         """Make :meth:`run` return; in-flight requests end with an error event."""
         self._stop.set()
@@ -437,7 +500,10 @@ class Worker:
                 self._drain_inbox(block=not busy)
                 if self._stop.is_set():
                     break
-                self._admit()
+                if self._switches and not self._active:
+                    self._run_switches()
+                if not self._switches:  # a queued switch waits for the running requests only
+                    self._admit()
                 if self._active:
                     self._step()
         finally:
@@ -445,6 +511,9 @@ class Worker:
                 self._fail(t, "engine_stopped", "the engine stopped", 503)
             self._waiting.clear()
             self._active.clear()
+            for _, _, done in self._switches:
+                self._reply(done, None, EngineError("engine_stopped", "the engine stopped", 503))
+            self._switches.clear()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -455,6 +524,8 @@ class Worker:
             kind, val = item
             if kind == "submit":
                 self._prepare(val)
+            elif kind == "switch":
+                self._switches.append(val)
             elif kind == "cancel":
                 for t in self._waiting + self._active:
                     if t.req.id == val and not t.finished:
@@ -543,6 +614,126 @@ class Worker:
             raise EngineError("invalid_request", native.last_error() or "could not create the sampler")
         return smpl
 
+    # ---- residency sets (loop thread) -----------------------------------------------------------
+
+    def _note_active_set(self, path: Optional[Path], workload: Optional[str]) -> None:
+        """Remember the active set (file identity for the re-plan check, pool facts for stats)."""
+        key = None
+        if path is not None:
+            try:
+                st = Path(path).stat()
+                key = (str(path), st.st_mtime_ns, st.st_size)
+            except OSError:
+                pass
+        hot = pool = None
+        if self.rt is not None:
+            try:
+                inf = self.rt.info()
+                hot, pool = inf.get("hot_experts"), inf.get("pool_bytes")
+            except Exception as e:  # stats only
+                log.debug("expert info: %s", e)
+        self._active_set = {"workload": workload or None, "path": str(path) if path else None,
+                            "key": key, "hot_experts": hot, "pool_bytes": pool}
+
+    def _no_engine_reason(self) -> str:
+        from . import experts
+        g = self.gguf
+        if self.settings.experts == "stock":
+            why = "the model was loaded with stock llama.cpp placement (experts = 'stock')"
+        elif g is not None and g.n_expert <= 0:
+            why = f"{self.model_path.name} is a dense model (no routed experts)"
+        elif g is not None and g.arch not in experts.SUPPORTED_ARCHS:
+            why = f"architecture {g.arch} is not supported by the expert engine (runs stock)"
+        else:
+            why = "the expert engine is not active for this model (see the engine log: not built, or it failed at load)"
+        return (f"cannot swap residency sets: {why}. The expert pool can only be created while the model "
+                "loads (routed experts kept in host memory, CPU weight repacking off), so load the model "
+                "again with the expert engine (experts = 'auto' or 'ostinato', residency = PATH)")
+
+    def _switch_now(self, path: Path, reason: str) -> dict[str, Any]:
+        """Swap to the set in ``path`` now (loop thread, no request generating). Returns the info
+        dict of :meth:`switch_residency`; raises EngineError (old set stays active)."""
+        from .experts import ExpertEngineError
+        from .residency import ResidencyError
+        if self.rt is None:
+            raise EngineError("residency_unavailable", self._no_engine_reason(), 409)
+        prev = self._active_set.get("workload")
+        try:
+            secs = self.rt.switch(path)
+        except ResidencyError as e:
+            raise EngineError("residency_refused", f"{e} (the previous set stays active)", 400) from e
+        except ExpertEngineError as e:
+            raise EngineError("residency_switch_failed", f"the native engine refused the residency set "
+                              f"{path}: {e} (the previous set stays active)", 500) from e
+        res = self.rt.residency
+        self._note_active_set(Path(path), res.workload if res else None)
+        a = self._active_set
+        info = {"seconds": round(secs, 6), "workload": a["workload"], "path": a["path"],
+                "previous_workload": prev, "hot_experts": a["hot_experts"], "pool_bytes": a["pool_bytes"],
+                "reason": reason, "at": time.time()}
+        self._switch_count += 1
+        self._last_switch = info
+        log.info("residency set switched (%s) to %s (workload %s, was %s) in %.3f s: %s hot experts, "
+                 "pool %s bytes", reason, a["path"], a["workload"], prev, secs, a["hot_experts"],
+                 a["pool_bytes"])
+        return info
+
+    def _run_switches(self) -> None:
+        """Run the queued explicit switches in order (the last one ends up active)."""
+        pending, self._switches = self._switches, []
+        for path, reason, done in pending:
+            try:
+                info = self._switch_now(path, reason)
+            except EngineError as e:
+                log.warning("residency switch to %s refused: %s", path, e.message)
+                self._reply(done, None, e)
+            except Exception as e:  # a bug must not take down the loop
+                log.exception("residency switch to %s failed", path)
+                self._reply(done, None, EngineError("internal_error", f"residency switch failed: {e}", 500))
+            else:
+                self._reply(done, info, None)
+
+    @staticmethod
+    def _reply(done: SwitchDone, info: Optional[dict[str, Any]], err: Optional[EngineError]) -> None:
+        try:
+            done(info, err)
+        except Exception:
+            log.exception("residency switch consumer failed")
+
+    def _planned_set(self, workload: str) -> Optional[tuple[Path, tuple]]:
+        """(path, file key) of the planned set of ``workload`` for this model, or None."""
+        if self.rt is None or not _WORKLOAD_NAME.fullmatch(workload):
+            return None
+        from ..paths import get_paths
+        path = get_paths().residency_dir / str(self.rt.model["fingerprint"]) / f"{workload}.json"
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return path, (str(path), st.st_mtime_ns, st.st_size)
+
+    def _auto_switch(self, t: Task) -> None:
+        """The automatic per-workload swap before ``t`` is admitted (see module docstring).
+        Never fails the request: a refused set is logged once and skipped until its file changes."""
+        if self.rt is None or not self.settings.residency_auto_switch:
+            return
+        workload = t.req.workload or self.settings.workload_default
+        found = self._planned_set(workload)
+        if found is None:
+            return
+        path, key = found
+        a = self._active_set
+        if a.get("workload") == workload and (a.get("path") != str(path) or a.get("key") == key):
+            return  # the workload's set is active (a pinned file, or the planned file unchanged)
+        if key in self._failed_sets:
+            return
+        try:
+            t.residency_switch = self._switch_now(path, "auto")
+        except EngineError as e:
+            self._failed_sets.add(key)
+            t.residency_skipped = f"automatic swap to the {workload} set skipped: {e.message}"
+            log.warning("request %s: %s", t.req.id, t.residency_skipped)
+
     # ---- slots ----------------------------------------------------------------------------------
 
     def _admit(self) -> None:
@@ -553,6 +744,8 @@ class Worker:
             if not free:
                 return
             t = self._waiting.pop(0)
+            if not self._active:  # a request boundary: nothing is generating
+                self._auto_switch(t)
             matches = {s.id: _common_prefix(s.tokens, t.prompt) for s in free}
             best = max(free, key=lambda s: (matches[s.id], -s.last_used))
             target = best
@@ -584,8 +777,12 @@ class Worker:
                 self._counters["prompt_tokens"] += len(t.prompt)
                 self._counters["cached_tokens"] += n_keep
             self._active.append(t)
-            self._emit(t, "start", {"prompt_tokens": len(t.prompt), "cached_tokens": n_keep,
-                                    "slot": target.id})
+            start = {"prompt_tokens": len(t.prompt), "cached_tokens": n_keep, "slot": target.id}
+            if t.residency_switch is not None:
+                start["residency_switch"] = t.residency_switch
+            if t.residency_skipped is not None:
+                start["residency_switch_skipped"] = t.residency_skipped
+            self._emit(t, "start", start)
 
     def _release(self, t: Task) -> None:
         if t.slot is not None:

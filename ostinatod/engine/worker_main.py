@@ -2,7 +2,9 @@
 
 Protocol: JSON lines. The parent writes to our stdin: first ``{"op": "init", "settings": {...},
 "model_path": str}``, then ``{"op": "generate", "req": GenRequest-dict}``, ``{"op": "cancel",
-"id"}``, ``{"op": "count_tokens" | "stats", "rid", ...}``, ``{"op": "shutdown"}``. We write to the
+"id"}``, ``{"op": "count_tokens" | "stats" | "flush_traces", "rid", ...}``, ``{"op":
+"switch_residency", "rid", "path", "reason"}`` (answered once the loop has swapped the set, at the
+next request boundary), ``{"op": "shutdown"}``. We write to the
 protocol stream: ``{"op": "state", "state": "ready", "info"}`` or ``{"op": "state", "state":
 "error", "code", "message", "status"}``, ``{"op": "event", "id", "type", "data"}`` and ``{"op":
 "reply", "rid", "result"}`` / ``{"op": "reply", "rid", "error"}``.
@@ -79,10 +81,23 @@ def main() -> int:
                                                              "data": ev.data}))
             elif op == "cancel":
                 worker.cancel(msg.get("id"))
-            elif op in ("count_tokens", "stats"):
+            elif op == "switch_residency":
+                rid = msg.get("rid")
+
+                def done(info, err, rid=rid) -> None:
+                    if err is None:
+                        send({"op": "reply", "rid": rid, "result": info})
+                    else:
+                        send({"op": "reply", "rid": rid,
+                              "error": {"code": err.code, "message": err.message, "status": err.status}})
+                worker.switch_residency(Path(msg["path"]), done, reason=str(msg.get("reason") or "control"))
+            elif op in ("count_tokens", "stats", "flush_traces"):
                 try:
                     if op == "count_tokens":
                         result: Any = worker.count_tokens(_gen_request(msg["req"]))
+                    elif op == "flush_traces":
+                        worker.flush_traces()
+                        result = True
                     else:
                         result = worker.stats()
                     send({"op": "reply", "rid": msg.get("rid"), "result": result})

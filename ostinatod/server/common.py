@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -236,6 +237,13 @@ class Generation:
 
     def _on_start(self, d: dict[str, Any]) -> None:
         self.start = d
+        sw = d.get("residency_switch")
+        if isinstance(sw, dict):  # the engine swapped this request's workload set in first
+            self.rec["residency_switch_s"] = sw.get("seconds")
+            self.state.note_residency_switch(sw, request_id=self.req.id)
+        if d.get("residency_switch_skipped"):
+            logging.getLogger("ostinatod.residency").warning("request %s: %s", self.req.id,
+                                                             d["residency_switch_skipped"])
         self.rec["prompt_tokens"] = d.get("prompt_tokens")
         self.rec["cached_tokens"] = d.get("cached_tokens")
         if d.get("prompt_tokens") is not None and d.get("cached_tokens") is not None:

@@ -51,6 +51,12 @@ class _EngineCollector(Collector):
         self.snapshot: dict[str, Any] = {}
 
     def collect(self):
+        ex = self.snapshot.get("experts")
+        if isinstance(ex, dict) and "workload" in ex:
+            g = GaugeMetricFamily("ostinato_residency_active", "1 for the workload of the active "
+                                  "residency set (none: no set, all experts cold)", labels=["workload"])
+            g.add_metric([str(ex.get("workload") or "none")], 1.0)
+            yield g
         seen = set()
         for name, value in flatten(self.snapshot):
             full = "ostinato_engine_" + name
@@ -66,7 +72,7 @@ class Metrics:
     """Request counters, token counters and TTFT/TPOT histograms of one daemon.
 
     Labels: ``protocol`` (openai_chat, openai_completions, responses, anthropic), ``status``
-    (ok, or the error code). Times in seconds.
+    (ok, or the error code), ``reason`` of residency swaps (control, auto, replan). Times in seconds.
     """
 
     def __init__(self) -> None:
@@ -90,6 +96,11 @@ class Metrics:
                               ["protocol"], buckets=_TPOT_BUCKETS, registry=r)
         self.http_errors = Counter("ostinato_http_errors", "Requests answered with an error",
                                    ["protocol", "code"], registry=r)
+        self.residency_switches = Counter("ostinato_residency_switches", "Residency-set swaps by "
+                                          "reason (control, auto: a request's workload, replan)",
+                                          ["reason"], registry=r)
+        self.residency_last_switch = Gauge("ostinato_residency_last_switch_seconds",
+                                           "Seconds the last residency-set swap took", registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
 

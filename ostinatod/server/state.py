@@ -7,7 +7,11 @@ Request record (a plain dict, JSON-serialisable; ``recent`` keeps the last
 ``settings.recent_requests`` of them, ``active`` the running ones by id)::
 
     {"id", "protocol", "model", "client", "workload", "status", "prompt_tokens", "cached_tokens",
-     "prefilled_tokens", "completion_tokens", "ttft_s", "tpot_s", "total_s", "error", "started"}
+     "prefilled_tokens", "completion_tokens", "ttft_s", "tpot_s", "total_s", "error", "started",
+     "residency_switch_s"}
+
+``residency_switch_s`` is the time of the residency-set swap the engine made right before the
+request (its workload's set; None when there was none).
 
 ``status`` is "running", "ok", or an error code ("context_length_exceeded", "engine_crashed",
 "client_disconnected", ...); ``started`` is a Unix time in seconds; times are seconds.
@@ -29,6 +33,7 @@ from ..settings import Settings
 from .metrics import Metrics
 
 log = logging.getLogger("ostinatod.requests")
+rlog = logging.getLogger("ostinatod.residency")
 
 
 @dataclass
@@ -54,6 +59,8 @@ class DaemonState:
     reload: Optional[Callable[[Optional[Path]], Awaitable[None]]] = None
     active: dict[str, dict[str, Any]] = field(default_factory=dict)
     recent: deque = field(default=None)  # type: ignore[assignment]
+    # the last residency-set swap the daemon learnt of (see note_residency_switch)
+    last_residency_switch: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.recent is None:
@@ -88,7 +95,7 @@ class DaemonState:
                "workload": workload, "status": "running", "prompt_tokens": None,
                "cached_tokens": None, "prefilled_tokens": None, "completion_tokens": 0,
                "ttft_s": None, "tpot_s": None, "total_s": None, "error": None,
-               "started": time.time()}
+               "started": time.time(), "residency_switch_s": None}
         self.active[rid] = rec
         self.metrics.in_flight.inc()
         return rec
@@ -108,12 +115,37 @@ class DaemonState:
         def f(v: Any, unit: str = "") -> str:
             return "-" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
 
+        sw = rec.get("residency_switch_s")
         log.info("%s %s %s client=%s workload=%s status=%s ttft=%s tpot=%s total=%s prompt=%s "
-                 "cached=%s prefilled=%s completion=%s%s", rec["id"], rec["protocol"], rec["model"],
+                 "cached=%s prefilled=%s completion=%s%s%s", rec["id"], rec["protocol"], rec["model"],
                  rec["client"], rec["workload"], status, f(rec["ttft_s"], "s"), f(rec["tpot_s"], "s"),
                  f(rec["total_s"], "s"), f(rec["prompt_tokens"]), f(rec["cached_tokens"]),
                  f(rec["prefilled_tokens"]), f(rec["completion_tokens"]),
+                 f" switch={sw:.3f}s" if isinstance(sw, (int, float)) else "",
                  f" error={error!r}" if error else "")
+
+    # --- residency swaps ----------------------------------------------------------------------
+    def note_residency_switch(self, info: dict[str, Any], request_id: Optional[str] = None) -> None:
+        """Account one residency-set swap reported by the engine (``switch_residency``'s answer
+        or a request's ``start.residency_switch``): ``{"seconds", "workload", "path",
+        "previous_workload", "hot_experts", "pool_bytes", "reason" ("control" | "auto" |
+        "replan"), "at"}``. Keeps it as ``last_residency_switch`` (control ``status``, TUI),
+        counts it in ``ostinato_residency_switches_total{reason}``, sets
+        ``ostinato_residency_last_switch_seconds`` and writes one log line."""
+        rec = dict(info)
+        if request_id:
+            rec["request_id"] = request_id
+        self.last_residency_switch = rec
+        reason = str(rec.get("reason") or "control")
+        self.metrics.residency_switches.labels(reason).inc()
+        secs = rec.get("seconds")
+        if isinstance(secs, (int, float)):
+            self.metrics.residency_last_switch.set(secs)
+        rlog.info("residency set switched (%s%s): workload %s -> %s in %s s, %s hot experts, pool %s "
+                  "bytes, %s", reason, f", before request {request_id}" if request_id else "",
+                  rec.get("previous_workload"), rec.get("workload"),
+                  f"{secs:.3f}" if isinstance(secs, (int, float)) else "?", rec.get("hot_experts"),
+                  rec.get("pool_bytes"), rec.get("path"))
 
     # --- snapshots for status -----------------------------------------------------------------
     def status(self) -> dict[str, Any]:
