@@ -75,6 +75,13 @@ class Settings(BaseSettings):
     prefill_threshold: Optional[int] = Field(None, ge=1, description="Np: forward passes with at "
                                              "least this many tokens take the upload path. Default: "
                                              "from the calibration in the hardware profile.")
+    decode_overlap: Optional[bool] = Field(None, description="Decode overlap: the CPU branch of a "
+                                           "layer runs while its GPU branch computes (true), or first "
+                                           "with one host round trip fewer (false). Default: the "
+                                           "faster one measured by the calibration, else true.")
+    decode_threads: Optional[int] = Field(None, ge=1, description="CPU threads for one-token decode "
+                                          "steps with the expert engine (prefill keeps n_threads). "
+                                          "Default: the calibration's fastest, else n_threads.")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "

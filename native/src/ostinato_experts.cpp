@@ -130,6 +130,7 @@ std::string g_err;
 std::string g_out_info, g_out_stats, g_out_req;
 bool g_graph_dirty = false;   // set by a residency switch: cached graphs reference the old pool
 bool g_timing = false;        // timing mode: GPU branches get a synchronising marker
+bool g_overlap = true;        // decode overlap: CPU branch after the GPU branch in the graph
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -581,6 +582,11 @@ ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int i
     return t;
 }
 
+int ostinato_moe_overlap(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return g_overlap ? 1 : 0;
+}
+
 int ostinato_moe_timing(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     return g_timing ? 1 : 0;
@@ -752,6 +758,13 @@ int ostinato_experts_set_timing(int on) {
     return 0;
 }
 
+int ostinato_experts_set_overlap(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_overlap != (on != 0)) g_graph_dirty = true;   // the branch order is part of the graph
+    g_overlap = on != 0;
+    return 0;
+}
+
 const char * ostinato_experts_info(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     json j;
@@ -759,6 +772,7 @@ const char * ostinato_experts_info(void) {
     j["prefill_threshold"] = g_np;
     j["force_path"] = g_force == FORCE_AUTO ? "auto" : g_force == FORCE_SPLIT ? "split" : "upload";
     j["timing"] = g_timing;
+    j["overlap"] = g_overlap;
     if (g_eng) {
         const engine_t & e = *g_eng;
         j["pool_device"] = e.pool_device;

@@ -43,6 +43,10 @@ ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int i
 ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il, int kind);
 // 1 while timing mode is on (calibration): GPU branches get a (synchronising) timing marker.
 int  ostinato_moe_timing(void);
+// 1 (default): the CPU branch follows the GPU branch in the graph and runs while it computes (decode
+// overlap); 0: the CPU branch runs first, in the route op's split (one host round trip per layer
+// fewer, no overlap). Calibration measures both and keeps the faster.
+int  ostinato_moe_overlap(void);
 // 1 when a forward pass of n_tokens takes the upload path, else 0 (split path / decode).
 int  ostinato_moe_upload_path(int64_t n_tokens);
 // False once after a residency switch: the context must rebuild its cached graph.
@@ -76,6 +80,8 @@ OSTINATO_API int          ostinato_experts_set_threshold(int64_t np);
 OSTINATO_API int          ostinato_experts_force_path(const char * path);
 // Timing mode (1/0): GPU-branch times per pass at the cost of one sync per layer (calibration).
 OSTINATO_API int          ostinato_experts_set_timing(int on);
+// Decode overlap on (1) or off (0); see ostinato_moe_overlap.
+OSTINATO_API int          ostinato_experts_set_overlap(int on);
 // Stats as JSON; the returned string stays valid until the next call of the same function.
 OSTINATO_API const char * ostinato_experts_info(void);
 OSTINATO_API const char * ostinato_experts_stats(int with_counts);

@@ -471,6 +471,9 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
                     if gpu:
                         gpu_ms.append(float(st.get("gpu_branch_ms", 0.0)) / n_moe)
                 say(f"calibration: decode with {f:.0%} hot experts: {decode_steps} steps")
+            w.rt.set_timing(False)   # serving conditions for the decode sweep
+            sweep = decode_sweep(w, paths[len(paths) // 2], decode, toks, steps=max(8, decode_steps // 2))
+            say(f"calibration: decode overlap x threads: {len(sweep)} settings")
             if prefill_sizes:
                 mid = paths[len(paths) // 2]
                 w.rt.switch(mid)
@@ -496,9 +499,47 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
         if isinstance(exp_bytes, list):
             exp_bytes = max(exp_bytes) if exp_bytes else None
         return {"decode_rows": rows, "gpu_ms_per_layer": gpu_ms, "prefill": prefill, "gpu": gpu,
+                "decode_sweep": sweep,
                 "expert_bytes": exp_bytes, "model": {k: block[k] for k in ("fingerprint", "name")}}
     finally:
         w.close()
+
+
+def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16) -> list[dict[str, Any]]:
+    """Median one-token decode step (ms, llama_decode + sync) for decode overlap on/off x CPU thread
+    counts (all physical cores, half, a quarter), with ``residency_path`` active and timing mode off.
+
+    ``w``: the calibration's loaded Worker; ``decode(tokens, pos0) -> ms`` and ``toks(n)`` as in
+    :func:`measure`. Restores overlap on and the context's thread counts. Returns
+    [{"overlap", "threads", "median_ms"}].
+    """
+    import llama_cpp
+
+    from .worker import _physical_cores
+
+    p = int(w.settings.n_threads or _physical_cores())
+    counts = sorted({max(1, p // 4), max(1, p // 2), p})
+    w.rt.switch(residency_path)
+    mem = llama_cpp.llama_get_memory(w.ctx)
+    out: list[dict[str, Any]] = []
+    try:
+        for overlap in (True, False):
+            w.rt.set_overlap(overlap)
+            for n in counts:
+                llama_cpp.llama_set_n_threads(w.ctx, n, p)
+                llama_cpp.llama_memory_clear(mem, True)
+                decode(toks(16), 0)
+                ms = [decode(toks(1), 16 + i) for i in range(steps + 3)][3:]  # 3 warm-up steps
+                out.append({"overlap": overlap, "threads": n, "median_ms": float(np.median(ms))})
+    finally:
+        w.rt.set_overlap(True)
+        llama_cpp.llama_set_n_threads(w.ctx, p, p)
+    return out
+
+
+def best_decode(sweep: Sequence[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The fastest entry of :func:`decode_sweep`'s result (None when empty)."""
+    return min(sweep, key=lambda r: r["median_ms"]) if sweep else None
 
 
 def run_calibration(model_path: Optional[Path] = None, *, profile_path: Optional[Path] = None,
@@ -522,6 +563,12 @@ def run_calibration(model_path: Optional[Path] = None, *, profile_path: Optional
         cal = solve_calibration(m["decode_rows"], m["gpu_ms_per_layer"], m["prefill"],
                                 gpu=m["gpu"], expert_bytes=m.get("expert_bytes"),
                                 h2d_gbps=_h2d_from_profile(profile_path))
+        best = best_decode(m.get("decode_sweep") or [])
+        if best is not None:
+            cal["decode_overlap"] = bool(best["overlap"])
+            cal["decode_threads"] = int(best["threads"])
+            cal["decode_step_ms"] = best["median_ms"]
+            cal["decode_sweep"] = m["decode_sweep"]
         cal["measurements"] = {"decode_steps": len(m["decode_rows"]),
                                "prefill_passes": len(m["prefill"]),
                                "prefill": [vars(p) for p in m["prefill"]]}
@@ -550,6 +597,8 @@ def format_calibration(cal: dict[str, Any]) -> str:
              f"{cb['samples']} steps)",
              f"GPU branch per layer G: {f(cal.get('gpu_branch_ms'))}; pinned H2D: "
              f"{cal.get('h2d_pinned_gbps') or 'n/a'} GB/s",
+             f"decode: overlap {cal.get('decode_overlap', 'n/a')}, threads "
+             f"{cal.get('decode_threads', 'n/a')}, step {f(cal.get('decode_step_ms'))}",
              f"prefill threshold Np: {cal.get('np_tokens') or 'not calibrated'}"
              + (f" (measured crossing {cal['np_measured_crossing']})"
                 if cal.get("np_measured_crossing") else "")]

@@ -43,6 +43,7 @@ _SIGS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_threshold": ([ctypes.c_int64], ctypes.c_int),
     "ostinato_experts_force_path": ([_C], ctypes.c_int),
     "ostinato_experts_set_timing": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_overlap": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -128,6 +129,33 @@ def set_timing(on: bool) -> None:
     _fn("ostinato_experts_set_timing")(1 if on else 0)
 
 
+def set_overlap(on: bool) -> None:
+    """Decode overlap on/off (DESIGN.md item 5): with it the CPU branch of a layer runs while the GPU
+    branch computes; without it the CPU branch runs first, saving one host round trip per layer.
+    Which is faster depends on the machine; ``ostinato calibrate`` measures both."""
+    _fn("ostinato_experts_set_overlap")(1 if on else 0)
+
+
+def decode_choices(settings: Any = None) -> tuple[bool, Optional[int]]:
+    """(decode overlap, decode threads or None) to serve with: the settings if given, else the
+    calibration's measured choice (``decode_overlap``, ``decode_threads``), else (True, None)."""
+    overlap = getattr(settings, "decode_overlap", None)
+    threads = getattr(settings, "decode_threads", None)
+    if overlap is None or threads is None:
+        try:
+            from .calibrate import load_calibration
+            cal = load_calibration() or {}
+        except Exception:  # noqa: BLE001 - no profile: defaults
+            cal = {}
+        if cal.get("stale"):
+            cal = {}
+        if overlap is None:
+            overlap = cal.get("decode_overlap")
+        if threads is None:
+            threads = cal.get("decode_threads")
+    return (True if overlap is None else bool(overlap)), (int(threads) if threads else None)
+
+
 def _default_np(settings: Any) -> int:
     if getattr(settings, "prefill_threshold", None):
         return int(settings.prefill_threshold)
@@ -191,6 +219,8 @@ class ExpertRuntime:
         dev = device if _has_gpu() else -1
         np_tokens = _default_np(settings)
         configure(hot, device=dev, prefill_threshold=np_tokens)
+        overlap, _ = decode_choices(settings)
+        set_overlap(overlap)
         log.info("experts: %d hot experts from %s, Np = %d", sum(len(v) for v in hot.values()),
                  res_path or "no residency set (all experts cold)", np_tokens)
         return cls(Path(model_path), model, residency, np_tokens, dev)
@@ -246,6 +276,10 @@ class ExpertRuntime:
     def set_timing(self, on: bool) -> None:
         """See :func:`set_timing`."""
         set_timing(on)
+
+    def set_overlap(self, on: bool) -> None:
+        """See :func:`set_overlap`."""
+        set_overlap(on)
 
     def switch(self, residency_path: Path) -> float:
         """Swap the residency set at a request boundary (no forward pass may be running: call it
