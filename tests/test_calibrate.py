@@ -165,6 +165,9 @@ def test_run_calibration_on_the_engine_cpu(tiny_model, tmp_path, monkeypatch):
     assert c["measurements"]["decode_steps"] == 48 and c["measurements"]["prefill_passes"] == 6
     assert {p["path"] for p in c["measurements"]["prefill"]} == {"split", "upload"}
     assert c["cpu_branch"]["samples"] == 48
+    # decode overlap on/off x thread counts measured, the fastest kept for serving
+    assert len(c["decode_sweep"]) >= 2 and isinstance(c["decode_overlap"], bool)
+    assert c["decode_threads"] >= 1 and c["decode_step_ms"] > 0
     if not c["gpu_terms"]:
         assert c["gpu_branch_ms"] is None and c["np_tokens"] is None
     print(cal.format_calibration(c))

@@ -26,10 +26,12 @@ if not experts.native_available():  # pragma: no cover - stale build
                 allow_module_level=True)
 
 PROMPT_LEN, N_NEW = 24, 8
-# OSTINATO_TEST_GPU=1 (GPU machine only): pool and dense layers on GPU 0 (the stock reference stays
-# all on the CPU); hot experts then use CUDA kernels, so logits get a tolerance.
+# OSTINATO_TEST_GPU=1 (GPU machine only): dense layers on GPU 0 in both runs; the stock reference
+# keeps every routed expert in host memory (n_cpu_moe = all layers), Ostinato puts its pool on GPU 0.
+# Hot experts then run CUDA kernels (activations quantised to q8_1) where the reference runs the CPU's
+# (q8_0), so logits get a tolerance there; the greedy tokens must still be identical.
 GPU = os.environ.get("OSTINATO_TEST_GPU") == "1"
-TOL = 0.05 if GPU else 1e-3
+TOL = 0.25 if GPU else 1e-3
 
 
 ARCHS = ("qwen3moe", "deepseek2")
@@ -78,7 +80,10 @@ class Runner:
         mp = llama_cpp.llama_model_default_params()
         # stock reference: everything in host memory; with a config the patched loader keeps the
         # routed experts in host memory and (GPU) puts the pool and the dense layers on the GPU
-        mp.n_gpu_layers = 999 if (GPU and hot is not None) else 0
+        mp.n_gpu_layers = 999 if GPU else 0
+        if GPU and hot is None:
+            from ostinatod.engine import native
+            mp.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(999)
         mp.use_extra_bufts = False  # both runs: same CPU kernels (see ExpertRuntime.adjust_model_params)
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         experts.configure(None)
