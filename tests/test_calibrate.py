@@ -146,6 +146,18 @@ def test_store_keeps_other_profile_keys_and_threshold_lookup(tmp_path):
     assert cal.prefill_threshold(None, prof) == cal.DEFAULT_NP
 
 
+def test_calibration_on_a_machine_without_profile_survives_the_daemon_start(tmp_path):
+    # `ostinato calibrate` before any daemon start: the stored file gets the hardware fingerprint,
+    # so the start-up profile (ensure_profile) keeps the calibration instead of marking it stale
+    from ostinatod.profile import ensure_profile
+    prof = tmp_path / "hw.json"
+    cal.store_calibration({"np_tokens": 16, "format": cal.CALIBRATION_FORMAT}, prof)
+    assert json.loads(prof.read_text())["fingerprint"]
+    p = ensure_profile(prof, recalibrate=False)
+    assert not p["calibration"].get("stale")
+    assert cal.prefill_threshold(None, prof) == 16
+
+
 def test_run_calibration_without_model_never_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
     monkeypatch.delenv("OSTINATO_MODEL", raising=False)

@@ -304,7 +304,10 @@ def prefill_threshold(settings: Any = None, path: Optional[Path] = None) -> int:
 def store_calibration(cal: dict[str, Any], path: Optional[Path] = None) -> Path:
     """Write ``cal`` under ``"calibration"`` in the hardware profile, keeping every other key.
 
-    Atomic (temp file + rename). Creates the file (``{"calibration": ...}``) when it is missing.
+    Atomic (temp file + rename). When the file is missing or has no hardware fingerprint, the quick
+    hardware probe (:func:`ostinatod.profile.collect_profile` without bandwidth measurements) is
+    stored with it: otherwise the daemon's start-up profile would see "changed hardware" and mark this
+    fresh calibration stale.
     """
     path = Path(path) if path else get_paths().hardware_profile
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -314,6 +317,12 @@ def store_calibration(cal: dict[str, Any], path: Optional[Path] = None) -> Path:
             prof = {}
     except (OSError, ValueError):
         prof = {}
+    if not prof.get("fingerprint"):
+        try:
+            from ..profile import collect_profile
+            prof = {**collect_profile(measure=False), **prof}
+        except Exception as e:  # noqa: BLE001 - the calibration is still worth storing
+            log.warning("hardware probe for the profile failed: %s", e)
     prof["calibration"] = cal
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(prof, indent=1))
