@@ -34,7 +34,7 @@ GPU = os.environ.get("OSTINATO_TEST_GPU") == "1"
 TOL = 0.25 if GPU else 1e-3
 
 
-ARCHS = ("qwen3moe", "deepseek2")
+ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
 
 
 def _moe_layers(arch, n_layer):

@@ -51,12 +51,15 @@ struct size_class_t {
     ggml_type t_up, t_gate, t_down;
     int64_t up0, up1, down0, down1;
     bool has_gate;
+    bool has_bias = false;                      // expert biases (gpt-oss): one F32 row per expert
     std::vector<std::pair<int, int>> members;   // (layer, expert) in slot order
     int n_stage = 0;                            // max cold experts of one layer of the class
     ggml_tensor * up = nullptr, * gate = nullptr, * down = nullptr;   // [.., .., slots + k + n_stage]
+    ggml_tensor * b_up = nullptr, * b_gate = nullptr, * b_down = nullptr;   // [.., slots + k + n_stage]
     bool operator==(const size_class_t & o) const {
         return t_up == o.t_up && t_gate == o.t_gate && t_down == o.t_down && up0 == o.up0 &&
-               up1 == o.up1 && down0 == o.down0 && down1 == o.down1 && has_gate == o.has_gate;
+               up1 == o.up1 && down0 == o.down0 && down1 == o.down1 && has_gate == o.has_gate &&
+               has_bias == o.has_bias;
     }
 };
 
@@ -265,8 +268,9 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     int used = 0;
     for (int x = 0; x < e->n_expert; ++x) slot[x] = slot[x] == 1 ? ol.stage0 + used++ : -1;
     GGML_ASSERT(ol.stage0 + used <= ol.down_pool->ne[2]);
+    // one expert = one ne[2] slice of a weight tensor, one row (nb[1]) of a bias tensor
     auto put = [&](const ggml_tensor * src, ggml_tensor * pool, int x0, int s0, int m) {
-        const size_t nb = src->nb[2];
+        const size_t nb = ggml_n_dims(src) >= 3 ? src->nb[2] : src->nb[1];
         const size_t sz = (size_t) m * nb;
         if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
             const char * p = (const char *) src->data + (size_t) x0 * nb;
@@ -286,6 +290,9 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         put(L.ffn_up_exps, ol.up_pool, x, slot[x], m);
         if (ol.gate_pool) put(L.ffn_gate_exps, ol.gate_pool, x, slot[x], m);
         put(L.ffn_down_exps, ol.down_pool, x, slot[x], m);
+        if (ol.up_b_pool)   put(L.ffn_up_exps_b, ol.up_b_pool, x, slot[x], m);
+        if (ol.gate_b_pool) put(L.ffn_gate_exps_b, ol.gate_b_pool, x, slot[x], m);
+        if (ol.down_b_pool) put(L.ffn_down_exps_b, ol.down_b_pool, x, slot[x], m);
         x += m;
     }
     for (int64_t i = 0; i < k * n; ++i) {
@@ -430,8 +437,13 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         int n_hot_l = 0;
         for (int x = 0; x < e->n_expert; ++x) n_hot_l += e->hot[il][x];
         if (n_hot_l == 0) continue;
-        if (!L.ffn_up_exps || L.ffn_gate_up_exps || L.ffn_up_exps_b || L.ffn_gate_exps_b || L.ffn_down_exps_b) {
-            // merged gate_up or expert biases: not handled yet, the layer runs stock (all on host)
+        const bool biases = L.ffn_up_exps_b || L.ffn_gate_exps_b || L.ffn_down_exps_b;
+        const bool biases_ok = !biases || (L.ffn_up_exps_b && L.ffn_down_exps_b &&
+            (L.ffn_gate_exps_b != nullptr) == (L.ffn_gate_exps != nullptr) &&
+            L.ffn_up_exps_b->type == GGML_TYPE_F32 && L.ffn_down_exps_b->type == GGML_TYPE_F32 &&
+            (!L.ffn_gate_exps_b || L.ffn_gate_exps_b->type == GGML_TYPE_F32));
+        if (!L.ffn_up_exps || L.ffn_gate_up_exps || !biases_ok) {
+            // merged gate_up or a partial set of expert biases: not handled, the layer runs stock
             e->notes.push_back("layer " + std::to_string(il) + ": expert layout not supported, runs stock");
             std::fill(e->hot[il].begin(), e->hot[il].end(), 0);
             continue;
@@ -441,6 +453,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         c.has_gate = L.ffn_gate_exps != nullptr;
         c.t_gate = c.has_gate ? L.ffn_gate_exps->type : GGML_TYPE_F32;
         c.t_down = L.ffn_down_exps->type; c.down0 = L.ffn_down_exps->ne[0]; c.down1 = L.ffn_down_exps->ne[1];
+        c.has_bias = biases;
         int ci = -1;
         for (size_t i = 0; i < e->classes.size(); ++i) if (e->classes[i] == c) { ci = (int) i; break; }
         if (ci < 0) { e->classes.push_back(c); ci = (int) e->classes.size() - 1; }
@@ -462,7 +475,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     e->pool_device = ggml_backend_dev_name(dev);
     pin_experts(model, dev);
 
-    const size_t n_tensors = 3 * e->classes.size() + 1;
+    const size_t n_tensors = 6 * e->classes.size() + 1;
     ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
     e->ctx_pool = ggml_init(ip);
     for (auto & c : e->classes) {
@@ -471,12 +484,18 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         c.up = ggml_new_tensor_3d(e->ctx_pool, c.t_up, c.up0, c.up1, n_slots);
         if (c.has_gate) c.gate = ggml_new_tensor_3d(e->ctx_pool, c.t_gate, c.up0, c.up1, n_slots);
         c.down = ggml_new_tensor_3d(e->ctx_pool, c.t_down, c.down0, c.down1, n_slots);
+        if (c.has_bias) {
+            c.b_up = ggml_new_tensor_2d(e->ctx_pool, GGML_TYPE_F32, c.up1, n_slots);
+            if (c.has_gate) c.b_gate = ggml_new_tensor_2d(e->ctx_pool, GGML_TYPE_F32, c.up1, n_slots);
+            c.b_down = ggml_new_tensor_2d(e->ctx_pool, GGML_TYPE_F32, c.down1, n_slots);
+        }
     }
     for (int il = 0; il < e->n_layer; ++il) {
         if (!e->layers[il].has_hot) continue;
         auto & l = e->layers[il];
         auto & c = e->classes[layer_class[il]];
         l.up_pool = c.up; l.gate_pool = c.gate; l.down_pool = c.down;
+        l.up_b_pool = c.b_up; l.gate_b_pool = c.b_gate; l.down_b_pool = c.b_down;
         l.zero0 = (int) c.members.size();
         l.stage0 = l.zero0 + e->k;
         e->layer_nstage[il] = c.n_stage;
@@ -500,8 +519,9 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     e->slot.assign(e->n_layer, std::vector<int32_t>(e->n_expert, -1));
     std::vector<uint8_t> tmp;
     auto copy_expert = [&](ggml_tensor * src, ggml_tensor * dst, int x, int slot) {
-        const size_t nb = src->nb[2];
-        GGML_ASSERT(dst->nb[2] == nb);
+        const int d = ggml_n_dims(src) >= 3 ? 2 : 1;   // weight slice or bias row
+        const size_t nb = src->nb[d];
+        GGML_ASSERT(dst->nb[d] == nb);
         tmp.resize(nb);
         ggml_backend_tensor_get(src, tmp.data(), (size_t) x * nb, nb);
         ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * nb, nb);
@@ -513,6 +533,9 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             copy_expert(L.ffn_up_exps, c.up, x, (int) s);
             if (c.has_gate) copy_expert(L.ffn_gate_exps, c.gate, x, (int) s);
             copy_expert(L.ffn_down_exps, c.down, x, (int) s);
+            if (c.b_up)   copy_expert(L.ffn_up_exps_b, c.b_up, x, (int) s);
+            if (c.b_gate) copy_expert(L.ffn_gate_exps_b, c.b_gate, x, (int) s);
+            if (c.b_down) copy_expert(L.ffn_down_exps_b, c.b_down, x, (int) s);
             e->slot[il][x] = (int32_t) s;
             e->n_hot++;
         }

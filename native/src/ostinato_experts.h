@@ -20,6 +20,10 @@ struct ostinato_moe_layer {
     ggml_tensor * up_pool   = nullptr;
     ggml_tensor * gate_pool = nullptr;
     ggml_tensor * down_pool = nullptr;
+    // per-slot expert biases (gpt-oss), [n, n_slots + k + n_stage]; zero slots' rows are 0; else null
+    ggml_tensor * up_b_pool   = nullptr;
+    ggml_tensor * gate_b_pool = nullptr;
+    ggml_tensor * down_b_pool = nullptr;
     int zero0  = 0;                          // first zero slot
     int stage0 = 0;                          // first staging slot
 };

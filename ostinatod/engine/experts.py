@@ -31,8 +31,9 @@ from .residency import ResidencyError, ResidencySet, model_block, read_residency
 
 log = logging.getLogger("ostinatod.experts")
 
-# Architectures whose MoE layers the engine splits (up/gate/down expert tensors, no expert biases).
-SUPPORTED_ARCHS = ("qwen3moe", "deepseek2")
+# Architectures whose MoE layers the engine splits (separate up/gate/down expert tensors; expert
+# biases, as in gpt-oss, get per-slot bias rows in the pool).
+SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
 
 _C = ctypes.c_char_p
 _SIGS: dict[str, tuple[list[Any], Any]] = {
