@@ -522,6 +522,10 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         const int d = ggml_n_dims(src) >= 3 ? 2 : 1;   // weight slice or bias row
         const size_t nb = src->nb[d];
         GGML_ASSERT(dst->nb[d] == nb);
+        if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {   // straight from (pinned) host memory
+            ggml_backend_tensor_set(dst, (const char *) src->data + (size_t) x * nb, (size_t) slot * nb, nb);
+            return;
+        }
         tmp.resize(nb);
         ggml_backend_tensor_get(src, tmp.data(), (size_t) x * nb, nb);
         ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * nb, nb);
