@@ -123,8 +123,9 @@ def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
     ``stats()`` as the worker embeds it). Returns ``{"mode", "hot_route_share" (0..1 or None),
     "per_layer_hot_share" ([float] or None), "paths" ({"decode", "split", "upload", "stock"}
     counts), "routes", "hot_routes", "cold_routes", "residency" (path of the active set or None),
-    "workload" (of the active set or None), "hot_experts", "pool_bytes", "switches" (swaps since
-    the model was loaded), "auto_switch" (setting residency_auto_switch)}``.
+    "workload" (of the active set or None), "hot_experts", "pool_bytes", "pools" (per device:
+    ``{gpu, device, bytes, hot_experts}`` or None), "switches" (swaps since the model was loaded),
+    "auto_switch" (setting residency_auto_switch)}``.
     """
     ex = stats.get("experts") if isinstance(stats.get("experts"), dict) else stats
     paths = ex.get("paths") or ex.get("path_counts") or {}
@@ -142,7 +143,7 @@ def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
         "residency": ex.get("residency") or ex.get("residency_path"),
         "workload": ex.get("workload"),
         "hot_experts": ex.get("hot_experts"), "pool_bytes": ex.get("pool_bytes"),
-        "switches": ex.get("switches"), "auto_switch": ex.get("auto_switch"),
+        "pools": ex.get("pools"), "switches": ex.get("switches"), "auto_switch": ex.get("auto_switch"),
     }
 
 
@@ -368,8 +369,8 @@ async def h_status(request: web.Request) -> web.Response:
             if isinstance(stats.get("experts"), dict):  # stock engines have no residency set
                 ex = expert_view(stats)
                 out["residency"] = {k: ex.get(k) for k in ("workload", "residency", "hot_experts",
-                                                            "pool_bytes", "switches", "auto_switch",
-                                                            "hot_route_share")}
+                                                            "pool_bytes", "pools", "switches",
+                                                            "auto_switch", "hot_route_share")}
         except Exception as e:  # a restarting worker: status still answers
             log.debug("status: engine stats: %s", e)
     return web.json_response(out)

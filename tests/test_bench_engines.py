@@ -69,3 +69,33 @@ def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     assert set(res["ratios_vs_best_stock"]) >= {"decode", "ttft_after_tool", "session_total"}
     md = (out / "tiny.md").read_text()
     assert "| decode ms/token |" in md and "stock-cpu" in md
+
+
+def test_plan_over_two_gpus_and_gpu_env(tiny_model, tmp_path, monkeypatch):
+    """--gpus 2: the plan has one pool per GPU over contiguous layer ranges (emulated GPUs here),
+    and every engine is limited to the first two GPUs of a larger machine."""
+    import argparse
+
+    import numpy as np
+
+    from ostinatod.engine import planner
+    from ostinatod.engine.planner import read_model_shape
+    from ostinatod.engine.traces import Trace
+
+    shape = read_model_shape(tiny_model)
+    counts = np.random.default_rng(0).integers(0, 50, (shape.n_layer, shape.n_expert))
+    tr = Trace(model=shape.model_block(), workload="coding", counts_prefill=counts,
+               counts_decode=np.zeros_like(counts), max_request_tokens=64)
+    monkeypatch.setattr(planner, "detect_gpus", lambda: [])
+    a = argparse.Namespace(budget_frac=0.5, gpus="2")
+    res, path, stock = be.plan(tiny_model, tr, a, tmp_path, "coding")
+    assert [g["device"] for g in res["gpus"]] == [0, 1] and path.exists()
+    assert [g["device"] for g in stock["gpus"]] == [0, 1]
+    assert sum(g["pool_bytes"] for g in stock["gpus"]) == stock["pool_bytes"]
+    assert res["gpus"][0]["layers"][-1] + 1 == res["gpus"][1]["layers"][0]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert "CUDA_VISIBLE_DEVICES" not in be.gpu_env(a, {})  # no more GPUs than asked for
+    monkeypatch.setattr(planner, "detect_gpus", lambda: [planner.GpuSpec(i) for i in range(4)])
+    assert be.gpu_env(a, {})["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert be.gpu_env(a, {"CUDA_VISIBLE_DEVICES": "3"})["CUDA_VISIBLE_DEVICES"] == "3"
+    assert "CUDA_VISIBLE_DEVICES" not in be.gpu_env(argparse.Namespace(gpus="auto"), {})

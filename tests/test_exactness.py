@@ -31,6 +31,8 @@ PROMPT_LEN, N_NEW = 24, 8
 # Hot experts then run CUDA kernels (activations quantised to q8_1) where the reference runs the CPU's
 # (q8_0), so logits get a tolerance there; the greedy tokens must still be identical.
 GPU = os.environ.get("OSTINATO_TEST_GPU") == "1"
+# GPUs of the machine for the two-pool load test (OSTINATO_TEST_GPUS=2 on a machine with >= 2 GPUs)
+N_GPUS = int(os.environ.get("OSTINATO_TEST_GPUS", "1"))
 TOL = 0.25 if GPU else 1e-3
 
 
@@ -67,12 +69,17 @@ def half_hot(moe, seed=1):
 class Runner:
     """Loads the model with the low-level API and generates greedily; returns tokens and logits."""
 
-    def __init__(self, path, hot=None, prefill_threshold=512, force="auto", all_logits=False):
+    def __init__(self, path, hot=None, prefill_threshold=512, force="auto", all_logits=False, rt=None,
+                 tensor_split=None):
         # all_logits: every token is an output, so llama.cpp does not prune the last layer to the
         # output rows and every MoE layer sees every token of the pass
+        # rt: an ExpertRuntime from prepare() (it configured the loader; the runner loads and attaches)
+        # tensor_split (GPU, stock reference): llama.cpp's layer split with these weights
         self.all_logits = all_logits
         llama_cpp.llama_backend_init()
-        if hot is None:
+        if rt is not None:
+            pass
+        elif hot is None:
             experts.configure(None)
         else:
             experts.configure(hot, device=0 if GPU else -1, prefill_threshold=prefill_threshold,
@@ -85,7 +92,16 @@ class Runner:
             from ostinatod.engine import native
             mp.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(999)
         mp.use_extra_bufts = False  # both runs: same CPU kernels (see ExpertRuntime.adjust_model_params)
+        if rt is not None:
+            rt.adjust_model_params(mp)
+        if tensor_split is not None:
+            import ctypes
+            self._ts = (ctypes.c_float * len(tensor_split))(*tensor_split)
+            mp.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
+            mp.tensor_split = ctypes.cast(self._ts, ctypes.POINTER(ctypes.c_float))
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        if rt is not None:
+            rt.attach(self.model, None)  # checks the pool exists, clears the loader config
         experts.configure(None)
         assert self.model, "model load failed"
         cp = llama_cpp.llama_context_default_params()
@@ -173,9 +189,11 @@ def drop_ost():
     _OST.clear()
 
 
-def _switch(hot):
+def _switch(hot, layer_device=None):
     cfg = {"hot": {str(k): v for k, v in hot.items()}, "device": 0 if GPU else -1}
-    assert experts._fn("ostinato_experts_switch")(json.dumps(cfg).encode()) == 0
+    if layer_device:
+        cfg["layer_device"] = {str(k): v for k, v in layer_device.items()}
+    assert experts._fn("ostinato_experts_switch")(json.dumps(cfg).encode()) == 0, experts._err()
 
 
 @pytest.mark.parametrize("path, np_tokens, force", [
@@ -322,3 +340,108 @@ def test_bad_config_is_a_clear_error():
         experts.configure({0: [1]}, force_path="sideways")
     with pytest.raises(ValueError):
         experts.set_prefill_threshold(0)
+
+
+# --- several GPUs on a CPU build: one pool per "GPU", both CPU buffers -------------------------
+
+def _two_gpus(moe):
+    """{layer: 0 or 1}: the first half of the layers on "GPU" 0, the rest on "GPU" 1."""
+    n = moe[1]["n_layer"]
+    return {il: (0 if il < (n + 1) // 2 else 1) for il in range(n)}
+
+
+def _check_pools(info, hot, layer_device):
+    want = {}
+    for il, ids in hot.items():
+        want[layer_device[il]] = want.get(layer_device[il], 0) + len(ids)
+    pools = {p["gpu"]: p for p in info["pools"]}
+    assert {g: p["hot_experts"] for g, p in pools.items()} == want
+    for g, p in pools.items():
+        assert p["bytes"] > 0
+        # CPU build: CPU buffers, no upload stream; GPU build: the pool on its own GPU, own stream
+        assert (p["device"], p["upload_stream"]) == ((f"CUDA{g}", True) if GPU else ("CPU", False))
+    assert info["hot_experts"] == sum(want.values())
+    assert info["pool_bytes"] == sum(p["bytes"] for p in pools.values())
+    for g, p in pools.items():
+        assert p["layers"] == sorted(il for il, d in layer_device.items() if d == g and il in hot)
+    return pools
+
+
+@pytest.mark.skipif(GPU, reason="a switch to two GPUs needs the dense layers loaded with that split: "
+                    "CPU build only (the GPU case is test_runtime_two_gpu_set_loads_two_pools)")
+def test_two_pools_match_stock(moe, stock):
+    """A residency switch to a two-GPU layout: pools per device, split and upload paths exact."""
+    r = ost_runner(moe)
+    hot, ld = half_hot(moe), _two_gpus(moe)
+    try:
+        _switch(hot, ld)
+        info = json.loads(experts._fn("ostinato_experts_info")().decode())
+        pools = _check_pools(info, hot, ld)
+        if moe[1]["arch"] == "qwen3moe":  # deepseek2's tiny shape has one MoE layer
+            assert sorted(pools) == [0, 1]
+        ref_toks, ref_logits = stock[PROMPT_LEN]
+        for np_tokens in (512, 8):  # split path, then upload path (staging slots of each pool)
+            experts.set_prefill_threshold(np_tokens)
+            experts._fn("ostinato_experts_reset_stats")()
+            toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+            st = _stats()
+            d = float(np.max(np.abs(logits - ref_logits)))
+            print(f"\n[exactness] {moe[1]['arch']} two pools, Np {np_tokens}: max|dlogit| {d:.3g}, "
+                  f"paths {st['paths']}")
+            assert toks == ref_toks and d <= TOL
+            assert 0 < st["hot_routes"] < st["routes"]
+            assert (st["upload_bytes"] > 0) == (np_tokens == 8)
+            assert [p["hot_experts"] for p in st["pools"]] == [p["hot_experts"] for p in info["pools"]]
+    finally:
+        experts.set_prefill_threshold(512)
+        _switch(half_hot(moe))
+    assert len(json.loads(experts._fn("ostinato_experts_info")().decode())["pools"]) == 1
+
+
+@pytest.mark.skipif(GPU and N_GPUS < 2, reason="two GPUs named: needs a CPU build or >= 2 GPUs "
+                    "(OSTINATO_TEST_GPUS=2)")
+def test_runtime_two_gpu_set_loads_two_pools(moe, stock, tmp_path):
+    """prepare() with a residency set over two GPUs -> load -> two pools, tokens as stock."""
+    from ostinatod.settings import Settings
+    drop_ost()
+    hot, ld = half_hot(moe), _two_gpus(moe)
+    doc = make_residency(moe[1], {})
+    doc["gpus"] = [{"device": g, "layers": [il for il in sorted(ld) if ld[il] == g], "budget_bytes": 0,
+                    "hot": {str(il): v for il, v in hot.items() if ld[il] == g}} for g in (0, 1)]
+    p = write_residency(doc, tmp_path / "two.json")
+    rt = experts.ExpertRuntime.prepare(moe[0], Settings(residency=p, prefill_threshold=512))
+    assert rt.layer_device == [ld[il] for il in range(moe[1]["n_layer"])]
+    ref = stock[PROMPT_LEN]
+    r = Runner(moe[0], rt=rt)
+    if GPU:  # stock llama.cpp with the same layer split, every routed expert in host memory
+        assert rt.tensor_split is not None
+        r2 = Runner(moe[0], tensor_split=rt.tensor_split)
+        try:
+            ref = r2.generate(_prompt(PROMPT_LEN), N_NEW)
+        finally:
+            r2.close()
+    try:
+        info = rt.info()
+        _check_pools(info, hot, ld)
+        toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        d = float(np.max(np.abs(logits - ref[1])))
+        print(f"\n[exactness] {moe[1]['arch']} two-GPU set loaded: max|dlogit| {d:.3g}")
+        assert toks == ref[0] and d <= TOL
+        assert len(rt.stats()["pools"]) == len(info["pools"])
+        one = write_residency(make_residency(moe[1], hot), tmp_path / "one.json")
+        if GPU:  # the dense layers stay split over two GPUs: a one-GPU set is refused, old set kept
+            with pytest.raises(experts.ExpertEngineError, match="dense weights"):
+                rt.switch(one)
+            assert len(rt.info()["pools"]) == len(info["pools"])
+        else:  # a CPU build has no dense weights on a GPU to disagree with: one pool
+            rt.switch(one)
+            assert [p["gpu"] for p in rt.info()["pools"]] == [0]
+    finally:
+        rt.close()
+        r.close()
+
+
+def test_layer_device_config_errors():
+    with pytest.raises(experts.ExpertEngineError, match="layer_device"):
+        experts.configure({0: [1]}, layer_device={0: -2})
+    experts.configure(None)

@@ -43,11 +43,13 @@ struct config_t {
     bool set = false;
     std::map<int, std::vector<int>> hot;   // layer -> hot expert ids
     int device = -1;                       // GPU index among GPU devices, -1 = CPU pool
+    std::map<int, int> layer_device;       // layer -> GPU index (several GPUs); absent layer: `device`
     int64_t np = 512;                      // prefill threshold Np (tokens)
     int force = FORCE_AUTO;
 };
 
 struct size_class_t {
+    int pool = 0;                               // index into engine_t::pools (classes are per pool)
     ggml_type t_up, t_gate, t_down;
     int64_t up0, up1, down0, down1;
     bool has_gate;
@@ -57,7 +59,7 @@ struct size_class_t {
     ggml_tensor * up = nullptr, * gate = nullptr, * down = nullptr;   // [.., .., slots + k + n_stage]
     ggml_tensor * b_up = nullptr, * b_gate = nullptr, * b_down = nullptr;   // [.., slots + k + n_stage]
     bool operator==(const size_class_t & o) const {
-        return t_up == o.t_up && t_gate == o.t_gate && t_down == o.t_down && up0 == o.up0 &&
+        return pool == o.pool && t_up == o.t_up && t_gate == o.t_gate && t_down == o.t_down && up0 == o.up0 &&
                up1 == o.up1 && down0 == o.down0 && down1 == o.down1 && has_gate == o.has_gate &&
                has_bias == o.has_bias;
     }
@@ -83,6 +85,20 @@ struct totals_t {
     }
 };
 
+// One expert pool: the hot experts (and zero and staging slots) of the MoE layers placed on one
+// device, one set of pool tensors per size class, in one backend buffer of that device.
+struct pool_t {
+    int gpu = -1;                              // configured GPU index ("device" / "layer_device")
+    ggml_backend_dev_t dev = nullptr;
+    std::string name = "CPU";                  // backend device name, e.g. CUDA1
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
+    int64_t bytes = 0, n_hot = 0;
+    int n_classes = 0;
+    std::vector<int> layers;                   // MoE layers assigned to this pool's device
+};
+
 struct engine_t {
     llama_model * model = nullptr;
     int n_layer = 0, n_expert = 0, k = 0;
@@ -93,10 +109,9 @@ struct engine_t {
     std::vector<int> layer_nstage;             // per layer: staging slots of its size class
     std::vector<std::vector<int32_t>> slot;    // [layer][expert]: pool slot (hot) or -1 (cold)
     std::vector<size_class_t> classes;
-    ggml_context * ctx_pool = nullptr;
-    ggml_backend_buffer_t buf_pool = nullptr;
-    ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
-    std::string pool_device = "CPU";
+    std::vector<pool_t> pools;                 // one per device in use (one for a one-device config)
+    std::vector<int> layer_pool;               // per layer: index into pools (-1: no MoE layer)
+    std::string pool_device = "CPU";           // name of pools[0]'s device
     std::string host_buffer = "";             // buffer type holding the cold experts (e.g. CUDA_Host = pinned)
     int64_t pool_bytes = 0, n_hot = 0;
     std::vector<std::string> notes;
@@ -142,9 +157,11 @@ int64_t now_us() {
 
 void free_engine(engine_t * e) {
     if (!e) return;
-    if (e->upload_backend) ggml_backend_free(e->upload_backend);
-    if (e->buf_pool) ggml_backend_buffer_free(e->buf_pool);
-    if (e->ctx_pool) ggml_free(e->ctx_pool);
+    for (auto & p : e->pools) {
+        if (p.upload_backend) ggml_backend_free(p.upload_backend);
+        if (p.buf) ggml_backend_buffer_free(p.buf);
+        if (p.ctx) ggml_free(p.ctx);
+    }
     delete e;
 }
 
@@ -263,6 +280,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const int64_t t0 = now_us();
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
+    ggml_backend_t upload_backend = e->pools[e->layer_pool[il]].upload_backend;   // the layer's device
     std::vector<int32_t> slot(e->n_expert, -1);
     for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) slot[c[i]] = 1;   // seen
     int used = 0;
@@ -274,7 +292,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         const size_t sz = (size_t) m * nb;
         if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
             const char * p = (const char *) src->data + (size_t) x0 * nb;
-            if (e->upload_backend) ggml_backend_tensor_set_async(e->upload_backend, pool, p, (size_t) s0 * nb, sz);
+            if (upload_backend) ggml_backend_tensor_set_async(upload_backend, pool, p, (size_t) s0 * nb, sz);
             else                   ggml_backend_tensor_set(pool, p, (size_t) s0 * nb, sz);
         } else {
             std::vector<uint8_t> tmp(sz);
@@ -299,7 +317,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         const int32_t x = c[i];
         out[i] = (x >= 0 && x < e->n_expert) ? slot[x] : g[i];
     }
-    if (e->upload_backend) ggml_backend_synchronize(e->upload_backend);
+    if (upload_backend) ggml_backend_synchronize(upload_backend);
     e->cur.upload_ms += (now_us() - t0) / 1000.0;
     e->mark_us[il] = now_us();
 }
@@ -390,6 +408,35 @@ void pin_experts(llama_model * model, ggml_backend_dev_t dev) {
                    g_pin.ptrs.size(), (now_us() - t0) / 1000.0);
 }
 
+// Several GPUs (config with "layer_device"): each MoE layer's pool must be on the device where
+// llama.cpp put the layer's dense weights (layer split), else every layer would move its hidden
+// states between GPUs twice. Reads the device of the layer's attention weight buffer; a layer whose
+// dense weights are in host memory (partial offload, CPU build) is not checked. Returns false with
+// `err` naming the first layer that disagrees (the config is refused, nothing is adopted).
+bool check_layer_devices(const llama_model * model, const engine_t * e, std::string & err) {
+    for (int il = 0; il < e->n_layer; ++il) {
+        const int pi = e->layer_pool[il];
+        if (pi < 0) continue;
+        const auto & L = model->layers[il];
+        const ggml_tensor * w = nullptr;
+        for (const ggml_tensor * t : {L.wq, L.wq_a, L.wqkv, L.wkv_a_mqa, L.attn_norm}) {
+            if (t && t->buffer) { w = t; break; }
+        }
+        if (!w || ggml_backend_buffer_is_host(w->buffer)) continue;
+        ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
+        if (!d || ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_CPU) continue;
+        const pool_t & p = e->pools[pi];
+        if (d != p.dev) {
+            err = "layer " + std::to_string(il) + ": the residency set puts its experts on GPU " +
+                  std::to_string(p.gpu) + " (" + p.name + ") but llama.cpp put its dense weights on " +
+                  ggml_backend_dev_name(d) + "; load the model with split_mode LAYER and a tensor_split "
+                  "that follows the set's per-GPU layer ranges (ExpertRuntime.adjust_model_params does)";
+            return false;
+        }
+    }
+    return true;
+}
+
 bool build_engine(llama_model * model, const config_t & cfg, std::string & err) {
     auto * e = new engine_t();
     e->model = model;
@@ -423,6 +470,23 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             e->hot[kv.first][x] = 1;
         }
     }
+    for (auto & kv : cfg.layer_device) {
+        if (kv.first < 0 || kv.first >= e->n_layer) {
+            err = "layer_device names layer " + std::to_string(kv.first) + " but the model has " +
+                  std::to_string(e->n_layer) + " layers";
+            free_engine(e);
+            return false;
+        }
+    }
+    // one pool per device in use, in order of first use by the layers (one-device config: one pool)
+    e->layer_pool.assign(e->n_layer, -1);
+    auto pool_of = [&](int gpu) {
+        for (size_t i = 0; i < e->pools.size(); ++i) if (e->pools[i].gpu == gpu) return (int) i;
+        pool_t p;
+        p.gpu = gpu;
+        e->pools.push_back(p);
+        return (int) e->pools.size() - 1;
+    };
     // size classes over the layers that have hot experts and a supported expert layout
     std::vector<int> layer_class(e->n_layer, -1);
     for (int il = 0; il < e->n_layer && il < (int) model->layers.size(); ++il) {
@@ -430,6 +494,12 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         if (!L.ffn_down_exps) continue;
         e->by_down[L.ffn_down_exps] = il;
         e->layers[il].il = il;
+        {
+            auto ld = cfg.layer_device.find(il);
+            const int pi = pool_of(ld != cfg.layer_device.end() ? ld->second : cfg.device);
+            e->layer_pool[il] = pi;
+            e->pools[pi].layers.push_back(il);
+        }
         const int64_t eb = (int64_t) L.ffn_down_exps->nb[2] + (L.ffn_up_exps ? (int64_t) L.ffn_up_exps->nb[2] : 0) +
                            (L.ffn_gate_exps ? (int64_t) L.ffn_gate_exps->nb[2] : 0) +
                            (L.ffn_gate_up_exps ? (int64_t) L.ffn_gate_up_exps->nb[2] : 0);
@@ -449,6 +519,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             continue;
         }
         size_class_t c{};
+        c.pool = e->layer_pool[il];
         c.t_up = L.ffn_up_exps->type; c.up0 = L.ffn_up_exps->ne[0]; c.up1 = L.ffn_up_exps->ne[1];
         c.has_gate = L.ffn_gate_exps != nullptr;
         c.t_gate = c.has_gate ? L.ffn_gate_exps->type : GGML_TYPE_F32;
@@ -470,24 +541,49 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             break;
         }
     }
-    ggml_backend_dev_t dev = pool_device(cfg.device);
-    if (!dev) { err = "no backend device for the expert pool"; free_engine(e); return false; }
-    e->pool_device = ggml_backend_dev_name(dev);
-    pin_experts(model, dev);
+    if (e->pools.empty()) pool_of(cfg.device);
+    for (auto & p : e->pools) {
+        p.dev = pool_device(p.gpu);
+        if (!p.dev) { err = "no backend device for the expert pool"; free_engine(e); return false; }
+        p.name = ggml_backend_dev_name(p.dev);
+        if (!cfg.layer_device.empty() && p.gpu >= 0 && ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU &&
+            ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr) {
+            // several GPUs named on a GPU build: a missing GPU is an error, not a CPU pool (a
+            // CPU-only build puts every pool in a CPU buffer, which is what CI tests)
+            err = "the residency set names GPU " + std::to_string(p.gpu) + " but this machine has no such GPU";
+            free_engine(e);
+            return false;
+        }
+    }
+    e->pool_device = e->pools[0].name;
+    if (!cfg.layer_device.empty() && !check_layer_devices(model, e, err)) { free_engine(e); return false; }
+    {
+        // host experts are pinned once per model; cudaHostRegisterPortable makes them pinned for
+        // every device, so the first GPU pool's backend does it for all pools
+        ggml_backend_dev_t pin_dev = e->pools[0].dev;
+        for (auto & p : e->pools) {
+            if (ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) { pin_dev = p.dev; break; }
+        }
+        pin_experts(model, pin_dev);
+    }
 
-    const size_t n_tensors = 6 * e->classes.size() + 1;
-    ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
-    e->ctx_pool = ggml_init(ip);
+    for (auto & c : e->classes) e->pools[c.pool].n_classes++;
+    for (auto & p : e->pools) {
+        const size_t n_tensors = 6 * (size_t) p.n_classes + 1;   // up, gate, down + their bias rows
+        ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
+        p.ctx = ggml_init(ip);
+    }
     for (auto & c : e->classes) {
         // hot slots, k zero slots, then the upload path's staging slots (preallocated here)
+        ggml_context * ctx = e->pools[c.pool].ctx;
         const int64_t n_slots = (int64_t) c.members.size() + e->k + c.n_stage;
-        c.up = ggml_new_tensor_3d(e->ctx_pool, c.t_up, c.up0, c.up1, n_slots);
-        if (c.has_gate) c.gate = ggml_new_tensor_3d(e->ctx_pool, c.t_gate, c.up0, c.up1, n_slots);
-        c.down = ggml_new_tensor_3d(e->ctx_pool, c.t_down, c.down0, c.down1, n_slots);
+        c.up = ggml_new_tensor_3d(ctx, c.t_up, c.up0, c.up1, n_slots);
+        if (c.has_gate) c.gate = ggml_new_tensor_3d(ctx, c.t_gate, c.up0, c.up1, n_slots);
+        c.down = ggml_new_tensor_3d(ctx, c.t_down, c.down0, c.down1, n_slots);
         if (c.has_bias) {
-            c.b_up = ggml_new_tensor_2d(e->ctx_pool, GGML_TYPE_F32, c.up1, n_slots);
-            if (c.has_gate) c.b_gate = ggml_new_tensor_2d(e->ctx_pool, GGML_TYPE_F32, c.up1, n_slots);
-            c.b_down = ggml_new_tensor_2d(e->ctx_pool, GGML_TYPE_F32, c.down1, n_slots);
+            c.b_up = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.up1, n_slots);
+            if (c.has_gate) c.b_gate = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.up1, n_slots);
+            c.b_down = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.down1, n_slots);
         }
     }
     for (int il = 0; il < e->n_layer; ++il) {
@@ -500,19 +596,22 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         l.stage0 = l.zero0 + e->k;
         e->layer_nstage[il] = c.n_stage;
     }
-    if (!e->classes.empty()) {
-        e->buf_pool = ggml_backend_alloc_ctx_tensors_from_buft(e->ctx_pool, ggml_backend_dev_buffer_type(dev));
-        if (!e->buf_pool) {
-            err = std::string("cannot allocate the expert pool on ") + e->pool_device;
+    for (auto & p : e->pools) {
+        if (p.n_classes == 0) continue;
+        p.buf = ggml_backend_alloc_ctx_tensors_from_buft(p.ctx, ggml_backend_dev_buffer_type(p.dev));
+        if (!p.buf) {
+            err = std::string("cannot allocate the expert pool on ") + p.name;
             free_engine(e);
             return false;
         }
-        ggml_backend_buffer_set_usage(e->buf_pool, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        ggml_backend_buffer_clear(e->buf_pool, 0);   // zero slots (and any padding) are all-zero
-        e->pool_bytes = (int64_t) ggml_backend_buffer_get_size(e->buf_pool);
-        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-            // a stream of our own for the upload path's copies (joined at the end of each upload op)
-            e->upload_backend = ggml_backend_dev_init(dev, nullptr);
+        ggml_backend_buffer_set_usage(p.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_clear(p.buf, 0);   // zero slots (and any padding) are all-zero
+        p.bytes = (int64_t) ggml_backend_buffer_get_size(p.buf);
+        e->pool_bytes += p.bytes;
+        if (ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            // a stream of our own per device for the upload path's copies (joined at the end of
+            // each upload op)
+            p.upload_backend = ggml_backend_dev_init(p.dev, nullptr);
         }
     }
     // copy hot experts into their slots; fill the index table
@@ -542,6 +641,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             if (c.b_down) copy_expert(L.ffn_down_exps_b, c.b_down, x, (int) s);
             e->slot[il][x] = (int32_t) s;
             e->n_hot++;
+            e->pools[c.pool].n_hot++;
         }
     }
     const size_t nle = (size_t) e->n_layer * e->n_expert;
@@ -682,6 +782,13 @@ bool ostinato_on_model_loaded(llama_model * model) {
                    "cold experts in %s\n",
                    g_eng->pool_device.c_str(), (long long) g_eng->n_hot, g_eng->classes.size(),
                    g_eng->pool_bytes / 1048576.0, (now_us() - t0) / 1000.0, g_eng->host_buffer.c_str());
+    if (g_eng->pools.size() > 1) {
+        for (const auto & p : g_eng->pools) {
+            LLAMA_LOG_INFO("ostinato:   pool of GPU %d on %s: %zu MoE layers, %lld hot experts, %d size classes, "
+                           "%.1f MiB\n", p.gpu, p.name.c_str(), p.layers.size(), (long long) p.n_hot,
+                           p.n_classes, p.bytes / 1048576.0);
+        }
+    }
     return true;
 }
 
@@ -719,6 +826,13 @@ int ostinato_experts_configure(const char * js) {
             }
         }
         c.device = j.value("device", -1);
+        if (j.contains("layer_device") && !j["layer_device"].is_null()) {
+            for (auto & kv : j["layer_device"].items()) {
+                const int d = kv.value().get<int>();
+                if (d < -1) throw std::runtime_error("layer_device values must be GPU indices (>= 0) or -1");
+                c.layer_device[std::stoi(kv.key())] = d;
+            }
+        }
         c.np = j.value("prefill_threshold", g_np);   // absent: keep the current value
         if (c.np < 1) throw std::runtime_error("prefill_threshold must be >= 1");
         const std::string f = j.value("force_path", std::string(
@@ -814,9 +928,16 @@ const char * ostinato_experts_info(void) {
         for (auto & c : e.classes) {
             cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)},
                                {"up_shape", {c.up0, c.up1}}, {"down_shape", {c.down0, c.down1}},
-                               {"slots", c.members.size()}, {"zero_slots", e.k}});
+                               {"slots", c.members.size()}, {"zero_slots", e.k}, {"pool", c.pool}});
         }
         j["size_classes"] = cls;
+        json pools = json::array();
+        for (auto & p : e.pools) {
+            pools.push_back(json{{"gpu", p.gpu}, {"device", p.name}, {"bytes", p.bytes},
+                                 {"hot_experts", p.n_hot}, {"size_classes", p.n_classes},
+                                 {"layers", p.layers}, {"upload_stream", p.upload_backend != nullptr}});
+        }
+        j["pools"] = pools;
         j["expert_bytes"] = e.expert_bytes;
         int moe_layers = 0;
         for (auto & l : e.layers) moe_layers += l.il >= 0;
@@ -831,6 +952,11 @@ const char * ostinato_experts_stats(int with_counts) {
     if (!g_eng) return keep(g_out_stats, json{{"active", false}});
     json j = totals_json(*g_eng, g_eng->total, with_counts != 0);
     j["active"] = true;
+    json pools = json::array();   // per device: pool bytes and hot experts
+    for (auto & p : g_eng->pools) {
+        pools.push_back(json{{"gpu", p.gpu}, {"device", p.name}, {"bytes", p.bytes}, {"hot_experts", p.n_hot}});
+    }
+    j["pools"] = pools;
     json last = json::array();
     for (auto & p : g_eng->last) last.push_back(pass_json(p));
     j["last_passes"] = last;

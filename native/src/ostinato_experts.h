@@ -72,7 +72,12 @@ extern "C" {
 #endif
 // JSON config consumed by the next llama_model_load_from_file:
 //   {"hot": {"<layer>": [expert ids]}, "device": -1|gpu index, "prefill_threshold": Np,
-//    "force_path": "auto"|"split"|"upload"}
+//    "force_path": "auto"|"split"|"upload", "layer_device": {"<layer>": gpu index}}
+// "layer_device" (optional, several GPUs): the GPU of each layer; an absent layer (or no map) is on
+// "device". One expert pool per device in use (each with its own size classes, staging slots and
+// upload stream). With the map, the load (and a switch) fails when a layer's dense weights sit on
+// another GPU than its layer_device says (see docs/engine.md "Several GPUs"); without it nothing is
+// checked and everything is as with one device. On a CPU-only build every pool is a CPU buffer.
 // Returns 0 on success, -1 on bad JSON (see ostinato_experts_last_error). NULL or "" clears it.
 OSTINATO_API int          ostinato_experts_configure(const char * json);
 // Rebuild the pool of the loaded model with another config (same JSON) at a request boundary.

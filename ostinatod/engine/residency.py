@@ -101,6 +101,27 @@ class ResidencySet:
         """Number of hot (layer, expert) pairs over all GPUs."""
         return sum(len(v) for d in self.hot.values() for v in d.values())
 
+    @property
+    def devices(self) -> list[int]:
+        """Sorted GPU indices of the set's ``gpus`` entries (one entry per GPU)."""
+        return sorted({int(g["device"]) for g in self.raw.get("gpus", [])} | set(self.hot))
+
+    def layer_devices(self) -> dict[int, int]:
+        """{layer: GPU index} from the ``gpus`` entries' ``layers`` lists and hot-layer keys.
+
+        Layers named by no entry are absent. Raises ResidencyError when a layer is listed on two
+        GPUs (validation already refuses that for hot layers)."""
+        out: dict[int, int] = {}
+        for g in self.raw.get("gpus", []):
+            dev = int(g["device"])
+            for layer in list(g.get("layers") or []) + [int(k) for k in (g.get("hot") or {})]:
+                layer = int(layer)
+                if out.get(layer, dev) != dev:
+                    raise ResidencyError(f"{self.path or 'residency set'}: layer {layer} is listed on "
+                                         f"GPUs {out[layer]} and {dev}")
+                out[layer] = dev
+        return out
+
     def hot_all(self) -> dict[int, list[int]]:
         """{layer: hot expert ids} merged over the GPUs (each layer lives on one GPU)."""
         out: dict[int, list[int]] = {}

@@ -411,10 +411,11 @@ class Worker:
         """The active residency set and the swaps so far: ``{"workload" (of the active set; None
         without one), "residency" (its path or None), "hot_experts", "pool_bytes", "switches"
         (count since load), "last_switch" (see :meth:`switch_residency`, or None), "auto_switch"
-        (the setting)}``."""
+        (the setting), "pools" (per device: ``{gpu, device, bytes, hot_experts}``, or None)}``."""
         a = self._active_set
         return {"workload": a.get("workload"), "residency": a.get("path"),
                 "hot_experts": a.get("hot_experts"), "pool_bytes": a.get("pool_bytes"),
+                "pools": a.get("pools"),
                 "switches": self._switch_count, "last_switch": self._last_switch,
                 "auto_switch": bool(self.settings.residency_auto_switch)}
 
@@ -631,15 +632,17 @@ class Worker:
                 key = (str(path), st.st_mtime_ns, st.st_size)
             except OSError:
                 pass
-        hot = pool = None
+        hot = pool = pools = None
         if self.rt is not None:
             try:
                 inf = self.rt.info()
                 hot, pool = inf.get("hot_experts"), inf.get("pool_bytes")
+                pools = [{k: p.get(k) for k in ("gpu", "device", "bytes", "hot_experts")}
+                         for p in inf.get("pools") or []]
             except Exception as e:  # stats only
                 log.debug("expert info: %s", e)
         self._active_set = {"workload": workload or None, "path": str(path) if path else None,
-                            "key": key, "hot_experts": hot, "pool_bytes": pool}
+                            "key": key, "hot_experts": hot, "pool_bytes": pool, "pools": pools}
 
     def _no_engine_reason(self) -> str:
         from . import experts

@@ -14,7 +14,8 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    (``ostinato bench replay``):
    ``ostinato``      the resident expert pool with split/upload paths,
    ``stock-layers``  llama.cpp layer placement at equal GPU memory (``n_cpu_moe`` chosen so the
-                     GPU-resident expert bytes match the pool's bytes),
+                     GPU-resident expert bytes match the pool's bytes; with ``--gpus N`` > 1
+                     llama.cpp's own layer split over the N GPUs, by free memory),
    ``stock-cpu``     all experts on the CPU (attention on the GPU),
    ``llama-server``  the stock llama-server binary of the same build (``ostinato build
                      --with-server``), same n_cpu_moe as stock-layers;
@@ -211,7 +212,7 @@ def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str) 
     from ..engine.planner import plan_residency, read_model_shape, resolve_gpus, write_residency
 
     shape = read_model_shape(model)
-    res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(1),
+    res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(getattr(a, "gpus", 1)),
                          budget_frac=a.budget_frac, source_traces=[str(run_dir / "trace-dev.json")])
     path = write_residency(res, run_dir / "residency.json")
     pool = res["plan"]["pool_bytes_total"]
@@ -225,7 +226,12 @@ def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str) 
              # every token routes k experts in every MoE layer: the GPU's share of routes is the
              # share of MoE layers whose experts it holds
              "hot_route_share": gpu_layers / len(moe)}
-    say(f"plan: {sum(len(v) for g in res['gpus'] for v in g['hot'].values())} hot experts, pool "
+    # per GPU: its layer range (first, last) and pool bytes
+    stock["gpus"] = [{"device": g["device"], "pool_bytes": c["pool_bytes"],
+                      "layers": [g["layers"][0], g["layers"][-1]] if g["layers"] else []}
+                     for g, c in zip(res["gpus"], res["plan"]["capacity"])]
+    say(f"plan: {len(res['gpus'])} GPU(s), "
+        f"{sum(len(v) for g in res['gpus'] for v in g['hot'].values())} hot experts, pool "
         f"{pool / 2**20:.1f} MiB = {pool / shape.total_expert_bytes:.1%} of expert bytes, dev hot-route "
         f"share {res['plan']['dev_hot_route_share']:.1%}; stock-layers: n_cpu_moe {n_cpu_moe} "
         f"({gpu_layers} layers' experts = {stock['gpu_expert_bytes'] / 2**20:.1f} MiB on the GPU)")
@@ -300,6 +306,20 @@ class Server:
         self._log.close()
 
 
+def gpu_env(a: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with CUDA_VISIBLE_DEVICES limited to the first ``--gpus`` N GPUs when the machine
+    has more (so every engine, stock ones included, uses the same GPUs); unchanged when the
+    variable is already set, when --gpus is "auto", or when there are no more GPUs than N."""
+    n = str(getattr(a, "gpus", 1))
+    if "CUDA_VISIBLE_DEVICES" in env or not n.isdigit():
+        return env
+    from ..engine.planner import detect_gpus
+
+    if len(detect_gpus()) > int(n):
+        env = dict(env, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(int(n))))
+    return env
+
+
 def start_daemon(name: str, model: Path, settings: dict[str, Any], run_dir: Path,
                  a: argparse.Namespace) -> Server:
     """``ostinatod run`` in its own OSTINATO_HOME under ``run_dir`` with ``settings`` as env vars."""
@@ -308,7 +328,7 @@ def start_daemon(name: str, model: Path, settings: dict[str, Any], run_dir: Path
     prof = get_paths().hardware_profile  # the calibration (Np) of this machine, if any
     if prof.exists():
         shutil.copy(prof, home / "data" / prof.name)
-    env = dict(os.environ, OSTINATO_HOME=str(home), OSTINATOD_DETACHED="1")
+    env = gpu_env(a, dict(os.environ, OSTINATO_HOME=str(home), OSTINATOD_DETACHED="1"))
     base = {"model": model, "n_ctx": a.n_ctx, "n_slots": 2, "engine_mode": a.engine_mode,
             "n_threads": a.threads, "prefill_threshold": a.prefill_threshold, "log_level": "INFO"}
     for k, v in {**base, **settings}.items():
@@ -336,7 +356,7 @@ def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
            "-c", str(a.n_ctx * 2), "-np", "2", "-ngl", "999", "--n-cpu-moe", str(n_cpu_moe),
            "-t", str(threads), "-tb", str(threads), "--jinja", "-b", "2048", "-ub", "512",
            "--cache-reuse", "0"]
-    env = dict(os.environ)
+    env = gpu_env(a, dict(os.environ))
     try:
         import llama_cpp
 
@@ -512,7 +532,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['model']['n_layer']} layers x {result['model']['n_expert']} experts, "
              f"k = {result['model']['n_expert_used']}; pool budget "
              f"{result['plan']['budget_frac']:.0%} of expert bytes; stock-layers n_cpu_moe = "
-             f"{result['plan']['stock']['n_cpu_moe']}.", "",
+             f"{result['plan']['stock']['n_cpu_moe']}; GPUs planned: "
+             f"{len(result['plan']['stock'].get('gpus') or [None])}.", "",
              f"Machine: {result['machine']['cpu']} ({result['machine']['physical_cores']} cores), "
              f"GPUs: {', '.join(g['name'] for g in result['machine']['gpus']) or 'none'}.", "",
              f"Held-out sessions: {', '.join(result['sessions']['held_out'])} "
@@ -567,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--turns", type=int, default=16, help="turns per held-out session")
     ap.add_argument("--budget-frac", type=float, default=0.45, help="pool budget (fraction of "
                     "expert bytes)")
+    ap.add_argument("--gpus", default="1", help="GPUs to plan for and run on: N (the first N; "
+                    "emulated when fewer exist) or 'auto' (all detected). N > 1: one pool per GPU, "
+                    "layers split across them; stock engines use llama.cpp's layer split")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(ENGINES))
     ap.add_argument("--no-server", action="store_true", help="skip the llama-server baseline")
     ap.add_argument("--client", default="openai", choices=("openai", "anthropic"))
