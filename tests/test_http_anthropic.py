@@ -46,7 +46,7 @@ def test_stream_event_sequence(client):
 
 def test_tool_use_forced_stream_and_non_stream(client, tool_call_bias):
     m = client.messages.create(model="claude-x", max_tokens=96, tools=TOOLS, tool_choice={"type": "any"},
-                               extra_body={"logit_bias": tool_call_bias, "temperature": 1.0},
+                               extra_body={"logit_bias": tool_call_bias, "temperature": 1.0, "seed": 5},
                                messages=[{"role": "user", "content": "Open main.py"}])
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use"
@@ -55,7 +55,7 @@ def test_tool_use_forced_stream_and_non_stream(client, tool_call_bias):
     deltas = []
     with client.messages.stream(model="claude-x", max_tokens=96, tools=TOOLS,
                                 tool_choice={"type": "tool", "name": "read_file"},
-                                extra_body={"logit_bias": tool_call_bias, "temperature": 1.0},
+                                extra_body={"logit_bias": tool_call_bias, "temperature": 1.0, "seed": 5},
                                 messages=[{"role": "user", "content": "Open a.py"}]) as s:
         for ev in s:
             if ev.type == "content_block_delta":

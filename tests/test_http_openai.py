@@ -153,8 +153,8 @@ def test_responses_stream_function_call_with_history(client, model, tool_call_bi
                {"role": "user", "content": "And in Paris?"}]
     types = []
     with client.responses.stream(model=model, input=history, tools=tools, tool_choice="required",
-                                 max_output_tokens=64, temperature=1.0,
-                                 extra_body={"logit_bias": tool_call_bias}) as s:
+                                 max_output_tokens=128, temperature=1.0,
+                                 extra_body={"logit_bias": tool_call_bias, "seed": 13}) as s:
         for ev in s:
             types.append(ev.type)
         final = s.get_final_response()
@@ -173,3 +173,13 @@ def test_metrics_exposes_requests_and_engine(live_daemon, client, model):
     assert "ostinato_ttft_seconds_bucket" in text
     assert "ostinato_prompt_tokens_total" in text
     assert "ostinato_engine_" in text  # engine stats flattened
+
+
+def test_seed_makes_sampling_reproducible_on_responses(client, model):
+    # `seed` is an extension on the Responses API (as in chat completions): same seed, same text
+    def once(seed):
+        r = client.responses.create(model=model, input="Tell me a story.", max_output_tokens=12,
+                                    temperature=1.0, extra_body={"seed": seed, "ignore_eos": True})
+        return r.output_text
+    a, b = once(21), once(21)
+    assert a == b and a

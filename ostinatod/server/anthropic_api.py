@@ -44,6 +44,7 @@ class MessagesBody(BaseModel):
     thinking: Optional[dict[str, Any]] = None
     ignore_eos: bool = False
     logit_bias: Optional[dict[str, float]] = None  # extension (OpenAI semantics)
+    seed: Optional[int] = None  # extension (as in chat completions): reproducible sampling
 
 
 def _text_of(content: Any) -> str:
@@ -174,7 +175,7 @@ def build_request(state: DaemonState, request: web.Request, b: MessagesBody, rid
                      parallel_tool_calls=parallel,
                      max_tokens=b.max_tokens or state.settings.max_tokens_default,
                      stop=list(b.stop_sequences or []), ignore_eos=b.ignore_eos)
-    for k in ("temperature", "top_p", "top_k"):
+    for k in ("temperature", "top_p", "top_k", "seed"):
         v = getattr(b, k)
         if v is not None:
             setattr(req, k, v)

@@ -45,6 +45,7 @@ class ResponsesBody(BaseModel):
     previous_response_id: Optional[str] = None
     ignore_eos: bool = False
     logit_bias: Optional[dict[str, float]] = None  # extension (OpenAI chat semantics)
+    seed: Optional[int] = None  # extension (as in chat completions): reproducible sampling
 
 
 def _part_text(content: Any) -> str:
@@ -194,7 +195,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
                      parallel_tool_calls=b.parallel_tool_calls,
                      max_tokens=b.max_output_tokens or state.settings.max_tokens_default,
                      json_schema=json_schema_of(fmt), ignore_eos=b.ignore_eos)
-    for k in ("temperature", "top_p"):
+    for k in ("temperature", "top_p", "seed"):
         if getattr(b, k) is not None:
             setattr(req, k, getattr(b, k))
     apply_logit_bias(req, b.logit_bias)
