@@ -44,7 +44,7 @@ class MessagesBody(BaseModel):
     thinking: Optional[dict[str, Any]] = None
     ignore_eos: bool = False
     logit_bias: Optional[dict[str, float]] = None  # extension (OpenAI semantics)
-    seed: Optional[int] = None  # extension (as in chat completions): reproducible sampling
+    seed: Optional[int] = None  # extension (as in chat completions): the sampler's random stream
 
 
 def _text_of(content: Any) -> str:

@@ -45,7 +45,7 @@ class ResponsesBody(BaseModel):
     previous_response_id: Optional[str] = None
     ignore_eos: bool = False
     logit_bias: Optional[dict[str, float]] = None  # extension (OpenAI chat semantics)
-    seed: Optional[int] = None  # extension (as in chat completions): reproducible sampling
+    seed: Optional[int] = None  # extension (as in chat completions): the sampler's random stream
 
 
 def _part_text(content: Any) -> str:
