@@ -106,7 +106,6 @@ struct engine_t {
     std::vector<ostinato_moe_layer> layers;
     std::vector<std::vector<uint8_t>> hot;     // [layer][expert]
     std::vector<int64_t> expert_bytes;         // per layer: bytes of one expert (up+gate+down)
-    std::vector<int> layer_nstage;             // per layer: staging slots of its size class
     std::vector<std::vector<int32_t>> slot;    // [layer][expert]: pool slot (hot) or -1 (cold)
     std::vector<size_class_t> classes;
     std::vector<pool_t> pools;                 // one per device in use (one for a one-device config)
@@ -451,7 +450,6 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     e->layers.resize(e->n_layer);
     e->hot.assign(e->n_layer, std::vector<uint8_t>(e->n_expert, 0));
     e->expert_bytes.assign(e->n_layer, 0);
-    e->layer_nstage.assign(e->n_layer, 0);
     for (auto & kv : cfg.hot) {
         if (kv.first < 0 || kv.first >= e->n_layer) {
             err = "residency set names layer " + std::to_string(kv.first) + " but the model has " +
@@ -594,7 +592,6 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         l.up_b_pool = c.b_up; l.gate_b_pool = c.b_gate; l.down_b_pool = c.b_down;
         l.zero0 = (int) c.members.size();
         l.stage0 = l.zero0 + e->k;
-        e->layer_nstage[il] = c.n_stage;
     }
     for (auto & p : e->pools) {
         if (p.n_classes == 0) continue;
@@ -928,7 +925,7 @@ const char * ostinato_experts_info(void) {
         for (auto & c : e.classes) {
             cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)},
                                {"up_shape", {c.up0, c.up1}}, {"down_shape", {c.down0, c.down1}},
-                               {"slots", c.members.size()}, {"zero_slots", e.k}, {"pool", c.pool}});
+                               {"slots", c.members.size()}, {"zero_slots", e.k}, {"staging_slots", c.n_stage}, {"pool", c.pool}});
         }
         j["size_classes"] = cls;
         json pools = json::array();
