@@ -75,6 +75,10 @@ class ControlClient:
                     data = {"error": {"code": "bad_answer", "message": (await r.text())[:200]}}
         except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as e:
             raise self._not_running(e) from None
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            raise ControlAPIError(504, "timeout", f"ostinatod did not answer {method} {path} within "
+                                  f"{self.timeout:.0f} s (it may still carry it out; see 'ostinato "
+                                  "status' and 'ostinato logs')") from None
         if r.status >= 400:
             err = (data or {}).get("error") or {}
             raise ControlAPIError(r.status, err.get("code", "error"), err.get("message", str(data)))

@@ -128,3 +128,29 @@ def test_worker_killed_mid_stream_then_recovers(oai, live_daemon):
     r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "again"}], max_tokens=2)
     assert r.usage.completion_tokens >= 1
     assert set(live_daemon.worker_pids()).isdisjoint(workers)  # a new worker
+
+
+def test_non_streaming_client_disconnect_stops_the_generation(live_daemon):
+    # a client that gives up on a long non-streaming request must not leave the engine generating
+    from ostinatod import ctl
+    body = json.dumps({"messages": [{"role": "user", "content": "Write a very long story."}],
+                       "max_tokens": 4000, "ignore_eos": True, "temperature": 0}).encode()
+    req = urllib.request.Request(live_daemon.url + "/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json", "user-agent": "gives-up/1"})
+    with pytest.raises(OSError):  # socket timeout: the client closes the connection
+        urllib.request.urlopen(req, timeout=1.5)
+    deadline = time.monotonic() + 30
+    rec = None
+    while time.monotonic() < deadline:
+        d = ctl.call("GET", "/requests?limit=20", socket=live_daemon.control_socket)
+        rec = next((r for r in d["recent"] if r.get("client") and "gives-up" in str(r.get("client"))
+                    or r.get("status") == "client_disconnected"), None)
+        if rec is not None and not d["active"]:
+            break
+        time.sleep(0.3)
+    assert rec is not None and rec["status"] == "client_disconnected", rec
+    assert (rec.get("completion_tokens") or 0) < 4000
+    # and the engine is free again: a short request answers
+    code, out = post(live_daemon.url + "/v1/chat/completions",
+                     json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode())
+    assert code == 200 and out["choices"]

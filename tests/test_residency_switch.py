@@ -355,3 +355,56 @@ def test_explicit_switch_waits_for_the_running_generation(tiny_model, tmp_path, 
         finally:
             await eng.stop()
     asyncio.run(go())
+
+
+def test_switch_behind_an_endless_generation_is_refused_and_serving_resumes(tiny_model, tmp_path,
+                                                                              monkeypatch):
+    """A queued switch waits at most SWITCH_WAIT_S for the running request (here 0.3 s), then gets
+    409 residency_busy and the request that queued behind it runs; a garbage file is refused at once
+    even while a request generates (in-process engine, real worker)."""
+    from ostinatod.engine import worker as worker_mod
+    from ostinatod.engine.client import InProcessEngine
+    from ostinatod.engine.types import EngineError, GenRequest
+    from ostinatod.settings import Settings
+
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(worker_mod, "SWITCH_WAIT_S", 0.3)
+    target = all_hot_set(tiny_model, tmp_path / "all-hot.json")
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json at all")
+
+    async def go():
+        eng = InProcessEngine(Settings(n_ctx=4096, n_slots=2, n_threads=1, n_batch=64, n_ubatch=64,
+                                       engine_mode="inprocess", log_level="WARNING",
+                                       workload_default="other"), tiny_model)
+        await eng.start()
+        await eng.wait_ready(120)
+        order: list[str] = []
+
+        async def gen(rid: str, n: int) -> None:
+            req = GenRequest(id=rid, prompt="def add(a, b):", max_tokens=n, ignore_eos=True, workload="x")
+            async for ev in eng.generate(req):
+                if ev.type in ("start", "done", "error"):
+                    order.append(f"{ev.type}:{rid}")
+
+        async def switch(path, tag) -> None:
+            try:
+                await eng.switch_residency(path)
+                order.append(f"switch:{tag}")
+            except EngineError as e:
+                order.append(f"{e.code}:{tag}")
+        try:
+            ta = asyncio.create_task(gen("A", 3000))
+            while "start:A" not in order:
+                await asyncio.sleep(0.005)
+            await switch(garbage, "garbage")           # answered while A generates
+            assert order == ["start:A", "residency_refused:garbage"]
+            ts = asyncio.create_task(switch(target, "target"))
+            tb = asyncio.create_task(gen("B", 2))
+            await asyncio.gather(ts, tb)
+            assert order[2:] == ["residency_busy:target", "start:B", "done:B"]
+            assert "done:A" not in order               # A was still generating throughout
+            ta.cancel()  # closing the stream cancels A in the engine
+        finally:
+            await eng.stop()
+    asyncio.run(go())

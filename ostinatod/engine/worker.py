@@ -198,6 +198,11 @@ _WORKLOAD_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 SwitchDone = Callable[[Optional[dict[str, Any]], Optional[EngineError]], None]
 
+# A queued explicit switch waits for the running requests at most this long (s); then it is refused
+# (409 residency_busy) and new requests are admitted again, so one endless generation cannot hold
+# the daemon behind a switch.
+SWITCH_WAIT_S = 30.0
+
 
 # --------------------------------------------------------------------------------------------------
 # the worker
@@ -236,6 +241,7 @@ class Worker:
         # residency sets: the active one, queued explicit switches, the history of swaps
         self._active_set: dict[str, Any] = {}  # {"workload", "path", "key", "hot_experts", "pool_bytes"}
         self._switches: list[tuple[Path, str, SwitchDone]] = []
+        self._switch_queued_at = 0.0  # monotonic time the oldest queued switch arrived
         self._switch_count = 0
         self._last_switch: Optional[dict[str, Any]] = None
         self._failed_sets: set = set()  # (path, mtime_ns, size) of planned sets an auto swap refused
@@ -509,6 +515,8 @@ class Worker:
                     break
                 if self._switches and not self._active:
                     self._run_switches()
+                elif self._switches and time.monotonic() - self._switch_queued_at > SWITCH_WAIT_S:
+                    self._refuse_switches()
                 if not self._switches:  # a queued switch waits for the running requests only
                     self._admit()
                 if self._active:
@@ -532,7 +540,13 @@ class Worker:
             if kind == "submit":
                 self._prepare(val)
             elif kind == "switch":
-                self._switches.append(val)
+                err = self._precheck_switch(val[0])
+                if err is not None:  # refused at once: nothing to wait for
+                    self._reply(val[2], None, err)
+                else:
+                    if not self._switches:
+                        self._switch_queued_at = time.monotonic()
+                    self._switches.append(val)
             elif kind == "cancel":
                 for t in self._waiting + self._active:
                     if t.req.id == val and not t.finished:
@@ -686,6 +700,30 @@ class Worker:
                  "pool %s bytes", reason, a["path"], a["workload"], prev, secs, a["hot_experts"],
                  a["pool_bytes"])
         return info
+
+    def _precheck_switch(self, path: Path) -> Optional[EngineError]:
+        """The errors a switch to ``path`` would end with that need no idle engine to find: no
+        expert engine, an unreadable or malformed file, another model's set. None if it may run."""
+        from .residency import ResidencyError, read_residency
+        if self.rt is None:
+            return EngineError("residency_unavailable", self._no_engine_reason(), 409)
+        try:
+            read_residency(Path(path), self.rt.model)
+        except ResidencyError as e:
+            return EngineError("residency_refused", f"{e} (the previous set stays active)", 400)
+        return None
+
+    def _refuse_switches(self) -> None:
+        """Refuse the queued switches that waited SWITCH_WAIT_S for the running requests."""
+        pending, self._switches = self._switches, []
+        n = len(self._active)
+        for path, _, done in pending:
+            log.warning("residency switch to %s refused: %d request(s) still generating after %.0f s",
+                        path, n, SWITCH_WAIT_S)
+            self._reply(done, None, EngineError(
+                "residency_busy", f"{n} request(s) kept generating for {SWITCH_WAIT_S:.0f} s; the switch "
+                "runs only between requests: try again when the daemon is idle (the previous set stays "
+                "active)", 409))
 
     def _run_switches(self) -> None:
         """Run the queued explicit switches in order (the last one ends up active)."""

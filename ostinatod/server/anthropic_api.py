@@ -234,7 +234,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     gen = await Generation.open(state, req, "anthropic")
     try:
         if not b.stream:
-            done = await gen.result()
+            done = await gen.result(request)
             blocks = _blocks(done)
             stop = _STOP.get(done.get("finish_reason") or "stop", "end_turn")
             if any(bl["type"] == "tool_use" for bl in blocks):

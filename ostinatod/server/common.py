@@ -262,10 +262,19 @@ class Generation:
         task, self._next_task = self._next_task, None
         return task.result()
 
-    async def result(self) -> dict[str, Any]:
+    async def result(self, request: Optional[web.Request] = None) -> dict[str, Any]:
         """Run to the end (non-streaming responses): the ``done`` data, or ApiError with the
-        engine's status and code when the stream ends in an error."""
-        async for ev in self.events():
+        engine's status and code when the stream ends in an error.
+
+        With ``request``, a client that closes its connection stops the generation (checked on
+        every event and at least once a second): the engine request is cancelled and ApiError 499
+        ``client_disconnected`` is raised (nobody is left to read it; the record says so)."""
+        async for ev in self.events(heartbeat=1.0 if request is not None else None):
+            if request is not None and (request.transport is None or request.transport.is_closing()):
+                await self.aclose()
+                raise ApiError(499, "client_disconnected", "the client closed the connection")
+            if ev.type == "ping":
+                continue
             if ev.type == "error":
                 raise ApiError(int(ev.data.get("status") or 502), ev.data.get("code", "engine_error"),
                                ev.data.get("message") or "engine error")

@@ -163,7 +163,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     try:
         if not b.stream:
-            done = await gen.result()
+            done = await gen.result(request)
             msg = _message(done)
             finish = done.get("finish_reason") or "stop"
             if msg.get("tool_calls"):
@@ -247,7 +247,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     try:
         if not b.stream:
-            done = await gen.result()
+            done = await gen.result(request)
             text = (done.get("message") or {}).get("content") or done.get("text") or ""
             u = _usage(gen)
             return web.json_response({

@@ -206,7 +206,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     try:
         if not b.stream:
-            done = await gen.result()
+            done = await gen.result(request)
             inc = "max_output_tokens" if done.get("finish_reason") == "length" else None
             return web.json_response(_response_obj(b, req.id, req.model, created,
                                                    "incomplete" if inc else "completed",
