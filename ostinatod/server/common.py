@@ -307,6 +307,9 @@ class Generation:
                     self.t_first = time.monotonic()
                     self.rec["ttft_s"] = round(self.t_first - self.t0, 4)
                 self.n_deltas += 1
+                # live progress for `ostinato ps` / the TUI: deltas so far, a lower bound of the
+                # tokens (a delta can hold several); the exact count replaces it at "done"
+                self.rec["completion_tokens"] = self.n_deltas
             elif ev.type == "done":
                 self._on_done(ev.data)
             elif ev.type == "error":
