@@ -317,29 +317,39 @@ def test_automatic_swap_can_be_turned_off(tiny_model, tmp_path, monkeypatch):
     asyncio.run(go())
 
 
+async def _started_engine(tiny_model, n_ctx: int):
+    """A started in-process engine (real worker) with 2 slots and workload_default "other"."""
+    from ostinatod.engine.client import InProcessEngine
+    from ostinatod.settings import Settings
+    eng = InProcessEngine(Settings(n_ctx=n_ctx, n_slots=2, n_threads=1, n_batch=64, n_ubatch=64,
+                                   engine_mode="inprocess", log_level="WARNING",
+                                   workload_default="other"), tiny_model)
+    await eng.start()
+    await eng.wait_ready(120)
+    return eng
+
+
+async def _gen_logged(eng, order: list, rid: str, n: int) -> None:
+    """Generate ``n`` tokens (ignore_eos) as request ``rid``; append "start:rid"/"done:rid"/"error:rid"."""
+    from ostinatod.engine.types import GenRequest
+    req = GenRequest(id=rid, prompt="def add(a, b):", max_tokens=n, ignore_eos=True, workload="x")
+    async for ev in eng.generate(req):
+        if ev.type in ("start", "done", "error"):
+            order.append(f"{ev.type}:{rid}")
+
+
 def test_explicit_switch_waits_for_the_running_generation(tiny_model, tmp_path, monkeypatch):
     """A switch queued while a request generates runs after that request's last token, and a
     request that arrives meanwhile starts after the switch (in-process engine, real worker)."""
-    from ostinatod.engine.client import InProcessEngine
-    from ostinatod.engine.types import GenRequest
-    from ostinatod.settings import Settings
-
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
     target = all_hot_set(tiny_model, tmp_path / "all-hot.json")
 
     async def go():
-        eng = InProcessEngine(Settings(n_ctx=512, n_slots=2, n_threads=1, n_batch=64, n_ubatch=64,
-                                       engine_mode="inprocess", log_level="WARNING",
-                                       workload_default="other"), tiny_model)
-        await eng.start()
-        await eng.wait_ready(120)
+        eng = await _started_engine(tiny_model, 512)
         order: list[str] = []
 
-        async def gen(rid: str, n: int) -> None:
-            req = GenRequest(id=rid, prompt="def add(a, b):", max_tokens=n, ignore_eos=True, workload="x")
-            async for ev in eng.generate(req):
-                if ev.type in ("start", "done", "error"):
-                    order.append(f"{ev.type}:{rid}")
+        def gen(rid: str, n: int):
+            return _gen_logged(eng, order, rid, n)
 
         async def switch() -> None:
             info = await eng.switch_residency(target)
@@ -363,9 +373,7 @@ def test_switch_behind_an_endless_generation_is_refused_and_serving_resumes(tiny
     409 residency_busy and the request that queued behind it runs; a garbage file is refused at once
     even while a request generates (in-process engine, real worker)."""
     from ostinatod.engine import worker as worker_mod
-    from ostinatod.engine.client import InProcessEngine
-    from ostinatod.engine.types import EngineError, GenRequest
-    from ostinatod.settings import Settings
+    from ostinatod.engine.types import EngineError
 
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(worker_mod, "SWITCH_WAIT_S", 0.3)
@@ -374,18 +382,11 @@ def test_switch_behind_an_endless_generation_is_refused_and_serving_resumes(tiny
     garbage.write_text("not json at all")
 
     async def go():
-        eng = InProcessEngine(Settings(n_ctx=4096, n_slots=2, n_threads=1, n_batch=64, n_ubatch=64,
-                                       engine_mode="inprocess", log_level="WARNING",
-                                       workload_default="other"), tiny_model)
-        await eng.start()
-        await eng.wait_ready(120)
+        eng = await _started_engine(tiny_model, 4096)
         order: list[str] = []
 
-        async def gen(rid: str, n: int) -> None:
-            req = GenRequest(id=rid, prompt="def add(a, b):", max_tokens=n, ignore_eos=True, workload="x")
-            async for ev in eng.generate(req):
-                if ev.type in ("start", "done", "error"):
-                    order.append(f"{ev.type}:{rid}")
+        def gen(rid: str, n: int):
+            return _gen_logged(eng, order, rid, n)
 
         async def switch(path, tag) -> None:
             try:
