@@ -108,7 +108,7 @@ def test_control_switch_changes_the_hot_set(sw, tiny_model):
     p = all_hot_set(tiny_model, sw.home / "all-hot.json")
     d = ctl(sw, "POST", "/residency/switch", {"path": str(p)})
     assert d["ok"] and d["workload"] == "all-hot" and d["reason"] == "control"
-    assert d["hot_experts"] == m["n_layer"] * m["n_expert"] and d["seconds"] >= 0 and d["pool_bytes"] > 0
+    assert d["hot_experts"] == m["n_layer"] * m["n_expert"] and isinstance(d["seconds"], float) and d["pool_bytes"] > 0
     r = residency(sw)
     assert (r["workload"], r["residency"], r["switches"]) == ("all-hot", str(p), n0 + 1)
     assert ctl(sw, "GET", "/status")["last_residency_switch"]["path"] == str(p)
@@ -159,7 +159,7 @@ def test_automatic_swap_per_workload(sw):
     assert s["residency"]["hot_experts"] == sw.sets["customer-service"].n_hot
     last = s["last_residency_switch"]
     assert (last["reason"], last["previous_workload"], last["workload"]) == ("auto", "coding", "customer-service")
-    assert last["request_id"].startswith("chatcmpl-") and last["seconds"] >= 0
+    assert last["request_id"].startswith("chatcmpl-") and isinstance(last["seconds"], float)
     from ostinatod.ctl import format_status  # what `ostinato status` prints
     text = format_status(s)
     assert "residency  customer-service, " in text and "auto-switch on" in text

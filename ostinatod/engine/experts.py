@@ -283,6 +283,8 @@ class ExpertRuntime:
         self._ts_array: Any = None                         # keeps the ctypes array alive
         self.forced = "auto"
         self.attached = False
+        # CPU threads for decode steps (settings or calibration; None: n_threads), set by prepare
+        self.decode_threads: Optional[int] = None
 
     @classmethod
     def prepare(cls, model_path: Path, settings: Any, *, workload: Optional[str] = None
@@ -330,12 +332,14 @@ class ExpertRuntime:
         np_tokens = _default_np(settings)
         configure(hot, device=dev, prefill_threshold=np_tokens,
                   layer_device=dict(enumerate(layer_dev)) if layer_dev else None)
-        overlap, _ = decode_choices(settings)
+        overlap, decode_threads = decode_choices(settings)
         set_overlap(overlap)
         log.info("experts: %d hot experts from %s, Np = %d%s", sum(len(v) for v in hot.values()),
                  res_path or "no residency set (all experts cold)", np_tokens,
                  f", GPUs {residency.devices}" if layer_dev else "")
-        return cls(Path(model_path), model, residency, np_tokens, dev, layer_dev)
+        rt = cls(Path(model_path), model, residency, np_tokens, dev, layer_dev)
+        rt.decode_threads = decode_threads
+        return rt
 
     def adjust_model_params(self, mparams: Any) -> None:
         """Set fields of ``llama_model_params`` (ctypes struct) before the load.

@@ -315,12 +315,9 @@ class Worker:
         threads = self.settings.n_threads or _physical_cores()
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        if rt is not None:
+        if rt is not None and rt.decode_threads:
             # one-token steps: the expert engine's CPU branch is small, fewer threads can be faster
-            from . import experts as _ex
-            _, dthreads = _ex.decode_choices(self.settings)
-            if dthreads:
-                cparams.n_threads = min(dthreads, threads)
+            cparams.n_threads = min(rt.decode_threads, threads)
         if self.settings.flash_attn is not None:
             cparams.flash_attn_type = 1 if self.settings.flash_attn else 0
         cparams.no_perf = True
