@@ -45,6 +45,8 @@ _SIGS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_force_path": ([_C], ctypes.c_int),
     "ostinato_experts_set_timing": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_overlap": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_decode_graph": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -237,6 +239,24 @@ def set_overlap(on: bool) -> None:
     _fn("ostinato_experts_set_overlap")(1 if on else 0)
 
 
+def set_decode_graph(on: Optional[bool], max_tokens: int = 0) -> None:
+    """Decode graph (paper Sec. 3.4; docs/engine.md "Decode graph"): forward passes of at most
+    ``max_tokens`` tokens (0 keeps the current value, 64 at start) that are decode steps or split-path
+    prefills run with the route op on the GPU, the CPU branch on a resident thread pool fed through
+    mapped host memory, and a wait kernel joining the branches, so that the pass is one CUDA graph.
+    ``None``: on when a pool is on a GPU; ``True`` also on a CPU build (tests). Raises ValueError
+    for a max_tokens outside 0..4096. Takes effect at the next graph build."""
+    mode = -1 if on is None else int(bool(on))
+    if _fn("ostinato_experts_set_decode_graph")(mode, int(max_tokens)) != 0:
+        raise ValueError(f"decode graph max_tokens must be 0..4096, got {max_tokens}")
+
+
+def set_cpu_threads(n: int) -> None:
+    """Threads of the decode graph's CPU-branch pool (0: the physical cores). Read when the pool is
+    created (the first decode-graph pass after a load or a residency switch)."""
+    _fn("ostinato_experts_set_cpu_threads")(max(0, int(n)))
+
+
 def decode_choices(settings: Any = None) -> tuple[bool, Optional[int]]:
     """(decode overlap, decode threads or None) to serve with: the settings if given, else the
     calibration's measured choice (``decode_overlap``, ``decode_threads``), else (True, None)."""
@@ -334,6 +354,8 @@ class ExpertRuntime:
                   layer_device=dict(enumerate(layer_dev)) if layer_dev else None)
         overlap, decode_threads = decode_choices(settings)
         set_overlap(overlap)
+        set_decode_graph(getattr(settings, "decode_graph", None))
+        set_cpu_threads(decode_threads or getattr(settings, "n_threads", None) or 0)
         log.info("experts: %d hot experts from %s, Np = %d%s", sum(len(v) for v in hot.values()),
                  res_path or "no residency set (all experts cold)", np_tokens,
                  f", GPUs {residency.devices}" if layer_dev else "")
