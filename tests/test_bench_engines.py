@@ -78,6 +78,14 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     assert not r2["exact"] and r2["decode_steps"] == 40 and r2["decode_seen"] == 32
     assert r2["decode_ms"]["total_ms"] == pytest.approx(160.0)
     assert r2["prefill_ms"]["total_ms"] == pytest.approx(50.0) and r2["prefill_tokens"] == 200
+    # the same turn with a snapshot taken after its first decode steps: the prefill pass is known,
+    # the split exact (decode = delta - prefill), whatever the decode steps did meanwhile
+    mid = {"passes": 16 + 1 + 3, "last_passes": (cur["last_passes"] + [_pass("split", 200, total_ms=45.0)]
+                                                 + [_pass("decode", 1, total_ms=9.0)] * 3)[-32:]}
+    r3 = be.turn_breakdown(cur, cur2, mid)
+    assert r3["exact"] and r3["seen"] == 36 and r3["prefill_tokens"] == 200
+    assert r3["prefill_ms"]["total_ms"] == pytest.approx(45.0)
+    assert r3["decode_ms"]["total_ms"] == pytest.approx(360.0 - 150.0 - 45.0)
     s = be.summarize_breakdown([r, None, r2], [{"after": "tool"}, {"after": "tool"}, {"after": "user"}])
     assert s["decode_step"]["steps"] == 45 and s["decode_step"]["mean_ms"]["total_ms"] == pytest.approx(4.0)
     assert s["prefill"]["prefills"] == 2 and s["prefill"]["mean_ms"]["total_ms"] == pytest.approx(40.0)

@@ -458,20 +458,28 @@ def replay(url: str, sessions_file: Path, held: list[dict], a: argparse.Namespac
     return data
 
 
-def control_metrics(home: Path) -> dict[str, Any]:
-    """The daemon's ``/metrics`` snapshot through the control API (Unix socket). Raises on failure."""
-    import asyncio
+def control_metrics(home: Path, timeout: float = 10.0) -> dict[str, Any]:
+    """The daemon's ``/metrics`` snapshot through the control API (HTTP on its Unix socket; plain
+    http.client: cheap enough to poll). Raises on failure."""
+    import http.client
 
-    import aiohttp
+    class _Unix(http.client.HTTPConnection):
+        def connect(self) -> None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(timeout)
+            s.connect(str(home / "run" / "control.sock"))
+            self.sock = s
 
-    sock = home / "run" / "control.sock"
-
-    async def go() -> dict[str, Any]:
-        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as s:
-            async with s.get("http://ostinato/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                return await r.json()
-
-    return asyncio.run(go())
+    conn = _Unix("ostinato", timeout=timeout)
+    try:
+        conn.request("GET", "/metrics")
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise BenchError(f"control API /metrics: HTTP {r.status}")
+        return json.loads(body)
+    finally:
+        conn.close()
 
 
 def expert_stats(home: Path) -> dict[str, Any]:
@@ -498,21 +506,35 @@ def _ms_keys(d: dict[str, Any]) -> dict[str, float]:
             if k.endswith("_ms") and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any]:
-    """Per-turn split of the native engine's pass times between the turn's prefill passes (path
-    split/upload) and its decode steps, from two snapshots of ``ExpertRuntime.stats()`` (cumulative
-    totals, ``paths`` counts, ``last_passes``: the last 32 passes) taken before and after the turn.
+def _indexed(snap: Optional[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """``last_passes`` of a stats snapshot keyed by pass number (0 = the first since load): the ring
+    holds the last passes up to the cumulative ``passes`` count, both updated under one lock."""
+    if not snap:
+        return {}
+    n, ring = int(snap.get("passes") or 0), list(snap.get("last_passes") or [])
+    return {n - len(ring) + i: p for i, p in enumerate(ring)}
 
-    A turn of at most 32 passes is exact. A longer one shows only its last passes (decode steps):
-    its decode steps are then estimated as ``steps x the mean of the steps seen`` and its prefill as
-    the turn's cumulative delta minus that (``exact`` False). Keys only in the per-pass dicts (not
-    in the totals) are summed over the passes seen. Returns ``{"passes", "seen", "exact",
+
+def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
+                   mid: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Per-turn split of the native engine's pass times between the turn's prefill passes (path
+    split/upload) and its decode steps, from snapshots of ``ExpertRuntime.stats()`` (cumulative
+    totals, ``paths`` counts, ``last_passes``: the last 32 passes) taken before the turn (``prev``),
+    after it (``cur``) and, optionally, just after its first decode steps (``mid``: it holds the
+    prefill passes however long the turn is).
+
+    When every prefill pass of the turn was seen (in ``mid`` or ``cur``) the split is exact: decode
+    = the turn's cumulative delta minus the prefill passes. Otherwise (no ``mid`` and more than 32
+    passes) the decode steps are estimated as ``steps x the mean of the steps seen`` and the
+    prefill as the delta minus that (``exact`` False). Keys only in the per-pass dicts (not in the
+    totals) are summed over the passes seen. Returns ``{"passes", "seen", "exact",
     "decode_steps", "decode_seen", "decode_ms" (sums over the turn's steps), "decode_cold_routes"
     (mean per step seen), "prefill_passes", "prefill_paths", "prefill_tokens", "prefill_ms" (sums
     over the turn's prefill passes), "gpu_timed" (share of the seen passes with GPU timing)}``."""
-    dn = int(cur.get("passes") or 0) - int(prev.get("passes") or 0)
-    last = list(cur.get("last_passes") or [])
-    seen = last[len(last) - min(max(dn, 0), len(last)):] if dn > 0 else []
+    p0 = int(prev.get("passes") or 0)
+    dn = int(cur.get("passes") or 0) - p0
+    known = {**_indexed(mid), **_indexed(cur)}
+    seen = [known[i] for i in range(p0, p0 + dn) if i in known]
     pp, cp = prev.get("paths") or {}, cur.get("paths") or {}
     dpath = {k: int(cp.get(k, 0) or 0) - int(pp.get(k, 0) or 0) for k in set(pp) | set(cp)}
     n_dec = max(0, dpath.get("decode", 0))
@@ -602,15 +624,26 @@ def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[s
     return {"decode_step": dec(ok), "prefill": pre(ok), "prefill_after_tool": pre(after),
             "gpu_timed_share": round(sum(timed) / len(timed), 3) if timed else None,
             "turns": len(rows), "turns_with_stats": len(ok),
-            "source": "native per-pass stats (control API /metrics, engine.experts) after every turn; "
-                      "gpu_branch_ms is measured only in timing mode (gpu_timed_share)"}
+            "source": "native per-pass stats (control API /metrics, engine.experts) before and after "
+                      "every turn and after its first decode step; gpu_branch_ms is measured only in "
+                      "timing mode (gpu_timed_share)"}
 
 
 class StepRecorder:
-    """Snapshots of the Ostinato daemon's expert stats around every replayed turn (control API)."""
+    """Snapshots of the Ostinato daemon's expert stats around every replayed turn (control API):
+    one before the first turn, one after every turn, and one per turn as soon as its first decode
+    step has run (a poller every ``poll_s`` while the turn's prefill runs, stopped at the first
+    decode step: it catches the prefill passes in the ring of the last 32 passes, at the cost of a
+    few stats calls during the prefill)."""
 
-    def __init__(self, home: Path):
-        self.home, self.prev, self.rows, self.errors = home, None, [], 0
+    def __init__(self, home: Path, poll_s: float = 0.025):
+        self.home, self.poll_s = home, poll_s
+        self.prev: Optional[dict[str, Any]] = None
+        self.mid: Optional[dict[str, Any]] = None
+        self.rows: list[Optional[dict[str, Any]]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._th: Optional[threading.Thread] = None
 
     def _snap(self) -> Optional[dict[str, Any]]:
         try:
@@ -620,13 +653,42 @@ class StepRecorder:
             return None
         return ex if "passes" in ex else None
 
+    def _arm(self) -> None:
+        self.mid, self._stop = None, threading.Event()
+        base, stop = self.prev, self._stop
+        if base is None:
+            return
+        n_dec = int((base.get("paths") or {}).get("decode", 0) or 0)
+
+        def poll() -> None:
+            while not stop.wait(self.poll_s):
+                snap = self._snap()
+                if snap and int((snap.get("paths") or {}).get("decode", 0) or 0) > n_dec:
+                    self.mid = snap
+                    return
+
+        self._th = threading.Thread(target=poll, name="bench-step-poll", daemon=True)
+        self._th.start()
+
+    def _disarm(self) -> None:
+        self._stop.set()
+        if self._th is not None:
+            self._th.join(15)
+            self._th = None
+
     def start(self) -> None:
         self.prev = self._snap()
+        self._arm()
 
     def turn(self) -> None:
+        self._disarm()
         cur = self._snap()
-        self.rows.append(turn_breakdown(self.prev, cur) if cur and self.prev else None)
+        self.rows.append(turn_breakdown(self.prev, cur, self.mid) if cur and self.prev else None)
         self.prev = cur
+        self._arm()
+
+    def stop(self) -> None:
+        self._disarm()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1040,8 +1102,12 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 rec = StepRecorder(run_dir / f"home-{key}")
                 rec.start()
             t1 = time.monotonic()
-            data = replay(url, held_file, held, a, run_dir / f"replay-{key}.json",
-                          on_turn=rec.turn if rec else None)
+            try:
+                data = replay(url, held_file, held, a, run_dir / f"replay-{key}.json",
+                              on_turn=rec.turn if rec else None)
+            finally:
+                if rec is not None:
+                    rec.stop()
             est.add(name, time.monotonic() - t1, load_s)
             turns = replay_turns(data)
             m = engine_metrics(turns)
