@@ -36,7 +36,8 @@ the best stock baseline per metric (``ratios_vs_best_stock``, > 1: Ostinato is f
 limit (``ratios_vs_limit``: Ostinato / stock-all-gpu, the slowdown factor, 1 = the limit). For the
 Ostinato engine, ``step_breakdown``: the native engine's per-pass times (``cpu_branch_ms``,
 ``gpu_branch_ms``, ``upload_ms``, ``total_ms`` and any other ``*_ms`` key) as means per decode step
-and per prefill, from snapshots of the daemon's expert stats after every replayed turn.
+and per prefill, from snapshots of the daemon's expert stats around every replayed turn (before,
+after, and at its first decode step).
 """
 
 from __future__ import annotations
@@ -1033,13 +1034,17 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     say(f"dev traces: {len(dev)} sessions x {a.dev_turns} turns through the Ostinato engine")
     trace = collect_dev_traces(model, block, dev, a, run_dir, workload)
     res, res_path, stock = plan(model, trace, a, run_dir, workload)
-    plans = {a.budget_frac: (res, res_path, stock)}
-    for b in sweep:
-        if b not in plans:
-            plans[b] = plan(model, trace, a, run_dir, workload, budget_frac=b,
-                            file_name=f"residency-{_tag(b)}.json")
-
     notes: list[str] = []
+    plans = {a.budget_frac: (res, res_path, stock)}
+    for b in list(sweep):
+        if b not in plans:
+            try:
+                plans[b] = plan(model, trace, a, run_dir, workload, budget_frac=b,
+                                file_name=f"residency-{_tag(b)}.json")
+            except ValueError as e:  # PlanError: e.g. the capacity test leaves no room
+                notes.append(f"{_tag(b)}: no plan at {b:.0%}: {e}; budget left out of the sweep")
+                say(notes[-1])
+                sweep.remove(b)
     fit = None
     if LIMIT in engines:
         fit = limit_fit(model, a)
@@ -1080,7 +1085,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 binary = llama_server_binary()
                 if binary is None:
                     notes.append("llama-server: binary not found (run 'ostinato build --with-server'); "
-                                  "baseline skipped")
+                                 "baseline skipped")
                     say(notes[-1])
                     continue
                 srv = start_llama_server(binary, model, stock["n_cpu_moe"], run_dir, a)

@@ -68,7 +68,7 @@ def _nice_max(v: float) -> float:
 def svg(results: list[dict[str, Any]]) -> str:
     """The plot as an SVG document (two panels side by side, legend below)."""
     points, lines, title = collect(results)
-    W, H, PW, PH, ML, MT = 980, 490, 380, 300, 70, 50
+    W, H, PW, PH, ML, MT = 1000, 450, 380, 300, 70, 50
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
            'font-family="sans-serif" font-size="12">',
            f'<rect width="{W}" height="{H}" fill="white"/>',
