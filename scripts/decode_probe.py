@@ -46,8 +46,7 @@ def main() -> None:
             experts.set_cpu_threads(threads)
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 999
-        if hot is not None:
-            mp.use_extra_bufts = False
+        mp.use_extra_bufts = False   # the same CPU kernels in every run
         model = llama_cpp.llama_model_load_from_file(a.model.encode(), mp)
         experts.configure(None)
         cp = llama_cpp.llama_context_default_params()

@@ -402,7 +402,10 @@ void pin_experts(llama_model * model, ggml_backend_dev_t dev) {
     struct range_t { const void * buf; uintptr_t a, b; };
     std::vector<range_t> r;
     for (const auto & L : model->layers) {
-        for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps}) {
+        // the expert biases too: a copy that spans the end of a pinned range into pageable memory
+        // fails (cudaMemcpyAsync: invalid argument), which aborted gpt-oss's upload path
+        for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps,
+                                      L.ffn_up_exps_b, L.ffn_gate_exps_b, L.ffn_down_exps_b}) {
             if (!t || !t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data) continue;
             if (std::strstr(ggml_backend_buffer_name(t->buffer), "CUDA_Host")) { g_pin.already_pinned = true; continue; }
             r.push_back({t->buffer, (uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t)});

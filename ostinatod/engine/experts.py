@@ -23,9 +23,12 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+import psutil
 
 from .residency import ResidencyError, ResidencySet, model_block, read_residency
 
@@ -355,7 +358,9 @@ class ExpertRuntime:
         overlap, decode_threads = decode_choices(settings)
         set_overlap(overlap)
         set_decode_graph(getattr(settings, "decode_graph", None))
-        set_cpu_threads(decode_threads or getattr(settings, "n_threads", None) or 0)
+        # CPU-branch pool of the decode graph: one core is left to the thread that drives llama.cpp
+        cores = psutil.cpu_count(logical=False) or os.cpu_count() or 2
+        set_cpu_threads(decode_threads or getattr(settings, "n_threads", None) or max(1, cores - 1))
         log.info("experts: %d hot experts from %s, Np = %d%s", sum(len(v) for v in hot.values()),
                  res_path or "no residency set (all experts cold)", np_tokens,
                  f", GPUs {residency.devices}" if layer_dev else "")
