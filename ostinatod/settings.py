@@ -86,6 +86,9 @@ class Settings(BaseSettings):
                                          "split-path prefills run as one CUDA graph per GPU (route op "
                                          "on the GPU, CPU branch on a resident thread pool). Default: "
                                          "on when the expert pool is on a GPU; false turns it off.")
+    decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
+                                "upload path's staging slots hold the cold experts the CPU branch "
+                                "computed most lately; handed back before each long prefill.")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "

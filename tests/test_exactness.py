@@ -259,6 +259,44 @@ def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     assert 0 < st["hot_routes"] < st["routes"] and st["cpu_branch_ms"] > 0   # both branches worked
 
 
+@pytest.mark.parametrize("graph", [None, True])
+def test_borrowed_decode_slots_change_where_not_what(moe, graph):
+    """Borrowed decode memory: a long decode promotes cold experts the CPU branch keeps computing into
+    the staging slots (promotions, borrowed routes > 0, hot-route share up) with the same tokens and
+    logits as without borrowing (bitwise on the CPU, within the GPU tolerance there); a prefill on
+    the upload path hands every slot back first."""
+    r = ost_runner(moe)
+    _switch(half_hot(moe))
+    experts.set_prefill_threshold(8)
+    prompt = _prompt(PROMPT_LEN, seed=5)
+    experts.set_decode_graph(graph)   # True: the device index table of the decode graph too (CPU build)
+    try:
+        experts.set_borrow(False)
+        experts._fn("ostinato_experts_reset_stats")()
+        base_toks, base_logits = r.generate(prompt, 40)
+        base_share = _stats()["hot_route_share"]
+        experts.set_borrow(True)
+        experts._fn("ostinato_experts_reset_stats")()
+        toks, logits = r.generate(prompt, 40)   # prompt: upload path (hands back), then 40 decode steps
+        st, info = _stats(), experts._json("ostinato_experts_info")
+        lent = info["borrowed"]["slots_lent"]
+        r.generate(prompt, 1)                   # another upload-path prefill: everything handed back
+        info2 = experts._json("ostinato_experts_info")
+    finally:
+        experts.set_borrow(True)
+        experts.set_decode_graph(None)
+    print(f"\n[exactness] {moe[1]['arch']} (decode graph {graph}) borrowed slots: {info['borrowed']}, borrowed routes "
+          f"{st['borrowed_routes']}, hot-route share {base_share:.3f} -> {st['hot_route_share']:.3f}")
+    assert toks == base_toks
+    if GPU:
+        assert float(np.max(np.abs(logits - base_logits))) <= TOL
+    else:
+        assert np.array_equal(logits, base_logits)
+    assert info["borrowed"]["promotions"] > 0 and st["borrowed_routes"] > 0 and lent > 0
+    assert st["hot_route_share"] > base_share
+    assert info2["borrowed"]["slots_lent"] == 0 and info2["borrowed"]["handbacks"] >= lent
+
+
 def test_all_cold_and_all_hot_match_stock(moe, stock):
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]

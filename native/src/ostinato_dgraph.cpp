@@ -127,7 +127,8 @@ void join_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     bool waited = o.scratch[2] == 0, ok = true;
     for (int64_t pos = 0; pos < n * o.k; ++pos) {
         const int32_t id = ids[pos];
-        const bool cold = o.has_hot ? id >= o.zero0 : (id >= 0 && id < o.n_expert);
+        // a zero slot is a cold route; a borrowed staging slot (>= zero0 + k) is hot
+        const bool cold = o.has_hot ? (id >= o.zero0 && id < o.zero0 + o.k) : (id >= 0 && id < o.n_expert);
         const int64_t off = pos * o.n_embd;
         if (cold && o.scratch[2] != 0 && !waited) {
             const int64_t seq = *o.pass_seq, t0 = now_ns();

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -57,6 +58,7 @@ struct size_class_t {
     bool has_bias = false;                      // expert biases (gpt-oss): one F32 row per expert
     std::vector<std::pair<int, int>> members;   // (layer, expert) in slot order
     int n_stage = 0;                            // max cold experts of one layer of the class
+    std::vector<std::pair<int, int>> borrowed;  // per staging slot: (layer, expert) lent to decode, or (-1, -1)
     ggml_tensor * up = nullptr, * gate = nullptr, * down = nullptr;   // [.., .., slots + k + n_stage]
     ggml_tensor * b_up = nullptr, * b_gate = nullptr, * b_down = nullptr;   // [.., slots + k + n_stage]
     bool operator==(const size_class_t & o) const {
@@ -68,6 +70,7 @@ struct size_class_t {
 
 struct pass_t {
     int64_t tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
+    int64_t borrowed = 0;                       // hot routes served by borrowed decode slots
     double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
     bool gpu_timed = false;
     bool graph = false;                         // the pass ran (some of) its layers in the decode graph
@@ -76,12 +79,13 @@ struct pass_t {
 
 struct totals_t {
     int64_t passes = 0, tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
+    int64_t borrowed = 0;
     double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
     std::map<std::string, int64_t> paths;
     std::vector<int64_t> counts_prefill, counts_decode;   // [n_layer * n_expert]
     void add(const pass_t & p) {
         passes++; tokens += p.tokens; routes += p.routes; hot += p.hot; cold += p.cold;
-        distinct_cold += p.distinct_cold; upload_bytes += p.upload_bytes;
+        distinct_cold += p.distinct_cold; upload_bytes += p.upload_bytes; borrowed += p.borrowed;
         cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; upload_ms += p.upload_ms; total_ms += p.total_ms;
         paths[p.path]++;
     }
@@ -118,6 +122,9 @@ struct engine_t {
     std::string host_buffer = "";             // buffer type holding the cold experts (e.g. CUDA_Host = pinned)
     int64_t pool_bytes = 0, n_hot = 0;
     std::vector<std::string> notes;
+    std::vector<int> layer_class;              // per layer: size class (-1: none)
+    std::vector<float> cpu_use;                // [layer * n_expert]: decaying count of decode CPU uses
+    int64_t decode_steps = 0, promotions = 0, handbacks = 0;
     ost_dgraph * dg = nullptr;                 // decode graph (created on first use)
     bool dg_failed = false;                    // its creation failed (note in `notes`)
     bool dg_running = false;                   // the current pass has decode-graph layers
@@ -159,6 +166,7 @@ int  g_dgraph = -1;           // decode graph: -1 auto (on when a pool is on a G
 bool g_dgraph_broken = false; // a pass lost a wait: decode graph off until the next model load
 int  g_dgraph_max = 64;       // largest pass (tokens) that takes the decode graph
 int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: estimate physical cores)
+bool g_borrow = true;         // borrowed decode memory (staging slots lent to decode)
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -201,6 +209,7 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
     j["hot_routes"] = t.hot; j["cold_routes"] = t.cold;
     j["hot_route_share"] = t.routes ? double(t.hot) / double(t.routes) : 0.0;
     j["distinct_cold_experts"] = t.distinct_cold; j["upload_bytes"] = t.upload_bytes;
+    j["borrowed_routes"] = t.borrowed;
     j["cpu_branch_ms"] = t.cpu_ms; j["gpu_branch_ms"] = t.gpu_ms; j["upload_ms"] = t.upload_ms;
     j["total_ms"] = t.total_ms;
     j["paths"] = json::object();
@@ -239,9 +248,11 @@ int32_t count_route(engine_t * e, int il, int32_t x, bool decode) {
     const int32_t s = e->slot[il][x];
     if (s >= 0) {
         e->cur.hot++;
+        if (!e->hot[il][x]) e->cur.borrowed++;
     } else {
         e->cur.cold++;
         if (!e->cold_seen[idx]) { e->cold_seen[idx] = 1; e->cur.distinct_cold++; }
+        if (decode) e->cpu_use[idx] += 1.0f;
     }
     return s;
 }
@@ -475,6 +486,101 @@ bool check_layer_devices(const llama_model * model, const engine_t * e, std::str
     return true;
 }
 
+// Copies expert x of layer il (weights and biases) from its host tensors into `slot` of the class's
+// pool tensors; synchronous.
+void copy_expert(const llama_model * model, const size_class_t & c, int il, int x, int slot) {
+    std::vector<uint8_t> tmp;   // only for experts outside host memory
+    auto put = [&](const ggml_tensor * src, ggml_tensor * dst) {
+        const int d = ggml_n_dims(src) >= 3 ? 2 : 1;   // weight slice or bias row
+        const size_t nb = src->nb[d];
+        GGML_ASSERT(dst->nb[d] == nb);
+        if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {   // straight from (pinned) host memory
+            ggml_backend_tensor_set(dst, (const char *) src->data + (size_t) x * nb, (size_t) slot * nb, nb);
+            return;
+        }
+        tmp.resize(nb);
+        ggml_backend_tensor_get(src, tmp.data(), (size_t) x * nb, nb);
+        ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * nb, nb);
+    };
+    const auto & L = model->layers[il];
+    put(L.ffn_up_exps, c.up);
+    if (c.has_gate) put(L.ffn_gate_exps, c.gate);
+    put(L.ffn_down_exps, c.down);
+    if (c.b_up)   put(L.ffn_up_exps_b, c.b_up);
+    if (c.b_gate) put(L.ffn_gate_exps_b, c.b_gate);
+    if (c.b_down) put(L.ffn_down_exps_b, c.b_down);
+}
+
+// Sets one entry of the decode graph's index table (device memory of the layer's pool).
+void set_table(engine_t * e, int il, int x, int32_t v) {
+    const int pi = e->layer_pool[il];
+    if (pi < 0 || !e->pools[pi].table) return;
+    ggml_backend_tensor_set(e->pools[pi].table, &v, ((size_t) il * e->n_expert + x) * sizeof(int32_t), sizeof(int32_t));
+}
+
+// Borrowed decode memory (issue 9 item 4): during decode, the staging slots that the upload path
+// reserves for the largest prefill hold extra experts, the cold ones the CPU branch computed most
+// often lately (a count of decode CPU uses that decays per step). Promotions happen at token
+// boundaries, both branches' index tables together (host slot map and the device table); every
+// borrowed slot is handed back before a pass that takes the upload path.
+constexpr float BORROW_DECAY    = 0.98f;   // per decode step: a use counts half after ~34 steps
+constexpr float BORROW_MIN_USES = 2.0f;    // decayed uses before an expert is promoted
+constexpr int   BORROW_EVERY    = 8;       // decode steps between promotion rounds
+constexpr int   BORROW_PER_ROUND = 2;      // promotions per round (each copies one expert)
+
+void borrow_release(engine_t * e) {
+    for (auto & c : e->classes) {
+        for (auto & b : c.borrowed) {
+            if (b.first < 0) continue;
+            e->slot[b.first][b.second] = -1;
+            set_table(e, b.first, b.second, -1);
+            b = {-1, -1};
+            e->handbacks++;
+        }
+    }
+}
+
+void borrow_step(engine_t * e) {
+    if (++e->decode_steps % BORROW_EVERY) return;
+    const float decay = std::pow(BORROW_DECAY, (float) BORROW_EVERY);
+    for (auto & u : e->cpu_use) u *= decay;
+    std::vector<std::pair<float, size_t>> cand;
+    for (size_t idx = 0; idx < e->cpu_use.size(); ++idx) {
+        if (e->cpu_use[idx] < BORROW_MIN_USES) continue;
+        const int il = (int) (idx / e->n_expert), x = (int) (idx % e->n_expert);
+        const int ci = e->layer_class[il];
+        if (ci < 0 || e->slot[il][x] >= 0 || e->classes[ci].borrowed.empty()) continue;
+        cand.push_back({e->cpu_use[idx], idx});
+    }
+    const size_t n = std::min(cand.size(), (size_t) BORROW_PER_ROUND);
+    std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), std::greater<>());
+    for (size_t i = 0; i < n; ++i) {
+        const int il = (int) (cand[i].second / e->n_expert), x = (int) (cand[i].second % e->n_expert);
+        auto & c = e->classes[e->layer_class[il]];
+        int j = -1;
+        float low = 0;
+        for (size_t q = 0; q < c.borrowed.size(); ++q) {   // a free slot, else the least used borrowed one
+            if (c.borrowed[q].first < 0) { j = (int) q; break; }
+            const float u = e->cpu_use[(size_t) c.borrowed[q].first * e->n_expert + c.borrowed[q].second];
+            if (j < 0 || u < low) { j = (int) q; low = u; }
+        }
+        if (j < 0) continue;
+        auto & b = c.borrowed[j];
+        if (b.first >= 0) {
+            if (cand[i].first < 2 * low) continue;   // hysteresis: replace only a clearly colder one
+            e->slot[b.first][b.second] = -1;
+            set_table(e, b.first, b.second, -1);
+            e->handbacks++;
+        }
+        const int slot = e->layers[il].stage0 + j;
+        copy_expert(e->model, c, il, x, slot);
+        b = {il, x};
+        e->slot[il][x] = slot;
+        set_table(e, il, x, slot);
+        e->promotions++;
+    }
+}
+
 bool build_engine(llama_model * model, const config_t & cfg, std::string & err) {
     auto * e = new engine_t();
     e->model = model;
@@ -656,29 +762,12 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     }
     // copy hot experts into their slots; fill the index table
     e->slot.assign(e->n_layer, std::vector<int32_t>(e->n_expert, -1));
-    std::vector<uint8_t> tmp;
-    auto copy_expert = [&](ggml_tensor * src, ggml_tensor * dst, int x, int slot) {
-        const int d = ggml_n_dims(src) >= 3 ? 2 : 1;   // weight slice or bias row
-        const size_t nb = src->nb[d];
-        GGML_ASSERT(dst->nb[d] == nb);
-        if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {   // straight from (pinned) host memory
-            ggml_backend_tensor_set(dst, (const char *) src->data + (size_t) x * nb, (size_t) slot * nb, nb);
-            return;
-        }
-        tmp.resize(nb);
-        ggml_backend_tensor_get(src, tmp.data(), (size_t) x * nb, nb);
-        ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * nb, nb);
-    };
+    e->layer_class = layer_class;
+    for (auto & c : e->classes) c.borrowed.assign(c.n_stage, {-1, -1});
     for (auto & c : e->classes) {
         for (size_t s = 0; s < c.members.size(); ++s) {
             const auto [il, x] = c.members[s];
-            const auto & L = model->layers[il];
-            copy_expert(L.ffn_up_exps, c.up, x, (int) s);
-            if (c.has_gate) copy_expert(L.ffn_gate_exps, c.gate, x, (int) s);
-            copy_expert(L.ffn_down_exps, c.down, x, (int) s);
-            if (c.b_up)   copy_expert(L.ffn_up_exps_b, c.b_up, x, (int) s);
-            if (c.b_gate) copy_expert(L.ffn_gate_exps_b, c.b_gate, x, (int) s);
-            if (c.b_down) copy_expert(L.ffn_down_exps_b, c.b_down, x, (int) s);
+            copy_expert(model, c, il, x, (int) s);
             e->slot[il][x] = (int32_t) s;
             e->n_hot++;
             e->pools[c.pool].n_hot++;
@@ -702,6 +791,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         e->last = g_eng->last;
     }
     e->cold_seen.assign(nle, 0);
+    e->cpu_use.assign(nle, 0.0f);
     e->mark_us.assign(e->n_layer, 0);
     free_engine(g_eng);
     g_eng = e;
@@ -884,6 +974,10 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         e->pass_t0_us = now_us();
         e->dg_running = false;
         dg = e->dg;
+        // token boundary: borrowed slots are lent for decode and handed back before the upload path
+        const bool upload = n_tokens > 1 && (g_force == FORCE_UPLOAD || (g_force != FORCE_SPLIT && n_tokens >= g_np));
+        if (upload || !g_borrow) borrow_release(e);
+        else if (n_tokens == 1) borrow_step(e);
     }
     // outside g_mu: the decode graph's worker takes it to count routes
     if (dg && ost_dg_pass_begin(dg, graph_ctx)) {
@@ -1081,6 +1175,12 @@ int ostinato_experts_set_decode_graph(int mode, int max_tokens) {
     return 0;
 }
 
+int ostinato_experts_set_borrow(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_borrow = on != 0;
+    return 0;
+}
+
 int ostinato_experts_set_cpu_threads(int n) {
     if (n < 0) return -1;
     std::lock_guard<std::mutex> lock(g_mu);
@@ -1133,6 +1233,10 @@ const char * ostinato_experts_info(void) {
         int moe_layers = 0;
         for (auto & l : e.layers) moe_layers += l.il >= 0;
         j["moe_layers"] = moe_layers;
+        int lent = 0;
+        for (auto & c : e.classes) for (auto & b : c.borrowed) lent += b.first >= 0;
+        j["borrowed"] = json{{"on", g_borrow}, {"slots_lent", lent}, {"promotions", e.promotions},
+                             {"handbacks", e.handbacks}};
         j["notes"] = e.notes;
     }
     return keep(g_out_info, j);

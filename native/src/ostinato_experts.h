@@ -112,6 +112,9 @@ OSTINATO_API int          ostinato_experts_set_overlap(int on);
 // Decode graph: -1 auto (on when a pool is on a GPU), 0 off, 1 on (also in a CPU build: tests).
 // max_tokens (1..4096, 0 keeps) is the largest pass that takes it. Takes effect at the next graph.
 OSTINATO_API int          ostinato_experts_set_decode_graph(int mode, int max_tokens);
+// Borrowed decode memory on (1, default) or off (0): during decode the upload path's staging slots
+// hold the cold experts the CPU branch computed most lately; handed back before an upload pass.
+OSTINATO_API int          ostinato_experts_set_borrow(int on);
 // Threads of the decode graph's CPU branch (0: the physical cores, estimated); next model load.
 OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);
 // Stats as JSON; the returned string stays valid until the next call of the same function.

@@ -96,7 +96,8 @@ static __global__ void ost_join_kernel(const float * gpu, const int32_t * ids_gp
     const int64_t pos = (int64_t) t * o.k + j;
     const int64_t off = pos * o.n_embd;
     const int32_t id = ids_gpu[pos];
-    const bool cold = o.has_hot ? id >= o.zero0 : (id >= 0 && id < o.n_expert);
+    // a zero slot is a cold route; a borrowed staging slot (>= zero0 + k) is hot
+    const bool cold = o.has_hot ? (id >= o.zero0 && id < o.zero0 + o.k) : (id >= 0 && id < o.n_expert);
     if (!cold || o.scratch[2] == 0) {
         for (int i = threadIdx.x; i < o.n_embd; i += blockDim.x) dst[off + i] = (gpu ? gpu[off + i] : 0.0f) + 0.0f;
         return;

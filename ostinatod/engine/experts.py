@@ -50,6 +50,7 @@ _SIGS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_overlap": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_decode_graph": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -254,6 +255,14 @@ def set_decode_graph(on: Optional[bool], max_tokens: int = 0) -> None:
         raise ValueError(f"decode graph max_tokens must be 0..4096, got {max_tokens}")
 
 
+def set_borrow(on: bool) -> None:
+    """Borrowed decode memory (issue 9 item 4; docs/engine.md "Borrowed decode memory"): during decode
+    the upload path's staging slots hold the cold experts the CPU branch computed most lately
+    (decaying count), promoted at token boundaries and handed back before a pass that takes the
+    upload path. On by default."""
+    _fn("ostinato_experts_set_borrow")(1 if on else 0)
+
+
 def set_cpu_threads(n: int) -> None:
     """Threads of the decode graph's CPU-branch pool (0: the physical cores). Read when the pool is
     created (the first decode-graph pass after a load or a residency switch)."""
@@ -358,6 +367,7 @@ class ExpertRuntime:
         overlap, decode_threads = decode_choices(settings)
         set_overlap(overlap)
         set_decode_graph(getattr(settings, "decode_graph", None))
+        set_borrow(getattr(settings, "decode_borrow", True))
         # CPU-branch pool of the decode graph: one core is left to the thread that drives llama.cpp
         cores = psutil.cpu_count(logical=False) or os.cpu_count() or 2
         set_cpu_threads(decode_threads or getattr(settings, "n_threads", None) or max(1, cores - 1))
