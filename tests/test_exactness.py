@@ -297,6 +297,76 @@ def test_borrowed_decode_slots_change_where_not_what(moe, graph):
     assert info2["borrowed"]["slots_lent"] == 0 and info2["borrowed"]["handbacks"] >= lent
 
 
+def merge_gate_up(src, dst):
+    """Rewrites a GGUF with separate ffn_gate_exps / ffn_up_exps as one merged ffn_gate_up_exps per
+    layer (gate rows first, then up rows, per expert), as recent converters write them."""
+    import gguf
+    r = gguf.GGUFReader(str(src))
+    arch = r.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for f in r.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    by_name = {t.name: t for t in r.tensors}
+    out = []
+    for t in r.tensors:
+        if t.name.endswith("ffn_up_exps.weight"):
+            continue
+        if t.name.endswith("ffn_gate_exps.weight"):
+            up = by_name[t.name.replace("ffn_gate_exps", "ffn_up_exps")]
+            out.append((t.name.replace("ffn_gate_exps", "ffn_gate_up_exps"),
+                        np.concatenate([t.data, up.data], axis=1), t.tensor_type))
+        else:
+            out.append((t.name, t.data, t.tensor_type))
+    for name, data, qt in out:
+        w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, data, _ in out:
+        w.write_tensor_data(np.ascontiguousarray(data))
+    w.close()
+    return dst
+
+
+def test_merged_gate_up_layers_take_the_expert_engine(tmp_path):
+    """A deepseek2 file with merged ffn_gate_up_exps (issue 13): the engine puts the merged rows in the
+    pool (a size class marked merged_gate_up) instead of serving the layers stock, and every path,
+    the decode graph too, gives stock's greedy tokens for the same file."""
+    from ostinatod.tools.synth import synthetic_model
+
+    from conftest import CACHE
+    drop_ost()
+    src = synthetic_model(CACHE, arch="deepseek2", shape="tiny")
+    path = merge_gate_up(src, tmp_path / "merged.gguf")
+    m = model_block(path)
+    moe = (path, m, _moe_layers("deepseek2", m["n_layer"]))
+    ref = Runner(path)
+    try:
+        ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), N_NEW)
+    finally:
+        ref.close()
+    r = Runner(path, hot=half_hot(moe), prefill_threshold=512)
+    try:
+        info = experts._json("ostinato_experts_info")
+        assert info["size_classes"] and all(c["merged_gate_up"] for c in info["size_classes"])
+        assert not any("not supported" in n for n in info["notes"])
+        for np_tokens, graph in ((512, None), (8, None), (512, True)):
+            experts.set_prefill_threshold(np_tokens)
+            experts.set_decode_graph(graph)
+            experts._fn("ostinato_experts_reset_stats")()
+            toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
+            st = _stats()
+            assert toks == ref_toks, (np_tokens, graph)
+            assert 0 < st["hot_routes"] < st["routes"]
+    finally:
+        experts.set_decode_graph(None)
+        experts.set_prefill_threshold(512)
+        r.close()
+
+
 def test_all_cold_and_all_hot_match_stock(moe, stock):
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]

@@ -55,6 +55,7 @@ struct size_class_t {
     ggml_type t_up, t_gate, t_down;
     int64_t up0, up1, down0, down1;
     bool has_gate;
+    bool merged = false;                        // up slot holds merged gate_up rows (ffn_gate_up_exps)
     bool has_bias = false;                      // expert biases (gpt-oss): one F32 row per expert
     std::vector<std::pair<int, int>> members;   // (layer, expert) in slot order
     int n_stage = 0;                            // max cold experts of one layer of the class
@@ -63,7 +64,7 @@ struct size_class_t {
     ggml_tensor * b_up = nullptr, * b_gate = nullptr, * b_down = nullptr;   // [.., slots + k + n_stage]
     bool operator==(const size_class_t & o) const {
         return pool == o.pool && t_up == o.t_up && t_gate == o.t_gate && t_down == o.t_down && up0 == o.up0 &&
-               up1 == o.up1 && down0 == o.down0 && down1 == o.down1 && has_gate == o.has_gate &&
+               up1 == o.up1 && down0 == o.down0 && down1 == o.down1 && has_gate == o.has_gate && merged == o.merged &&
                has_bias == o.has_bias;
     }
 };
@@ -303,6 +304,11 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     if (ok) e->mark_us[il] = now_us();
 }
 
+// The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
+// bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.
+const ggml_tensor * up_src(const llama_layer & L) { return L.ffn_gate_up_exps ? L.ffn_gate_up_exps : L.ffn_up_exps; }
+const ggml_tensor * up_b_src(const llama_layer & L) { return L.ffn_gate_up_exps ? L.ffn_gate_up_exps_b : L.ffn_up_exps_b; }
+
 // Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
 // cold expert of the pass once from host memory into the staging slots of the pool (ascending expert
 // ids into ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the
@@ -351,10 +357,10 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         if (slot[x] < 0) { ++x; continue; }
         int m = 1;
         while (x + m < e->n_expert && slot[x + m] >= 0) ++m;   // consecutive experts, consecutive slots
-        put(L.ffn_up_exps, ol.up_pool, x, slot[x], m);
+        put(up_src(L), ol.up_pool, x, slot[x], m);
         if (ol.gate_pool) put(L.ffn_gate_exps, ol.gate_pool, x, slot[x], m);
         put(L.ffn_down_exps, ol.down_pool, x, slot[x], m);
-        if (ol.up_b_pool)   put(L.ffn_up_exps_b, ol.up_b_pool, x, slot[x], m);
+        if (ol.up_b_pool)   put(up_b_src(L), ol.up_b_pool, x, slot[x], m);
         if (ol.gate_b_pool) put(L.ffn_gate_exps_b, ol.gate_b_pool, x, slot[x], m);
         if (ol.down_b_pool) put(L.ffn_down_exps_b, ol.down_b_pool, x, slot[x], m);
         x += m;
@@ -416,7 +422,7 @@ void pin_experts(llama_model * model, ggml_backend_dev_t dev) {
         // the expert biases too: a copy that spans the end of a pinned range into pageable memory
         // fails (cudaMemcpyAsync: invalid argument), which aborted gpt-oss's upload path
         for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps,
-                                      L.ffn_up_exps_b, L.ffn_gate_exps_b, L.ffn_down_exps_b}) {
+                                      L.ffn_up_exps_b, L.ffn_gate_exps_b, L.ffn_down_exps_b, L.ffn_gate_up_exps_b}) {
             if (!t || !t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data) continue;
             if (std::strstr(ggml_backend_buffer_name(t->buffer), "CUDA_Host")) { g_pin.already_pinned = true; continue; }
             r.push_back({t->buffer, (uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t)});
@@ -503,10 +509,10 @@ void copy_expert(const llama_model * model, const size_class_t & c, int il, int 
         ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * nb, nb);
     };
     const auto & L = model->layers[il];
-    put(L.ffn_up_exps, c.up);
+    put(up_src(L), c.up);
     if (c.has_gate) put(L.ffn_gate_exps, c.gate);
     put(L.ffn_down_exps, c.down);
-    if (c.b_up)   put(L.ffn_up_exps_b, c.b_up);
+    if (c.b_up)   put(up_b_src(L), c.b_up);
     if (c.b_gate) put(L.ffn_gate_exps_b, c.b_gate);
     if (c.b_down) put(L.ffn_down_exps_b, c.b_down);
 }
@@ -650,20 +656,30 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         int n_hot_l = 0;
         for (int x = 0; x < e->n_expert; ++x) n_hot_l += e->hot[il][x];
         if (n_hot_l == 0) continue;
-        const bool biases = L.ffn_up_exps_b || L.ffn_gate_exps_b || L.ffn_down_exps_b;
-        const bool biases_ok = !biases || (L.ffn_up_exps_b && L.ffn_down_exps_b &&
+        const ggml_tensor * up = up_src(L), * up_b = up_b_src(L);
+        const bool merged = L.ffn_gate_up_exps != nullptr;
+        const bool biases = up_b || L.ffn_gate_exps_b || L.ffn_down_exps_b;
+        const bool biases_ok = !biases || (up_b && L.ffn_down_exps_b &&
             (L.ffn_gate_exps_b != nullptr) == (L.ffn_gate_exps != nullptr) &&
-            L.ffn_up_exps_b->type == GGML_TYPE_F32 && L.ffn_down_exps_b->type == GGML_TYPE_F32 &&
+            up_b->type == GGML_TYPE_F32 && L.ffn_down_exps_b->type == GGML_TYPE_F32 &&
             (!L.ffn_gate_exps_b || L.ffn_gate_exps_b->type == GGML_TYPE_F32));
-        if (!L.ffn_up_exps || L.ffn_gate_up_exps || !biases_ok) {
-            // merged gate_up or a partial set of expert biases: not handled, the layer runs stock
-            e->notes.push_back("layer " + std::to_string(il) + ": expert layout not supported, runs stock");
+        const char * unsupported = !up ? "no up or gate_up expert tensor"
+                                 : (merged && L.ffn_gate_exps) ? "merged gate_up beside a separate gate"
+                                 : !biases_ok ? "a partial set of expert biases" : nullptr;
+        if (unsupported) {
+            // the layer runs stock (all cold, counted); one note per layout
+            const std::string note = std::string("expert layout not supported (") + unsupported + "): runs stock";
+            if (std::find(e->notes.begin(), e->notes.end(), note) == e->notes.end()) {
+                e->notes.push_back(note);
+                LLAMA_LOG_WARN("ostinato: layer %d and others like it: %s\n", il, note.c_str());
+            }
             std::fill(e->hot[il].begin(), e->hot[il].end(), 0);
             continue;
         }
         size_class_t c{};
         c.pool = e->layer_pool[il];
-        c.t_up = L.ffn_up_exps->type; c.up0 = L.ffn_up_exps->ne[0]; c.up1 = L.ffn_up_exps->ne[1];
+        c.t_up = up->type; c.up0 = up->ne[0]; c.up1 = up->ne[1];
+        c.merged = merged;
         c.has_gate = L.ffn_gate_exps != nullptr;
         c.t_gate = c.has_gate ? L.ffn_gate_exps->type : GGML_TYPE_F32;
         c.t_down = L.ffn_down_exps->type; c.down0 = L.ffn_down_exps->ne[0]; c.down1 = L.ffn_down_exps->ne[1];
@@ -1217,7 +1233,7 @@ const char * ostinato_experts_info(void) {
         j["n_layer"] = e.n_layer; j["n_expert"] = e.n_expert; j["n_expert_used"] = e.k;
         json cls = json::array();
         for (auto & c : e.classes) {
-            cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)},
+            cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)}, {"merged_gate_up", c.merged},
                                {"up_shape", {c.up0, c.up1}}, {"down_shape", {c.down0, c.down1}},
                                {"slots", c.members.size()}, {"zero_slots", e.k}, {"staging_slots", c.n_stage}, {"pool", c.pool}});
         }
