@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("ostinatod.tools.bench", "main", "benchmarks: 'bench replay' of recorded agent sessions, "
               "'bench engines' Ostinato vs stock"),
     "calibrate": ("ostinatod.engine.calibrate", "main", "calibrate the cost model and Np on this machine"),
-    "plan": ("ostinatod.engine.planner", "main", "plan a residency set from routing traces"),
+    "plan": ("ostinatod.residency.planner", "main", "plan a residency set from routing traces"),
     "profile": ("ostinatod.profile", "main", "record the hardware profile"),
     "status": ("ostinatod.ctl", "cmd_status", "daemon status (control API)"),
     "ps": ("ostinatod.ctl", "cmd_ps", "active and recent requests"),

@@ -277,7 +277,7 @@ _fp_cache: dict[tuple, str] = {}
 def _cached_fingerprint(path: Path) -> str:
     """Model fingerprint, cached per (path, size, mtime): reading a GGUF's metadata with the
     gguf package takes tens of seconds for a 150K-token vocabulary on 2 cores."""
-    from .engine.residency import model_fingerprint
+    from .residency.sets import model_fingerprint
     st = path.stat()
     key = (str(path), st.st_size, st.st_mtime)
     if key not in _fp_cache:
@@ -320,11 +320,11 @@ def _fingerprint_nowait(path: Path) -> Optional[str]:
 
 
 async def _fingerprint(state) -> str:
-    """Model fingerprint of the loaded model (engine.residency), computed off the event loop."""
+    """Model fingerprint of the loaded model (residency.sets), computed off the event loop."""
     path = _model_path(state)
     try:
         import importlib
-        importlib.import_module("ostinatod.engine.residency")
+        importlib.import_module("ostinatod.residency.sets")
     except ImportError:
         raise ControlError(501, "not_implemented", "residency sets are not available in this build")
     try:
@@ -500,7 +500,7 @@ async def h_plan(request: web.Request) -> web.Response:
     body = await _body(request)
     workload = _workload_name(body.get("workload") or st.settings.workload_default)
     try:
-        from .engine.planner import plan_for_model
+        from .residency.planner import plan_for_model
     except ImportError:
         raise ControlError(501, "not_implemented", "the residency planner is not available in this build")
     model = _model_path(st)

@@ -12,7 +12,7 @@ Growth of the route total is the trigger because it is cheap to read and bounds 
 ranking can have changed: a set planned from N routes can be displaced by at most the new routes.
 
 Each check is cheap (route totals are cached per trace file version) and runs off the event loop
-(file reads and the planner, :func:`ostinatod.engine.planner.plan_for_model`, Rule 1 fill of paper
+(file reads and the planner, :func:`ostinatod.residency.planner.plan_for_model`, Rule 1 fill of paper
 Sec. 3.1, run in the default executor). The active workload (the engine's set, else
 ``workload_default``) is re-planned first. When the re-planned workload is the active one and
 ``settings.residency_auto_switch`` is on, the new set is handed to the engine
@@ -190,7 +190,7 @@ class Replanner:
         return st.settings.workload_default
 
     async def _plan(self, model: Path, workload: str, active: Optional[str] = None) -> Optional[dict[str, Any]]:
-        from .engine.planner import plan_for_model
+        from .residency.planner import plan_for_model
         from .engine.types import EngineError
         st = self.state
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from ostinatod.engine import experts  # noqa: E402
-from ostinatod.engine.residency import (ResidencyError, make_residency, model_block,  # noqa: E402
+from ostinatod.residency.sets import (ResidencyError, make_residency, model_block,  # noqa: E402
                                         write_residency)
 
 if not experts.native_available():  # pragma: no cover - stale build

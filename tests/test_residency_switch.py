@@ -34,7 +34,7 @@ import pytest
 
 from conftest import launch_daemon
 from ostinatod.ctl import ControlAPIError, call
-from ostinatod.engine.residency import make_residency, model_block, read_residency, write_residency
+from ostinatod.residency.sets import make_residency, model_block, read_residency, write_residency
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)"

@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .residency import ResidencyError, ResidencySet, model_block, read_residency
+from ..paths import residency_file
+from ..residency.calibration import DEFAULT_NP, decode_choices, prefill_threshold
+from ..residency.sets import ResidencyError, ResidencySet, model_block, read_residency
 
 log = logging.getLogger("ostinatod.experts")
 
@@ -237,34 +239,11 @@ def set_overlap(on: bool) -> None:
     _fn("ostinato_experts_set_overlap")(1 if on else 0)
 
 
-def decode_choices(settings: Any = None) -> tuple[bool, Optional[int]]:
-    """(decode overlap, decode threads or None) to serve with: the settings if given, else the
-    calibration's measured choice (``decode_overlap``, ``decode_threads``), else (True, None)."""
-    overlap = getattr(settings, "decode_overlap", None)
-    threads = getattr(settings, "decode_threads", None)
-    if overlap is None or threads is None:
-        try:
-            from .calibrate import load_calibration
-            cal = load_calibration() or {}
-        except Exception:  # noqa: BLE001 - no profile: defaults
-            cal = {}
-        if cal.get("stale"):
-            cal = {}
-        if overlap is None:
-            overlap = cal.get("decode_overlap")
-        if threads is None:
-            threads = cal.get("decode_threads")
-    return (True if overlap is None else bool(overlap)), (int(threads) if threads else None)
-
-
 def _default_np(settings: Any) -> int:
-    if getattr(settings, "prefill_threshold", None):
-        return int(settings.prefill_threshold)
     try:
-        from .calibrate import prefill_threshold
         return int(prefill_threshold(settings))
-    except Exception:  # no calibration module/profile yet: the paper's PCIe 4.0 value
-        return 512
+    except Exception:  # an unreadable profile: the paper's PCIe 4.0 value
+        return DEFAULT_NP
 
 
 class ExpertRuntime:
@@ -315,9 +294,8 @@ class ExpertRuntime:
             return None
         res_path = getattr(settings, "residency", None)
         if res_path is None:
-            from ..paths import get_paths
             wl = workload or getattr(settings, "workload_default", "coding")
-            cand = get_paths().residency_dir / model["fingerprint"] / f"{wl}.json"
+            cand = residency_file(model["fingerprint"], wl)
             res_path = cand if cand.exists() else None
         residency = read_residency(Path(res_path), model) if res_path else None
         hot = residency.hot_all() if residency else {}

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import queue
 import re
 import threading
@@ -47,7 +46,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..settings import Settings
-from .gguf_header import read_header
+from ..hardware import physical_cores
+from ..paths import residency_file
+from ..residency.model import ModelFileError, ModelInfo, check_model_file
 from .types import EngineError, EngineEvent, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
@@ -64,54 +65,16 @@ SAME_SESSION_SHARE = 0.75
 # GGUF checks (before llama.cpp sees the file: a foreign or truncated file must not crash the worker)
 # --------------------------------------------------------------------------------------------------
 
-@dataclass
-class GGUFInfo:
-    """Metadata read from the GGUF header with the ``gguf`` package."""
-
-    arch: str
-    name: str
-    n_layer: int
-    n_expert: int
-    n_expert_used: int
-    n_ctx_train: int
-    is_demo: bool
-    size_bytes: int
-
-
-def inspect_gguf(path: Path) -> GGUFInfo:
-    """Validate ``path`` as a complete GGUF file and read its key metadata.
+def inspect_gguf(path: Path) -> ModelInfo:
+    """Validate ``path`` as a complete GGUF file and describe it (:func:`check_model_file`).
 
     Raises EngineError("model_not_loaded", status 503) if the file is missing, not a GGUF, damaged,
     or truncated (tensor data extends beyond the end of the file).
     """
-    p = Path(path)
-    if not p.is_file():
-        raise EngineError("model_not_loaded", f"model file not found: {p}", 503)
-    size = p.stat().st_size
-    with open(p, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise EngineError("model_not_loaded", f"{p} is not a GGUF file (magic {magic!r})", 503)
     try:
-        hdr = read_header(p)
-    except (ValueError, OSError) as e:
-        raise EngineError("model_not_loaded", f"{p} is truncated or damaged: not a readable GGUF header "
-                          f"({e})", 503) from e
-    if hdr.data_end > size:
-        raise EngineError("model_not_loaded", f"{p} is truncated: tensor data needs {hdr.data_end} bytes, "
-                          f"the file has {size}", 503)
-    kv = hdr.kv
-    arch = str(kv.get("general.architecture") or "unknown")
-
-    def num(key: str) -> int:
-        v = kv.get(key)
-        return int(v) if isinstance(v, (int, float)) else 0
-
-    return GGUFInfo(arch=arch, name=str(kv.get("general.name") or p.stem),
-                    n_layer=num(f"{arch}.block_count"), n_expert=num(f"{arch}.expert_count"),
-                    n_expert_used=num(f"{arch}.expert_used_count"),
-                    n_ctx_train=num(f"{arch}.context_length"), is_demo=bool(kv.get("ostinato.demo")),
-                    size_bytes=size)
+        return check_model_file(path)
+    except ModelFileError as e:
+        raise EngineError("model_not_loaded", str(e), 503) from e
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,7 +188,7 @@ class Worker:
         self.templates = None
         self.rt = None  # ExpertRuntime, if the native engine provides one
         self.traces = None  # TraceRecorder of the expert runtime's per-request route counts
-        self.gguf: Optional[GGUFInfo] = None
+        self.gguf: Optional[ModelInfo] = None
         self.n_ctx_slot = 0
         self.n_batch = settings.n_batch
         self.slots: list[Slot] = []
@@ -285,7 +248,7 @@ class Worker:
                 rt = None
         self.rt = rt
         if rt is not None:
-            from .traces import TraceRecorder  # routing traces per model and workload (planner input)
+            from ..residency.traces import TraceRecorder  # routing traces per model and workload (planner input)
             self.traces = TraceRecorder(rt.model)
 
         mparams = llama_cpp.llama_model_default_params()
@@ -312,7 +275,7 @@ class Worker:
         cparams.n_ubatch = min(self.settings.n_ubatch, self.n_batch)
         cparams.n_seq_max = n_slots
         cparams.kv_unified = True  # shared prefix cells across slots (seq_cp is metadata only)
-        threads = self.settings.n_threads or _physical_cores()
+        threads = self.settings.n_threads or physical_cores()
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         if rt is not None and rt.decode_threads:
@@ -343,7 +306,7 @@ class Worker:
         except EngineError as e:
             raise EngineError("model_not_loaded", f"chat template: {e.message}", 503) from e
         log.info("model loaded: %s (%s, %d layers, %d experts, n_ctx %d per slot x %d slots)",
-                 self.model_path.name, self.gguf.arch, self.gguf.n_layer, self.gguf.n_expert,
+                 self.model_path.name, self.gguf.arch or "unknown", self.gguf.n_layer, self.gguf.n_expert,
                  self.n_ctx_slot, n_slots)
         if self.gguf.is_demo:
             log.warning("the served model is a generated demo model with RANDOM weights: its output is "
@@ -385,7 +348,7 @@ class Worker:
         if self.rt is not None:
             mode = "ostinato"
         return {"name": self.settings.model_alias or self.model_path.stem, "path": str(self.model_path),
-                "arch": g.arch if g else None, "n_ctx": self.n_ctx_slot,
+                "arch": (g.arch or "unknown") if g else None, "n_ctx": self.n_ctx_slot,
                 "n_ctx_train": llama_cpp.llama_model_n_ctx_train(self.model) if self.model else None,
                 "n_params": llama_cpp.llama_model_n_params(self.model) if self.model else None,
                 "size_bytes": g.size_bytes if g else None, "is_demo": bool(g and g.is_demo),
@@ -674,7 +637,7 @@ class Worker:
         """Swap to the set in ``path`` now (loop thread, no request generating). Returns the info
         dict of :meth:`switch_residency`; raises EngineError (old set stays active)."""
         from .experts import ExpertEngineError
-        from .residency import ResidencyError
+        from ..residency.sets import ResidencyError
         if self.rt is None:
             raise EngineError("residency_unavailable", self._no_engine_reason(), 409)
         prev = self._active_set.get("workload")
@@ -701,7 +664,7 @@ class Worker:
     def _precheck_switch(self, path: Path) -> Optional[EngineError]:
         """The errors a switch to ``path`` would end with that need no idle engine to find: no
         expert engine, an unreadable or malformed file, another model's set. None if it may run."""
-        from .residency import ResidencyError, read_residency
+        from ..residency.sets import ResidencyError, read_residency
         if self.rt is None:
             return EngineError("residency_unavailable", self._no_engine_reason(), 409)
         try:
@@ -748,8 +711,7 @@ class Worker:
         """(path, file key) of the planned set of ``workload`` for this model, or None."""
         if self.rt is None or not _WORKLOAD_NAME.fullmatch(workload):
             return None
-        from ..paths import get_paths
-        path = get_paths().residency_dir / str(self.rt.model["fingerprint"]) / f"{workload}.json"
+        path = residency_file(self.rt.model["fingerprint"], workload)
         try:
             st = path.stat()
         except OSError:
@@ -1062,11 +1024,3 @@ def _merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
         if "tool_calls" in d:
             out.setdefault("tool_calls", []).extend(d["tool_calls"])
     return out
-
-
-def _physical_cores() -> int:
-    try:
-        import psutil
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 2
-    except Exception:
-        return os.cpu_count() or 2

@@ -143,8 +143,8 @@ def collect_dev_traces(model: Path, block: dict[str, Any], dev: list[dict], a: a
                        run_dir: Path, workload: str):
     """Replay ``a.dev_turns`` turns of each dev session through the Ostinato engine in this process
     (all experts cold: an empty residency set) and return the accumulated :class:`Trace`."""
-    from ..engine.residency import make_residency, write_residency
-    from ..engine.traces import Trace
+    from ..residency.sets import make_residency, write_residency
+    from ..residency.traces import Trace
     from ..engine.types import GenRequest
     from ..engine.worker import Worker
     from ..settings import load_settings
@@ -173,7 +173,7 @@ def collect_dev_traces(model: Path, block: dict[str, Any], dev: list[dict], a: a
                                  temperature=0.0, workload=workload)
                 done = _run_one(w, req)
                 ex = done.get("experts") or {}
-                from ..engine.traces import counts_from_stats
+                from ..residency.traces import counts_from_stats
 
                 pre, dec = counts_from_stats(ex, block["n_layer"], block["n_expert"])
                 trace.add_counts(pre, dec)
@@ -209,7 +209,7 @@ def _run_one(w, req, timeout: float = 900) -> dict[str, Any]:
 
 def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str) -> tuple[dict, Path, dict]:
     """Plan the residency set at ``a.budget_frac``; returns (residency, path, stock placement)."""
-    from ..engine.planner import plan_residency, read_model_shape, resolve_gpus, write_residency
+    from ..residency.planner import plan_residency, read_model_shape, resolve_gpus, write_residency
 
     shape = read_model_shape(model)
     res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(getattr(a, "gpus", 1)),
@@ -313,7 +313,7 @@ def gpu_env(a: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     n = str(getattr(a, "gpus", 1))
     if "CUDA_VISIBLE_DEVICES" in env or not n.isdigit():
         return env
-    from ..engine.planner import detect_gpus
+    from ..residency.planner import detect_gpus
 
     if len(detect_gpus()) > int(n):
         env = dict(env, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(int(n))))
@@ -499,7 +499,7 @@ def machine_info() -> dict[str, Any]:
     """CPU, RAM and GPUs of this machine (psutil, pynvml)."""
     import psutil
 
-    from ..engine.planner import detect_gpus
+    from ..residency.planner import detect_gpus
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -610,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(a: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     """The whole benchmark; returns the result dict (also written to ``a.out_dir``)."""
-    from ..engine.planner import read_model_shape
+    from ..residency.planner import read_model_shape
 
     if a.layers is None and a.shape == "qwen3-30b-a3b" and not a.model:
         a.layers = 24
