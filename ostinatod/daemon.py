@@ -174,15 +174,11 @@ class Daemon:
         st.phase = "starting"
         runner = await start_http(st)
         self._runners.append(runner)
+        from .control.server import start_control_server
         try:
-            from .control import start_control_server
-        except ImportError:
-            log.info("control API not available in this build")
-        else:
-            try:
-                self._runners.append(await start_control_server(st, self.paths.control_socket))
-            except OSError as e:
-                log.error("control socket %s: %s", self.paths.control_socket, e)
+            self._runners.append(await start_control_server(st, self.paths.control_socket))
+        except OSError as e:
+            log.error("control socket %s: %s", self.paths.control_socket, e)
         self._write_runtime_files()
         log.info("ostinatod %s listening on %s (pid %d)", _version(), st.http_url, os.getpid())
         code = 0

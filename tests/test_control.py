@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ostinatod import ctl
-from ostinatod.control import start_control_server
-from ostinatod.ctl import ControlAPIError, ControlClient, DaemonNotRunning, call
+from ostinatod.control import commands as ctl
+from ostinatod.control.server import start_control_server
+from ostinatod.control.client import ControlAPIError, ControlClient, DaemonNotRunning, call
 
 
 class ControlThread:

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from conftest import launch_daemon
-from ostinatod.ctl import ControlAPIError, call
+from ostinatod.control.client import ControlAPIError, call
 from ostinatod.residency.sets import make_residency, model_block, read_residency, write_residency
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +160,7 @@ def test_automatic_swap_per_workload(sw):
     last = s["last_residency_switch"]
     assert (last["reason"], last["previous_workload"], last["workload"]) == ("auto", "coding", "customer-service")
     assert last["request_id"].startswith("chatcmpl-") and isinstance(last["seconds"], float)
-    from ostinatod.ctl import format_status  # what `ostinato status` prints
+    from ostinatod.control.commands import format_status  # what `ostinato status` prints
     text = format_status(s)
     assert "residency  customer-service, " in text and "auto-switch on" in text
     assert "last swap  coding -> customer-service in " in text and "(auto)" in text

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from ostinatod.ctl import ControlAPIError, DaemonNotRunning, call
+from ostinatod.control.client import ControlAPIError, DaemonNotRunning, call
 
 log = logging.getLogger("ostinatod.tray")
 

@@ -28,7 +28,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Header, Input, Label, Sparkline, Static
 
-from ostinatod.ctl import ControlAPIError, ControlClient, DaemonNotRunning
+from ostinatod.control.client import ControlAPIError, ControlClient, DaemonNotRunning
 
 GIB = 1 << 30
 

@@ -9,12 +9,13 @@ read once per (path, mtime, size) with the fast reader of :mod:`.gguf_header`; n
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .gguf_header import GGUFHeader, read_header
 
@@ -92,12 +93,37 @@ def _file_key(path: Path) -> tuple[str, int, int]:
     return (str(path.resolve()), st.st_mtime_ns, st.st_size)
 
 
+_CACHE: "OrderedDict[tuple[str, int, int], ModelInfo]" = OrderedDict()
+_CACHE_SIZE = 16
+_lock = threading.Lock()
+
+
 def describe_model(path: Path | str) -> ModelInfo:
     """The :class:`ModelInfo` of the GGUF file ``path`` (cached per path, mtime and size: parsing a
     150k-token vocabulary takes seconds). Raises ModelFileError for a missing file or one that is
     not a readable GGUF; does not check that the tensor data is complete (see
-    :func:`check_model_file`)."""
-    return _describe(_file_key(Path(path)))
+    :func:`check_model_file`). Thread-safe."""
+    key = _file_key(Path(path))
+    with _lock:
+        got = _CACHE.get(key)
+    if got is None:
+        got = _describe(key)
+        with _lock:
+            _CACHE[key] = got
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    return got
+
+
+def cached_description(path: Path | str) -> Optional[ModelInfo]:
+    """The description of ``path`` if :func:`describe_model` already has it, else None (never
+    reads the file's header: for live snapshots that must not wait)."""
+    try:
+        key = _file_key(Path(path))
+    except ModelFileError:
+        return None
+    with _lock:
+        return _CACHE.get(key)
 
 
 def require_arch(info: ModelInfo) -> ModelInfo:
@@ -128,7 +154,6 @@ def check_model_file(path: Path | str) -> ModelInfo:
     return info
 
 
-@functools.lru_cache(maxsize=16)
 def _describe(key: tuple[str, int, int]) -> ModelInfo:
     path = Path(key[0])
     try:
