@@ -17,11 +17,11 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from ostinatod.engine import experts  # noqa: E402
+from ostinatod.engine import native, placement, runtime  # noqa: E402
 from ostinatod.residency.sets import (ResidencyError, make_residency, model_block,  # noqa: E402
                                         write_residency)
 
-if not experts.native_available():  # pragma: no cover - stale build
+if not native.experts_available():  # pragma: no cover - stale build
     pytest.skip("native engine built without the expert engine (run 'ostinato build')",
                 allow_module_level=True)
 
@@ -77,32 +77,26 @@ class Runner:
         # tensor_split (GPU, stock reference): llama.cpp's layer split with these weights
         self.all_logits = all_logits
         llama_cpp.llama_backend_init()
-        if rt is not None:
-            pass
-        elif hot is None:
-            experts.configure(None)
-        else:
-            experts.configure(hot, device=0 if GPU else -1, prefill_threshold=prefill_threshold,
-                              force_path=force)
+        cfg = None  # the placement passed with the load (None: stock)
+        if rt is None and hot is not None:
+            cfg = placement.experts_config(hot, device=0 if GPU else -1,
+                                           prefill_threshold=prefill_threshold, force_path=force)
         mp = llama_cpp.llama_model_default_params()
         # stock reference: everything in host memory; with a config the patched loader keeps the
         # routed experts in host memory and (GPU) puts the pool and the dense layers on the GPU
         mp.n_gpu_layers = 999 if GPU else 0
         if GPU and hot is None:
-            from ostinatod.engine import native
             mp.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(999)
         mp.use_extra_bufts = False  # both runs: same CPU kernels (see ExpertRuntime.adjust_model_params)
-        if rt is not None:
-            rt.adjust_model_params(mp)
         if tensor_split is not None:
             import ctypes
             self._ts = (ctypes.c_float * len(tensor_split))(*tensor_split)
             mp.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
             mp.tensor_split = ctypes.cast(self._ts, ctypes.POINTER(ctypes.c_float))
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         if rt is not None:
-            rt.attach(self.model, None)  # checks the pool exists, clears the loader config
-        experts.configure(None)
+            self.model = rt.load(path, mp)  # adjusts mp, loads with its placement, checks the pool
+        else:
+            self.model, _, _ = native.load_model(path, mp, cfg)
         assert self.model, "model load failed"
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = 64, 32, 32
@@ -152,14 +146,14 @@ def stock(moe):
     drop_ost()
     r = Runner(moe[0])
     try:
-        assert not experts._fn("ostinato_experts_active")()
+        assert not native.experts_active()
         return {n: r.generate(_prompt(n), N_NEW) for n in (PROMPT_LEN, 4)}
     finally:
         r.close()
 
 
 def _stats(with_counts=0):
-    return json.loads(experts._fn("ostinato_experts_stats")(with_counts).decode())
+    return json.loads(native.llama_fn("ostinato_experts_stats")(with_counts).decode())
 
 
 # One Ostinato-loaded model at a time (the engine is process-global): tests share it and change
@@ -193,7 +187,7 @@ def _switch(hot, layer_device=None):
     cfg = {"hot": {str(k): v for k, v in hot.items()}, "device": 0 if GPU else -1}
     if layer_device:
         cfg["layer_device"] = {str(k): v for k, v in layer_device.items()}
-    assert experts._fn("ostinato_experts_switch")(json.dumps(cfg).encode()) == 0, experts._err()
+    native.experts_switch(cfg)  # raises ExpertEngineError with the native error
 
 
 @pytest.mark.parametrize("path, np_tokens, force", [
@@ -204,14 +198,14 @@ def _switch(hot, layer_device=None):
 def test_paths_match_stock(moe, stock, path, np_tokens, force):
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    experts.set_prefill_threshold(np_tokens)
-    experts.force_path(force)
-    experts._fn("ostinato_experts_reset_stats")()
+    native.set_prefill_threshold(np_tokens)
+    native.force_path(force)
+    native.llama_fn("ostinato_experts_reset_stats")()
     try:
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
-        experts.force_path("auto")
+        native.force_path("auto")
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d_prefill = float(np.max(np.abs(logits[0] - ref_logits[0])))
     d_decode = float(np.max(np.abs(logits[1:] - ref_logits[1:])))
@@ -230,36 +224,36 @@ def test_all_cold_and_all_hot_match_stock(moe, stock):
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]
     r = ost_runner(moe)
-    experts.set_prefill_threshold(2)  # the 4-token prompt takes the upload path
+    native.set_prefill_threshold(2)  # the 4-token prompt takes the upload path
     try:
         for hot in ({}, {il: list(range(n)) for il in moe[2]}):
             _switch(hot)
-            experts._fn("ostinato_experts_reset_stats")()
+            native.llama_fn("ostinato_experts_reset_stats")()
             toks, _ = r.generate(_prompt(4), N_NEW)
             st = _stats()
             assert toks == ref_toks
             assert st["hot_routes"] == (st["routes"] if hot else 0)
     finally:
         _switch(half_hot(moe))
-        experts.set_prefill_threshold(512)
+        native.set_prefill_threshold(512)
 
 
 def test_stats_are_consistent(moe):
     hot = half_hot(moe)
     r = ost_runner(moe)
     _switch(hot)
-    experts.set_prefill_threshold(16)
-    experts._fn("ostinato_experts_reset_stats")()
+    native.set_prefill_threshold(16)
+    native.llama_fn("ostinato_experts_reset_stats")()
     r.all_logits = True
     try:
-        experts._fn("ostinato_experts_take_request_stats")()
+        native.llama_fn("ostinato_experts_take_request_stats")()
         r.generate(_prompt(PROMPT_LEN), 3)
         st = _stats(1)
-        req = json.loads(experts._fn("ostinato_experts_take_request_stats")().decode())
-        again = json.loads(experts._fn("ostinato_experts_take_request_stats")().decode())
+        req = json.loads(native.llama_fn("ostinato_experts_take_request_stats")().decode())
+        again = json.loads(native.llama_fn("ostinato_experts_take_request_stats")().decode())
     finally:
         r.all_logits = False
-        experts.set_prefill_threshold(512)
+        native.set_prefill_threshold(512)
     k, L, n_exp = moe[1]["n_expert_used"], len(moe[2]), moe[1]["n_expert"]
     n_tok = PROMPT_LEN + 3
     assert st["tokens"] == n_tok and st["passes"] == 4
@@ -284,28 +278,26 @@ def test_runtime_refuses_other_models_set(moe, tmp_path):
     p = write_residency(make_residency(other, {moe[2][0]: [0]}), tmp_path / "other.json")
     from ostinatod.settings import Settings
     with pytest.raises(ResidencyError, match="fingerprint"):
-        experts.ExpertRuntime.prepare(moe[0], Settings(residency=p))
+        runtime.ExpertRuntime.prepare(moe[0], Settings(residency=p))
 
 
 def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
-    """prepare -> load -> attach -> info/stats -> switch, as the engine worker calls it."""
+    """prepare -> load -> info/stats -> switch, as the engine worker calls it."""
     from ostinatod.settings import Settings
     drop_ost()
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
     path, info_m, layers = moe
     p = write_residency(make_residency(info_m, half_hot(moe)), tmp_path / "a.json")
-    rt = experts.ExpertRuntime.prepare(path, Settings(residency=p, prefill_threshold=4))
+    rt = runtime.ExpertRuntime.prepare(path, Settings(residency=p, prefill_threshold=4))
     assert rt is not None
     mp = llama_cpp.llama_model_default_params()
     mp.n_gpu_layers = 0
-    rt.adjust_model_params(mp)
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    model = rt.load(path, mp)  # checks that the loader built the pool
     assert model
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx = 128
     ctx = llama_cpp.llama_init_from_model(model, cp)
     try:
-        rt.attach(model, ctx)
         info = rt.info()
         assert info["hot_experts"] == sum(len(v) for v in half_hot(moe).values())
         assert info["moe_layers"] == len(layers)
@@ -327,19 +319,19 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
         rt.close()
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
-    assert not experts._fn("ostinato_experts_active")()
+    assert not native.experts_active()
 
 
 def test_stock_setting_returns_none(moe):
     from ostinatod.settings import Settings
-    assert experts.ExpertRuntime.prepare(moe[0], Settings(experts="stock")) is None
+    assert runtime.ExpertRuntime.prepare(moe[0], Settings(experts="stock")) is None
 
 
 def test_bad_config_is_a_clear_error():
-    with pytest.raises(experts.ExpertEngineError, match="force_path"):
-        experts.configure({0: [1]}, force_path="sideways")
+    with pytest.raises(native.ExpertEngineError, match="force_path"):
+        native.check_experts_config(placement.experts_config({0: [1]}, force_path="sideways"))
     with pytest.raises(ValueError):
-        experts.set_prefill_threshold(0)
+        native.set_prefill_threshold(0)
 
 
 # --- several GPUs on a CPU build: one pool per "GPU", both CPU buffers -------------------------
@@ -375,14 +367,14 @@ def test_two_pools_match_stock(moe, stock):
     hot, ld = half_hot(moe), _two_gpus(moe)
     try:
         _switch(hot, ld)
-        info = json.loads(experts._fn("ostinato_experts_info")().decode())
+        info = json.loads(native.llama_fn("ostinato_experts_info")().decode())
         pools = _check_pools(info, hot, ld)
         if moe[1]["arch"] == "qwen3moe":  # deepseek2's tiny shape has one MoE layer
             assert sorted(pools) == [0, 1]
         ref_toks, ref_logits = stock[PROMPT_LEN]
         for np_tokens in (512, 8):  # split path, then upload path (staging slots of each pool)
-            experts.set_prefill_threshold(np_tokens)
-            experts._fn("ostinato_experts_reset_stats")()
+            native.set_prefill_threshold(np_tokens)
+            native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
             d = float(np.max(np.abs(logits - ref_logits)))
@@ -393,9 +385,9 @@ def test_two_pools_match_stock(moe, stock):
             assert (st["upload_bytes"] > 0) == (np_tokens == 8)
             assert [p["hot_experts"] for p in st["pools"]] == [p["hot_experts"] for p in info["pools"]]
     finally:
-        experts.set_prefill_threshold(512)
+        native.set_prefill_threshold(512)
         _switch(half_hot(moe))
-    assert len(json.loads(experts._fn("ostinato_experts_info")().decode())["pools"]) == 1
+    assert len(json.loads(native.llama_fn("ostinato_experts_info")().decode())["pools"]) == 1
 
 
 @pytest.mark.skipif(GPU and N_GPUS < 2, reason="two GPUs named: needs a CPU build or >= 2 GPUs "
@@ -409,7 +401,7 @@ def test_runtime_two_gpu_set_loads_two_pools(moe, stock, tmp_path):
     doc["gpus"] = [{"device": g, "layers": [il for il in sorted(ld) if ld[il] == g], "budget_bytes": 0,
                     "hot": {str(il): v for il, v in hot.items() if ld[il] == g}} for g in (0, 1)]
     p = write_residency(doc, tmp_path / "two.json")
-    rt = experts.ExpertRuntime.prepare(moe[0], Settings(residency=p, prefill_threshold=512))
+    rt = runtime.ExpertRuntime.prepare(moe[0], Settings(residency=p, prefill_threshold=512))
     assert rt.layer_device == [ld[il] for il in range(moe[1]["n_layer"])]
     ref = stock[PROMPT_LEN]
     r = Runner(moe[0], rt=rt)
@@ -430,7 +422,7 @@ def test_runtime_two_gpu_set_loads_two_pools(moe, stock, tmp_path):
         assert len(rt.stats()["pools"]) == len(info["pools"])
         one = write_residency(make_residency(moe[1], hot), tmp_path / "one.json")
         if GPU:  # the dense layers stay split over two GPUs: a one-GPU set is refused, old set kept
-            with pytest.raises(experts.ExpertEngineError, match="dense weights"):
+            with pytest.raises(native.ExpertEngineError, match="dense weights"):
                 rt.switch(one)
             assert len(rt.info()["pools"]) == len(info["pools"])
         else:  # a CPU build has no dense weights on a GPU to disagree with: one pool
@@ -442,6 +434,5 @@ def test_runtime_two_gpu_set_loads_two_pools(moe, stock, tmp_path):
 
 
 def test_layer_device_config_errors():
-    with pytest.raises(experts.ExpertEngineError, match="layer_device"):
-        experts.configure({0: [1]}, layer_device={0: -2})
-    experts.configure(None)
+    with pytest.raises(native.ExpertEngineError, match="layer_device"):
+        native.check_experts_config(placement.experts_config({0: [1]}, layer_device={0: -2}))

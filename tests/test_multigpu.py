@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ostinatod.engine.experts import full_layer_devices, simulate_layer_split, tensor_split_for
+from ostinatod.engine.placement import full_layer_devices, simulate_layer_split, tensor_split_for
 from ostinatod.residency.sets import ResidencyError, validate_residency
 
 

@@ -372,11 +372,11 @@ def test_switch_behind_an_endless_generation_is_refused_and_serving_resumes(tiny
     """A queued switch waits at most SWITCH_WAIT_S for the running request (here 0.3 s), then gets
     409 residency_busy and the request that queued behind it runs; a garbage file is refused at once
     even while a request generates (in-process engine, real worker)."""
-    from ostinatod.engine import worker as worker_mod
+    from ostinatod.engine import switcher as switcher_mod
     from ostinatod.engine.types import EngineError
 
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(worker_mod, "SWITCH_WAIT_S", 0.3)
+    monkeypatch.setattr(switcher_mod, "SWITCH_WAIT_S", 0.3)
     target = all_hot_set(tiny_model, tmp_path / "all-hot.json")
     garbage = tmp_path / "garbage.json"
     garbage.write_text("not json at all")

@@ -100,10 +100,10 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
 
     import llama_cpp
 
-    from ..settings import load_settings
-    from . import experts
     from ..residency.planner import read_model_shape
     from ..residency.sets import make_residency, write_residency
+    from ..settings import load_settings
+    from . import native
     from .worker import Worker
 
     say = progress or (lambda s: None)
@@ -126,7 +126,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
         if w.rt is None:
             raise CalibrationError("the expert engine is not active for this model (stock run)")
         info = w.rt.info() if hasattr(w.rt, "info") else {}
-        gpu = bool(experts._has_gpu())
+        gpu = native.has_gpu()
         n_moe = int(info.get("moe_layers") or block["n_layer"])
         n_vocab = int(llama_cpp.llama_vocab_n_tokens(w.vocab))
         rng = np.random.default_rng(0)

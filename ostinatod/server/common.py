@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from ..engine.types import EngineError, EngineEvent, GenRequest
+from ..engine.types import EngineError, EngineEvent, EventType, GenRequest
 from .errors import ApiError
 from .state import DaemonState
 
@@ -258,7 +258,7 @@ class Generation:
             self._next_task = asyncio.ensure_future(self._next())
         done, _ = await asyncio.wait({self._next_task}, timeout=heartbeat)
         if not done:
-            return EngineEvent("ping", {})  # type: ignore[arg-type]
+            return EngineEvent(EventType.PING, {})
         task, self._next_task = self._next_task, None
         return task.result()
 

@@ -907,40 +907,38 @@ def engine_router_counts(model_path: str | os.PathLike, token_ids: np.ndarray, w
     """
     import llama_cpp as L
 
-    from ..engine import experts
+    from ..engine import native
+    from ..engine.placement import experts_config
 
-    if not experts.native_available():
+    if not native.experts_available():
         raise SynthError("the native expert engine is not built (ostinato build)")
-    experts.configure({}, device=-1, prefill_threshold=1 << 30)  # all cold: only the counters matter
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.use_extra_bufts = False
+    # all cold: only the counters matter
+    model, _, _ = native.load_model(model_path, mp, experts_config({}, device=-1, prefill_threshold=1 << 30))
+    if not model:
+        raise SynthError(f"llama.cpp could not load {model_path}")
     try:
-        L.llama_backend_init()
-        mp = L.llama_model_default_params()
-        mp.use_extra_bufts = False
-        model = L.llama_model_load_from_file(str(model_path).encode(), mp)
-        if not model:
-            raise SynthError(f"llama.cpp could not load {model_path}")
-        try:
-            cp = L.llama_context_default_params()
-            cp.n_ctx = cp.n_batch = cp.n_ubatch = window
-            cp.n_threads = cp.n_threads_batch = n_threads or max(1, (os.cpu_count() or 2))
-            ctx = L.llama_init_from_model(model, cp)
-            if not ctx:
-                raise SynthError("llama.cpp could not create a context")
-            experts._json("ostinato_experts_take_request_stats")  # reset
-            ids = np.asarray(token_ids, dtype=np.int32)
-            mem = L.llama_get_memory(ctx)
-            for i in range(0, len(ids), window):
-                chunk = ids[i:i + window]
-                buf = (L.llama_token * len(chunk))(*chunk.tolist())
-                if L.llama_decode(ctx, L.llama_batch_get_one(buf, len(chunk))) != 0:
-                    raise SynthError("llama_decode failed")
-                L.llama_memory_clear(mem, True)
-            st = experts._json("ostinato_experts_take_request_stats")
-            L.llama_free(ctx)
-        finally:
-            L.llama_model_free(model)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = window
+        cp.n_threads = cp.n_threads_batch = n_threads or max(1, (os.cpu_count() or 2))
+        ctx = L.llama_init_from_model(model, cp)
+        if not ctx:
+            raise SynthError("llama.cpp could not create a context")
+        native.experts_json("ostinato_experts_take_request_stats")  # reset
+        ids = np.asarray(token_ids, dtype=np.int32)
+        mem = L.llama_get_memory(ctx)
+        for i in range(0, len(ids), window):
+            chunk = ids[i:i + window]
+            buf = (L.llama_token * len(chunk))(*chunk.tolist())
+            if L.llama_decode(ctx, L.llama_batch_get_one(buf, len(chunk))) != 0:
+                raise SynthError("llama_decode failed")
+            L.llama_memory_clear(mem, True)
+        st = native.experts_json("ostinato_experts_take_request_stats")
+        L.llama_free(ctx)
     finally:
-        experts.configure(None)
+        L.llama_model_free(model)
     counts = np.asarray(st["counts_prefill"], dtype=np.int64) + np.asarray(st["counts_decode"], dtype=np.int64)
     return {il: counts[il] for il in range(counts.shape[0]) if counts[il].sum() > 0}
 
