@@ -26,8 +26,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "logs": ("ostinatod.control.commands", "cmd_logs", "print the daemon log"),
     "pause": ("ostinatod.control.commands", "cmd_pause", "unload the model until 'resume' (frees RAM/GPU memory)"),
     "resume": ("ostinatod.control.commands", "cmd_resume", "load the paused model again"),
-    "tui": ("ui.tui", "main", "live terminal UI"),
-    "tray": ("ui.tray", "main", "tray icon"),
+    "tui": ("ostinatod.ui.tui", "main", "live terminal UI"),
+    "tray": ("ostinatod.ui.tray", "main", "tray icon"),
     "launch": ("ostinatod.launch", "main", "configure an agent (claude, opencode, openhands, codex)"),
 }
 

@@ -184,7 +184,7 @@ def test_replay_swe_then_tau2_shows_the_switch_in_tui_and_metrics(sw, tiny_model
     from test_replay import SWE, SWE_ID, TAU2, TAU2_ID
     from test_tui import _until
     from ostinatod.tools import replay
-    from ui.tui import OstinatoTUI
+    from ostinatod.ui.tui import OstinatoTUI
 
     # start from a set of neither workload, so each session swaps its own set in
     ctl(sw, "POST", "/residency/switch", {"path": str(all_hot_set(tiny_model, sw.home / "all-hot.json"))})

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ui import tray as traymod
+from ostinatod.ui import tray as traymod
 
 
 def _ensure_xvfb() -> str | None:

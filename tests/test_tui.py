@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ui.tui import OstinatoTUI, heat_color, heat_strip
+from ostinatod.ui.tui import OstinatoTUI, heat_color, heat_strip
 
 ROOT = Path(__file__).resolve().parent.parent
 
