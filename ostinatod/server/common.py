@@ -10,7 +10,6 @@ import json
 import logging
 import re
 import time
-import uuid
 from typing import Any, AsyncIterator, Optional
 
 from aiohttp import web
@@ -41,11 +40,6 @@ _CLIENTS: list[tuple[str, str, Optional[str]]] = [
     ("openai/python", "openai-python", None), ("anthropic/python", "anthropic-python", None),
     ("ostinato", "ostinato", None),
 ]
-
-
-def new_id(prefix: str) -> str:
-    """Random request/item id with a protocol prefix (``chatcmpl-``, ``msg_``, ``resp_`` ...)."""
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -374,7 +368,6 @@ class Generation:
 
 
 HEARTBEAT_S = 10.0  # keep-alive interval of streams while the engine is silent (long prefill)
-SSE_COMMENT_PING = b": ping\n\n"  # SSE comment: ignored by clients, keeps proxies and timers happy
 
 
 def apply_logit_bias(req: GenRequest, bias: Any) -> None:
@@ -405,10 +398,3 @@ async def start_sse(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers=sse_headers())
     await resp.prepare(request)
     return resp
-
-
-def sse(data: Any, event: Optional[str] = None) -> bytes:
-    """One SSE frame (``event:`` line when given; data JSON-encoded unless already a str)."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
