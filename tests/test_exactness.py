@@ -1,6 +1,6 @@
 """Exactness of the Ostinato expert paths against stock llama.cpp (same build), on the CPU.
 
-Tiny synthetic qwen3moe and deepseek2 models (ostinatod.tools.synth) with a residency set that makes about half of the experts hot:
+Tiny synthetic qwen3moe and deepseek2 models (ostinatod.synth) with a residency set that makes about half of the experts hot:
 greedy generation after a prompt on each path (decode; split path, n < Np; upload path, n >= Np via
 a small forced Np) must give the same tokens as stock llama.cpp with all experts in host memory.
 On a CPU-only build the pool is a CPU buffer: this still exercises the index tables, zero slots,
@@ -42,7 +42,7 @@ ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
 def _moe_layers(arch, n_layer):
     """MoE layer ids of a synthetic model (deepseek2 starts with dense layers). Taken from the
     writer's shape rather than the GGUF: parsing a 150k-token vocabulary takes seconds."""
-    from ostinatod.tools.synth import SHAPES
+    from ostinatod.synth.shapes import SHAPES
     first = SHAPES["tiny"].n_layer_dense_lead if arch == "deepseek2" else 0
     return list(range(first, n_layer))
 
@@ -50,7 +50,7 @@ def _moe_layers(arch, n_layer):
 @pytest.fixture(scope="session", params=ARCHS)
 def moe(request):
     """(path, model block, MoE layer ids) of a tiny synthetic model per architecture (q8_0 experts)."""
-    from ostinatod.tools.synth import synthetic_model
+    from ostinatod.synth.writer import synthetic_model
 
     from conftest import CACHE
     CACHE.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,7 @@ def prepare_model(a: argparse.Namespace) -> Path:
         if not Path(a.model).is_file():
             raise BenchError(f"model not found: {a.model}")
         return Path(a.model).resolve()
-    from .synth import write_synthetic_moe
+    from ..synth.writer import write_synthetic_moe
 
     d = get_paths().models_dir
     d.mkdir(parents=True, exist_ok=True)
