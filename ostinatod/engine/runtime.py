@@ -208,19 +208,22 @@ class ExpertRuntime:
         """See :func:`.native.set_overlap`."""
         native.set_overlap(on)
 
-    def switch(self, residency_path: Path) -> float:
+    def switch(self, residency_path: Path, res: Optional[ResidencySet] = None) -> float:
         """Swap the residency set at a request boundary (no forward pass may be running: call it
         on the thread that runs the forward passes, between them).
 
         Reads and validates ``residency_path`` against this model (fingerprint, layer and expert
-        ranges), rebuilds the expert pool with its hot experts (route counters are kept) and makes
-        the context rebuild its graph. Returns the seconds it took (file read included).
+        ranges; ``res``: the set already read and validated from it, so the file is read once),
+        rebuilds the expert pool with its hot experts (route counters are kept) and makes
+        the context rebuild its graph. Returns the seconds it took (the file read included when
+        ``res`` is not given).
         Raises ResidencyError (unreadable, malformed, or a set for another model) or
         ExpertEngineError (the native engine refused it, e.g. no active engine or no memory for the
         pool); on error the old set stays in use.
         """
         t0 = time.perf_counter()
-        res = read_residency(Path(residency_path), self.model)
+        if res is None:
+            res = read_residency(Path(residency_path), self.model)
         hot = res.hot_all()
         layer_dev = None
         if self.layer_device or len(res.devices) > 1:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from .native import ExpertEngineError
 from ..paths import residency_file
-from ..residency.sets import ResidencyError, read_residency
+from ..residency.sets import ResidencyError, ResidencySet, read_residency
 from .runtime import SUPPORTED_ARCHS
 from .types import EngineError
 
@@ -57,7 +57,7 @@ class ResidencySwitcher:
     def __init__(self, worker: Any):
         self.w = worker
         self.active_set: dict[str, Any] = {}  # {"workload", "path", "key", "hot_experts", "pool_bytes", "pools"}
-        self.queued: list[tuple[Path, str, SwitchDone]] = []
+        self.queued: list[tuple[Path, str, SwitchDone, Optional[ResidencySet]]] = []
         self.queued_at = 0.0  # monotonic time the oldest queued switch arrived
         self.count = 0
         self.last: Optional[dict[str, Any]] = None
@@ -110,16 +110,16 @@ class ResidencySwitcher:
                 "again with the expert engine (experts = 'auto' or 'ostinato', residency = PATH)")
 
     # ---- swaps ----------------------------------------------------------------------------------
-    def switch_now(self, path: Path, reason: str) -> dict[str, Any]:
-        """Swap to the set in ``path`` now (no request generating). Returns the swap's facts (see
-        :meth:`ostinatod.engine.worker.Worker.switch_residency`); raises EngineError (the old set
-        stays active)."""
+    def switch_now(self, path: Path, reason: str, res: Optional[ResidencySet] = None) -> dict[str, Any]:
+        """Swap to the set in ``path`` (``res``: already read from it) now (no request generating).
+        Returns the swap's facts (see :meth:`ostinatod.engine.worker.Worker.switch_residency`);
+        raises EngineError (the old set stays active)."""
         rt = self.w.rt
         if rt is None:
             raise EngineError("residency_unavailable", self.no_engine_reason(), 409)
         prev = self.active_set.get("workload")
         try:
-            secs = rt.switch(path)
+            secs = rt.switch(path, res)
         except ResidencyError as e:
             raise EngineError("residency_refused", f"{e} (the previous set stays active)", 400) from e
         except ExpertEngineError as e:
@@ -138,26 +138,27 @@ class ResidencySwitcher:
                  a["pool_bytes"])
         return info
 
-    def precheck(self, path: Path) -> Optional[EngineError]:
-        """The errors a switch to ``path`` would end with that need no idle engine to find: no
-        expert engine, an unreadable or malformed file, another model's set. None if it may run."""
+    def precheck(self, path: Path) -> tuple[Optional[ResidencySet], Optional[EngineError]]:
+        """Read and validate the set in ``path`` for this model: (the set, None), or (None, the
+        error a switch to it would end with that needs no idle engine to find: no expert engine, an
+        unreadable or malformed file, another model's set)."""
         if self.w.rt is None:
-            return EngineError("residency_unavailable", self.no_engine_reason(), 409)
+            return None, EngineError("residency_unavailable", self.no_engine_reason(), 409)
         try:
-            read_residency(Path(path), self.w.rt.model)
+            return read_residency(Path(path), self.w.rt.model), None
         except ResidencyError as e:
-            return EngineError("residency_refused", f"{e} (the previous set stays active)", 400)
-        return None
+            return None, EngineError("residency_refused", f"{e} (the previous set stays active)", 400)
 
     def queue(self, path: Path, reason: str, done: SwitchDone) -> None:
-        """Queue an explicit switch (refused at once when :meth:`precheck` finds a problem)."""
-        err = self.precheck(path)
+        """Queue an explicit switch (refused at once when :meth:`precheck` finds a problem; the
+        set it read is what the switch uses)."""
+        res, err = self.precheck(path)
         if err is not None:  # refused at once: nothing to wait for
             _reply(done, None, err)
             return
         if not self.queued:
             self.queued_at = time.monotonic()
-        self.queued.append((path, reason, done))
+        self.queued.append((path, reason, done, res))
 
     def overdue(self) -> bool:
         return bool(self.queued) and time.monotonic() - self.queued_at > SWITCH_WAIT_S
@@ -165,7 +166,7 @@ class ResidencySwitcher:
     def refuse_queued(self, n_active: int) -> None:
         """Refuse the queued switches that waited SWITCH_WAIT_S for the running requests."""
         pending, self.queued = self.queued, []
-        for path, _, done in pending:
+        for path, _, done, _ in pending:
             log.warning("residency switch to %s refused: %d request(s) still generating after %.0f s",
                         path, n_active, SWITCH_WAIT_S)
             _reply(done, None, EngineError(
@@ -176,9 +177,9 @@ class ResidencySwitcher:
     def run_queued(self) -> None:
         """Run the queued explicit switches in order (the last one ends up active)."""
         pending, self.queued = self.queued, []
-        for path, reason, done in pending:
+        for path, reason, done, res in pending:
             try:
-                info = self.switch_now(path, reason)
+                info = self.switch_now(path, reason, res)
             except EngineError as e:
                 log.warning("residency switch to %s refused: %s", path, e.message)
                 _reply(done, None, e)
@@ -190,7 +191,7 @@ class ResidencySwitcher:
 
     def stop(self) -> None:
         """The engine stopped: the queued switches end with ``engine_stopped``."""
-        for _, _, done in self.queued:
+        for _, _, done, _ in self.queued:
             _reply(done, None, EngineError("engine_stopped", "the engine stopped", 503))
         self.queued.clear()
 

@@ -167,8 +167,8 @@ class Worker:
 
         The loop runs it at the next request boundary (no request generating; new requests wait
         for it) and then calls ``done(info, None)`` on the loop thread, with ``info`` =
-        ``{"seconds" (float, the swap incl. reading the file), "workload" (the set's), "path",
-        "previous_workload", "hot_experts" (int), "pool_bytes" (int), "reason", "at" (Unix time)}``;
+        ``{"seconds" (float, the swap; the file is read once, when the switch is queued),
+        "workload" (the set's), "path", "previous_workload", "hot_experts" (int), "pool_bytes" (int), "reason", "at" (Unix time)}``;
         or ``done(None, EngineError)``: ``residency_unavailable`` (409: the model runs without the
         expert engine, the message says why), ``residency_refused`` (400: unreadable, malformed or
         another model's set), ``residency_switch_failed`` (500: the native engine refused it) or
