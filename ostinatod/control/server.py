@@ -339,24 +339,20 @@ async def h_events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+ROUTES = [("GET", "/status", h_status), ("GET", "/models", h_models),
+          ("POST", "/models/load", h_load), ("POST", "/models/unload", h_unload),
+          ("POST", "/pause", h_pause), ("POST", "/resume", h_resume),
+          ("GET", "/residency", h_residency), ("POST", "/residency/plan", h_plan),
+          ("POST", "/residency/switch", h_switch), ("GET", "/profile", h_profile),
+          ("GET", "/metrics", h_metrics), ("GET", "/requests", h_requests), ("GET", "/events", h_events)]
+
+
 def make_app(state) -> web.Application:
     """The control API as an aiohttp application bound to ``state`` (a DaemonState)."""
     app = web.Application(middlewares=[_errors])
     app[STATE_KEY] = state
-    r = app.router
-    r.add_get("/status", h_status)
-    r.add_get("/models", h_models)
-    r.add_post("/models/load", h_load)
-    r.add_post("/models/unload", h_unload)
-    r.add_post("/pause", h_pause)
-    r.add_post("/resume", h_resume)
-    r.add_get("/residency", h_residency)
-    r.add_post("/residency/plan", h_plan)
-    r.add_post("/residency/switch", h_switch)
-    r.add_get("/profile", h_profile)
-    r.add_get("/metrics", h_metrics)
-    r.add_get("/requests", h_requests)
-    r.add_get("/events", h_events)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
     return app
 
 

@@ -41,6 +41,15 @@ def _error_event(code: str, message: str, status: int) -> EngineEvent:
     return EngineEvent("error", {"code": code, "message": message, "status": status})
 
 
+async def _until_terminal(q: "asyncio.Queue[EngineEvent]") -> AsyncIterator[EngineEvent]:
+    """The events of ``q`` up to and including the first "done" or "error"."""
+    while True:
+        ev = await q.get()
+        yield ev
+        if ev.type in TERMINAL:
+            return
+
+
 class InProcessEngine:
     """Worker loop in a daemon thread of this process. ``model_path`` overrides ``settings.model``."""
 
@@ -140,13 +149,9 @@ class InProcessEngine:
         worker.submit(req, emit)
         finished = False
         try:
-            while True:
-                ev = await q.get()
-                if ev.type in TERMINAL:
-                    finished = True
+            async for ev in _until_terminal(q):
+                finished = ev.type in TERMINAL
                 yield ev
-                if finished:
-                    return
         finally:
             if not finished:
                 worker.cancel(req.id)
@@ -384,13 +389,9 @@ class SubprocessEngine:
                 finished = True
                 yield _error_event("engine_crashed", "the engine worker is not running", 503)
                 return
-            while True:
-                ev = await q.get()
-                if ev.type in TERMINAL:
-                    finished = True
+            async for ev in _until_terminal(q):
+                finished = ev.type in TERMINAL
                 yield ev
-                if finished:
-                    return
         finally:
             self._streams.pop(req.id, None)
             if not finished:

@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import EngineError, GenRequest
-from .common import HEARTBEAT_S, Generation, apply_logit_bias, ensure_engine, fill_common, read_json, start_sse, validate
+from .common import Generation, apply_logit_bias, ensure_engine, fill_common, read_json, respond, validate
 from .encoders import anthropic as enc
 from .encoders import new_id
 from .errors import ApiError
@@ -193,25 +193,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     rid = new_id("msg_")
     req = build_request(state, request, b, rid)
     gen = await Generation.open(state, req, "anthropic")
-    try:
-        if not b.stream:
-            done = await gen.result(request)
-            return web.json_response(enc.message_body(rid, req.model, done, gen.usage))
-        return await _stream(request, gen, req, rid)
-    finally:
-        await gen.aclose()
-        gen.close()
 
-
-async def _stream(request: web.Request, gen: Generation, req: GenRequest, rid: str) -> web.StreamResponse:
-    resp = await start_sse(request)
-    stream = enc.MessageStream(rid, req.model)
-    for f in stream.start(gen.usage):
-        await resp.write(f.encode())
-    async for ev in gen.events(heartbeat=HEARTBEAT_S):
-        for f in stream.feed(ev, gen.usage):
-            await resp.write(f.encode())
-    return resp
+    def open_stream():
+        s = enc.MessageStream(rid, req.model)
+        return s, s.start(gen.usage)
+    return await respond(request, gen, b.stream,
+                         lambda done: enc.message_body(rid, req.model, done, gen.usage), open_stream)
 
 
 class CountBody(BaseModel):

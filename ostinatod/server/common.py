@@ -10,12 +10,13 @@ import json
 import logging
 import re
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from ..engine.types import EngineError, EngineEvent, EventType, GenRequest
+from .encoders import Frame
 from .errors import ApiError
 from .state import DaemonState
 
@@ -398,3 +399,27 @@ async def start_sse(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers=sse_headers())
     await resp.prepare(request)
     return resp
+
+
+async def respond(request: web.Request, gen: Generation, stream: bool,
+                  body: Callable[[dict[str, Any]], dict[str, Any]],
+                  open_stream: Callable[[], tuple[Any, list[Frame]]]) -> web.StreamResponse:
+    """Answer one generation and close it: the JSON ``body(done)``, or, with ``stream``, the SSE
+    frames of the encoder that ``open_stream()`` returns with its first frames (then the frames of
+    every engine event, then the encoder's ``end()`` frames if it has any)."""
+    try:
+        if not stream:
+            return web.json_response(body(await gen.result(request)))
+        enc, first = open_stream()
+        resp = await start_sse(request)
+        for f in first:
+            await resp.write(f.encode())
+        async for ev in gen.events(heartbeat=HEARTBEAT_S):
+            for f in enc.feed(ev, gen.usage):
+                await resp.write(f.encode())
+        for f in (enc.end() if hasattr(enc, "end") else []):
+            await resp.write(f.encode())
+        return resp
+    finally:
+        await gen.aclose()
+        gen.close()

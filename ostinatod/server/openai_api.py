@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import HEARTBEAT_S, Generation, apply_logit_bias, fill_common, read_json, start_sse, validate
+from .common import Generation, apply_logit_bias, fill_common, read_json, respond, validate
 from .encoders import new_id
 from .encoders import openai_chat as enc
 from .errors import ApiError
@@ -133,29 +133,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = chat_request(state, request, b)
     gen = await Generation.open(state, req, "openai_chat")
     created = int(time.time())
-    try:
-        if not b.stream:
-            done = await gen.result(request)
-            return web.json_response(enc.chat_completion(req.id, req.model, created, done, gen.usage))
-        stream = enc.ChatStream(req.id, req.model, created, bool((b.stream_options or {}).get("include_usage")))
-        return await _write_stream(request, gen, stream, stream.start())
-    finally:
-        await gen.aclose()
-        gen.close()
+    include_usage = bool((b.stream_options or {}).get("include_usage"))
 
-
-async def _write_stream(request: web.Request, gen: Generation, stream: Any,
-                        first: list[enc.Frame]) -> web.StreamResponse:
-    """Write an encoder's frames: ``first``, then those of every engine event, then its end."""
-    resp = await start_sse(request)
-    for f in first:
-        await resp.write(f.encode())
-    async for ev in gen.events(heartbeat=HEARTBEAT_S):
-        for f in stream.feed(ev, gen.usage):
-            await resp.write(f.encode())
-    for f in stream.end():
-        await resp.write(f.encode())
-    return resp
+    def open_stream():
+        s = enc.ChatStream(req.id, req.model, created, include_usage)
+        return s, s.start()
+    return await respond(request, gen, b.stream,
+                         lambda done: enc.chat_completion(req.id, req.model, created, done, gen.usage),
+                         open_stream)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -172,16 +157,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fill_common(state, request, req, b.model)
     gen = await Generation.open(state, req, "openai_completions")
     created = int(time.time())
-    try:
-        if not b.stream:
-            done = await gen.result(request)
-            return web.json_response(enc.text_completion(req.id, req.model, created, done, gen.usage))
-        stream = enc.CompletionStream(req.id, req.model, created,
-                                      bool((b.stream_options or {}).get("include_usage")))
-        return await _write_stream(request, gen, stream, [])
-    finally:
-        await gen.aclose()
-        gen.close()
+    include_usage = bool((b.stream_options or {}).get("include_usage"))
+    return await respond(request, gen, b.stream,
+                         lambda done: enc.text_completion(req.id, req.model, created, done, gen.usage),
+                         lambda: (enc.CompletionStream(req.id, req.model, created, include_usage), []))
 
 
 async def models(request: web.Request) -> web.Response:

@@ -19,7 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import HEARTBEAT_S, Generation, apply_logit_bias, fill_common, read_json, start_sse, validate
+from .common import Generation, apply_logit_bias, fill_common, read_json, respond, validate
 from .encoders import new_id
 from .encoders import responses as enc
 from .errors import ApiError
@@ -178,24 +178,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     fill_common(state, request, req, b.model)
     gen = await Generation.open(state, req, "responses")
     created = int(time.time())
-    try:
-        if not b.stream:
-            done = await gen.result(request)
-            return web.json_response(enc.response_body(_echoed(b), req.id, req.model, created, done,
-                                                       gen.usage))
-        return await _stream(request, b, gen, req, created)
-    finally:
-        await gen.aclose()
-        gen.close()
 
-
-async def _stream(request: web.Request, b: ResponsesBody, gen: Generation, req: GenRequest,
-                  created: int) -> web.StreamResponse:
-    resp = await start_sse(request)
-    stream = enc.ResponseStream(_echoed(b), req.id, req.model, created)
-    for f in stream.start():
-        await resp.write(f.encode())
-    async for ev in gen.events(heartbeat=HEARTBEAT_S):
-        for f in stream.feed(ev, gen.usage):
-            await resp.write(f.encode())
-    return resp
+    def open_stream():
+        s = enc.ResponseStream(_echoed(b), req.id, req.model, created)
+        return s, s.start()
+    return await respond(request, gen, b.stream,
+                         lambda done: enc.response_body(_echoed(b), req.id, req.model, created, done, gen.usage),
+                         open_stream)

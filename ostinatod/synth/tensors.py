@@ -224,21 +224,32 @@ def _plan_qwen3moe(cx: _Ctx) -> list[_T]:
     return ts
 
 
-def _kv_qwen3moe(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+def _kv_dims(w: gguf.GGUFWriter, cx: _Ctx, n_ff: int, n_head_kv: int, k_len: int, v_len: int) -> None:
+    """The hyper-parameters every architecture writes first, in llama.cpp's key names."""
     s, a = cx.shape, cx.arch
     w.add_uint32(f"{a}.block_count", s.n_layer)
     w.add_uint32(f"{a}.context_length", s.n_ctx_train)
     w.add_uint32(f"{a}.embedding_length", s.n_embd)
-    w.add_uint32(f"{a}.feed_forward_length", s.n_ff_exp * s.n_expert_used)
+    w.add_uint32(f"{a}.feed_forward_length", n_ff)
     w.add_uint32(f"{a}.attention.head_count", s.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
-    w.add_uint32(f"{a}.attention.key_length", s.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", s.head_dim)
-    w.add_float32(f"{a}.rope.freq_base", 1000000.0)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_uint32(f"{a}.attention.head_count_kv", n_head_kv)
+    w.add_uint32(f"{a}.attention.key_length", k_len)
+    w.add_uint32(f"{a}.attention.value_length", v_len)
+
+
+def _kv_experts(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+    s, a = cx.shape, cx.arch
     w.add_uint32(f"{a}.expert_count", s.n_expert)
     w.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
     w.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+
+
+def _kv_qwen3moe(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+    s, a = cx.shape, cx.arch
+    _kv_dims(w, cx, s.n_ff_exp * s.n_expert_used, s.n_head_kv, s.head_dim, s.head_dim)
+    w.add_float32(f"{a}.rope.freq_base", 1000000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    _kv_experts(w, cx)
 
 
 def _mat(qm: QT, shape: tuple[int, ...]) -> QT:
@@ -306,14 +317,8 @@ def _probs_bias(cx: _Ctx, il: int) -> np.ndarray:
 
 def _kv_deepseek2(w: gguf.GGUFWriter, cx: _Ctx) -> None:
     s, a = cx.shape, cx.arch
-    w.add_uint32(f"{a}.block_count", s.n_layer)
-    w.add_uint32(f"{a}.context_length", s.n_ctx_train)
-    w.add_uint32(f"{a}.embedding_length", s.n_embd)
-    w.add_uint32(f"{a}.feed_forward_length", s.n_ff_dense or 4 * s.n_ff_exp)
-    w.add_uint32(f"{a}.attention.head_count", s.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", 1)  # MLA: one compressed KV "head"
-    w.add_uint32(f"{a}.attention.key_length", s.kv_lora_rank + s.qk_rope_dim)
-    w.add_uint32(f"{a}.attention.value_length", s.kv_lora_rank)
+    # MLA: one compressed KV "head"
+    _kv_dims(w, cx, s.n_ff_dense or 4 * s.n_ff_exp, 1, s.kv_lora_rank + s.qk_rope_dim, s.kv_lora_rank)
     w.add_uint32(f"{a}.attention.key_length_mla", s.qk_nope_dim + s.qk_rope_dim)
     w.add_uint32(f"{a}.attention.value_length_mla", s.v_head_dim)
     w.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora_rank)
@@ -374,20 +379,11 @@ def _plan_gpt_oss(cx: _Ctx) -> list[_T]:
 
 def _kv_gpt_oss(w: gguf.GGUFWriter, cx: _Ctx) -> None:
     s, a = cx.shape, cx.arch
-    w.add_uint32(f"{a}.block_count", s.n_layer)
-    w.add_uint32(f"{a}.context_length", s.n_ctx_train)
-    w.add_uint32(f"{a}.embedding_length", s.n_embd)
-    w.add_uint32(f"{a}.feed_forward_length", s.n_ff_exp)
-    w.add_uint32(f"{a}.attention.head_count", s.n_head)
-    w.add_uint32(f"{a}.attention.head_count_kv", s.n_head_kv)
-    w.add_uint32(f"{a}.attention.key_length", s.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", s.head_dim)
+    _kv_dims(w, cx, s.n_ff_exp, s.n_head_kv, s.head_dim, s.head_dim)
     w.add_uint32(f"{a}.attention.sliding_window", 128)
     w.add_float32(f"{a}.rope.freq_base", 150000.0)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add_uint32(f"{a}.expert_count", s.n_expert)
-    w.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
-    w.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+    _kv_experts(w, cx)
 
 
 _PLANS = {"qwen3moe": (_plan_qwen3moe, _kv_qwen3moe), "deepseek2": (_plan_deepseek2, _kv_deepseek2),

@@ -67,18 +67,60 @@ def text_completion(rid: str, model: Optional[str], created: int, done: dict[str
                          "logprobs": None}], "usage": usage(u)}
 
 
-class ChatStream:
+class _Stream:
+    """What the chat and the legacy completion streams share: ids, the usage chunk, pings, errors
+    and the final ``[DONE]``. Subclasses give the object name, the first frames, the delta frames
+    and the finish frame."""
+
+    object = ""
+
+    def __init__(self, rid: str, model: Optional[str], created: int, include_usage: bool):
+        self.rid, self.model, self.created, self.include_usage = rid, model, created, include_usage
+
+    def start(self) -> list[Frame]:
+        return []
+
+    def _delta(self, d: dict[str, Any]) -> list[Frame]:
+        raise NotImplementedError
+
+    def _finish(self, done: dict[str, Any]) -> Frame:
+        raise NotImplementedError
+
+    def feed(self, ev: EngineEvent, u: dict[str, int]) -> list[Frame]:
+        """The frames of one engine event (``ping``, ``delta``, ``done`` or ``error``)."""
+        if ev.type == "ping":
+            return [PING_COMMENT]
+        if ev.type == "delta":
+            return self._delta(ev.data)
+        if ev.type == "done":
+            out = [self._finish(ev.data)]
+            if self.include_usage:
+                out.append(Frame({"id": self.rid, "object": self.object, "created": self.created,
+                                  "model": self.model, "choices": [], "usage": usage(u)}))
+            return out
+        if ev.type == "error":
+            return [Frame(error_payload(ev.data))]
+        return []
+
+    def end(self) -> list[Frame]:
+        return [DONE_SENTINEL]
+
+
+class ChatStream(_Stream):
     """The chunks of one streamed chat completion: :meth:`start`, :meth:`feed` per engine event,
     :meth:`end` (``[DONE]``)."""
 
+    object = "chat.completion.chunk"
+
     def __init__(self, rid: str, model: Optional[str], created: int, include_usage: bool,
                  ids: IdFactory = new_id):
-        self.rid, self.model, self.created, self.include_usage, self.ids = rid, model, created, include_usage, ids
+        super().__init__(rid, model, created, include_usage)
+        self.ids = ids
         self.tool_ids: dict[int, str] = {}
         self.saw_tools = False
 
     def _chunk(self, delta: dict[str, Any], finish: Optional[str] = None) -> Frame:
-        c: dict[str, Any] = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+        c: dict[str, Any] = {"id": self.rid, "object": self.object, "created": self.created,
                              "model": self.model, "system_fingerprint": "ostinato",
                              "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                           "logprobs": None}]}
@@ -105,60 +147,34 @@ class ChatStream:
             tcs.append(entry)
         return tcs
 
-    def feed(self, ev: EngineEvent, u: dict[str, int]) -> list[Frame]:
-        out: list[Frame] = []
-        if ev.type == "ping":
-            out.append(PING_COMMENT)
-        elif ev.type == "delta":
-            d = ev.data
-            if d.get("reasoning"):
-                out.append(self._chunk({"reasoning_content": d["reasoning"]}))
-            if d.get("content"):
-                out.append(self._chunk({"content": d["content"]}))
-            tcs = self._tool_calls(d.get("tool_calls") or [])
-            if tcs:
-                self.saw_tools = True
-                out.append(self._chunk({"tool_calls": tcs}))
-        elif ev.type == "done":
-            finish = ev.data.get("finish_reason") or "stop"
-            if self.saw_tools:
-                finish = "tool_calls"
-            out.append(self._chunk({}, finish))
-            if self.include_usage:
-                out.append(Frame({"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                                  "model": self.model, "choices": [], "usage": usage(u)}))
-        elif ev.type == "error":
-            out.append(Frame(error_payload(ev.data)))
+    def _delta(self, d: dict[str, Any]) -> list[Frame]:
+        out = []
+        if d.get("reasoning"):
+            out.append(self._chunk({"reasoning_content": d["reasoning"]}))
+        if d.get("content"):
+            out.append(self._chunk({"content": d["content"]}))
+        tcs = self._tool_calls(d.get("tool_calls") or [])
+        if tcs:
+            self.saw_tools = True
+            out.append(self._chunk({"tool_calls": tcs}))
         return out
 
-    def end(self) -> list[Frame]:
-        return [DONE_SENTINEL]
+    def _finish(self, done: dict[str, Any]) -> Frame:
+        finish = done.get("finish_reason") or "stop"
+        return self._chunk({}, "tool_calls" if self.saw_tools else finish)
 
 
-class CompletionStream:
+class CompletionStream(_Stream):
     """The chunks of one streamed legacy completion (raw text)."""
 
-    def __init__(self, rid: str, model: Optional[str], created: int, include_usage: bool):
-        self.rid, self.model, self.created, self.include_usage = rid, model, created, include_usage
+    object = "text_completion"
 
     def _chunk(self, text: str, finish: Optional[str] = None) -> Frame:
-        return Frame({"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+        return Frame({"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
                       "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
 
-    def feed(self, ev: EngineEvent, u: dict[str, int]) -> list[Frame]:
-        out: list[Frame] = []
-        if ev.type == "ping":
-            out.append(PING_COMMENT)
-        elif ev.type == "delta" and ev.data.get("content"):
-            out.append(self._chunk(ev.data["content"]))
-        elif ev.type == "done":
-            out.append(self._chunk("", ev.data.get("finish_reason") or "stop"))
-            if self.include_usage:
-                out.append(Frame({"id": self.rid, "object": "text_completion", "created": self.created,
-                                  "model": self.model, "choices": [], "usage": usage(u)}))
-        elif ev.type == "error":
-            out.append(Frame(error_payload(ev.data)))
-        return out
+    def _delta(self, d: dict[str, Any]) -> list[Frame]:
+        return [self._chunk(d["content"])] if d.get("content") else []
 
-    def end(self) -> list[Frame]:
-        return [DONE_SENTINEL]
+    def _finish(self, done: dict[str, Any]) -> Frame:
+        return self._chunk("", done.get("finish_reason") or "stop")
