@@ -17,7 +17,7 @@ records
 
 A *hardware fingerprint* (sha256 over the parts that change the cost model: GPU names, memory
 totals and PCIe max links, CPU model, physical cores, RAM total in GiB) tells when the machine
-changed; then the calibration is re-run when ``ostinatod.engine.calibrate.run_calibration`` exists.
+changed; then the calibration is re-run (``ostinatod.engine.calibrate.run_calibration``).
 """
 
 from __future__ import annotations
@@ -55,14 +55,10 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 
 
 def _recalibrate(path: Path) -> bool:
-    """Run the engine calibration (it stores its section into ``path``) if that module exists;
-    True when it ran. ``run_calibration`` never raises."""
-    try:
-        from .engine.calibrate import run_calibration  # type: ignore[attr-defined]
-    except ImportError:
-        log.info("hardware changed; engine calibration not available in this build (run "
-                 "'ostinato calibrate' once it is)")
-        return False
+    """Run the engine calibration (it stores its section into ``path``); True when it ran.
+    ``run_calibration`` never raises."""
+    from .engine.calibrate import run_calibration
+
     log.info("hardware changed: re-running the engine calibration")
     cal = run_calibration(profile_path=path)
     if cal.get("error"):
