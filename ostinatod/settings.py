@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     decode_threads: Optional[int] = Field(None, ge=1, description="CPU threads for one-token decode "
                                           "steps with the expert engine (prefill keeps n_threads). "
                                           "Default: the calibration's fastest, else n_threads.")
+    decode_graph: Optional[bool] = Field(None, description="Decode graph: decode steps and short "
+                                         "split-path prefills run as one CUDA graph per GPU (route op "
+                                         "on the GPU, CPU branch on a resident thread pool). Default: "
+                                         "on when the expert pool is on a GPU; false turns it off.")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "

@@ -1,18 +1,42 @@
 #!/usr/bin/env bash
 # GPU machine run in stages (one device call each, <= 10 min; state under /tmp stays while the machine
 # is warm). Usage: STAGES="build exact model calib" bash scripts/device-run.sh [LAYERS] [bench args...]
-#   build: offline install from .carry/ + CUDA build with the stock llama-server (~300 s)
-#   exact: GPU exactness tests (on failure: rerun the first failure with CUDA_LAUNCH_BLOCKING=1)
-#   model: the real-shape synthetic model /tmp/m.gguf (LAYERS layers, Qwen3-30B-A3B shape, Q4_0)
-#   calib: `ostinato calibrate --full` on that model (stored in the hardware profile: Np for the bench)
-#   bench: `ostinato bench engines` (Ostinato vs the stock baselines), results under $OUT
+# LAYERS defaults to 48 (the Qwen3-30B-A3B shape's own depth: the headline run of docs/benchmarks).
+#   build:    offline install from .carry/ + CUDA build with the stock llama-server (~300 s)
+#   exact:    GPU exactness tests (on failure: rerun the first failure with CUDA_LAUNCH_BLOCKING=1)
+#   model:    the real-shape synthetic model /tmp/m.gguf (LAYERS layers, Qwen3-30B-A3B shape, Q4_0)
+#   calib:    `ostinato calibrate --full` on that model (stored in the hardware profile: Np for the bench)
+#   bench:    `ostinato bench engines` with the bench args given, results under $OUT
+#   headline: `ostinato bench engines` at a 45% pool, every engine incl. stock-all-gpu, 2 sessions x 8 turns
+#   full:     the same at --budget-frac 1.0 (ostinato, stock-all-gpu, llama-server)
+#   sweep:    --budget-sweep 0.25,0.45,0.65,0.85 (ostinato per budget; stock-all-gpu, stock-layers and
+#             llama-server once), with the plot <name>.svg
+# headline/full/sweep each need their own device call (<= 10 min: the bench skips, with a note,
+# every engine whose estimate would pass the stage's time left, and writes its JSON after every
+# engine); each writes <name>.json, .md (.svg) and <name>.cmd.txt (the exact command) into $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OSTINATO_HOME=${OSTINATO_HOME:-/tmp/ostinato-home}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LAYERS=${1:-16}; shift || true
+LAYERS=${1:-48}; shift || true
+SCRIPT_ARGS="$LAYERS $*"
 STAGES=${STAGES:-build exact model calib bench}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# bench NAME ARGS...: one `ostinato bench engines` run on /tmp/m.gguf within the time left of this call
+bench() {
+  local name=$1; shift
+  local left=$(( 590 - $(el) ))
+  local cmd=(python3 -m ostinatod.cli bench engines --model /tmp/m.gguf --sessions-dir .carry/sessions
+             --out-dir "$OUT" --work-dir "/tmp/bench-work-$name" --name "$name"
+             --time-limit $(( left - 25 )) "$@")
+  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+    "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
+  echo "[$(el)s] $name: ${cmd[*]}"
+  timeout "$left" "${cmd[@]}" 2>&1 | tee "$OUT/$name.log" | grep -vE "^\| prefill|^$" | tail -60
+  grep -hE "ostinato: |pinned|CUDA error|GGML_ASSERT|Traceback|model buffer size" "/tmp/bench-work-$name"/*.log \
+    2>/dev/null | sort | uniq -c | head -30
+  echo "[$(el)s] $name done: $(ls "$OUT/$name".* 2>/dev/null | tr '\n' ' ')"
+}
 if has build; then
   python3 -m pip install -q --no-index --no-build-isolation --find-links .carry/wheels -e . openai anthropic \
     > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
@@ -34,9 +58,13 @@ if has exact; then
   fi
 fi
 if has model; then
-  [ -f /tmp/m.gguf ] || python3 -m ostinatod.cli synth --arch qwen3moe --shape qwen3-30b-a3b --layers "$LAYERS" \
-    --quant q4_0 -o /tmp/m.gguf 2>&1 | tail -1
-  echo "[$(el)s] model ready"
+  # /tmp/m.layers records the layer count of /tmp/m.gguf: another LAYERS writes the model again
+  if [ ! -f /tmp/m.gguf ] || [ "$(cat /tmp/m.layers 2>/dev/null)" != "$LAYERS" ]; then
+    rm -f /tmp/m.gguf /tmp/m.layers
+    python3 -m ostinatod.cli synth --arch qwen3moe --shape qwen3-30b-a3b --layers "$LAYERS" \
+      --quant q4_0 -o /tmp/m.gguf 2>&1 | tail -1 && echo "$LAYERS" > /tmp/m.layers
+  fi
+  echo "[$(el)s] model ready ($(cat /tmp/m.layers 2>/dev/null) layers, $(du -h /tmp/m.gguf | cut -f1))"
 fi
 if has calib; then
   timeout 240 python3 -m ostinatod.cli calibrate --model /tmp/m.gguf --full --json > "$OUT/calibration.json" \
@@ -55,10 +83,17 @@ for p in (c.get("measurements") or {}).get("prefill", []):
 PY
 fi
 if has bench; then
-  left=$(( 590 - $(el) ))
-  timeout "$left" python3 -m ostinatod.cli bench engines --model /tmp/m.gguf --sessions-dir .carry/sessions \
-    --out-dir "$OUT" --work-dir /tmp/bench-work --name "engines-h200-L$LAYERS" "$@" 2>&1 | tee "$OUT/bench.log" | tail -45
-  grep -hE "ostinato: |pinned|CUDA error|GGML_ASSERT|Traceback|model buffer size" /tmp/bench-work/*.log \
-    2>/dev/null | sort | uniq -c | head -30
-  echo "[$(el)s] done"
+  bench "engines-h200-L$LAYERS" "$@"
+fi
+if has headline; then
+  bench "engines-h200-L$LAYERS" --budget-frac 0.45 --sessions 2 --turns 8 \
+    --engines ostinato,stock-all-gpu,stock-layers,llama-server,stock-cpu "$@"
+fi
+if has full; then
+  bench "engines-h200-L$LAYERS-full" --budget-frac 1.0 --sessions 2 --turns 8 \
+    --engines ostinato,stock-all-gpu,llama-server "$@"
+fi
+if has sweep; then
+  bench "engines-h200-L$LAYERS-sweep" --budget-frac 0.45 --budget-sweep 0.25,0.45,0.65,0.85 \
+    --sessions 2 --turns 8 --engines ostinato,stock-all-gpu,stock-layers,llama-server "$@"
 fi

@@ -41,22 +41,103 @@ def test_engine_metrics_buckets_and_ratios():
     assert r["ttft_after_tool"] == pytest.approx(2.5) and r["ttft_after_tool_best_stock"] == "stock-cpu"
     assert r["session_total"] == pytest.approx(2.5)
     assert be.ratios({"ostinato": {}})["decode"] is None
+    # the limit is never a baseline at equal memory; ratios_vs_limit = Ostinato / limit
+    eng["stock-all-gpu"] = {"decode_ms_per_token": 2.5, "ttft_after_tool_median_s": 0.1, "session_total_s": 5}
+    r = be.ratios(eng)
+    assert r["decode_best_stock"] == "stock-layers" and r["decode"] == pytest.approx(1.6)
+    lim = be.ratios_vs_limit(eng)
+    assert lim == {"decode": 2.0, "ttft_after_tool": 4.0, "session_total": 2.0}
+    assert be.ratios_vs_limit({"ostinato": eng["ostinato"]})["decode"] is None
+    assert be.ratios_vs_limit(eng, {"decode_ms_per_token": 5.0})["ttft_after_tool"] is None
+
+
+def _pass(path, tokens, **ms):
+    return {"path": path, "tokens": tokens, "cold_routes": 1, "gpu_timed": False, **ms}
+
+
+def test_turn_breakdown_exact_estimated_and_unknown_keys():
+    """Per-turn split of the native pass times into prefill and decode steps from two snapshots;
+    unknown *_ms keys (wait_ms) pass through."""
+    prev = {"passes": 10, "tokens": 500, "paths": {"decode": 8, "split": 2}, "total_ms": 100.0,
+            "cpu_branch_ms": 40.0, "last_passes": [_pass("decode", 1, total_ms=5.0)] * 8}
+    turn = [_pass("upload", 300, total_ms=30.0, cpu_branch_ms=0.0, wait_ms=1.0)] + \
+        [_pass("decode", 1, total_ms=4.0, cpu_branch_ms=2.0, wait_ms=0.5)] * 5
+    cur = {"passes": 16, "tokens": 805, "paths": {"decode": 13, "split": 2, "upload": 1},
+           "total_ms": 150.0, "cpu_branch_ms": 50.0, "last_passes": (prev["last_passes"] + turn)[-32:]}
+    r = be.turn_breakdown(prev, cur)
+    assert r["exact"] and r["passes"] == 6 and r["decode_steps"] == 5 and r["prefill_passes"] == 1
+    assert r["prefill_paths"] == {"upload": 1} and r["prefill_tokens"] == 300
+    assert r["prefill_ms"]["total_ms"] == pytest.approx(30.0)
+    assert r["decode_ms"]["total_ms"] == pytest.approx(20.0)
+    assert r["decode_ms"]["wait_ms"] == pytest.approx(2.5) and r["prefill_ms"]["wait_ms"] == pytest.approx(1.0)
+    # a turn longer than the ring of 32 passes: decode from the steps seen, prefill = delta - decode
+    long_turn = [_pass("decode", 1, total_ms=4.0)] * 32
+    cur2 = {"passes": 16 + 41, "tokens": 805 + 200 + 40, "paths": {"decode": 13 + 40, "split": 3, "upload": 1},
+            "total_ms": 150.0 + 50.0 + 160.0, "cpu_branch_ms": 50.0, "last_passes": long_turn}
+    r2 = be.turn_breakdown(cur, cur2)
+    assert not r2["exact"] and r2["decode_steps"] == 40 and r2["decode_seen"] == 32
+    assert r2["decode_ms"]["total_ms"] == pytest.approx(160.0)
+    assert r2["prefill_ms"]["total_ms"] == pytest.approx(50.0) and r2["prefill_tokens"] == 200
+    # the same turn with a snapshot taken after its first decode steps: the prefill pass is known,
+    # the split exact (decode = delta - prefill), whatever the decode steps did meanwhile
+    mid = {"passes": 16 + 1 + 3, "last_passes": (cur["last_passes"] + [_pass("split", 200, total_ms=45.0)]
+                                                 + [_pass("decode", 1, total_ms=9.0)] * 3)[-32:]}
+    r3 = be.turn_breakdown(cur, cur2, mid)
+    assert r3["exact"] and r3["seen"] == 36 and r3["prefill_tokens"] == 200
+    assert r3["prefill_ms"]["total_ms"] == pytest.approx(45.0)
+    assert r3["decode_ms"]["total_ms"] == pytest.approx(360.0 - 150.0 - 45.0)
+    s = be.summarize_breakdown([r, None, r2], [{"after": "tool"}, {"after": "tool"}, {"after": "user"}])
+    assert s["decode_step"]["steps"] == 45 and s["decode_step"]["mean_ms"]["total_ms"] == pytest.approx(4.0)
+    assert s["prefill"]["prefills"] == 2 and s["prefill"]["mean_ms"]["total_ms"] == pytest.approx(40.0)
+    assert s["prefill"]["exact_share"] == 0.5 and s["prefill"]["paths"] == {"upload": 1, "split": 1}
+    assert s["prefill_after_tool"]["prefills"] == 1 and s["turns_with_stats"] == 2
+    assert "wait_ms" in s["decode_step"]["mean_ms"]
+    md = "\n".join(be._breakdown_md(s, "Ostinato"))
+    assert "| total_ms |" in md and "| wait_ms |" in md
+
+
+def test_parse_budgets_and_estimates():
+    assert be.parse_budgets("0.85,0.25, 0.45,0.25") == [0.25, 0.45, 0.85]
+    assert be.parse_budgets(None) == []
+    for bad in ("0,0.5", "1.2", "x"):
+        with pytest.raises(be.BenchError):
+            be.parse_budgets(bad)
+    est = be.Estimator(16, 48)
+    s, how = est("ostinato")
+    assert s == pytest.approx(16 * 1.6 + be.PRIOR_LOAD_S) and "scaled" in how
+    est.add("ostinato", 32.0, 10.0)  # 2 s/turn measured: others rescaled by issue 9's ratios
+    assert est("ostinato")[0] == pytest.approx(16 * 2.0 + 10.0)
+    assert est("stock-layers")[0] == pytest.approx(16 * 2.0 * 3.6 / 1.6 + 10.0)
 
 
 @pytest.mark.slow
 def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
     out = tmp_path / "out"
+    # a sweep of two budgets, one of them the main budget (its Ostinato run is reused)
     argv = ["--shape", "tiny", "--turns", "2", "--sessions", "1", "--dev-sessions", "1",
             "--dev-turns", "2", "--dev-max-gen", "4", "--no-server", "--n-ctx", "16384",
             "--threads", "2", "--out-dir", str(out), "--work-dir", str(tmp_path / "work"),
-            "--name", "tiny", "--sessions-dir", str(SESSIONS), "--model", str(tiny_model)]
+            "--name", "tiny", "--sessions-dir", str(SESSIONS), "--model", str(tiny_model),
+            "--budget-frac", "0.3", "--budget-sweep", "0.3,0.6"]
     rc = be.main(argv)
     printed = capsys.readouterr().out
     sys.stdout.write(printed)  # the figures, for the log
     res = json.loads((out / "tiny.json").read_text())
     assert rc == 0, printed
-    assert set(res["engines"]) == {"ostinato", "stock-layers", "stock-cpu"}, res["notes"]
+    # stock-all-gpu runs (CPU-only here, noted) or is skipped with a note when the model cannot fit
+    fit = res["plan"]["limit_fit"]
+    if fit["run"]:
+        assert set(res["engines"]) == {"ostinato", "stock-all-gpu", "stock-layers", "stock-cpu"}, res["notes"]
+        assert res["engines"]["stock-all-gpu"]["hot_route_share"] == 1.0
+        assert all(v is not None for v in res["ratios_vs_limit"].values())
+    else:
+        assert set(res["engines"]) == {"ostinato", "stock-layers", "stock-cpu"}, res["notes"]
+        assert any(n.startswith("stock-all-gpu: skipped") for n in res["notes"])
+    if not fit["gpu"]:
+        assert any(n.startswith("stock-all-gpu: no GPU found") for n in res["notes"])
+    assert set(res["ratios_vs_limit"]) == {"decode", "ttft_after_tool", "session_total"}
+    assert res["ratios_vs_best_stock"].get("decode_best_stock") != "stock-all-gpu"
     for name, e in res["engines"].items():
         assert e["turns"] == 2 and e["errors"] == 0, (name, e)
         for k in ("decode_ms_per_token", "ttft_after_tool_median_s", "session_total_s", "hot_route_share"):
@@ -68,7 +149,31 @@ def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
         assert k in res
     assert set(res["ratios_vs_best_stock"]) >= {"decode", "ttft_after_tool", "session_total"}
     md = (out / "tiny.md").read_text()
-    assert "| decode ms/token |" in md and "stock-cpu" in md
+    assert "| decode ms/token |" in md and "stock-cpu" in md and "ratio vs limit" in md
+    # per-step breakdown of the Ostinato engine from the native per-pass stats
+    b = o["step_breakdown"]
+    assert b["turns"] == 2 and b["turns_with_stats"] == 2, b
+    assert b["decode_step"]["steps"] > 0 and "total_ms" in b["decode_step"]["mean_ms"]
+    assert b["prefill"]["prefills"] >= 1 and "cpu_branch_ms" in b["prefill"]["mean_ms"]
+    # the sweep: two budgets, each with its Ostinato figures and ratios; the main one reused
+    sw = res["sweep"]
+    assert sw["budgets"] == [0.3, 0.6] and sw["baselines_budget_frac"] == 0.3
+    assert [r["budget_frac"] for r in sw["runs"]] == [0.3, 0.6]
+    assert sw["runs"][0]["pool_bytes"] < sw["runs"][1]["pool_bytes"]
+    for r in sw["runs"]:
+        assert r["ostinato"]["turns"] == 2 and r["ostinato"]["errors"] == 0, r
+        assert set(r["ratios_vs_limit"]) == {"decode", "ttft_after_tool", "session_total"}
+        assert "decode" in r["ratios_vs_baselines"]
+    assert sw["runs"][0]["ostinato"]["decode_ms_per_token"] == o["decode_ms_per_token"]
+    assert "Budget sweep" in md and "| 60% |" in md
+    assert (out / "tiny.svg").read_text().startswith("<svg")
+    # the plot again from the stored JSON alone (no engine needed)
+    from ostinatod.tools import bench_plot
+
+    svg = tmp_path / "again.svg"
+    assert bench_plot.main([str(out / "tiny.json"), "-o", str(svg)]) == 0
+    text = svg.read_text()
+    assert text.startswith("<svg") and text.count("<circle") == 4 and "stock-layers" in text
 
 
 def test_plan_over_two_gpus_and_gpu_env(tiny_model, tmp_path, monkeypatch):
@@ -99,3 +204,17 @@ def test_plan_over_two_gpus_and_gpu_env(tiny_model, tmp_path, monkeypatch):
     assert be.gpu_env(a, {})["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert be.gpu_env(a, {"CUDA_VISIBLE_DEVICES": "3"})["CUDA_VISIBLE_DEVICES"] == "3"
     assert "CUDA_VISIBLE_DEVICES" not in be.gpu_env(argparse.Namespace(gpus="auto"), {})
+
+
+def test_plot_from_stored_json_without_sweep(tmp_path):
+    """`ostinato bench plot` on a JSON stored before the sweep existed: one Ostinato point, the
+    baselines as lines (no engine, no GPU needed)."""
+    from ostinatod.tools import bench_plot
+
+    stored = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "engines-h200-L24.json"
+    out = tmp_path / "p.svg"
+    assert bench_plot.main([str(stored), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("<svg") and text.count("<circle") == 2  # one point per panel
+    assert "llama-server" in text and "stock-layers" in text
+    assert "ratio vs limit" in be.markdown(json.loads(stored.read_text()))  # old JSONs still render

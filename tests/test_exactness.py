@@ -220,6 +220,39 @@ def test_paths_match_stock(moe, stock, path, np_tokens, force):
     assert (st["upload_bytes"] > 0) == up       # cold experts uploaded only on the upload path
 
 
+@pytest.mark.parametrize("np_tokens", [512, 8])
+def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
+    """The decode graph (route op as a GPU/CPU op, CPU branch on the engine's thread pool fed through
+    the mailbox, join op): greedy tokens identical to stock, and logits bitwise identical to the
+    same placement without the graph. On a CPU build the graph is forced on (the same ops run as CPU
+    custom ops), so CI runs the mailbox protocol; with np_tokens = 8 the prompt takes the upload
+    path and only the decode steps take the graph."""
+    r = ost_runner(moe)
+    _switch(half_hot(moe))
+    native.set_prefill_threshold(np_tokens)
+    try:
+        native.set_decode_graph(False)
+        base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        native.set_decode_graph(True, max_tokens=32)
+        native.llama_fn("ostinato_experts_reset_stats")()
+        toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        st = _stats()
+        info = native.experts_json("ostinato_experts_info")
+    finally:
+        native.set_decode_graph(None)
+    ref_toks, ref_logits = stock[PROMPT_LEN]
+    d = float(np.max(np.abs(logits - ref_logits)))
+    print(f"\n[exactness] {moe[1]['arch']} decode graph (Np {np_tokens}): max|dlogit| {d:.3g} vs stock; "
+          f"bitwise vs no graph: {np.array_equal(logits, base_logits)}; paths {st['paths']}")
+    assert toks == ref_toks == base_toks
+    assert d <= TOL
+    assert np.array_equal(logits, base_logits)   # the graph changes where, not what, is computed
+    graph = [p["decode_graph"] for p in st["last_passes"]]
+    assert graph == [np_tokens > PROMPT_LEN] + [True] * N_NEW
+    assert info["decode_graph"]["active"] and info["decode_graph"]["mailbox_bytes"] > 0
+    assert 0 < st["hot_routes"] < st["routes"] and st["cpu_branch_ms"] > 0   # both branches worked
+
+
 def test_all_cold_and_all_hot_match_stock(moe, stock):
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]

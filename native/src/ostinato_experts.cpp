@@ -15,6 +15,7 @@
 // the sum waits for both. The only GPU syncs per layer are the route op's and the sum's.
 
 #include "ostinato_experts.h"
+#include "ostinato_dgraph.h"
 
 #include "ggml-backend.h"
 #include "llama-model.h"
@@ -69,6 +70,7 @@ struct pass_t {
     int64_t tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
     double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
     bool gpu_timed = false;
+    bool graph = false;                         // the pass ran (some of) its layers in the decode graph
     std::string path;
 };
 
@@ -94,6 +96,8 @@ struct pool_t {
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buf = nullptr;
     ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
+    ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
+    ggml_tensor * scratch = nullptr;           // I32 [4, n_layer]: the route kernel's counters
     int64_t bytes = 0, n_hot = 0;
     int n_classes = 0;
     std::vector<int> layers;                   // MoE layers assigned to this pool's device
@@ -114,6 +118,9 @@ struct engine_t {
     std::string host_buffer = "";             // buffer type holding the cold experts (e.g. CUDA_Host = pinned)
     int64_t pool_bytes = 0, n_hot = 0;
     std::vector<std::string> notes;
+    ost_dgraph * dg = nullptr;                 // decode graph (created on first use)
+    bool dg_failed = false;                    // its creation failed (note in `notes`)
+    bool dg_running = false;                   // the current pass has decode-graph layers
 
     // stats (guarded by mu)
     pass_t cur;
@@ -148,6 +155,10 @@ std::string g_out_info, g_out_stats, g_out_req;
 bool g_graph_dirty = false;   // set by a residency switch: cached graphs reference the old pool
 bool g_timing = false;        // timing mode: GPU branches get a synchronising marker
 bool g_overlap = true;        // decode overlap: CPU branch after the GPU branch in the graph
+int  g_dgraph = -1;           // decode graph: -1 auto (on when a pool is on a GPU), 0 off, 1 on
+bool g_dgraph_broken = false; // a pass lost a wait: decode graph off until the next model load
+int  g_dgraph_max = 64;       // largest pass (tokens) that takes the decode graph
+int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: estimate physical cores)
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -156,6 +167,7 @@ int64_t now_us() {
 
 void free_engine(engine_t * e) {
     if (!e) return;
+    ost_dg_free(e->dg);
     for (auto & p : e->pools) {
         if (p.upload_backend) ggml_backend_free(p.upload_backend);
         if (p.buf) ggml_backend_buffer_free(p.buf);
@@ -213,7 +225,38 @@ json pass_json(const pass_t & p) {
     return json{{"tokens", p.tokens}, {"routes", p.routes}, {"hot_routes", p.hot},
                 {"cold_routes", p.cold}, {"distinct_cold_experts", p.distinct_cold}, {"path", p.path},
                 {"cpu_branch_ms", p.cpu_ms}, {"gpu_branch_ms", p.gpu_ms}, {"gpu_timed", p.gpu_timed},
-                {"upload_bytes", p.upload_bytes}, {"upload_ms", p.upload_ms}, {"total_ms", p.total_ms}};
+                {"upload_bytes", p.upload_bytes}, {"upload_ms", p.upload_ms}, {"total_ms", p.total_ms},
+                {"decode_graph", p.graph}};
+}
+
+// Counts one route (layer il, expert x) into the current pass and the totals; returns the expert's
+// pool slot (>= 0: hot) or -1 (cold). Caller holds g_mu.
+int32_t count_route(engine_t * e, int il, int32_t x, bool decode) {
+    const size_t idx = (size_t) il * e->n_expert + x;
+    (decode ? e->total.counts_decode : e->total.counts_prefill)[idx]++;
+    (decode ? e->request.counts_decode : e->request.counts_prefill)[idx]++;
+    e->cur.routes++;
+    const int32_t s = e->slot[il][x];
+    if (s >= 0) {
+        e->cur.hot++;
+    } else {
+        e->cur.cold++;
+        if (!e->cold_seen[idx]) { e->cold_seen[idx] = 1; e->cur.distinct_cold++; }
+    }
+    return s;
+}
+
+// Route counts of a decode-graph layer, reported by the decode graph's worker thread.
+void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms) {
+    (void) n_cold;
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (e != (engine_t *) ud || il < 0 || il >= e->n_layer) return;
+    const bool decode = e->cur.tokens == 1;
+    for (int64_t i = 0; i < (int64_t) n * k; ++i) {
+        if (ids[i] >= 0 && ids[i] < e->n_expert) count_route(e, il, ids[i], decode);
+    }
+    e->cur.cpu_ms += cpu_ms;
 }
 
 // Route op (custom CPU op, n_tasks = 1): reads selected_experts [k, n_tokens] (possibly a strided
@@ -237,17 +280,10 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
             const int32_t x = *(const int32_t *) ((const char *) a->data + t * a->nb[1] + j * a->nb[0]);
             const int64_t i = t * k + j;
             if (!ok || x < 0 || x >= e->n_expert) { g[i] = x; c[i] = x; continue; }
-            const size_t idx = (size_t) il * e->n_expert + x;
-            (decode ? e->total.counts_decode : e->total.counts_prefill)[idx]++;
-            (decode ? e->request.counts_decode : e->request.counts_prefill)[idx]++;
-            e->cur.routes++;
-            const int32_t s = e->slot[il][x];
+            const int32_t s = count_route(e, il, x, decode);
             if (s >= 0) {
-                e->cur.hot++;
                 g[i] = s; c[i] = -1;
             } else {
-                e->cur.cold++;
-                if (!e->cold_seen[idx]) { e->cold_seen[idx] = 1; e->cur.distinct_cold++; }
                 g[i] = split ? zero0 + (int32_t) j : x;   // a zero slot per position: exact zeros
                 c[i] = x;
             }
@@ -366,7 +402,10 @@ void pin_experts(llama_model * model, ggml_backend_dev_t dev) {
     struct range_t { const void * buf; uintptr_t a, b; };
     std::vector<range_t> r;
     for (const auto & L : model->layers) {
-        for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps}) {
+        // the expert biases too: a copy that spans the end of a pinned range into pageable memory
+        // fails (cudaMemcpyAsync: invalid argument), which aborted gpt-oss's upload path
+        for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps,
+                                      L.ffn_up_exps_b, L.ffn_gate_exps_b, L.ffn_down_exps_b}) {
             if (!t || !t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data) continue;
             if (std::strstr(ggml_backend_buffer_name(t->buffer), "CUDA_Host")) { g_pin.already_pinned = true; continue; }
             r.push_back({t->buffer, (uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t)});
@@ -567,9 +606,13 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
 
     for (auto & c : e->classes) e->pools[c.pool].n_classes++;
     for (auto & p : e->pools) {
-        const size_t n_tensors = 6 * (size_t) p.n_classes + 1;   // up, gate, down + their bias rows
+        const size_t n_tensors = 6 * (size_t) p.n_classes + 3;   // up, gate, down + their bias rows; tables
         ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
         p.ctx = ggml_init(ip);
+        if (!p.layers.empty()) {
+            p.table = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, e->n_expert, e->n_layer);
+            p.scratch = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, 4, e->n_layer);
+        }
     }
     for (auto & c : e->classes) {
         // hot slots, k zero slots, then the upload path's staging slots (preallocated here)
@@ -594,7 +637,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         l.stage0 = l.zero0 + e->k;
     }
     for (auto & p : e->pools) {
-        if (p.n_classes == 0) continue;
+        if (p.n_classes == 0 && p.layers.empty()) continue;
         p.buf = ggml_backend_alloc_ctx_tensors_from_buft(p.ctx, ggml_backend_dev_buffer_type(p.dev));
         if (!p.buf) {
             err = std::string("cannot allocate the expert pool on ") + p.name;
@@ -640,6 +683,15 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             e->n_hot++;
             e->pools[c.pool].n_hot++;
         }
+    }
+    for (auto & p : e->pools) {   // the decode graph's index tables, one row per layer of the pool
+        if (!p.table) continue;
+        std::vector<int32_t> rows((size_t) e->n_layer * e->n_expert, -1);
+        for (int il : p.layers) {
+            if (!e->layers[il].has_hot) continue;
+            std::copy(e->slot[il].begin(), e->slot[il].end(), rows.begin() + (size_t) il * e->n_expert);
+        }
+        ggml_backend_tensor_set(p.table, rows.data(), 0, rows.size() * sizeof(int32_t));
     }
     const size_t nle = (size_t) e->n_layer * e->n_expert;
     totals_init(e->total, nle);
@@ -706,6 +758,94 @@ ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int i
     return t;
 }
 
+namespace {
+
+// Decode graph wanted for this engine (auto: a pool on a GPU); creates it on first use. Holds g_mu.
+ost_dgraph * dgraph_of(engine_t * e) {
+    if (!e || g_dgraph == 0 || g_dgraph_broken || g_timing || e->dg_failed) return nullptr;
+    if (g_dgraph < 0) {
+        bool gpu = false;
+        for (auto & p : e->pools) gpu = gpu || ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU;
+        if (!gpu) return nullptr;
+    }
+    if (e->dg) return e->dg;
+    ost_dg_config c;
+    c.n_layer = e->n_layer; c.n_expert = e->n_expert; c.k = e->k;
+    c.n_embd = e->model->hparams.n_embd;
+    c.max_tokens = g_dgraph_max;
+    c.n_threads = g_cpu_threads;
+    for (auto & p : e->pools) {
+        if (ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            c.host_buft = ggml_backend_dev_host_buffer_type(p.dev);   // pinned, mapped into every GPU
+            break;
+        }
+    }
+    c.layers.resize(e->n_layer);
+    for (int il = 0; il < e->n_layer; ++il) {
+        const int pi = e->layer_pool[il];
+        if (pi < 0 || !e->pools[pi].table) continue;
+        auto & l = c.layers[il];
+        l.moe = true;
+        l.has_hot = e->layers[il].has_hot;
+        l.zero0 = e->layers[il].zero0;
+        l.table = (const int32_t *) e->pools[pi].table->data + (size_t) il * e->n_expert;
+        l.scratch = (int32_t *) e->pools[pi].scratch->data + (size_t) 4 * il;
+    }
+    c.count = dg_count;
+    c.count_ud = e;
+    std::string err;
+    e->dg = ost_dg_new(c, err);
+    if (!e->dg) {
+        e->dg_failed = true;
+        e->notes.push_back(err + ": decode graph off");
+        LLAMA_LOG_ERROR("ostinato: %s: decode graph off\n", err.c_str());
+    }
+    return e->dg;
+}
+
+ost_dgraph * dgraph_layer(int il) {
+    engine_t * e = g_eng;
+    if (!e || il < 0 || il >= e->n_layer) return nullptr;
+    return dgraph_of(e);
+}
+
+}  // namespace
+
+int ostinato_moe_graph_layer(int il, const ggml_tensor * cur, int64_t n_tokens) {
+    const int up = ostinato_moe_upload_path(n_tokens);
+    std::lock_guard<std::mutex> lock(g_mu);
+    ost_dgraph * dg = dgraph_layer(il);
+    if (!dg || (n_tokens > 1 && up)) return 0;
+    return cur->ne[0] == g_eng->model->hparams.n_embd && cur->ne[1] == 1 && cur->ne[2] <= ost_dg_max_tokens(dg) &&
+           cur->type == GGML_TYPE_F32 && ggml_is_contiguous(cur);
+}
+
+ggml_tensor * ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return ost_dg_route(dgraph_layer(il), ctx, selected_experts, cur, il);
+}
+
+ggml_context * ostinato_moe_cpu_begin(ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,
+                                      ggml_tensor ** ids, ggml_tensor ** cur_cpu) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return ost_dg_cpu_begin(dgraph_layer(il), graph_ctx, il, cur, k, ids, cur_cpu);
+}
+
+void ostinato_moe_cpu_end(ggml_context * graph_ctx, int il, ggml_tensor * out) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    ost_dg_cpu_end(dgraph_layer(il), graph_ctx, il, out);
+}
+
+ggml_tensor * ostinato_moe_join(ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return ost_dg_join(dgraph_layer(il), ctx, ids_gpu, out_gpu, il);
+}
+
+void ostinato_graph_build_begin(ggml_context * graph_ctx) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_eng && g_eng->dg) ost_dg_build_begin(g_eng->dg, graph_ctx);
+}
+
 int ostinato_moe_overlap(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     return g_overlap ? 1 : 0;
@@ -731,25 +871,50 @@ bool ostinato_graph_reusable(void) {
     return ok;
 }
 
-void ostinato_pass_begin(int64_t n_tokens) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    engine_t * e = g_eng;
-    if (!e) return;
-    e->cur = pass_t();
-    e->cur.tokens = n_tokens;
-    std::fill(e->cold_seen.begin(), e->cold_seen.end(), 0);
-    e->in_pass = true;
-    e->pass_t0_us = now_us();
+void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
+    ost_dgraph * dg = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        engine_t * e = g_eng;
+        if (!e) return;
+        e->cur = pass_t();
+        e->cur.tokens = n_tokens;
+        std::fill(e->cold_seen.begin(), e->cold_seen.end(), 0);
+        e->in_pass = true;
+        e->pass_t0_us = now_us();
+        e->dg_running = false;
+        dg = e->dg;
+    }
+    // outside g_mu: the decode graph's worker takes it to count routes
+    if (dg && ost_dg_pass_begin(dg, graph_ctx)) {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (g_eng) g_eng->dg_running = true;
+    }
 }
 
 void ostinato_pass_end(int64_t n_tokens) {
     const int up = ostinato_moe_upload_path(n_tokens);
+    ost_dgraph * dg = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (g_eng && g_eng->dg_running) dg = g_eng->dg;
+    }
+    std::string dg_err;
+    const bool dg_ok = !dg || ost_dg_pass_end(dg, dg_err);   // the CPU branches of this pass are done
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
+    if (!dg_ok) {
+        LLAMA_LOG_ERROR("ostinato: %s; the decode graph is off until the model is loaded again\n", dg_err.c_str());
+        g_dgraph_broken = true;
+        g_graph_dirty = true;
+        if (e) e->notes.push_back(dg_err);
+    }
     if (!e || !e->in_pass) return;
     e->in_pass = false;
     e->cur.total_ms = (now_us() - e->pass_t0_us) / 1000.0;
     e->cur.path = n_tokens <= 1 ? "decode" : (up ? "upload" : "split");
+    e->cur.graph = e->dg_running;
+    e->dg_running = false;
     e->total.add(e->cur);
     e->request.add(e->cur);
     e->last.push_back(e->cur);
@@ -768,6 +933,7 @@ bool ostinato_on_model_loaded(llama_model * model) {
     bool ok;
     {
         std::lock_guard<std::mutex> lock(g_mu);
+        g_dgraph_broken = false;
         ok = build_engine(model, cfg, err);
         if (!ok) g_err = err;
     }
@@ -903,6 +1069,25 @@ int ostinato_experts_set_overlap(int on) {
     return 0;
 }
 
+int ostinato_experts_set_decode_graph(int mode, int max_tokens) {
+    if (mode < -1 || mode > 1 || max_tokens < 0 || max_tokens > 4096) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (max_tokens > 0 && max_tokens != g_dgraph_max) {
+        g_dgraph_max = max_tokens;
+        if (g_eng && g_eng->dg) { ost_dg_free(g_eng->dg); g_eng->dg = nullptr; }   // mailbox size
+    }
+    g_dgraph = mode;
+    g_graph_dirty = true;
+    return 0;
+}
+
+int ostinato_experts_set_cpu_threads(int n) {
+    if (n < 0) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_cpu_threads = n;
+    return 0;
+}
+
 const char * ostinato_experts_info(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     json j;
@@ -911,6 +1096,15 @@ const char * ostinato_experts_info(void) {
     j["force_path"] = g_force == FORCE_AUTO ? "auto" : g_force == FORCE_SPLIT ? "split" : "upload";
     j["timing"] = g_timing;
     j["overlap"] = g_overlap;
+    j["decode_graph"] = json{{"mode", g_dgraph < 0 ? "auto" : g_dgraph ? "on" : "off"}, {"max_tokens", g_dgraph_max},
+                             {"broken", g_dgraph_broken}};
+    if (g_eng && g_eng->dg) {
+        int nt = 0; int64_t mb = 0;
+        ost_dg_info(g_eng->dg, nt, mb);
+        j["decode_graph"]["active"] = true;
+        j["decode_graph"]["cpu_threads"] = nt;
+        j["decode_graph"]["mailbox_bytes"] = mb;
+    }
     if (g_eng) {
         const engine_t & e = *g_eng;
         j["pool_device"] = e.pool_device;

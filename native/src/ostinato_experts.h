@@ -53,9 +53,27 @@ int  ostinato_moe_timing(void);
 int  ostinato_moe_overlap(void);
 // 1 when a forward pass of n_tokens takes the upload path, else 0 (split path / decode).
 int  ostinato_moe_upload_path(int64_t n_tokens);
+// Decode graph (Sec. 3.4, see ostinato_dgraph.h). 1 when layer il of a pass of n_tokens takes it:
+// the engine's decode graph is on (auto: a pool on a GPU), the pass is a decode step or a split-path
+// prefill of at most its max tokens, and cur is [n_embd, 1, n] F32 contiguous.
+int            ostinato_moe_graph_layer(int il, const ggml_tensor * cur, int64_t n_tokens);
+// GPU route op of layer il: ids [k, n] of the GPU branch (hot -> slot, cold -> zero slot); writes the
+// cold routes and their hidden rows to the mailbox for the CPU branch.
+ggml_tensor *  ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il);
+// CPU branch of layer il as a graph of its own: returns the context to build it in, with its two
+// leaves (ids [k, n] and cur [n_embd, 1, n] in the mailbox); end registers its output [n_embd, k, n].
+ggml_context * ostinato_moe_cpu_begin(ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,
+                                      ggml_tensor ** ids, ggml_tensor ** cur_cpu);
+void           ostinato_moe_cpu_end(ggml_context * graph_ctx, int il, ggml_tensor * out);
+// Join op of layer il: out_gpu (may be null: no hot expert) + the CPU branch at cold positions.
+ggml_tensor *  ostinato_moe_join(ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il);
+// Called before a graph is built in graph_ctx (its CPU-branch graphs are made anew).
+void ostinato_graph_build_begin(ggml_context * graph_ctx);
 // False once after a residency switch: the context must rebuild its cached graph.
 bool ostinato_graph_reusable(void);
-void ostinato_pass_begin(int64_t n_tokens);
+// Around the compute of the graph built in graph_ctx (its decode-graph layers' CPU branches run
+// between the two; end waits for them).
+void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx);
 void ostinato_pass_end(int64_t n_tokens);
 // Returns false (and sets the last error) when the configured residency set cannot be applied.
 bool ostinato_on_model_loaded(llama_model * model);
@@ -91,6 +109,11 @@ OSTINATO_API int          ostinato_experts_force_path(const char * path);
 OSTINATO_API int          ostinato_experts_set_timing(int on);
 // Decode overlap on (1) or off (0); see ostinato_moe_overlap.
 OSTINATO_API int          ostinato_experts_set_overlap(int on);
+// Decode graph: -1 auto (on when a pool is on a GPU), 0 off, 1 on (also in a CPU build: tests).
+// max_tokens (1..4096, 0 keeps) is the largest pass that takes it. Takes effect at the next graph.
+OSTINATO_API int          ostinato_experts_set_decode_graph(int mode, int max_tokens);
+// Threads of the decode graph's CPU branch (0: the physical cores, estimated); next model load.
+OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);
 // Stats as JSON; the returned string stays valid until the next call of the same function.
 OSTINATO_API const char * ostinato_experts_info(void);
 OSTINATO_API const char * ostinato_experts_stats(int with_counts);

@@ -168,6 +168,8 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_force_path": ([_C], ctypes.c_int),
     "ostinato_experts_set_timing": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_overlap": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_decode_graph": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -298,6 +300,24 @@ def set_overlap(on: bool) -> None:
     branch computes; without it the CPU branch runs first, saving one host round trip per layer.
     Which is faster depends on the machine; ``ostinato calibrate`` measures both."""
     llama_fn("ostinato_experts_set_overlap")(1 if on else 0)
+
+
+def set_decode_graph(on: Optional[bool], max_tokens: int = 0) -> None:
+    """Decode graph (paper Sec. 3.4; docs/engine.md "Decode graph"): forward passes of at most
+    ``max_tokens`` tokens (0 keeps the current value, 64 at start) that are decode steps or split-path
+    prefills run with the route op on the GPU, the CPU branch on a resident thread pool fed through
+    mapped host memory, and a wait kernel joining the branches, so that the pass is one CUDA graph.
+    ``None``: on when a pool is on a GPU; ``True`` also on a CPU build (tests). Raises ValueError
+    for a max_tokens outside 0..4096. Takes effect at the next graph build."""
+    mode = -1 if on is None else int(bool(on))
+    if llama_fn("ostinato_experts_set_decode_graph")(mode, int(max_tokens)) != 0:
+        raise ValueError(f"decode graph max_tokens must be 0..4096, got {max_tokens}")
+
+
+def set_cpu_threads(n: int) -> None:
+    """Threads of the decode graph's CPU-branch pool (0: the physical cores). Read when the pool is
+    created (the first decode-graph pass after a load or a residency switch)."""
+    llama_fn("ostinato_experts_set_cpu_threads")(max(0, int(n)))
 
 
 def has_gpu() -> bool:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..hardware import physical_cores
 from . import native
 from .native import ExpertEngineError
 from .placement import experts_config, full_layer_devices, tensor_split_for
@@ -115,6 +116,10 @@ class ExpertRuntime:
         native.check_experts_config(config)
         overlap, decode_threads = decode_choices(settings)
         native.set_overlap(overlap)
+        native.set_decode_graph(getattr(settings, "decode_graph", None))
+        # CPU-branch pool of the decode graph: one core is left to the thread that drives llama.cpp
+        native.set_cpu_threads(decode_threads or getattr(settings, "n_threads", None)
+                               or max(1, physical_cores() - 1))
         log.info("experts: %d hot experts from %s, Np = %d%s", sum(len(v) for v in hot.values()),
                  res_path or "no residency set (all experts cold)", np_tokens,
                  f", GPUs {residency.devices}" if layer_dev else "")

@@ -4,6 +4,7 @@ Subcommands (each a module with ``main(argv) -> int``):
   replay   replay recorded agent sessions through the HTTP API (ostinatod.tools.replay)
   engines  Ostinato against stock llama.cpp on the same model and sessions
            (ostinatod.tools.bench_engines)
+  plot     time against pool size from stored engines JSONs (ostinatod.tools.bench_plot)
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                "replay recorded agent sessions through the HTTP API, time each turn"),
     "engines": ("ostinatod.tools.bench_engines", "main",
                 "Ostinato vs stock llama.cpp baselines on one model and sessions"),
+    "plot": ("ostinatod.tools.bench_plot", "main",
+             "plot time against pool size from stored 'bench engines' JSONs (SVG)"),
 }
 
 

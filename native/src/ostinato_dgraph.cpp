@@ -1,0 +1,382 @@
+// Decode graph of the expert engine: see ostinato_dgraph.h and ostinato_ops.h.
+#include "ostinato_dgraph.h"
+
+#include "ggml-alloc.h"
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define OST_RELAX() _mm_pause()
+#else
+#define OST_RELAX() std::this_thread::yield()
+#endif
+
+namespace {
+
+constexpr int64_t WAIT_TIMEOUT_NS = 20LL * 1000 * 1000 * 1000;   // a wait this long means a lost pass
+constexpr int     MAX_CPU_NODES   = 256;
+
+int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct cpu_job_t {
+    int il = -1;
+    int64_t n = 0;
+    ggml_context * ctx = nullptr;   // the CPU branch's tensors (no data of its own)
+    ggml_cgraph * g = nullptr;
+    ggml_tensor * out = nullptr;
+    ggml_cplan plan{};
+};
+
+struct jobset_t {
+    std::vector<cpu_job_t> jobs;
+    bool ready = false;             // intermediates allocated, plans made
+    ~jobset_t() { for (auto & j : jobs) if (j.ctx) ggml_free(j.ctx); }
+};
+
+}  // namespace
+
+struct ost_dgraph {
+    ost_dg_config cfg;
+    ggml_backend_buffer_t mbx_buf = nullptr;
+    int64_t mbx_bytes = 0;
+    volatile int64_t * pass_seq = nullptr;
+    volatile int32_t * status = nullptr;
+    ostinato_mbx_hdr * hdr = nullptr;   // [n_layer]
+    int32_t * ids_all = nullptr;        // [n_layer][k * T]
+    int32_t * ids_cpu = nullptr;        // [k * T]
+    float * cur = nullptr;              // [n_embd * T]
+    float * out = nullptr;              // [n_embd * k * T]
+    std::vector<ostinato_op> ops;       // [2 * n_layer]: route, join (addresses captured by CUDA graphs)
+
+    std::map<ggml_context *, jobset_t> sets;
+    ggml_gallocr_t galloc = nullptr;
+    std::vector<uint8_t> work;
+    ggml_threadpool * tp = nullptr;
+    int n_threads = 1;
+
+    // worker
+    std::thread worker;
+    std::mutex m;
+    std::condition_variable cv;
+    jobset_t * run = nullptr;
+    int64_t seq = 0;
+    bool pending = false, quit = false, lost = false;
+};
+
+namespace {
+
+// CPU implementation of the route op (CPU builds; same effects as ost_route_kernel).
+void route_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    const ostinato_op & o = *(const ostinato_op *) ud;
+    const ggml_tensor * sel = dst->src[0];
+    const ggml_tensor * cur = dst->src[1];
+    const int64_t n = sel->ne[1];
+    GGML_ASSERT(sel->ne[0] == o.k && n <= o.max_tokens && ggml_is_contiguous(cur) && ggml_is_contiguous(dst));
+    int32_t * ids_gpu = (int32_t *) dst->data;
+    int n_cold = 0;
+    for (int64_t t = 0; t < n; ++t) {
+        int cold_tok = 0;
+        for (int j = 0; j < o.k; ++j) {
+            const int32_t x = *(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + j * sel->nb[0]);
+            int32_t g = x, c = x;
+            if (x >= 0 && x < o.n_expert) {
+                const int32_t s = o.table[x];
+                if (s >= 0) { g = s; c = -1; }
+                else { g = o.has_hot ? o.zero0 + j : x; c = x; cold_tok++; }
+            }
+            ids_gpu[t * o.k + j] = g;
+            o.ids_all[t * o.k + j] = x;
+            o.ids_cpu[t * o.k + j] = c;
+        }
+        if (cold_tok) {
+            std::memcpy(o.cur + t * o.n_embd, (const char *) cur->data + t * o.n_embd * sizeof(float),
+                        o.n_embd * sizeof(float));
+        }
+        n_cold += cold_tok;
+    }
+    o.scratch[2] = n_cold;
+    o.hdr->n = (int32_t) n;
+    o.hdr->n_cold = n_cold;
+    std::atomic_thread_fence(std::memory_order_release);
+    o.hdr->seq = *o.pass_seq;
+}
+
+// CPU implementation of the join op (CPU builds; same result as ost_join_kernel).
+void join_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    const ostinato_op & o = *(const ostinato_op *) ud;
+    const int32_t * ids = (const int32_t *) dst->src[0]->data;
+    const float * gpu = dst->src[1] ? (const float *) dst->src[1]->data : nullptr;
+    float * d = (float *) dst->data;
+    const int64_t n = dst->ne[2];
+    bool waited = o.scratch[2] == 0, ok = true;
+    for (int64_t pos = 0; pos < n * o.k; ++pos) {
+        const int32_t id = ids[pos];
+        const bool cold = o.has_hot ? id >= o.zero0 : (id >= 0 && id < o.n_expert);
+        const int64_t off = pos * o.n_embd;
+        if (cold && o.scratch[2] != 0 && !waited) {
+            const int64_t seq = *o.pass_seq, t0 = now_ns();
+            while (o.hdr->done != seq) {
+                std::this_thread::yield();
+                if (now_ns() - t0 > o.timeout_ns) { *o.status = 1; ok = false; break; }
+            }
+            std::atomic_thread_fence(std::memory_order_acquire);
+            waited = true;
+        }
+        for (int64_t i = 0; i < o.n_embd; ++i) {
+            const float c = (cold && o.scratch[2] != 0 && ok) ? o.out[off + i] : 0.0f;
+            d[off + i] = (gpu ? gpu[off + i] : 0.0f) + c;
+        }
+    }
+}
+
+jobset_t * set_of(ost_dgraph * dg, ggml_context * graph_ctx) {
+    auto it = dg->sets.find(graph_ctx);
+    return it == dg->sets.end() ? nullptr : &it->second;
+}
+
+ggml_tensor * mailbox_tensor(ost_dgraph * dg, ggml_context * ctx, ggml_type type, int64_t ne0, int64_t ne1,
+                             int64_t ne2, void * data) {
+    ggml_tensor * t = ggml_new_tensor_3d(ctx, type, ne0, ne1, ne2);
+    t->data = data;
+    t->buffer = dg->mbx_buf;
+    return t;
+}
+
+// Allocates the intermediates of every CPU-branch graph of a set in one shared compute buffer (the
+// branches run one at a time): reserve for all first (the buffer only grows), then assign.
+bool prepare(ost_dgraph * dg, jobset_t & js) {
+    if (js.ready) return true;
+    const size_t size0 = ggml_gallocr_get_buffer_size(dg->galloc, 0);
+    for (auto & j : js.jobs) if (!ggml_gallocr_reserve(dg->galloc, j.g)) return false;
+    if (ggml_gallocr_get_buffer_size(dg->galloc, 0) != size0) {
+        for (auto & kv : dg->sets) kv.second.ready = false;   // their tensors pointed into the old buffer
+    }
+    size_t work = 0;
+    for (auto & j : js.jobs) {
+        if (!ggml_gallocr_alloc_graph(dg->galloc, j.g)) return false;
+        j.plan = ggml_graph_plan(j.g, dg->n_threads, dg->tp);
+        work = std::max(work, j.plan.work_size);
+    }
+    if (dg->work.size() < work) dg->work.resize(work);
+    for (auto & j : js.jobs) j.plan.work_data = dg->work.data();
+    js.ready = true;
+    return true;
+}
+
+void worker_main(ost_dgraph * dg) {
+    std::unique_lock<std::mutex> lk(dg->m);
+    for (;;) {
+        dg->cv.wait(lk, [&] { return dg->quit || dg->pending; });
+        if (dg->quit) return;
+        jobset_t * js = dg->run;
+        const int64_t seq = dg->seq;
+        lk.unlock();
+        bool lost = false;
+        for (auto & j : js->jobs) {
+            ostinato_mbx_hdr * h = &dg->hdr[j.il];
+            const int64_t t0 = now_ns();
+            while (h->seq != seq) {
+                OST_RELAX();
+                if (now_ns() - t0 > WAIT_TIMEOUT_NS) { lost = true; break; }
+            }
+            if (lost) break;
+            std::atomic_thread_fence(std::memory_order_acquire);
+            const int n = h->n, n_cold = h->n_cold;
+            double cpu_ms = 0;
+            if (n_cold > 0) {
+                const int64_t c0 = now_ns();
+                ggml_graph_compute(j.g, &j.plan);
+                cpu_ms = (now_ns() - c0) / 1e6;
+                std::atomic_thread_fence(std::memory_order_release);
+                h->done = seq;
+            }
+            if (dg->cfg.count) {
+                dg->cfg.count(dg->cfg.count_ud, j.il, n, dg->cfg.k,
+                              dg->ids_all + (size_t) j.il * dg->cfg.k * dg->cfg.max_tokens, n_cold, cpu_ms);
+            }
+        }
+        lk.lock();
+        dg->lost = dg->lost || lost;
+        dg->pending = false;
+        dg->cv.notify_all();
+    }
+}
+
+}  // namespace
+
+ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
+    auto * dg = new ost_dgraph();
+    dg->cfg = cfg;
+    const int64_t L = cfg.n_layer, k = cfg.k, T = cfg.max_tokens, E = cfg.n_embd;
+    auto align = [](int64_t x) { return (x + 255) & ~int64_t(255); };
+    const int64_t o_hdr = 256, o_ids_all = align(o_hdr + L * (int64_t) sizeof(ostinato_mbx_hdr));
+    const int64_t o_ids_cpu = align(o_ids_all + L * k * T * 4), o_cur = align(o_ids_cpu + k * T * 4);
+    const int64_t o_out = align(o_cur + E * T * 4), size = align(o_out + E * k * T * 4);
+    ggml_backend_buffer_type_t buft = cfg.host_buft ? cfg.host_buft : ggml_backend_cpu_buffer_type();
+    dg->mbx_buf = ggml_backend_buft_alloc_buffer(buft, (size_t) size);
+    if (!dg->mbx_buf) {
+        err = "cannot allocate the decode graph's mailbox in " + std::string(ggml_backend_buft_name(buft));
+        delete dg;
+        return nullptr;
+    }
+    ggml_backend_buffer_clear(dg->mbx_buf, 0);
+    dg->mbx_bytes = size;
+    char * base = (char *) ggml_backend_buffer_get_base(dg->mbx_buf);
+    dg->pass_seq = (volatile int64_t *) base;
+    dg->status = (volatile int32_t *) (base + 64);
+    dg->hdr = (ostinato_mbx_hdr *) (base + o_hdr);
+    dg->ids_all = (int32_t *) (base + o_ids_all);
+    dg->ids_cpu = (int32_t *) (base + o_ids_cpu);
+    dg->cur = (float *) (base + o_cur);
+    dg->out = (float *) (base + o_out);
+    dg->ops.resize((size_t) 2 * L);
+    for (int il = 0; il < L; ++il) {
+        const ost_dg_layer & l = cfg.layers[il];
+        for (int kind : {OSTINATO_OP_ROUTE, OSTINATO_OP_JOIN}) {
+            ostinato_op & o = dg->ops[(size_t) 2 * il + (kind == OSTINATO_OP_JOIN)];
+            o = ostinato_op{};
+            o.magic = OSTINATO_OP_MAGIC; o.kind = kind; o.il = il; o.k = (int32_t) k;
+            o.n_expert = cfg.n_expert; o.zero0 = l.zero0; o.has_hot = l.has_hot ? 1 : 0;
+            o.n_embd = (int32_t) E; o.max_tokens = (int32_t) T;
+            o.table = l.table; o.scratch = l.scratch;
+            o.hdr = &dg->hdr[il]; o.pass_seq = dg->pass_seq; o.status = dg->status;
+            o.ids_all = dg->ids_all + (size_t) il * k * T; o.ids_cpu = dg->ids_cpu;
+            o.cur = dg->cur; o.out = dg->out;
+            o.timeout_ns = WAIT_TIMEOUT_NS;
+        }
+    }
+    dg->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
+    int nt = cfg.n_threads;
+    if (nt <= 0) nt = std::max(1, (int) std::thread::hardware_concurrency() / 2);
+    dg->n_threads = nt;
+    // the resident pool: threads made (and placed) once, polling between CPU branches
+    ggml_threadpool_params tpp = ggml_threadpool_params_default(nt);
+    tpp.poll = 50;
+    dg->tp = ggml_threadpool_new(&tpp);
+    if (!dg->tp) {
+        err = "cannot create the CPU-branch thread pool";
+        ggml_gallocr_free(dg->galloc);
+        ggml_backend_buffer_free(dg->mbx_buf);
+        delete dg;
+        return nullptr;
+    }
+    dg->worker = std::thread(worker_main, dg);
+    return dg;
+}
+
+void ost_dg_free(ost_dgraph * dg) {
+    if (!dg) return;
+    {
+        std::unique_lock<std::mutex> lk(dg->m);
+        dg->cv.wait(lk, [&] { return !dg->pending; });
+        dg->quit = true;
+        dg->cv.notify_all();
+    }
+    dg->worker.join();
+    dg->sets.clear();
+    if (dg->galloc) ggml_gallocr_free(dg->galloc);
+    if (dg->tp) ggml_threadpool_free(dg->tp);
+    if (dg->mbx_buf) ggml_backend_buffer_free(dg->mbx_buf);
+    delete dg;
+}
+
+int ost_dg_max_tokens(const ost_dgraph * dg) { return dg ? dg->cfg.max_tokens : 0; }
+
+void ost_dg_info(const ost_dgraph * dg, int & n_threads, int64_t & mailbox_bytes) {
+    n_threads = dg ? dg->n_threads : 0;
+    mailbox_bytes = dg ? dg->mbx_bytes : 0;
+}
+
+void ost_dg_build_begin(ost_dgraph * dg, ggml_context * graph_ctx) {
+    dg->sets.erase(graph_ctx);
+}
+
+ggml_tensor * ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il) {
+    ggml_tensor * args[2] = { selected, cur };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, args, 2, route_cpu, 1,
+                                     &dg->ops[(size_t) 2 * il]);
+    ggml_format_name(t, OSTINATO_OP_PREFIX "route-%d", il);
+    return t;
+}
+
+ggml_context * ost_dg_cpu_begin(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,
+                                ggml_tensor ** ids, ggml_tensor ** cur_cpu) {
+    GGML_ASSERT(cur->ne[0] == dg->cfg.n_embd && cur->ne[1] == 1 && cur->ne[2] <= dg->cfg.max_tokens);
+    const int64_t n = cur->ne[2];
+    ggml_init_params ip = { ggml_tensor_overhead() * MAX_CPU_NODES + ggml_graph_overhead_custom(MAX_CPU_NODES, false),
+                            nullptr, true };
+    cpu_job_t job;
+    job.il = il;
+    job.n = n;
+    job.ctx = ggml_init(ip);
+    GGML_ASSERT(job.ctx != nullptr);
+    *ids = mailbox_tensor(dg, job.ctx, GGML_TYPE_I32, k, n, 1, dg->ids_cpu);
+    *cur_cpu = mailbox_tensor(dg, job.ctx, GGML_TYPE_F32, cur->ne[0], 1, n, dg->cur);
+    dg->sets[graph_ctx].jobs.push_back(job);
+    return job.ctx;
+}
+
+void ost_dg_cpu_end(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tensor * out) {
+    jobset_t * js = set_of(dg, graph_ctx);
+    GGML_ASSERT(js && !js->jobs.empty() && js->jobs.back().il == il);
+    cpu_job_t & j = js->jobs.back();
+    GGML_ASSERT(out->type == GGML_TYPE_F32 && out->view_src == nullptr && ggml_is_contiguous(out) &&
+                out->ne[0] == dg->cfg.n_embd && out->ne[1] == dg->cfg.k && out->ne[2] == j.n);
+    out->data = dg->out;   // the branch writes straight into the mailbox
+    out->buffer = dg->mbx_buf;
+    j.out = out;
+    j.g = ggml_new_graph_custom(j.ctx, MAX_CPU_NODES, false);
+    ggml_build_forward_expand(j.g, out);
+}
+
+ggml_tensor * ost_dg_join(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il) {
+    ggml_tensor * args[2] = { ids_gpu, out_gpu };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_F32, dg->cfg.n_embd, ids_gpu->ne[0], ids_gpu->ne[1], 1, args,
+                                     out_gpu ? 2 : 1, join_cpu, 1, &dg->ops[(size_t) 2 * il + 1]);
+    ggml_format_name(t, OSTINATO_OP_PREFIX "join-%d", il);
+    return t;
+}
+
+bool ost_dg_pass_begin(ost_dgraph * dg, ggml_context * graph_ctx) {
+    jobset_t * js = set_of(dg, graph_ctx);
+    if (!js || js->jobs.empty()) return false;
+    if (!prepare(dg, *js)) {
+        GGML_ABORT("ostinato: cannot allocate the CPU-branch graphs of the decode graph");
+    }
+    std::unique_lock<std::mutex> lk(dg->m);
+    dg->cv.wait(lk, [&] { return !dg->pending; });
+    dg->seq++;
+    *dg->pass_seq = dg->seq;   // read by the route and join ops of this pass
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    dg->run = js;
+    dg->pending = true;
+    dg->cv.notify_all();
+    return true;
+}
+
+bool ost_dg_pass_end(ost_dgraph * dg, std::string & err) {
+    std::unique_lock<std::mutex> lk(dg->m);
+    dg->cv.wait(lk, [&] { return !dg->pending; });
+    if (*dg->status != 0 || dg->lost) {
+        err = dg->lost ? "decode graph: a layer's route op did not arrive within 20 s"
+                       : "decode graph: a join waited more than 20 s for the CPU branch";
+        return false;
+    }
+    return true;
+}

@@ -1,0 +1,64 @@
+// Decode graph of the expert engine (internal to libllama): the route and join ops, the mailbox in
+// mapped host memory, the CPU-branch graphs and the resident thread pool that runs them.
+// Paper: arXiv 2611.11533, Section 3.4; DESIGN.md "The native engine" item 5.
+//
+// Per forward pass of n <= max_tokens tokens (decode and the split path's short prefills):
+//   GPU  route(il) -> GPU branch(il) -> join(il) -> ... next layer
+//   CPU  worker: wait for header(il).seq == pass seq -> count routes -> if cold: CPU-branch graph(il)
+//        -> header(il).done = pass seq
+// The GPU never waits for the host except in join(il) at a cold position; a layer whose routes are
+// all hot costs the GPU two small kernels. Nothing here depends on the GPU: in a CPU build the same
+// ops run as CPU custom ops (CI exercises the mailbox protocol that way).
+#pragma once
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "ostinato_ops.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct ost_dgraph;
+
+// Route counts of one layer in one pass, reported by the worker thread (under no lock of ours).
+typedef void (*ost_dg_count_fn)(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms);
+
+struct ost_dg_layer {
+    bool moe = false;              // the layer has routed experts
+    bool has_hot = false;          // its size class has pool tensors
+    int zero0 = 0;                 // first zero slot of its size class
+    const int32_t * table = nullptr;   // [n_expert] slot or -1, in the memory of the layer's pool
+    int32_t * scratch = nullptr;       // [4] zeroed, in the memory of the layer's pool
+};
+
+struct ost_dg_config {
+    int n_layer = 0, n_expert = 0, k = 0;
+    int64_t n_embd = 0;
+    int max_tokens = 64;           // largest pass that takes the decode graph
+    int n_threads = 0;             // CPU-branch threads (0: physical cores, estimated)
+    ggml_backend_buffer_type_t host_buft = nullptr;   // mailbox memory: the GPU's pinned host type, or CPU
+    std::vector<ost_dg_layer> layers;
+    ost_dg_count_fn count = nullptr;
+    void * count_ud = nullptr;
+};
+
+// Returns nullptr with `err` set when the mailbox or the thread pool cannot be created.
+ost_dgraph *   ost_dg_new(const ost_dg_config & cfg, std::string & err);
+void           ost_dg_free(ost_dgraph * dg);
+int            ost_dg_max_tokens(const ost_dgraph * dg);
+// Graph building (called from the patched build_moe_ffn through ostinato_experts.cpp).
+void           ost_dg_build_begin(ost_dgraph * dg, ggml_context * graph_ctx);
+ggml_tensor *  ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il);
+ggml_context * ost_dg_cpu_begin(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,
+                                ggml_tensor ** ids, ggml_tensor ** cur_cpu);
+void           ost_dg_cpu_end(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tensor * out);
+ggml_tensor *  ost_dg_join(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il);
+// Around each graph compute: begin hands the pass's CPU-branch jobs (if the graph built in
+// graph_ctx has any) to the worker; end waits for the worker. Returns false from begin when the
+// graph has no decode-graph layers.
+bool           ost_dg_pass_begin(ost_dgraph * dg, ggml_context * graph_ctx);
+// Returns false (and `err`) if a wait timed out in this pass: the decode graph should be turned off.
+bool           ost_dg_pass_end(ost_dgraph * dg, std::string & err);
+// CPU-branch time of the passes so far (ms) and the number of layers that had cold routes.
+void           ost_dg_info(const ost_dgraph * dg, int & n_threads, int64_t & mailbox_bytes);
