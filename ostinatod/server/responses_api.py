@@ -154,10 +154,8 @@ def _echoed(b: ResponsesBody) -> dict[str, Any]:
     return {k: getattr(b, k) for k in _ECHOED}
 
 
-async def responses(request: web.Request) -> web.StreamResponse:
-    """POST /v1/responses."""
-    state: DaemonState = request.app["state"]
-    b = validate(ResponsesBody, await read_json(request))
+def responses_request(state: DaemonState, request: web.Request, b: ResponsesBody) -> GenRequest:
+    """The internal request of a validated Responses body. Raises ApiError."""
     if b.previous_response_id:
         raise ApiError(400, "invalid_request", "previous_response_id is not supported: this server is "
                        "stateless; send the whole conversation in 'input'.", param="previous_response_id")
@@ -176,6 +174,14 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if b.reasoning and b.reasoning.get("effort") is not None:
         req.enable_thinking = b.reasoning["effort"] not in ("none", "minimal")
     fill_common(state, request, req, b.model)
+    return req
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses."""
+    state: DaemonState = request.app["state"]
+    b = validate(ResponsesBody, await read_json(request))
+    req = responses_request(state, request, b)
     gen = await Generation.open(state, req, "responses")
     created = int(time.time())
 
