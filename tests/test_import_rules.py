@@ -4,6 +4,8 @@
   through the control API client only;
 - the residency domain (ostinatod/residency) imports neither the engine nor the server, the control
   API or the daemon, nor llama_cpp or aiohttp;
+- the engine (worker process and clients) imports nothing of the server, the control API, the
+  daemon or the UI, and no aiohttp;
 - the protocol encoders (ostinatod/server/encoders) import no aiohttp and no engine client;
 - there is no import cycle between the package's modules (imports inside functions count too).
 """
@@ -74,6 +76,12 @@ def test_residency_domain_is_pure():
     assert _violations("ostinatod.residency", ("ostinatod.engine", "ostinatod.server", "ostinatod.control",
                                                "ostinatod.daemon", "ostinatod.desk", "ostinatod.ui",
                                                "llama_cpp", "aiohttp")) == []
+
+
+def test_engine_does_not_reach_up():
+    assert _violations("ostinatod.engine", ("ostinatod.server", "ostinatod.control", "ostinatod.daemon",
+                                            "ostinatod.desk", "ostinatod.workload", "ostinatod.ui",
+                                            "aiohttp")) == []
 
 
 def test_encoders_are_pure():
