@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import EngineError, GenRequest
-from .common import Generation, apply_logit_bias, ensure_engine, fill_common, read_json, respond, validate
+from .common import apply_logit_bias, ensure_engine, fill_common, open_generation, read_json, respond, validate
 from .encoders import anthropic as enc
 from .encoders import new_id
 from .errors import ApiError
@@ -186,13 +186,12 @@ def build_request(state: DaemonState, request: web.Request, b: MessagesBody, rid
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    state: DaemonState = request.app["state"]
-    b = validate(MessagesBody, await read_json(request))
-    if b.max_tokens is None:
-        raise ApiError(400, "invalid_request", "max_tokens: Field required", param="max_tokens")
-    rid = new_id("msg_")
-    req = build_request(state, request, b, rid)
-    gen = await Generation.open(state, req, "anthropic")
+    def build(state: DaemonState, request: web.Request, b: MessagesBody) -> GenRequest:
+        if b.max_tokens is None:
+            raise ApiError(400, "invalid_request", "max_tokens: Field required", param="max_tokens")
+        return build_request(state, request, b, new_id("msg_"))
+    b, req, gen = await open_generation(request, MessagesBody, build, "anthropic")
+    rid = req.id
 
     def open_stream():
         s = enc.MessageStream(rid, req.model)

@@ -423,3 +423,14 @@ async def respond(request: web.Request, gen: Generation, stream: bool,
     finally:
         await gen.aclose()
         gen.close()
+
+
+async def open_generation(request: web.Request, body_cls: type[BaseModel],
+                          build: Callable[[DaemonState, web.Request, Any], GenRequest],
+                          protocol: str) -> tuple[Any, GenRequest, Generation]:
+    """What every generating route does first: validate the JSON body as ``body_cls``, ``build``
+    the internal request, start the generation. Returns (body, request, generation)."""
+    state: DaemonState = request.app["state"]
+    b = validate(body_cls, await read_json(request))
+    req = build(state, request, b)
+    return b, req, await Generation.open(state, req, protocol)

@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import Generation, apply_logit_bias, fill_common, read_json, respond, validate
+from .common import Generation, apply_logit_bias, fill_common, open_generation, read_json, respond, validate
 from .encoders import new_id
 from .encoders import openai_chat as enc
 from .errors import ApiError
@@ -128,10 +128,7 @@ def chat_request(state: DaemonState, request: web.Request, b: ChatBody) -> GenRe
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    state: DaemonState = request.app["state"]
-    b = validate(ChatBody, await read_json(request))
-    req = chat_request(state, request, b)
-    gen = await Generation.open(state, req, "openai_chat")
+    b, req, gen = await open_generation(request, ChatBody, chat_request, "openai_chat")
     created = int(time.time())
     include_usage = bool((b.stream_options or {}).get("include_usage"))
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import Generation, apply_logit_bias, fill_common, read_json, respond, validate
+from .common import apply_logit_bias, fill_common, open_generation, respond
 from .encoders import new_id
 from .encoders import responses as enc
 from .errors import ApiError
@@ -179,10 +179,7 @@ def responses_request(state: DaemonState, request: web.Request, b: ResponsesBody
 
 async def responses(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
-    state: DaemonState = request.app["state"]
-    b = validate(ResponsesBody, await read_json(request))
-    req = responses_request(state, request, b)
-    gen = await Generation.open(state, req, "responses")
+    b, req, gen = await open_generation(request, ResponsesBody, responses_request, "responses")
     created = int(time.time())
 
     def open_stream():
