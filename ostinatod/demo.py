@@ -1,7 +1,7 @@
 """The demo model: a synthetic MoE GGUF with RANDOM WEIGHTS, generated on first start when no model
 is configured, so that a fresh install answers requests (with gibberish) right away.
 
-Written by ``ostinatod.tools.synth.write_synthetic_moe`` (qwen3moe, ``settings.demo_shape``) into
+Written by ``ostinatod.synth.writer.write_synthetic_moe`` (qwen3moe, ``settings.demo_shape``) into
 ``<data>/models/ostinato-demo-<shape>.gguf``; written to a temporary name and renamed, so a crash
 while writing never leaves a truncated file that would be reused.
 """
@@ -32,10 +32,7 @@ def ensure_demo_model(settings: Settings, paths: Paths) -> Path:
         log.warning("serving the DEMO model %s: it has RANDOM WEIGHTS (output is gibberish); "
                     "set --model PATH.gguf or 'model' in settings.toml to serve a real model", path)
         return path
-    try:
-        from .tools.synth import write_synthetic_moe
-    except ImportError as e:  # pragma: no cover - only in a broken install
-        raise RuntimeError(f"no model configured and the demo model writer is unavailable: {e}") from e
+    from .synth.writer import write_synthetic_moe
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     log.warning("no model configured: generating the DEMO model (qwen3moe, shape %r) with RANDOM "

@@ -44,7 +44,7 @@ def _daemon_facts(settings: Settings) -> dict[str, Any]:
     n_ctx = settings.n_ctx
     running = False
     try:
-        from .ctl import call
+        from .control.client import call
         s = call("GET", "/status")
         running = True
         url = (s.get("http_url") or url).rstrip("/")

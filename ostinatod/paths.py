@@ -66,6 +66,15 @@ class Paths:
     def native_dir(self) -> Path:
         return self.data / "native"
 
+    def residency_file(self, fingerprint: str, workload: str) -> Path:
+        """The planned residency set of one model and workload:
+        ``<data>/residency/<fingerprint>/<workload>.json`` (the one place this rule is written)."""
+        return residency_file(fingerprint, workload, self.data)
+
+    def trace_file(self, fingerprint: str, workload: str) -> Path:
+        """The routing trace of one model and workload: ``<data>/traces/<fingerprint>/<workload>.json``."""
+        return trace_file(fingerprint, workload, self.data)
+
     def ensure(self) -> "Paths":
         for p in (self.config, self.data, self.state):
             p.mkdir(parents=True, exist_ok=True)
@@ -91,3 +100,17 @@ def get_paths() -> Paths:
         Path(platformdirs.user_state_dir(APP)),
         Path(runtime),
     )
+
+
+def residency_file(fingerprint: str, workload: str, data_dir: Path | None = None) -> Path:
+    """``<data>/residency/<fingerprint>/<workload>.json``: where the planner writes a workload's
+    residency set and the engine, the control API and the re-planner look for it. ``data_dir``
+    defaults to :func:`get_paths`'s data dir."""
+    base = Path(data_dir) if data_dir else get_paths().data
+    return base / "residency" / str(fingerprint) / f"{workload}.json"
+
+
+def trace_file(fingerprint: str, workload: str, data_dir: Path | None = None) -> Path:
+    """``<data>/traces/<fingerprint>/<workload>.json`` (the workload name is not checked here)."""
+    base = Path(data_dir) if data_dir else get_paths().data
+    return base / "traces" / str(fingerprint) / f"{workload}.json"

@@ -1,7 +1,8 @@
 """Hardware profile: what this machine has and how fast its memory paths are (``ostinato profile``).
 
 The profile is one JSON file at ``paths.hardware_profile`` (format ``ostinato-hardware/1``,
-schema in ``profiles/hardware.schema.json``). It records
+schema in ``profiles/hardware.schema.json``); :mod:`ostinatod.hardware` probes the machine. It
+records
 
 * GPUs through NVML (``pynvml`` from nvidia-ml-py): name, memory total/free, PCIe generation and
   width (current and maximum link);
@@ -12,256 +13,27 @@ schema in ``profiles/hardware.schema.json``). It records
   from ``cudaMallocHost`` memory, called through ctypes on ``libcudart`` (the same runtime the
   native engine links);
 * ``calibration``: the engine's cost-model calibration (written by ``ostinatod.engine.calibrate``
-  into this same file). It is kept across re-profiling and never dropped here.
+  into this same file through :mod:`ostinatod.residency.calibration`). It is kept across re-profiling and never dropped here.
 
 A *hardware fingerprint* (sha256 over the parts that change the cost model: GPU names, memory
 totals and PCIe max links, CPU model, physical cores, RAM total in GiB) tells when the machine
-changed; then the calibration is re-run when ``ostinatod.engine.calibrate.run_calibration`` exists.
+changed; then the calibration is re-run (``ostinatod.engine.calibrate.run_calibration``).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
-import datetime as _dt
-import hashlib
 import json
 import logging
 import os
-import platform
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-import psutil
-
+from .hardware import GIB, collect_profile
 from .paths import get_paths
 
 log = logging.getLogger("ostinatod.profile")
-
-FORMAT = "ostinato-hardware/1"
-GIB = 1 << 30
-
-
-# --- GPUs (NVML) -----------------------------------------------------------------------------
-
-def probe_gpus() -> list[dict[str, Any]]:
-    """NVIDIA GPUs seen by NVML, in NVML index order.
-
-    Returns a list of ``{"index", "name", "uuid", "memory_total_bytes", "memory_free_bytes",
-    "pcie_gen", "pcie_width", "pcie_gen_max", "pcie_width_max"}`` (PCIe fields None when NVML
-    cannot tell). No NVML library or no driver: ``[]`` (a CPU-only machine), never an exception.
-    """
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception as e:  # NVMLError_LibraryNotFound / DriverNotLoaded / ImportError
-        log.debug("no NVML: %s", e)
-        return []
-    out = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-
-            def q(fn, h=h):
-                try:
-                    return int(fn(h))
-                except Exception:
-                    return None
-
-            name = pynvml.nvmlDeviceGetName(h)
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            out.append({
-                "index": i,
-                "name": name.decode() if isinstance(name, bytes) else str(name),
-                "uuid": uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                "memory_total_bytes": int(mem.total),
-                "memory_free_bytes": int(mem.free),
-                "pcie_gen": q(pynvml.nvmlDeviceGetCurrPcieLinkGeneration),
-                "pcie_width": q(pynvml.nvmlDeviceGetCurrPcieLinkWidth),
-                "pcie_gen_max": q(pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
-                "pcie_width_max": q(pynvml.nvmlDeviceGetMaxPcieLinkWidth),
-            })
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-    return out
-
-
-# --- CPU and memory (psutil, /sys) --------------------------------------------------------------
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _numa_nodes() -> list[dict[str, Any]]:
-    """NUMA nodes from ``/sys/devices/system/node`` (Linux); elsewhere one node with all CPUs."""
-    base = Path("/sys/devices/system/node")
-    nodes = []
-    if base.is_dir():
-        for d in sorted(base.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
-            try:
-                cpus = (d / "cpulist").read_text().strip()
-            except OSError:
-                cpus = ""
-            mem_total = None
-            try:
-                for line in (d / "meminfo").read_text().splitlines():
-                    if "MemTotal:" in line:  # "Node 0 MemTotal:  24000000 kB"
-                        mem_total = int(line.split()[-2]) * 1024
-            except (OSError, ValueError):
-                pass
-            nodes.append({"node": int(d.name[4:]), "cpus": cpus, "memory_total_bytes": mem_total})
-    if not nodes:
-        nodes = [{"node": 0, "cpus": f"0-{(psutil.cpu_count() or 1) - 1}", "memory_total_bytes": None}]
-    return nodes
-
-
-def probe_host() -> dict[str, Any]:
-    """CPU and memory: ``{"os", "machine", "cpu_model", "physical_cores", "logical_cores",
-    "numa_nodes": [{"node", "cpus", "memory_total_bytes"}], "ram_total_bytes",
-    "ram_available_bytes"}``."""
-    vm = psutil.virtual_memory()
-    return {
-        "os": f"{platform.system()} {platform.release()}",
-        "machine": platform.machine(),
-        "cpu_model": _cpu_model(),
-        "physical_cores": psutil.cpu_count(logical=False) or psutil.cpu_count() or 1,
-        "logical_cores": psutil.cpu_count() or 1,
-        "numa_nodes": _numa_nodes(),
-        "ram_total_bytes": int(vm.total),
-        "ram_available_bytes": int(vm.available),
-    }
-
-
-# --- bandwidths ---------------------------------------------------------------------------------
-
-def measure_host_read_bandwidth(size_mb: int = 512, threads: Optional[int] = None,
-                                repeats: int = 3) -> dict[str, Any]:
-    """Host memory read bandwidth in GB/s (1e9 bytes/s), best of ``repeats``.
-
-    One float64 array of ``size_mb`` MiB is split in ``threads`` contiguous chunks (default:
-    physical cores) and each thread sums its chunk (numpy releases the GIL in reductions), so the
-    figure is what the CPU branch can stream from RAM, not a single-core figure. Use an array well
-    above the last-level cache (the default 512 MiB) for a meaningful number.
-    Returns ``{"gbps", "size_bytes", "threads"}``.
-    """
-    import numpy as np
-
-    threads = threads or psutil.cpu_count(logical=False) or 1
-    n = max(threads, size_mb * (1 << 20) // 8)
-    a = np.ones(n, dtype=np.float64)  # touch every page before timing
-    chunks = np.array_split(a, threads)
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(np.sum, chunks))  # warm-up
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            list(pool.map(np.sum, chunks))
-            best = min(best, time.perf_counter() - t0)
-    return {"gbps": round(a.nbytes / best / 1e9, 2), "size_bytes": int(a.nbytes), "threads": threads}
-
-
-def _find_cudart() -> Optional[str]:
-    """Path or soname of the CUDA runtime: next to our native engine, the nvidia pip wheel, or the
-    system library search path."""
-    cands: list[str] = []
-    try:
-        import importlib.util
-        spec = importlib.util.find_spec("llama_cpp")
-        if spec and spec.origin:
-            cands += sorted(str(p) for p in (Path(spec.origin).parent / "lib").glob("libcudart.so*"))
-    except Exception:
-        pass
-    for p in sys.path:
-        for pat in ("nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*"):
-            cands += sorted(str(x) for x in Path(p).glob(pat))
-    found = ctypes.util.find_library("cudart")
-    if found:
-        cands.append(found)
-    cands += ["libcudart.so", "libcudart.so.12", "libcudart.so.13", "/usr/local/cuda/lib64/libcudart.so"]
-    for c in cands:
-        try:
-            ctypes.CDLL(c)
-            return c
-        except OSError:
-            continue
-    return None
-
-
-def measure_pinned_h2d_bandwidth(device: int = 0, size_mb: int = 256,
-                                 repeats: int = 5) -> Optional[dict[str, Any]]:
-    """Pinned host->GPU copy bandwidth of ``device`` in GB/s (1e9 bytes/s), best of ``repeats``.
-
-    This is the bandwidth the upload path pays per cold expert (paper Sec. 3, the Np switch point).
-    Uses the CUDA runtime through ctypes: ``cudaMallocHost`` + ``cudaMalloc`` + synchronous
-    ``cudaMemcpy`` (kind 1 = host-to-device). Returns ``{"gbps", "size_bytes", "method"}`` or None
-    when no CUDA runtime or no device is usable (the reason is logged).
-    """
-    lib_name = _find_cudart()
-    if lib_name is None:
-        log.info("pinned H2D bandwidth: no CUDA runtime (libcudart) found; skipped")
-        return None
-    rt = ctypes.CDLL(lib_name)
-    size = size_mb << 20
-    host, dev = ctypes.c_void_p(), ctypes.c_void_p()
-
-    def ck(err: int, what: str) -> None:
-        if err != 0:
-            raise RuntimeError(f"{what} failed with cudaError {err}")
-
-    try:
-        ck(rt.cudaSetDevice(ctypes.c_int(device)), "cudaSetDevice")
-        ck(rt.cudaMallocHost(ctypes.byref(host), ctypes.c_size_t(size)), "cudaMallocHost")
-        ck(rt.cudaMalloc(ctypes.byref(dev), ctypes.c_size_t(size)), "cudaMalloc")
-        ctypes.memset(host, 1, size)
-        best = float("inf")
-        for i in range(repeats + 1):
-            ck(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-            t0 = time.perf_counter()
-            ck(rt.cudaMemcpy(dev, host, ctypes.c_size_t(size), ctypes.c_int(1)), "cudaMemcpy")
-            ck(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-            if i:  # first copy is a warm-up
-                best = min(best, time.perf_counter() - t0)
-        return {"gbps": round(size / best / 1e9, 2), "size_bytes": size, "method": f"ctypes:{Path(lib_name).name}"}
-    except (RuntimeError, AttributeError) as e:
-        log.info("pinned H2D bandwidth on GPU %d not measured: %s", device, e)
-        return None
-    finally:
-        if dev.value:
-            rt.cudaFree(dev)
-        if host.value:
-            rt.cudaFreeHost(host)
-
-
-# --- fingerprint, storage -----------------------------------------------------------------------
-
-def hardware_fingerprint(profile: dict[str, Any]) -> str:
-    """Hex sha256 over what changes the cost model: per GPU (name, memory total, max PCIe link),
-    CPU model, physical cores and RAM total rounded to GiB (so free-memory noise never counts)."""
-    host = profile.get("host", {})
-    key = {
-        "gpus": [[g.get("name"), g.get("memory_total_bytes"), g.get("pcie_gen_max"), g.get("pcie_width_max")]
-                 for g in profile.get("gpus", [])],
-        "cpu": host.get("cpu_model"),
-        "cores": host.get("physical_cores"),
-        "ram_gib": round((host.get("ram_total_bytes") or 0) / GIB),
-    }
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-
 
 def load_profile(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
     """The stored profile, or None when there is none or it is not valid JSON (logged)."""
@@ -282,39 +54,11 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def collect_profile(measure: bool = True, host_read_mb: int = 512, h2d_mb: int = 256) -> dict[str, Any]:
-    """Probe the machine now (no file I/O). ``measure=False`` skips the bandwidth measurements
-    (their fields are then None). Returns the profile dict without ``calibration``."""
-    gpus = probe_gpus()
-    host = probe_host()
-    bw: dict[str, Any] = {"host_read_gbps": None, "host_read_threads": None, "h2d_pinned": []}
-    if measure:
-        hr = measure_host_read_bandwidth(size_mb=host_read_mb)
-        bw["host_read_gbps"], bw["host_read_threads"] = hr["gbps"], hr["threads"]
-        for g in gpus:
-            r = measure_pinned_h2d_bandwidth(g["index"], size_mb=h2d_mb)
-            bw["h2d_pinned"].append({"device": g["index"], **(r or {"gbps": None, "method": None})})
-    prof = {
-        "format": FORMAT,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_only": not gpus,
-        "host": host,
-        "gpus": gpus,
-        "bandwidth": bw,
-    }
-    prof["fingerprint"] = hardware_fingerprint(prof)
-    return prof
-
-
 def _recalibrate(path: Path) -> bool:
-    """Run the engine calibration (it stores its section into ``path``) if that module exists;
-    True when it ran. ``run_calibration`` never raises."""
-    try:
-        from .engine.calibrate import run_calibration  # type: ignore[attr-defined]
-    except ImportError:
-        log.info("hardware changed; engine calibration not available in this build (run "
-                 "'ostinato calibrate' once it is)")
-        return False
+    """Run the engine calibration (it stores its section into ``path``); True when it ran.
+    ``run_calibration`` never raises."""
+    from .engine.calibrate import run_calibration
+
     log.info("hardware changed: re-running the engine calibration")
     cal = run_calibration(profile_path=path)
     if cal.get("error"):

@@ -59,6 +59,13 @@ class Settings(BaseSettings):
                                                            "engine worker in a supervised subprocess "
                                                            "(survives crashes) or in-process.")
     max_tokens_default: int = Field(4096, ge=1, description="Output tokens when a request sets none.")
+    temperature: float = Field(0.8, ge=0, le=2, description="Sampling temperature of requests that "
+                               "set none (0: greedy).")
+    top_p: float = Field(0.95, ge=0, le=1, description="Top-p (nucleus) sampling of requests that set "
+                         "none (1: off).")
+    top_k: int = Field(40, ge=0, description="Top-k sampling of requests that set none (0: off).")
+    min_p: float = Field(0.05, ge=0, le=1, description="Min-p sampling of requests that set none "
+                         "(0: off).")
 
     # --- experts (Ostinato paths) ---------------------------------------------------------
     experts: Literal["auto", "ostinato", "stock"] = Field("auto", description="'ostinato': resident "

@@ -12,8 +12,9 @@ Growth of the route total is the trigger because it is cheap to read and bounds 
 ranking can have changed: a set planned from N routes can be displaced by at most the new routes.
 
 Each check is cheap (route totals are cached per trace file version) and runs off the event loop
-(file reads and the planner, :func:`ostinatod.engine.planner.plan_for_model`, Rule 1 fill of paper
-Sec. 3.1, run in the default executor). The active workload (the engine's set, else
+(file reads and the planner, :func:`ostinatod.residency.planner.plan_for_model`, Rule 1 fill of paper
+Sec. 3.1, run in the default executor), all through the daemon's residency desk
+(:class:`ostinatod.desk.ResidencyDesk`). The active workload (the engine's set, else
 ``workload_default``) is re-planned first. When the re-planned workload is the active one and
 ``settings.residency_auto_switch`` is on, the new set is handed to the engine
 (``engine.switch_residency``, reason "replan"), which swaps it at its next request boundary (at once
@@ -23,72 +24,12 @@ while idle). Other workloads' new sets are used by the automatic swap when their
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 log = logging.getLogger("ostinatod.workload")
-
-
-_routes_cache: dict[tuple, int] = {}
-
-
-def _file_key(path: Path) -> tuple:
-    st = path.stat()
-    return (str(path), st.st_mtime_ns, st.st_size)
-
-
-def trace_routes(path: Path) -> int:
-    """Total routes (prefill + decode) in a trace file (``ostinato-trace/1``). Cached per file
-    version (path, mtime, size). Raises OSError/ValueError for an unreadable file."""
-    key = _file_key(path)
-    got = _routes_cache.get(key)
-    if got is None:
-        d = json.loads(path.read_text())
-        got = int(sum(map(sum, d.get("counts_prefill", []))) + sum(map(sum, d.get("counts_decode", []))))
-        if len(_routes_cache) > 256:
-            _routes_cache.clear()
-        _routes_cache[key] = got
-    return got
-
-
-def planned_routes(path: Path) -> int:
-    """Routes the residency set in ``path`` was planned from (``plan.dev_routes``; 0 if unknown)."""
-    key = ("set",) + _file_key(path)
-    got = _routes_cache.get(key)
-    if got is None:
-        try:
-            got = int((json.loads(path.read_text()).get("plan") or {}).get("dev_routes") or 0)
-        except (OSError, ValueError, TypeError, AttributeError):
-            got = 0
-        _routes_cache[key] = got
-    return got
-
-
-def stale_workloads(traces_dir: Path, residency_dir: Path, growth: float) -> list[dict[str, Any]]:
-    """Workloads of one model (``traces_dir``/``residency_dir`` are its ``<fingerprint>`` dirs)
-    whose set is missing or was planned from fewer than ``1/(1+growth)`` of the routes now traced.
-    Returns ``[{"workload", "routes", "planned_routes" (None: no set)}]``; traces without routes
-    are skipped."""
-    out = []
-    for t in sorted(traces_dir.glob("*.json")) if traces_dir.is_dir() else []:
-        try:
-            routes = trace_routes(t)
-        except (OSError, ValueError, TypeError) as e:
-            log.debug("trace %s unreadable: %s", t, e)
-            continue
-        if routes <= 0:
-            continue
-        rset = residency_dir / t.name
-        planned: Optional[int] = None
-        if rset.is_file():
-            planned = planned_routes(rset)
-            if planned and routes < planned * (1 + growth):
-                continue
-        out.append({"workload": t.stem, "routes": routes, "planned_routes": planned})
-    return out
 
 
 class Replanner:
@@ -153,12 +94,11 @@ class Replanner:
         path = st.model_info.get("path")
         if not path:
             return []
-        from .control import _cached_fingerprint, _flush_traces
+        desk = st.desk
         loop = asyncio.get_running_loop()
-        await _flush_traces(st)  # the worker writes its counts every few requests; idle: now
-        fp = await loop.run_in_executor(None, _cached_fingerprint, Path(path))
-        stale = await loop.run_in_executor(None, stale_workloads, st.paths.traces_dir / fp,
-                                           st.paths.residency_dir / fp, st.settings.replan_growth)
+        await desk.flush_traces()  # the worker writes its counts every few requests; idle: now
+        fp = await desk.fingerprint()
+        stale = await loop.run_in_executor(None, desk.stale, fp)
         active = await self._active_workload()
         stale.sort(key=lambda w: w["workload"] != active)
         done = []
@@ -178,41 +118,27 @@ class Replanner:
 
     async def _active_workload(self) -> str:
         """Workload of the engine's active residency set, else the default workload."""
-        st = self.state
-        if st.engine is not None and st.engine_state == "ready":
-            try:
-                stats = await asyncio.wait_for(st.engine.stats(), 5)
-                wl = (stats.get("experts") or {}).get("workload") if isinstance(stats, dict) else None
-                if wl:
-                    return str(wl)
-            except Exception as e:  # restarting worker: fall back to the default
-                log.debug("re-plan: engine stats: %s", e)
-        return st.settings.workload_default
+        return await self.state.desk.active_workload() or self.state.settings.workload_default
 
     async def _plan(self, model: Path, workload: str, active: Optional[str] = None) -> Optional[dict[str, Any]]:
-        from .engine.planner import plan_for_model
         from .engine.types import EngineError
         st = self.state
-        t0 = time.perf_counter()
+        desk = st.desk
         try:
-            res, out = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_for_model(
-                model, workload, budget_frac=st.settings.expert_budget_frac,
-                budget_mb=st.settings.expert_budget_mb, data_dir=st.paths.data))
+            res, out, secs = await desk.plan(model, workload)
         except (ValueError, OSError) as e:
             log.info("background re-plan of %s skipped: %s", workload, e)
             return None
         share = (res.get("plan") or {}).get("expected_hot_route_share")
         log.info("background re-plan of %s: %s (expected hot-route share %s) in %.1f s", workload, out,
-                 f"{share:.1%}" if share is not None else "?", time.perf_counter() - t0)
+                 f"{share:.1%}" if share is not None else "?", secs)
         info: dict[str, Any] = {"path": str(out), "expected_hot_route_share": share}
-        switch = getattr(st.engine, "switch_residency", None) if st.engine is not None else None
-        if (switch is not None and st.settings.residency_auto_switch and st.engine_state == "ready"
+        if (desk.can_switch() and st.settings.residency_auto_switch
                 and workload == (active or st.settings.workload_default) and not st.active):
             try:
-                r = await switch(out, reason="replan")
+                r = await desk.switch(out, reason="replan")
             except (EngineError, ValueError) as e:  # the old set stays in use
                 log.warning("switching to the re-planned %s set failed: %s", workload, e)
             else:
                 info["switch_seconds"] = r.get("seconds")
-                st.note_residency_switch(r)
         return info

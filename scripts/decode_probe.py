@@ -29,8 +29,9 @@ def main() -> None:
 
     import llama_cpp
 
-    from ostinatod.engine import experts
-    from ostinatod.engine.residency import model_block
+    from ostinatod.engine import native
+    from ostinatod.engine.placement import experts_config
+    from ostinatod.residency.sets import model_block
 
     m = model_block(a.model)
     n_layer, n_expert = m["n_layer"], m["n_expert"]
@@ -38,17 +39,14 @@ def main() -> None:
     threads = a.threads or 8
 
     def run(hot, graph):
-        if hot is None:
-            experts.configure(None)
-        else:
-            experts.configure(hot, device=0, prefill_threshold=16)
-            experts.set_decode_graph(graph)
-            experts.set_cpu_threads(threads)
+        cfg = None if hot is None else experts_config(hot, device=0, prefill_threshold=16)
+        if hot is not None:
+            native.set_decode_graph(graph)
+            native.set_cpu_threads(threads)
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = 999
         mp.use_extra_bufts = False   # the same CPU kernels in every run
-        model = llama_cpp.llama_model_load_from_file(a.model.encode(), mp)
-        experts.configure(None)
+        model, _, _ = native.load_model(a.model, mp, cfg)  # the placement for this load only
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = 1024, 512, 512
         cp.n_threads = cp.n_threads_batch = threads
@@ -68,7 +66,7 @@ def main() -> None:
         prompt = np.random.default_rng(3).integers(100, 20000, 32).tolist()
         logits = decode(prompt, 0)
         if hot is not None:
-            experts._fn("ostinato_experts_reset_stats")()
+            native.llama_fn("ostinato_experts_reset_stats")()
         times, pos = [], len(prompt)
         for _ in range(a.steps):
             tok = int(np.argmax(logits))
@@ -78,11 +76,11 @@ def main() -> None:
             pos += 1
         out = {"ms_mean": statistics.mean(times[8:]), "ms_median": statistics.median(times[8:])}
         if hot is not None:
-            st = json.loads(experts._fn("ostinato_experts_stats")(0).decode())
+            st = native.experts_json("ostinato_experts_stats", 0)
             out["hot_route_share"] = round(st["hot_route_share"], 4)
             out["cpu_branch_ms_per_step"] = st["cpu_branch_ms"] / max(1, st["passes"])
             out["decode_graph_passes"] = sum(p.get("decode_graph", False) for p in st["last_passes"])
-            out["info_decode_graph"] = experts._json("ostinato_experts_info").get("decode_graph")
+            out["info_decode_graph"] = native.experts_json("ostinato_experts_info").get("decode_graph")
         llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)

@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny synthetic MoE model and a live daemon on loopback.
 
-``tiny_model``   session-scoped Path of a tiny qwen3moe GGUF (ostinatod.tools.synth, random weights),
+``tiny_model``   session-scoped Path of a tiny qwen3moe GGUF (ostinatod.synth, random weights),
                  cached under ~/.cache/ostinato-test/ so reruns skip writing it.
 ``live_daemon``  session-scoped :class:`LiveDaemon`: a real ``ostinatod run`` process (subprocess
                  engine worker) serving ``tiny_model`` on 127.0.0.1 with a free port and its own
@@ -134,11 +134,11 @@ def launch_daemon(home: Path, *flags: str, wait: bool = True, timeout: float = 1
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """A tiny synthetic qwen3moe GGUF (random weights), cached across test runs."""
-    from ostinatod.tools.synth import write_synthetic_moe
+    from ostinatod.synth.writer import write_synthetic_moe
 
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / "tiny-qwen3moe.gguf"
-    srcs = [ROOT / "ostinatod" / "tools" / n for n in ("synth.py", "chat_template.jinja")]
+    srcs = list((ROOT / "ostinatod" / "synth").iterdir())
     newest = max(p.stat().st_mtime for p in srcs if p.exists())
     # rewrite when the writer or its chat template changed since the cached file was made
     if not path.exists() or path.stat().st_mtime < newest:
@@ -184,7 +184,7 @@ def tool_call_bias() -> dict[str, float]:
     (sampled with temperature 1, so the two alternate until the trigger appears; EOG is banned until
     a call is made) starts the call; the grammar then forces a valid name and arguments, and the
     ``<|im_end|>`` bias ends the turn right after ``</tool_call>``."""
-    from ostinatod.tools.synth import ADDED_TOKENS
+    from ostinatod.synth.shapes import ADDED_TOKENS
 
     (call,) = [i for i, (name, _) in ADDED_TOKENS.items() if name == "<tool_call>"]
     newline, im_end = 198, 151645  # "\n" and "<|im_end|>" in the qwen2 vocabulary of the synthetic models

@@ -183,9 +183,9 @@ def test_plan_over_two_gpus_and_gpu_env(tiny_model, tmp_path, monkeypatch):
 
     import numpy as np
 
-    from ostinatod.engine import planner
-    from ostinatod.engine.planner import read_model_shape
-    from ostinatod.engine.traces import Trace
+    from ostinatod.residency import planner
+    from ostinatod.residency.planner import read_model_shape
+    from ostinatod.residency.traces import Trace
 
     shape = read_model_shape(tiny_model)
     counts = np.random.default_rng(0).integers(0, 50, (shape.n_layer, shape.n_expert))

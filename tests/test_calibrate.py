@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from ostinatod.engine import calibrate as cal
-from ostinatod.engine.calibrate import PrefillPoint
+from ostinatod.residency import calibration, cost
+from ostinatod.residency.cost import PrefillPoint
 
 
 def _decode_rows(g0=0.12, a=0.14, b=0.184, L=24, k=8, steps=200, seed=0, noise=0.01):
@@ -18,13 +19,13 @@ def _decode_rows(g0=0.12, a=0.14, b=0.184, L=24, k=8, steps=200, seed=0, noise=0
     for _ in range(steps):
         p_cold = rng.uniform(0.05, 0.6)
         r = rng.binomial(k, p_cold, size=L)
-        ms = cal.cpu_branch_cost(r, g0, a, b).sum() + rng.normal(0, noise)
+        ms = cost.cpu_branch_cost(r, g0, a, b).sum() + rng.normal(0, noise)
         rows.append((int((r == 0).sum()), int((r > 0).sum()), int(r.sum()), float(ms)))
     return rows
 
 
 def test_fit_cpu_branch_recovers_the_paper_constants():
-    f = cal.fit_cpu_branch(_decode_rows())
+    f = cost.fit_cpu_branch(_decode_rows())
     assert f["gamma0_ms"] == pytest.approx(0.12, abs=0.005)
     assert f["alpha_ms"] == pytest.approx(0.14, abs=0.005)
     assert f["beta_ms"] == pytest.approx(0.184, abs=0.002)
@@ -36,7 +37,7 @@ def test_fit_cpu_branch_drops_disturbed_steps():
     for i in range(0, 100, 10):  # 10% of the steps hit by other work on the machine
         n0, n1, r, ms = rows[i]
         rows[i] = (n0, n1, r, ms + 25.0)
-    f = cal.fit_cpu_branch(rows)
+    f = cost.fit_cpu_branch(rows)
     assert f["outliers_dropped"] >= 10
     assert f["beta_ms"] == pytest.approx(0.184, abs=0.003)
     assert f["alpha_ms"] == pytest.approx(0.14, abs=0.01)
@@ -44,13 +45,13 @@ def test_fit_cpu_branch_drops_disturbed_steps():
 
 def test_fit_cpu_branch_per_layer_samples_and_missing_terms():
     rows = [(0, 1, r, 0.2 + 0.1 * r) for r in (1, 2, 3, 4)]  # no r = 0 layer: gamma0 unknown
-    f = cal.fit_cpu_branch(rows)
+    f = cost.fit_cpu_branch(rows)
     assert f["gamma0_ms"] is None
     assert f["alpha_ms"] == pytest.approx(0.2) and f["beta_ms"] == pytest.approx(0.1)
-    with pytest.raises(cal.CalibrationError):
-        cal.fit_cpu_branch([(1, 0, 0, 0.1), (1, 0, 0, 0.1)])
-    with pytest.raises(cal.CalibrationError):
-        cal.fit_cpu_branch([(1, 0, 0, 0.1)])
+    with pytest.raises(cost.CalibrationError):
+        cost.fit_cpu_branch([(1, 0, 0, 0.1), (1, 0, 0, 0.1)])
+    with pytest.raises(cost.CalibrationError):
+        cost.fit_cpu_branch([(1, 0, 0, 0.1)])
 
 
 def _prefill_points(ph0=-5.0, c_s=0.2, c_u=0.02, a_u=6.0, up_ms=0.5, n_cold=400, p=0.01):
@@ -64,19 +65,19 @@ def _prefill_points(ph0=-5.0, c_s=0.2, c_u=0.02, a_u=6.0, up_ms=0.5, n_cold=400,
 
 def test_np_is_the_single_switch_point_of_prop_3_2():
     pts = _prefill_points()
-    fit = cal.fit_prefill_paths(pts)
+    fit = cost.fit_prefill_paths(pts)
     assert fit["phi0_ms"] == pytest.approx(-5.0, abs=1e-6)
     assert fit["phi1_ms_per_token"] == pytest.approx(0.18, abs=1e-6)
     assert fit["phi2_ms_per_expert"] == pytest.approx(0.5, abs=1e-6)
-    ns, us = cal.ubar_curve([p for p in pts if p.path == "upload"])
-    np_ = cal.switch_point(fit["phi0_ms"], fit["phi1_ms_per_token"], fit["phi2_ms_per_expert"], ns, us)
+    ns, us = cost.ubar_curve([p for p in pts if p.path == "upload"])
+    np_ = cost.switch_point(fit["phi0_ms"], fit["phi1_ms_per_token"], fit["phi2_ms_per_expert"], ns, us)
     # Brute force on the true cost curves: upload cheaper exactly from np_ on (one switch).
     n = np.arange(1, 4096)
     u = np.interp(n, ns, us)
     phi = -5.0 + 0.18 * n - 0.5 * u
     assert phi[np_ - 1] >= 0 > phi[np_ - 2]
     assert (phi[np_ - 1:] >= 0).all()
-    crossing = cal.measured_crossing(pts)
+    crossing = cost.measured_crossing(pts)
     assert crossing is not None and crossing >= np_ / 2
 
 
@@ -90,35 +91,35 @@ def test_np_is_the_measured_crossing_when_the_linear_model_misleads():
     pts = [PrefillPoint(n, path, ms, ubar[n], 0) for n, (s_, u) in med.items()
            for path, ms in (("split", s_), ("upload", u))]
     # split - upload: -22.7 at 64, +22.2 at 128 -> zero at 64 + 64 * 22.7 / 44.9 = 96.4
-    assert cal.measured_switch_point(pts) == 97
-    c = cal.solve_calibration(_decode_rows(steps=50), [0.06] * 8, pts, gpu=True)
+    assert cost.measured_switch_point(pts) == 97
+    c = cost.solve_calibration(_decode_rows(steps=50), [0.06] * 8, pts, gpu=True)
     assert c["np_tokens"] == 97 and c["np_measured_crossing"] == 128
     assert c["np_model"] is not None and c["np_model"] < 97 / 4
     assert any("far from the measured" in n for n in c["notes"])
-    assert cal.measured_switch_point([p for p in pts if p.n >= 256]) == 256  # upload wins from the start
-    assert cal.measured_switch_point([p for p in pts if p.n <= 64]) is None
+    assert cost.measured_switch_point([p for p in pts if p.n >= 256]) == 256  # upload wins from the start
+    assert cost.measured_switch_point([p for p in pts if p.n <= 64]) is None
 
 
 def test_np_none_when_upload_never_pays_and_phi2_from_bandwidth():
     pts = [PrefillPoint(n, path, 1.0 + 0.1 * n + (5.0 if path == "upload" else 0), 10, 0)
            for n in (32, 128) for path in ("split", "upload")]
-    fit = cal.fit_prefill_paths(pts, expert_upload_ms=0.3)  # 2 sizes: phi2 from bytes / bandwidth
+    fit = cost.fit_prefill_paths(pts, expert_upload_ms=0.3)  # 2 sizes: phi2 from bytes / bandwidth
     assert fit["phi2_ms_per_expert"] == pytest.approx(0.3)
-    assert cal.switch_point(fit["phi0_ms"], fit["phi1_ms_per_token"], fit["phi2_ms_per_expert"],
+    assert cost.switch_point(fit["phi0_ms"], fit["phi1_ms_per_token"], fit["phi2_ms_per_expert"],
                             [0, 32, 128], [0, 10, 10]) is None
-    with pytest.raises(cal.CalibrationError):
-        cal.fit_prefill_paths(pts[:2])
+    with pytest.raises(cost.CalibrationError):
+        cost.fit_prefill_paths(pts[:2])
 
 
 def test_solve_cpu_only_says_gpu_terms_absent():
-    c = cal.solve_calibration(_decode_rows(steps=50), [], [], gpu=False)
+    c = cost.solve_calibration(_decode_rows(steps=50), [], [], gpu=False)
     assert c["gpu_terms"] is False and c["gpu_branch_ms"] is None and c["np_tokens"] is None
     assert any("no GPU" in n for n in c["notes"])
     assert c["cpu_branch"]["beta_ms"] == pytest.approx(0.184, abs=0.005)
 
 
 def test_solve_with_gpu_gives_np_and_residual():
-    c = cal.solve_calibration(_decode_rows(steps=80), [0.137] * 10, _prefill_points(), gpu=True,
+    c = cost.solve_calibration(_decode_rows(steps=80), [0.137] * 10, _prefill_points(), gpu=True,
                               expert_bytes=13_400_000, h2d_gbps=25.0)
     assert c["gpu_branch_ms"] == pytest.approx(0.137)
     assert c["expert_upload_ms"] == pytest.approx(13.4e6 / 25e9 * 1e3)
@@ -130,20 +131,20 @@ def test_store_keeps_other_profile_keys_and_threshold_lookup(tmp_path):
     prof = tmp_path / "hardware.json"
     prof.write_text(json.dumps({"format": "ostinato-hardware/1", "gpus": [{"index": 0}],
                                 "calibration": {"old": True}}))
-    assert cal.prefill_threshold(None, prof) == cal.DEFAULT_NP
-    cal.store_calibration({"np_tokens": 700, "format": cal.CALIBRATION_FORMAT}, prof)
+    assert calibration.prefill_threshold(None, prof) == calibration.DEFAULT_NP
+    calibration.store_calibration({"np_tokens": 700, "format": calibration.CALIBRATION_FORMAT}, prof)
     data = json.loads(prof.read_text())
     assert data["gpus"] == [{"index": 0}] and data["format"] == "ostinato-hardware/1"
-    assert data["calibration"] == {"np_tokens": 700, "format": cal.CALIBRATION_FORMAT}
-    assert cal.prefill_threshold(None, prof) == 700
+    assert data["calibration"] == {"np_tokens": 700, "format": calibration.CALIBRATION_FORMAT}
+    assert calibration.prefill_threshold(None, prof) == 700
 
     class S:
         prefill_threshold = 64
 
-    assert cal.prefill_threshold(S(), prof) == 64
+    assert calibration.prefill_threshold(S(), prof) == 64
     data["calibration"]["stale"] = True
     prof.write_text(json.dumps(data))
-    assert cal.prefill_threshold(None, prof) == cal.DEFAULT_NP
+    assert calibration.prefill_threshold(None, prof) == calibration.DEFAULT_NP
 
 
 def test_calibration_on_a_machine_without_profile_survives_the_daemon_start(tmp_path):
@@ -151,11 +152,11 @@ def test_calibration_on_a_machine_without_profile_survives_the_daemon_start(tmp_
     # so the start-up profile (ensure_profile) keeps the calibration instead of marking it stale
     from ostinatod.profile import ensure_profile
     prof = tmp_path / "hw.json"
-    cal.store_calibration({"np_tokens": 16, "format": cal.CALIBRATION_FORMAT}, prof)
+    calibration.store_calibration({"np_tokens": 16, "format": calibration.CALIBRATION_FORMAT}, prof)
     assert json.loads(prof.read_text())["fingerprint"]
     p = ensure_profile(prof, recalibrate=False)
     assert not p["calibration"].get("stale")
-    assert cal.prefill_threshold(None, prof) == 16
+    assert calibration.prefill_threshold(None, prof) == 16
 
 
 def test_run_calibration_without_model_never_raises(tmp_path, monkeypatch):

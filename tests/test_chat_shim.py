@@ -1,6 +1,6 @@
 """The native chat shim (llama.cpp common/chat through libostinato): rendering and output parsing.
 
-Uses the tiny synthetic model's chat template (ostinatod/tools/chat_template.jinja, ChatML/Hermes
+Uses the tiny synthetic model's chat template (ostinatod/synth/chat_template.jinja, ChatML/Hermes
 with <tool_call> JSON calls and <think> reasoning). If common/chat stops recognising it (format_name
 "Content-only" / no tool-call grammar), the template must keep: '<tool_call>\\n{"name": ..., "arguments":
 ...}\\n</tool_call>' for calls, tools listed as JSON inside <tools></tools>, '<think>'/'</think>' around

@@ -60,7 +60,7 @@ def test_claude_print_mode_completes(claude_cli, agent_daemon):
                CLAUDE_CONFIG_DIR=str(cfg), HOME=str(cfg))
     # Random weights never emit <|im_end|> by themselves and Claude Code fails a turn that stops at
     # max_tokens; a header (ANTHROPIC_CUSTOM_HEADERS) biases the end-of-turn token so turns end.
-    from ostinatod.tools.synth import TOKEN_IM_END
+    from ostinatod.synth.shapes import TOKEN_IM_END
 
     env["ANTHROPIC_CUSTOM_HEADERS"] = "x-ostinato-logit-bias: " + json.dumps({str(TOKEN_IM_END): 12.0})
     env.pop("ANTHROPIC_API_KEY", None)

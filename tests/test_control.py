@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ostinatod import ctl
-from ostinatod.control import start_control_server
-from ostinatod.ctl import ControlAPIError, ControlClient, DaemonNotRunning, call
+from ostinatod.control import commands as ctl
+from ostinatod.control.server import start_control_server
+from ostinatod.control.client import ControlAPIError, ControlClient, DaemonNotRunning, call
 
 
 class ControlThread:
@@ -292,8 +292,8 @@ def test_background_replan_when_idle_and_traces_moved(home):
     """Replanner: plans a workload whose traces have no set, leaves it alone until the traces grow
     by replan_growth, and never plans while a request runs."""
     import numpy as np
-    from ostinatod.engine.planner import read_model_shape
-    from ostinatod.engine.traces import Trace, merge_into_file, trace_path
+    from ostinatod.residency.planner import read_model_shape
+    from ostinatod.residency.traces import Trace, merge_into_file, trace_path
     from ostinatod.server.state import DaemonState
     from ostinatod.settings import load_settings
     from ostinatod.workload import Replanner

@@ -284,7 +284,8 @@ def test_subprocess_worker_killed_midstream_recovers(loop, tiny_model):
 
 
 def test_stop_string_helpers():
-    from ostinatod.engine.worker import _find_stop, _partial_stop_len
+    from ostinatod.engine.text import find_stop as _find_stop
+    from ostinatod.engine.text import partial_stop_len as _partial_stop_len
     assert _find_stop("abc</s>def<END>", ["<END>", "</s>"]) == 3
     assert _find_stop("nothing here", ["<END>"]) is None
     # a suffix that may still become a stop string is held back from the stream
@@ -294,8 +295,8 @@ def test_stop_string_helpers():
 
 
 def test_utf8_pieces_split_inside_a_character():
-    from ostinatod.engine.worker import _Utf8Text
-    t = _Utf8Text()
+    from ostinatod.engine.text import Utf8Text
+    t = Utf8Text()
     data = "héllo → 世界".encode()
     for i in range(len(data)):
         t.add(data[i:i + 1])

@@ -1,6 +1,6 @@
 """Exactness of the Ostinato expert paths against stock llama.cpp (same build), on the CPU.
 
-Tiny synthetic qwen3moe and deepseek2 models (ostinatod.tools.synth) with a residency set that makes about half of the experts hot:
+Tiny synthetic qwen3moe and deepseek2 models (ostinatod.synth) with a residency set that makes about half of the experts hot:
 greedy generation after a prompt on each path (decode; split path, n < Np; upload path, n >= Np via
 a small forced Np) must give the same tokens as stock llama.cpp with all experts in host memory.
 On a CPU-only build the pool is a CPU buffer: this still exercises the index tables, zero slots,
@@ -17,11 +17,11 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from ostinatod.engine import experts  # noqa: E402
-from ostinatod.engine.residency import (ResidencyError, make_residency, model_block,  # noqa: E402
+from ostinatod.engine import native, placement, runtime  # noqa: E402
+from ostinatod.residency.sets import (ResidencyError, make_residency, model_block,  # noqa: E402
                                         write_residency)
 
-if not experts.native_available():  # pragma: no cover - stale build
+if not native.experts_available():  # pragma: no cover - stale build
     pytest.skip("native engine built without the expert engine (run 'ostinato build')",
                 allow_module_level=True)
 
@@ -42,7 +42,7 @@ ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
 def _moe_layers(arch, n_layer):
     """MoE layer ids of a synthetic model (deepseek2 starts with dense layers). Taken from the
     writer's shape rather than the GGUF: parsing a 150k-token vocabulary takes seconds."""
-    from ostinatod.tools.synth import SHAPES
+    from ostinatod.synth.shapes import SHAPES
     first = SHAPES["tiny"].n_layer_dense_lead if arch == "deepseek2" else 0
     return list(range(first, n_layer))
 
@@ -50,7 +50,7 @@ def _moe_layers(arch, n_layer):
 @pytest.fixture(scope="session", params=ARCHS)
 def moe(request):
     """(path, model block, MoE layer ids) of a tiny synthetic model per architecture (q8_0 experts)."""
-    from ostinatod.tools.synth import synthetic_model
+    from ostinatod.synth.writer import synthetic_model
 
     from conftest import CACHE
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -77,32 +77,26 @@ class Runner:
         # tensor_split (GPU, stock reference): llama.cpp's layer split with these weights
         self.all_logits = all_logits
         llama_cpp.llama_backend_init()
-        if rt is not None:
-            pass
-        elif hot is None:
-            experts.configure(None)
-        else:
-            experts.configure(hot, device=0 if GPU else -1, prefill_threshold=prefill_threshold,
-                              force_path=force)
+        cfg = None  # the placement passed with the load (None: stock)
+        if rt is None and hot is not None:
+            cfg = placement.experts_config(hot, device=0 if GPU else -1,
+                                           prefill_threshold=prefill_threshold, force_path=force)
         mp = llama_cpp.llama_model_default_params()
         # stock reference: everything in host memory; with a config the patched loader keeps the
         # routed experts in host memory and (GPU) puts the pool and the dense layers on the GPU
         mp.n_gpu_layers = 999 if GPU else 0
         if GPU and hot is None:
-            from ostinatod.engine import native
             mp.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(999)
         mp.use_extra_bufts = False  # both runs: same CPU kernels (see ExpertRuntime.adjust_model_params)
-        if rt is not None:
-            rt.adjust_model_params(mp)
         if tensor_split is not None:
             import ctypes
             self._ts = (ctypes.c_float * len(tensor_split))(*tensor_split)
             mp.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
             mp.tensor_split = ctypes.cast(self._ts, ctypes.POINTER(ctypes.c_float))
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         if rt is not None:
-            rt.attach(self.model, None)  # checks the pool exists, clears the loader config
-        experts.configure(None)
+            self.model = rt.load(path, mp)  # adjusts mp, loads with its placement, checks the pool
+        else:
+            self.model, _, _ = native.load_model(path, mp, cfg)
         assert self.model, "model load failed"
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = 64, 32, 32
@@ -152,14 +146,14 @@ def stock(moe):
     drop_ost()
     r = Runner(moe[0])
     try:
-        assert not experts._fn("ostinato_experts_active")()
+        assert not native.experts_active()
         return {n: r.generate(_prompt(n), N_NEW) for n in (PROMPT_LEN, 4)}
     finally:
         r.close()
 
 
 def _stats(with_counts=0):
-    return json.loads(experts._fn("ostinato_experts_stats")(with_counts).decode())
+    return json.loads(native.llama_fn("ostinato_experts_stats")(with_counts).decode())
 
 
 # One Ostinato-loaded model at a time (the engine is process-global): tests share it and change
@@ -193,7 +187,7 @@ def _switch(hot, layer_device=None):
     cfg = {"hot": {str(k): v for k, v in hot.items()}, "device": 0 if GPU else -1}
     if layer_device:
         cfg["layer_device"] = {str(k): v for k, v in layer_device.items()}
-    assert experts._fn("ostinato_experts_switch")(json.dumps(cfg).encode()) == 0, experts._err()
+    native.experts_switch(cfg)  # raises ExpertEngineError with the native error
 
 
 @pytest.mark.parametrize("path, np_tokens, force", [
@@ -204,14 +198,14 @@ def _switch(hot, layer_device=None):
 def test_paths_match_stock(moe, stock, path, np_tokens, force):
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    experts.set_prefill_threshold(np_tokens)
-    experts.force_path(force)
-    experts._fn("ostinato_experts_reset_stats")()
+    native.set_prefill_threshold(np_tokens)
+    native.force_path(force)
+    native.llama_fn("ostinato_experts_reset_stats")()
     try:
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
-        experts.force_path("auto")
+        native.force_path("auto")
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d_prefill = float(np.max(np.abs(logits[0] - ref_logits[0])))
     d_decode = float(np.max(np.abs(logits[1:] - ref_logits[1:])))
@@ -235,17 +229,17 @@ def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     path and only the decode steps take the graph."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    experts.set_prefill_threshold(np_tokens)
+    native.set_prefill_threshold(np_tokens)
     try:
-        experts.set_decode_graph(False)
+        native.set_decode_graph(False)
         base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
-        experts.set_decode_graph(True, max_tokens=32)
-        experts._fn("ostinato_experts_reset_stats")()
+        native.set_decode_graph(True, max_tokens=32)
+        native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
-        info = experts._json("ostinato_experts_info")
+        info = native.experts_json("ostinato_experts_info")
     finally:
-        experts.set_decode_graph(None)
+        native.set_decode_graph(None)
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d = float(np.max(np.abs(logits - ref_logits)))
     print(f"\n[exactness] {moe[1]['arch']} decode graph (Np {np_tokens}): max|dlogit| {d:.3g} vs stock; "
@@ -267,24 +261,24 @@ def test_borrowed_decode_slots_change_where_not_what(moe, graph):
     the upload path hands every slot back first."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    experts.set_prefill_threshold(8)
+    native.set_prefill_threshold(8)
     prompt = _prompt(PROMPT_LEN, seed=5)
-    experts.set_decode_graph(graph)   # True: the device index table of the decode graph too (CPU build)
+    native.set_decode_graph(graph)   # True: the device index table of the decode graph too (CPU build)
     try:
-        experts.set_borrow(False)
-        experts._fn("ostinato_experts_reset_stats")()
+        native.set_borrow(False)
+        native.llama_fn("ostinato_experts_reset_stats")()
         base_toks, base_logits = r.generate(prompt, 40)
         base_share = _stats()["hot_route_share"]
-        experts.set_borrow(True)
-        experts._fn("ostinato_experts_reset_stats")()
+        native.set_borrow(True)
+        native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(prompt, 40)   # prompt: upload path (hands back), then 40 decode steps
-        st, info = _stats(), experts._json("ostinato_experts_info")
+        st, info = _stats(), native.experts_json("ostinato_experts_info")
         lent = info["borrowed"]["slots_lent"]
         r.generate(prompt, 1)                   # another upload-path prefill: everything handed back
-        info2 = experts._json("ostinato_experts_info")
+        info2 = native.experts_json("ostinato_experts_info")
     finally:
-        experts.set_borrow(True)
-        experts.set_decode_graph(None)
+        native.set_borrow(True)
+        native.set_decode_graph(None)
     print(f"\n[exactness] {moe[1]['arch']} (decode graph {graph}) borrowed slots: {info['borrowed']}, borrowed routes "
           f"{st['borrowed_routes']}, hot-route share {base_share:.3f} -> {st['hot_route_share']:.3f}")
     assert toks == base_toks
@@ -335,7 +329,7 @@ def test_merged_gate_up_layers_take_the_expert_engine(tmp_path):
     """A deepseek2 file with merged ffn_gate_up_exps (issue 13): the engine puts the merged rows in the
     pool (a size class marked merged_gate_up) instead of serving the layers stock, and every path,
     the decode graph too, gives stock's greedy tokens for the same file."""
-    from ostinatod.tools.synth import synthetic_model
+    from ostinatod.synth.writer import synthetic_model
 
     from conftest import CACHE
     drop_ost()
@@ -350,20 +344,20 @@ def test_merged_gate_up_layers_take_the_expert_engine(tmp_path):
         ref.close()
     r = Runner(path, hot=half_hot(moe), prefill_threshold=512)
     try:
-        info = experts._json("ostinato_experts_info")
+        info = native.experts_json("ostinato_experts_info")
         assert info["size_classes"] and all(c["merged_gate_up"] for c in info["size_classes"])
         assert not any("not supported" in n for n in info["notes"])
         for np_tokens, graph in ((512, None), (8, None), (512, True)):
-            experts.set_prefill_threshold(np_tokens)
-            experts.set_decode_graph(graph)
-            experts._fn("ostinato_experts_reset_stats")()
+            native.set_prefill_threshold(np_tokens)
+            native.set_decode_graph(graph)
+            native.llama_fn("ostinato_experts_reset_stats")()
             toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
             assert toks == ref_toks, (np_tokens, graph)
             assert 0 < st["hot_routes"] < st["routes"]
     finally:
-        experts.set_decode_graph(None)
-        experts.set_prefill_threshold(512)
+        native.set_decode_graph(None)
+        native.set_prefill_threshold(512)
         r.close()
 
 
@@ -371,36 +365,36 @@ def test_all_cold_and_all_hot_match_stock(moe, stock):
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]
     r = ost_runner(moe)
-    experts.set_prefill_threshold(2)  # the 4-token prompt takes the upload path
+    native.set_prefill_threshold(2)  # the 4-token prompt takes the upload path
     try:
         for hot in ({}, {il: list(range(n)) for il in moe[2]}):
             _switch(hot)
-            experts._fn("ostinato_experts_reset_stats")()
+            native.llama_fn("ostinato_experts_reset_stats")()
             toks, _ = r.generate(_prompt(4), N_NEW)
             st = _stats()
             assert toks == ref_toks
             assert st["hot_routes"] == (st["routes"] if hot else 0)
     finally:
         _switch(half_hot(moe))
-        experts.set_prefill_threshold(512)
+        native.set_prefill_threshold(512)
 
 
 def test_stats_are_consistent(moe):
     hot = half_hot(moe)
     r = ost_runner(moe)
     _switch(hot)
-    experts.set_prefill_threshold(16)
-    experts._fn("ostinato_experts_reset_stats")()
+    native.set_prefill_threshold(16)
+    native.llama_fn("ostinato_experts_reset_stats")()
     r.all_logits = True
     try:
-        experts._fn("ostinato_experts_take_request_stats")()
+        native.llama_fn("ostinato_experts_take_request_stats")()
         r.generate(_prompt(PROMPT_LEN), 3)
         st = _stats(1)
-        req = json.loads(experts._fn("ostinato_experts_take_request_stats")().decode())
-        again = json.loads(experts._fn("ostinato_experts_take_request_stats")().decode())
+        req = json.loads(native.llama_fn("ostinato_experts_take_request_stats")().decode())
+        again = json.loads(native.llama_fn("ostinato_experts_take_request_stats")().decode())
     finally:
         r.all_logits = False
-        experts.set_prefill_threshold(512)
+        native.set_prefill_threshold(512)
     k, L, n_exp = moe[1]["n_expert_used"], len(moe[2]), moe[1]["n_expert"]
     n_tok = PROMPT_LEN + 3
     assert st["tokens"] == n_tok and st["passes"] == 4
@@ -425,28 +419,26 @@ def test_runtime_refuses_other_models_set(moe, tmp_path):
     p = write_residency(make_residency(other, {moe[2][0]: [0]}), tmp_path / "other.json")
     from ostinatod.settings import Settings
     with pytest.raises(ResidencyError, match="fingerprint"):
-        experts.ExpertRuntime.prepare(moe[0], Settings(residency=p))
+        runtime.ExpertRuntime.prepare(moe[0], Settings(residency=p))
 
 
 def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
-    """prepare -> load -> attach -> info/stats -> switch, as the engine worker calls it."""
+    """prepare -> load -> info/stats -> switch, as the engine worker calls it."""
     from ostinatod.settings import Settings
     drop_ost()
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
     path, info_m, layers = moe
     p = write_residency(make_residency(info_m, half_hot(moe)), tmp_path / "a.json")
-    rt = experts.ExpertRuntime.prepare(path, Settings(residency=p, prefill_threshold=4))
+    rt = runtime.ExpertRuntime.prepare(path, Settings(residency=p, prefill_threshold=4))
     assert rt is not None
     mp = llama_cpp.llama_model_default_params()
     mp.n_gpu_layers = 0
-    rt.adjust_model_params(mp)
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    model = rt.load(path, mp)  # checks that the loader built the pool
     assert model
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx = 128
     ctx = llama_cpp.llama_init_from_model(model, cp)
     try:
-        rt.attach(model, ctx)
         info = rt.info()
         assert info["hot_experts"] == sum(len(v) for v in half_hot(moe).values())
         assert info["moe_layers"] == len(layers)
@@ -468,19 +460,19 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
         rt.close()
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)
-    assert not experts._fn("ostinato_experts_active")()
+    assert not native.experts_active()
 
 
 def test_stock_setting_returns_none(moe):
     from ostinatod.settings import Settings
-    assert experts.ExpertRuntime.prepare(moe[0], Settings(experts="stock")) is None
+    assert runtime.ExpertRuntime.prepare(moe[0], Settings(experts="stock")) is None
 
 
 def test_bad_config_is_a_clear_error():
-    with pytest.raises(experts.ExpertEngineError, match="force_path"):
-        experts.configure({0: [1]}, force_path="sideways")
+    with pytest.raises(native.ExpertEngineError, match="force_path"):
+        native.check_experts_config(placement.experts_config({0: [1]}, force_path="sideways"))
     with pytest.raises(ValueError):
-        experts.set_prefill_threshold(0)
+        native.set_prefill_threshold(0)
 
 
 # --- several GPUs on a CPU build: one pool per "GPU", both CPU buffers -------------------------
@@ -516,14 +508,14 @@ def test_two_pools_match_stock(moe, stock):
     hot, ld = half_hot(moe), _two_gpus(moe)
     try:
         _switch(hot, ld)
-        info = json.loads(experts._fn("ostinato_experts_info")().decode())
+        info = json.loads(native.llama_fn("ostinato_experts_info")().decode())
         pools = _check_pools(info, hot, ld)
         if moe[1]["arch"] == "qwen3moe":  # deepseek2's tiny shape has one MoE layer
             assert sorted(pools) == [0, 1]
         ref_toks, ref_logits = stock[PROMPT_LEN]
         for np_tokens in (512, 8):  # split path, then upload path (staging slots of each pool)
-            experts.set_prefill_threshold(np_tokens)
-            experts._fn("ostinato_experts_reset_stats")()
+            native.set_prefill_threshold(np_tokens)
+            native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
             d = float(np.max(np.abs(logits - ref_logits)))
@@ -534,9 +526,9 @@ def test_two_pools_match_stock(moe, stock):
             assert (st["upload_bytes"] > 0) == (np_tokens == 8)
             assert [p["hot_experts"] for p in st["pools"]] == [p["hot_experts"] for p in info["pools"]]
     finally:
-        experts.set_prefill_threshold(512)
+        native.set_prefill_threshold(512)
         _switch(half_hot(moe))
-    assert len(json.loads(experts._fn("ostinato_experts_info")().decode())["pools"]) == 1
+    assert len(json.loads(native.llama_fn("ostinato_experts_info")().decode())["pools"]) == 1
 
 
 @pytest.mark.skipif(GPU and N_GPUS < 2, reason="two GPUs named: needs a CPU build or >= 2 GPUs "
@@ -550,7 +542,7 @@ def test_runtime_two_gpu_set_loads_two_pools(moe, stock, tmp_path):
     doc["gpus"] = [{"device": g, "layers": [il for il in sorted(ld) if ld[il] == g], "budget_bytes": 0,
                     "hot": {str(il): v for il, v in hot.items() if ld[il] == g}} for g in (0, 1)]
     p = write_residency(doc, tmp_path / "two.json")
-    rt = experts.ExpertRuntime.prepare(moe[0], Settings(residency=p, prefill_threshold=512))
+    rt = runtime.ExpertRuntime.prepare(moe[0], Settings(residency=p, prefill_threshold=512))
     assert rt.layer_device == [ld[il] for il in range(moe[1]["n_layer"])]
     ref = stock[PROMPT_LEN]
     r = Runner(moe[0], rt=rt)
@@ -571,7 +563,7 @@ def test_runtime_two_gpu_set_loads_two_pools(moe, stock, tmp_path):
         assert len(rt.stats()["pools"]) == len(info["pools"])
         one = write_residency(make_residency(moe[1], hot), tmp_path / "one.json")
         if GPU:  # the dense layers stay split over two GPUs: a one-GPU set is refused, old set kept
-            with pytest.raises(experts.ExpertEngineError, match="dense weights"):
+            with pytest.raises(native.ExpertEngineError, match="dense weights"):
                 rt.switch(one)
             assert len(rt.info()["pools"]) == len(info["pools"])
         else:  # a CPU build has no dense weights on a GPU to disagree with: one pool
@@ -583,6 +575,5 @@ def test_runtime_two_gpu_set_loads_two_pools(moe, stock, tmp_path):
 
 
 def test_layer_device_config_errors():
-    with pytest.raises(experts.ExpertEngineError, match="layer_device"):
-        experts.configure({0: [1]}, layer_device={0: -2})
-    experts.configure(None)
+    with pytest.raises(native.ExpertEngineError, match="layer_device"):
+        native.check_experts_config(placement.experts_config({0: [1]}, layer_device={0: -2}))

@@ -132,7 +132,7 @@ def test_worker_killed_mid_stream_then_recovers(oai, live_daemon):
 
 def test_non_streaming_client_disconnect_stops_the_generation(live_daemon):
     # a client that gives up on a long non-streaming request must not leave the engine generating
-    from ostinatod import ctl
+    from ostinatod.control import client as ctl
     body = json.dumps({"messages": [{"role": "user", "content": "Write a very long story."}],
                        "max_tokens": 4000, "ignore_eos": True, "temperature": 0}).encode()
     req = urllib.request.Request(live_daemon.url + "/v1/chat/completions", data=body,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ostinatod.engine.experts import full_layer_devices, simulate_layer_split, tensor_split_for
-from ostinatod.engine.residency import ResidencyError, validate_residency
+from ostinatod.engine.placement import full_layer_devices, simulate_layer_split, tensor_split_for
+from ostinatod.residency.sets import ResidencyError, validate_residency
 
 
 def _ranges(rng, n_layer, n_gpu):
@@ -76,8 +76,8 @@ def test_layer_devices_of_a_residency_set():
 
 def test_planned_two_gpu_set_gives_a_valid_split(tiny_model):
     """The planner's 2-GPU ranges go through full_layer_devices and tensor_split_for unchanged."""
-    from ostinatod.engine.planner import GpuSpec, plan_residency, read_model_shape
-    from ostinatod.engine.traces import Trace
+    from ostinatod.residency.planner import GpuSpec, plan_residency, read_model_shape
+    from ostinatod.residency.traces import Trace
 
     shape = read_model_shape(tiny_model)
     counts = np.random.default_rng(0).integers(0, 50, (shape.n_layer, shape.n_expert))

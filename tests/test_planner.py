@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ostinatod.engine import planner
-from ostinatod.engine.planner import (GpuSpec, ModelShape, PlanError, fill_pool, hot_route_share,
+from ostinatod.residency import planner
+from ostinatod.residency.planner import (GpuSpec, ModelInfo, PlanError, fill_pool, hot_route_share,
                                       plan_residency, split_layers)
-from ostinatod.engine.traces import Trace
+from ostinatod.residency.traces import Trace
 
 MiB = 1 << 20
 
@@ -33,7 +33,7 @@ def _zipf_counts(n_layer, n_expert, seed, skew=1.1):
 
 def _shape(n_layer=8, n_expert=16, k=4, expert_bytes=None):
     eb = expert_bytes or [1000] * n_layer
-    return ModelShape(fingerprint="f" * 64, name="t", arch="qwen3moe", n_layer=n_layer,
+    return ModelInfo(fingerprint="f" * 64, name="t", arch="qwen3moe", n_layer=n_layer,
                       n_expert=n_expert, n_expert_used=k, n_embd=64, n_vocab=1000, n_head=4,
                       n_ff_exp=32, expert_bytes=list(eb),
                       size_class=[f"c{b}" for b in eb], dense_layer_bytes=[5000] * n_layer,
@@ -185,7 +185,7 @@ def test_cli_writes_residency_file(tmp_path, monkeypatch, capsys):
     assert res["model"]["fingerprint"] == shape.fingerprint and res["workload"] == "coding"
     assert sum(len(v) for v in res["gpus"][0]["hot"].values()) == 12  # half of 3 x 8
     # The engine's own reader accepts it for this model.
-    from ostinatod.engine.residency import model_block, read_residency
+    from ostinatod.residency.sets import model_block, read_residency
 
     assert read_residency(path, model_block(model)).n_hot == 12
     assert shape.model_block() == model_block(model)

@@ -8,6 +8,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from ostinatod import hardware
 from ostinatod import profile as prof
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,14 +61,14 @@ def test_calibration_kept_and_marked_stale_on_hardware_change(home):
 def test_fingerprint_ignores_free_memory_but_not_gpus():
     base = {"host": {"cpu_model": "x", "physical_cores": 8, "ram_total_bytes": 64 << 30,
                      "ram_available_bytes": 10}, "gpus": []}
-    fp = prof.hardware_fingerprint(base)
+    fp = hardware.hardware_fingerprint(base)
     noisy = json.loads(json.dumps(base))
     noisy["host"]["ram_available_bytes"] = 999
-    assert prof.hardware_fingerprint(noisy) == fp
+    assert hardware.hardware_fingerprint(noisy) == fp
     gpu = json.loads(json.dumps(base))
     gpu["gpus"] = [{"name": "NVIDIA RTX 4090", "memory_total_bytes": 24 << 30, "pcie_gen_max": 4,
                     "pcie_width_max": 16, "memory_free_bytes": 1}]
-    assert prof.hardware_fingerprint(gpu) != fp
+    assert hardware.hardware_fingerprint(gpu) != fp
 
 
 def test_ensure_profile_reuses_stored(home):
@@ -95,5 +96,5 @@ def test_cli_show_and_json(home, capsys):
 
 
 def test_no_cuda_runtime_means_no_h2d_figure_not_a_crash(monkeypatch):
-    monkeypatch.setattr(prof, "_find_cudart", lambda: None)
-    assert prof.measure_pinned_h2d_bandwidth() is None
+    monkeypatch.setattr(hardware, "_find_cudart", lambda: None)
+    assert hardware.measure_pinned_h2d_bandwidth() is None

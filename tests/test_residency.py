@@ -10,7 +10,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from ostinatod.engine.residency import (ResidencyError, make_residency, model_block,  # noqa: E402
+from ostinatod.residency.sets import (ResidencyError, make_residency, model_block,  # noqa: E402
                                         model_fingerprint, read_residency, validate_residency,
                                         write_residency)
 

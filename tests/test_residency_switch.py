@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 
 from conftest import launch_daemon
-from ostinatod.ctl import ControlAPIError, call
-from ostinatod.engine.residency import make_residency, model_block, read_residency, write_residency
+from ostinatod.control.client import ControlAPIError, call
+from ostinatod.residency.sets import make_residency, model_block, read_residency, write_residency
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)"
@@ -160,7 +160,7 @@ def test_automatic_swap_per_workload(sw):
     last = s["last_residency_switch"]
     assert (last["reason"], last["previous_workload"], last["workload"]) == ("auto", "coding", "customer-service")
     assert last["request_id"].startswith("chatcmpl-") and isinstance(last["seconds"], float)
-    from ostinatod.ctl import format_status  # what `ostinato status` prints
+    from ostinatod.control.commands import format_status  # what `ostinato status` prints
     text = format_status(s)
     assert "residency  customer-service, " in text and "auto-switch on" in text
     assert "last swap  coding -> customer-service in " in text and "(auto)" in text
@@ -184,7 +184,7 @@ def test_replay_swe_then_tau2_shows_the_switch_in_tui_and_metrics(sw, tiny_model
     from test_replay import SWE, SWE_ID, TAU2, TAU2_ID
     from test_tui import _until
     from ostinatod.tools import replay
-    from ui.tui import OstinatoTUI
+    from ostinatod.ui.tui import OstinatoTUI
 
     # start from a set of neither workload, so each session swaps its own set in
     ctl(sw, "POST", "/residency/switch", {"path": str(all_hot_set(tiny_model, sw.home / "all-hot.json"))})
@@ -372,11 +372,11 @@ def test_switch_behind_an_endless_generation_is_refused_and_serving_resumes(tiny
     """A queued switch waits at most SWITCH_WAIT_S for the running request (here 0.3 s), then gets
     409 residency_busy and the request that queued behind it runs; a garbage file is refused at once
     even while a request generates (in-process engine, real worker)."""
-    from ostinatod.engine import worker as worker_mod
+    from ostinatod.engine import switcher as switcher_mod
     from ostinatod.engine.types import EngineError
 
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(worker_mod, "SWITCH_WAIT_S", 0.3)
+    monkeypatch.setattr(switcher_mod, "SWITCH_WAIT_S", 0.3)
     target = all_hot_set(tiny_model, tmp_path / "all-hot.json")
     garbage = tmp_path / "garbage.json"
     garbage.write_text("not json at all")

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ostinatod.tools import synth
+from ostinatod.tools import synth as synth_cli
+from ostinatod.synth import shapes, vocab, tensors, writer
 
 
 def _sha(p: Path) -> str:
@@ -60,7 +61,7 @@ def test_tiny_loads_and_generates(tiny_model: Path):
 def test_other_archs_load_and_generate(arch: str, tmp_path: Path):
     """deepseek2: MLA attention, a dense first layer, shared expert, exp_probs_b selection bias;
     gpt-oss: MXFP4 experts with biases, attention sinks, sliding-window layers."""
-    p = synth.write_synthetic_moe(tmp_path / f"{arch}.gguf", arch=arch, shape="tiny")
+    p = writer.write_synthetic_moe(tmp_path / f"{arch}.gguf", arch=arch, shape="tiny")
     meta, _ = _meta(p)
     assert meta["general.architecture"] == arch and meta["ostinato.demo"] == "true"
     toks = _greedy(p, b"<|im_start|>user\nhello there<|im_end|>\n", 20)
@@ -101,40 +102,40 @@ def test_metadata_marks_demo(tiny_model: Path):
 
 
 def test_deterministic_from_seed(tiny_model: Path, tmp_path: Path):
-    again = synth.write_synthetic_moe(tmp_path / "again.gguf", arch="qwen3moe", shape="tiny", seed=0)
+    again = writer.write_synthetic_moe(tmp_path / "again.gguf", arch="qwen3moe", shape="tiny", seed=0)
     assert _sha(again) == _sha(tiny_model)
     assert not (tmp_path / "again.gguf.part").exists()
     # another seed: other router weights (checked on the builder, no second file needed)
-    a = synth._router(_ctx(0), 0)
-    b = synth._router(_ctx(1), 0)
+    a = tensors._router(_ctx(0), 0)
+    b = tensors._router(_ctx(1), 0)
     assert a.shape == (8, 64) and not np.allclose(a, b)
 
 
-def _ctx(seed: int, shape: str = "tiny") -> "synth._Ctx":
-    tok = synth.load_tokenizer()
-    return synth._Ctx(arch="qwen3moe", shape=synth.SHAPES[shape], routing=synth.Routing(), seed=seed,
-                      qexp=synth.QUANTS["q8_0"], qmat=synth.QUANTS["q8_0"],
+def _ctx(seed: int, shape: str = "tiny") -> "tensors._Ctx":
+    tok = vocab.load_tokenizer()
+    return tensors._Ctx(arch="qwen3moe", shape=shapes.SHAPES[shape], routing=shapes.Routing(), seed=seed,
+                      qexp=shapes.QUANTS["q8_0"], qmat=shapes.QUANTS["q8_0"],
                       classes=np.asarray(tok["classes"], dtype=np.int8), n_vocab=len(tok["tokens"]))
 
 
 def test_token_classes():
-    C, P, O = synth.CODE, synth.PROSE, synth.OTHER
+    C, P, O = shapes.CODE, shapes.PROSE, shapes.OTHER
     cases = {"    ": C, "\n": C, "){": C, "_name": C, "getValue": C, "def": C, "self": C,
              " the": P, "Hello": P, " house": P, ",": P, "42": O, "é": O}
-    got = {t: synth.coarse_class(t) for t in cases}
+    got = {t: vocab.coarse_class(t) for t in cases}
     assert got == cases
 
 
 def test_routing_is_skewed_and_content_dependent():
     """Numpy forward of each layer's router on the token embeddings (small shape, 32 experts)."""
     cx = _ctx(0, "small")
-    emb = synth._embedding(cx)
+    emb = tensors._embedding(cx)
     rng = np.random.default_rng(0)
-    coarse = np.asarray(synth.COARSE_OF)[cx.classes]
-    code_ids = rng.choice(np.flatnonzero(coarse == synth.CODE), 3000)
-    prose_ids = rng.choice(np.flatnonzero(coarse == synth.PROSE), 3000)
+    coarse = np.asarray(shapes.COARSE_OF)[cx.classes]
+    code_ids = rng.choice(np.flatnonzero(coarse == shapes.CODE), 3000)
+    prose_ids = rng.choice(np.flatnonzero(coarse == shapes.PROSE), 3000)
     for il in (0, cx.shape.n_layer - 1):
-        W = synth._router(cx, il)
+        W = tensors._router(cx, il)
         counts = []
         for ids in (code_ids, prose_ids):
             x = emb[ids] / np.sqrt((emb[ids] ** 2).mean(axis=1, keepdims=True))
@@ -155,8 +156,8 @@ def test_quant_blocks_are_valid():
     import gguf
 
     rng = np.random.default_rng(0)
-    for qt in (synth.QUANTS["q4_0"], synth.QUANTS["q8_0"]):
-        blocks = synth.random_quant_blocks((4, 64, 128), qt, 0.05, rng)
+    for qt in (shapes.QUANTS["q4_0"], shapes.QUANTS["q8_0"]):
+        blocks = tensors.random_quant_blocks((4, 64, 128), qt, 0.05, rng)
         vals = gguf.quants.dequantize(blocks, qt)
         assert vals.shape == (4, 64, 128)
         assert np.isfinite(vals).all()
@@ -164,9 +165,9 @@ def test_quant_blocks_are_valid():
 
 
 def test_bad_arguments(tmp_path: Path):
-    with pytest.raises(synth.SynthError):
-        synth.write_synthetic_moe(tmp_path / "x.gguf", arch="llama")
-    with pytest.raises(synth.SynthError):
-        synth.write_synthetic_moe(tmp_path / "x.gguf", shape="huge")
+    with pytest.raises(shapes.SynthError):
+        writer.write_synthetic_moe(tmp_path / "x.gguf", arch="llama")
+    with pytest.raises(shapes.SynthError):
+        writer.write_synthetic_moe(tmp_path / "x.gguf", shape="huge")
     with pytest.raises(SystemExit):
-        synth.main(["--quant", "q3", "-o", str(tmp_path / "y.gguf")])
+        synth_cli.main(["--quant", "q3", "-o", str(tmp_path / "y.gguf")])

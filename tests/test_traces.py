@@ -8,7 +8,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-from ostinatod.engine.traces import (Trace, TraceError, TraceRecorder, counts_from_stats,
+from ostinatod.residency.traces import (Trace, TraceError, TraceRecorder, counts_from_stats,
                                      load_traces, merge_into_file, trace_path)
 
 MODEL = {"fingerprint": "ab" * 32, "name": "t", "arch": "qwen3moe", "n_layer": 3, "n_expert": 4,

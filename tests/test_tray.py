@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ui import tray as traymod
+from ostinatod.ui import tray as traymod
 
 
 def _ensure_xvfb() -> str | None:
@@ -167,7 +167,7 @@ def test_tray_docks_and_follows_the_daemon(xdisplay, server, monkeypatch, tmp_pa
         # Pause/Resume through the menu item (as a click would): unload, then load back
         from test_control import write_tiny_gguf
         g = write_tiny_gguf(tmp_path / "m.gguf")
-        from ostinatod.ctl import call
+        from ostinatod.control.client import call
         call("POST", "/models/load", {"path": str(g)}, socket=server.socket)
 
         class Loaded:

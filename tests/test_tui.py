@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ui.tui import OstinatoTUI, heat_color, heat_strip
+from ostinatod.ui.tui import OstinatoTUI, heat_color, heat_strip
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,8 +46,8 @@ def planned_server(monkeypatch):
     """Control server; the state's model is a metadata-only MoE GGUF (6 layers x 16 experts),
     with a coding trace and no residency set yet."""
     from test_control import ControlThread, write_moe_gguf
-    from ostinatod.engine.planner import read_model_shape
-    from ostinatod.engine.traces import Trace, trace_path
+    from ostinatod.residency.planner import read_model_shape
+    from ostinatod.residency.traces import Trace, trace_path
     from ostinatod.server.state import DaemonState
     from ostinatod.settings import load_settings
 

@@ -1,4 +1,12 @@
-"""The engine: native build, ctypes bindings, engine worker, scheduler and engine clients.
+"""The engine: the worker process and its clients (docs/architecture.md has the map).
+
+- clients (daemon side): :mod:`.client` (SubprocessEngine, InProcessEngine), :mod:`.protocol` (the
+  worker pipe), :mod:`.types` (GenRequest, EngineEvent, EngineError, EngineClient);
+- the worker process: :mod:`.worker_main`, :mod:`.worker` (the loop), :mod:`.loading`,
+  :mod:`.slots`, :mod:`.task`, :mod:`.text`, :mod:`.sampling`, :mod:`.switcher`, :mod:`.runtime`,
+  :mod:`.placement`, :mod:`.chat`, :mod:`.native` (the one ctypes loader);
+- :mod:`.calibrate` (``ostinato calibrate``: drives a Worker in its own process) and :mod:`.build`
+  (``ostinato build``).
 
 Layers above (HTTP front end, protocol adapters, control API) talk to it only through
 :class:`ostinatod.engine.types.EngineClient` and the request/event types in that module.

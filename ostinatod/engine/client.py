@@ -15,22 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
 from ..settings import Settings
-from .types import EngineError, EngineEvent, GenRequest
+from . import protocol as P
+from .types import TERMINAL, EngineError, EngineEvent, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
-
-_TERMINAL = ("done", "error")
 
 
 def _resolve_model(settings: Settings, model_path: Optional[Path]) -> Path:
@@ -42,6 +39,15 @@ def _resolve_model(settings: Settings, model_path: Optional[Path]) -> Path:
 
 def _error_event(code: str, message: str, status: int) -> EngineEvent:
     return EngineEvent("error", {"code": code, "message": message, "status": status})
+
+
+async def _until_terminal(q: "asyncio.Queue[EngineEvent]") -> AsyncIterator[EngineEvent]:
+    """The events of ``q`` up to and including the first "done" or "error"."""
+    while True:
+        ev = await q.get()
+        yield ev
+        if ev.type in TERMINAL:
+            return
 
 
 class InProcessEngine:
@@ -143,13 +149,9 @@ class InProcessEngine:
         worker.submit(req, emit)
         finished = False
         try:
-            while True:
-                ev = await q.get()
-                if ev.type in _TERMINAL:
-                    finished = True
+            async for ev in _until_terminal(q):
+                finished = ev.type in TERMINAL
                 yield ev
-                if finished:
-                    return
         finally:
             if not finished:
                 worker.cancel(req.id)
@@ -252,16 +254,15 @@ class SubprocessEngine:
             sys.executable, "-m", "ostinatod.engine.worker_main",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
             limit=64 * 1024 * 1024)
-        init = {"op": "init", "settings": self.settings.model_dump(mode="json"), "model_path": str(path)}
-        await self._send(init)
+        await self._send(P.Init(self.settings.model_dump(mode="json"), str(path)))
         self._reader = asyncio.create_task(self._read_loop(self._proc, path))
 
-    async def _send(self, msg: dict[str, Any]) -> bool:
+    async def _send(self, msg: P.Message) -> bool:
         proc = self._proc
         if proc is None or proc.stdin is None or proc.returncode is not None:
             return False
         try:
-            proc.stdin.write((json.dumps(msg) + "\n").encode())
+            proc.stdin.write(P.encode(msg).encode())
             await proc.stdin.drain()
             return True
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
@@ -276,29 +277,24 @@ class SubprocessEngine:
                 continue
             if not line:
                 break
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            op = msg.get("op")
-            if op == "event":
-                q = self._streams.get(msg.get("id"))
+            msg = P.decode(line)
+            if isinstance(msg, P.Event):
+                q = self._streams.get(msg.id)
                 if q is not None:
-                    q.put_nowait(EngineEvent(msg["type"], msg.get("data") or {}))
-            elif op == "reply":
-                fut = self._replies.pop(msg.get("rid"), None)
+                    q.put_nowait(msg.event)
+            elif isinstance(msg, P.Reply):
+                fut = self._replies.pop(msg.rid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
-            elif op == "state":
-                if msg.get("state") == "ready":
-                    self._info = msg.get("info") or {}
+            elif isinstance(msg, P.StateMsg):
+                if msg.state == "ready":
+                    self._info = msg.info
                     self.state = "ready"
                     self.error = None
                     assert self._ready is not None
                     self._ready.set()
-                elif msg.get("state") == "error":
-                    self.error = EngineError(msg.get("code", "model_not_loaded"), msg.get("message", "load failed"),
-                                             int(msg.get("status", 503)))
+                elif msg.error is not None:
+                    self.error = msg.error
         rc = await proc.wait()
         await self._on_exit(proc, rc, path)
 
@@ -310,8 +306,7 @@ class SubprocessEngine:
         self._streams.clear()
         for fut in list(self._replies.values()):
             if not fut.done():
-                fut.set_result({"error": {"code": "engine_crashed", "message": "engine worker exited",
-                                          "status": 503}})
+                fut.set_result(P.Reply(None, error=EngineError("engine_crashed", "engine worker exited", 503)))
         self._replies.clear()
         if self._stopping or proc is not self._proc:
             return
@@ -363,7 +358,7 @@ class SubprocessEngine:
         self._stopping = True
         proc = self._proc
         if proc is not None and proc.returncode is None:
-            await self._send({"op": "shutdown"})
+            await self._send(P.Shutdown())
             try:
                 await asyncio.wait_for(proc.wait(), 10)
             except asyncio.TimeoutError:
@@ -389,41 +384,36 @@ class SubprocessEngine:
         self._streams[req.id] = q
         finished = False
         try:
-            if not await self._send({"op": "generate", "req": asdict(req)}):
+            if not await self._send(P.Generate(req)):
                 self._streams.pop(req.id, None)
                 finished = True
                 yield _error_event("engine_crashed", "the engine worker is not running", 503)
                 return
-            while True:
-                ev = await q.get()
-                if ev.type in _TERMINAL:
-                    finished = True
+            async for ev in _until_terminal(q):
+                finished = ev.type in TERMINAL
                 yield ev
-                if finished:
-                    return
         finally:
             self._streams.pop(req.id, None)
             if not finished:
-                await self._send({"op": "cancel", "id": req.id})
+                await self._send(P.Cancel(req.id))
 
-    async def _call(self, op: str, **kw: Any) -> Any:
+    async def _call(self, op: P.Op, **kw: Any) -> Any:
         if self.state != "ready":
             raise EngineError("model_not_loaded", f"the engine is {self.state}", 503)
         rid = str(next(self._rid))
         fut = asyncio.get_running_loop().create_future()
         self._replies[rid] = fut
-        if not await self._send({"op": op, "rid": rid, **kw}):
+        if not await self._send(P.Call(op, rid, **kw)):
             self._replies.pop(rid, None)
             raise EngineError("engine_crashed", "the engine worker is not running", 503)
-        msg = await fut
-        if "error" in msg:
-            e = msg["error"]
-            raise EngineError(e.get("code", "internal_error"), e.get("message", ""), int(e.get("status", 500)))
-        return msg.get("result")
+        reply: P.Reply = await fut
+        if reply.error is not None:
+            raise reply.error
+        return reply.result
 
     async def count_tokens(self, req: GenRequest) -> int:
         """Tokens of the rendered prompt of ``req``. Raises EngineError."""
-        return int(await self._call("count_tokens", req=asdict(req)))
+        return int(await self._call(P.Op.COUNT_TOKENS, req=req))
 
     async def info(self) -> dict[str, Any]:
         """Loaded model facts (from the worker at load time)."""
@@ -434,7 +424,7 @@ class SubprocessEngine:
         if self.state != "ready":
             return {"state": self.state, "restarts": self.restarts}
         try:
-            st = await self._call("stats")
+            st = await self._call(P.Op.STATS)
         except EngineError:
             return {"state": self.state, "restarts": self.restarts}
         return dict(st, state=self.state, restarts=self.restarts)
@@ -443,11 +433,11 @@ class SubprocessEngine:
         """Swap the residency set in the worker process at its next request boundary; same answer
         and errors as :meth:`InProcessEngine.switch_residency` (``engine_crashed`` if the worker
         dies meanwhile)."""
-        return dict(await self._call("switch_residency", path=str(path), reason=reason))
+        return dict(await self._call(P.Op.SWITCH_RESIDENCY, path=str(path), reason=reason))
 
     async def flush_traces(self) -> None:
         """Make the worker write its pending routing counts to the trace files."""
-        await self._call("flush_traces")
+        await self._call(P.Op.FLUSH_TRACES)
 
 
 def make_engine(settings: Settings, model_path: Optional[Path] = None):

@@ -1,8 +1,16 @@
-"""ctypes loader of ``libostinato.so`` (our native additions, built next to ``libllama.so``).
+"""The one ctypes loader of the package: our native additions.
 
-One loader for the whole package: :func:`lib` returns the loaded library with every function's
-argtypes/restype declared. The chat shim functions (``ostinato_chat_*``) are declared here; the
-native-engine code adds its own declarations through :func:`declare` (additive, one place).
+Two libraries, one place:
+
+* ``libostinato.so`` (built next to ``libllama.so``): the chat shim (``ostinato_chat_*``) and the
+  sampler; :func:`lib` returns it with every function's argtypes/restype declared, :func:`fn` one
+  function (other modules may add declarations through :func:`declare`).
+* the expert engine (``ostinato_experts_*``), part of libllama because the patched llama.cpp calls
+  it, reached through llama-cpp-python's own handle of that library: :func:`llama_fn`. Its loader
+  config is a process-global that the next model load reads; only :func:`load_model`,
+  :func:`check_experts_config` and :func:`experts_switch` set it, under one lock, and clear it
+  before they return, so the placement travels with the load parameters and no other code
+  touches the global.
 
 Strings returned by the library (``char *``) are owned by it: use :func:`take_json`, which copies and
 frees them. Errors: :class:`NativeError` when the library or a symbol is missing.
@@ -24,6 +32,10 @@ c_int = ctypes.c_int
 
 class NativeError(RuntimeError):
     """libostinato.so cannot be loaded (engine not built) or lacks a symbol (stale build)."""
+
+
+class ExpertEngineError(RuntimeError):
+    """The native expert engine is missing (stale build) or refused a configuration."""
 
 
 _lock = threading.Lock()
@@ -142,3 +154,185 @@ def last_error() -> str:
 def version() -> str:
     """Version string of the native additions."""
     return fn("ostinato_native_version")().decode()
+
+
+# --- the expert engine in libllama ---------------------------------------------------------------
+
+_C = ctypes.c_char_p
+_LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
+    "ostinato_experts_configure": ([_C], ctypes.c_int),
+    "ostinato_experts_switch": ([_C], ctypes.c_int),
+    "ostinato_experts_active": ([], ctypes.c_int),
+    "ostinato_experts_last_error": ([], _C),
+    "ostinato_experts_set_threshold": ([ctypes.c_int64], ctypes.c_int),
+    "ostinato_experts_force_path": ([_C], ctypes.c_int),
+    "ostinato_experts_set_timing": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_overlap": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_decode_graph": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_info": ([], _C),
+    "ostinato_experts_stats": ([ctypes.c_int], _C),
+    "ostinato_experts_take_request_stats": ([], _C),
+    "ostinato_experts_reset_stats": ([], None),
+}
+_llama_bound: dict[str, Any] = {}
+_config_lock = threading.RLock()  # the loader config (a process-global of the native engine)
+
+
+def llama_fn(name: str) -> Callable[..., Any]:
+    """The expert-engine function ``name`` of libllama. Raises ExpertEngineError when llama_cpp is
+    not importable or the build lacks the expert engine."""
+    f = _llama_bound.get(name)
+    if f is not None:
+        return f
+    try:
+        from llama_cpp import llama_cpp as _ll
+        f = getattr(_ll._lib, name)
+    except ImportError as e:
+        raise ExpertEngineError(f"llama_cpp is not importable ({e}); run 'ostinato build'") from e
+    except AttributeError:
+        raise ExpertEngineError(f"libllama lacks {name}: the native engine was built without "
+                                "the expert engine; run 'ostinato build'") from None
+    f.argtypes, f.restype = _LLAMA_DECLS[name]
+    _llama_bound[name] = f
+    return f
+
+
+def experts_available() -> bool:
+    """True if the installed native engine has the expert engine (``ostinato build`` done)."""
+    try:
+        llama_fn("ostinato_experts_configure")
+        return True
+    except ExpertEngineError:
+        return False
+
+
+def experts_error() -> str:
+    """The expert engine's last error ("" if none)."""
+    return (llama_fn("ostinato_experts_last_error")() or b"").decode(errors="replace")
+
+
+def experts_json(name: str, *args: Any) -> dict[str, Any]:
+    """Call an expert-engine function that returns JSON (info, stats, take_request_stats)."""
+    return json.loads(llama_fn(name)(*args).decode())
+
+
+def experts_active() -> bool:
+    """Whether the loaded model runs the expert engine (its pool was built)."""
+    return bool(llama_fn("ostinato_experts_active")())
+
+
+def _configure(config: Optional[dict[str, Any]]) -> None:
+    if config is None:
+        llama_fn("ostinato_experts_configure")(None)
+        return
+    if llama_fn("ostinato_experts_configure")(json.dumps(config).encode()) != 0:
+        raise ExpertEngineError(experts_error())
+
+
+def check_experts_config(config: dict[str, Any]) -> None:
+    """Let the native engine check ``config`` (see :func:`ostinatod.engine.placement.experts_config`)
+    without loading anything. Raises ExpertEngineError naming the problem."""
+    with _config_lock:
+        try:
+            _configure(config)
+        finally:
+            _configure(None)
+
+
+def load_model(path: Path | str, mparams: Any, experts_config: Optional[dict[str, Any]] = None
+               ) -> tuple[Any, bool, str]:
+    """``llama_model_load_from_file(path, mparams)`` with the expert engine's placement
+    ``experts_config`` (None: stock placement) set for this load only.
+
+    Returns (model pointer or NULL, whether the expert engine is active for it, the engine's last
+    error). Raises ExpertEngineError when the native engine refuses the config (nothing loaded).
+    """
+    import llama_cpp
+
+    with _config_lock:
+        if experts_config is not None:
+            _configure(experts_config)
+        try:
+            model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+            if experts_config is None:
+                return model, False, ""
+            return model, experts_active(), experts_error()
+        finally:
+            if experts_config is not None:
+                _configure(None)
+
+
+def experts_switch(config: dict[str, Any]) -> None:
+    """Rebuild the loaded model's expert pool with ``config`` (the swap of a residency set, at a
+    request boundary). Raises ExpertEngineError; the old set then stays in use."""
+    with _config_lock:
+        try:
+            if llama_fn("ostinato_experts_switch")(json.dumps(config).encode()) != 0:
+                raise ExpertEngineError(experts_error())
+        finally:
+            # the switch goes through the loader config: clear it, so that a later model load in
+            # this process does not pick it up
+            _configure(None)
+
+
+def set_prefill_threshold(np_tokens: int) -> None:
+    """Set Np: forward passes of >= Np tokens take the upload path. Raises ValueError if < 1."""
+    if llama_fn("ostinato_experts_set_threshold")(int(np_tokens)) != 0:
+        raise ValueError(f"prefill threshold must be >= 1, got {np_tokens}")
+
+
+def force_path(path: str) -> None:
+    """Force prefill passes onto one path: "split", "upload", or "auto" (by Np). Raises ValueError."""
+    if llama_fn("ostinato_experts_force_path")(path.encode()) != 0:
+        raise ValueError(f"path must be auto, split or upload, got {path!r}")
+
+
+def set_timing(on: bool) -> None:
+    """Timing mode: GPU-branch times per forward pass (``gpu_branch_ms``, ``gpu_timed``) at the cost
+    of one GPU sync per MoE layer. Off while serving (the branches then overlap); on for calibration.
+    CPU-branch and upload times are measured in both modes."""
+    llama_fn("ostinato_experts_set_timing")(1 if on else 0)
+
+
+def set_overlap(on: bool) -> None:
+    """Decode overlap on/off (DESIGN.md item 5): with it the CPU branch of a layer runs while the GPU
+    branch computes; without it the CPU branch runs first, saving one host round trip per layer.
+    Which is faster depends on the machine; ``ostinato calibrate`` measures both."""
+    llama_fn("ostinato_experts_set_overlap")(1 if on else 0)
+
+
+def set_decode_graph(on: Optional[bool], max_tokens: int = 0) -> None:
+    """Decode graph (paper Sec. 3.4; docs/engine.md "Decode graph"): forward passes of at most
+    ``max_tokens`` tokens (0 keeps the current value, 64 at start) that are decode steps or split-path
+    prefills run with the route op on the GPU, the CPU branch on a resident thread pool fed through
+    mapped host memory, and a wait kernel joining the branches, so that the pass is one CUDA graph.
+    ``None``: on when a pool is on a GPU; ``True`` also on a CPU build (tests). Raises ValueError
+    for a max_tokens outside 0..4096. Takes effect at the next graph build."""
+    mode = -1 if on is None else int(bool(on))
+    if llama_fn("ostinato_experts_set_decode_graph")(mode, int(max_tokens)) != 0:
+        raise ValueError(f"decode graph max_tokens must be 0..4096, got {max_tokens}")
+
+
+def set_borrow(on: bool) -> None:
+    """Borrowed decode memory (issue 9 item 4; docs/engine.md "Borrowed decode memory"): during decode
+    the upload path's staging slots hold the cold experts the CPU branch computed most lately
+    (decaying count), promoted at token boundaries and handed back before a pass that takes the
+    upload path. On by default."""
+    llama_fn("ostinato_experts_set_borrow")(1 if on else 0)
+
+
+def set_cpu_threads(n: int) -> None:
+    """Threads of the decode graph's CPU-branch pool (0: the physical cores). Read when the pool is
+    created (the first decode-graph pass after a load or a residency switch)."""
+    llama_fn("ostinato_experts_set_cpu_threads")(max(0, int(n)))
+
+
+def has_gpu() -> bool:
+    """Whether the installed llama.cpp can offload to a GPU (False on CPU builds or without it)."""
+    try:
+        import llama_cpp
+        return bool(llama_cpp.llama_supports_gpu_offload())
+    except Exception:
+        return False

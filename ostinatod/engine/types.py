@@ -2,8 +2,8 @@
 
 Protocol adapters (OpenAI chat/completions, Responses, Anthropic Messages) translate their payloads
 into :class:`GenRequest` and the :class:`EngineEvent` stream back into their wire format. Everything
-here is plain data (JSON-serialisable via :func:`dataclasses.asdict`) because it crosses the pipe to
-the engine worker subprocess.
+here is plain data because it crosses the pipe to the engine worker subprocess
+(:mod:`.protocol`).
 
 Messages use the OpenAI chat shape, which is also what llama.cpp's ``common/chat`` accepts:
 ``{"role": "system"|"user"|"assistant"|"tool", "content": str | [parts], "tool_calls": [...],
@@ -13,7 +13,8 @@ Messages use the OpenAI chat shape, which is also what llama.cpp's ``common/chat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal, Optional, Protocol
+from enum import Enum
+from typing import Any, AsyncIterator, Optional, Protocol
 
 
 @dataclass
@@ -32,10 +33,11 @@ class GenRequest:
     tool_choice: Any = None  # "auto" | "none" | "required" | {"type":"function","function":{"name"}}
     parallel_tool_calls: bool = True
     max_tokens: int = 4096
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
+    # sampling; None: the setting of the same name (Settings.temperature, ...: the one default)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -47,12 +49,30 @@ class GenRequest:
     model: Optional[str] = None  # the name the client asked for (echoed back)
 
 
-# Event types streamed by EngineClient.generate(), in order:
-#   "start"   once: {"prompt_tokens", "cached_tokens"} after the prompt is tokenised and matched
-#   "delta"   0..n: {"content": str, "reasoning": str, "tool_calls": [ToolCallDelta]} (any subset)
-#   "done"    once at the end: {"finish_reason", "message", "usage", "timings"}
-#   "error"   instead of "done" on failure: {"code", "message", "status"}
-EventType = Literal["start", "delta", "done", "error"]
+class EventType(str, Enum):
+    """Event types streamed by EngineClient.generate(), in order:
+
+    - ``start`` once: {"prompt_tokens", "cached_tokens"} after the prompt is tokenised and matched
+    - ``delta`` 0..n: {"content": str, "reasoning": str, "tool_calls": [ToolCallDelta]} (any subset)
+    - ``done`` once at the end: {"finish_reason", "message", "usage", "timings"}
+    - ``error`` instead of ``done`` on failure: {"code", "message", "status"}
+
+    ``ping`` is never sent by an engine: the HTTP front end makes it while it waits (heartbeat).
+    Members compare, hash and print as their string value ("done" == EventType.DONE).
+    """
+
+    START = "start"
+    DELTA = "delta"
+    DONE = "done"
+    ERROR = "error"
+    PING = "ping"
+
+    __hash__ = str.__hash__
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+TERMINAL = (EventType.DONE, EventType.ERROR)
 
 
 @dataclass
@@ -71,6 +91,9 @@ class EngineEvent:
 
     type: EventType
     data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.type = EventType(self.type)
 
 
 class EngineError(Exception):

@@ -10,7 +10,6 @@ are accepted and kept as system messages in place.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any, Optional, Union
 
@@ -18,12 +17,11 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import EngineError, GenRequest
-from .common import HEARTBEAT_S, Generation, apply_logit_bias, ensure_engine, fill_common, new_id, read_json, sse, start_sse, validate
+from .common import apply_logit_bias, ensure_engine, fill_common, open_generation, read_json, respond, validate
+from .encoders import anthropic as enc
+from .encoders import new_id
 from .errors import ApiError
 from .state import DaemonState
-
-_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-
 
 class MessagesBody(BaseModel):
     """Validated subset of an Anthropic Messages request."""
@@ -186,174 +184,20 @@ def build_request(state: DaemonState, request: web.Request, b: MessagesBody, rid
     return req
 
 
-def _signature(text: str) -> str:
-    """Stand-in thinking signature (clients only echo it back; we ignore it on input)."""
-    return "ostinato-" + hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def _usage(gen: Generation) -> dict[str, int]:
-    u = gen.usage
-    return {"input_tokens": max(u["prompt_tokens"] - u["cached_tokens"], 0),
-            "cache_read_input_tokens": u["cached_tokens"], "cache_creation_input_tokens": 0,
-            "output_tokens": u["completion_tokens"]}
-
-
-def _blocks(done: dict[str, Any]) -> list[dict[str, Any]]:
-    m = done.get("message") or {}
-    blocks: list[dict[str, Any]] = []
-    if m.get("reasoning_content"):
-        blocks.append({"type": "thinking", "thinking": m["reasoning_content"],
-                       "signature": _signature(m["reasoning_content"])})
-    if m.get("content"):
-        blocks.append({"type": "text", "text": m["content"]})
-    for tc in m.get("tool_calls") or []:
-        fn = tc.get("function") or tc
-        args = fn.get("arguments") or "{}"
-        try:
-            inp = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            inp = None
-        if not isinstance(inp, dict):  # malformed call from the model: keep it visible as text
-            blocks.append({"type": "text", "text": f"{fn.get('name')}({args})"})
-            continue
-        blocks.append({"type": "tool_use", "id": tc.get("id") or new_id("toolu_"),
-                       "name": fn.get("name", ""), "input": inp})
-    if not blocks:
-        blocks.append({"type": "text", "text": ""})
-    return blocks
-
-
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    state: DaemonState = request.app["state"]
-    b = validate(MessagesBody, await read_json(request))
-    if b.max_tokens is None:
-        raise ApiError(400, "invalid_request", "max_tokens: Field required", param="max_tokens")
-    rid = new_id("msg_")
-    req = build_request(state, request, b, rid)
-    gen = await Generation.open(state, req, "anthropic")
-    try:
-        if not b.stream:
-            done = await gen.result(request)
-            blocks = _blocks(done)
-            stop = _STOP.get(done.get("finish_reason") or "stop", "end_turn")
-            if any(bl["type"] == "tool_use" for bl in blocks):
-                stop = "tool_use"
-            return web.json_response({"id": rid, "type": "message", "role": "assistant", "model": req.model,
-                                      "content": blocks, "stop_reason": stop, "stop_sequence": None,
-                                      "usage": _usage(gen)})
-        return await _stream(request, gen, req, rid)
-    finally:
-        await gen.aclose()
-        gen.close()
+    def build(state: DaemonState, request: web.Request, b: MessagesBody) -> GenRequest:
+        if b.max_tokens is None:
+            raise ApiError(400, "invalid_request", "max_tokens: Field required", param="max_tokens")
+        return build_request(state, request, b, new_id("msg_"))
+    b, req, gen = await open_generation(request, MessagesBody, build, "anthropic")
+    rid = req.id
 
-
-async def _stream(request: web.Request, gen: Generation, req: GenRequest, rid: str) -> web.StreamResponse:
-    resp = await start_sse(request)
-
-    async def emit(event: str, data: dict[str, Any]) -> None:
-        await resp.write(sse(dict(type=event, **data), event=event))
-
-    u0 = _usage(gen)
-    await emit("message_start", {"message": {
-        "id": rid, "type": "message", "role": "assistant", "model": req.model, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": u0["input_tokens"], "cache_read_input_tokens": u0["cache_read_input_tokens"],
-                  "cache_creation_input_tokens": 0, "output_tokens": 0}}})
-    await emit("ping", {})
-
-    index = -1
-    open_kind: Optional[str] = None  # "thinking" | "text" | "tool"
-    open_tool: Optional[int] = None  # engine tool index of the open tool block
-    thinking_text: list[str] = []
-    pending_tools: dict[int, dict[str, Any]] = {}  # engine index -> {"id","name","args"} not yet opened
-    opened_tools: set[int] = set()
-    saw_tool = False
-
-    async def close_block() -> None:
-        nonlocal open_kind, open_tool
-        if open_kind is None:
-            return
-        if open_kind == "thinking":
-            await emit("content_block_delta", {"index": index, "delta": {
-                "type": "signature_delta", "signature": _signature("".join(thinking_text))}})
-        await emit("content_block_stop", {"index": index})
-        open_kind, open_tool = None, None
-
-    async def open_block(kind: str, block: dict[str, Any]) -> None:
-        nonlocal index, open_kind
-        await close_block()
-        index += 1
-        open_kind = kind
-        await emit("content_block_start", {"index": index, "content_block": block})
-
-    async def tool_delta(tc: dict[str, Any]) -> None:
-        nonlocal open_tool, saw_tool
-        idx = int(tc.get("index", 0))
-        p = pending_tools.setdefault(idx, {"id": None, "name": None, "args": ""})
-        p["id"] = p["id"] or tc.get("id")
-        p["name"] = p["name"] or tc.get("name")
-        p["args"] += tc.get("arguments") or ""
-        if idx not in opened_tools:
-            if not p["name"]:
-                return  # wait for the name before opening the block
-            await open_block("tool", {"type": "tool_use", "id": p["id"] or new_id("toolu_"),
-                                      "name": p["name"], "input": {}})
-            opened_tools.add(idx)
-            open_tool = idx
-            saw_tool = True
-            if p["args"]:
-                await emit("content_block_delta", {"index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": p["args"]}})
-            p["args"] = ""
-        elif open_tool == idx and p["args"]:
-            await emit("content_block_delta", {"index": index, "delta": {
-                "type": "input_json_delta", "partial_json": p["args"]}})
-            p["args"] = ""
-        # deltas of an earlier, already closed tool block cannot be reopened; they stay buffered
-
-    async for ev in gen.events(heartbeat=HEARTBEAT_S):
-        if ev.type == "ping":
-            await emit("ping", {})
-        elif ev.type == "delta":
-            d = ev.data
-            if d.get("reasoning"):
-                if open_kind != "thinking":
-                    thinking_text.clear()
-                    await open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                thinking_text.append(d["reasoning"])
-                await emit("content_block_delta", {"index": index, "delta": {
-                    "type": "thinking_delta", "thinking": d["reasoning"]}})
-            if d.get("content"):
-                if open_kind != "text":
-                    await open_block("text", {"type": "text", "text": ""})
-                await emit("content_block_delta", {"index": index, "delta": {
-                    "type": "text_delta", "text": d["content"]}})
-            for tc in d.get("tool_calls") or []:
-                await tool_delta(tc)
-        elif ev.type == "done":
-            # tools whose name arrived only in the final message
-            final_calls = (ev.data.get("message") or {}).get("tool_calls") or []
-            for i, tc in enumerate(final_calls):
-                if i not in opened_tools:
-                    fn = tc.get("function") or tc
-                    await tool_delta({"index": i, "id": tc.get("id"), "name": fn.get("name"),
-                                      "arguments": "" if i in pending_tools else fn.get("arguments") or ""})
-            if index < 0:
-                await open_block("text", {"type": "text", "text": ""})
-            await close_block()
-            stop = "tool_use" if saw_tool else _STOP.get(ev.data.get("finish_reason") or "stop", "end_turn")
-            u = _usage(gen)
-            await emit("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
-                                         "usage": {"output_tokens": u["output_tokens"],
-                                                   "input_tokens": u["input_tokens"],
-                                                   "cache_read_input_tokens": u["cache_read_input_tokens"]}})
-            await emit("message_stop", {})
-        elif ev.type == "error":
-            await close_block()
-            await emit("error", {"error": {"type": "api_error",
-                                           "message": f"{ev.data.get('message')} ({ev.data.get('code')})"}})
-    return resp
+    def open_stream():
+        s = enc.MessageStream(rid, req.model)
+        return s, s.start(gen.usage)
+    return await respond(request, gen, b.stream,
+                         lambda done: enc.message_body(rid, req.model, done, gen.usage), open_stream)
 
 
 class CountBody(BaseModel):

@@ -10,13 +10,13 @@ import json
 import logging
 import re
 import time
-import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from ..engine.types import EngineError, EngineEvent, GenRequest
+from ..engine.types import EngineError, EngineEvent, EventType, GenRequest
+from .encoders import Frame
 from .errors import ApiError
 from .state import DaemonState
 
@@ -41,11 +41,6 @@ _CLIENTS: list[tuple[str, str, Optional[str]]] = [
     ("openai/python", "openai-python", None), ("anthropic/python", "anthropic-python", None),
     ("ostinato", "ostinato", None),
 ]
-
-
-def new_id(prefix: str) -> str:
-    """Random request/item id with a protocol prefix (``chatcmpl-``, ``msg_``, ``resp_`` ...)."""
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -258,7 +253,7 @@ class Generation:
             self._next_task = asyncio.ensure_future(self._next())
         done, _ = await asyncio.wait({self._next_task}, timeout=heartbeat)
         if not done:
-            return EngineEvent("ping", {})  # type: ignore[arg-type]
+            return EngineEvent(EventType.PING, {})
         task, self._next_task = self._next_task, None
         return task.result()
 
@@ -374,7 +369,6 @@ class Generation:
 
 
 HEARTBEAT_S = 10.0  # keep-alive interval of streams while the engine is silent (long prefill)
-SSE_COMMENT_PING = b": ping\n\n"  # SSE comment: ignored by clients, keeps proxies and timers happy
 
 
 def apply_logit_bias(req: GenRequest, bias: Any) -> None:
@@ -407,8 +401,36 @@ async def start_sse(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def sse(data: Any, event: Optional[str] = None) -> bytes:
-    """One SSE frame (``event:`` line when given; data JSON-encoded unless already a str)."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
+async def respond(request: web.Request, gen: Generation, stream: bool,
+                  body: Callable[[dict[str, Any]], dict[str, Any]],
+                  open_stream: Callable[[], tuple[Any, list[Frame]]]) -> web.StreamResponse:
+    """Answer one generation and close it: the JSON ``body(done)``, or, with ``stream``, the SSE
+    frames of the encoder that ``open_stream()`` returns with its first frames (then the frames of
+    every engine event, then the encoder's ``end()`` frames if it has any)."""
+    try:
+        if not stream:
+            return web.json_response(body(await gen.result(request)))
+        enc, first = open_stream()
+        resp = await start_sse(request)
+        for f in first:
+            await resp.write(f.encode())
+        async for ev in gen.events(heartbeat=HEARTBEAT_S):
+            for f in enc.feed(ev, gen.usage):
+                await resp.write(f.encode())
+        for f in (enc.end() if hasattr(enc, "end") else []):
+            await resp.write(f.encode())
+        return resp
+    finally:
+        await gen.aclose()
+        gen.close()
+
+
+async def open_generation(request: web.Request, body_cls: type[BaseModel],
+                          build: Callable[[DaemonState, web.Request, Any], GenRequest],
+                          protocol: str) -> tuple[Any, GenRequest, Generation]:
+    """What every generating route does first: validate the JSON body as ``body_cls``, ``build``
+    the internal request, start the generation. Returns (body, request, generation)."""
+    state: DaemonState = request.app["state"]
+    b = validate(body_cls, await read_json(request))
+    req = build(state, request, b)
+    return b, req, await Generation.open(state, req, protocol)

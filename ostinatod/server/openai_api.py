@@ -15,7 +15,9 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import HEARTBEAT_S, SSE_COMMENT_PING, Generation, apply_logit_bias, fill_common, new_id, read_json, sse, start_sse, validate
+from .common import Generation, apply_logit_bias, fill_common, open_generation, read_json, respond, validate
+from .encoders import new_id
+from .encoders import openai_chat as enc
 from .errors import ApiError
 from .state import DaemonState
 
@@ -124,111 +126,18 @@ def chat_request(state: DaemonState, request: web.Request, b: ChatBody) -> GenRe
     return req
 
 
-def _usage(gen: Generation) -> dict[str, Any]:
-    u = gen.usage
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
-
-
-def _message(done: dict[str, Any]) -> dict[str, Any]:
-    m = done.get("message") or {}
-    out: dict[str, Any] = {"role": "assistant", "content": m.get("content") or None}
-    if m.get("reasoning_content"):
-        out["reasoning_content"] = m["reasoning_content"]
-    calls = []
-    for i, tc in enumerate(m.get("tool_calls") or []):
-        fn = tc.get("function") or tc
-        calls.append({"id": tc.get("id") or new_id("call_"), "type": "function",
-                      "function": {"name": fn.get("name", ""), "arguments": fn.get("arguments") or "{}"}})
-    if calls:
-        out["tool_calls"] = calls
-    elif out["content"] is None:
-        out["content"] = ""
-    return out
-
-
-def _error_payload(data: dict[str, Any]) -> dict[str, Any]:
-    code = data.get("code", "engine_error")
-    return {"error": {"message": f"{data.get('message') or 'engine error'} ({code})", "type": "server_error",
-                      "code": data.get("code", "engine_error"), "param": None}}
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
-    state: DaemonState = request.app["state"]
-    b = validate(ChatBody, await read_json(request))
-    req = chat_request(state, request, b)
-    gen = await Generation.open(state, req, "openai_chat")
+    b, req, gen = await open_generation(request, ChatBody, chat_request, "openai_chat")
     created = int(time.time())
-    try:
-        if not b.stream:
-            done = await gen.result(request)
-            msg = _message(done)
-            finish = done.get("finish_reason") or "stop"
-            if msg.get("tool_calls"):
-                finish = "tool_calls"
-            return web.json_response({
-                "id": req.id, "object": "chat.completion", "created": created, "model": req.model,
-                "system_fingerprint": "ostinato",
-                "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
-                "usage": _usage(gen)})
+    include_usage = bool((b.stream_options or {}).get("include_usage"))
 
-        include_usage = bool((b.stream_options or {}).get("include_usage"))
-        resp = await start_sse(request)
-
-        def chunk(delta: dict[str, Any], finish: Optional[str] = None) -> bytes:
-            c: dict[str, Any] = {"id": req.id, "object": "chat.completion.chunk", "created": created,
-                                 "model": req.model, "system_fingerprint": "ostinato",
-                                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                              "logprobs": None}]}
-            if include_usage:
-                c["usage"] = None
-            return sse(c)
-
-        await resp.write(chunk({"role": "assistant", "content": ""}))
-        ids: dict[int, str] = {}
-        saw_tools = False
-        async for ev in gen.events(heartbeat=HEARTBEAT_S):
-            if ev.type == "ping":
-                await resp.write(SSE_COMMENT_PING)
-            elif ev.type == "delta":
-                d = ev.data
-                if d.get("reasoning"):
-                    await resp.write(chunk({"reasoning_content": d["reasoning"]}))
-                if d.get("content"):
-                    await resp.write(chunk({"content": d["content"]}))
-                tcs = []
-                for tc in d.get("tool_calls") or []:
-                    idx = int(tc.get("index", 0))
-                    entry: dict[str, Any] = {"index": idx}
-                    if idx not in ids:
-                        ids[idx] = tc.get("id") or new_id("call_")
-                        entry.update(id=ids[idx], type="function",
-                                     function={"name": tc.get("name") or "", "arguments": tc.get("arguments") or ""})
-                    else:
-                        entry["function"] = {"arguments": tc.get("arguments") or ""}
-                        if tc.get("name"):
-                            entry["function"]["name"] = tc["name"]
-                    tcs.append(entry)
-                if tcs:
-                    saw_tools = True
-                    await resp.write(chunk({"tool_calls": tcs}))
-            elif ev.type == "done":
-                finish = ev.data.get("finish_reason") or "stop"
-                if saw_tools:
-                    finish = "tool_calls"
-                await resp.write(chunk({}, finish))
-                if include_usage:
-                    await resp.write(sse({"id": req.id, "object": "chat.completion.chunk", "created": created,
-                                          "model": req.model, "choices": [], "usage": _usage(gen)}))
-            elif ev.type == "error":
-                await resp.write(sse(_error_payload(ev.data)))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-    finally:
-        await gen.aclose()
-        gen.close()
+    def open_stream():
+        s = enc.ChatStream(req.id, req.model, created, include_usage)
+        return s, s.start()
+    return await respond(request, gen, b.stream,
+                         lambda done: enc.chat_completion(req.id, req.model, created, done, gen.usage),
+                         open_stream)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -245,39 +154,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fill_common(state, request, req, b.model)
     gen = await Generation.open(state, req, "openai_completions")
     created = int(time.time())
-    try:
-        if not b.stream:
-            done = await gen.result(request)
-            text = (done.get("message") or {}).get("content") or done.get("text") or ""
-            u = _usage(gen)
-            return web.json_response({
-                "id": req.id, "object": "text_completion", "created": created, "model": req.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": done.get("finish_reason") or "stop",
-                             "logprobs": None}], "usage": u})
-        include_usage = bool((b.stream_options or {}).get("include_usage"))
-        resp = await start_sse(request)
-
-        def chunk(text: str, finish: Optional[str] = None) -> bytes:
-            return sse({"id": req.id, "object": "text_completion", "created": created, "model": req.model,
-                        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
-
-        async for ev in gen.events(heartbeat=HEARTBEAT_S):
-            if ev.type == "ping":
-                await resp.write(SSE_COMMENT_PING)
-            elif ev.type == "delta" and ev.data.get("content"):
-                await resp.write(chunk(ev.data["content"]))
-            elif ev.type == "done":
-                await resp.write(chunk("", ev.data.get("finish_reason") or "stop"))
-                if include_usage:
-                    await resp.write(sse({"id": req.id, "object": "text_completion", "created": created,
-                                          "model": req.model, "choices": [], "usage": _usage(gen)}))
-            elif ev.type == "error":
-                await resp.write(sse(_error_payload(ev.data)))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-    finally:
-        await gen.aclose()
-        gen.close()
+    include_usage = bool((b.stream_options or {}).get("include_usage"))
+    return await respond(request, gen, b.stream,
+                         lambda done: enc.text_completion(req.id, req.model, created, done, gen.usage),
+                         lambda: (enc.CompletionStream(req.id, req.model, created, include_usage), []))
 
 
 async def models(request: web.Request) -> web.Response:

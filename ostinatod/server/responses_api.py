@@ -19,7 +19,9 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import HEARTBEAT_S, SSE_COMMENT_PING, Generation, apply_logit_bias, fill_common, new_id, read_json, sse, start_sse, validate
+from .common import apply_logit_bias, fill_common, open_generation, respond
+from .encoders import new_id
+from .encoders import responses as enc
 from .errors import ApiError
 from .openai_api import check_tools, json_schema_of
 from .state import DaemonState
@@ -143,47 +145,17 @@ def convert_tool_choice(tc: Any) -> Any:
     return tc
 
 
-def _response_obj(b: ResponsesBody, rid: str, model: str, created: int, status: str,
-                  output: list[dict[str, Any]], usage: Optional[dict[str, Any]],
-                  incomplete: Optional[str] = None, error: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
-            "output": output, "usage": usage, "error": error,
-            "incomplete_details": {"reason": incomplete} if incomplete else None,
-            "instructions": b.instructions, "tools": b.tools or [], "tool_choice": b.tool_choice or "auto",
-            "parallel_tool_calls": b.parallel_tool_calls, "temperature": b.temperature, "top_p": b.top_p,
-            "max_output_tokens": b.max_output_tokens, "metadata": {}, "store": False,
-            "previous_response_id": None, "reasoning": b.reasoning or {"effort": None, "summary": None},
-            "text": b.text or {"format": {"type": "text"}}, "truncation": "disabled"}
+# request fields a response object echoes
+_ECHOED = ("instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
+           "max_output_tokens", "reasoning", "text")
 
 
-def _usage(gen: Generation) -> dict[str, Any]:
-    u = gen.usage
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": u["cached_tokens"]},
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+def _echoed(b: ResponsesBody) -> dict[str, Any]:
+    return {k: getattr(b, k) for k in _ECHOED}
 
 
-def _output_items(done: dict[str, Any]) -> list[dict[str, Any]]:
-    m = done.get("message") or {}
-    items: list[dict[str, Any]] = []
-    if m.get("reasoning_content"):
-        items.append({"type": "reasoning", "id": new_id("rs_"), "summary": [],
-                      "content": [{"type": "reasoning_text", "text": m["reasoning_content"]}]})
-    if m.get("content") or not m.get("tool_calls"):
-        items.append({"type": "message", "id": new_id("msg_"), "status": "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": m.get("content") or "", "annotations": [],
-                                   "logprobs": []}]})
-    for tc in m.get("tool_calls") or []:
-        fn = tc.get("function") or tc
-        items.append({"type": "function_call", "id": new_id("fc_"), "call_id": tc.get("id") or new_id("call_"),
-                      "name": fn.get("name", ""), "arguments": fn.get("arguments") or "{}", "status": "completed"})
-    return items
-
-
-async def responses(request: web.Request) -> web.StreamResponse:
-    """POST /v1/responses."""
-    state: DaemonState = request.app["state"]
-    b = validate(ResponsesBody, await read_json(request))
+def responses_request(state: DaemonState, request: web.Request, b: ResponsesBody) -> GenRequest:
+    """The internal request of a validated Responses body. Raises ApiError."""
     if b.previous_response_id:
         raise ApiError(400, "invalid_request", "previous_response_id is not supported: this server is "
                        "stateless; send the whole conversation in 'input'.", param="previous_response_id")
@@ -202,129 +174,17 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if b.reasoning and b.reasoning.get("effort") is not None:
         req.enable_thinking = b.reasoning["effort"] not in ("none", "minimal")
     fill_common(state, request, req, b.model)
-    gen = await Generation.open(state, req, "responses")
+    return req
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses."""
+    b, req, gen = await open_generation(request, ResponsesBody, responses_request, "responses")
     created = int(time.time())
-    try:
-        if not b.stream:
-            done = await gen.result(request)
-            inc = "max_output_tokens" if done.get("finish_reason") == "length" else None
-            return web.json_response(_response_obj(b, req.id, req.model, created,
-                                                   "incomplete" if inc else "completed",
-                                                   _output_items(done), _usage(gen), inc))
-        return await _stream(request, b, gen, req, created)
-    finally:
-        await gen.aclose()
-        gen.close()
 
-
-async def _stream(request: web.Request, b: ResponsesBody, gen: Generation, req: GenRequest,
-                  created: int) -> web.StreamResponse:
-    resp = await start_sse(request)
-    seq = 0
-
-    async def emit(event: str, data: dict[str, Any]) -> None:
-        nonlocal seq
-        await resp.write(sse(dict(type=event, sequence_number=seq, **data), event=event))
-        seq += 1
-
-    model = req.model or ""
-    await emit("response.created", {"response": _response_obj(b, req.id, model, created, "in_progress", [], None)})
-    await emit("response.in_progress", {"response": _response_obj(b, req.id, model, created, "in_progress", [], None)})
-
-    output: list[dict[str, Any]] = []
-    cur: Optional[dict[str, Any]] = None  # open item: {"kind", "item", "text", "tool_index"}
-    tools_by_index: dict[int, dict[str, Any]] = {}
-
-    async def close_item() -> None:
-        nonlocal cur
-        if cur is None:
-            return
-        oi, item = len(output), cur["item"]
-        if cur["kind"] == "message":
-            part = {"type": "output_text", "text": cur["text"], "annotations": [], "logprobs": []}
-            await emit("response.output_text.done", {"item_id": item["id"], "output_index": oi,
-                                                     "content_index": 0, "text": cur["text"], "logprobs": []})
-            await emit("response.content_part.done", {"item_id": item["id"], "output_index": oi,
-                                                      "content_index": 0, "part": part})
-            item.update(status="completed", content=[part])
-        elif cur["kind"] == "reasoning":
-            part = {"type": "reasoning_text", "text": cur["text"]}
-            await emit("response.reasoning_text.done", {"item_id": item["id"], "output_index": oi,
-                                                        "content_index": 0, "text": cur["text"]})
-            await emit("response.content_part.done", {"item_id": item["id"], "output_index": oi,
-                                                      "content_index": 0, "part": part})
-            item.update(content=[part])
-        else:
-            item.update(arguments=cur["text"] or "{}", status="completed")
-            await emit("response.function_call_arguments.done", {"item_id": item["id"], "output_index": oi,
-                                                                 "name": item["name"],
-                                                                 "arguments": item["arguments"]})
-        await emit("response.output_item.done", {"output_index": oi, "item": item})
-        output.append(item)
-        cur = None
-
-    async def open_item(kind: str, item: dict[str, Any], part: Optional[dict[str, Any]] = None,
-                        tool_index: Optional[int] = None) -> None:
-        nonlocal cur
-        await close_item()
-        oi = len(output)
-        await emit("response.output_item.added", {"output_index": oi, "item": dict(item)})
-        if part is not None:
-            await emit("response.content_part.added", {"item_id": item["id"], "output_index": oi,
-                                                       "content_index": 0, "part": part})
-        cur = {"kind": kind, "item": item, "text": "", "tool_index": tool_index}
-
-    async for ev in gen.events(heartbeat=HEARTBEAT_S):
-        if ev.type == "ping":
-            await resp.write(SSE_COMMENT_PING)
-        elif ev.type == "delta":
-            d = ev.data
-            if d.get("reasoning"):
-                if cur is None or cur["kind"] != "reasoning":
-                    await open_item("reasoning", {"type": "reasoning", "id": new_id("rs_"), "summary": [],
-                                                  "content": []}, {"type": "reasoning_text", "text": ""})
-                cur["text"] += d["reasoning"]
-                await emit("response.reasoning_text.delta", {"item_id": cur["item"]["id"], "output_index": len(output),
-                                                             "content_index": 0, "delta": d["reasoning"]})
-            if d.get("content"):
-                if cur is None or cur["kind"] != "message":
-                    await open_item("message", {"type": "message", "id": new_id("msg_"), "status": "in_progress",
-                                                "role": "assistant", "content": []},
-                                    {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-                cur["text"] += d["content"]
-                await emit("response.output_text.delta", {"item_id": cur["item"]["id"], "output_index": len(output),
-                                                          "content_index": 0, "delta": d["content"], "logprobs": []})
-            for tc in d.get("tool_calls") or []:
-                idx = int(tc.get("index", 0))
-                t = tools_by_index.setdefault(idx, {"id": None, "name": None, "args": "", "opened": False})
-                t["id"] = t["id"] or tc.get("id")
-                t["name"] = t["name"] or tc.get("name")
-                t["args"] += tc.get("arguments") or ""
-                if not t["opened"] and t["name"]:
-                    t["opened"] = True
-                    await open_item("tool", {"type": "function_call", "id": new_id("fc_"),
-                                             "call_id": t["id"] or new_id("call_"), "name": t["name"],
-                                             "arguments": "", "status": "in_progress"}, tool_index=idx)
-                if t["opened"] and cur is not None and cur.get("tool_index") == idx and t["args"]:
-                    cur["text"] += t["args"]
-                    await emit("response.function_call_arguments.delta", {"item_id": cur["item"]["id"],
-                                                                          "output_index": len(output),
-                                                                          "delta": t["args"]})
-                    t["args"] = ""
-        elif ev.type == "done":
-            await close_item()
-            if not output:  # nothing streamed: use the final message
-                for item in _output_items(ev.data):
-                    await emit("response.output_item.added", {"output_index": len(output), "item": item})
-                    await emit("response.output_item.done", {"output_index": len(output), "item": item})
-                    output.append(item)
-            inc = "max_output_tokens" if ev.data.get("finish_reason") == "length" else None
-            await emit("response.completed", {"response": _response_obj(
-                b, req.id, model, created, "incomplete" if inc else "completed", output, _usage(gen), inc)})
-        elif ev.type == "error":
-            await close_item()
-            err = {"code": ev.data.get("code", "engine_error"), "message": ev.data.get("message") or "engine error"}
-            await emit("response.failed", {"response": _response_obj(b, req.id, model, created, "failed",
-                                                                     output, _usage(gen), error=err)})
-    return resp
-
+    def open_stream():
+        s = enc.ResponseStream(_echoed(b), req.id, req.model, created)
+        return s, s.start()
+    return await respond(request, gen, b.stream,
+                         lambda done: enc.response_body(_echoed(b), req.id, req.model, created, done, gen.usage),
+                         open_stream)

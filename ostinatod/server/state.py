@@ -1,6 +1,6 @@
 """Shared state of one running daemon: settings, engine, metrics, active and recent requests.
 
-The HTTP front end (ostinatod/server/app.py) and the control API (ostinatod/control.py) both read
+The HTTP front end (ostinatod/server/app.py) and the control API (ostinatod/control/server.py) both read
 it; only the event loop thread touches it, so there is no locking.
 
 Request record (a plain dict, JSON-serialisable; ``recent`` keeps the last
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
+from ..desk import ResidencyDesk
 from ..engine.types import EngineClient
 from ..paths import Paths, get_paths
 from ..settings import Settings
@@ -61,10 +62,14 @@ class DaemonState:
     recent: deque = field(default=None)  # type: ignore[assignment]
     # the last residency-set swap the daemon learnt of (see note_residency_switch)
     last_residency_switch: Optional[dict[str, Any]] = None
+    # residency sets and traces of the served model (control API, re-planner); made here
+    desk: Optional[ResidencyDesk] = None
 
     def __post_init__(self) -> None:
         if self.recent is None:
             self.recent = deque(maxlen=self.settings.recent_requests)
+        if self.desk is None:
+            self.desk = ResidencyDesk(self)
 
     # --- names -------------------------------------------------------------------------------
     @property

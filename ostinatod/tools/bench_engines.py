@@ -98,7 +98,7 @@ def prepare_model(a: argparse.Namespace) -> Path:
         if not Path(a.model).is_file():
             raise BenchError(f"model not found: {a.model}")
         return Path(a.model).resolve()
-    from .synth import write_synthetic_moe
+    from ..synth.writer import write_synthetic_moe
 
     d = get_paths().models_dir
     d.mkdir(parents=True, exist_ok=True)
@@ -164,8 +164,8 @@ def collect_dev_traces(model: Path, block: dict[str, Any], dev: list[dict], a: a
                        run_dir: Path, workload: str):
     """Replay ``a.dev_turns`` turns of each dev session through the Ostinato engine in this process
     (all experts cold: an empty residency set) and return the accumulated :class:`Trace`."""
-    from ..engine.residency import make_residency, write_residency
-    from ..engine.traces import Trace
+    from ..residency.sets import make_residency, write_residency
+    from ..residency.traces import Trace
     from ..engine.types import GenRequest
     from ..engine.worker import Worker
     from ..settings import load_settings
@@ -194,7 +194,7 @@ def collect_dev_traces(model: Path, block: dict[str, Any], dev: list[dict], a: a
                                  temperature=0.0, workload=workload)
                 done = _run_one(w, req)
                 ex = done.get("experts") or {}
-                from ..engine.traces import counts_from_stats
+                from ..residency.traces import counts_from_stats
 
                 pre, dec = counts_from_stats(ex, block["n_layer"], block["n_expert"])
                 trace.add_counts(pre, dec)
@@ -232,7 +232,7 @@ def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str,
          budget_frac: Optional[float] = None, file_name: str = "residency.json") -> tuple[dict, Path, dict]:
     """Plan the residency set at ``budget_frac`` (default ``a.budget_frac``); returns (residency,
     path, stock placement at equal memory)."""
-    from ..engine.planner import plan_residency, read_model_shape, resolve_gpus, write_residency
+    from ..residency.planner import plan_residency, read_model_shape, resolve_gpus, write_residency
 
     shape = read_model_shape(model)
     frac = a.budget_frac if budget_frac is None else budget_frac
@@ -337,7 +337,7 @@ def gpu_env(a: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     n = str(getattr(a, "gpus", 1))
     if "CUDA_VISIBLE_DEVICES" in env or not n.isdigit():
         return env
-    from ..engine.planner import detect_gpus
+    from ..residency.planner import detect_gpus
 
     if len(detect_gpus()) > int(n):
         env = dict(env, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(int(n))))
@@ -352,7 +352,7 @@ def limit_fit(model: Path, a: argparse.Namespace, gpus: Optional[list] = None) -
 
     Returns ``{"run": bool, "gpu": bool (False: no GPU, runs CPU-only), "need_bytes", "free_bytes",
     "note": str or None}``."""
-    from ..engine.planner import detect_gpus, estimate_gpu_need, read_model_shape
+    from ..residency.planner import detect_gpus, estimate_gpu_need, read_model_shape
 
     found = detect_gpus() if gpus is None else gpus
     n = str(getattr(a, "gpus", 1))
@@ -774,7 +774,7 @@ def machine_info() -> dict[str, Any]:
     """CPU, RAM and GPUs of this machine (psutil, pynvml)."""
     import psutil
 
-    from ..engine.planner import detect_gpus
+    from ..residency.planner import detect_gpus
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -1003,7 +1003,7 @@ class Estimator:
 def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, Any]:
     """The whole benchmark; returns the result dict. ``on_progress(result)`` gets the result so far
     after every engine (``main`` writes it, so that an interrupted run keeps what it measured)."""
-    from ..engine.planner import read_model_shape
+    from ..residency.planner import read_model_shape
 
     t_start = time.monotonic()
     if a.layers is None and a.shape == "qwen3-30b-a3b" and not a.model:

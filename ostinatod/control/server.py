@@ -22,9 +22,9 @@ GET  /requests?limit=N     active and recent request records
 GET  /events?interval=S    live stream: one :func:`metrics_snapshot` per line (NDJSON)
 =========================  ==================================================================
 
-Pieces that other modules provide (planner, residency fingerprints) are looked up when called; when
-one is missing the route answers 501 ``not_implemented``. A residency switch on an engine that runs
-without the expert engine (stock placement) answers 409 ``residency_unavailable`` saying why.
+Residency routes go through the daemon's residency desk (:class:`ostinatod.desk.ResidencyDesk`);
+snapshots are built by :mod:`.snapshots`. A residency switch on an engine that runs without the
+expert engine (stock placement) answers 409 ``residency_unavailable`` saying why.
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import psutil
 from aiohttp import web
+
+from ..desk import DeskError
+from ..engine.types import EngineError
+from .snapshots import _ctl, expert_view, metrics_snapshot
 
 log = logging.getLogger("ostinatod.control")
 
@@ -53,7 +56,7 @@ class ControlError(Exception):
         self.status, self.code, self.message = status, code, message
 
 
-def _err(e: ControlError) -> web.Response:
+def _err(e: ControlError | DeskError) -> web.Response:
     return web.json_response({"error": {"code": e.code, "message": e.message}}, status=e.status)
 
 
@@ -61,7 +64,7 @@ def _err(e: ControlError) -> web.Response:
 async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
-    except ControlError as e:
+    except (ControlError, DeskError) as e:
         return _err(e)
     except web.HTTPException as e:  # unknown route / method: JSON too
         if e.status < 400:
@@ -88,258 +91,7 @@ def _state(request: web.Request):
     return request.app[STATE_KEY]
 
 
-# --- snapshots -----------------------------------------------------------------------------------
-
-_nvml_ok: Optional[bool] = None
-
-
-def gpu_memory() -> list[dict[str, Any]]:
-    """Per NVIDIA GPU ``{"index", "name", "total_bytes", "used_bytes"}`` (NVML); [] without one."""
-    global _nvml_ok
-    if _nvml_ok is False:
-        return []
-    try:
-        import pynvml
-        if not _nvml_ok:
-            pynvml.nvmlInit()
-            _nvml_ok = True
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            m = pynvml.nvmlDeviceGetMemoryInfo(h)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                        "total_bytes": int(m.total), "used_bytes": int(m.used)})
-        return out
-    except Exception:
-        _nvml_ok = False
-        return []
-
-
-def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
-    """The expert-path figures the UIs show, from the engine's ``stats()``.
-
-    Accepts the counters either at the top level or under ``"experts"`` (the ExpertRuntime's
-    ``stats()`` as the worker embeds it). Returns ``{"mode", "hot_route_share" (0..1 or None),
-    "per_layer_hot_share" ([float] or None), "paths" ({"decode", "split", "upload", "stock"}
-    counts), "routes", "hot_routes", "cold_routes", "residency" (path of the active set or None),
-    "workload" (of the active set or None), "hot_experts", "pool_bytes", "pools" (per device:
-    ``{gpu, device, bytes, hot_experts}`` or None), "switches" (swaps since the model was loaded),
-    "auto_switch" (setting residency_auto_switch)}``.
-    """
-    ex = stats.get("experts") if isinstance(stats.get("experts"), dict) else stats
-    paths = ex.get("paths") or ex.get("path_counts") or {}
-    hot, routes = ex.get("hot_routes"), ex.get("routes")
-    share = ex.get("hot_route_share")
-    if share is None and routes:
-        share = (hot or 0) / routes
-    per_layer = ex.get("per_layer_hot_share") or ex.get("hot_route_share_per_layer")
-    return {
-        "mode": ex.get("mode") or stats.get("experts_mode"),
-        "hot_route_share": share,
-        "per_layer_hot_share": per_layer,
-        "paths": {k: int(paths.get(k, 0) or 0) for k in ("decode", "split", "upload", "stock")},
-        "routes": routes, "hot_routes": hot, "cold_routes": ex.get("cold_routes"),
-        "residency": ex.get("residency") or ex.get("residency_path"),
-        "workload": ex.get("workload"),
-        "hot_experts": ex.get("hot_experts"), "pool_bytes": ex.get("pool_bytes"),
-        "pools": ex.get("pools"), "switches": ex.get("switches"), "auto_switch": ex.get("auto_switch"),
-    }
-
-
-async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
-    """One JSON snapshot for the TUI/tray: ``{"time", "engine_state", "model", "workload",
-    "paused", "requests": {"active", "total", "recent": [{"id", "workload", "status", "ttft_s",
-    "tpot_s", "prompt_tokens", "cached_tokens", "completion_tokens", "residency_switch_s"}]},
-    "experts": :func:`expert_view`, "last_residency_switch": the last swap (see
-    DaemonState.note_residency_switch) or None, "engine": raw ``stats()``, "memory": {"host":
-    {"total_bytes", "available_bytes", "daemon_rss_bytes" (daemon + engine worker)}, "gpus":
-    :func:`gpu_memory`}}``. Times in seconds."""
-    stats: dict[str, Any] = {}
-    if state.engine is not None and state.engine_state == "ready":
-        try:
-            stats = await asyncio.wait_for(state.engine.stats(), 5) or {}
-            state.metrics.set_engine_stats(stats)
-        except Exception as e:  # a crashed/restarting worker: report, do not fail the snapshot
-            stats = {"error": f"{type(e).__name__}: {e}"}
-    keys = ("id", "workload", "status", "ttft_s", "tpot_s", "prompt_tokens", "cached_tokens",
-            "completion_tokens", "client", "residency_switch_s")
-    rec = [{k: r.get(k) for k in keys} for r in list(state.recent)[-recent:]]
-    vm = psutil.virtual_memory()
-    ex = expert_view(stats)
-    if ex["per_layer_hot_share"] is None:  # file reads (and a first fingerprint) off the loop
-        ex["per_layer_hot_share"] = await asyncio.get_running_loop().run_in_executor(
-            None, _per_layer_from_traces, state, ex.get("workload"), ex.get("residency"))
-        ex["per_layer_source"] = "traces" if ex["per_layer_hot_share"] else None
-    else:
-        ex["per_layer_source"] = "engine"
-    return {
-        "time": time.time(),
-        "engine_state": state.engine_state,
-        "model": {"id": state.model_name, **state.model_info},
-        **_current_workload(state, ex),
-        "paused": _ctl(state).get("paused_model") is not None,
-        "phase": getattr(state, "phase", None),
-        "last_residency_switch": state.last_residency_switch,
-        "requests": {"active": len(state.active), "total": len(state.recent) + len(state.active),
-                     "active_list": [{k: r.get(k) for k in keys} for r in state.active.values()],
-                     "recent": rec},
-        "experts": ex,
-        "engine": stats,
-        "memory": {"host": {"total_bytes": vm.total, "available_bytes": vm.available,
-                            "daemon_rss_bytes": _rss_with_children()},
-                   "gpus": gpu_memory()},
-    }
-
-
-def _current_workload(state, ex: dict[str, Any]) -> dict[str, Any]:
-    """``{"workload", "workload_source", "workload_counts"}``: the workload the engine's residency
-    set serves if it says, else that of the running/latest request, else the default; and how many
-    of the recent requests each workload had."""
-    counts: dict[str, int] = {}
-    for r in state.recent:
-        w = r.get("workload") or "?"
-        counts[w] = counts.get(w, 0) + 1
-    latest = [r for r in state.active.values()] or list(state.recent)[-1:]
-    if ex.get("workload"):
-        cur, src = ex["workload"], "engine"
-    elif latest and latest[-1].get("workload"):
-        cur, src = latest[-1]["workload"], "requests"
-    else:
-        cur, src = state.settings.workload_default, "default"
-    return {"workload": cur, "workload_source": src, "workload_counts": counts}
-
-
-def _rss_with_children() -> int:
-    """Resident bytes of the daemon and its children (the engine worker subprocess)."""
-    me = psutil.Process()
-    total = me.memory_info().rss
-    for c in me.children(recursive=True):
-        try:
-            total += c.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
-
-
-def _ctl(state) -> dict[str, Any]:
-    """Control-API private state kept on the DaemonState object (paused model path)."""
-    d = state.__dict__.get("_control")
-    if d is None:
-        d = state.__dict__["_control"] = {"paused_model": None}
-    return d
-
-
-_layer_cache: dict[tuple, Optional[list[float]]] = {}
-
-
-def _per_layer_from_traces(state, workload: Optional[str], residency: Optional[str] = None
-                           ) -> Optional[list[float]]:
-    """Per-layer hot-route share of the current residency set (``residency``, the path the engine
-    reports, else the workload's planned set) over the workload's routing trace:
-    ``sum(counts[l, hot_l]) / sum(counts[l])`` for each layer l (Rule 1's objective per layer,
-    paper Sec. 3.1). Used when the engine reports no per-layer figure. Cached per file mtimes;
-    None when there is no model, set or trace."""
-    try:
-        path = state.model_info.get("path")
-        if not path:
-            return None
-        import numpy as np
-        fp = _fingerprint_nowait(Path(path))
-        if fp is None:  # still being computed in the background: no figure this time
-            return None
-        wl = workload or state.settings.workload_default
-        rpath = Path(residency) if residency else state.paths.residency_dir / fp / f"{wl}.json"
-        tpath = state.paths.traces_dir / fp / f"{wl}.json"
-        if not rpath.is_file() or not tpath.is_file():
-            return None
-        key = (str(rpath), rpath.stat().st_mtime, str(tpath), tpath.stat().st_mtime)
-        if key not in _layer_cache:
-            res, tr = json.loads(rpath.read_text()), json.loads(tpath.read_text())
-            counts = np.asarray(tr["counts_prefill"], dtype=np.float64) + np.asarray(tr["counts_decode"])
-            hot = np.zeros_like(counts, dtype=bool)
-            for g in res.get("gpus", []):
-                for layer, ids in g.get("hot", {}).items():
-                    hot[int(layer), list(ids)] = True
-            tot = counts.sum(axis=1)
-            share = np.where(tot > 0, (counts * hot).sum(axis=1) / np.maximum(tot, 1), 0.0)
-            _layer_cache.clear()
-            _layer_cache[key] = [round(float(x), 4) for x in share]
-        return _layer_cache[key]
-    except Exception as e:  # stale/odd files must not break the live snapshot
-        log.debug("per-layer share from traces: %s", e)
-        return None
-
-
-_fp_cache: dict[tuple, str] = {}
-
-
-def _cached_fingerprint(path: Path) -> str:
-    """Model fingerprint, cached per (path, size, mtime): reading a GGUF's metadata with the
-    gguf package takes tens of seconds for a 150K-token vocabulary on 2 cores."""
-    from .engine.residency import model_fingerprint
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime)
-    if key not in _fp_cache:
-        _fp_cache[key] = model_fingerprint(path)
-    return _fp_cache[key]
-
-
 # --- residency helpers ---------------------------------------------------------------------------
-
-def _model_path(state) -> Path:
-    p = state.model_info.get("path") or state.settings.model
-    if not p:
-        raise ControlError(409, "model_not_loaded", "no model is loaded")
-    return Path(p)
-
-
-_fp_pending: set = set()
-_fp_lock = __import__("threading").Lock()
-
-
-def _fingerprint_nowait(path: Path) -> Optional[str]:
-    """The cached fingerprint, or None while a background thread computes it (started here once),
-    so live snapshots never wait the tens of seconds a first GGUF metadata read can take."""
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime)
-    if key in _fp_cache:
-        return _fp_cache[key]
-    with _fp_lock:
-        if key in _fp_pending:
-            return None
-        _fp_pending.add(key)
-
-    def work():
-        try:
-            _cached_fingerprint(path)
-        except Exception as e:  # unreadable model: no per-layer figures
-            log.debug("fingerprint of %s: %s", path, e)
-    __import__("threading").Thread(target=work, name="fingerprint", daemon=True).start()
-    return None
-
-
-async def _fingerprint(state) -> str:
-    """Model fingerprint of the loaded model (engine.residency), computed off the event loop."""
-    path = _model_path(state)
-    try:
-        import importlib
-        importlib.import_module("ostinatod.engine.residency")
-    except ImportError:
-        raise ControlError(501, "not_implemented", "residency sets are not available in this build")
-    try:
-        return await asyncio.get_running_loop().run_in_executor(None, _cached_fingerprint, path)
-    except (OSError, ValueError) as e:
-        raise ControlError(409, "model_unreadable", str(e))
-
-
-def _list_json(d: Path) -> list[dict[str, Any]]:
-    out = []
-    for f in sorted(d.glob("*.json")) if d.is_dir() else []:
-        st = f.stat()
-        out.append({"workload": f.stem, "path": str(f), "modified": st.st_mtime, "bytes": st.st_size})
-    return out
-
 
 def _workload_name(name: Any) -> str:
     if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
@@ -406,7 +158,6 @@ def _check_gguf(path: Path) -> Path:
 async def _reload(st, path: Optional[Path]) -> None:
     if st.reload is None:
         raise ControlError(501, "not_implemented", "this daemon cannot load or unload models")
-    from .engine.types import EngineError
     try:
         await st.reload(path)
     except EngineError as e:  # the daemon keeps running without a model; say why
@@ -472,24 +223,13 @@ async def h_residency(request: web.Request) -> web.Response:
     out["background_replan"] = {"idle_s": st.settings.replan_idle_s, "growth": st.settings.replan_growth,
                                 "planned": rp.planned[-10:] if rp else []}
     try:
-        fp = await _fingerprint(st)
-    except ControlError as e:
+        fp = await st.desk.fingerprint()
+    except DeskError as e:
         out["sets"], out["traces"], out["note"] = [], [], e.message
         return web.json_response(out)
     out["fingerprint"] = fp
-    out["sets"] = _list_json(st.paths.residency_dir / fp)
-    out["traces"] = _list_json(st.paths.traces_dir / fp)
+    out.update(st.desk.listing(fp))
     return web.json_response(out)
-
-
-async def _flush_traces(st) -> None:
-    """Ask the engine to write its pending routing counts, so a plan sees the latest requests."""
-    fn = getattr(st.engine, "flush_traces", None) if st.engine is not None else None
-    if fn is not None and st.engine_state == "ready":
-        try:
-            await asyncio.wait_for(fn(), 30)
-        except Exception as e:  # plan from what is on disk
-            log.warning("flushing routing traces before planning: %s", e)
 
 
 async def h_plan(request: web.Request) -> web.Response:
@@ -499,22 +239,15 @@ async def h_plan(request: web.Request) -> web.Response:
     st = _state(request)
     body = await _body(request)
     workload = _workload_name(body.get("workload") or st.settings.workload_default)
+    model = st.desk.model_path()
+    await st.desk.flush_traces()
     try:
-        from .engine.planner import plan_for_model
-    except ImportError:
-        raise ControlError(501, "not_implemented", "the residency planner is not available in this build")
-    model = _model_path(st)
-    await _flush_traces(st)
-    t0 = time.perf_counter()
-    try:
-        res, path = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_for_model(
-            model, workload, budget_frac=st.settings.expert_budget_frac,
-            budget_mb=st.settings.expert_budget_mb, data_dir=st.paths.data))
+        res, path, secs = await st.desk.plan(model, workload)
     except ValueError as e:  # PlanError / TraceError: missing traces, budget too small, ...
         code = "no_traces" if "no routing traces" in str(e) else "plan_failed"
         raise ControlError(404 if code == "no_traces" else 400, code, str(e))
     out = {"ok": True, "workload": workload, "path": str(path),
-           "seconds": round(time.perf_counter() - t0, 3),
+           "seconds": round(secs, 3),
            "expected_hot_route_share": (res.get("plan") or {}).get("expected_hot_route_share")}
     return web.json_response(out)
 
@@ -536,30 +269,25 @@ async def h_switch(request: web.Request) -> web.Response:
         workload = body.get("workload") and _workload_name(body["workload"])
     else:
         workload = _workload_name(body.get("workload"))
-        path = st.paths.residency_dir / (await _fingerprint(st)) / f"{workload}.json"
+        path = st.desk.set_path(await st.desk.fingerprint(), workload)
     if not path.is_file():
         raise ControlError(404, "residency_not_found",
                            f"no residency set {path}" + (f"; plan one first: ostinato residency plan "
                                                          f"{workload}" if workload else ""))
-    fn = getattr(st.engine, "switch_residency", None) if st.engine is not None else None
     if st.engine is None or st.engine_state != "ready":
         raise ControlError(409, "model_not_loaded", f"engine is {st.engine_state}")
-    if fn is None:
-        raise ControlError(501, "not_implemented", "the loaded engine cannot swap residency sets")
-    from .engine.types import EngineError
     try:
-        info = await fn(path, reason="control")
+        info = await st.desk.switch(path, reason="control")
     except EngineError as e:  # refused (another model's set, stock engine, ...): old set stays active
         raise ControlError(e.status if 400 <= e.status < 600 else 500, e.code, e.message)
     if workload:
         st.settings.workload_default = workload
-    st.note_residency_switch(info)
     return web.json_response({"ok": True, **info})
 
 
 async def h_profile(request: web.Request) -> web.Response:
     """GET /profile: the stored hardware profile (404 before the first one)."""
-    from .profile import load_profile
+    from ..profile import load_profile
     p = load_profile(_state(request).paths.hardware_profile)
     if p is None:
         raise ControlError(404, "no_profile", "no hardware profile yet; run 'ostinato profile'")
@@ -611,31 +339,27 @@ async def h_events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+ROUTES = [("GET", "/status", h_status), ("GET", "/models", h_models),
+          ("POST", "/models/load", h_load), ("POST", "/models/unload", h_unload),
+          ("POST", "/pause", h_pause), ("POST", "/resume", h_resume),
+          ("GET", "/residency", h_residency), ("POST", "/residency/plan", h_plan),
+          ("POST", "/residency/switch", h_switch), ("GET", "/profile", h_profile),
+          ("GET", "/metrics", h_metrics), ("GET", "/requests", h_requests), ("GET", "/events", h_events)]
+
+
 def make_app(state) -> web.Application:
     """The control API as an aiohttp application bound to ``state`` (a DaemonState)."""
     app = web.Application(middlewares=[_errors])
     app[STATE_KEY] = state
-    r = app.router
-    r.add_get("/status", h_status)
-    r.add_get("/models", h_models)
-    r.add_post("/models/load", h_load)
-    r.add_post("/models/unload", h_unload)
-    r.add_post("/pause", h_pause)
-    r.add_post("/resume", h_resume)
-    r.add_get("/residency", h_residency)
-    r.add_post("/residency/plan", h_plan)
-    r.add_post("/residency/switch", h_switch)
-    r.add_get("/profile", h_profile)
-    r.add_get("/metrics", h_metrics)
-    r.add_get("/requests", h_requests)
-    r.add_get("/events", h_events)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
     return app
 
 
 def _first_start_profile(path: Path) -> None:
     """Hardware profile at daemon start (first start or changed hardware); logs, never raises."""
     try:
-        from .profile import ensure_profile
+        from ..profile import ensure_profile
         p = ensure_profile(path, recalibrate=False)
         if p.get("changed"):
             cal = p.get("calibration") or {}
@@ -665,7 +389,7 @@ async def start_control_server(state, path: Optional[Path] = None, replan: bool 
         path.unlink()
     app = make_app(state)
     if replan:
-        from .workload import Replanner
+        from ..workload import Replanner
         rp = Replanner(state)
         _ctl(state)["replanner"] = rp
 

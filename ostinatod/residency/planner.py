@@ -26,194 +26,32 @@ import argparse
 import datetime as _dt
 import json
 import logging
-import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..paths import get_paths
+from ..hardware import GpuSpec, detect_gpus
+from ..paths import residency_file
+from .model import ModelInfo, describe_model, require_arch
+from .sets import RESIDENCY_FORMAT, write_residency
 from .traces import Trace, TraceError, load_traces, trace_path
 
 log = logging.getLogger(__name__)
 
-RESIDENCY_FORMAT = "ostinato-residency/1"
 MiB = 1 << 20
 DEFAULT_MARGIN_MB = 1024  # kept free at peak on every GPU (capacity test)
-_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_[a-z_]*exps\.(weight|bias)$")
 
 
 class PlanError(ValueError):
     """The plan cannot be made (no traces, capacity test failed, bad arguments)."""
 
 
-# --------------------------------------------------------------------------------------------
-# Model shape from the GGUF
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class ModelShape:
-    """What the planner needs to know about a model (sizes in bytes, counts in tokens/experts).
-
-    ``expert_bytes[l]``: bytes of ONE expert of layer l (all its ``*_exps`` tensors / n_expert), 0
-    for dense layers. ``size_class[l]``: string key of the layer's expert tensor types and shapes
-    (experts of one class can share pool slots). ``dense_layer_bytes[l]``: non-expert bytes of layer l;
-    ``other_bytes``: tensors outside the layers (output head, norms; token_embd excluded: llama.cpp
-    keeps it on the host). ``kv_bytes_per_token``: K+V bytes per token over all layers (f16 cache).
-    """
-
-    fingerprint: str
-    name: str
-    arch: str
-    n_layer: int
-    n_expert: int
-    n_expert_used: int
-    n_embd: int = 0
-    n_vocab: int = 0
-    n_head: int = 0
-    n_ff_exp: int = 0
-    expert_bytes: list[int] = field(default_factory=list)
-    size_class: list[str] = field(default_factory=list)
-    dense_layer_bytes: list[int] = field(default_factory=list)
-    other_bytes: int = 0
-    kv_bytes_per_token: int = 0
-
-    def model_block(self) -> dict[str, Any]:
-        """The shared ``model`` block of trace and residency files."""
-        return {"fingerprint": self.fingerprint, "name": self.name, "arch": self.arch,
-                "n_layer": self.n_layer, "n_expert": self.n_expert,
-                "n_expert_used": self.n_expert_used}
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return [l for l in range(self.n_layer) if self.expert_bytes[l] > 0]
-
-    @property
-    def total_expert_bytes(self) -> int:
-        return sum(b * self.n_expert for b in self.expert_bytes)
-
-
-def _fingerprint(path: Path) -> str:
-    from .residency import model_fingerprint  # the one definition (shared file format)
-
-    return model_fingerprint(path)
-
-
-_SHAPES: dict[tuple[str, int, int], ModelShape] = {}
-
-
-def read_model_shape(path: Path) -> ModelShape:
-    """Read a GGUF's MoE shape and tensor sizes with the ``gguf`` package (no weights are read).
-
-    Cached per (path, size, mtime) in this process: parsing a GGUF's metadata with a 150K-token
-    vocabulary takes seconds. Raises ValueError for a file that is missing or not a GGUF, or has
-    no architecture key.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"model file not found: {path}")
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _SHAPES:
-        _SHAPES[key] = _read_model_shape(path)
-    return _SHAPES[key]
-
-
-def _read_model_shape(path: Path) -> ModelShape:
-    from .gguf_header import read_header
-
-    try:
-        hdr = read_header(path)
-    except (OSError, ValueError) as e:  # foreign or truncated file
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
-
-    def kv(key: str, default: Any = None) -> Any:
-        v = hdr.kv.get(key)
-        return default if v is None else v
-
-    arch = kv("general.architecture")
-    if not arch:
-        raise ValueError(f"{path}: GGUF has no general.architecture")
-    n_layer = int(kv(f"{arch}.block_count", 0))
-    n_expert = int(kv(f"{arch}.expert_count", 0) or 0)
-    n_used = int(kv(f"{arch}.expert_used_count", 0) or 0)
-    n_embd = int(kv(f"{arch}.embedding_length", 0) or 0)
-    n_head = kv(f"{arch}.attention.head_count", 0) or 0
-    n_head_kv = kv(f"{arch}.attention.head_count_kv", n_head) or n_head
-    n_head = int(max(n_head) if isinstance(n_head, list) else n_head)
-    heads_kv = (list(n_head_kv) if isinstance(n_head_kv, list) else [int(n_head_kv)] * n_layer)
-    head_dim = n_embd // n_head if n_head else 0
-    k_len = int(kv(f"{arch}.attention.key_length", head_dim) or head_dim)
-    v_len = int(kv(f"{arch}.attention.value_length", head_dim) or head_dim)
-    kv_per_token = sum(int(h) * (k_len + v_len) * 2 for h in heads_kv[:n_layer])
-
-    exp_bytes = [0] * n_layer
-    dense = [0] * n_layer
-    classes: list[list[str]] = [[] for _ in range(n_layer)]
-    other = 0
-    n_vocab = 0
-    n_ff_exp = int(kv(f"{arch}.expert_feed_forward_length", 0) or 0)
-    for t in hdr.tensors:
-        m = _EXPS_RE.match(t.name)
-        if t.name == "token_embd.weight":
-            n_vocab = int(t.shape[-1]) if len(t.shape) > 1 else 0
-            continue
-        if m and n_expert:
-            l = int(m.group(1))
-            exp_bytes[l] += int(t.n_bytes)
-            classes[l].append(f"{t.name.split('.', 2)[2]}:{t.type_name}:"
-                              f"{'x'.join(str(int(s)) for s in t.shape)}")
-        elif t.name.startswith("blk."):
-            dense[int(t.name.split(".")[1])] += int(t.n_bytes)
-        else:
-            other += int(t.n_bytes)
-    exp_bytes = [b // n_expert if n_expert else 0 for b in exp_bytes]
-    return ModelShape(
-        fingerprint=_fingerprint(path), name=str(kv("general.name", path.stem)), arch=str(arch),
-        n_layer=n_layer, n_expert=n_expert, n_expert_used=n_used, n_embd=n_embd, n_vocab=n_vocab,
-        n_head=n_head, n_ff_exp=n_ff_exp, expert_bytes=exp_bytes,
-        size_class=["|".join(sorted(c)) for c in classes], dense_layer_bytes=dense,
-        other_bytes=other, kv_bytes_per_token=kv_per_token)
-
-
-# --------------------------------------------------------------------------------------------
-# GPUs
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class GpuSpec:
-    """One GPU for planning. ``free_bytes`` None = unknown (emulated GPU: budget alone decides)."""
-
-    device: int
-    free_bytes: Optional[int] = None
-    name: str = ""
-
-
-def detect_gpus() -> list[GpuSpec]:
-    """NVIDIA GPUs with their free memory, via nvidia-ml-py; [] when there is none or no driver."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append(GpuSpec(i, int(pynvml.nvmlDeviceGetMemoryInfo(h).free),
-                               name.decode() if isinstance(name, bytes) else str(name)))
-        return out
-    except Exception:
-        return []
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+def read_model_shape(path: Path) -> ModelInfo:
+    """The model description the planner works with (:func:`describe_model`; cached). Raises
+    ValueError for a file that is missing or not a GGUF, or has no architecture key."""
+    return require_arch(describe_model(path))
 
 
 def resolve_gpus(gpus: str | int) -> list[GpuSpec]:
@@ -265,7 +103,7 @@ def split_layers(n_layer: int, weights: Sequence[float]) -> list[list[int]]:
 # Capacity test and fill
 # --------------------------------------------------------------------------------------------
 
-def estimate_gpu_need(shape: ModelShape, layers: Sequence[int], max_tokens: int, *,
+def estimate_gpu_need(shape: ModelInfo, layers: Sequence[int], max_tokens: int, *,
                       n_ubatch: int = 512, last: bool = False) -> dict[str, int]:
     """Bytes a GPU needs besides its expert pool to run a ``max_tokens`` request (estimates).
 
@@ -336,7 +174,7 @@ def hot_route_share(counts: np.ndarray, hot: dict[int, Sequence[int]] | list[dic
     return float(h / total)
 
 
-def plan_residency(shape: ModelShape, dev: Trace, *, workload: str,
+def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
                    gpus: Sequence[GpuSpec], budget_frac: Optional[float] = None,
                    budget_mb: Optional[int] = None, margin_mb: int = DEFAULT_MARGIN_MB,
                    n_ubatch: int = 512, heldout: Optional[Trace] = None,
@@ -418,17 +256,8 @@ def plan_residency(shape: ModelShape, dev: Trace, *, workload: str,
 
 
 def residency_path(fingerprint: str, workload: str, data_dir: Optional[Path] = None) -> Path:
-    """Default residency-set path: ``<data>/residency/<fingerprint>/<workload>.json``."""
-    base = Path(data_dir) / "residency" if data_dir else get_paths().residency_dir
-    return base / fingerprint / f"{workload}.json"
-
-
-def write_residency(res: dict[str, Any], path: Path) -> Path:
-    """Validate (structure) and write a residency set atomically via
-    :func:`ostinatod.engine.residency.write_residency`; returns the path."""
-    from .residency import write_residency as _write
-
-    return _write(res, Path(path))
+    """Default residency-set path (:func:`ostinatod.paths.residency_file`)."""
+    return residency_file(fingerprint, workload, data_dir)
 
 
 def plan_for_model(model_path: Path, workload: str, *, traces: Sequence[Path] = (),

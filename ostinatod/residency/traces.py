@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
-from ..paths import get_paths
+from ..paths import trace_file
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,7 @@ class TraceError(ValueError):
 
 def trace_path(fingerprint: str, workload: str, data_dir: Optional[Path] = None) -> Path:
     """Path of the trace file of one model fingerprint and workload (under ``<data>/traces``)."""
-    base = Path(data_dir) / "traces" if data_dir else get_paths().traces_dir
-    return base / fingerprint / f"{_safe_name(workload)}.json"
+    return trace_file(fingerprint, _safe_name(workload), data_dir)
 
 
 def _safe_name(workload: str) -> str:
@@ -334,18 +333,6 @@ class TraceRecorder:
 
     def close(self) -> None:
         self.flush()
-
-
-def model_block(model_path: Path) -> dict[str, Any]:
-    """The ``model`` block of traces and residency sets for a GGUF file.
-
-    Returns {"fingerprint", "name", "arch", "n_layer", "n_expert", "n_expert_used"}. The fingerprint
-    comes from :func:`ostinatod.engine.residency.model_fingerprint`. Raises ValueError for a file
-    that is not a readable GGUF.
-    """
-    from .residency import model_block as _block
-
-    return _block(model_path)
 
 
 def load_traces(paths: Iterable[Path], fingerprint: Optional[str] = None) -> Trace:

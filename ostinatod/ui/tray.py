@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from ostinatod.ctl import ControlAPIError, DaemonNotRunning, call
+from ..control.client import ControlAPIError, DaemonNotRunning, call
 
 log = logging.getLogger("ostinatod.tray")
 
@@ -200,7 +200,7 @@ class TrayApp:
 
     def view_logs(self) -> None:
         """Open the daemon log with the desktop's viewer (xdg-open / open), else in a terminal."""
-        from ostinatod.paths import get_paths
+        from ..paths import get_paths
         path = str(get_paths().log_file)
         op = _opener()
         cmd = [op, path] if op else _terminal_command(["less", "+F", path])

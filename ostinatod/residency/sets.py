@@ -2,7 +2,7 @@
 
 A residency set names, per GPU, the (layer, expert) pairs that are *hot*: copied into that GPU's
 expert pool at load and computed there in every forward pass (arXiv 2611.11533, Section 2; the
-planner that writes them is :mod:`ostinatod.engine.planner`). File, under
+planner that writes them is :mod:`ostinatod.residency.planner`). File, under
 ``<data>/residency/<fingerprint>/<workload>.json``::
 
     {"format": "ostinato-residency/1",
@@ -18,14 +18,14 @@ A set whose fingerprint differs from the loaded model's is refused (:class:`Resi
 from __future__ import annotations
 
 import datetime as _dt
-import functools
-import hashlib
 import json
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from .model import ModelFileError, describe_model, require_arch
 
 RESIDENCY_FORMAT = "ostinato-residency/1"
 
@@ -34,56 +34,20 @@ class ResidencyError(ValueError):
     """A residency set that cannot be used: unreadable, malformed, or for another model."""
 
 
-def _file_key(path: Path) -> tuple[str, int, int]:
-    path = Path(path)
-    try:
-        st = path.stat()
-    except OSError as e:
-        raise ResidencyError(f"model file not found: {path}") from e
-    return (str(path.resolve()), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=16)
-def _model_block_cached(key: tuple[str, int, int]) -> tuple[tuple[str, Any], ...]:
-    from .gguf_header import read_header
-
-    path = Path(key[0])
-    try:
-        hdr = read_header(path)
-    except (OSError, ValueError) as e:  # foreign, truncated or vanished file
-        raise ResidencyError(f"{path}: not a readable GGUF file ({e})") from e
-    arch = hdr.arch
-    if not arch:
-        raise ResidencyError(f"{path}: GGUF has no general.architecture")
-    h = hashlib.sha256()
-    for k in ("block_count", "expert_count", "expert_used_count"):
-        h.update(f"{k}={hdr.arch_kv(k)};".encode())
-    h.update(f"arch={arch};".encode())
-    for t in hdr.tensors:
-        # gguf's reader lists shapes in ggml order, as read_header does
-        h.update(f"{t.name}:{list(t.shape)}:{t.ggml_type};".encode())
-    return (("fingerprint", h.hexdigest()), ("name", str(hdr.kv.get("general.name") or path.stem)),
-            ("arch", arch), ("n_layer", int(hdr.arch_kv("block_count") or 0)),
-            ("n_expert", int(hdr.arch_kv("expert_count") or 0)),
-            ("n_expert_used", int(hdr.arch_kv("expert_used_count") or 0)))
-
-
 def model_fingerprint(path: Path) -> str:
-    """Hex sha256 identifying a GGUF model independently of its path.
-
-    Hashes the architecture, ``<arch>.block_count``, ``expert_count``, ``expert_used_count`` and every
-    tensor's name, shape and type (read with the ``gguf`` package; no weights are read), so copies of
-    the same file agree and a re-quantised file differs. Cached per (path, mtime, size): parsing a
-    GGUF's 150k-token vocabulary takes seconds even with the fast header reader. Raises ResidencyError for a missing or unreadable
-    file.
-    """
+    """Hex sha256 identifying a GGUF model independently of its path (see
+    :class:`~ostinatod.residency.model.ModelInfo`). Raises ResidencyError for a missing or
+    unreadable file."""
     return model_block(path)["fingerprint"]
 
 
 def model_block(path: Path) -> dict[str, Any]:
     """The ``model`` block of residency and trace files for a GGUF:
     ``{"fingerprint", "name", "arch", "n_layer", "n_expert", "n_expert_used"}``. Raises ResidencyError."""
-    return dict(_model_block_cached(_file_key(path)))
+    try:
+        return require_arch(describe_model(path)).model_block()
+    except ModelFileError as e:
+        raise ResidencyError(str(e)) from e
 
 
 @dataclass

@@ -1,0 +1,130 @@
+"""Live snapshots of the daemon for the UIs: ``GET /metrics``, ``GET /events``, ``GET /status``.
+
+:func:`metrics_snapshot` is what the TUI and the tray show; :func:`expert_view` the expert-path
+figures of the engine's stats. Built from the daemon state, the engine's ``stats()``, the
+residency desk (per-layer figures from traces) and :mod:`ostinatod.hardware` (GPU memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import psutil
+
+from ..hardware import gpu_memory
+
+
+def _ctl(state) -> dict[str, Any]:
+    """Control-API private state kept on the DaemonState object (paused model path)."""
+    d = state.__dict__.get("_control")
+    if d is None:
+        d = state.__dict__["_control"] = {"paused_model": None}
+    return d
+
+
+def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
+    """The expert-path figures the UIs show, from the engine's ``stats()``.
+
+    Accepts the counters either at the top level or under ``"experts"`` (the ExpertRuntime's
+    ``stats()`` as the worker embeds it). Returns ``{"mode", "hot_route_share" (0..1 or None),
+    "per_layer_hot_share" ([float] or None), "paths" ({"decode", "split", "upload", "stock"}
+    counts), "routes", "hot_routes", "cold_routes", "residency" (path of the active set or None),
+    "workload" (of the active set or None), "hot_experts", "pool_bytes", "pools" (per device:
+    ``{gpu, device, bytes, hot_experts}`` or None), "switches" (swaps since the model was loaded),
+    "auto_switch" (setting residency_auto_switch)}``.
+    """
+    ex = stats.get("experts") if isinstance(stats.get("experts"), dict) else stats
+    paths = ex.get("paths") or ex.get("path_counts") or {}
+    hot, routes = ex.get("hot_routes"), ex.get("routes")
+    share = ex.get("hot_route_share")
+    if share is None and routes:
+        share = (hot or 0) / routes
+    per_layer = ex.get("per_layer_hot_share") or ex.get("hot_route_share_per_layer")
+    return {
+        "mode": ex.get("mode") or stats.get("experts_mode"),
+        "hot_route_share": share,
+        "per_layer_hot_share": per_layer,
+        "paths": {k: int(paths.get(k, 0) or 0) for k in ("decode", "split", "upload", "stock")},
+        "routes": routes, "hot_routes": hot, "cold_routes": ex.get("cold_routes"),
+        "residency": ex.get("residency") or ex.get("residency_path"),
+        "workload": ex.get("workload"),
+        "hot_experts": ex.get("hot_experts"), "pool_bytes": ex.get("pool_bytes"),
+        "pools": ex.get("pools"), "switches": ex.get("switches"), "auto_switch": ex.get("auto_switch"),
+    }
+
+
+async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
+    """One JSON snapshot for the TUI/tray: ``{"time", "engine_state", "model", "workload",
+    "paused", "requests": {"active", "total", "recent": [{"id", "workload", "status", "ttft_s",
+    "tpot_s", "prompt_tokens", "cached_tokens", "completion_tokens", "residency_switch_s"}]},
+    "experts": :func:`expert_view`, "last_residency_switch": the last swap (see
+    DaemonState.note_residency_switch) or None, "engine": raw ``stats()``, "memory": {"host":
+    {"total_bytes", "available_bytes", "daemon_rss_bytes" (daemon + engine worker)}, "gpus":
+    :func:`gpu_memory`}}``. Times in seconds."""
+    stats: dict[str, Any] = {}
+    if state.engine is not None and state.engine_state == "ready":
+        try:
+            stats = await asyncio.wait_for(state.engine.stats(), 5) or {}
+            state.metrics.set_engine_stats(stats)
+        except Exception as e:  # a crashed/restarting worker: report, do not fail the snapshot
+            stats = {"error": f"{type(e).__name__}: {e}"}
+    keys = ("id", "workload", "status", "ttft_s", "tpot_s", "prompt_tokens", "cached_tokens",
+            "completion_tokens", "client", "residency_switch_s")
+    rec = [{k: r.get(k) for k in keys} for r in list(state.recent)[-recent:]]
+    vm = psutil.virtual_memory()
+    ex = expert_view(stats)
+    if ex["per_layer_hot_share"] is None:  # file reads (and a first fingerprint) off the loop
+        ex["per_layer_hot_share"] = await asyncio.get_running_loop().run_in_executor(
+            None, state.desk.per_layer_from_traces, ex.get("workload"), ex.get("residency"))
+        ex["per_layer_source"] = "traces" if ex["per_layer_hot_share"] else None
+    else:
+        ex["per_layer_source"] = "engine"
+    return {
+        "time": time.time(),
+        "engine_state": state.engine_state,
+        "model": {"id": state.model_name, **state.model_info},
+        **_current_workload(state, ex),
+        "paused": _ctl(state).get("paused_model") is not None,
+        "phase": getattr(state, "phase", None),
+        "last_residency_switch": state.last_residency_switch,
+        "requests": {"active": len(state.active), "total": len(state.recent) + len(state.active),
+                     "active_list": [{k: r.get(k) for k in keys} for r in state.active.values()],
+                     "recent": rec},
+        "experts": ex,
+        "engine": stats,
+        "memory": {"host": {"total_bytes": vm.total, "available_bytes": vm.available,
+                            "daemon_rss_bytes": _rss_with_children()},
+                   "gpus": gpu_memory()},
+    }
+
+
+def _current_workload(state, ex: dict[str, Any]) -> dict[str, Any]:
+    """``{"workload", "workload_source", "workload_counts"}``: the workload the engine's residency
+    set serves if it says, else that of the running/latest request, else the default; and how many
+    of the recent requests each workload had."""
+    counts: dict[str, int] = {}
+    for r in state.recent:
+        w = r.get("workload") or "?"
+        counts[w] = counts.get(w, 0) + 1
+    latest = [r for r in state.active.values()] or list(state.recent)[-1:]
+    if ex.get("workload"):
+        cur, src = ex["workload"], "engine"
+    elif latest and latest[-1].get("workload"):
+        cur, src = latest[-1]["workload"], "requests"
+    else:
+        cur, src = state.settings.workload_default, "default"
+    return {"workload": cur, "workload_source": src, "workload_counts": counts}
+
+
+def _rss_with_children() -> int:
+    """Resident bytes of the daemon and its children (the engine worker subprocess)."""
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for c in me.children(recursive=True):
+        try:
+            total += c.memory_info().rss
+        except psutil.Error:
+            pass
+    return total

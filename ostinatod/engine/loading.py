@@ -1,0 +1,223 @@
+"""Loading a model in the engine worker: the file check, the expert runtime, llama.cpp's model and
+context, the chat templates; and freeing them again.
+
+:func:`load_model` is the one place that turns settings into llama.cpp's model and context
+parameters. A foreign or truncated file is refused before llama.cpp sees it (it would crash the
+worker); a residency set the expert engine refuses is an error, other expert-engine failures under
+``experts = "auto"`` fall back to stock placement and keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..hardware import physical_cores
+from ..residency.model import ModelFileError, ModelInfo, check_model_file
+from ..residency.sets import ResidencyError
+from ..settings import Settings
+from . import native
+from .native import ExpertEngineError
+from .types import EngineError
+
+log = logging.getLogger("ostinatod.engine")
+
+
+def inspect_gguf(path: Path) -> ModelInfo:
+    """Validate ``path`` as a complete GGUF file and describe it (:func:`check_model_file`).
+
+    Raises EngineError("model_not_loaded", status 503) if the file is missing, not a GGUF, damaged,
+    or truncated (tensor data extends beyond the end of the file).
+    """
+    try:
+        return check_model_file(path)
+    except ModelFileError as e:
+        raise EngineError("model_not_loaded", str(e), 503) from e
+
+
+@dataclass
+class Loaded:
+    """What :func:`load_model` made: llama.cpp's ``model``, ``ctx``, ``mem`` and ``vocab``, the
+    expert runtime ``rt`` (None: stock placement), the ``templates``, the file's ``gguf``
+    description, the context per slot ``n_ctx_slot`` and the ``n_slots``."""
+
+    gguf: ModelInfo
+    model: Any
+    ctx: Any
+    mem: Any
+    vocab: Any
+    rt: Any
+    templates: Any
+    n_ctx_slot: int
+    n_slots: int
+
+
+def _expert_runtime(settings: Settings, model_path: Path) -> Any:
+    from .runtime import ExpertRuntime
+
+    try:
+        return ExpertRuntime.prepare(model_path, settings)
+    except EngineError:
+        raise
+    except Exception as e:
+        # a wrong residency set, or experts="ostinato" that cannot be honoured, is refused;
+        # any other failure under experts="auto" falls back to stock placement and keeps serving
+        if isinstance(e, (ResidencyError, ExpertEngineError)) or settings.experts != "auto":
+            raise EngineError("model_not_loaded", f"expert runtime: {e}", 503) from e
+        log.exception("expert runtime failed, serving with stock placement: %s", e)
+        return None
+
+
+def load_model(settings: Settings, model_path: Path) -> Loaded:
+    """Validate and load the model, create the context and the chat templates.
+
+    Raises EngineError("model_not_loaded") with a clear message on any failure (nothing is left
+    allocated then).
+    """
+    import llama_cpp
+
+    from . import chat
+
+    try:
+        import llama_cpp._logger as llog
+        llog.set_verbose(settings.log_level == "DEBUG")
+    except Exception:  # pragma: no cover - logging only
+        pass
+    gguf = inspect_gguf(model_path)
+    llama_cpp.llama_backend_init()
+    rt = _expert_runtime(settings, model_path)
+
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 else 999
+    n_cpu_moe = int(getattr(settings, "n_cpu_moe", 0) or 0)
+    if n_cpu_moe > 0:
+        mparams.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(n_cpu_moe)
+    if rt is not None:
+        try:
+            model = rt.load(model_path, mparams)
+        except ExpertEngineError as e:
+            raise EngineError("model_not_loaded", f"expert runtime: {e}", 503) from e
+    else:
+        model, _, _ = native.load_model(model_path, mparams)
+    if not model:
+        raise EngineError("model_not_loaded", f"llama.cpp could not load {model_path} (see the "
+                          "engine log for the reason)", 503)
+    vocab = llama_cpp.llama_model_get_vocab(model)
+
+    n_ctx_train = llama_cpp.llama_model_n_ctx_train(model) or settings.n_ctx
+    n_ctx_slot = max(64, min(settings.n_ctx, n_ctx_train))
+    n_slots = settings.n_slots
+    n_batch = settings.n_batch
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = n_ctx_slot * n_slots
+    cparams.n_batch = n_batch
+    cparams.n_ubatch = min(settings.n_ubatch, n_batch)
+    cparams.n_seq_max = n_slots
+    cparams.kv_unified = True  # shared prefix cells across slots (seq_cp is metadata only)
+    threads = settings.n_threads or physical_cores()
+    cparams.n_threads = threads
+    cparams.n_threads_batch = threads
+    if rt is not None and rt.decode_threads:
+        # one-token steps: the expert engine's CPU branch is small, fewer threads can be faster
+        cparams.n_threads = min(rt.decode_threads, threads)
+    if settings.flash_attn is not None:
+        cparams.flash_attn_type = 1 if settings.flash_attn else 0
+    cparams.no_perf = True
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        llama_cpp.llama_model_free(model)
+        raise EngineError("model_not_loaded", f"could not create a context of {cparams.n_ctx} tokens "
+                          "(out of memory? lower n_ctx or n_slots)", 503)
+    override = settings.chat_template
+    if override and Path(override).is_file():
+        override = Path(override).read_text()
+    try:
+        templates = chat.ChatTemplates(int(model), override)
+    except EngineError as e:
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+        raise EngineError("model_not_loaded", f"chat template: {e.message}", 503) from e
+    log.info("model loaded: %s (%s, %d layers, %d experts, n_ctx %d per slot x %d slots)",
+             model_path.name, gguf.arch or "unknown", gguf.n_layer, gguf.n_expert, n_ctx_slot, n_slots)
+    if gguf.is_demo:
+        log.warning("the served model is a generated demo model with RANDOM weights: its output is "
+                    "meaningless (set 'model' to a real GGUF)")
+    return Loaded(gguf=gguf, model=model, ctx=ctx, mem=llama_cpp.llama_get_memory(ctx), vocab=vocab,
+                  rt=rt, templates=templates, n_ctx_slot=n_ctx_slot, n_slots=n_slots)
+
+
+def free_model(templates: Any, rt: Any, batch: Any, ctx: Any, model: Any) -> None:
+    """Free what :func:`load_model` made (and the worker's batch); any of them may be None."""
+    import llama_cpp
+
+    if templates is not None:
+        templates.close()
+    if rt is not None:
+        try:
+            rt.close()
+        except Exception:
+            log.exception("expert runtime close failed")
+    if batch is not None:
+        llama_cpp.llama_batch_free(batch)
+    if ctx:
+        llama_cpp.llama_free(ctx)
+    if model:
+        llama_cpp.llama_model_free(model)
+
+
+def tokenize(vocab: Any, text: str, add_special: bool = True) -> list[int]:
+    """Tokens of ``text`` (special tokens parsed). Thread-safe (the vocab is read-only)."""
+    import llama_cpp
+    data = text.encode("utf-8")
+    n_max = len(data) + 16
+    buf = (llama_cpp.llama_token * n_max)()
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, True)
+    if n < 0:
+        n_max = -n
+        buf = (llama_cpp.llama_token * n_max)()
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, True)
+    return list(buf[:n])
+
+
+def piece(vocab: Any, token: int, special: bool = False) -> bytes:
+    """Bytes of one token (``special``: render control tokens too)."""
+    import ctypes
+
+    import llama_cpp
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, 64, 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, -n, 0, special)
+    return buf.raw[:n]
+
+
+def preserved_ids(vocab: Any, rendered: Any) -> set:
+    """Ids of the rendered prompt's preserved special tokens (streamed as text, e.g. tool-call
+    tags the chat parser needs); empty for raw prompts."""
+    ids: set = set()
+    if rendered is None:
+        return ids
+    for s in rendered.preserved_tokens:
+        toks = tokenize(vocab, s, add_special=False)
+        if len(toks) == 1:
+            ids.add(toks[0])
+    return ids
+
+
+def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templates: Any,
+                n_ctx_slot: int, expert_engine: bool, n_slots: int) -> dict[str, Any]:
+    """The loaded model's facts (see EngineClient.info)."""
+    import llama_cpp
+    tinfo = templates.info if templates else {}
+    return {"name": settings.model_alias or model_path.stem, "path": str(model_path),
+            "arch": (g.arch or "unknown") if g else None, "n_ctx": n_ctx_slot,
+            "n_ctx_train": llama_cpp.llama_model_n_ctx_train(model) if model else None,
+            "n_params": llama_cpp.llama_model_n_params(model) if model else None,
+            "size_bytes": g.size_bytes if g else None, "is_demo": bool(g and g.is_demo),
+            "n_expert": g.n_expert if g else 0, "n_expert_used": g.n_expert_used if g else 0,
+            "n_layer": g.n_layer if g else 0, "experts_mode": "ostinato" if expert_engine else "stock",
+            "n_slots": n_slots, "supports_thinking": bool(tinfo.get("supports_thinking")),
+            "chat_template_caps": tinfo.get("caps", {})}

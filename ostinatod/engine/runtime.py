@@ -1,0 +1,247 @@
+"""The engine worker's hook into the native expert engine (resident expert pool, split/upload paths).
+
+Use (arXiv 2611.11533, Sections 2-3; DESIGN.md "The native engine")::
+
+    rt = ExpertRuntime.prepare(model_path, settings)   # reads the residency set, checks the config
+    model = rt.load(path, mparams) if rt else ...      # the patched loader builds the pool
+    ctx = llama_init_from_model(model, cparams)
+    ... rt.stats(), rt.take_request_stats(), rt.switch(path), rt.close()
+
+``prepare`` returns None (one log line) when the model runs stock: ``settings.experts == "stock"``,
+a dense model, or an architecture the engine does not support. Without a residency set the engine
+still runs (all experts cold, computed from host memory) so that route counts for the planner's
+traces are collected.
+
+The native functions are reached through :mod:`.native` (the one ctypes loader); the placement
+(hot experts, pool devices, layer split) is computed by :mod:`.placement` and passed with the
+load (:func:`.native.load_model`), never left in the native engine's global config.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ..hardware import physical_cores
+from . import native
+from .native import ExpertEngineError
+from .placement import experts_config, full_layer_devices, tensor_split_for
+
+from ..paths import residency_file
+from ..residency.calibration import DEFAULT_NP, decode_choices, prefill_threshold
+from ..residency.sets import ResidencySet, model_block, read_residency
+
+log = logging.getLogger("ostinatod.experts")
+
+# Architectures whose MoE layers the engine splits (separate up/gate/down expert tensors; expert
+# biases, as in gpt-oss, get per-slot bias rows in the pool).
+SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
+
+def _default_np(settings: Any) -> int:
+    try:
+        return int(prefill_threshold(settings))
+    except Exception:  # an unreadable profile: the paper's PCIe 4.0 value
+        return DEFAULT_NP
+
+
+class ExpertRuntime:
+    """One model's expert engine in the worker process (see module docstring)."""
+
+    def __init__(self, model_path: Path, model: dict[str, Any], residency: Optional[ResidencySet],
+                 prefill_threshold: int, device: int, layer_device: Optional[list[int]] = None):
+        self.model_path = Path(model_path)
+        self.model = model
+        self.residency = residency
+        self.prefill_threshold = prefill_threshold
+        self.device = device
+        # several GPUs: GPU index of every layer (None: one GPU, the pool on `device`)
+        self.layer_device = layer_device
+        self.tensor_split: Optional[list[float]] = None   # set by adjust_model_params (GPU build)
+        self._ts_array: Any = None                         # keeps the ctypes array alive
+        self.forced = "auto"
+        self.attached = False
+        # CPU threads for decode steps (settings or calibration; None: n_threads), set by prepare
+        self.decode_threads: Optional[int] = None
+        # the placement passed with the model load (native.load_model), set by prepare
+        self.load_config: Optional[dict[str, Any]] = None
+
+    @classmethod
+    def prepare(cls, model_path: Path, settings: Any, *, workload: Optional[str] = None
+                ) -> Optional["ExpertRuntime"]:
+        """Validate/load the residency set and make the placement config of the model load.
+
+        Returns None (logging one line) when the model runs stock. Raises ResidencyError for a
+        residency set that is malformed or belongs to another model, ExpertEngineError when the
+        native engine lacks the expert engine while ``settings.experts == "ostinato"``.
+        """
+        mode = getattr(settings, "experts", "auto")
+        if mode == "stock":
+            log.info("experts: stock llama.cpp placement (settings.experts = 'stock')")
+            return None
+        model = model_block(Path(model_path))
+        if model["n_expert"] <= 0:
+            log.info("experts: %s is a dense model (no routed experts): running stock", model["arch"])
+            return None
+        if model["arch"] not in SUPPORTED_ARCHS:
+            log.info("experts: architecture %s is not supported by the expert engine yet: running "
+                     "stock", model["arch"])
+            return None
+        if not native.experts_available():
+            if mode == "ostinato":
+                raise ExpertEngineError("the installed native engine has no expert engine; run "
+                                        "'ostinato build'")
+            log.warning("experts: native expert engine not built: running stock")
+            return None
+        res_path = getattr(settings, "residency", None)
+        if res_path is None:
+            wl = workload or getattr(settings, "workload_default", "coding")
+            cand = residency_file(model["fingerprint"], wl)
+            res_path = cand if cand.exists() else None
+        residency = read_residency(Path(res_path), model) if res_path else None
+        hot = residency.hot_all() if residency else {}
+        device = min(residency.hot) if residency and residency.hot else 0
+        # a CPU-only build has no GPU device: the pool then lives in a CPU buffer
+        dev = device if native.has_gpu() else -1
+        # several GPUs: one pool per GPU, each layer's on its GPU (on a CPU build the pools are CPU
+        # buffers, one per GPU of the set, so the multi-pool code runs in CI too)
+        layer_dev = None
+        if residency is not None and len(residency.devices) > 1:
+            layer_dev = full_layer_devices(residency, int(model["n_layer"]))
+        np_tokens = _default_np(settings)
+        config = experts_config(hot, device=dev, prefill_threshold=np_tokens,
+                                layer_device=dict(enumerate(layer_dev)) if layer_dev else None)
+        native.check_experts_config(config)
+        overlap, decode_threads = decode_choices(settings)
+        native.set_overlap(overlap)
+        native.set_decode_graph(getattr(settings, "decode_graph", None))
+        native.set_borrow(getattr(settings, "decode_borrow", True))
+        # CPU-branch pool of the decode graph: one core is left to the thread that drives llama.cpp
+        native.set_cpu_threads(decode_threads or getattr(settings, "n_threads", None)
+                               or max(1, physical_cores() - 1))
+        log.info("experts: %d hot experts from %s, Np = %d%s", sum(len(v) for v in hot.values()),
+                 res_path or "no residency set (all experts cold)", np_tokens,
+                 f", GPUs {residency.devices}" if layer_dev else "")
+        rt = cls(Path(model_path), model, residency, np_tokens, dev, layer_dev)
+        rt.decode_threads = decode_threads
+        rt.load_config = config
+        return rt
+
+    def adjust_model_params(self, mparams: Any) -> None:
+        """Set fields of ``llama_model_params`` (ctypes struct) before the load.
+
+        Turns off the CPU's repacked weight buffers: the CPU branch skips hot routes in ggml-cpu's
+        generic mul_mat_id, which repacked weights bypass. (Routed experts are kept in host memory
+        by the patched loader itself while a config is set: no tensor overrides needed.)
+
+        Several GPUs (a residency set with more than one ``gpus`` entry) on a GPU build: sets
+        ``split_mode`` = LLAMA_SPLIT_MODE_LAYER and ``tensor_split`` (llama_max_devices() floats,
+        see :func:`tensor_split_for`, computed with ``mparams.n_gpu_layers``) so that each layer's
+        dense weights and KV cache land on the GPU of its pool; the native engine checks this at
+        load. Raises ExpertEngineError when the set names a GPU index llama.cpp cannot address.
+        A one-GPU set leaves the split untouched.
+        """
+        if hasattr(mparams, "use_extra_bufts"):
+            mparams.use_extra_bufts = False
+        if self.layer_device and native.has_gpu():
+            import llama_cpp
+            n_dev = int(llama_cpp.llama_max_devices())
+            try:
+                ts = tensor_split_for(self.layer_device, n_dev, int(mparams.n_gpu_layers))
+            except ValueError as e:
+                raise ExpertEngineError(f"cannot place the residency set's layers with llama.cpp's "
+                                        f"layer split: {e}") from e
+            self._ts_array = (ctypes.c_float * n_dev)(*ts)
+            mparams.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
+            mparams.tensor_split = ctypes.cast(self._ts_array, ctypes.POINTER(ctypes.c_float))
+            self.tensor_split = ts
+            log.info("experts: layer split over GPUs %s, tensor_split %s",
+                     sorted(set(self.layer_device)), [round(x, 4) for x in ts if x])
+
+    def load(self, path: Path, mparams: Any) -> Any:
+        """Load the model with this runtime's placement: :meth:`adjust_model_params`, then
+        :func:`.native.load_model` with the config :meth:`prepare` made (set for this load only).
+        Returns the model pointer (NULL when llama.cpp could not load the file). Raises
+        ExpertEngineError with the native error when the loader did not build the pool (the model
+        is freed)."""
+        self.adjust_model_params(mparams)
+        model, active, err = native.load_model(path, mparams, self.load_config)
+        if model and not active:
+            import llama_cpp
+            llama_cpp.llama_model_free(model)
+            raise ExpertEngineError(f"expert engine not active after load: {err or 'unknown'}")
+        self.attached = bool(model)
+        return model
+
+    def info(self) -> dict[str, Any]:
+        """Pool layout: device, bytes, hot experts, size classes, Np, forced path, and ``pools``:
+        one entry per device's pool ``{gpu, device, bytes, hot_experts, size_classes, layers,
+        upload_stream}`` (``pool_device``, ``pool_bytes`` and ``hot_experts`` are the first pool's
+        device name and the totals over all pools)."""
+        return native.experts_json("ostinato_experts_info")
+
+    def stats(self, with_counts: bool = False) -> dict[str, Any]:
+        """Cumulative counters: passes, tokens, routes, hot_routes, cold_routes, hot_route_share,
+        ``pools`` (per device: {gpu, device, bytes, hot_experts}),
+        paths {decode, split, upload}, branch times (ms), ``last_passes`` (per-pass dicts) and with
+        ``with_counts`` the per (layer, expert) ``counts_prefill``/``counts_decode``."""
+        d = native.experts_json("ostinato_experts_stats", 1 if with_counts else 0)
+        d["prefill_threshold"] = self.prefill_threshold
+        return d
+
+    def take_request_stats(self) -> dict[str, Any]:
+        """Counters since the previous call (per request, for traces), incl. per (layer, expert)
+        ``counts_prefill`` and ``counts_decode`` as [n_layer][n_expert] lists."""
+        return native.experts_json("ostinato_experts_take_request_stats")
+
+    def set_prefill_threshold(self, np_tokens: int) -> None:
+        """Change Np at run time (calibration / tests)."""
+        native.set_prefill_threshold(np_tokens)
+        self.prefill_threshold = int(np_tokens)
+
+    def force_path(self, path: str) -> None:
+        """Force "split" or "upload" for prefill passes, or "auto"."""
+        native.force_path(path)
+        self.forced = path
+
+    def set_timing(self, on: bool) -> None:
+        """See :func:`.native.set_timing`."""
+        native.set_timing(on)
+
+    def set_overlap(self, on: bool) -> None:
+        """See :func:`.native.set_overlap`."""
+        native.set_overlap(on)
+
+    def switch(self, residency_path: Path, res: Optional[ResidencySet] = None) -> float:
+        """Swap the residency set at a request boundary (no forward pass may be running: call it
+        on the thread that runs the forward passes, between them).
+
+        Reads and validates ``residency_path`` against this model (fingerprint, layer and expert
+        ranges; ``res``: the set already read and validated from it, so the file is read once),
+        rebuilds the expert pool with its hot experts (route counters are kept) and makes
+        the context rebuild its graph. Returns the seconds it took (the file read included when
+        ``res`` is not given).
+        Raises ResidencyError (unreadable, malformed, or a set for another model) or
+        ExpertEngineError (the native engine refused it, e.g. no active engine or no memory for the
+        pool); on error the old set stays in use.
+        """
+        t0 = time.perf_counter()
+        if res is None:
+            res = read_residency(Path(residency_path), self.model)
+        hot = res.hot_all()
+        layer_dev = None
+        if self.layer_device or len(res.devices) > 1:
+            # loaded across several GPUs, or a set across several: name every layer's GPU so that
+            # the native engine checks it against where the dense weights were loaded
+            layer_dev = full_layer_devices(res, int(self.model["n_layer"]))
+        native.experts_switch(experts_config(hot, device=self.device,
+                                             prefill_threshold=self.prefill_threshold,
+                                             force_path=self.forced,
+                                             layer_device=dict(enumerate(layer_dev)) if layer_dev else None))
+        self.residency = res
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Nothing to free: the pool is freed with the model, the loader config is never left set."""

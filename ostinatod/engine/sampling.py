@@ -1,0 +1,52 @@
+"""The sampler of a request: llama.cpp's ``common_sampler`` through the native shim.
+
+Sampling values a request does not set come from the settings (``temperature``, ``top_p``,
+``top_k``, ``min_p``): the one place their defaults live.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..settings import Settings
+from . import native
+from .types import EngineError, GenRequest
+
+
+def sampler_params(req: GenRequest, settings: Settings) -> dict[str, Any]:
+    """The shim's sampler parameters of ``req``; unset values from ``settings``."""
+    def pick(v: Any, default: Any) -> Any:
+        return default if v is None else v
+
+    params = {"temperature": float(pick(req.temperature, settings.temperature)),
+              "top_k": int(pick(req.top_k, settings.top_k)),
+              "top_p": float(pick(req.top_p, settings.top_p)),
+              "min_p": float(pick(req.min_p, settings.min_p)),
+              "ignore_eos": bool(req.ignore_eos),
+              "json_schema": req.json_schema is not None,
+              "logit_bias": [[int(k), float(v)] for k, v in (req.logit_bias or {}).items()]}
+    if req.seed is not None:
+        params["seed"] = int(req.seed) & 0xFFFFFFFF
+    return params
+
+
+def make_sampler(model: Any, req: GenRequest, rendered: Any, settings: Settings) -> Any:
+    """A ``common_sampler *`` for ``req`` (grammar of the rendered prompt, penalties-free chain, EOG
+    ban under ignore_eos). Raises EngineError("invalid_request") if e.g. the grammar does not
+    compile. Free it with :func:`free_sampler`."""
+    raw = rendered.raw.encode() if rendered is not None else None
+    smpl = native.fn("ostinato_sampler_new")(int(model), json.dumps(sampler_params(req, settings)).encode(),
+                                             raw)
+    if not smpl:
+        raise EngineError("invalid_request", native.last_error() or "could not create the sampler")
+    return smpl
+
+
+def free_sampler(smpl: Any) -> None:
+    native.fn("ostinato_sampler_free")(smpl)
+
+
+def sample(smpl: Any, ctx: Any, idx: int) -> int:
+    """The token sampled from the logits of batch row ``idx`` (negative: sampling failed)."""
+    return native.fn("ostinato_sampler_sample")(smpl, ctx, idx)

@@ -1,0 +1,68 @@
+"""KV slots and the choice of a slot for a new request (pure; the worker applies the choice).
+
+``n_slots`` KV sequences share one unified KV cache; each holds exactly the tokens whose KV is in
+the cache. A new request takes the free slot whose cached tokens share the longest common prefix
+with its prompt. If that match covers less than :data:`SAME_SESSION_SHARE` of the slot's tokens
+(another conversation) while another slot is free, the prefix is shared (``llama_memory_seq_cp``:
+cells are shared, no data copied) into the least recently used free slot instead, so a side
+request never evicts the main session's cache. Only the tail beyond the match is dropped.
+(Ollama's cache slot choice and llama-server's ``--slot-prompt-similarity`` work alike.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+# A request continues a slot's conversation in place when it matches at least this share of the
+# slot's cached tokens (a re-rendered last turn differs only at the tail); below it the slot is kept
+# for its own conversation and the common prefix is shared into another slot.
+SAME_SESSION_SHARE = 0.75
+
+
+@dataclass
+class Slot:
+    """One KV sequence: ``tokens`` are exactly the tokens whose KV is in the cache (positions 0..n-1)."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)
+    last_used: float = 0.0
+    task: Optional[Any] = None
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    """Where a request goes: slot ``target``; first copy the first ``n_copy`` cached tokens of slot
+    ``copy_from`` into it (None: no copy); then keep its first ``n_keep`` tokens (the prefix reused;
+    at least one prompt token is always left to evaluate)."""
+
+    target: int
+    n_keep: int
+    copy_from: Optional[int] = None
+    n_copy: int = 0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def choose_slot(free: Sequence[Slot], prompt: Sequence[int]) -> SlotChoice:
+    """The slot of ``free`` (non-empty) for a request with ``prompt`` (see module docstring)."""
+    matches = {s.id: common_prefix(s.tokens, prompt) for s in free}
+    best = max(free, key=lambda s: (matches[s.id], -s.last_used))
+    target, n_match, copy_from = best, matches[best.id], None
+    if n_match < SAME_SESSION_SHARE * len(best.tokens) and len(free) > 1:
+        # `best` holds another conversation that shares only a prefix with this one (a side
+        # request, a subagent): keep it, and share the prefix into the least recently used free slot
+        target = min(free, key=lambda s: s.last_used)
+        if target is not best and matches[target.id] < n_match:
+            copy_from = best.id
+        else:
+            n_match = matches[target.id]
+    return SlotChoice(target=target.id, n_keep=min(n_match, len(prompt) - 1),
+                      copy_from=copy_from, n_copy=n_match if copy_from is not None else 0)

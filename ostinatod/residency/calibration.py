@@ -1,0 +1,97 @@
+"""The stored calibration record: the ``calibration`` section of the hardware profile.
+
+Written by ``ostinato calibrate`` (:mod:`ostinatod.engine.calibrate`), read by the engine (Np,
+decode overlap and threads) and the profile code. Format ``ostinato-calibration/1``; the fields
+are described in docs/calibration.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from ..paths import get_paths
+
+log = logging.getLogger("ostinatod.calibrate")
+
+CALIBRATION_FORMAT = "ostinato-calibration/1"
+DEFAULT_NP = 512  # the paper's threshold on PCIe 4.0 (Section 3.3), used when nothing is calibrated
+SOURCE = "arXiv 2611.11533 Sec. 3.2-3.3, Prop. 3.2, App. B"
+
+
+def load_calibration(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
+    """The ``calibration`` section of the hardware profile, or None (missing/unreadable)."""
+    path = Path(path) if path else get_paths().hardware_profile
+    try:
+        return json.loads(path.read_text()).get("calibration")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def prefill_threshold(settings: Any = None, path: Optional[Path] = None) -> int:
+    """Np to use: ``settings.prefill_threshold`` if set, else the calibrated value (unless stale),
+    else 512 (the paper's value, Sec. 3.3)."""
+    if settings is not None and getattr(settings, "prefill_threshold", None):
+        return int(settings.prefill_threshold)
+    cal = load_calibration(path)
+    if cal and not cal.get("stale") and cal.get("np_tokens"):
+        return int(cal["np_tokens"])
+    return DEFAULT_NP
+
+
+def store_calibration(cal: dict[str, Any], path: Optional[Path] = None) -> Path:
+    """Write ``cal`` under ``"calibration"`` in the hardware profile, keeping every other key.
+
+    Atomic (temp file + rename). When the file is missing or has no hardware fingerprint, the quick
+    hardware probe (:func:`ostinatod.hardware.collect_profile` without bandwidth measurements) is
+    stored with it: otherwise the daemon's start-up profile would see "changed hardware" and mark this
+    fresh calibration stale.
+    """
+    path = Path(path) if path else get_paths().hardware_profile
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        prof = json.loads(path.read_text())
+        if not isinstance(prof, dict):
+            prof = {}
+    except (OSError, ValueError):
+        prof = {}
+    if not prof.get("fingerprint"):
+        try:
+            from ..hardware import collect_profile
+            prof = {**collect_profile(measure=False), **prof}
+        except Exception as e:  # noqa: BLE001 - the calibration is still worth storing
+            log.warning("hardware probe for the profile failed: %s", e)
+    prof["calibration"] = cal
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(prof, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def decode_choices(settings: Any = None) -> tuple[bool, Optional[int]]:
+    """(decode overlap, decode threads or None) to serve with: the settings if given, else the
+    calibration's measured choice (``decode_overlap``, ``decode_threads``), else (True, None)."""
+    overlap = getattr(settings, "decode_overlap", None)
+    threads = getattr(settings, "decode_threads", None)
+    if overlap is None or threads is None:
+        cal = load_calibration() or {}
+        if cal.get("stale"):
+            cal = {}
+        if overlap is None:
+            overlap = cal.get("decode_overlap")
+        if threads is None:
+            threads = cal.get("decode_threads")
+    return (True if overlap is None else bool(overlap)), (int(threads) if threads else None)
+
+
+def h2d_from_profile(path: Optional[Path] = None) -> Optional[float]:
+    """The best measured pinned host->GPU bandwidth (GB/s) of the stored profile, or None."""
+    try:
+        prof = json.loads((Path(path) if path else get_paths().hardware_profile).read_text())
+        vals = [e.get("gbps") for e in prof.get("bandwidth", {}).get("h2d_pinned", []) if e.get("gbps")]
+        return float(max(vals)) if vals else None
+    except (OSError, ValueError, AttributeError):
+        return None

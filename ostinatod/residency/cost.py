@@ -1,0 +1,259 @@
+"""Cost model of the paper (arXiv 2611.11533, Sections 2-3 and Appendix B): fits and the switch point.
+
+Per MoE layer:
+
+* CPU branch of a decode step with r cold routes: ``C(0) = gamma0``, ``C(r) = alpha + beta * r``
+  for r >= 1 (Section 3.2; calibration in Appendix B, "Calibration").
+* GPU branch ``G`` (fixed: zero slots keep it at k experts), pinned host->GPU bandwidth ``B``.
+* Prefill: the split path costs ``a_s + c_s n`` and the upload path ``a_u + c_u n + phi2 u(n)`` for
+  an n-token forward pass with u(n) distinct cold experts. Their difference
+  ``Phi(n) = phi0 + phi1 n - phi2 u(n)`` (phi0 = a_s - a_u < 0, phi1 = c_s - c_u > 0, phi2 = w/B the
+  time to upload one expert) is convex because u is concave (Lemma B.3), so the paths switch once
+  (Proposition 3.2): ``Np = min{n : Phi(n) >= 0}``.
+
+Pure numpy (unit-tested with synthetic measurements); the measurement through the engine is
+:mod:`ostinatod.engine.calibrate`, the stored record :mod:`ostinatod.residency.calibration`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+
+from .calibration import CALIBRATION_FORMAT, DEFAULT_NP, SOURCE
+
+log = logging.getLogger("ostinatod.calibrate")
+
+class CalibrationError(RuntimeError):
+    """Calibration could not measure or fit (no engine, no model, too few samples)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Pure math (unit-tested with synthetic measurements)
+# --------------------------------------------------------------------------------------------
+
+def fit_cpu_branch(rows: Iterable[Sequence[float]]) -> dict[str, Any]:
+    """Least-squares fit of the per-layer CPU-branch cost C(r) from pass measurements.
+
+    Each row is ``(n0, n1, R, cpu_ms)`` for one decode step: n0 layers with no cold route, n1
+    layers with at least one, R cold routes over all layers, cpu_ms the summed CPU-branch time.
+    Model (paper Sec. 3.2): ``cpu_ms = gamma0 n0 + alpha n1 + beta R``. A per-layer sample (r, ms)
+    is the row (1, 0, 0, ms) for r = 0 and (0, 1, r, ms) otherwise.
+    Returns {"gamma0_ms", "alpha_ms", "beta_ms", "rmse_ms", "samples"}; a term without data is None.
+    Raises CalibrationError with fewer than 2 rows or no step with a cold route.
+    """
+    a = np.asarray(list(rows), dtype=float)
+    if a.ndim != 2 or a.shape[0] < 2 or a.shape[1] != 4:
+        raise CalibrationError("need at least 2 rows of (n0, n1, R, cpu_ms)")
+    X, y = a[:, :3], a[:, 3]
+    used = [j for j in range(3) if np.any(X[:, j] > 0)]
+    if 1 not in used and 2 not in used:
+        raise CalibrationError("no step with a cold route: alpha and beta cannot be fitted")
+    coef = _lstsq_terms(X, y, used)
+    # One robust pass: steps disturbed by other work on the machine (residual beyond 3 scaled
+    # MADs) are dropped and the fit repeated.
+    resid = y - X @ np.nan_to_num(coef)
+    mad = 1.4826 * np.median(np.abs(resid - np.median(resid)))
+    keep = np.abs(resid - np.median(resid)) <= 3 * mad if mad > 0 else np.ones(len(y), bool)
+    if keep.sum() >= max(2, len(y) // 2) and not keep.all():
+        X, y = X[keep], y[keep]
+        coef = _lstsq_terms(X, y, [j for j in used if np.any(X[:, j] > 0)])
+    resid = y - np.nan_to_num(X @ np.nan_to_num(coef))
+    out = {"gamma0_ms": coef[0], "alpha_ms": coef[1], "beta_ms": coef[2],
+           "rmse_ms": float(np.sqrt(np.mean(resid ** 2))), "samples": int(a.shape[0]),
+           "outliers_dropped": int(a.shape[0] - len(y))}
+    return {k: (None if isinstance(v, float) and np.isnan(v) else
+                (float(v) if isinstance(v, (float, np.floating)) else v)) for k, v in out.items()}
+
+
+def _lstsq_terms(X: np.ndarray, y: np.ndarray, used: list[int]) -> np.ndarray:
+    """Least squares over the columns ``used`` of X (others NaN). When alpha and beta are
+    confounded (every layer with cold routes had the same r), alpha is set to 0 and logged."""
+    coef = np.full(3, np.nan)
+    sol, *_ = np.linalg.lstsq(X[:, used], y, rcond=None)
+    coef[used] = sol
+    if 1 in used and 2 in used and np.linalg.matrix_rank(X[:, [1, 2]]) < 2:
+        log.warning("cold routes per layer did not vary: alpha set to 0, beta = C(r)/r")
+        rest = [j for j in used if j != 1]
+        sol, *_ = np.linalg.lstsq(X[:, rest], y, rcond=None)
+        coef[rest] = sol
+        coef[1] = 0.0
+    return coef
+
+
+def cpu_branch_cost(r: int | np.ndarray, gamma0: float, alpha: float, beta: float) -> np.ndarray:
+    """C(r) of the paper (Sec. 3.2): gamma0 for r = 0, alpha + beta r otherwise (ms)."""
+    r = np.asarray(r, dtype=float)
+    return np.where(r == 0, gamma0, alpha + beta * r)
+
+
+def fit_linear(x: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[np.ndarray, float]:
+    """Least squares y ~ [1, x...] @ coef; returns (coef with intercept first, rmse)."""
+    X = np.column_stack([np.ones(len(y)), np.asarray(x, dtype=float)])
+    y = np.asarray(y, dtype=float)
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    return coef, float(np.sqrt(np.mean((y - X @ coef) ** 2)))
+
+
+@dataclass
+class PrefillPoint:
+    """One measured prefill forward pass: tokens n, path, wall time, distinct cold experts u."""
+
+    n: int
+    path: str  # "split" | "upload"
+    total_ms: float
+    distinct_cold: float = 0.0
+    cold_routes: float = 0.0
+
+
+def ubar_curve(points: Sequence[PrefillPoint]) -> tuple[np.ndarray, np.ndarray]:
+    """Mean distinct cold experts per forward pass by token count: (ns, ū(ns)), with ū(0) = 0.
+
+    Made non-decreasing (Lemma B.3) so that interpolation keeps the lemma's shape.
+    """
+    by_n: dict[int, list[float]] = {}
+    for p in points:
+        by_n.setdefault(int(p.n), []).append(float(p.distinct_cold))
+    ns = np.array([0] + sorted(by_n), dtype=float)
+    us = np.array([0.0] + [float(np.mean(by_n[int(n)])) for n in ns[1:]])
+    return ns, np.maximum.accumulate(us)
+
+
+def fit_prefill_paths(points: Sequence[PrefillPoint], *, expert_upload_ms: Optional[float] = None
+                      ) -> dict[str, Any]:
+    """Fit the two prefill paths and return Phi's coefficients (Prop. 3.2).
+
+    split:  total_ms = a_s + c_s n;    upload: total_ms = a_u + c_u n + phi2 u.
+    ``expert_upload_ms`` (bytes of one expert / pinned bandwidth) fixes phi2 when the upload points
+    cannot separate it from n (too few sizes). Returns {"phi0_ms", "phi1_ms_per_token",
+    "phi2_ms_per_expert", "split": {...}, "upload": {...}}. Raises CalibrationError when a path has
+    fewer than 2 sizes.
+    """
+    sp = [p for p in points if p.path == "split"]
+    up = [p for p in points if p.path == "upload"]
+    if len({p.n for p in sp}) < 2 or len({p.n for p in up}) < 2:
+        raise CalibrationError("need split and upload passes of at least 2 sizes each")
+    (a_s, c_s), rm_s = fit_linear([[p.n] for p in sp], [p.total_ms for p in sp])
+    phi2 = None
+    if len({p.n for p in up}) >= 3:
+        (a_u, c_u, phi2_fit), rm_u = fit_linear([[p.n, p.distinct_cold] for p in up],
+                                                [p.total_ms for p in up])
+        if phi2_fit > 0:
+            phi2 = float(phi2_fit)
+    if phi2 is None:
+        phi2 = float(expert_upload_ms or 0.0)
+        (a_u, c_u), rm_u = fit_linear([[p.n] for p in up],
+                                      [p.total_ms - phi2 * p.distinct_cold for p in up])
+    return {"phi0_ms": float(a_s - a_u), "phi1_ms_per_token": float(c_s - c_u),
+            "phi2_ms_per_expert": phi2,
+            "split": {"a_ms": float(a_s), "c_ms_per_token": float(c_s), "rmse_ms": rm_s,
+                      "points": len(sp)},
+            "upload": {"a_ms": float(a_u), "c_ms_per_token": float(c_u), "rmse_ms": rm_u,
+                       "points": len(up)}}
+
+
+def switch_point(phi0: float, phi1: float, phi2: float, ubar_n: Sequence[float],
+                 ubar_u: Sequence[float], n_max: int = 1 << 16) -> Optional[int]:
+    """Np = min{n >= 1 : Phi(n) >= 0} with Phi(n) = phi0 + phi1 n - phi2 ū(n) (Prop. 3.2).
+
+    ū is interpolated linearly between the measured sizes and held at its last value beyond them
+    (it is bounded by the number of cold experts, Lemma B.3). Returns None when the upload path is
+    never cheaper up to ``n_max`` tokens (e.g. phi1 <= 0).
+    """
+    n = np.arange(1, n_max + 1, dtype=float)
+    u = np.interp(n, np.asarray(ubar_n, float), np.asarray(ubar_u, float))
+    phi = phi0 + phi1 * n - phi2 * u
+    idx = np.nonzero(phi >= 0)[0]
+    return int(n[idx[0]]) if len(idx) else None
+
+
+def measured_crossing(points: Sequence[PrefillPoint]) -> Optional[int]:
+    """Smallest measured n whose median upload time is <= its median split time (a check on Np)."""
+    ns = sorted({p.n for p in points})
+    for n in ns:
+        s = [p.total_ms for p in points if p.n == n and p.path == "split"]
+        u = [p.total_ms for p in points if p.n == n and p.path == "upload"]
+        if s and u and np.median(u) <= np.median(s):
+            return int(n)
+    return None
+
+
+def measured_switch_point(points: Sequence[PrefillPoint]) -> Optional[int]:
+    """Np from the measured costs: the first token count where the upload path's median time drops to
+    the split path's, linearly interpolated between the two bracketing measured sizes.
+
+    ``points``: forced-path prefill passes (both paths at the same sizes). Returns the smallest
+    measured size when the upload path already wins there, None when it never does.
+    """
+    ns = sorted({p.n for p in points if p.path == "split"} & {p.n for p in points if p.path == "upload"})
+    prev = None
+    for n in ns:
+        d = (float(np.median([p.total_ms for p in points if p.n == n and p.path == "split"]))
+             - float(np.median([p.total_ms for p in points if p.n == n and p.path == "upload"])))
+        if d >= 0:
+            if prev is None:
+                return int(n)
+            n0, d0 = prev  # d0 < 0 <= d: zero crossing of split - upload between n0 and n
+            return int(np.ceil(n0 + (n - n0) * (-d0) / (d - d0)))
+        prev = (n, d)
+    return None
+
+
+def solve_calibration(decode_rows: Sequence[Sequence[float]], gpu_ms_per_layer: Sequence[float],
+                      prefill: Sequence[PrefillPoint], *, gpu: bool,
+                      expert_bytes: Optional[int] = None, h2d_gbps: Optional[float] = None
+                      ) -> dict[str, Any]:
+    """Turn measurements into the stored calibration dict (no I/O).
+
+    ``decode_rows``: see :func:`fit_cpu_branch`; ``gpu_ms_per_layer``: GPU-branch time per layer of
+    decode steps; ``prefill``: forced-path prefill passes. With ``gpu=False`` the GPU terms are left
+    out (None) and a note says why. Np is the measured switch point of the two paths
+    (:func:`measured_switch_point`); the cost model's value (:func:`switch_point`, Prop. 3.2) is kept
+    as ``np_model`` and used only when the measurements never cross.
+    """
+    notes: list[str] = []
+    cal: dict[str, Any] = {"format": CALIBRATION_FORMAT, "source": SOURCE, "gpu_terms": gpu,
+                           "cpu_branch": fit_cpu_branch(decode_rows)}
+    cb = cal["cpu_branch"]
+    if any((cb[k] or 0) < 0 for k in ("gamma0_ms", "alpha_ms", "beta_ms")):
+        notes.append("a fitted CPU-branch term is negative: the measurements were too noisy "
+                     "(other load on the machine?); re-run 'ostinato calibrate --full' when idle")
+    cal["gpu_branch_ms"] = (float(np.median(gpu_ms_per_layer))
+                            if gpu and len(gpu_ms_per_layer) else None)
+    cal["h2d_pinned_gbps"] = h2d_gbps if gpu else None
+    up_ms = (expert_bytes / (h2d_gbps * 1e9) * 1e3) if (expert_bytes and h2d_gbps) else None
+    cal["expert_upload_ms"] = up_ms if gpu else None
+    cal["np_tokens"] = None
+    cal["prefill"] = None
+    if not gpu:
+        notes.append("no GPU: G, pinned H2D bandwidth and Np are not measured (the upload path "
+                     f"equals the split path here); the engine uses settings.prefill_threshold or "
+                     f"{DEFAULT_NP}")
+    elif prefill:
+        try:
+            fit = fit_prefill_paths(prefill, expert_upload_ms=up_ms)
+            ns, us = ubar_curve([p for p in prefill if p.path == "upload"] or prefill)
+            fit["ubar"] = [[int(a), float(b)] for a, b in zip(ns, us)]
+            cal["prefill"] = fit
+            cal["np_model"] = switch_point(fit["phi0_ms"], fit["phi1_ms_per_token"],
+                                           fit["phi2_ms_per_expert"], ns, us)
+            cal["np_measured_crossing"] = measured_crossing(prefill)
+            measured = measured_switch_point(prefill)
+            cal["np_tokens"] = measured if measured is not None else cal["np_model"]
+            if measured is not None and cal["np_model"] is not None and \
+                    not (measured / 4 <= cal["np_model"] <= measured * 4):
+                notes.append(f"the cost model's Np ({cal['np_model']}) is far from the measured "
+                             f"switch point ({measured}): the linear path fits do not hold over "
+                             "the measured sizes; Np is the measured one")
+            if cal["np_tokens"] is None:
+                notes.append("the upload path was never cheaper than the split path: Np unset")
+        except CalibrationError as e:
+            notes.append(f"prefill paths not fitted: {e}")
+    if cb["gamma0_ms"] is not None and cal["gpu_branch_ms"] is not None and cb["alpha_ms"] is not None:
+        g = max(cb["gamma0_ms"], cal["gpu_branch_ms"])
+        cal["residual_alpha_minus_g_ms"] = cb["alpha_ms"] - g  # delta of Prop. B.1
+    cal["notes"] = notes
+    return cal

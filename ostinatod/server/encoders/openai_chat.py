@@ -1,0 +1,180 @@
+"""OpenAI Chat Completions and legacy Completions encoders (platform.openai.com/docs/api-reference).
+
+:func:`chat_completion` / :func:`text_completion` are the non-streaming answers; :class:`ChatStream`
+and :class:`CompletionStream` turn engine events into ``chat.completion.chunk`` /
+``text_completion`` chunks, the optional usage chunk and the final ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ...engine.types import EngineEvent
+from . import DONE_SENTINEL, PING_COMMENT, Frame, IdFactory, new_id
+
+
+def usage(u: dict[str, int]) -> dict[str, Any]:
+    """OpenAI usage from the engine's ``{"prompt_tokens", "completion_tokens", "cached_tokens"}``."""
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+
+def error_payload(data: dict[str, Any]) -> dict[str, Any]:
+    """An error event's data as an OpenAI error object (sent inside a started stream)."""
+    code = data.get("code", "engine_error")
+    return {"error": {"message": f"{data.get('message') or 'engine error'} ({code})", "type": "server_error",
+                      "code": data.get("code", "engine_error"), "param": None}}
+
+
+def chat_message(done: dict[str, Any], ids: IdFactory = new_id) -> dict[str, Any]:
+    """The assistant message of a chat completion (content, reasoning_content, tool_calls)."""
+    m = done.get("message") or {}
+    out: dict[str, Any] = {"role": "assistant", "content": m.get("content") or None}
+    if m.get("reasoning_content"):
+        out["reasoning_content"] = m["reasoning_content"]
+    calls = []
+    for tc in m.get("tool_calls") or []:
+        fn = tc.get("function") or tc
+        calls.append({"id": tc.get("id") or ids("call_"), "type": "function",
+                      "function": {"name": fn.get("name", ""), "arguments": fn.get("arguments") or "{}"}})
+    if calls:
+        out["tool_calls"] = calls
+    elif out["content"] is None:
+        out["content"] = ""
+    return out
+
+
+def chat_completion(rid: str, model: Optional[str], created: int, done: dict[str, Any],
+                    u: dict[str, int], ids: IdFactory = new_id) -> dict[str, Any]:
+    """The non-streaming answer of ``POST /v1/chat/completions``."""
+    msg = chat_message(done, ids)
+    finish = done.get("finish_reason") or "stop"
+    if msg.get("tool_calls"):
+        finish = "tool_calls"
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "system_fingerprint": "ostinato",
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
+            "usage": usage(u)}
+
+
+def text_completion(rid: str, model: Optional[str], created: int, done: dict[str, Any],
+                    u: dict[str, int]) -> dict[str, Any]:
+    """The non-streaming answer of ``POST /v1/completions``."""
+    text = (done.get("message") or {}).get("content") or done.get("text") or ""
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": done.get("finish_reason") or "stop",
+                         "logprobs": None}], "usage": usage(u)}
+
+
+class _Stream:
+    """What the chat and the legacy completion streams share: ids, the usage chunk, pings, errors
+    and the final ``[DONE]``. Subclasses give the object name, the first frames, the delta frames
+    and the finish frame."""
+
+    object = ""
+
+    def __init__(self, rid: str, model: Optional[str], created: int, include_usage: bool):
+        self.rid, self.model, self.created, self.include_usage = rid, model, created, include_usage
+
+    def start(self) -> list[Frame]:
+        return []
+
+    def _delta(self, d: dict[str, Any]) -> list[Frame]:
+        raise NotImplementedError
+
+    def _finish(self, done: dict[str, Any]) -> Frame:
+        raise NotImplementedError
+
+    def feed(self, ev: EngineEvent, u: dict[str, int]) -> list[Frame]:
+        """The frames of one engine event (``ping``, ``delta``, ``done`` or ``error``)."""
+        if ev.type == "ping":
+            return [PING_COMMENT]
+        if ev.type == "delta":
+            return self._delta(ev.data)
+        if ev.type == "done":
+            out = [self._finish(ev.data)]
+            if self.include_usage:
+                out.append(Frame({"id": self.rid, "object": self.object, "created": self.created,
+                                  "model": self.model, "choices": [], "usage": usage(u)}))
+            return out
+        if ev.type == "error":
+            return [Frame(error_payload(ev.data))]
+        return []
+
+    def end(self) -> list[Frame]:
+        return [DONE_SENTINEL]
+
+
+class ChatStream(_Stream):
+    """The chunks of one streamed chat completion: :meth:`start`, :meth:`feed` per engine event,
+    :meth:`end` (``[DONE]``)."""
+
+    object = "chat.completion.chunk"
+
+    def __init__(self, rid: str, model: Optional[str], created: int, include_usage: bool,
+                 ids: IdFactory = new_id):
+        super().__init__(rid, model, created, include_usage)
+        self.ids = ids
+        self.tool_ids: dict[int, str] = {}
+        self.saw_tools = False
+
+    def _chunk(self, delta: dict[str, Any], finish: Optional[str] = None) -> Frame:
+        c: dict[str, Any] = {"id": self.rid, "object": self.object, "created": self.created,
+                             "model": self.model, "system_fingerprint": "ostinato",
+                             "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                          "logprobs": None}]}
+        if self.include_usage:
+            c["usage"] = None
+        return Frame(c)
+
+    def start(self) -> list[Frame]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def _tool_calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        tcs = []
+        for tc in calls:
+            idx = int(tc.get("index", 0))
+            entry: dict[str, Any] = {"index": idx}
+            if idx not in self.tool_ids:
+                self.tool_ids[idx] = tc.get("id") or self.ids("call_")
+                entry.update(id=self.tool_ids[idx], type="function",
+                             function={"name": tc.get("name") or "", "arguments": tc.get("arguments") or ""})
+            else:
+                entry["function"] = {"arguments": tc.get("arguments") or ""}
+                if tc.get("name"):
+                    entry["function"]["name"] = tc["name"]
+            tcs.append(entry)
+        return tcs
+
+    def _delta(self, d: dict[str, Any]) -> list[Frame]:
+        out = []
+        if d.get("reasoning"):
+            out.append(self._chunk({"reasoning_content": d["reasoning"]}))
+        if d.get("content"):
+            out.append(self._chunk({"content": d["content"]}))
+        tcs = self._tool_calls(d.get("tool_calls") or [])
+        if tcs:
+            self.saw_tools = True
+            out.append(self._chunk({"tool_calls": tcs}))
+        return out
+
+    def _finish(self, done: dict[str, Any]) -> Frame:
+        finish = done.get("finish_reason") or "stop"
+        return self._chunk({}, "tool_calls" if self.saw_tools else finish)
+
+
+class CompletionStream(_Stream):
+    """The chunks of one streamed legacy completion (raw text)."""
+
+    object = "text_completion"
+
+    def _chunk(self, text: str, finish: Optional[str] = None) -> Frame:
+        return Frame({"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
+                      "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
+
+    def _delta(self, d: dict[str, Any]) -> list[Frame]:
+        return [self._chunk(d["content"])] if d.get("content") else []
+
+    def _finish(self, done: dict[str, Any]) -> Frame:
+        return self._chunk("", done.get("finish_reason") or "stop")

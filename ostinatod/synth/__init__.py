@@ -1,0 +1,11 @@
+"""Synthetic MoE GGUF models: real llama.cpp architectures, a real tokenizer, random weights and
+content-dependent, skewed expert routing (the demo model of the daemon, the tests, the benchmarks).
+
+- :mod:`.shapes`: shapes, architectures, quant types, the routing knobs;
+- :mod:`.vocab`: the tokenizer and the class of every token;
+- :mod:`.tensors`: random quant blocks, the routing signal, one tensor plan per architecture;
+- :mod:`.writer`: :func:`~.writer.write_synthetic_moe` (the method is in its docstring);
+- :mod:`.routing`: route counts and the routing report (``ostinato synth --report``).
+
+The command line is :mod:`ostinatod.tools.synth`.
+"""

@@ -1,0 +1,197 @@
+"""Routing checks of a synthetic model: route counts of a text by a numpy forward of the routers or
+by the real engine's counters, and the routing report (``ostinato synth --report``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+import gguf
+
+from .shapes import SynthError
+
+
+# --------------------------------------------------------------------------------------------
+# routing check (numpy forward of the routers on the token embeddings)
+
+
+def tokenize(model_path: str | os.PathLike, text: str) -> np.ndarray:
+    """Token ids of ``text`` with the model's own tokenizer (llama.cpp, vocab-only load)."""
+    import ctypes
+
+    import llama_cpp as L
+
+    mp = L.llama_model_default_params()
+    mp.vocab_only = True
+    model = L.llama_model_load_from_file(str(model_path).encode(), mp)
+    if not model:
+        raise SynthError(f"llama.cpp could not load {model_path}")
+    try:
+        vocab = L.llama_model_get_vocab(model)
+        raw = text.encode("utf-8", errors="replace")
+        cap = len(raw) + 16
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(vocab, raw, len(raw), buf, cap, False, True)
+        if n < 0:
+            raise SynthError("tokenize: buffer too small")
+        return np.ctypeslib.as_array(ctypes.cast(buf, ctypes.POINTER(ctypes.c_int32)), shape=(n,)).copy()
+    finally:
+        L.llama_model_free(model)
+
+
+def router_counts(model_path: str | os.PathLike, token_ids: np.ndarray) -> dict[int, np.ndarray]:
+    """Route counts per MoE layer, {layer: (n_expert,) int64}, for ``token_ids``.
+
+    A numpy forward of each layer's router on the token embeddings as stored in the file
+    (dequantised): RMS norm, ``ffn_norm`` weight, ``ffn_gate_inp``, the gating (softmax, or sigmoid
+    plus ``exp_probs_b`` for the selection), top-k. It ignores what attention and earlier layers add
+    to the residual stream (kept small by construction), so it is the routing the writer designed,
+    not a replacement for the engine's own route counters.
+    """
+    r = gguf.GGUFReader(model_path)
+    t = {x.name: x for x in r.tensors}
+    arch = r.fields["general.architecture"].contents()
+    k = int(r.fields[f"{arch}.expert_used_count"].contents())
+    eps = float(r.fields[f"{arch}.attention.layer_norm_rms_epsilon"].contents())
+
+    def deq(name: str) -> np.ndarray:
+        x = t[name]
+        return np.asarray(gguf.quants.dequantize(x.data, x.tensor_type), dtype=np.float32)
+
+    ids = np.asarray(token_ids)
+    uniq, inv = np.unique(ids, return_inverse=True)
+    emb = deq("token_embd.weight")[uniq]
+    x = emb / np.sqrt((emb ** 2).mean(axis=1, keepdims=True) + eps)
+    out: dict[int, np.ndarray] = {}
+    il = 0
+    while f"blk.{il}.attn_norm.weight" in t:
+        if f"blk.{il}.ffn_gate_inp.weight" in t:
+            W = deq(f"blk.{il}.ffn_gate_inp.weight")
+            norm = f"blk.{il}.ffn_norm.weight" if f"blk.{il}.ffn_norm.weight" in t else f"blk.{il}.post_attention_norm.weight"
+            logits = (x * deq(norm)) @ W.T
+            if f"blk.{il}.ffn_gate_inp.bias" in t:
+                logits = logits + deq(f"blk.{il}.ffn_gate_inp.bias")
+            if f"blk.{il}.exp_probs_b.bias" in t:
+                sel = 1 / (1 + np.exp(-logits)) + deq(f"blk.{il}.exp_probs_b.bias")
+            else:
+                sel = logits  # softmax is monotonic
+            top = np.argpartition(-sel, k - 1, axis=1)[:, :k]
+            per_tok = np.zeros((len(uniq), W.shape[0]), dtype=np.int64)
+            np.put_along_axis(per_tok, top, 1, axis=1)
+            out[il] = np.bincount(inv, minlength=len(uniq)) @ per_tok
+        il += 1
+    return out
+
+
+def engine_router_counts(model_path: str | os.PathLike, token_ids: np.ndarray, window: int = 2048,
+                         n_threads: int | None = None) -> dict[int, np.ndarray]:
+    """Route counts per MoE layer, {layer: (n_expert,) int64}, as the real engine routes them.
+
+    Runs the model (llama.cpp with Ostinato's native expert engine, all experts cold, CPU) over
+    ``token_ids`` in independent windows of ``window`` tokens (the KV cache is cleared between
+    windows) and reads the engine's per (layer, expert) prefill route counters. Unlike
+    :func:`router_counts` this includes what attention and earlier layers add to the residual
+    stream. Raises SynthError when the native expert engine is not built.
+    """
+    import llama_cpp as L
+
+    from ..engine import native
+    from ..engine.placement import experts_config
+
+    if not native.experts_available():
+        raise SynthError("the native expert engine is not built (ostinato build)")
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.use_extra_bufts = False
+    # all cold: only the counters matter
+    model, _, _ = native.load_model(model_path, mp, experts_config({}, device=-1, prefill_threshold=1 << 30))
+    if not model:
+        raise SynthError(f"llama.cpp could not load {model_path}")
+    try:
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = window
+        cp.n_threads = cp.n_threads_batch = n_threads or max(1, (os.cpu_count() or 2))
+        ctx = L.llama_init_from_model(model, cp)
+        if not ctx:
+            raise SynthError("llama.cpp could not create a context")
+        native.experts_json("ostinato_experts_take_request_stats")  # reset
+        ids = np.asarray(token_ids, dtype=np.int32)
+        mem = L.llama_get_memory(ctx)
+        for i in range(0, len(ids), window):
+            chunk = ids[i:i + window]
+            buf = (L.llama_token * len(chunk))(*chunk.tolist())
+            if L.llama_decode(ctx, L.llama_batch_get_one(buf, len(chunk))) != 0:
+                raise SynthError("llama_decode failed")
+            L.llama_memory_clear(mem, True)
+        st = native.experts_json("ostinato_experts_take_request_stats")
+        L.llama_free(ctx)
+    finally:
+        L.llama_model_free(model)
+    counts = np.asarray(st["counts_prefill"], dtype=np.int64) + np.asarray(st["counts_decode"], dtype=np.int64)
+    return {il: counts[il] for il in range(counts.shape[0]) if counts[il].sum() > 0}
+
+
+def _session_text(s: dict) -> str:
+    parts = []
+    for m in s.get("messages", []):
+        parts.append(m.get("content") or "")
+        for c in m.get("tool_calls") or []:
+            parts.append(json.dumps(c.get("function", {})))
+    return "\n".join(parts)
+
+
+def routing_report(model_path: str | os.PathLike, session_files: list[str | os.PathLike],
+                   hot_frac: float = 0.44, seed: int = 0, max_chars: int = 2_000_000,
+                   engine: bool = False) -> dict:
+    """Skew and workload dependence of the synthetic routing on recorded sessions.
+
+    Per sessions file: the ``hot_frac`` most-routed experts of each MoE layer on the development
+    sessions (``sessions.split_sessions``) and the share of the held-out sessions' routes that they
+    receive (the Ostinato paper's Sec. 2 statistic); across files: the Jaccard overlap of their hot
+    sets and the share of each file's routes that land on the other file's hot set. Text is capped
+    at ``max_chars`` per side. ``engine``: count routes with the real engine
+    (:func:`engine_router_counts`) instead of the numpy router forward. Returns a JSON-able dict.
+    """
+    from .sessions import split_sessions
+
+    rep: dict = {"model": str(model_path), "hot_frac": hot_frac, "max_chars": max_chars,
+                 "counts_from": "engine" if engine else "numpy router forward", "files": {}}
+    count = engine_router_counts if engine else router_counts
+    hot: dict[str, dict[int, set]] = {}
+    counts_all: dict[str, dict[int, np.ndarray]] = {}
+    for f in session_files:
+        name = Path(f).stem
+        dev, held = split_sessions(f, seed=seed)
+        c = {}
+        for side, ss in (("dev", dev), ("held_out", held)):
+            text = "\n".join(_session_text(s) for s in ss)[:max_chars]
+            ids = tokenize(model_path, text)
+            c[side] = count(model_path, ids)
+            c[side + "_tokens"] = int(len(ids))
+        layers = sorted(c["dev"])
+        n_exp = len(c["dev"][layers[0]])
+        n_hot = max(1, round(hot_frac * n_exp))
+        hot[name] = {il: set(np.argsort(-c["dev"][il], kind="stable")[:n_hot].tolist()) for il in layers}
+        shares = [c["held_out"][il][sorted(hot[name][il])].sum() / max(1, c["held_out"][il].sum()) for il in layers]
+        dev_shares = [np.sort(c["dev"][il])[::-1][:n_hot].sum() / max(1, c["dev"][il].sum()) for il in layers]
+        counts_all[name] = {il: c["dev"][il] + c["held_out"][il] for il in layers}
+        rep["files"][name] = {"dev_sessions": len(dev), "held_out_sessions": len(held),
+                              "dev_tokens": c["dev_tokens"], "held_out_tokens": c["held_out_tokens"],
+                              "n_expert": n_exp, "hot_experts_per_layer": n_hot,
+                              "held_out_share_on_dev_hot_set": float(np.mean(shares)),
+                              "dev_share_on_own_hot_set": float(np.mean(dev_shares)),
+                              "per_layer_held_out_share": [round(float(x), 4) for x in shares]}
+    names = list(hot)
+    if len(names) >= 2:
+        a, b = names[:2]
+        layers = sorted(hot[a])
+        jac = [len(hot[a][il] & hot[b][il]) / len(hot[a][il] | hot[b][il]) for il in layers]
+        cross = lambda x, y: float(np.mean([counts_all[x][il][sorted(hot[y][il])].sum() /  # noqa: E731
+                                            max(1, counts_all[x][il].sum()) for il in layers]))
+        rep["cross"] = {"pair": [a, b], "hot_set_jaccard": float(np.mean(jac)),
+                        f"{a}_routes_on_{b}_hot_set": cross(a, b), f"{b}_routes_on_{a}_hot_set": cross(b, a),
+                        f"{a}_routes_on_own_hot_set": cross(a, a), f"{b}_routes_on_own_hot_set": cross(b, b)}
+    return rep

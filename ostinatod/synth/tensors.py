@@ -1,0 +1,390 @@
+"""The tensors of a synthetic model: random but valid quant blocks, the embedding and routers that
+carry the routing signal, and one tensor plan per architecture (qwen3moe, deepseek2, gpt-oss)."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+import gguf
+from gguf import GGMLQuantizationType as QT
+
+from .shapes import FINE_NAMES, IDENT, MISC, NAME, NUMBER, Routing, SYNTAX, Shape, WORD
+
+
+# --------------------------------------------------------------------------------------------
+# random tensors
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    # one independent, reproducible stream per (seed, tensor name)
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+_BLOCK = {QT.Q8_0: (32, 34), QT.Q4_0: (32, 18), QT.MXFP4: (32, 17)}
+
+
+def quant_nbytes(shape: tuple[int, ...], qtype: QT) -> int:
+    """Bytes of a tensor of numpy ``shape`` (last dim contiguous) stored as ``qtype``."""
+    n = int(np.prod(shape))
+    if qtype in _BLOCK:
+        bs, bb = _BLOCK[qtype]
+        return n // bs * bb
+    return n * {QT.F32: 4, QT.F16: 2}[qtype]
+
+
+def random_quant_blocks(shape: tuple[int, ...], qtype: QT, std: float, rng: np.random.Generator,
+                        pool: np.ndarray | None = None) -> np.ndarray:
+    """Random valid blocks of a quantised tensor whose values have roughly ``std``.
+
+    ``shape``: numpy shape (last dim a multiple of 32). Returns uint8 bytes shaped
+    ``shape[:-1] + (bytes per row,)``. Quants are random bytes (taken at a random offset of
+    ``pool`` when given, which is memcpy-fast for GB-sized tensors); f16 scales are
+    ``d * U(0.5, 1.5)`` with d chosen from the quant's value spread.
+    """
+    bs, bb = _BLOCK[qtype]
+    n_blocks = int(np.prod(shape)) // bs
+    nbytes = n_blocks * bb
+    if pool is not None and pool.size >= nbytes + 4096:
+        off = int(rng.integers(0, pool.size - nbytes))
+        raw = pool[off:off + nbytes].copy()
+        # xor with a per-tensor word so that tensors sharing the pool differ everywhere
+        pad = (-raw.size) % 8
+        words = np.concatenate([raw, np.zeros(pad, np.uint8)]).view(np.uint64)
+        words ^= np.uint64(int(rng.integers(1, 2**63)))
+        raw = words.view(np.uint8)[:nbytes].copy() if pad else words.view(np.uint8)
+    else:
+        raw = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    blocks = raw.reshape(n_blocks, bb)
+    if qtype == QT.Q8_0:
+        d = std / 73.9  # uniform int8 has std ~73.9
+        scales = (d * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
+        blocks[:, 0:2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    elif qtype == QT.Q4_0:
+        d = std / 4.61  # uniform nibble - 8 has std ~4.61
+        scales = (d * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
+        blocks[:, 0:2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    elif qtype == QT.MXFP4:
+        # e8m0 shared exponent; fp4 e2m1 values span +-6 (std ~3.1): 2^(e-127) * 3.1 ~ std
+        e = int(round(math.log2(std / 3.1))) + 127
+        blocks[:, 0] = (e + rng.integers(-1, 1, n_blocks, endpoint=True)).astype(np.uint8)
+    return blocks.reshape(tuple(shape[:-1]) + (shape[-1] // bs * bb,))
+
+
+def float_tensor(arr: np.ndarray, qtype: QT) -> np.ndarray:
+    """``arr`` (float) converted to ``qtype``: f32/f16 as floats, quant types as uint8 blocks via
+    ``gguf.quants.quantize`` (row-chunked to bound memory)."""
+    if qtype == QT.F32:
+        return arr.astype(np.float32, copy=False)
+    if qtype == QT.F16:
+        return arr.astype(np.float16)
+    rows = arr.reshape(-1, arr.shape[-1])
+    out = np.empty((rows.shape[0], quant_nbytes((arr.shape[-1],), qtype)), dtype=np.uint8)
+    step = max(1, (1 << 24) // arr.shape[-1])
+    for i in range(0, rows.shape[0], step):
+        out[i:i + step] = gguf.quants.quantize(rows[i:i + step].astype(np.float32), qtype)
+    return out.reshape(arr.shape[:-1] + (out.shape[-1],))
+
+
+@dataclass
+class _T:
+    """One planned tensor: GGUF name, numpy shape (logical), type, and a maker returning the
+    array to write (float32/float16 for float types, uint8 blocks for quant types)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: QT
+    make: Callable[[], np.ndarray]
+
+
+# --------------------------------------------------------------------------------------------
+# model construction
+
+
+@dataclass
+class _Ctx:
+    arch: str
+    shape: Shape
+    routing: Routing
+    seed: int
+    qexp: QT           # experts
+    qmat: QT           # attention / dense matrices / embedding / output
+    classes: np.ndarray  # (n_vocab,)
+    n_vocab: int
+    pool: np.ndarray | None = None
+    C: np.ndarray = field(default=None)  # (n_class, d) class directions
+    prefs: np.ndarray = field(default=None)  # (n_layer, n_class, n_expert)
+
+    def __post_init__(self):
+        d = self.shape.n_embd
+        rng = _rng(self.seed, "class_directions")
+        nc = len(FINE_NAMES)
+        q, _ = np.linalg.qr(rng.standard_normal((d, nc)))
+        self.C = q.T.astype(np.float64)  # orthonormal rows, one per fine class
+        L, E = self.shape.n_layer, self.shape.n_expert
+        self.prefs = np.empty((L, nc, E))
+        rc = self.routing.related_corr
+        for il in range(L):
+            rg = _rng(self.seed, f"ranking.{il}")
+            keys = rg.standard_normal((nc, E))
+            for a, b in ((SYNTAX, IDENT), (WORD, NAME), (NUMBER, MISC)):
+                keys[b] = rc * keys[a] + math.sqrt(1 - rc ** 2) * keys[b]
+            for c in range(nc):
+                rank = np.argsort(np.argsort(-keys[c]))
+                self.prefs[il, c] = -np.log1p(rank)
+
+    # branch outputs: total over the depth ~ branch_scale of the residual
+    def out_std(self, fan_in: int) -> float:
+        return self.routing.branch_scale / math.sqrt(self.shape.n_layer) / math.sqrt(fan_in)
+
+
+def _embedding(cx: _Ctx) -> np.ndarray:
+    d, rho = cx.shape.n_embd, cx.routing.class_energy
+    rng = _rng(cx.seed, "token_embd")
+    out = np.empty((cx.n_vocab, d), dtype=np.float32)
+    step = 16384
+    for i in range(0, cx.n_vocab, step):
+        cls = cx.classes[i:i + step]
+        noise = rng.standard_normal((len(cls), d))
+        noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+        out[i:i + step] = math.sqrt(d) * (math.sqrt(rho) * cx.C[cls] + math.sqrt(1 - rho) * noise)
+    return out
+
+
+def _router(cx: _Ctx, il: int) -> np.ndarray:
+    """ffn_gate_inp of layer il, numpy (n_expert, n_embd) f32: logits = A * P + B * z."""
+    d, rho, r = cx.shape.n_embd, cx.routing.class_energy, cx.routing
+    A, B = r.strength_for(cx.shape.n_expert), r.spread
+    g = A / math.sqrt(d * rho)          # x_hat . C[c] = sqrt(d * rho)
+    s = B / math.sqrt(1 - rho)          # x_hat noise part has norm sqrt(d (1 - rho))
+    rng = _rng(cx.seed, f"blk.{il}.ffn_gate_inp")
+    R = rng.standard_normal((cx.shape.n_expert, d)) / math.sqrt(d)
+    W = g * cx.prefs[il].T @ cx.C + s * R
+    return W.astype(np.float32)
+
+
+def _gauss(cx: _Ctx, name: str, shape: tuple[int, ...], std: float, qtype: QT) -> Callable[[], np.ndarray]:
+    def make():
+        a = _rng(cx.seed, name).standard_normal(shape, dtype=np.float32) * np.float32(std)
+        return float_tensor(a, qtype)
+    return make
+
+
+def _ones(shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    return lambda: np.ones(shape, dtype=np.float32)
+
+
+def _experts(cx: _Ctx, name: str, shape: tuple[int, ...], std: float) -> Callable[[], np.ndarray]:
+    def make():
+        rng = _rng(cx.seed, name)
+        if cx.qexp in _BLOCK:
+            return random_quant_blocks(shape, cx.qexp, std, rng, cx.pool)
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float16)
+    return make
+
+
+def _routed_experts(cx: "_Ctx", p: str, E: int, F: int, d: int) -> list:
+    """The routed-expert tensors gate, down, up of one layer (prefix ``p``), in file order."""
+    return [_T(p + "ffn_gate_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_gate_exps", (E, F, d), d ** -0.5)),
+            _T(p + "ffn_down_exps.weight", (E, d, F), cx.qexp, _experts(cx, p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F))),
+            _T(p + "ffn_up_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_up_exps", (E, F, d), d ** -0.5))]
+
+
+def _output_tensors(cx: "_Ctx", d: int, qm) -> list:
+    """Final norm and output projection."""
+    return [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T("output.weight", (cx.n_vocab, d), qm, _gauss(cx, "output", (cx.n_vocab, d), 3.0 / math.sqrt(d), qm))]
+
+
+def _plan_qwen3moe(cx: _Ctx) -> list[_T]:
+    s = cx.shape
+    d, hd, E, F = s.n_embd, s.head_dim, s.n_expert, s.n_ff_exp
+    qm = cx.qmat
+    ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        ts += [
+            _T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T(p + "attn_q.weight", (s.n_head * hd, d), qm, _gauss(cx, p + "attn_q", (s.n_head * hd, d), d ** -0.5, qm)),
+            _T(p + "attn_k.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_k", (s.n_head_kv * hd, d), d ** -0.5, qm)),
+            _T(p + "attn_v.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_v", (s.n_head_kv * hd, d), d ** -0.5, qm)),
+            _T(p + "attn_output.weight", (d, s.n_head * hd), qm,
+               _gauss(cx, p + "attn_output", (d, s.n_head * hd), cx.out_std(s.n_head * hd), qm)),
+            _T(p + "attn_q_norm.weight", (hd,), QT.F32, _ones((hd,))),
+            _T(p + "attn_k_norm.weight", (hd,), QT.F32, _ones((hd,))),
+            _T(p + "ffn_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
+            *_routed_experts(cx, p, E, F, d),
+        ]
+    ts += _output_tensors(cx, d, qm)
+    return ts
+
+
+def _kv_dims(w: gguf.GGUFWriter, cx: _Ctx, n_ff: int, n_head_kv: int, k_len: int, v_len: int) -> None:
+    """The hyper-parameters every architecture writes first, in llama.cpp's key names."""
+    s, a = cx.shape, cx.arch
+    w.add_uint32(f"{a}.block_count", s.n_layer)
+    w.add_uint32(f"{a}.context_length", s.n_ctx_train)
+    w.add_uint32(f"{a}.embedding_length", s.n_embd)
+    w.add_uint32(f"{a}.feed_forward_length", n_ff)
+    w.add_uint32(f"{a}.attention.head_count", s.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", n_head_kv)
+    w.add_uint32(f"{a}.attention.key_length", k_len)
+    w.add_uint32(f"{a}.attention.value_length", v_len)
+
+
+def _kv_experts(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+    s, a = cx.shape, cx.arch
+    w.add_uint32(f"{a}.expert_count", s.n_expert)
+    w.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+    w.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+
+
+def _kv_qwen3moe(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+    s, a = cx.shape, cx.arch
+    _kv_dims(w, cx, s.n_ff_exp * s.n_expert_used, s.n_head_kv, s.head_dim, s.head_dim)
+    w.add_float32(f"{a}.rope.freq_base", 1000000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    _kv_experts(w, cx)
+
+
+def _mat(qm: QT, shape: tuple[int, ...]) -> QT:
+    # block quants need rows that are a multiple of 32 values; small MLA heads fall back to f16
+    return qm if qm == QT.F16 or shape[-1] % 32 == 0 else QT.F16
+
+
+def _plan_deepseek2(cx: _Ctx) -> list[_T]:
+    """DeepSeek-V3-style layout: MLA attention (q/kv LoRA, split k_b/v_b), first
+    ``n_layer_dense_lead`` layers dense, then routed experts + shared expert + selection bias
+    ``exp_probs_b`` (sigmoid gating, normalised top-k weights)."""
+    s = cx.shape
+    d, E, F, S = s.n_embd, s.n_expert, s.n_ff_exp, s.n_expert_shared
+    H, nope, rope, vh, kvr, qr = s.n_head, s.qk_nope_dim, s.qk_rope_dim, s.v_head_dim, s.kv_lora_rank, s.q_lora_rank
+    n_ff = s.n_ff_dense or 4 * F
+    qm = cx.qmat
+
+    def mat(name: str, shape: tuple[int, ...], std: float) -> _T:
+        qt = _mat(qm, shape)
+        return _T(name + ".weight", shape, qt, _gauss(cx, name, shape, std, qt))
+
+    ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        ts.append(_T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))))
+        if qr > 0:
+            ts += [_T(p + "attn_q_a_norm.weight", (qr,), QT.F32, _ones((qr,))),
+                   mat(p + "attn_q_a", (qr, d), d ** -0.5),
+                   mat(p + "attn_q_b", (H * (nope + rope), qr), qr ** -0.5)]
+        else:
+            ts.append(mat(p + "attn_q", (H * (nope + rope), d), d ** -0.5))
+        ts += [_T(p + "attn_kv_a_norm.weight", (kvr,), QT.F32, _ones((kvr,))),
+               mat(p + "attn_kv_a_mqa", (kvr + rope, d), d ** -0.5),
+               mat(p + "attn_k_b", (H, kvr, nope), nope ** -0.5),
+               mat(p + "attn_v_b", (H, vh, kvr), kvr ** -0.5),
+               mat(p + "attn_output", (d, H * vh), cx.out_std(H * vh)),
+               _T(p + "ffn_norm.weight", (d,), QT.F32, _ones((d,)))]
+        if il < _n_dense(s):
+            ts += [mat(p + "ffn_gate", (n_ff, d), d ** -0.5),
+                   mat(p + "ffn_down", (d, n_ff), 2 * cx.out_std(n_ff)),
+                   mat(p + "ffn_up", (n_ff, d), d ** -0.5)]
+            continue
+        ts += [
+            _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
+            _T(p + "exp_probs_b.bias", (E,), QT.F32, (lambda il=il: _probs_bias(cx, il))),
+            *_routed_experts(cx, p, E, F, d),
+            _T(p + "ffn_gate_shexp.weight", (F * S, d), cx.qexp, _experts(cx, p + "ffn_gate_shexp", (F * S, d), d ** -0.5)),
+            _T(p + "ffn_down_shexp.weight", (d, F * S), cx.qexp, _experts(cx, p + "ffn_down_shexp", (d, F * S), 2 * cx.out_std(F * S))),
+            _T(p + "ffn_up_shexp.weight", (F * S, d), cx.qexp, _experts(cx, p + "ffn_up_shexp", (F * S, d), d ** -0.5)),
+        ]
+    ts += _output_tensors(cx, d, qm)
+    return ts
+
+
+def _n_dense(s: Shape) -> int:
+    # leading dense layers (deepseek2), keeping at least one MoE layer
+    return max(0, min(s.n_layer_dense_lead, s.n_layer - 1))
+
+
+def _probs_bias(cx: _Ctx, il: int) -> np.ndarray:
+    """exp_probs_b of a deepseek2 layer: small per-expert selection biases (added to the sigmoid
+    probabilities for the top-k choice only), enough to change some selections."""
+    return (0.05 * _rng(cx.seed, f"blk.{il}.exp_probs_b").standard_normal(cx.shape.n_expert)).astype(np.float32)
+
+
+def _kv_deepseek2(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+    s, a = cx.shape, cx.arch
+    # MLA: one compressed KV "head"
+    _kv_dims(w, cx, s.n_ff_dense or 4 * s.n_ff_exp, 1, s.kv_lora_rank + s.qk_rope_dim, s.kv_lora_rank)
+    w.add_uint32(f"{a}.attention.key_length_mla", s.qk_nope_dim + s.qk_rope_dim)
+    w.add_uint32(f"{a}.attention.value_length_mla", s.v_head_dim)
+    w.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora_rank)
+    w.add_uint32(f"{a}.attention.kv_lora_rank", s.kv_lora_rank)
+    w.add_uint32(f"{a}.rope.dimension_count", s.qk_rope_dim)
+    w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_uint32(f"{a}.leading_dense_block_count", _n_dense(s))
+    w.add_uint32(f"{a}.expert_count", s.n_expert)
+    w.add_uint32(f"{a}.expert_used_count", s.n_expert_used)
+    w.add_uint32(f"{a}.expert_shared_count", s.n_expert_shared)
+    w.add_uint32(f"{a}.expert_feed_forward_length", s.n_ff_exp)
+    w.add_float32(f"{a}.expert_weights_scale", 1.0)
+    w.add_bool(f"{a}.expert_weights_norm", True)
+    w.add_uint32(f"{a}.expert_gating_func", 2)  # sigmoid (LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID)
+
+
+def _plan_gpt_oss(cx: _Ctx) -> list[_T]:
+    """gpt-oss layout (llama.cpp arch "gpt-oss"): GQA attention with q/k/v/o biases and attention
+    sinks, sliding-window attention on every other layer, post-attention norm, router with bias,
+    MXFP4 experts with per-expert biases (SwiGLU-OAI)."""
+    s = cx.shape
+    d, hd, E, F = s.n_embd, s.head_dim, s.n_expert, s.n_ff_exp
+    qm = cx.qmat
+
+    def bias(name: str, shape: tuple[int, ...], std: float) -> _T:
+        return _T(name + ".bias", shape, QT.F32, _gauss(cx, name + ".bias", shape, std, QT.F32))
+
+    ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        gate_e, down_e, up_e = _routed_experts(cx, p, E, F, d)
+        ts += [
+            _T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T(p + "attn_q.weight", (s.n_head * hd, d), qm, _gauss(cx, p + "attn_q", (s.n_head * hd, d), d ** -0.5, qm)),
+            bias(p + "attn_q", (s.n_head * hd,), 0.02),
+            _T(p + "attn_k.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_k", (s.n_head_kv * hd, d), d ** -0.5, qm)),
+            bias(p + "attn_k", (s.n_head_kv * hd,), 0.02),
+            _T(p + "attn_v.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_v", (s.n_head_kv * hd, d), d ** -0.5, qm)),
+            bias(p + "attn_v", (s.n_head_kv * hd,), 0.02),
+            _T(p + "attn_output.weight", (d, s.n_head * hd), qm,
+               _gauss(cx, p + "attn_output", (d, s.n_head * hd), cx.out_std(s.n_head * hd), qm)),
+            bias(p + "attn_output", (d,), 0.002),
+            _T(p + "attn_sinks.weight", (s.n_head,), QT.F32, _gauss(cx, p + "attn_sinks", (s.n_head,), 1.0, QT.F32)),
+            _T(p + "post_attention_norm.weight", (d,), QT.F32, _ones((d,))),
+            _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
+            bias(p + "ffn_gate_inp", (E,), 0.05),
+            gate_e,
+            bias(p + "ffn_gate_exps", (E, F), 0.02),
+            down_e,
+            bias(p + "ffn_down_exps", (E, d), 0.002),
+            up_e,
+            bias(p + "ffn_up_exps", (E, F), 0.02),
+        ]
+    ts += _output_tensors(cx, d, qm)
+    return ts
+
+
+def _kv_gpt_oss(w: gguf.GGUFWriter, cx: _Ctx) -> None:
+    s, a = cx.shape, cx.arch
+    _kv_dims(w, cx, s.n_ff_exp, s.n_head_kv, s.head_dim, s.head_dim)
+    w.add_uint32(f"{a}.attention.sliding_window", 128)
+    w.add_float32(f"{a}.rope.freq_base", 150000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)
+    _kv_experts(w, cx)
+
+
+_PLANS = {"qwen3moe": (_plan_qwen3moe, _kv_qwen3moe), "deepseek2": (_plan_deepseek2, _kv_deepseek2),
+          "gpt-oss": (_plan_gpt_oss, _kv_gpt_oss)}

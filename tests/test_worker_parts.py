@@ -1,0 +1,108 @@
+"""Pure parts of the engine worker: slot choice (engine/slots.py), stop strings on new text only and
+UTF-8 hold-back (engine/text.py), the worker pipe (engine/protocol.py), the sampler's defaults."""
+
+from __future__ import annotations
+
+import random
+
+from ostinatod.engine import protocol as P
+from ostinatod.engine.slots import SAME_SESSION_SHARE, Slot, SlotChoice, choose_slot, common_prefix
+from ostinatod.engine.text import StopScanner, find_stop, partial_stop_len
+from ostinatod.engine.types import EngineError, EngineEvent, EventType, GenRequest
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2], [1, 2]) == 2
+
+
+def test_choose_slot_continues_the_same_conversation():
+    a = Slot(0, tokens=[1, 2, 3, 4, 5, 6, 7, 8], last_used=2.0)
+    b = Slot(1, tokens=[9, 9], last_used=1.0)
+    # the next turn extends slot 0's conversation: keep all 8 cached tokens, evaluate the rest
+    assert choose_slot([a, b], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]) == SlotChoice(target=0, n_keep=8)
+    # a re-rendered last turn (differs at the tail, >= SAME_SESSION_SHARE matches): in place
+    c = choose_slot([a, b], [1, 2, 3, 4, 5, 6, 70, 80])
+    assert 6 >= SAME_SESSION_SHARE * 8 and c == SlotChoice(target=0, n_keep=6)
+
+
+def test_choose_slot_keeps_the_main_session_for_a_side_request():
+    main = Slot(0, tokens=list(range(100)), last_used=5.0)
+    free = Slot(1, tokens=[], last_used=1.0)
+    # a side request sharing only the system prompt (10 tokens) goes to the LRU free slot, with
+    # the shared prefix copied there; the main session's cache stays whole
+    c = choose_slot([main, free], list(range(10)) + [500, 501])
+    assert c == SlotChoice(target=1, n_keep=10, copy_from=0, n_copy=10)
+
+
+def test_choose_slot_alone_or_without_gain():
+    main = Slot(0, tokens=list(range(100)), last_used=5.0)
+    # the only free slot: it is reused, only the common prefix kept
+    assert choose_slot([main], list(range(10)) + [7]) == SlotChoice(target=0, n_keep=10)
+    # the LRU slot already holds as much of the prompt: no copy
+    other = Slot(1, tokens=list(range(10)) + [42], last_used=1.0)
+    assert choose_slot([main, other], list(range(10)) + [7]) == SlotChoice(target=1, n_keep=10)
+    # at least one prompt token is left to evaluate (logits are needed)
+    assert choose_slot([main], list(range(50))).n_keep == 49
+    # ties of the match: the most recently used slot
+    s1, s2 = Slot(0, [1], last_used=1.0), Slot(1, [1], last_used=2.0)
+    assert choose_slot([s1, s2], [1, 2]).target == 0
+
+
+def test_stop_scanner_matches_the_whole_text_search():
+    rng = random.Random(7)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab<>") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        sc, text = StopScanner(stops), ""
+        while len(text) < 40:
+            text += "".join(rng.choice("ab<>x") for _ in range(rng.randint(1, 3)))
+            got, want = sc.find(text), find_stop(text, stops)
+            assert got == want, (stops, text)
+            if want is not None:
+                break
+
+
+def test_stop_scanner_reads_only_new_text():
+    sc = StopScanner(["</s>"])
+    assert sc.find("x" * 1000) is None
+    assert sc._scanned == 1000 and sc.find("x" * 1000 + "</") is None
+    assert sc.find("x" * 1000 + "</s>") == 1000
+    assert sc.partial_len("abc</") == 2 == partial_stop_len("abc</", ["</s>"])
+    assert not StopScanner([]) and not StopScanner([""])
+
+
+def test_pipe_messages_round_trip():
+    req = GenRequest(id="r1", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    msgs = [P.Init({"n_ctx": 512}, "/m.gguf"), P.Generate(req), P.Cancel("r1"), P.Shutdown(),
+            P.Call(P.Op.COUNT_TOKENS, "7", req=req), P.Call(P.Op.SWITCH_RESIDENCY, "8", path="/s.json", reason="x"),
+            P.Call(P.Op.STATS, "9"), P.StateMsg("ready", info={"n_ctx": 512}),
+            P.Event("r1", EngineEvent(EventType.DELTA, {"content": "é"})), P.Reply("7", 12)]
+    for m in msgs:
+        back = P.decode(P.encode(m))
+        assert back == m, (m, back)
+    err = P.decode(P.encode(P.Reply("9", error=EngineError("residency_busy", "busy", 409))))
+    assert (err.error.code, err.error.message, err.error.status) == ("residency_busy", "busy", 409)
+    st = P.decode('{"op": "state", "state": "error"}')
+    assert (st.error.code, st.error.message, st.error.status) == ("model_not_loaded", "load failed", 503)
+    assert P.decode("not json") is None and P.decode('{"op": "nope"}') is None
+
+
+def test_event_types_compare_as_strings():
+    ev = EngineEvent("done", {})
+    assert ev.type is EventType.DONE and ev.type == "done" and f"{ev.type}" == "done"
+    assert {"done": 1}[ev.type] == 1
+
+
+def test_sampling_defaults_come_from_settings():
+    from ostinatod.engine.sampling import sampler_params
+    from ostinatod.settings import Settings
+
+    s = Settings()
+    p = sampler_params(GenRequest(id="x"), s)
+    # the values requests got before the defaults moved to Settings (GenRequest's defaults)
+    assert (p["temperature"], p["top_p"], p["top_k"], p["min_p"]) == (0.8, 0.95, 40, 0.05)
+    p = sampler_params(GenRequest(id="x", temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=-1), s)
+    assert (p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["seed"]) == (0.0, 1.0, 0, 0.0, 0xFFFFFFFF)
+    p = sampler_params(GenRequest(id="x"), Settings(temperature=0.2, top_p=0.5))
+    assert (p["temperature"], p["top_p"]) == (0.2, 0.5)
