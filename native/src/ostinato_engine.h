@@ -1,0 +1,180 @@
+// Internal state of the expert engine, shared by its translation units (compiled into libllama):
+// ostinato_experts.cpp (hooks called by the patched llama.cpp, the C API), ostinato_pool.cpp (the
+// expert pool: build, pinning, borrowed decode slots), ostinato_paths.cpp (the CPU ops of the split
+// and upload paths, route counting, stats). Paper: arXiv 2611.11533, Sections 2-3 and Appendix B.
+#pragma once
+
+#include "ostinato_experts.h"
+#include "ostinato_dgraph.h"
+
+#include "ggml-backend.h"
+#include "llama-model.h"
+#include "llama-impl.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+using json = nlohmann::ordered_json;
+
+struct ost_dgraph;
+
+namespace ost {
+
+enum force_path_t { FORCE_AUTO = 0, FORCE_SPLIT = 1, FORCE_UPLOAD = 2 };
+
+struct config_t {
+    bool set = false;
+    std::map<int, std::vector<int>> hot;   // layer -> hot expert ids
+    int device = -1;                       // GPU index among GPU devices, -1 = CPU pool
+    std::map<int, int> layer_device;       // layer -> GPU index (several GPUs); absent layer: `device`
+    int64_t np = 512;                      // prefill threshold Np (tokens)
+    int force = FORCE_AUTO;
+};
+
+struct size_class_t {
+    int pool = 0;                               // index into engine_t::pools (classes are per pool)
+    ggml_type t_up, t_gate, t_down;
+    int64_t up0, up1, down0, down1;
+    bool has_gate;
+    bool merged = false;                        // up slot holds merged gate_up rows (ffn_gate_up_exps)
+    bool has_bias = false;                      // expert biases (gpt-oss): one F32 row per expert
+    std::vector<std::pair<int, int>> members;   // (layer, expert) in slot order
+    int n_stage = 0;                            // max cold experts of one layer of the class
+    std::vector<std::pair<int, int>> borrowed;  // per staging slot: (layer, expert) lent to decode, or (-1, -1)
+    ggml_tensor * up = nullptr, * gate = nullptr, * down = nullptr;   // [.., .., slots + k + n_stage]
+    ggml_tensor * b_up = nullptr, * b_gate = nullptr, * b_down = nullptr;   // [.., slots + k + n_stage]
+    bool operator==(const size_class_t & o) const {
+        return pool == o.pool && t_up == o.t_up && t_gate == o.t_gate && t_down == o.t_down && up0 == o.up0 &&
+               up1 == o.up1 && down0 == o.down0 && down1 == o.down1 && has_gate == o.has_gate && merged == o.merged &&
+               has_bias == o.has_bias;
+    }
+};
+
+struct pass_t {
+    int64_t tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
+    int64_t borrowed = 0;                       // hot routes served by borrowed decode slots
+    double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
+    bool gpu_timed = false;
+    bool graph = false;                         // the pass ran (some of) its layers in the decode graph
+    std::string path;
+};
+
+struct totals_t {
+    int64_t passes = 0, tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
+    int64_t borrowed = 0;
+    double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
+    std::map<std::string, int64_t> paths;
+    std::vector<int64_t> counts_prefill, counts_decode;   // [n_layer * n_expert]
+    void add(const pass_t & p) {
+        passes++; tokens += p.tokens; routes += p.routes; hot += p.hot; cold += p.cold;
+        distinct_cold += p.distinct_cold; upload_bytes += p.upload_bytes; borrowed += p.borrowed;
+        cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; upload_ms += p.upload_ms; total_ms += p.total_ms;
+        paths[p.path]++;
+    }
+};
+
+// One expert pool: the hot experts (and zero and staging slots) of the MoE layers placed on one
+// device, one set of pool tensors per size class, in one backend buffer of that device.
+struct pool_t {
+    int gpu = -1;                              // configured GPU index ("device" / "layer_device")
+    ggml_backend_dev_t dev = nullptr;
+    std::string name = "CPU";                  // backend device name, e.g. CUDA1
+    ggml_context * ctx = nullptr;
+    ggml_backend_buffer_t buf = nullptr;
+    ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
+    ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
+    ggml_tensor * scratch = nullptr;           // I32 [4, n_layer]: the route kernel's counters
+    int64_t bytes = 0, n_hot = 0;
+    int n_classes = 0;
+    std::vector<int> layers;                   // MoE layers assigned to this pool's device
+};
+
+struct engine_t {
+    llama_model * model = nullptr;
+    int n_layer = 0, n_expert = 0, k = 0;
+    std::unordered_map<const ggml_tensor *, int> by_down;
+    std::vector<ostinato_moe_layer> layers;
+    std::vector<std::vector<uint8_t>> hot;     // [layer][expert]
+    std::vector<int64_t> expert_bytes;         // per layer: bytes of one expert (up+gate+down)
+    std::vector<std::vector<int32_t>> slot;    // [layer][expert]: pool slot (hot) or -1 (cold)
+    std::vector<size_class_t> classes;
+    std::vector<pool_t> pools;                 // one per device in use (one for a one-device config)
+    std::vector<int> layer_pool;               // per layer: index into pools (-1: no MoE layer)
+    std::string pool_device = "CPU";           // name of pools[0]'s device
+    std::string host_buffer = "";             // buffer type holding the cold experts (e.g. CUDA_Host = pinned)
+    int64_t pool_bytes = 0, n_hot = 0;
+    std::vector<std::string> notes;
+    std::vector<int> layer_class;              // per layer: size class (-1: none)
+    std::vector<float> cpu_use;                // [layer * n_expert]: decaying count of decode CPU uses
+    int64_t decode_steps = 0, promotions = 0, handbacks = 0;
+    ost_dgraph * dg = nullptr;                 // decode graph (created on first use)
+    bool dg_failed = false;                    // its creation failed (note in `notes`)
+    bool dg_running = false;                   // the current pass has decode-graph layers
+
+    // stats (guarded by mu)
+    pass_t cur;
+    bool in_pass = false;
+    int64_t pass_t0_us = 0;
+    std::vector<uint8_t> cold_seen;            // [layer * n_expert] for distinct cold experts
+    std::vector<int64_t> mark_us;              // [layer]: time of the last marker
+    totals_t total, request;
+    std::deque<pass_t> last;
+};
+
+// Cold experts in pageable memory (mmap-ed weights) are pinned with cudaHostRegister through the
+// CUDA backend's "ggml_backend_register_host_buffer" (DESIGN.md item 1): the upload path's copies then
+// run at the pinned H2D bandwidth. Per model, once; unregistered when the model is freed.
+struct pinned_t {
+    const llama_model * model = nullptr;
+    ggml_backend_reg_t reg = nullptr;
+    std::vector<void *> ptrs;
+    int64_t bytes = 0;
+    bool already_pinned = false;   // the loader put the experts in a pinned (CUDA_Host) buffer
+    std::string note;
+};
+
+// guarded by g_mu
+extern std::mutex g_mu;
+extern pinned_t g_pin;
+extern config_t   g_cfg;          // loader config: consumed by the next model load
+extern int64_t    g_np;           // run-time: prefill threshold Np and forced path (kept across loads)
+extern int        g_force;
+extern engine_t * g_eng;
+extern std::string g_err;
+extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow;
+extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
+
+// The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
+// bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.
+inline const ggml_tensor * up_src(const llama_layer & L) { return L.ffn_gate_up_exps ? L.ffn_gate_up_exps : L.ffn_up_exps; }
+inline const ggml_tensor * up_b_src(const llama_layer & L) { return L.ffn_gate_up_exps ? L.ffn_gate_up_exps_b : L.ffn_up_exps_b; }
+
+int64_t now_us();
+void free_engine(engine_t * e);
+// ostinato_paths.cpp
+void totals_init(totals_t & t, size_t n);
+json totals_json(const engine_t & e, const totals_t & t, bool with_counts);
+json pass_json(const pass_t & p);
+int32_t count_route(engine_t * e, int il, int32_t x, bool decode);
+void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms);
+void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
+void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
+void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
+// ostinato_pool.cpp
+void unpin(pinned_t & p);
+bool build_engine(llama_model * model, const config_t & cfg, std::string & err);
+void borrow_release(engine_t * e);
+void borrow_step(engine_t * e);
+
+}  // namespace ost

@@ -1,0 +1,201 @@
+// Expert engine: the CPU custom ops of the split and upload paths (route, upload, timing marker),
+// route counting and the stats JSON. See ostinato_engine.h.
+#include "ostinato_engine.h"
+
+namespace ost {
+
+void totals_init(totals_t & t, size_t n) {
+    t = totals_t();
+    t.counts_prefill.assign(n, 0);
+    t.counts_decode.assign(n, 0);
+}
+
+json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
+    json j;
+    j["passes"] = t.passes; j["tokens"] = t.tokens; j["routes"] = t.routes;
+    j["hot_routes"] = t.hot; j["cold_routes"] = t.cold;
+    j["hot_route_share"] = t.routes ? double(t.hot) / double(t.routes) : 0.0;
+    j["distinct_cold_experts"] = t.distinct_cold; j["upload_bytes"] = t.upload_bytes;
+    j["borrowed_routes"] = t.borrowed;
+    j["cpu_branch_ms"] = t.cpu_ms; j["gpu_branch_ms"] = t.gpu_ms; j["upload_ms"] = t.upload_ms;
+    j["total_ms"] = t.total_ms;
+    j["paths"] = json::object();
+    for (const char * p : {"decode", "split", "upload"}) j["paths"][p] = 0;
+    for (auto & kv : t.paths) j["paths"][kv.first] = kv.second;
+    if (with_counts) {
+        json cp = json::array(), cd = json::array();
+        for (int il = 0; il < e.n_layer; ++il) {
+            json rp = json::array(), rd = json::array();
+            for (int x = 0; x < e.n_expert; ++x) {
+                rp.push_back(t.counts_prefill[(size_t) il * e.n_expert + x]);
+                rd.push_back(t.counts_decode[(size_t) il * e.n_expert + x]);
+            }
+            cp.push_back(rp); cd.push_back(rd);
+        }
+        j["counts_prefill"] = cp; j["counts_decode"] = cd;
+    }
+    return j;
+}
+
+json pass_json(const pass_t & p) {
+    return json{{"tokens", p.tokens}, {"routes", p.routes}, {"hot_routes", p.hot},
+                {"cold_routes", p.cold}, {"distinct_cold_experts", p.distinct_cold}, {"path", p.path},
+                {"cpu_branch_ms", p.cpu_ms}, {"gpu_branch_ms", p.gpu_ms}, {"gpu_timed", p.gpu_timed},
+                {"upload_bytes", p.upload_bytes}, {"upload_ms", p.upload_ms}, {"total_ms", p.total_ms},
+                {"decode_graph", p.graph}};
+}
+
+// Counts one route (layer il, expert x) into the current pass and the totals; returns the expert's
+// pool slot (>= 0: hot) or -1 (cold). Caller holds g_mu.
+int32_t count_route(engine_t * e, int il, int32_t x, bool decode) {
+    const size_t idx = (size_t) il * e->n_expert + x;
+    (decode ? e->total.counts_decode : e->total.counts_prefill)[idx]++;
+    (decode ? e->request.counts_decode : e->request.counts_prefill)[idx]++;
+    e->cur.routes++;
+    const int32_t s = e->slot[il][x];
+    if (s >= 0) {
+        e->cur.hot++;
+        if (!e->hot[il][x]) e->cur.borrowed++;
+    } else {
+        e->cur.cold++;
+        if (!e->cold_seen[idx]) { e->cold_seen[idx] = 1; e->cur.distinct_cold++; }
+        if (decode) e->cpu_use[idx] += 1.0f;
+    }
+    return s;
+}
+
+// Route counts of a decode-graph layer, reported by the decode graph's worker thread.
+void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms) {
+    (void) n_cold;
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (e != (engine_t *) ud || il < 0 || il >= e->n_layer) return;
+    const bool decode = e->cur.tokens == 1;
+    for (int64_t i = 0; i < (int64_t) n * k; ++i) {
+        if (ids[i] >= 0 && ids[i] < e->n_expert) count_route(e, il, ids[i], decode);
+    }
+    e->cur.cpu_ms += cpu_ms;
+}
+
+// Route op (custom CPU op, n_tasks = 1): reads selected_experts [k, n_tokens] (possibly a strided
+// view), counts the routes into the current pass and writes the two planes of ids (see the header).
+void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    const ggml_tensor * a = dst->src[0];
+    const int il = (int) (intptr_t) ud;
+    const int64_t k = a->ne[0], n = a->ne[1];
+    int32_t * g = (int32_t *) dst->data;
+    int32_t * c = g + k * n;
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    const bool ok = e && il >= 0 && il < e->n_layer;
+    const bool split = ok && e->layers[il].has_hot;
+    const int zero0 = split ? e->layers[il].zero0 : 0;
+    const bool decode = n == 1;
+    for (int64_t t = 0; t < n; ++t) {
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t x = *(const int32_t *) ((const char *) a->data + t * a->nb[1] + j * a->nb[0]);
+            const int64_t i = t * k + j;
+            if (!ok || x < 0 || x >= e->n_expert) { g[i] = x; c[i] = x; continue; }
+            const int32_t s = count_route(e, il, x, decode);
+            if (s >= 0) {
+                g[i] = s; c[i] = -1;
+            } else {
+                g[i] = split ? zero0 + (int32_t) j : x;   // a zero slot per position: exact zeros
+                c[i] = x;
+            }
+        }
+    }
+    if (ok) e->mark_us[il] = now_us();
+}
+
+// Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
+// cold expert of the pass once from host memory into the staging slots of the pool (ascending expert
+// ids into ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the
+// engine's own stream, joined once at the end) and writes pool ids: hot -> its slot, cold -> its
+// staging slot. Hot experts are never uploaded.
+void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    const ggml_tensor * route = dst->src[0];
+    const int il = (int) (intptr_t) ud;
+    const int64_t k = route->ne[0], n = route->ne[1];
+    const int32_t * g = (const int32_t *) route->data;   // plane 0: hot -> slot
+    const int32_t * c = g + k * n;                        // plane 1: cold -> expert, hot -> -1
+    int32_t * out = (int32_t *) dst->data;
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || il < 0 || il >= e->n_layer || !e->layers[il].has_hot) {
+        for (int64_t i = 0; i < k * n; ++i) out[i] = g[i];
+        return;
+    }
+    const int64_t t0 = now_us();
+    const auto & L = e->model->layers[il];
+    const auto & ol = e->layers[il];
+    ggml_backend_t upload_backend = e->pools[e->layer_pool[il]].upload_backend;   // the layer's device
+    std::vector<int32_t> slot(e->n_expert, -1);
+    for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) slot[c[i]] = 1;   // seen
+    int used = 0;
+    for (int x = 0; x < e->n_expert; ++x) slot[x] = slot[x] == 1 ? ol.stage0 + used++ : -1;
+    GGML_ASSERT(ol.stage0 + used <= ol.down_pool->ne[2]);
+    // one expert = one ne[2] slice of a weight tensor, one row (nb[1]) of a bias tensor
+    auto put = [&](const ggml_tensor * src, ggml_tensor * pool, int x0, int s0, int m) {
+        const size_t nb = ggml_n_dims(src) >= 3 ? src->nb[2] : src->nb[1];
+        const size_t sz = (size_t) m * nb;
+        if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
+            const char * p = (const char *) src->data + (size_t) x0 * nb;
+            if (upload_backend) ggml_backend_tensor_set_async(upload_backend, pool, p, (size_t) s0 * nb, sz);
+            else                   ggml_backend_tensor_set(pool, p, (size_t) s0 * nb, sz);
+        } else {
+            std::vector<uint8_t> tmp(sz);
+            ggml_backend_tensor_get(src, tmp.data(), (size_t) x0 * nb, sz);
+            ggml_backend_tensor_set(pool, tmp.data(), (size_t) s0 * nb, sz);
+        }
+        e->cur.upload_bytes += (int64_t) sz;
+    };
+    for (int x = 0; x < e->n_expert;) {
+        if (slot[x] < 0) { ++x; continue; }
+        int m = 1;
+        while (x + m < e->n_expert && slot[x + m] >= 0) ++m;   // consecutive experts, consecutive slots
+        put(up_src(L), ol.up_pool, x, slot[x], m);
+        if (ol.gate_pool) put(L.ffn_gate_exps, ol.gate_pool, x, slot[x], m);
+        put(L.ffn_down_exps, ol.down_pool, x, slot[x], m);
+        if (ol.up_b_pool)   put(up_b_src(L), ol.up_b_pool, x, slot[x], m);
+        if (ol.gate_b_pool) put(L.ffn_gate_exps_b, ol.gate_b_pool, x, slot[x], m);
+        if (ol.down_b_pool) put(L.ffn_down_exps_b, ol.down_b_pool, x, slot[x], m);
+        x += m;
+    }
+    for (int64_t i = 0; i < k * n; ++i) {
+        const int32_t x = c[i];
+        out[i] = (x >= 0 && x < e->n_expert) ? slot[x] : g[i];
+    }
+    if (upload_backend) ggml_backend_synchronize(upload_backend);
+    e->cur.upload_ms += (now_us() - t0) / 1000.0;
+    e->mark_us[il] = now_us();
+}
+
+// Custom CPU op used as a timestamp after a branch: kind 1 = GPU branch, 2 = CPU branch, 3 = upload
+// branch. The time since the layer's previous marker (route op, upload op or GPU marker) is added to
+// the branch's total.
+void mark_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    std::memset(dst->data, 0, ggml_nbytes(dst));
+    const intptr_t v = (intptr_t) ud;
+    const int il = (int) (v >> 2), kind = (int) (v & 3);
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || il < 0 || il >= e->n_layer) return;
+    const int64_t t = now_us();
+    const double ms = (t - e->mark_us[il]) / 1000.0;
+    if (kind == 2) {
+        e->cur.cpu_ms += ms;
+    } else {
+        e->cur.gpu_ms += ms;
+        e->cur.gpu_timed = true;
+    }
+    e->mark_us[il] = t;
+}
+
+}  // namespace ost

@@ -1,0 +1,441 @@
+// Expert engine: the expert pool (size classes, slots, index tables), pinning of the host experts,
+// the several-GPU check and borrowed decode slots. See ostinato_engine.h.
+#include "ostinato_engine.h"
+
+namespace ost {
+
+namespace {
+ggml_backend_dev_t pool_device(int gpu_index) {
+    if (gpu_index >= 0) {
+        int seen = 0;
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            ggml_backend_dev_t d = ggml_backend_dev_get(i);
+            if (ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_GPU) {
+                if (seen++ == gpu_index) return d;
+            }
+        }
+    }
+    return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+}
+}  // namespace
+
+void unpin(pinned_t & p) {
+    if (p.reg && !p.ptrs.empty()) {
+        auto fn = (void (*)(void *)) ggml_backend_reg_get_proc_address(p.reg, "ggml_backend_unregister_host_buffer");
+        const bool had_env = std::getenv("GGML_CUDA_REGISTER_HOST") != nullptr;   // see pin_experts
+        if (!had_env) setenv("GGML_CUDA_REGISTER_HOST", "1", 1);
+        if (fn) for (void * q : p.ptrs) fn(q);
+        if (!had_env) unsetenv("GGML_CUDA_REGISTER_HOST");
+    }
+    p = pinned_t();
+}
+
+// Pins the routed-expert tensors of `model` (all of them: a residency switch changes which are cold).
+// Ranges are page-aligned and merged within one buffer (gaps under 64 MiB are pinned too) to keep
+// the calls few.
+void pin_experts(llama_model * model, ggml_backend_dev_t dev) {
+    if (g_pin.model == model) return;
+    unpin(g_pin);
+    g_pin.model = model;
+    if (!dev || ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) return;
+    struct range_t { const void * buf; uintptr_t a, b; };
+    std::vector<range_t> r;
+    for (const auto & L : model->layers) {
+        // the expert biases too: a copy that spans the end of a pinned range into pageable memory
+        // fails (cudaMemcpyAsync: invalid argument), which aborted gpt-oss's upload path
+        for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps,
+                                      L.ffn_up_exps_b, L.ffn_gate_exps_b, L.ffn_down_exps_b, L.ffn_gate_up_exps_b}) {
+            if (!t || !t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data) continue;
+            if (std::strstr(ggml_backend_buffer_name(t->buffer), "CUDA_Host")) { g_pin.already_pinned = true; continue; }
+            r.push_back({t->buffer, (uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t)});
+        }
+    }
+    if (r.empty()) return;
+    const uintptr_t page = 4096, gap = 64u << 20;
+    std::sort(r.begin(), r.end(), [](const range_t & x, const range_t & y) {
+        return x.buf != y.buf ? x.buf < y.buf : x.a < y.a;
+    });
+    std::vector<std::pair<uintptr_t, uintptr_t>> m;
+    const void * last_buf = nullptr;
+    for (auto [buf, a, b] : r) {
+        a &= ~(page - 1); b = (b + page - 1) & ~(page - 1);
+        if (!m.empty() && buf == last_buf && a <= m.back().second + gap) m.back().second = std::max(m.back().second, b);
+        else m.push_back({a, b});
+        last_buf = buf;
+    }
+    g_pin.reg = ggml_backend_dev_backend_reg(dev);
+    auto fn = (bool (*)(void *, size_t)) ggml_backend_reg_get_proc_address(g_pin.reg, "ggml_backend_register_host_buffer");
+    if (!fn) { g_pin.note = "the GPU backend cannot pin host memory: cold experts stay pageable"; return; }
+    // ggml's CUDA backend registers only when GGML_CUDA_REGISTER_HOST is set
+    const bool had_env = std::getenv("GGML_CUDA_REGISTER_HOST") != nullptr;
+    if (!had_env) setenv("GGML_CUDA_REGISTER_HOST", "1", 1);
+    const int64_t t0 = now_us();
+    int64_t failed = 0;
+    for (auto [a, b] : m) {
+        if (fn((void *) a, b - a)) { g_pin.ptrs.push_back((void *) a); g_pin.bytes += (int64_t) (b - a); }
+        else failed += (int64_t) (b - a);
+    }
+    if (!had_env) unsetenv("GGML_CUDA_REGISTER_HOST");
+    if (failed) {
+        g_pin.note = "pinning " + std::to_string(failed >> 20) + " MiB of cold experts failed (cudaHostRegister): "
+                     "those stay pageable and upload slower";
+        LLAMA_LOG_WARN("ostinato: %s\n", g_pin.note.c_str());
+    }
+    LLAMA_LOG_INFO("ostinato: pinned %.1f MiB of host experts in %zu ranges, %.1f ms\n", g_pin.bytes / 1048576.0,
+                   g_pin.ptrs.size(), (now_us() - t0) / 1000.0);
+}
+
+// Several GPUs (config with "layer_device"): each MoE layer's pool must be on the device where
+// llama.cpp put the layer's dense weights (layer split), else every layer would move its hidden
+// states between GPUs twice. Reads the device of the layer's attention weight buffer; a layer whose
+// dense weights are in host memory (partial offload, CPU build) is not checked. Returns false with
+// `err` naming the first layer that disagrees (the config is refused, nothing is adopted).
+bool check_layer_devices(const llama_model * model, const engine_t * e, std::string & err) {
+    for (int il = 0; il < e->n_layer; ++il) {
+        const int pi = e->layer_pool[il];
+        if (pi < 0) continue;
+        const auto & L = model->layers[il];
+        const ggml_tensor * w = nullptr;
+        for (const ggml_tensor * t : {L.wq, L.wq_a, L.wqkv, L.wkv_a_mqa, L.attn_norm}) {
+            if (t && t->buffer) { w = t; break; }
+        }
+        if (!w || ggml_backend_buffer_is_host(w->buffer)) continue;
+        ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
+        if (!d || ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_CPU) continue;
+        const pool_t & p = e->pools[pi];
+        if (d != p.dev) {
+            err = "layer " + std::to_string(il) + ": the residency set puts its experts on GPU " +
+                  std::to_string(p.gpu) + " (" + p.name + ") but llama.cpp put its dense weights on " +
+                  ggml_backend_dev_name(d) + "; load the model with split_mode LAYER and a tensor_split "
+                  "that follows the set's per-GPU layer ranges (ExpertRuntime.adjust_model_params does)";
+            return false;
+        }
+    }
+    return true;
+}
+
+// Copies expert x of layer il (weights and biases) from its host tensors into `slot` of the class's
+// pool tensors; synchronous.
+void copy_expert(const llama_model * model, const size_class_t & c, int il, int x, int slot) {
+    std::vector<uint8_t> tmp;   // only for experts outside host memory
+    auto put = [&](const ggml_tensor * src, ggml_tensor * dst) {
+        const int d = ggml_n_dims(src) >= 3 ? 2 : 1;   // weight slice or bias row
+        const size_t nb = src->nb[d];
+        GGML_ASSERT(dst->nb[d] == nb);
+        if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {   // straight from (pinned) host memory
+            ggml_backend_tensor_set(dst, (const char *) src->data + (size_t) x * nb, (size_t) slot * nb, nb);
+            return;
+        }
+        tmp.resize(nb);
+        ggml_backend_tensor_get(src, tmp.data(), (size_t) x * nb, nb);
+        ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * nb, nb);
+    };
+    const auto & L = model->layers[il];
+    put(up_src(L), c.up);
+    if (c.has_gate) put(L.ffn_gate_exps, c.gate);
+    put(L.ffn_down_exps, c.down);
+    if (c.b_up)   put(up_b_src(L), c.b_up);
+    if (c.b_gate) put(L.ffn_gate_exps_b, c.b_gate);
+    if (c.b_down) put(L.ffn_down_exps_b, c.b_down);
+}
+
+// Sets one entry of the decode graph's index table (device memory of the layer's pool).
+void set_table(engine_t * e, int il, int x, int32_t v) {
+    const int pi = e->layer_pool[il];
+    if (pi < 0 || !e->pools[pi].table) return;
+    ggml_backend_tensor_set(e->pools[pi].table, &v, ((size_t) il * e->n_expert + x) * sizeof(int32_t), sizeof(int32_t));
+}
+
+// Borrowed decode memory (issue 9 item 4): during decode, the staging slots that the upload path
+// reserves for the largest prefill hold extra experts, the cold ones the CPU branch computed most
+// often lately (a count of decode CPU uses that decays per step). Promotions happen at token
+// boundaries, both branches' index tables together (host slot map and the device table); every
+// borrowed slot is handed back before a pass that takes the upload path.
+constexpr float BORROW_DECAY    = 0.98f;   // per decode step: a use counts half after ~34 steps
+constexpr float BORROW_MIN_USES = 2.0f;    // decayed uses before an expert is promoted
+constexpr int   BORROW_EVERY    = 8;       // decode steps between promotion rounds
+constexpr int   BORROW_PER_ROUND = 2;      // promotions per round (each copies one expert)
+
+void borrow_release(engine_t * e) {
+    for (auto & c : e->classes) {
+        for (auto & b : c.borrowed) {
+            if (b.first < 0) continue;
+            e->slot[b.first][b.second] = -1;
+            set_table(e, b.first, b.second, -1);
+            b = {-1, -1};
+            e->handbacks++;
+        }
+    }
+}
+
+void borrow_step(engine_t * e) {
+    if (++e->decode_steps % BORROW_EVERY) return;
+    const float decay = std::pow(BORROW_DECAY, (float) BORROW_EVERY);
+    for (auto & u : e->cpu_use) u *= decay;
+    std::vector<std::pair<float, size_t>> cand;
+    for (size_t idx = 0; idx < e->cpu_use.size(); ++idx) {
+        if (e->cpu_use[idx] < BORROW_MIN_USES) continue;
+        const int il = (int) (idx / e->n_expert), x = (int) (idx % e->n_expert);
+        const int ci = e->layer_class[il];
+        if (ci < 0 || e->slot[il][x] >= 0 || e->classes[ci].borrowed.empty()) continue;
+        cand.push_back({e->cpu_use[idx], idx});
+    }
+    const size_t n = std::min(cand.size(), (size_t) BORROW_PER_ROUND);
+    std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), std::greater<>());
+    for (size_t i = 0; i < n; ++i) {
+        const int il = (int) (cand[i].second / e->n_expert), x = (int) (cand[i].second % e->n_expert);
+        auto & c = e->classes[e->layer_class[il]];
+        int j = -1;
+        float low = 0;
+        for (size_t q = 0; q < c.borrowed.size(); ++q) {   // a free slot, else the least used borrowed one
+            if (c.borrowed[q].first < 0) { j = (int) q; break; }
+            const float u = e->cpu_use[(size_t) c.borrowed[q].first * e->n_expert + c.borrowed[q].second];
+            if (j < 0 || u < low) { j = (int) q; low = u; }
+        }
+        if (j < 0) continue;
+        auto & b = c.borrowed[j];
+        if (b.first >= 0) {
+            if (cand[i].first < 2 * low) continue;   // hysteresis: replace only a clearly colder one
+            e->slot[b.first][b.second] = -1;
+            set_table(e, b.first, b.second, -1);
+            e->handbacks++;
+        }
+        const int slot = e->layers[il].stage0 + j;
+        copy_expert(e->model, c, il, x, slot);
+        b = {il, x};
+        e->slot[il][x] = slot;
+        set_table(e, il, x, slot);
+        e->promotions++;
+    }
+}
+
+bool build_engine(llama_model * model, const config_t & cfg, std::string & err) {
+    auto * e = new engine_t();
+    e->model = model;
+    e->n_layer = (int) model->layers.size();
+    e->n_expert = (int) model->hparams.n_expert;
+    e->k = (int) model->hparams.n_expert_used();
+    if (e->n_expert <= 0 || e->k <= 0) {
+        err = "model has no routed experts (dense model): run stock";
+        free_engine(e);
+        return false;
+    }
+    e->layers.resize(e->n_layer);
+    e->hot.assign(e->n_layer, std::vector<uint8_t>(e->n_expert, 0));
+    e->expert_bytes.assign(e->n_layer, 0);
+    for (auto & kv : cfg.hot) {
+        if (kv.first < 0 || kv.first >= e->n_layer) {
+            err = "residency set names layer " + std::to_string(kv.first) + " but the model has " +
+                  std::to_string(e->n_layer) + " layers";
+            free_engine(e);
+            return false;
+        }
+        for (int x : kv.second) {
+            if (x < 0 || x >= e->n_expert) {
+                err = "residency set names expert " + std::to_string(x) + " of layer " +
+                      std::to_string(kv.first) + " but the model has " + std::to_string(e->n_expert) +
+                      " experts";
+                free_engine(e);
+                return false;
+            }
+            e->hot[kv.first][x] = 1;
+        }
+    }
+    for (auto & kv : cfg.layer_device) {
+        if (kv.first < 0 || kv.first >= e->n_layer) {
+            err = "layer_device names layer " + std::to_string(kv.first) + " but the model has " +
+                  std::to_string(e->n_layer) + " layers";
+            free_engine(e);
+            return false;
+        }
+    }
+    // one pool per device in use, in order of first use by the layers (one-device config: one pool)
+    e->layer_pool.assign(e->n_layer, -1);
+    auto pool_of = [&](int gpu) {
+        for (size_t i = 0; i < e->pools.size(); ++i) if (e->pools[i].gpu == gpu) return (int) i;
+        pool_t p;
+        p.gpu = gpu;
+        e->pools.push_back(p);
+        return (int) e->pools.size() - 1;
+    };
+    // size classes over the layers that have hot experts and a supported expert layout
+    std::vector<int> layer_class(e->n_layer, -1);
+    for (int il = 0; il < e->n_layer && il < (int) model->layers.size(); ++il) {
+        const auto & L = model->layers[il];
+        if (!L.ffn_down_exps) continue;
+        e->by_down[L.ffn_down_exps] = il;
+        e->layers[il].il = il;
+        {
+            auto ld = cfg.layer_device.find(il);
+            const int pi = pool_of(ld != cfg.layer_device.end() ? ld->second : cfg.device);
+            e->layer_pool[il] = pi;
+            e->pools[pi].layers.push_back(il);
+        }
+        const int64_t eb = (int64_t) L.ffn_down_exps->nb[2] + (L.ffn_up_exps ? (int64_t) L.ffn_up_exps->nb[2] : 0) +
+                           (L.ffn_gate_exps ? (int64_t) L.ffn_gate_exps->nb[2] : 0) +
+                           (L.ffn_gate_up_exps ? (int64_t) L.ffn_gate_up_exps->nb[2] : 0);
+        e->expert_bytes[il] = eb;
+        int n_hot_l = 0;
+        for (int x = 0; x < e->n_expert; ++x) n_hot_l += e->hot[il][x];
+        if (n_hot_l == 0) continue;
+        const ggml_tensor * up = up_src(L), * up_b = up_b_src(L);
+        const bool merged = L.ffn_gate_up_exps != nullptr;
+        const bool biases = up_b || L.ffn_gate_exps_b || L.ffn_down_exps_b;
+        const bool biases_ok = !biases || (up_b && L.ffn_down_exps_b &&
+            (L.ffn_gate_exps_b != nullptr) == (L.ffn_gate_exps != nullptr) &&
+            up_b->type == GGML_TYPE_F32 && L.ffn_down_exps_b->type == GGML_TYPE_F32 &&
+            (!L.ffn_gate_exps_b || L.ffn_gate_exps_b->type == GGML_TYPE_F32));
+        const char * unsupported = !up ? "no up or gate_up expert tensor"
+                                 : (merged && L.ffn_gate_exps) ? "merged gate_up beside a separate gate"
+                                 : !biases_ok ? "a partial set of expert biases" : nullptr;
+        if (unsupported) {
+            // the layer runs stock (all cold, counted); one note per layout
+            const std::string note = std::string("expert layout not supported (") + unsupported + "): runs stock";
+            if (std::find(e->notes.begin(), e->notes.end(), note) == e->notes.end()) {
+                e->notes.push_back(note);
+                LLAMA_LOG_WARN("ostinato: layer %d and others like it: %s\n", il, note.c_str());
+            }
+            std::fill(e->hot[il].begin(), e->hot[il].end(), 0);
+            continue;
+        }
+        size_class_t c{};
+        c.pool = e->layer_pool[il];
+        c.t_up = up->type; c.up0 = up->ne[0]; c.up1 = up->ne[1];
+        c.merged = merged;
+        c.has_gate = L.ffn_gate_exps != nullptr;
+        c.t_gate = c.has_gate ? L.ffn_gate_exps->type : GGML_TYPE_F32;
+        c.t_down = L.ffn_down_exps->type; c.down0 = L.ffn_down_exps->ne[0]; c.down1 = L.ffn_down_exps->ne[1];
+        c.has_bias = biases;
+        int ci = -1;
+        for (size_t i = 0; i < e->classes.size(); ++i) if (e->classes[i] == c) { ci = (int) i; break; }
+        if (ci < 0) { e->classes.push_back(c); ci = (int) e->classes.size() - 1; }
+        for (int x = 0; x < e->n_expert; ++x) if (e->hot[il][x]) e->classes[ci].members.push_back({il, x});
+        e->classes[ci].n_stage = std::max(e->classes[ci].n_stage, e->n_expert - n_hot_l);
+        layer_class[il] = ci;
+        e->layers[il].has_hot = true;
+    }
+
+    for (int il = 0; il < e->n_layer; ++il) {
+        const auto & L = model->layers[il];
+        if (L.ffn_down_exps && L.ffn_down_exps->buffer) {
+            e->host_buffer = ggml_backend_buffer_name(L.ffn_down_exps->buffer);
+            break;
+        }
+    }
+    if (e->pools.empty()) pool_of(cfg.device);
+    for (auto & p : e->pools) {
+        p.dev = pool_device(p.gpu);
+        if (!p.dev) { err = "no backend device for the expert pool"; free_engine(e); return false; }
+        p.name = ggml_backend_dev_name(p.dev);
+        if (!cfg.layer_device.empty() && p.gpu >= 0 && ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU &&
+            ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr) {
+            // several GPUs named on a GPU build: a missing GPU is an error, not a CPU pool (a
+            // CPU-only build puts every pool in a CPU buffer, which is what CI tests)
+            err = "the residency set names GPU " + std::to_string(p.gpu) + " but this machine has no such GPU";
+            free_engine(e);
+            return false;
+        }
+    }
+    e->pool_device = e->pools[0].name;
+    if (!cfg.layer_device.empty() && !check_layer_devices(model, e, err)) { free_engine(e); return false; }
+    {
+        // host experts are pinned once per model; cudaHostRegisterPortable makes them pinned for
+        // every device, so the first GPU pool's backend does it for all pools
+        ggml_backend_dev_t pin_dev = e->pools[0].dev;
+        for (auto & p : e->pools) {
+            if (ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) { pin_dev = p.dev; break; }
+        }
+        pin_experts(model, pin_dev);
+    }
+
+    for (auto & c : e->classes) e->pools[c.pool].n_classes++;
+    for (auto & p : e->pools) {
+        const size_t n_tensors = 6 * (size_t) p.n_classes + 3;   // up, gate, down + their bias rows; tables
+        ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
+        p.ctx = ggml_init(ip);
+        if (!p.layers.empty()) {
+            p.table = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, e->n_expert, e->n_layer);
+            p.scratch = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, 4, e->n_layer);
+        }
+    }
+    for (auto & c : e->classes) {
+        // hot slots, k zero slots, then the upload path's staging slots (preallocated here)
+        ggml_context * ctx = e->pools[c.pool].ctx;
+        const int64_t n_slots = (int64_t) c.members.size() + e->k + c.n_stage;
+        c.up = ggml_new_tensor_3d(ctx, c.t_up, c.up0, c.up1, n_slots);
+        if (c.has_gate) c.gate = ggml_new_tensor_3d(ctx, c.t_gate, c.up0, c.up1, n_slots);
+        c.down = ggml_new_tensor_3d(ctx, c.t_down, c.down0, c.down1, n_slots);
+        if (c.has_bias) {
+            c.b_up = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.up1, n_slots);
+            if (c.has_gate) c.b_gate = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.up1, n_slots);
+            c.b_down = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.down1, n_slots);
+        }
+    }
+    for (int il = 0; il < e->n_layer; ++il) {
+        if (!e->layers[il].has_hot) continue;
+        auto & l = e->layers[il];
+        auto & c = e->classes[layer_class[il]];
+        l.up_pool = c.up; l.gate_pool = c.gate; l.down_pool = c.down;
+        l.up_b_pool = c.b_up; l.gate_b_pool = c.b_gate; l.down_b_pool = c.b_down;
+        l.zero0 = (int) c.members.size();
+        l.stage0 = l.zero0 + e->k;
+    }
+    for (auto & p : e->pools) {
+        if (p.n_classes == 0 && p.layers.empty()) continue;
+        p.buf = ggml_backend_alloc_ctx_tensors_from_buft(p.ctx, ggml_backend_dev_buffer_type(p.dev));
+        if (!p.buf) {
+            err = std::string("cannot allocate the expert pool on ") + p.name;
+            free_engine(e);
+            return false;
+        }
+        ggml_backend_buffer_set_usage(p.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_clear(p.buf, 0);   // zero slots (and any padding) are all-zero
+        p.bytes = (int64_t) ggml_backend_buffer_get_size(p.buf);
+        e->pool_bytes += p.bytes;
+        if (ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            // a stream of our own per device for the upload path's copies (joined at the end of
+            // each upload op)
+            p.upload_backend = ggml_backend_dev_init(p.dev, nullptr);
+        }
+    }
+    // copy hot experts into their slots; fill the index table
+    e->slot.assign(e->n_layer, std::vector<int32_t>(e->n_expert, -1));
+    e->layer_class = layer_class;
+    for (auto & c : e->classes) c.borrowed.assign(c.n_stage, {-1, -1});
+    for (auto & c : e->classes) {
+        for (size_t s = 0; s < c.members.size(); ++s) {
+            const auto [il, x] = c.members[s];
+            copy_expert(model, c, il, x, (int) s);
+            e->slot[il][x] = (int32_t) s;
+            e->n_hot++;
+            e->pools[c.pool].n_hot++;
+        }
+    }
+    for (auto & p : e->pools) {   // the decode graph's index tables, one row per layer of the pool
+        if (!p.table) continue;
+        std::vector<int32_t> rows((size_t) e->n_layer * e->n_expert, -1);
+        for (int il : p.layers) {
+            if (!e->layers[il].has_hot) continue;
+            std::copy(e->slot[il].begin(), e->slot[il].end(), rows.begin() + (size_t) il * e->n_expert);
+        }
+        ggml_backend_tensor_set(p.table, rows.data(), 0, rows.size() * sizeof(int32_t));
+    }
+    const size_t nle = (size_t) e->n_layer * e->n_expert;
+    totals_init(e->total, nle);
+    totals_init(e->request, nle);
+    if (g_eng && g_eng->model == model) {   // residency switch: keep the counters
+        e->total = g_eng->total;
+        e->request = g_eng->request;
+        e->last = g_eng->last;
+    }
+    e->cold_seen.assign(nle, 0);
+    e->cpu_use.assign(nle, 0.0f);
+    e->mark_us.assign(e->n_layer, 0);
+    free_engine(g_eng);
+    g_eng = e;
+    g_graph_dirty = true;
+    return true;
+}
+
+
+}  // namespace ost
