@@ -159,6 +159,20 @@ def test_calibration_on_a_machine_without_profile_survives_the_daemon_start(tmp_
     assert calibration.prefill_threshold(None, prof) == 16
 
 
+def test_decode_graph_choice_setting_then_calibration_then_auto(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
+
+    class On:
+        decode_graph = True
+
+    assert calibration.decode_graph_choice(None) is None   # no calibration: auto
+    calibration.store_calibration({"format": calibration.CALIBRATION_FORMAT, "decode_graph": False})
+    assert calibration.decode_graph_choice(None) is False  # the sweep found the graph slower here
+    assert calibration.decode_graph_choice(On()) is True   # the setting wins
+    calibration.store_calibration({"format": calibration.CALIBRATION_FORMAT, "decode_graph": None})
+    assert calibration.decode_graph_choice(None) is None   # not measured (CPU build): auto
+
+
 def test_run_calibration_without_model_never_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
     monkeypatch.delenv("OSTINATO_MODEL", raising=False)
@@ -180,6 +194,8 @@ def test_run_calibration_on_the_engine_cpu(tiny_model, tmp_path, monkeypatch):
     assert c["cpu_branch"]["samples"] == 48
     # decode overlap on/off x thread counts measured, the fastest kept for serving
     assert len(c["decode_sweep"]) >= 2 and isinstance(c["decode_overlap"], bool)
+    # a CPU build sweeps no decode-graph setting (the graph is for a pool on a GPU)
+    assert c["decode_graph"] is None and not any(r["graph"] for r in c["decode_sweep"])
     assert c["decode_threads"] >= 1 and c["decode_step_ms"] > 0
     if not c["gpu_terms"]:
         assert c["gpu_branch_ms"] is None and c["np_tokens"] is None

@@ -253,6 +253,25 @@ def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     assert 0 < st["hot_routes"] < st["routes"] and st["cpu_branch_ms"] > 0   # both branches worked
 
 
+def test_decode_graph_pool_threads_change_between_passes(moe, stock):
+    """set_cpu_threads between passes re-creates the decode graph's CPU-branch pool with that many
+    threads (the calibration's decode sweep relies on it); tokens stay stock's."""
+    r = ost_runner(moe)
+    _switch(half_hot(moe))
+    native.set_prefill_threshold(512)
+    try:
+        native.set_decode_graph(True, max_tokens=32)
+        for n in (1, 2):
+            native.set_cpu_threads(n)
+            toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
+            info = native.experts_json("ostinato_experts_info")["decode_graph"]
+            assert toks == stock[PROMPT_LEN][0]
+            assert info["active"] and info["cpu_threads"] == n
+    finally:
+        native.set_decode_graph(None)
+        native.set_cpu_threads(0)
+
+
 @pytest.mark.parametrize("graph", [None, True])
 def test_borrowed_decode_slots_change_where_not_what(moe, graph):
     """Borrowed decode memory: a long decode promotes cold experts the CPU branch keeps computing into

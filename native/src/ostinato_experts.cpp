@@ -447,6 +447,12 @@ int ostinato_experts_set_borrow(int on) {
 int ostinato_experts_set_cpu_threads(int n) {
     if (n < 0) return -1;
     std::lock_guard<std::mutex> lock(g_mu);
+    if (n != g_cpu_threads && g_eng && g_eng->dg) {
+        // between passes: the decode graph's pool is made anew with n threads at the next pass
+        ost_dg_free(g_eng->dg);
+        g_eng->dg = nullptr;
+        g_graph_dirty = true;   // its ops point into the old mailbox
+    }
     g_cpu_threads = n;
     return 0;
 }

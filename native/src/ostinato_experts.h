@@ -115,7 +115,8 @@ OSTINATO_API int          ostinato_experts_set_decode_graph(int mode, int max_to
 // Borrowed decode memory on (1, default) or off (0): during decode the upload path's staging slots
 // hold the cold experts the CPU branch computed most lately; handed back before an upload pass.
 OSTINATO_API int          ostinato_experts_set_borrow(int on);
-// Threads of the decode graph's CPU branch (0: the physical cores, estimated); next model load.
+// Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates
+// the pool at the next pass (call between passes).
 OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);
 // Stats as JSON; the returned string stays valid until the next call of the same function.
 OSTINATO_API const char * ostinato_experts_info(void);

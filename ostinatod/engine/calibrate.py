@@ -216,13 +216,16 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
 
 
 def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16) -> list[dict[str, Any]]:
-    """Median one-token decode step (ms, llama_decode + sync) for decode overlap on/off x CPU thread
-    counts (all physical cores, half, a quarter), with ``residency_path`` active and timing mode off.
+    """Median one-token decode step (ms, llama_decode + sync) for each way to run a decode step, x CPU
+    thread counts (all physical cores, half, a quarter), with ``residency_path`` active and timing
+    mode off: on a GPU build the decode graph (its CPU-branch pool sized to the count), then the
+    split path with decode overlap on and off (the context's threads set to the count).
 
     ``w``: the calibration's loaded Worker; ``decode(tokens, pos0) -> ms`` and ``toks(n)`` as in
-    :func:`measure`. Restores overlap on and the context's thread counts. Returns
-    [{"overlap", "threads", "median_ms"}].
+    :func:`measure`. Restores the decode graph to auto, overlap on and the thread counts. Returns
+    [{"graph", "overlap", "threads", "median_ms"}] ("overlap" is None for graph rows).
     """
+    from . import native
     import llama_cpp
 
     from ..hardware import physical_cores
@@ -232,16 +235,27 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
     w.rt.switch(residency_path)
     mem = llama_cpp.llama_get_memory(w.ctx)
     out: list[dict[str, Any]] = []
+
+    def step_ms() -> float:
+        llama_cpp.llama_memory_clear(mem, True)
+        decode(toks(16), 0)
+        return float(np.median([decode(toks(1), 16 + i) for i in range(steps + 3)][3:]))  # 3 warm-ups
+
+    settings = ([(True, None)] if native.has_gpu() else []) + [(False, True), (False, False)]
     try:
-        for overlap in (True, False):
-            w.rt.set_overlap(overlap)
+        for graph, overlap in settings:
+            native.set_decode_graph(graph)
+            if overlap is not None:
+                w.rt.set_overlap(overlap)
             for n in counts:
-                llama_cpp.llama_set_n_threads(w.ctx, n, p)
-                llama_cpp.llama_memory_clear(mem, True)
-                decode(toks(16), 0)
-                ms = [decode(toks(1), 16 + i) for i in range(steps + 3)][3:]  # 3 warm-up steps
-                out.append({"overlap": overlap, "threads": n, "median_ms": float(np.median(ms))})
+                if graph:
+                    native.set_cpu_threads(n)   # the graph's CPU-branch pool is made anew with n threads
+                else:
+                    llama_cpp.llama_set_n_threads(w.ctx, n, p)
+                out.append({"graph": graph, "overlap": overlap, "threads": n, "median_ms": step_ms()})
     finally:
+        native.set_decode_graph(None)
+        native.set_cpu_threads(max(1, p - 1))
         w.rt.set_overlap(True)
         llama_cpp.llama_set_n_threads(w.ctx, p, p)
     return out
@@ -275,7 +289,8 @@ def run_calibration(model_path: Optional[Path] = None, *, profile_path: Optional
                                 h2d_gbps=h2d_from_profile(profile_path))
         best = best_decode(m.get("decode_sweep") or [])
         if best is not None:
-            cal["decode_overlap"] = bool(best["overlap"])
+            cal["decode_graph"] = bool(best.get("graph")) if any(r.get("graph") for r in m["decode_sweep"]) else None
+            cal["decode_overlap"] = True if best.get("overlap") is None else bool(best["overlap"])
             cal["decode_threads"] = int(best["threads"])
             cal["decode_step_ms"] = best["median_ms"]
             cal["decode_sweep"] = m["decode_sweep"]

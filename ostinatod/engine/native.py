@@ -324,8 +324,8 @@ def set_borrow(on: bool) -> None:
 
 
 def set_cpu_threads(n: int) -> None:
-    """Threads of the decode graph's CPU-branch pool (0: the physical cores). Read when the pool is
-    created (the first decode-graph pass after a load or a residency switch)."""
+    """Threads of the decode graph's CPU-branch pool (0: the physical cores). A change takes effect at
+    the next forward pass (the pool is made anew then); call it between passes."""
     llama_fn("ostinato_experts_set_cpu_threads")(max(0, int(n)))
 
 

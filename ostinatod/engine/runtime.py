@@ -31,7 +31,7 @@ from .native import ExpertEngineError
 from .placement import experts_config, full_layer_devices, tensor_split_for
 
 from ..paths import residency_file
-from ..residency.calibration import DEFAULT_NP, decode_choices, prefill_threshold
+from ..residency.calibration import DEFAULT_NP, decode_choices, decode_graph_choice, prefill_threshold
 from ..residency.sets import ResidencySet, model_block, read_residency
 
 log = logging.getLogger("ostinatod.experts")
@@ -116,7 +116,7 @@ class ExpertRuntime:
         native.check_experts_config(config)
         overlap, decode_threads = decode_choices(settings)
         native.set_overlap(overlap)
-        native.set_decode_graph(getattr(settings, "decode_graph", None))
+        native.set_decode_graph(decode_graph_choice(settings))
         native.set_borrow(getattr(settings, "decode_borrow", True))
         # CPU-branch pool of the decode graph: one core is left to the thread that drives llama.cpp
         native.set_cpu_threads(decode_threads or getattr(settings, "n_threads", None)

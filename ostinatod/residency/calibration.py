@@ -87,6 +87,18 @@ def decode_choices(settings: Any = None) -> tuple[bool, Optional[int]]:
     return (True if overlap is None else bool(overlap)), (int(threads) if threads else None)
 
 
+def decode_graph_choice(settings: Any = None) -> Optional[bool]:
+    """Decode graph to serve with: the ``decode_graph`` setting if set, else the calibration's
+    measured choice (``decode_graph``: whether a graph setting won the decode sweep; absent when the
+    sweep could not run one, e.g. on a CPU build), else None (on when the pool is on a GPU)."""
+    choice = getattr(settings, "decode_graph", None)
+    if choice is None:
+        cal = load_calibration() or {}
+        if not cal.get("stale") and cal.get("decode_graph") is not None:
+            choice = bool(cal["decode_graph"])
+    return choice
+
+
 def h2d_from_profile(path: Optional[Path] = None) -> Optional[float]:
     """The best measured pinned host->GPU bandwidth (GB/s) of the stored profile, or None."""
     try:
