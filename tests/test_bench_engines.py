@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from ostinatod.tools import bench_engines as be
+from ostinatod.tools import bench_fit, bench_launch, bench_prepare, bench_report, bench_sweep
+from ostinatod.tools.bench_common import BenchError
 
 SESSIONS = Path("/work/shared/sessions")
 
@@ -24,7 +26,7 @@ def test_engine_metrics_buckets_and_ratios():
     t = _turns([2.0, 0.3, 0.5, 0.9, 1.5], [0.01, 0.012, 0.011, 0.013, 0.02], [3, 1, 1, 2, 2],
                [3000, 100, 200, 600, 2500], ["first", "tool", "tool", "user", "tool"])
     t.append({**t[1], "error": "boom"})
-    m = be.engine_metrics(t)
+    m = bench_report.engine_metrics(t)
     assert m["decode_ms_per_token"] == pytest.approx(12.0)
     assert m["ttft_after_tool_median_s"] == pytest.approx(0.5)
     assert m["ttft_after_user_median_s"] == pytest.approx(0.9)
@@ -36,19 +38,19 @@ def test_engine_metrics_buckets_and_ratios():
     eng = {"ostinato": {"decode_ms_per_token": 5.0, "ttft_after_tool_median_s": 0.4, "session_total_s": 10},
            "stock-layers": {"decode_ms_per_token": 8.0, "ttft_after_tool_median_s": 1.2, "session_total_s": 25},
            "stock-cpu": {"decode_ms_per_token": 14.0, "ttft_after_tool_median_s": 1.0, "session_total_s": 30}}
-    r = be.ratios(eng)
+    r = bench_report.ratios(eng)
     assert r["decode"] == pytest.approx(1.6) and r["decode_best_stock"] == "stock-layers"
     assert r["ttft_after_tool"] == pytest.approx(2.5) and r["ttft_after_tool_best_stock"] == "stock-cpu"
     assert r["session_total"] == pytest.approx(2.5)
-    assert be.ratios({"ostinato": {}})["decode"] is None
+    assert bench_report.ratios({"ostinato": {}})["decode"] is None
     # the limit is never a baseline at equal memory; ratios_vs_limit = Ostinato / limit
     eng["stock-all-gpu"] = {"decode_ms_per_token": 2.5, "ttft_after_tool_median_s": 0.1, "session_total_s": 5}
-    r = be.ratios(eng)
+    r = bench_report.ratios(eng)
     assert r["decode_best_stock"] == "stock-layers" and r["decode"] == pytest.approx(1.6)
-    lim = be.ratios_vs_limit(eng)
+    lim = bench_report.ratios_vs_limit(eng)
     assert lim == {"decode": 2.0, "ttft_after_tool": 4.0, "session_total": 2.0}
-    assert be.ratios_vs_limit({"ostinato": eng["ostinato"]})["decode"] is None
-    assert be.ratios_vs_limit(eng, {"decode_ms_per_token": 5.0})["ttft_after_tool"] is None
+    assert bench_report.ratios_vs_limit({"ostinato": eng["ostinato"]})["decode"] is None
+    assert bench_report.ratios_vs_limit(eng, {"decode_ms_per_token": 5.0})["ttft_after_tool"] is None
 
 
 def _pass(path, tokens, **ms):
@@ -64,7 +66,7 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
         [_pass("decode", 1, total_ms=4.0, cpu_branch_ms=2.0, wait_ms=0.5)] * 5
     cur = {"passes": 16, "tokens": 805, "paths": {"decode": 13, "split": 2, "upload": 1},
            "total_ms": 150.0, "cpu_branch_ms": 50.0, "last_passes": (prev["last_passes"] + turn)[-32:]}
-    r = be.turn_breakdown(prev, cur)
+    r = bench_report.turn_breakdown(prev, cur)
     assert r["exact"] and r["passes"] == 6 and r["decode_steps"] == 5 and r["prefill_passes"] == 1
     assert r["prefill_paths"] == {"upload": 1} and r["prefill_tokens"] == 300
     assert r["prefill_ms"]["total_ms"] == pytest.approx(30.0)
@@ -74,7 +76,7 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     long_turn = [_pass("decode", 1, total_ms=4.0)] * 32
     cur2 = {"passes": 16 + 41, "tokens": 805 + 200 + 40, "paths": {"decode": 13 + 40, "split": 3, "upload": 1},
             "total_ms": 150.0 + 50.0 + 160.0, "cpu_branch_ms": 50.0, "last_passes": long_turn}
-    r2 = be.turn_breakdown(cur, cur2)
+    r2 = bench_report.turn_breakdown(cur, cur2)
     assert not r2["exact"] and r2["decode_steps"] == 40 and r2["decode_seen"] == 32
     assert r2["decode_ms"]["total_ms"] == pytest.approx(160.0)
     assert r2["prefill_ms"]["total_ms"] == pytest.approx(50.0) and r2["prefill_tokens"] == 200
@@ -82,29 +84,29 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     # the split exact (decode = delta - prefill), whatever the decode steps did meanwhile
     mid = {"passes": 16 + 1 + 3, "last_passes": (cur["last_passes"] + [_pass("split", 200, total_ms=45.0)]
                                                  + [_pass("decode", 1, total_ms=9.0)] * 3)[-32:]}
-    r3 = be.turn_breakdown(cur, cur2, mid)
+    r3 = bench_report.turn_breakdown(cur, cur2, mid)
     assert r3["exact"] and r3["seen"] == 36 and r3["prefill_tokens"] == 200
     assert r3["prefill_ms"]["total_ms"] == pytest.approx(45.0)
     assert r3["decode_ms"]["total_ms"] == pytest.approx(360.0 - 150.0 - 45.0)
-    s = be.summarize_breakdown([r, None, r2], [{"after": "tool"}, {"after": "tool"}, {"after": "user"}])
+    s = bench_report.summarize_breakdown([r, None, r2], [{"after": "tool"}, {"after": "tool"}, {"after": "user"}])
     assert s["decode_step"]["steps"] == 45 and s["decode_step"]["mean_ms"]["total_ms"] == pytest.approx(4.0)
     assert s["prefill"]["prefills"] == 2 and s["prefill"]["mean_ms"]["total_ms"] == pytest.approx(40.0)
     assert s["prefill"]["exact_share"] == 0.5 and s["prefill"]["paths"] == {"upload": 1, "split": 1}
     assert s["prefill_after_tool"]["prefills"] == 1 and s["turns_with_stats"] == 2
     assert "wait_ms" in s["decode_step"]["mean_ms"]
-    md = "\n".join(be._breakdown_md(s, "Ostinato"))
+    md = "\n".join(bench_report.breakdown_md(s, "Ostinato"))
     assert "| total_ms |" in md and "| wait_ms |" in md
 
 
 def test_parse_budgets_and_estimates():
-    assert be.parse_budgets("0.85,0.25, 0.45,0.25") == [0.25, 0.45, 0.85]
-    assert be.parse_budgets(None) == []
+    assert bench_sweep.parse_budgets("0.85,0.25, 0.45,0.25") == [0.25, 0.45, 0.85]
+    assert bench_sweep.parse_budgets(None) == []
     for bad in ("0,0.5", "1.2", "x"):
-        with pytest.raises(be.BenchError):
-            be.parse_budgets(bad)
-    est = be.Estimator(16, 48)
+        with pytest.raises(BenchError):
+            bench_sweep.parse_budgets(bad)
+    est = bench_fit.Estimator(16, 48)
     s, how = est("ostinato")
-    assert s == pytest.approx(16 * 1.6 + be.PRIOR_LOAD_S) and "scaled" in how
+    assert s == pytest.approx(16 * 1.6 + bench_fit.PRIOR_LOAD_S) and "scaled" in how
     est.add("ostinato", 32.0, 10.0)  # 2 s/turn measured: others rescaled by issue 9's ratios
     assert est("ostinato")[0] == pytest.approx(16 * 2.0 + 10.0)
     assert est("stock-layers")[0] == pytest.approx(16 * 2.0 * 3.6 / 1.6 + 10.0)
@@ -193,17 +195,17 @@ def test_plan_over_two_gpus_and_gpu_env(tiny_model, tmp_path, monkeypatch):
                counts_decode=np.zeros_like(counts), max_request_tokens=64)
     monkeypatch.setattr(planner, "detect_gpus", lambda: [])
     a = argparse.Namespace(budget_frac=0.5, gpus="2")
-    res, path, stock = be.plan(tiny_model, tr, a, tmp_path, "coding")
+    res, path, stock = bench_prepare.plan(tiny_model, tr, a, tmp_path, "coding")
     assert [g["device"] for g in res["gpus"]] == [0, 1] and path.exists()
     assert [g["device"] for g in stock["gpus"]] == [0, 1]
     assert sum(g["pool_bytes"] for g in stock["gpus"]) == stock["pool_bytes"]
     assert res["gpus"][0]["layers"][-1] + 1 == res["gpus"][1]["layers"][0]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert "CUDA_VISIBLE_DEVICES" not in be.gpu_env(a, {})  # no more GPUs than asked for
+    assert "CUDA_VISIBLE_DEVICES" not in bench_launch.gpu_env(a, {})  # no more GPUs than asked for
     monkeypatch.setattr(planner, "detect_gpus", lambda: [planner.GpuSpec(i) for i in range(4)])
-    assert be.gpu_env(a, {})["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert be.gpu_env(a, {"CUDA_VISIBLE_DEVICES": "3"})["CUDA_VISIBLE_DEVICES"] == "3"
-    assert "CUDA_VISIBLE_DEVICES" not in be.gpu_env(argparse.Namespace(gpus="auto"), {})
+    assert bench_launch.gpu_env(a, {})["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert bench_launch.gpu_env(a, {"CUDA_VISIBLE_DEVICES": "3"})["CUDA_VISIBLE_DEVICES"] == "3"
+    assert "CUDA_VISIBLE_DEVICES" not in bench_launch.gpu_env(argparse.Namespace(gpus="auto"), {})
 
 
 def test_plot_from_stored_json_without_sweep(tmp_path):
@@ -217,4 +219,4 @@ def test_plot_from_stored_json_without_sweep(tmp_path):
     text = out.read_text()
     assert text.startswith("<svg") and text.count("<circle") == 2  # one point per panel
     assert "llama-server" in text and "stock-layers" in text
-    assert "ratio vs limit" in be.markdown(json.loads(stored.read_text()))  # old JSONs still render
+    assert "ratio vs limit" in bench_report.markdown(json.loads(stored.read_text()))  # old JSONs still render

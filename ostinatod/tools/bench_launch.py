@@ -1,0 +1,282 @@
+"""``ostinato bench engines``: the engines on loopback (our daemon with the settings of each
+engine, the stock llama-server), the replay client against them, and the daemon's expert stats
+through its control API (totals after a run, snapshots around every turn for the step breakdown)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from ..hardware import physical_cores
+from ..paths import get_paths
+from .bench_common import BenchError, say
+from .bench_report import turn_breakdown
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            body = r.read()
+            try:
+                return r.status, json.loads(body)
+            except ValueError:
+                return r.status, body.decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+    except OSError:
+        return 0, None
+
+
+class Server:
+    """A server process on loopback (our daemon or llama-server), stopped by :meth:`stop`."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
+                 url_file: Optional[Path] = None, url: Optional[str] = None):
+        self.name, self.log_path = name, log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.url_file, self.url = url_file, url
+
+    def wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchError(f"{self.name} exited with {self.proc.returncode}; log "
+                                 f"{self.log_path}:\n{self.tail()}")
+            if self.url is None and self.url_file is not None:
+                try:
+                    self.url = json.loads(self.url_file.read_text())["http_url"]
+                except (OSError, ValueError, KeyError):
+                    pass
+            if self.url and _get(self.url + "/health", 2)[0] == 200:
+                return self.url
+            time.sleep(0.3)
+        raise BenchError(f"{self.name} not ready after {timeout:.0f} s; log {self.log_path}:\n{self.tail()}")
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def gpu_env(a: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """``env`` with CUDA_VISIBLE_DEVICES limited to the first ``--gpus`` N GPUs when the machine
+    has more (so every engine, stock ones included, uses the same GPUs); unchanged when the
+    variable is already set, when --gpus is "auto", or when there are no more GPUs than N."""
+    n = str(getattr(a, "gpus", 1))
+    if "CUDA_VISIBLE_DEVICES" in env or not n.isdigit():
+        return env
+    from ..residency.planner import detect_gpus
+
+    if len(detect_gpus()) > int(n):
+        env = dict(env, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(int(n))))
+    return env
+
+
+def start_daemon(name: str, model: Path, settings: dict[str, Any], run_dir: Path,
+                 a: argparse.Namespace) -> Server:
+    """``ostinatod run`` in its own OSTINATO_HOME under ``run_dir`` with ``settings`` as env vars."""
+    home = run_dir / f"home-{name}"
+    (home / "data").mkdir(parents=True, exist_ok=True)
+    prof = get_paths().hardware_profile  # the calibration (Np) of this machine, if any
+    if prof.exists():
+        shutil.copy(prof, home / "data" / prof.name)
+    env = gpu_env(a, dict(os.environ, OSTINATO_HOME=str(home), OSTINATOD_DETACHED="1"))
+    base = {"model": model, "n_ctx": a.n_ctx, "n_slots": 2, "engine_mode": a.engine_mode,
+            "n_threads": a.threads, "prefill_threshold": a.prefill_threshold, "log_level": "INFO"}
+    for k, v in {**base, **settings}.items():
+        if v is not None:
+            env[f"OSTINATO_{k.upper()}"] = str(v)
+    cmd = [sys.executable, "-m", "ostinatod.daemon_cli", "run", "--port", "0", "--host", "127.0.0.1"]
+    return Server(name, cmd, env, run_dir / f"{name}.log", url_file=home / "run" / "ostinatod.json")
+
+
+def llama_server_binary() -> Optional[Path]:
+    """The stock llama-server of our build (``ostinato build --with-server``), or None."""
+    for home in {get_paths().native_dir, Path.home() / ".local/share/ostinato/native"}:
+        p = Path(home) / "bin" / "llama-server"
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
+                       a: argparse.Namespace) -> Server:
+    """Stock llama-server: all layers on the GPU except the experts of the first n_cpu_moe layers."""
+    port = _free_port()
+    threads = a.threads or physical_cores()
+    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(a.n_ctx * 2), "-np", "2", "-ngl", "999", "--n-cpu-moe", str(n_cpu_moe),
+           "-t", str(threads), "-tb", str(threads), "--jinja", "-b", "2048", "-ub", "512",
+           "--cache-reuse", "0"]
+    env = gpu_env(a, dict(os.environ))
+    try:
+        import llama_cpp
+
+        lib = Path(llama_cpp.__file__).parent / "lib"
+        env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
+    except ImportError:
+        pass
+    return Server("llama-server", cmd, env, run_dir / "llama-server.log",
+                  url=f"http://127.0.0.1:{port}")
+
+
+def _model_name(url: str) -> str:
+    code, body = _get(url + "/v1/models")
+    try:
+        return body["data"][0]["id"]
+    except (TypeError, KeyError, IndexError):
+        return "default"
+
+
+def replay(url: str, sessions_file: Path, held: list[dict], a: argparse.Namespace, out: Path,
+           on_turn=None) -> dict:
+    """Replay the held-out sessions against ``url`` with the one replay client
+    (:func:`ostinatod.tools.replay.run_replay`, what ``ostinato bench replay`` runs); the result
+    JSON is also written to ``out``. ``on_turn()`` runs after every turn (outside its timing)."""
+    from .replay import run_replay
+
+    log_lines: list[str] = []
+
+    def log(line: str) -> None:
+        log_lines.append(line)
+        if a.verbose:
+            say("    " + line)
+        if on_turn is not None:
+            on_turn()
+
+    data = run_replay(held, url, client=a.client, model=_model_name(url), max_turns=a.turns,
+                      log=log, sessions_file=str(sessions_file))
+    out.write_text(json.dumps(data, indent=1))
+    out.with_suffix(".log").write_text("\n".join(log_lines) + "\n")
+    return data
+
+
+def control_metrics(home: Path, timeout: float = 10.0) -> dict[str, Any]:
+    """The daemon's ``/metrics`` snapshot through the control API (HTTP on its Unix socket; plain
+    http.client: cheap enough to poll). Raises on failure."""
+    import http.client
+
+    class _Unix(http.client.HTTPConnection):
+        def connect(self) -> None:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(timeout)
+            s.connect(str(home / "run" / "control.sock"))
+            self.sock = s
+
+    conn = _Unix("ostinato", timeout=timeout)
+    try:
+        conn.request("GET", "/metrics")
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise BenchError(f"control API /metrics: HTTP {r.status}")
+        return json.loads(body)
+    finally:
+        conn.close()
+
+
+def expert_stats(home: Path) -> dict[str, Any]:
+    """The Ostinato daemon's expert counters through the control API (Unix socket)."""
+    try:
+        snap = control_metrics(home)
+    except Exception as e:  # the control API is an optional part: report, don't fail the run
+        return {"error": f"control API: {e}"}
+    ex = snap.get("experts") or {}
+    eng = (snap.get("engine") or {}).get("experts") or {}
+    return {"hot_route_share": ex.get("hot_route_share", eng.get("hot_route_share")),
+            "paths": ex.get("paths") or eng.get("paths"), "routes": ex.get("routes", eng.get("routes")),
+            "cold_routes": ex.get("cold_routes", eng.get("cold_routes")),
+            "upload_bytes": eng.get("upload_bytes"), "prefill_threshold": eng.get("prefill_threshold")}
+
+
+class StepRecorder:
+    """Snapshots of the Ostinato daemon's expert stats around every replayed turn (control API):
+    one before the first turn, one after every turn, and one per turn as soon as its first decode
+    step has run (a poller every ``poll_s`` while the turn's prefill runs, stopped at the first
+    decode step: it catches the prefill passes in the ring of the last 32 passes, at the cost of a
+    few stats calls during the prefill)."""
+
+    def __init__(self, home: Path, poll_s: float = 0.025):
+        self.home, self.poll_s = home, poll_s
+        self.prev: Optional[dict[str, Any]] = None
+        self.mid: Optional[dict[str, Any]] = None
+        self.rows: list[Optional[dict[str, Any]]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._th: Optional[threading.Thread] = None
+
+    def _snap(self) -> Optional[dict[str, Any]]:
+        try:
+            ex = (control_metrics(self.home).get("engine") or {}).get("experts") or {}
+        except Exception:  # noqa: BLE001 - the breakdown is optional: count and go on
+            self.errors += 1
+            return None
+        return ex if "passes" in ex else None
+
+    def _arm(self) -> None:
+        self.mid, self._stop = None, threading.Event()
+        base, stop = self.prev, self._stop
+        if base is None:
+            return
+        n_dec = int((base.get("paths") or {}).get("decode", 0) or 0)
+
+        def poll() -> None:
+            while not stop.wait(self.poll_s):
+                snap = self._snap()
+                if snap and int((snap.get("paths") or {}).get("decode", 0) or 0) > n_dec:
+                    self.mid = snap
+                    return
+
+        self._th = threading.Thread(target=poll, name="bench-step-poll", daemon=True)
+        self._th.start()
+
+    def _disarm(self) -> None:
+        self._stop.set()
+        if self._th is not None:
+            self._th.join(15)
+            self._th = None
+
+    def start(self) -> None:
+        self.prev = self._snap()
+        self._arm()
+
+    def turn(self) -> None:
+        self._disarm()
+        cur = self._snap()
+        self.rows.append(turn_breakdown(self.prev, cur, self.mid) if cur and self.prev else None)
+        self.prev = cur
+        self._arm()
+
+    def stop(self) -> None:
+        self._disarm()

@@ -1,0 +1,180 @@
+"""``ostinato bench engines``, before the engines run: the model, the dev/held-out sessions, the
+development routing traces (the Ostinato engine in this process) and the residency plan with the
+stock placement at equal memory."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ..paths import get_paths
+from .bench_common import BenchError, say
+from .sessions import assistant_turns
+
+
+def prepare_model(a: argparse.Namespace) -> Path:
+    """The model to benchmark: ``--model``, or a synthetic one written once into the models dir."""
+    if a.model:
+        if not Path(a.model).is_file():
+            raise BenchError(f"model not found: {a.model}")
+        return Path(a.model).resolve()
+    from ..synth.writer import write_synthetic_moe
+
+    d = get_paths().models_dir
+    d.mkdir(parents=True, exist_ok=True)
+    layers = f"-L{a.layers}" if a.layers else ""
+    path = d / f"bench-qwen3moe-{a.shape}{layers}-{a.quant}-s{a.seed}.gguf"
+    if path.exists():
+        say(f"model: reusing {path} ({path.stat().st_size / 2**30:.2f} GiB)")
+        return path
+    say(f"model: writing {path.name} (qwen3moe, shape {a.shape}, layers {a.layers or 'default'}, "
+        f"{a.quant} experts)")
+    write_synthetic_moe(path, arch="qwen3moe", shape=a.shape, n_layer=a.layers, quant=a.quant,
+                        seed=a.seed, progress=a.verbose)
+    say(f"model: written, {path.stat().st_size / 2**30:.2f} GiB")
+    return path
+
+
+def default_sessions_dir() -> Path:
+    """Where the recorded sessions are, on this machine or the GPU machine (see --sessions-dir)."""
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ.get("OSTINATO_SESSIONS_DIR")
+    for d in ([Path(env)] if env else []) + [root / "shared" / "sessions",
+                                             root.parent / "shared" / "sessions",
+                                             root / ".carry" / "sessions", Path("/work/shared/sessions")]:
+        if d.is_dir():
+            return d
+    raise BenchError("recorded sessions not found: pass --sessions-dir (e.g. copy "
+                     "../shared/sessions into .carry/sessions for the GPU machine)")
+
+
+def select_sessions(a: argparse.Namespace) -> tuple[Path, list[dict], list[dict]]:
+    """(sessions file, dev sessions, held-out sessions) after the task-grouped split.
+
+    Sessions with tool schemas (function calling) come first, so that turns follow tool outputs.
+    """
+    from .sessions import split_sessions
+
+    f = Path(a.sessions_dir or default_sessions_dir()) / a.sessions_file
+    if not f.is_file():
+        raise BenchError(f"sessions file not found: {f}")
+    dev, held = split_sessions(f, held_out_frac=1 / 3, seed=a.seed)
+
+    def order(ss: list[dict]) -> list[dict]:
+        return sorted(ss, key=lambda s: (not s.get("tools"), s["id"]))
+
+    dev = [s for s in order(dev) if len(assistant_turns(s)) >= 2][: a.dev_sessions]
+    held = [s for s in order(held) if len(assistant_turns(s)) >= 2][: a.sessions]
+    if not dev or not held:
+        raise BenchError(f"{f}: not enough sessions after the split (dev {len(dev)}, held-out {len(held)})")
+    return f, dev, held
+
+
+# --------------------------------------------------------------------------------------------
+# development traces (in-process engine) and plan
+# --------------------------------------------------------------------------------------------
+
+def collect_dev_traces(model: Path, block: dict[str, Any], dev: list[dict], a: argparse.Namespace,
+                       run_dir: Path, workload: str):
+    """Replay ``a.dev_turns`` turns of each dev session through the Ostinato engine in this process
+    (all experts cold: an empty residency set) and return the accumulated :class:`Trace`."""
+    from ..residency.sets import make_residency, write_residency
+    from ..residency.traces import Trace
+    from ..engine.types import GenRequest
+    from ..engine.worker import Worker
+    from ..settings import load_settings
+    from .sessions import assistant_text
+
+    empty = write_residency(make_residency(block, {}, workload=workload), run_dir / "residency-empty.json")
+    s = load_settings(model=model, experts="ostinato", residency=empty, n_slots=1, n_ctx=a.n_ctx,
+                      n_threads=a.threads, engine_mode="inprocess", prefill_threshold=a.prefill_threshold)
+    w = Worker(s, model)
+    w.load()
+    if w.rt is None:
+        w.close()
+        raise BenchError("the Ostinato expert engine is not active (stale native build? run "
+                         "'ostinato build'): no routing counts to plan from")
+    th = threading.Thread(target=w.run, name="bench-dev-worker", daemon=True)
+    th.start()
+    trace = Trace.empty(block, workload)
+    n_req = 0
+    try:
+        for si, sess in enumerate(dev):
+            for turn in assistant_turns(sess)[: a.dev_turns]:
+                gen = max(1, min(a.dev_max_gen, len(w.tokenize(assistant_text(turn.target),
+                                                               add_special=False))))
+                req = GenRequest(id=f"dev-{si}-{turn.index}", messages=turn.context,
+                                 tools=sess.get("tools") or None, max_tokens=gen, ignore_eos=True,
+                                 temperature=0.0, workload=workload)
+                done = _run_one(w, req)
+                ex = done.get("experts") or {}
+                from ..residency.traces import counts_from_stats
+
+                pre, dec = counts_from_stats(ex, block["n_layer"], block["n_expert"])
+                trace.add_counts(pre, dec)
+                u = done.get("usage", {})
+                trace.add_request(u.get("prompt_tokens", 0), u.get("prefilled_tokens", 0),
+                                  u.get("completion_tokens", 0), len(sess.get("tools") or []))
+                n_req += 1
+            say(f"dev traces: session {si + 1}/{len(dev)} {sess['id']} done "
+                f"({trace.total_routes} routes so far)")
+    finally:
+        w.shutdown()
+        th.join(60)
+        w.close()
+    if trace.total_routes == 0:
+        raise BenchError("the engine reported no routes for the dev turns")
+    trace.save(run_dir / "trace-dev.json")
+    return trace
+
+
+def _run_one(w, req, timeout: float = 900) -> dict[str, Any]:
+    import queue
+
+    q: "queue.Queue" = queue.Queue()
+    w.submit(req, q.put)
+    deadline = time.monotonic() + timeout
+    while True:
+        ev = q.get(timeout=max(1.0, deadline - time.monotonic()))
+        if ev.type == "done":
+            return ev.data
+        if ev.type == "error":
+            raise BenchError(f"dev request {req.id} failed: {ev.data.get('message')}")
+
+
+def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str,
+         budget_frac: Optional[float] = None, file_name: str = "residency.json") -> tuple[dict, Path, dict]:
+    """Plan the residency set at ``budget_frac`` (default ``a.budget_frac``); returns (residency,
+    path, stock placement at equal memory)."""
+    from ..residency.planner import plan_residency, read_model_shape, resolve_gpus, write_residency
+
+    shape = read_model_shape(model)
+    frac = a.budget_frac if budget_frac is None else budget_frac
+    res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(getattr(a, "gpus", 1)),
+                         budget_frac=frac, source_traces=[str(run_dir / "trace-dev.json")])
+    path = write_residency(res, run_dir / file_name)
+    pool = res["plan"]["pool_bytes_total"]
+    moe = shape.moe_layers
+    layer_bytes = shape.expert_bytes[moe[0]] * shape.n_expert
+    gpu_layers = min(len(moe), max(0, round(pool / layer_bytes)))
+    n_cpu_moe = shape.n_layer - gpu_layers if gpu_layers else shape.n_layer
+    stock = {"n_cpu_moe": n_cpu_moe, "gpu_expert_layers": gpu_layers,
+             "gpu_expert_bytes": gpu_layers * layer_bytes, "pool_bytes": pool,
+             "expert_bytes_total": shape.total_expert_bytes,
+             # every token routes k experts in every MoE layer: the GPU's share of routes is the
+             # share of MoE layers whose experts it holds
+             "hot_route_share": gpu_layers / len(moe)}
+    # per GPU: its layer range (first, last) and pool bytes
+    stock["gpus"] = [{"device": g["device"], "pool_bytes": c["pool_bytes"],
+                      "layers": [g["layers"][0], g["layers"][-1]] if g["layers"] else []}
+                     for g, c in zip(res["gpus"], res["plan"]["capacity"])]
+    say(f"plan at {frac:.0%}: {len(res['gpus'])} GPU(s), "
+        f"{sum(len(v) for g in res['gpus'] for v in g['hot'].values())} hot experts, pool "
+        f"{pool / 2**20:.1f} MiB = {pool / shape.total_expert_bytes:.1%} of expert bytes, dev hot-route "
+        f"share {res['plan']['dev_hot_route_share']:.1%}; stock-layers: n_cpu_moe {n_cpu_moe} "
+        f"({gpu_layers} layers' experts = {stock['gpu_expert_bytes'] / 2**20:.1f} MiB on the GPU)")
+    return res, path, stock

@@ -1,0 +1,354 @@
+"""``ostinato bench engines``: the figures of a run and their reporting: per-engine metrics from the
+replay turns, ratios to the best stock engine and to the limit, the per-step breakdown of the
+Ostinato engine from the native per-pass stats, the machine, and the markdown tables."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+from .bench_common import LIMIT, METRICS, STOCK
+
+BUCKETS = ((0, 128, "<128"), (128, 512, "128-511"), (512, 2048, "512-2047"), (2048, 1 << 62, ">=2048"))
+
+
+# --------------------------------------------------------------------------------------------
+# per-step breakdown of the Ostinato engine (native per-pass stats)
+# --------------------------------------------------------------------------------------------
+
+def _ms_keys(d: dict[str, Any]) -> dict[str, float]:
+    """The ``*_ms`` figures of a stats dict (any such key: the native side adds new ones)."""
+    return {k: float(v) for k, v in d.items()
+            if k.endswith("_ms") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _indexed(snap: Optional[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """``last_passes`` of a stats snapshot keyed by pass number (0 = the first since load): the ring
+    holds the last passes up to the cumulative ``passes`` count, both updated under one lock."""
+    if not snap:
+        return {}
+    n, ring = int(snap.get("passes") or 0), list(snap.get("last_passes") or [])
+    return {n - len(ring) + i: p for i, p in enumerate(ring)}
+
+
+def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
+                   mid: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Per-turn split of the native engine's pass times between the turn's prefill passes (path
+    split/upload) and its decode steps, from snapshots of ``ExpertRuntime.stats()`` (cumulative
+    totals, ``paths`` counts, ``last_passes``: the last 32 passes) taken before the turn (``prev``),
+    after it (``cur``) and, optionally, just after its first decode steps (``mid``: it holds the
+    prefill passes however long the turn is).
+
+    When every prefill pass of the turn was seen (in ``mid`` or ``cur``) the split is exact: decode
+    = the turn's cumulative delta minus the prefill passes. Otherwise (no ``mid`` and more than 32
+    passes) the decode steps are estimated as ``steps x the mean of the steps seen`` and the
+    prefill as the delta minus that (``exact`` False). Keys only in the per-pass dicts (not in the
+    totals) are summed over the passes seen. Returns ``{"passes", "seen", "exact",
+    "decode_steps", "decode_seen", "decode_ms" (sums over the turn's steps), "decode_cold_routes"
+    (mean per step seen), "prefill_passes", "prefill_paths", "prefill_tokens", "prefill_ms" (sums
+    over the turn's prefill passes), "gpu_timed" (share of the seen passes with GPU timing)}``."""
+    p0 = int(prev.get("passes") or 0)
+    dn = int(cur.get("passes") or 0) - p0
+    known = {**_indexed(mid), **_indexed(cur)}
+    seen = [known[i] for i in range(p0, p0 + dn) if i in known]
+    pp, cp = prev.get("paths") or {}, cur.get("paths") or {}
+    dpath = {k: int(cp.get(k, 0) or 0) - int(pp.get(k, 0) or 0) for k in set(pp) | set(cp)}
+    n_dec = max(0, dpath.get("decode", 0))
+    pre_paths = {k: v for k, v in dpath.items() if k != "decode" and v > 0}
+    n_pre = sum(pre_paths.values())
+    dec_seen = [p for p in seen if p.get("path") == "decode"]
+    pre_seen = [p for p in seen if p.get("path") != "decode"]
+    tot_prev, tot_cur = _ms_keys(prev), _ms_keys(cur)
+    keys = sorted(set(tot_cur).union(*[_ms_keys(p) for p in seen]))
+
+    def ssum(ps: list[dict], k: str) -> float:
+        return sum(_ms_keys(p).get(k, 0.0) for p in ps)
+
+    exact = len(seen) == dn
+    all_pre = len(pre_seen) >= n_pre
+    dec_ms: dict[str, Optional[float]] = {}
+    pre_ms: dict[str, Optional[float]] = {}
+    for k in keys:
+        delta = tot_cur[k] - tot_prev[k] if k in tot_cur and k in tot_prev else None
+        mean_dec = ssum(dec_seen, k) / len(dec_seen) if dec_seen else None
+        if all_pre:
+            pre_ms[k] = ssum(pre_seen, k)
+            if len(dec_seen) >= n_dec:
+                dec_ms[k] = ssum(dec_seen, k)
+            elif delta is not None:
+                dec_ms[k] = delta - pre_ms[k]
+            else:
+                dec_ms[k] = n_dec * mean_dec if mean_dec is not None else None
+        else:
+            dec_ms[k] = n_dec * mean_dec if mean_dec is not None else (0.0 if n_dec == 0 else None)
+            pre_ms[k] = delta - dec_ms[k] if delta is not None and dec_ms[k] is not None else None
+    if all_pre:
+        pre_tokens: Optional[int] = int(sum(p.get("tokens") or 0 for p in pre_seen))
+    else:
+        pre_tokens = int(cur.get("tokens") or 0) - int(prev.get("tokens") or 0) - n_dec
+    cold = [p.get("cold_routes") for p in dec_seen if p.get("cold_routes") is not None]
+    return {"passes": dn, "seen": len(seen), "exact": exact or all_pre,
+            "decode_steps": n_dec, "decode_seen": len(dec_seen), "decode_ms": dec_ms,
+            "decode_cold_routes": sum(cold) / len(cold) if cold else None,
+            "prefill_passes": n_pre, "prefill_paths": pre_paths, "prefill_tokens": pre_tokens,
+            "prefill_ms": pre_ms,
+            "gpu_timed": (sum(1 for p in seen if p.get("gpu_timed")) / len(seen)) if seen else None}
+
+
+def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[str, Any]]
+                        ) -> dict[str, Any]:
+    """Means per decode step and per prefill over the turns (``rows`` from :func:`turn_breakdown`,
+    aligned with ``turns`` from :func:`replay_turns`; None rows: no snapshot). Returns
+    ``{"decode_step": {"steps", "sampled_steps", "cold_routes_mean", "mean_ms": {key: ms}},
+    "prefill": {"prefills", "passes", "paths", "tokens_mean", "exact_share", "mean_ms"},
+    "prefill_after_tool": (the same over turns after tool outputs), "gpu_timed_share", "source"}``.
+    """
+    def dec(rs: list[dict]) -> dict[str, Any]:
+        steps = sum(r["decode_steps"] for r in rs)
+        keys = sorted({k for r in rs for k in r["decode_ms"]})
+        mean = {}
+        for k in keys:
+            have = [r for r in rs if r["decode_ms"].get(k) is not None and r["decode_steps"]]
+            n = sum(r["decode_steps"] for r in have)
+            mean[k] = round(sum(r["decode_ms"][k] for r in have) / n, 4) if n else None
+        cold = [(r["decode_cold_routes"], r["decode_seen"]) for r in rs if r["decode_cold_routes"] is not None]
+        w = sum(c[1] for c in cold)
+        return {"steps": steps, "sampled_steps": sum(r["decode_seen"] for r in rs),
+                "cold_routes_mean": round(sum(c * n for c, n in cold) / w, 3) if w else None,
+                "mean_ms": mean}
+
+    def pre(rs: list[dict]) -> dict[str, Any]:
+        rs = [r for r in rs if r["prefill_passes"] > 0]
+        paths: dict[str, int] = {}
+        for r in rs:
+            for k, v in r["prefill_paths"].items():
+                paths[k] = paths.get(k, 0) + v
+        keys = sorted({k for r in rs for k in r["prefill_ms"]})
+        mean = {}
+        for k in keys:
+            xs = [r["prefill_ms"][k] for r in rs if r["prefill_ms"].get(k) is not None]
+            mean[k] = round(sum(xs) / len(xs), 4) if xs else None
+        toks = [r["prefill_tokens"] for r in rs if r["prefill_tokens"] is not None]
+        return {"prefills": len(rs), "passes": sum(r["prefill_passes"] for r in rs), "paths": paths,
+                "tokens_mean": round(sum(toks) / len(toks), 1) if toks else None,
+                "exact_share": round(sum(1 for r in rs if r["exact"]) / len(rs), 3) if rs else None,
+                "mean_ms": mean}
+
+    ok = [r for r in rows if r]
+    after = [r for r, t in zip(rows, turns) if r and t.get("after") == "tool"]
+    timed = [r["gpu_timed"] for r in ok if r["gpu_timed"] is not None]
+    return {"decode_step": dec(ok), "prefill": pre(ok), "prefill_after_tool": pre(after),
+            "gpu_timed_share": round(sum(timed) / len(timed), 3) if timed else None,
+            "turns": len(rows), "turns_with_stats": len(ok),
+            "source": "native per-pass stats (control API /metrics, engine.experts) before and after "
+                      "every turn and after its first decode step; gpu_branch_ms is measured only in "
+                      "timing mode (gpu_timed_share)"}
+
+
+# --------------------------------------------------------------------------------------------
+# metrics
+# --------------------------------------------------------------------------------------------
+
+def _med(xs: list[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def replay_turns(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Flatten a replay JSON into turn dicts: {session, ttft_s, tpot_s, total_s, new_tokens,
+    completion_tokens, after (tool|user|first), error}."""
+    out = []
+    for s in data.get("sessions", []):
+        for i, t in enumerate(s.get("turns", [])):
+            u = t.get("usage") or {}
+            prompt = t.get("prompt_tokens", u.get("prompt_tokens"))
+            cached = t.get("cached_tokens", u.get("cached_tokens")) or 0
+            new = t.get("new_tokens", t.get("prefilled_tokens"))
+            if new is None and prompt is not None:
+                new = prompt - cached
+            after = t.get("after") or t.get("kind") or ("first" if i == 0 else None)
+            out.append({"session": s.get("id"), "ttft_s": t.get("ttft_s"), "tpot_s": t.get("tpot_s"),
+                        "total_s": t.get("total_s"), "new_tokens": new,
+                        "completion_tokens": t.get("completion_tokens", u.get("completion_tokens")),
+                        "after": after, "error": t.get("error")})
+    return out
+
+
+def engine_metrics(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-engine figures from its replay turns (see module docstring)."""
+    ok = [t for t in turns if not t.get("error")]
+    buckets = {}
+    for lo, hi, name in BUCKETS:
+        xs = [t["ttft_s"] for t in ok if t["new_tokens"] is not None and lo <= t["new_tokens"] < hi]
+        buckets[name] = {"median_s": _med(xs), "turns": len(xs)}
+    tpot = _med([t["tpot_s"] for t in ok])
+    sessions: dict[str, float] = {}
+    for t in ok:
+        sessions[t["session"]] = sessions.get(t["session"], 0.0) + (t["total_s"] or 0.0)
+    return {
+        "decode_ms_per_token": tpot * 1e3 if tpot is not None else None,
+        "ttft_after_tool_median_s": _med([t["ttft_s"] for t in ok if t["after"] == "tool"]),
+        "ttft_after_user_median_s": _med([t["ttft_s"] for t in ok if t["after"] == "user"]),
+        "ttft_median_s": _med([t["ttft_s"] for t in ok]),
+        "new_tokens_median": _med([t["new_tokens"] for t in ok if t["new_tokens"] is not None]),
+        "prefill_by_new_tokens": buckets,
+        "session_total_s": sum(sessions.values()) if ok else None,
+        "turns": len(turns), "errors": len(turns) - len(ok),
+    }
+
+
+def ratios_vs_limit(engines: dict[str, dict[str, Any]], o: Optional[dict[str, Any]] = None
+                    ) -> dict[str, Any]:
+    """Ostinato (``o``, default ``engines["ostinato"]``) divided by ``stock-all-gpu`` per metric: the
+    slowdown factor against every expert on the GPU (1 = the limit; issue 9's targets at a 45% pool:
+    decode <= 1.4, TTFT after tool <= 1.6, session <= 1.5). None where either figure is missing."""
+    o = engines.get("ostinato") or {} if o is None else o
+    lim = engines.get(LIMIT) or {}
+    return {key: (round(o[m] / lim[m], 3) if o.get(m) and lim.get(m) else None) for key, m in METRICS}
+
+
+def ratios(engines: dict[str, dict[str, Any]], o: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Ostinato (``o``, default ``engines["ostinato"]``) against the best stock engine at equal
+    memory per metric (> 1: Ostinato faster); ``stock-all-gpu`` is not one of them."""
+    o = engines.get("ostinato") or {} if o is None else o
+    out: dict[str, Any] = {}
+    for key, metric in METRICS:
+        stock = {n: e.get(metric) for n, e in engines.items() if n in STOCK and e.get(metric)}
+        if not stock or not o.get(metric):
+            out[key] = None
+            continue
+        best = min(stock, key=stock.get)
+        out[key] = round(stock[best] / o[metric], 3)
+        out[f"{key}_best_stock"] = best
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, RAM and GPUs of this machine (psutil, pynvml)."""
+    import psutil
+
+    from ..residency.planner import detect_gpus
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "physical_cores": psutil.cpu_count(logical=False),
+            "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "gpus": [{"name": g.name, "free_gib": round((g.free_bytes or 0) / 2**30, 1)} for g in detect_gpus()],
+            "platform": platform.platform()}
+
+
+def fmt(v: Any, unit: str = "", nd: int = 2) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}{unit}"
+    return f"{v}{unit}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """Markdown table of a result (written next to the JSON)."""
+    eng = result["engines"]
+    names = list(eng)
+    lines = [f"# {result['name']}", "", f"Command: `{result['command']}`", "",
+             f"Model: {result['model']['name']} ({result['model']['file']}), "
+             f"{result['model']['n_layer']} layers x {result['model']['n_expert']} experts, "
+             f"k = {result['model']['n_expert_used']}; pool budget "
+             f"{result['plan']['budget_frac']:.0%} of expert bytes; stock-layers n_cpu_moe = "
+             f"{result['plan']['stock']['n_cpu_moe']}; GPUs planned: "
+             f"{len(result['plan']['stock'].get('gpus') or [None])}.", "",
+             f"Machine: {result['machine']['cpu']} ({result['machine']['physical_cores']} cores), "
+             f"GPUs: {', '.join(g['name'] for g in result['machine']['gpus']) or 'none'}.", "",
+             f"Held-out sessions: {', '.join(result['sessions']['held_out'])} "
+             f"({result['sessions']['turns_per_session']} turns each).", "",
+             "| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    rows = [("decode ms/token", "decode_ms_per_token", "", 2),
+            ("median TTFT after tool (s)", "ttft_after_tool_median_s", "", 3),
+            ("median TTFT after user (s)", "ttft_after_user_median_s", "", 3),
+            ("session total (s)", "session_total_s", "", 2),
+            ("hot-route share", "hot_route_share", "", 3)]
+    for label, key, unit, nd in rows:
+        lines.append(f"| {label} | " + " | ".join(fmt(eng[n].get(key), unit, nd) for n in names) + " |")
+    for _, _, b in BUCKETS:
+        lines.append(f"| prefill {b} new tokens (s) | " + " | ".join(
+            fmt((eng[n].get("prefill_by_new_tokens") or {}).get(b, {}).get("median_s"), "", 3)
+            + f" ({(eng[n].get('prefill_by_new_tokens') or {}).get(b, {}).get('turns', 0)})"
+            for n in names) + " |")
+    lines.append("| turns (errors) | " + " | ".join(f"{eng[n].get('turns')} ({eng[n].get('errors')})"
+                                                   for n in names) + " |")
+    r = result["ratios_vs_best_stock"]
+    lim = result.get("ratios_vs_limit") or {}
+    o, le = eng.get("ostinato") or {}, eng.get(LIMIT) or {}
+    lines += ["", "Ratios to the best stock engine at equal memory (best stock / Ostinato, > 1: "
+              f"Ostinato faster) and to the limit `{LIMIT}` (Ostinato / {LIMIT}: the slowdown "
+              "factor, 1 = every expert on the GPU):", "",
+              "| metric | ostinato | best stock | ratio vs best stock | " + LIMIT + " | ratio vs limit |",
+              "|---|---:|---|---:|---:|---:|"]
+    for (k, m), nd in zip(METRICS, (2, 3, 2)):
+        best = r.get(k + "_best_stock")
+        lines.append(f"| {k} | {fmt(o.get(m), '', nd)} | "
+                     + (f"{best} {fmt(eng[best].get(m), '', nd)}" if best in eng else "n/a")
+                     + f" | {fmt(r.get(k), 'x')} | {fmt(le.get(m), '', nd)} | {fmt(lim.get(k), 'x')} |")
+    lines += breakdown_md(o.get("step_breakdown"), "Ostinato")
+    lines += _sweep_md(result)
+    lines.append("")
+    for n in result.get("notes", []):
+        lines.append(f"- {n}")
+    return "\n".join(lines) + "\n"
+
+
+def breakdown_md(b: Optional[dict[str, Any]], who: str) -> list[str]:
+    """Markdown lines for a ``step_breakdown`` (means in ms per decode step and per prefill)."""
+    if not b:
+        return []
+    cols = [("decode step", b.get("decode_step") or {}), ("prefill", b.get("prefill") or {}),
+            ("prefill after tool", b.get("prefill_after_tool") or {})]
+    keys = sorted({k for _, c in cols for k in (c.get("mean_ms") or {})},
+                  key=lambda k: (k != "total_ms", k))
+    if not keys:
+        return []
+    d, p = cols[0][1], cols[1][1]
+    out = ["", f"{who} per-step breakdown (native pass times, mean ms; {d.get('steps')} decode steps, "
+           f"{d.get('sampled_steps')} seen pass by pass; {p.get('prefills')} prefills, paths "
+           f"{p.get('paths')}, {fmt(p.get('exact_share'), '', 2)} of them exact; GPU-branch timing "
+           f"on in {fmt(b.get('gpu_timed_share'), '', 2)} of the passes):", "",
+           "| ms | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for k in keys:
+        out.append(f"| {k} | " + " | ".join(fmt((c.get("mean_ms") or {}).get(k), "", 3) for _, c in cols)
+                   + " |")
+    out.append("| cold routes / tokens | " + " | ".join(
+        [fmt(d.get("cold_routes_mean"), "", 2)] + [fmt(c.get("tokens_mean"), "", 0) for _, c in cols[1:]])
+        + " |")
+    return out
+
+
+def _sweep_md(result: dict[str, Any]) -> list[str]:
+    """Markdown lines for the budget sweep (Ostinato per pool budget; baselines and limit once)."""
+    sw = result.get("sweep")
+    if not sw:
+        return []
+    out = ["", f"Budget sweep (Ostinato per pool budget; {sw['note']}):", "",
+           "| pool budget | pool MiB | hot-route share | decode ms/token | TTFT after tool s | "
+           "session s | decode / TTFT / session vs limit | vs baselines |",
+           "|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in sw["runs"]:
+        o = r.get("ostinato") or {}
+        lv, bv = r.get("ratios_vs_limit") or {}, r.get("ratios_vs_baselines") or {}
+        out.append(f"| {r['budget_frac']:.0%} | {r['pool_bytes'] / 2**20:.1f} | "
+                   f"{fmt(o.get('hot_route_share'), '', 3)} | {fmt(o.get('decode_ms_per_token'))} | "
+                   f"{fmt(o.get('ttft_after_tool_median_s'), '', 3)} | {fmt(o.get('session_total_s'))} | "
+                   + " / ".join(fmt(lv.get(k), "x") for k, _ in METRICS) + " | "
+                   + " / ".join(fmt(bv.get(k), "x") for k, _ in METRICS) + " |")
+    for n, e in result["engines"].items():
+        if n != "ostinato":
+            out.append(f"| {n} (once) | | {fmt(e.get('hot_route_share'), '', 3)} | "
+                       f"{fmt(e.get('decode_ms_per_token'))} | {fmt(e.get('ttft_after_tool_median_s'), '', 3)}"
+                       f" | {fmt(e.get('session_total_s'))} | | |")
+    return out
