@@ -11,7 +11,7 @@ import sys
 
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "build": ("ostinatod.engine.build", "main", "build/install the native engine (llama.cpp + native/)"),
+    "build": ("ostinatod.build", "main", "build/install the native engine (llama.cpp + native/)"),
     "synth": ("ostinatod.tools.synth", "main", "write a synthetic MoE GGUF (qwen3moe, deepseek2, ...)"),
     "bench": ("ostinatod.tools.bench", "main", "benchmarks: 'bench replay' of recorded agent sessions, "
               "'bench engines' Ostinato vs stock"),

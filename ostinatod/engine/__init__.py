@@ -5,8 +5,8 @@
 - the worker process: :mod:`.worker_main`, :mod:`.worker` (the loop), :mod:`.loading`,
   :mod:`.slots`, :mod:`.task`, :mod:`.text`, :mod:`.sampling`, :mod:`.switcher`, :mod:`.runtime`,
   :mod:`.placement`, :mod:`.chat`, :mod:`.native` (the one ctypes loader);
-- :mod:`.calibrate` (``ostinato calibrate``: drives a Worker in its own process) and :mod:`.build`
-  (``ostinato build``).
+- :mod:`.calibrate` (``ostinato calibrate``: drives a Worker in its own process). The native build
+  (``ostinato build``) is :mod:`ostinatod.build`: it runs before any engine exists.
 
 Layers above (HTTP front end, protocol adapters, control API) talk to it only through
 :class:`ostinatod.engine.types.EngineClient` and the request/event types in that module.

@@ -34,7 +34,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..paths import get_paths
+from .paths import get_paths
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 STAMP_NAME = "ostinato_build.json"
@@ -47,7 +47,7 @@ class BuildError(RuntimeError):
 def repo_native_dir() -> Path:
     """The native/ directory (``OSTINATO_NATIVE_DIR`` or next to the package in a checkout)."""
     env = os.environ.get("OSTINATO_NATIVE_DIR")
-    p = Path(env) if env else Path(__file__).resolve().parents[2] / "native"
+    p = Path(env) if env else Path(__file__).resolve().parents[1] / "native"
     if not (p / "src").is_dir():
         raise BuildError(f"native sources not found at {p} (install from a checkout with "
                          "'pip install -e .' or set OSTINATO_NATIVE_DIR)")
