@@ -147,7 +147,6 @@ struct pinned_t {
 // guarded by g_mu
 extern std::mutex g_mu;
 extern pinned_t g_pin;
-extern config_t   g_cfg;          // loader config: consumed by the next model load
 extern int64_t    g_np;           // run-time: prefill threshold Np and forced path (kept across loads)
 extern int        g_force;
 extern engine_t * g_eng;

@@ -26,7 +26,9 @@ namespace ost {
 
 std::mutex g_mu;
 pinned_t g_pin;
-config_t   g_cfg;                 // loader config: consumed by the next model load
+// the placement of the model load running on this thread (ostinato_model_load), else null: the
+// config travels with the load call, as tensor_buft_overrides do, not through a global
+thread_local const config_t * t_load_cfg = nullptr;
 int64_t    g_np = 512;            // run-time: prefill threshold Np and forced path (kept across loads)
 int        g_force = FORCE_AUTO;
 engine_t * g_eng = nullptr;
@@ -278,13 +280,10 @@ void ostinato_pass_end(int64_t n_tokens) {
     while (e->last.size() > 32) e->last.pop_front();
 }
 
-bool ostinato_on_model_loaded(llama_model * model) {
-    config_t cfg;
-    {
-        std::lock_guard<std::mutex> lock(g_mu);
-        if (!g_cfg.set) return true;
-        cfg = g_cfg;
-    }
+namespace {
+
+// Builds the engine for `model` with `cfg` (a load or a switch); false with g_err set on refusal.
+bool adopt(llama_model * model, const config_t & cfg) {
     std::string err;
     const int64_t t0 = now_us();
     bool ok;
@@ -312,10 +311,59 @@ bool ostinato_on_model_loaded(llama_model * model) {
     return true;
 }
 
+// Parses the JSON placement config (see ostinato_experts.h); false with `err` on bad input.
+bool parse_config(const char * js, config_t & c, std::string & err) {
+    try {
+        json j = json::parse(js);
+        c = config_t();
+        c.set = true;
+        if (j.contains("hot")) {
+            for (auto & kv : j["hot"].items()) {
+                c.hot[std::stoi(kv.key())] = kv.value().get<std::vector<int>>();
+            }
+        }
+        c.device = j.value("device", -1);
+        if (j.contains("layer_device") && !j["layer_device"].is_null()) {
+            for (auto & kv : j["layer_device"].items()) {
+                const int d = kv.value().get<int>();
+                if (d < -1) throw std::runtime_error("layer_device values must be GPU indices (>= 0) or -1");
+                c.layer_device[std::stoi(kv.key())] = d;
+            }
+        }
+        std::lock_guard<std::mutex> lock(g_mu);
+        c.np = j.value("prefill_threshold", g_np);   // absent: keep the current value
+        if (c.np < 1) throw std::runtime_error("prefill_threshold must be >= 1");
+        const std::string f = j.value("force_path", std::string(
+            g_force == FORCE_SPLIT ? "split" : g_force == FORCE_UPLOAD ? "upload" : "auto"));
+        if (f == "auto") c.force = FORCE_AUTO;
+        else if (f == "split") c.force = FORCE_SPLIT;
+        else if (f == "upload") c.force = FORCE_UPLOAD;
+        else throw std::runtime_error("force_path must be auto, split or upload");
+        return true;
+    } catch (const std::exception & ex) {
+        err = std::string("bad expert config: ") + ex.what();
+        return false;
+    }
+}
+
+// Np and the forced path of a config become the run-time values.
+void apply_runtime(const config_t & c) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (c.np != g_np || c.force != g_force) g_graph_dirty = true;
+    g_np = c.np;
+    g_force = c.force;
+}
+
+}  // namespace
+
+bool ostinato_on_model_loaded(llama_model * model) {
+    if (!t_load_cfg) return true;   // a stock load
+    return adopt(model, *t_load_cfg);
+}
+
 bool ostinato_keep_on_host(const char * name) {
     if (!name || std::strncmp(name, "blk.", 4) != 0 || !std::strstr(name, "_exps.")) return false;
-    std::lock_guard<std::mutex> lock(g_mu);
-    return g_cfg.set;
+    return t_load_cfg != nullptr;
 }
 
 void ostinato_on_model_free(llama_model * model) {
@@ -332,44 +380,33 @@ void ostinato_on_model_free(llama_model * model) {
 
 extern "C" {
 
-int ostinato_experts_configure(const char * js) {
+int ostinato_experts_check(const char * js) {
+    config_t c;
+    std::string err;
+    const bool ok = parse_config(js ? js : "", c, err);
     std::lock_guard<std::mutex> lock(g_mu);
-    g_err.clear();
-    if (!js || !*js) { g_cfg = config_t(); return 0; }
-    try {
-        json j = json::parse(js);
-        config_t c;
-        c.set = true;
-        if (j.contains("hot")) {
-            for (auto & kv : j["hot"].items()) {
-                c.hot[std::stoi(kv.key())] = kv.value().get<std::vector<int>>();
-            }
-        }
-        c.device = j.value("device", -1);
-        if (j.contains("layer_device") && !j["layer_device"].is_null()) {
-            for (auto & kv : j["layer_device"].items()) {
-                const int d = kv.value().get<int>();
-                if (d < -1) throw std::runtime_error("layer_device values must be GPU indices (>= 0) or -1");
-                c.layer_device[std::stoi(kv.key())] = d;
-            }
-        }
-        c.np = j.value("prefill_threshold", g_np);   // absent: keep the current value
-        if (c.np < 1) throw std::runtime_error("prefill_threshold must be >= 1");
-        const std::string f = j.value("force_path", std::string(
-            g_force == FORCE_SPLIT ? "split" : g_force == FORCE_UPLOAD ? "upload" : "auto"));
-        if (f == "auto") c.force = FORCE_AUTO;
-        else if (f == "split") c.force = FORCE_SPLIT;
-        else if (f == "upload") c.force = FORCE_UPLOAD;
-        else throw std::runtime_error("force_path must be auto, split or upload");
-        if (c.np != g_np || c.force != g_force) g_graph_dirty = true;
-        g_np = c.np;
-        g_force = c.force;
-        g_cfg = c;
-        return 0;
-    } catch (const std::exception & ex) {
-        g_err = std::string("bad expert config: ") + ex.what();
-        return -1;
+    g_err = ok ? "" : err;
+    return ok ? 0 : -1;
+}
+
+struct llama_model * ostinato_model_load(const char * path, struct llama_model_params params, const char * js) {
+    if (!js || !*js) return llama_model_load_from_file(path, params);
+    config_t c;
+    std::string err;
+    if (!parse_config(js, c, err)) {
+        std::lock_guard<std::mutex> lock(g_mu);
+        g_err = err;
+        return nullptr;
     }
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        g_err.clear();
+    }
+    apply_runtime(c);
+    t_load_cfg = &c;   // read by the loader hooks of this load (this thread) only
+    llama_model * model = llama_model_load_from_file(path, params);
+    t_load_cfg = nullptr;
+    return model;
 }
 
 int ostinato_experts_switch(const char * js) {
@@ -379,8 +416,15 @@ int ostinato_experts_switch(const char * js) {
         if (!g_eng) { g_err = "no model with an active expert engine"; return -1; }
         model = g_eng->model;
     }
-    if (ostinato_experts_configure(js) != 0) return -1;
-    return ostinato_on_model_loaded(model) ? 0 : -1;
+    config_t c;
+    std::string err;
+    if (!parse_config(js ? js : "", c, err)) {
+        std::lock_guard<std::mutex> lock(g_mu);
+        g_err = err;
+        return -1;
+    }
+    apply_runtime(c);
+    return adopt(model, c) ? 0 : -1;
 }
 
 int ostinato_experts_active(void) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "ggml.h"
+#include "llama.h"
 
 #include <cstdint>
 
@@ -88,7 +89,7 @@ extern "C" {
 #else
 #  define OSTINATO_API __attribute__((visibility("default")))
 #endif
-// JSON config consumed by the next llama_model_load_from_file:
+// Placement config (JSON):
 //   {"hot": {"<layer>": [expert ids]}, "device": -1|gpu index, "prefill_threshold": Np,
 //    "force_path": "auto"|"split"|"upload", "layer_device": {"<layer>": gpu index}}
 // "layer_device" (optional, several GPUs): the GPU of each layer; an absent layer (or no map) is on
@@ -96,8 +97,14 @@ extern "C" {
 // upload stream). With the map, the load (and a switch) fails when a layer's dense weights sit on
 // another GPU than its layer_device says (see docs/engine.md "Several GPUs"); without it nothing is
 // checked and everything is as with one device. On a CPU-only build every pool is a CPU buffer.
-// Returns 0 on success, -1 on bad JSON (see ostinato_experts_last_error). NULL or "" clears it.
-OSTINATO_API int          ostinato_experts_configure(const char * json);
+// Validates a config without loading anything: 0, or -1 (see ostinato_experts_last_error).
+OSTINATO_API int          ostinato_experts_check(const char * json);
+// llama_model_load_from_file with the expert engine's placement `json` for this load only (NULL or
+// "": a stock load); the config travels with the call like tensor_buft_overrides, no global is left
+// set. NULL on a bad config (last error says why) or a failed load. Np and the forced path of the
+// config become the run-time values.
+OSTINATO_API struct llama_model * ostinato_model_load(const char * path, struct llama_model_params params,
+                                                      const char * json);
 // Rebuild the pool of the loaded model with another config (same JSON) at a request boundary.
 OSTINATO_API int          ostinato_experts_switch(const char * json);
 OSTINATO_API int          ostinato_experts_active(void);

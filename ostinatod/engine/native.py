@@ -160,7 +160,7 @@ def version() -> str:
 
 _C = ctypes.c_char_p
 _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
-    "ostinato_experts_configure": ([_C], ctypes.c_int),
+    "ostinato_experts_check": ([_C], ctypes.c_int),
     "ostinato_experts_switch": ([_C], ctypes.c_int),
     "ostinato_experts_active": ([], ctypes.c_int),
     "ostinato_experts_last_error": ([], _C),
@@ -177,7 +177,6 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_reset_stats": ([], None),
 }
 _llama_bound: dict[str, Any] = {}
-_config_lock = threading.RLock()  # the loader config (a process-global of the native engine)
 
 
 def llama_fn(name: str) -> Callable[..., Any]:
@@ -202,7 +201,7 @@ def llama_fn(name: str) -> Callable[..., Any]:
 def experts_available() -> bool:
     """True if the installed native engine has the expert engine (``ostinato build`` done)."""
     try:
-        llama_fn("ostinato_experts_configure")
+        llama_fn("ostinato_experts_check")
         return True
     except ExpertEngineError:
         return False
@@ -223,58 +222,44 @@ def experts_active() -> bool:
     return bool(llama_fn("ostinato_experts_active")())
 
 
-def _configure(config: Optional[dict[str, Any]]) -> None:
-    if config is None:
-        llama_fn("ostinato_experts_configure")(None)
-        return
-    if llama_fn("ostinato_experts_configure")(json.dumps(config).encode()) != 0:
-        raise ExpertEngineError(experts_error())
-
-
 def check_experts_config(config: dict[str, Any]) -> None:
     """Let the native engine check ``config`` (see :func:`ostinatod.engine.placement.experts_config`)
     without loading anything. Raises ExpertEngineError naming the problem."""
-    with _config_lock:
-        try:
-            _configure(config)
-        finally:
-            _configure(None)
+    if llama_fn("ostinato_experts_check")(json.dumps(config).encode()) != 0:
+        raise ExpertEngineError(experts_error())
 
 
 def load_model(path: Path | str, mparams: Any, experts_config: Optional[dict[str, Any]] = None
                ) -> tuple[Any, bool, str]:
-    """``llama_model_load_from_file(path, mparams)`` with the expert engine's placement
-    ``experts_config`` (None: stock placement) set for this load only.
+    """Load a model with the expert engine's placement ``experts_config`` (None: stock placement):
+    ``ostinato_model_load(path, mparams, config)``, which passes the placement with the load call
+    (as llama.cpp passes ``tensor_buft_overrides``), so no process-global is left set.
 
     Returns (model pointer or NULL, whether the expert engine is active for it, the engine's last
     error). Raises ExpertEngineError when the native engine refuses the config (nothing loaded).
     """
     import llama_cpp
 
-    with _config_lock:
-        if experts_config is not None:
-            _configure(experts_config)
-        try:
-            model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-            if experts_config is None:
-                return model, False, ""
-            return model, experts_active(), experts_error()
-        finally:
-            if experts_config is not None:
-                _configure(None)
+    if experts_config is None:
+        return llama_cpp.llama_model_load_from_file(str(path).encode(), mparams), False, ""
+    check_experts_config(experts_config)
+    f = _llama_bound.get("ostinato_model_load")
+    if f is None:
+        f = getattr(llama_cpp.llama_cpp._lib, "ostinato_model_load", None)
+        if f is None:
+            raise ExpertEngineError("libllama lacks ostinato_model_load: run 'ostinato build'")
+        f.argtypes = [ctypes.c_char_p, llama_cpp.llama_model_params, ctypes.c_char_p]
+        f.restype = llama_cpp.llama_model_p_ctypes   # a pointer (llama_model_p is only a type hint)
+        _llama_bound["ostinato_model_load"] = f
+    model = f(str(path).encode(), mparams, json.dumps(experts_config).encode())
+    return model, experts_active(), experts_error()
 
 
 def experts_switch(config: dict[str, Any]) -> None:
     """Rebuild the loaded model's expert pool with ``config`` (the swap of a residency set, at a
     request boundary). Raises ExpertEngineError; the old set then stays in use."""
-    with _config_lock:
-        try:
-            if llama_fn("ostinato_experts_switch")(json.dumps(config).encode()) != 0:
-                raise ExpertEngineError(experts_error())
-        finally:
-            # the switch goes through the loader config: clear it, so that a later model load in
-            # this process does not pick it up
-            _configure(None)
+    if llama_fn("ostinato_experts_switch")(json.dumps(config).encode()) != 0:
+        raise ExpertEngineError(experts_error())
 
 
 def set_prefill_threshold(np_tokens: int) -> None:
