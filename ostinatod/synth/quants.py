@@ -29,8 +29,8 @@ from gguf import GGMLQuantizationType as QT
 @dataclass(frozen=True)
 class Layout:
     """Block layout of a quant type: ``bs`` values in ``nbytes`` bytes; ``d``: byte offset of the
-    f16 scale; ``dmin``: offset of the f16 min (K-quants) or m (Q5_1), set to ``-dmin_ratio * d``
-    ... ``dmin_ratio * d`` so that the values are centred."""
+    f16 scale; ``dmin``: byte offset of the f16 min (K-quants) or m (Q5_1), written as
+    ``dmin_ratio * d`` so that the values are centred on zero."""
 
     bs: int
     nbytes: int
