@@ -30,7 +30,14 @@ class Shape:
     """Dimensions of a synthetic model (names follow llama.cpp's hparams).
 
     ``n_ff_exp``: intermediate size of one routed expert; ``n_expert_shared``: shared experts
-    (deepseek2); MLA sizes are used by deepseek2 only.
+    (deepseek2, glm4moe, deepseek4; qwen35moe has one of ``n_ff_shexp``); MLA sizes are used by
+    deepseek2 only (``q_lora_rank`` and ``qk_rope_dim`` by deepseek4 too); ``n_rot``: rotary dims
+    (0: the arch's rule: glm4moe / minimax-m2 head_dim / 2, qwen35moe head_dim / 4, deepseek4
+    qk_rope_dim, others head_dim); ``ssm_*``: qwen35moe's gated delta-net (linear attention) layers,
+    every ``full_attn_interval``-th layer full attention; ``o_*``, ``hc_*``, ``hash_layers``,
+    ``indexer_*``: deepseek4 (grouped low-rank output, hyper-connections, hash-routed leading
+    layers, the compressed-attention indexer); the deepseek4 compress ratios follow the released
+    schedule ``[0, 0, 4, 128, 4, 128, ...]``.
     """
 
     n_layer: int
@@ -51,13 +58,41 @@ class Shape:
     qk_rope_dim: int = 16
     qk_nope_dim: int = 32
     v_head_dim: int = 32
+    # glm4moe, minimax-m2, qwen35moe, deepseek4
+    n_rot: int = 0
+    n_ff_shexp: int = 0          # qwen35moe shared expert FFN (0: n_ff_exp)
+    rope_sections: tuple[int, ...] = ()  # qwen35moe IMROPE sections (0: n_rot/2 split 3:3:2)
+    ssm_d_state: int = 128
+    ssm_n_group: int = 2
+    ssm_dt_rank: int = 4
+    ssm_d_conv: int = 4
+    full_attn_interval: int = 4
+    o_groups: int = 2
+    o_lora_rank: int = 32
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hash_layers: int = 1
+    indexer_n_head: int = 4
+    indexer_head_dim: int = 64
+    indexer_top_k: int = 512
+    sliding_window: int = 128
 
 
 SHAPES: dict[str, Shape] = {
     # CI: ~10 MB of embedding/output plus well under 1 MB of layers.
     "tiny": Shape(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16,
                   n_expert=8, n_expert_used=2, n_ff_exp=64,
-                  q_lora_rank=32, kv_lora_rank=32, qk_rope_dim=16, qk_nope_dim=16, v_head_dim=16),
+                  q_lora_rank=32, kv_lora_rank=32, qk_rope_dim=16, qk_nope_dim=16, v_head_dim=16,
+                  ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4, full_attn_interval=2,
+                  o_groups=2, o_lora_rank=16, indexer_head_dim=64),
+    # CI for the quant recipes: rows of 256 values, so K-quant and IQ4_XS blocks fit (gate/up rows
+    # are n_embd, down rows n_ff_exp); 4 layers: qwen35moe 3 linear + 1 full attention, deepseek4
+    # compress ratios 0, 0, 4, 128 (both compressor kinds) and one hash-routed layer.
+    "ci": Shape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, head_dim=64,
+                n_expert=8, n_expert_used=2, n_ff_exp=256, n_ff_dense=512,
+                q_lora_rank=64, kv_lora_rank=64, qk_rope_dim=16, qk_nope_dim=32, v_head_dim=32,
+                ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4, full_attn_interval=4,
+                o_groups=2, o_lora_rank=32, indexer_n_head=4, indexer_head_dim=64),
     # demo model: generated in well under a minute, tens of tokens/s on 2 CPU cores.
     "small": Shape(n_layer=8, n_embd=256, n_head=8, n_head_kv=2, head_dim=32,
                    n_expert=32, n_expert_used=4, n_ff_exp=128,
@@ -67,12 +102,53 @@ SHAPES: dict[str, Shape] = {
                            n_expert=128, n_expert_used=8, n_ff_exp=768, n_ctx_train=262144,
                            q_lora_rank=768, kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128,
                            v_head_dim=128),
+    # DeepSeek-V4-Flash (deepseek-ai/DeepSeek-V4-Flash config.json): 43 layers, all MoE, hidden
+    # 4096, 64 heads x 512 (one KV head), qk_rope 64, q_lora 1024, o_groups 8, o_lora 1024,
+    # 256 experts, k = 6, 1 shared expert, moe_intermediate 2048, hc_mult 4 (20 Sinkhorn
+    # iterations), 3 hash-routed layers, indexer 64 heads x 128 (top-k 512), sliding window 128,
+    # compress_ratios [0, 0] + [4, 128] * 20 + [4], 1M context. Experts MXFP4 (13.4 MB each,
+    # as in DESIGN.md).
+    "deepseek-v4-flash": Shape(n_layer=43, n_embd=4096, n_head=64, n_head_kv=1, head_dim=512,
+                               n_expert=256, n_expert_used=6, n_ff_exp=2048, n_ctx_train=1048576,
+                               n_expert_shared=1, n_layer_dense_lead=0, q_lora_rank=1024,
+                               qk_rope_dim=64, o_groups=8, o_lora_rank=1024, hc_mult=4,
+                               hc_sinkhorn_iters=20, hash_layers=3, indexer_n_head=64,
+                               indexer_head_dim=128, indexer_top_k=512, sliding_window=128),
+    # Qwen3.5-35B-A3B and Qwen3.6-35B-A3B (same text config, Qwen/Qwen3.5-35B-A3B config.json
+    # text_config): 40 layers (3 gated delta-net : 1 gated attention, full_attention_interval 4),
+    # hidden 2048, 16 heads (2 KV) x 256, partial rotary 0.25 (64 dims, mrope sections
+    # 11/11/10), 256 experts, k = 8, moe_intermediate 512, one shared expert of 512; linear
+    # attention 16 key heads, 32 value heads, head dims 128, conv kernel 4; 262k context.
+    "qwen3.5-35b-a3b": Shape(n_layer=40, n_embd=2048, n_head=16, n_head_kv=2, head_dim=256,
+                             n_expert=256, n_expert_used=8, n_ff_exp=512, n_ctx_train=262144,
+                             n_rot=64, n_ff_shexp=512, rope_sections=(11, 11, 10, 0),
+                             ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32, ssm_d_conv=4,
+                             full_attn_interval=4),
+    # GLM-4.5-Air (zai-org/GLM-4.5-Air config.json): 46 layers, the first dense
+    # (first_k_dense_replace 1, intermediate 10944), hidden 4096, 96 heads (8 KV) x 128, partial
+    # rotary 0.5, q/k/v biases, 128 experts, k = 8, 1 shared expert, moe_intermediate 1408
+    # (not a multiple of 256: the K-quant recipes fall back on ffn_down_exps, as llama.cpp does).
+    "glm-4.5-air": Shape(n_layer=46, n_embd=4096, n_head=96, n_head_kv=8, head_dim=128,
+                         n_expert=128, n_expert_used=8, n_ff_exp=1408, n_ctx_train=131072,
+                         n_expert_shared=1, n_layer_dense_lead=1, n_ff_dense=10944, n_rot=64),
+    # MiniMax-M2 (MiniMaxAI/MiniMax-M2 config.json): 62 layers, hidden 3072, 48 heads (8 KV) x 128,
+    # rotary_dim 64, q/k norms over all heads, 256 experts, k = 8, intermediate 1536, no shared
+    # expert, sigmoid scoring with routing bias; 196k context.
+    "minimax-m2": Shape(n_layer=62, n_embd=3072, n_head=48, n_head_kv=8, head_dim=128,
+                        n_expert=256, n_expert_used=8, n_ff_exp=1536, n_ctx_train=196608,
+                        n_expert_shared=0, n_rot=64),
 }
 
-ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
-QUANTS = {"f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "mxfp4": QT.MXFP4}
-# general.file_type (llama_ftype) of a file whose experts are in that quant
-FTYPES = {"f16": 1, "q8_0": 7, "q4_0": 2, "mxfp4": 38}
+# shapes of one real model belong to its architecture
+ARCH_SHAPES = {"qwen3-30b-a3b": "qwen3moe", "deepseek-v4-flash": "deepseek4",
+               "qwen3.5-35b-a3b": "qwen35moe", "glm-4.5-air": "glm4moe", "minimax-m2": "minimax-m2"}
+# archs whose llama.cpp loader takes ffn_gate_up_exps (create_tensor_gate_up_exps)
+MERGED_GATE_UP_ARCHS = ("deepseek2", "qwen35moe")
+
+ARCHS = ("qwen3moe", "deepseek2", "gpt-oss", "glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
+# quant recipe -> the main type of its routed experts (the mix is in .quants.tensor_type)
+QUANTS = {"f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "mxfp4": QT.MXFP4, "q4_k_m": QT.Q4_K,
+          "q5_k_m": QT.Q5_K, "q6_k": QT.Q6_K, "iq4_xs": QT.IQ4_XS, "ud-q4_k_xl": QT.Q4_K}
 
 # Qwen3's added tokens sit at these ids in its 151,936-entry vocabulary; the qwen2 test vocabulary
 # of llama.cpp has [PADnnn] placeholders there, which we name so the chat markers are single tokens.

@@ -1,5 +1,7 @@
 """The tensors of a synthetic model: random but valid quant blocks, the embedding and routers that
-carry the routing signal, and one tensor plan per architecture (qwen3moe, deepseek2, gpt-oss)."""
+carry the routing signal, and one tensor plan per architecture (qwen3moe, deepseek2, gpt-oss here;
+glm4moe, minimax-m2, qwen35moe and deepseek4 in :mod:`.archs`). Each matrix's type comes from the
+quant recipe (:mod:`.quants`)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from .shapes import FINE_NAMES, IDENT, MISC, NAME, NUMBER, Routing, SYNTAX, Shape, WORD
+from .quants import LAYOUTS, QUANTIZABLE, RECIPES, Recipe, fit, nbytes, random_blocks, tensor_type
+from .shapes import FINE_NAMES, IDENT, MISC, NAME, NUMBER, Routing, SYNTAX, Shape, SynthError, WORD
 
 
 # --------------------------------------------------------------------------------------------
@@ -25,16 +28,8 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-_BLOCK = {QT.Q8_0: (32, 34), QT.Q4_0: (32, 18), QT.MXFP4: (32, 17)}
-
-
-def quant_nbytes(shape: tuple[int, ...], qtype: QT) -> int:
-    """Bytes of a tensor of numpy ``shape`` (last dim contiguous) stored as ``qtype``."""
-    n = int(np.prod(shape))
-    if qtype in _BLOCK:
-        bs, bb = _BLOCK[qtype]
-        return n // bs * bb
-    return n * {QT.F32: 4, QT.F16: 2}[qtype]
+_BLOCK = {t: (lay.bs, lay.nbytes) for t, lay in LAYOUTS.items()}
+quant_nbytes = nbytes
 
 
 def random_quant_blocks(shape: tuple[int, ...], qtype: QT, std: float, rng: np.random.Generator,
@@ -44,7 +39,8 @@ def random_quant_blocks(shape: tuple[int, ...], qtype: QT, std: float, rng: np.r
     ``shape``: numpy shape (last dim a multiple of 32). Returns uint8 bytes shaped
     ``shape[:-1] + (bytes per row,)``. Quants are random bytes (taken at a random offset of
     ``pool`` when given, which is memcpy-fast for GB-sized tensors); f16 scales are
-    ``d * U(0.5, 1.5)`` with d chosen from the quant's value spread.
+    ``d * U(0.5, 1.5)`` with d chosen from the quant's value spread (K-quants, IQ4 and Q5 types:
+    :func:`.quants.random_blocks`).
     """
     bs, bb = _BLOCK[qtype]
     n_blocks = int(np.prod(shape)) // bs
@@ -72,6 +68,8 @@ def random_quant_blocks(shape: tuple[int, ...], qtype: QT, std: float, rng: np.r
         # e8m0 shared exponent; fp4 e2m1 values span +-6 (std ~3.1): 2^(e-127) * 3.1 ~ std
         e = int(round(math.log2(std / 3.1))) + 127
         blocks[:, 0] = (e + rng.integers(-1, 1, n_blocks, endpoint=True)).astype(np.uint8)
+    else:
+        random_blocks(blocks, qtype, std, rng)
     return blocks.reshape(tuple(shape[:-1]) + (shape[-1] // bs * bb,))
 
 
@@ -116,6 +114,8 @@ class _Ctx:
     classes: np.ndarray  # (n_vocab,)
     n_vocab: int
     pool: np.ndarray | None = None
+    recipe: Recipe | None = None  # None: uniform, experts qexp and the rest qmat
+    merged: bool = False          # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
     C: np.ndarray = field(default=None)  # (n_class, d) class directions
     prefs: np.ndarray = field(default=None)  # (n_layer, n_class, n_expert)
 
@@ -140,6 +140,31 @@ class _Ctx:
     # branch outputs: total over the depth ~ branch_scale of the residual
     def out_std(self, fan_in: int) -> float:
         return self.routing.branch_scale / math.sqrt(self.shape.n_layer) / math.sqrt(fan_in)
+
+    def qt(self, role: str, il: int, row: int) -> QT:
+        """Type of a matrix of ``role`` in layer ``il`` whose rows have ``row`` values."""
+        s = self.shape
+        if self.recipe is None:
+            rec = Recipe("uniform", 0, self.qexp, self.qmat)
+        else:
+            rec = self.recipe
+        lead = min(s.n_layer_dense_lead, s.n_layer - 1) if self.arch in ("deepseek2", "glm4moe") else 0
+        t = tensor_type(rec, role, il, s.n_layer, s.n_expert, max(1, s.n_head // max(1, s.n_head_kv)),
+                        (lead, s.n_layer - 1))
+        return fit(t, row)
+
+    def mat(self, name: str, shape: tuple[int, ...], std: float, role: str, il: int = -1) -> "_T":
+        """A Gaussian matrix (``name`` without ``.weight``): quantized from floats where gguf can,
+        random blocks of the same spread otherwise."""
+        qt = self.qt(role, il, shape[-1])
+        if qt in QUANTIZABLE or qt in (QT.F16, QT.F32):
+            return _T(name + ".weight", shape, qt, _gauss(self, name, shape, std, qt))
+        return _T(name + ".weight", shape, qt, _experts(self, name, shape, std, qt))
+
+    def exp(self, name: str, shape: tuple[int, ...], std: float, role: str, il: int) -> "_T":
+        """An expert tensor (routed or shared): random blocks (f16 floats for f16)."""
+        qt = self.qt(role, il, shape[-1])
+        return _T(name + ".weight", shape, qt, _experts(self, name, shape, std, qt))
 
 
 def _embedding(cx: _Ctx) -> np.ndarray:
@@ -178,49 +203,73 @@ def _ones(shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
     return lambda: np.ones(shape, dtype=np.float32)
 
 
-def _experts(cx: _Ctx, name: str, shape: tuple[int, ...], std: float) -> Callable[[], np.ndarray]:
+def _experts(cx: _Ctx, name: str, shape: tuple[int, ...], std: float, qtype: QT | None = None) -> Callable[[], np.ndarray]:
+    qtype = cx.qexp if qtype is None else qtype
+
     def make():
         rng = _rng(cx.seed, name)
-        if cx.qexp in _BLOCK:
-            return random_quant_blocks(shape, cx.qexp, std, rng, cx.pool)
+        if qtype in _BLOCK:
+            return random_quant_blocks(shape, qtype, std, rng, cx.pool)
         return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float16)
     return make
 
 
-def _routed_experts(cx: "_Ctx", p: str, E: int, F: int, d: int) -> list:
-    """The routed-expert tensors gate, down, up of one layer (prefix ``p``), in file order."""
-    return [_T(p + "ffn_gate_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_gate_exps", (E, F, d), d ** -0.5)),
-            _T(p + "ffn_down_exps.weight", (E, d, F), cx.qexp, _experts(cx, p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F))),
-            _T(p + "ffn_up_exps.weight", (E, F, d), cx.qexp, _experts(cx, p + "ffn_up_exps", (E, F, d), d ** -0.5))]
+def _routed_experts(cx: "_Ctx", p: str, E: int, F: int, d: int, il: int = -1, merged: bool = False) -> list:
+    """The routed-expert tensors of one layer (prefix ``p``) in file order: gate, down, up, or
+    with ``merged`` down and ``ffn_gate_up_exps`` (E, 2F, d): per expert F gate rows, then F up
+    rows (the layout llama.cpp's ``build_moe_ffn`` splits)."""
+    down = cx.exp(p + "ffn_down_exps", (E, d, F), 2 * cx.out_std(F), "exp_down", il)
+    if merged:
+        return [down, cx.exp(p + "ffn_gate_up_exps", (E, 2 * F, d), d ** -0.5, "exp_gate_up", il)]
+    return [cx.exp(p + "ffn_gate_exps", (E, F, d), d ** -0.5, "exp_gate", il), down,
+            cx.exp(p + "ffn_up_exps", (E, F, d), d ** -0.5, "exp_up", il)]
 
 
-def _output_tensors(cx: "_Ctx", d: int, qm) -> list:
+def _shared_experts(cx: "_Ctx", p: str, Fs: int, d: int, il: int) -> list:
+    """The shared expert of one layer (gate, down, up), FFN size ``Fs``."""
+    return [cx.exp(p + "ffn_gate_shexp", (Fs, d), d ** -0.5, "shexp_gate", il),
+            cx.exp(p + "ffn_down_shexp", (d, Fs), 2 * cx.out_std(Fs), "shexp_down", il),
+            cx.exp(p + "ffn_up_shexp", (Fs, d), d ** -0.5, "shexp_up", il)]
+
+
+def _token_embd(cx: "_Ctx") -> "_T":
+    d = cx.shape.n_embd
+    qt = cx.qt("embd", -1, d)
+    return _T("token_embd.weight", (cx.n_vocab, d), qt, lambda: float_tensor(_embedding(cx), qt))
+
+
+def _output_tensors(cx: "_Ctx", d: int, qm=None) -> list:
     """Final norm and output projection."""
     return [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
-            _T("output.weight", (cx.n_vocab, d), qm, _gauss(cx, "output", (cx.n_vocab, d), 3.0 / math.sqrt(d), qm))]
+            cx.mat("output", (cx.n_vocab, d), 3.0 / math.sqrt(d), "output")]
+
+
+def _attn_gqa(cx: _Ctx, p: str, il: int, q_rows: int | None = None) -> list[_T]:
+    """q, k, v, output of a GQA attention (``q_rows``: rows of attn_q, default n_head * head_dim)."""
+    s = cx.shape
+    d, hd = s.n_embd, s.head_dim
+    return [cx.mat(p + "attn_q", (q_rows or s.n_head * hd, d), d ** -0.5, "attn_q", il),
+            cx.mat(p + "attn_k", (s.n_head_kv * hd, d), d ** -0.5, "attn_k", il),
+            cx.mat(p + "attn_v", (s.n_head_kv * hd, d), d ** -0.5, "attn_v", il),
+            cx.mat(p + "attn_output", (d, s.n_head * hd), cx.out_std(s.n_head * hd), "attn_o", il)]
 
 
 def _plan_qwen3moe(cx: _Ctx) -> list[_T]:
     s = cx.shape
     d, hd, E, F = s.n_embd, s.head_dim, s.n_expert, s.n_ff_exp
-    qm = cx.qmat
-    ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
+    ts = [_token_embd(cx)]
     for il in range(s.n_layer):
         p = f"blk.{il}."
         ts += [
             _T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))),
-            _T(p + "attn_q.weight", (s.n_head * hd, d), qm, _gauss(cx, p + "attn_q", (s.n_head * hd, d), d ** -0.5, qm)),
-            _T(p + "attn_k.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_k", (s.n_head_kv * hd, d), d ** -0.5, qm)),
-            _T(p + "attn_v.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_v", (s.n_head_kv * hd, d), d ** -0.5, qm)),
-            _T(p + "attn_output.weight", (d, s.n_head * hd), qm,
-               _gauss(cx, p + "attn_output", (d, s.n_head * hd), cx.out_std(s.n_head * hd), qm)),
+            *_attn_gqa(cx, p, il),
             _T(p + "attn_q_norm.weight", (hd,), QT.F32, _ones((hd,))),
             _T(p + "attn_k_norm.weight", (hd,), QT.F32, _ones((hd,))),
             _T(p + "ffn_norm.weight", (d,), QT.F32, _ones((d,))),
             _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
-            *_routed_experts(cx, p, E, F, d),
+            *_routed_experts(cx, p, E, F, d, il),
         ]
-    ts += _output_tensors(cx, d, qm)
+    ts += _output_tensors(cx, d)
     return ts
 
 
@@ -252,11 +301,6 @@ def _kv_qwen3moe(w: gguf.GGUFWriter, cx: _Ctx) -> None:
     _kv_experts(w, cx)
 
 
-def _mat(qm: QT, shape: tuple[int, ...]) -> QT:
-    # block quants need rows that are a multiple of 32 values; small MLA heads fall back to f16
-    return qm if qm == QT.F16 or shape[-1] % 32 == 0 else QT.F16
-
-
 def _plan_deepseek2(cx: _Ctx) -> list[_T]:
     """DeepSeek-V3-style layout: MLA attention (q/kv LoRA, split k_b/v_b), first
     ``n_layer_dense_lead`` layers dense, then routed experts + shared expert + selection bias
@@ -265,43 +309,41 @@ def _plan_deepseek2(cx: _Ctx) -> list[_T]:
     d, E, F, S = s.n_embd, s.n_expert, s.n_ff_exp, s.n_expert_shared
     H, nope, rope, vh, kvr, qr = s.n_head, s.qk_nope_dim, s.qk_rope_dim, s.v_head_dim, s.kv_lora_rank, s.q_lora_rank
     n_ff = s.n_ff_dense or 4 * F
-    qm = cx.qmat
 
-    def mat(name: str, shape: tuple[int, ...], std: float) -> _T:
-        qt = _mat(qm, shape)
-        return _T(name + ".weight", shape, qt, _gauss(cx, name, shape, std, qt))
-
-    ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
+    ts = [_token_embd(cx)]
     for il in range(s.n_layer):
         p = f"blk.{il}."
         ts.append(_T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))))
         if qr > 0:
             ts += [_T(p + "attn_q_a_norm.weight", (qr,), QT.F32, _ones((qr,))),
-                   mat(p + "attn_q_a", (qr, d), d ** -0.5),
-                   mat(p + "attn_q_b", (H * (nope + rope), qr), qr ** -0.5)]
+                   cx.mat(p + "attn_q_a", (qr, d), d ** -0.5, "attn", il),
+                   cx.mat(p + "attn_q_b", (H * (nope + rope), qr), qr ** -0.5, "attn_q", il)]
         else:
-            ts.append(mat(p + "attn_q", (H * (nope + rope), d), d ** -0.5))
+            ts.append(cx.mat(p + "attn_q", (H * (nope + rope), d), d ** -0.5, "attn_q", il))
         ts += [_T(p + "attn_kv_a_norm.weight", (kvr,), QT.F32, _ones((kvr,))),
-               mat(p + "attn_kv_a_mqa", (kvr + rope, d), d ** -0.5),
-               mat(p + "attn_k_b", (H, kvr, nope), nope ** -0.5),
-               mat(p + "attn_v_b", (H, vh, kvr), kvr ** -0.5),
-               mat(p + "attn_output", (d, H * vh), cx.out_std(H * vh)),
+               cx.mat(p + "attn_kv_a_mqa", (kvr + rope, d), d ** -0.5, "attn", il),
+               cx.mat(p + "attn_k_b", (H, kvr, nope), nope ** -0.5, "attn_k", il),
+               cx.mat(p + "attn_v_b", (H, vh, kvr), kvr ** -0.5, "attn_v", il),
+               cx.mat(p + "attn_output", (d, H * vh), cx.out_std(H * vh), "attn_o", il),
                _T(p + "ffn_norm.weight", (d,), QT.F32, _ones((d,)))]
         if il < _n_dense(s):
-            ts += [mat(p + "ffn_gate", (n_ff, d), d ** -0.5),
-                   mat(p + "ffn_down", (d, n_ff), 2 * cx.out_std(n_ff)),
-                   mat(p + "ffn_up", (n_ff, d), d ** -0.5)]
+            ts += _dense_ffn(cx, p, n_ff, il)
             continue
         ts += [
             _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
             _T(p + "exp_probs_b.bias", (E,), QT.F32, (lambda il=il: _probs_bias(cx, il))),
-            *_routed_experts(cx, p, E, F, d),
-            _T(p + "ffn_gate_shexp.weight", (F * S, d), cx.qexp, _experts(cx, p + "ffn_gate_shexp", (F * S, d), d ** -0.5)),
-            _T(p + "ffn_down_shexp.weight", (d, F * S), cx.qexp, _experts(cx, p + "ffn_down_shexp", (d, F * S), 2 * cx.out_std(F * S))),
-            _T(p + "ffn_up_shexp.weight", (F * S, d), cx.qexp, _experts(cx, p + "ffn_up_shexp", (F * S, d), d ** -0.5)),
+            *_routed_experts(cx, p, E, F, d, il, cx.merged),
+            *_shared_experts(cx, p, F * S, d, il),
         ]
-    ts += _output_tensors(cx, d, qm)
+    ts += _output_tensors(cx, d)
     return ts
+
+
+def _dense_ffn(cx: _Ctx, p: str, n_ff: int, il: int) -> list[_T]:
+    d = cx.shape.n_embd
+    return [cx.mat(p + "ffn_gate", (n_ff, d), d ** -0.5, "ffn_gate", il),
+            cx.mat(p + "ffn_down", (d, n_ff), 2 * cx.out_std(n_ff), "ffn_down", il),
+            cx.mat(p + "ffn_up", (n_ff, d), d ** -0.5, "ffn_up", il)]
 
 
 def _n_dense(s: Shape) -> int:
@@ -342,26 +384,21 @@ def _plan_gpt_oss(cx: _Ctx) -> list[_T]:
     MXFP4 experts with per-expert biases (SwiGLU-OAI)."""
     s = cx.shape
     d, hd, E, F = s.n_embd, s.head_dim, s.n_expert, s.n_ff_exp
-    qm = cx.qmat
 
     def bias(name: str, shape: tuple[int, ...], std: float) -> _T:
         return _T(name + ".bias", shape, QT.F32, _gauss(cx, name + ".bias", shape, std, QT.F32))
 
-    ts = [_T("token_embd.weight", (cx.n_vocab, d), qm, lambda: float_tensor(_embedding(cx), qm))]
+    ts = [_token_embd(cx)]
     for il in range(s.n_layer):
         p = f"blk.{il}."
-        gate_e, down_e, up_e = _routed_experts(cx, p, E, F, d)
+        gate_e, down_e, up_e = _routed_experts(cx, p, E, F, d, il)
+        q, k, v, o = _attn_gqa(cx, p, il)
         ts += [
             _T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))),
-            _T(p + "attn_q.weight", (s.n_head * hd, d), qm, _gauss(cx, p + "attn_q", (s.n_head * hd, d), d ** -0.5, qm)),
-            bias(p + "attn_q", (s.n_head * hd,), 0.02),
-            _T(p + "attn_k.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_k", (s.n_head_kv * hd, d), d ** -0.5, qm)),
-            bias(p + "attn_k", (s.n_head_kv * hd,), 0.02),
-            _T(p + "attn_v.weight", (s.n_head_kv * hd, d), qm, _gauss(cx, p + "attn_v", (s.n_head_kv * hd, d), d ** -0.5, qm)),
-            bias(p + "attn_v", (s.n_head_kv * hd,), 0.02),
-            _T(p + "attn_output.weight", (d, s.n_head * hd), qm,
-               _gauss(cx, p + "attn_output", (d, s.n_head * hd), cx.out_std(s.n_head * hd), qm)),
-            bias(p + "attn_output", (d,), 0.002),
+            q, bias(p + "attn_q", (s.n_head * hd,), 0.02),
+            k, bias(p + "attn_k", (s.n_head_kv * hd,), 0.02),
+            v, bias(p + "attn_v", (s.n_head_kv * hd,), 0.02),
+            o, bias(p + "attn_output", (d,), 0.002),
             _T(p + "attn_sinks.weight", (s.n_head,), QT.F32, _gauss(cx, p + "attn_sinks", (s.n_head,), 1.0, QT.F32)),
             _T(p + "post_attention_norm.weight", (d,), QT.F32, _ones((d,))),
             _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
@@ -373,7 +410,7 @@ def _plan_gpt_oss(cx: _Ctx) -> list[_T]:
             up_e,
             bias(p + "ffn_up_exps", (E, F), 0.02),
         ]
-    ts += _output_tensors(cx, d, qm)
+    ts += _output_tensors(cx, d)
     return ts
 
 

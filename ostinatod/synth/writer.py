@@ -42,10 +42,12 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from .shapes import (FTYPES, QUANTS, Routing, SHAPES, SYNTH_FORMAT, SynthError, TOKEN_ENDOFTEXT,
-                     TOKEN_IM_END)
+from .quants import RECIPES
+from .shapes import (ARCH_SHAPES, MERGED_GATE_UP_ARCHS, QUANTS, Routing, SHAPES, SYNTH_FORMAT, SynthError,
+                     TOKEN_ENDOFTEXT, TOKEN_IM_END)
 from .vocab import load_tokenizer, named_tokens
-from .tensors import _BLOCK, _Ctx, _PLANS, _rng, quant_nbytes
+from .archs import PLANS as _PLANS
+from .tensors import _BLOCK, _Ctx, _rng, quant_nbytes
 
 
 def chat_template() -> str:
@@ -56,13 +58,17 @@ def chat_template() -> str:
 def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: str = "tiny",
                         n_layer: int | None = None, quant: str = "q8_0", seed: int = 0,
                         routing: Routing | None = None, vocab: Path | None = None,
-                        progress: bool = False) -> Path:
+                        progress: bool = False, merged_gate_up: bool = False) -> Path:
     """Write a synthetic MoE GGUF and return its path.
 
     ``arch``: one of :data:`ARCHS`; ``shape``: a key of :data:`SHAPES`; ``n_layer`` cuts (or
-    extends) the depth; ``quant``: type of the routed (and shared) experts, "f16" | "q8_0" |
-    "q4_0" | "mxfp4" (gpt-oss turns the default q8_0 into mxfp4) (attention, embedding and output are q8_0, f16 when quant="f16"; norms and routers
-    f32); ``seed``: all weights are a deterministic function of it. The file is written to
+    extends) the depth; ``quant``: a recipe of :data:`.quants.RECIPES`: "f16" | "q8_0" | "q4_0" |
+    "mxfp4" set the type of the routed and shared experts (attention, embedding and output q8_0, f16
+    when quant="f16"; gpt-oss turns the default q8_0 into mxfp4); "q4_k_m" | "q5_k_m" | "q6_k" |
+    "iq4_xs" | "ud-q4_k_xl" mix types per tensor and layer like the published files (norms and
+    routers f32 always); ``merged_gate_up``: one ``ffn_gate_up_exps`` tensor per layer instead of
+    gate and up (archs in :data:`MERGED_GATE_UP_ARCHS`); ``seed``: all weights are a
+    deterministic function of it. The file is written to
     ``path + '.part'`` and renamed at the end, so a reader never sees half a model.
 
     Raises SynthError for unknown arch/shape/quant or a missing vocabulary.
@@ -75,6 +81,11 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
         raise SynthError(f"unknown quant {quant!r} (have: {', '.join(QUANTS)})")
     if arch == "gpt-oss" and quant == "q8_0":
         quant = "mxfp4"  # gpt-oss ships its experts in MXFP4; q8_0 is the other archs' default
+    if shape in ARCH_SHAPES and ARCH_SHAPES[shape] != arch:
+        raise SynthError(f"shape {shape!r} is a {ARCH_SHAPES[shape]} shape, not {arch}")
+    if merged_gate_up and arch not in MERGED_GATE_UP_ARCHS:
+        raise SynthError(f"--merged-gate-up: llama.cpp reads ffn_gate_up_exps only for "
+                         f"{', '.join(MERGED_GATE_UP_ARCHS)}, not {arch}")
     shp = SHAPES[shape] if n_layer is None else replace(SHAPES[shape], n_layer=int(n_layer))
     if shp.n_layer < 1:
         raise SynthError("n_layer must be >= 1")
@@ -84,26 +95,27 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     tok = load_tokenizer(vocab)
     tokens, types = named_tokens(tok)
     cx = _Ctx(arch=arch, shape=shp, routing=routing, seed=seed, qexp=QUANTS[quant],
-              qmat=QT.F16 if quant == "f16" else QT.Q8_0,
+              qmat=QT.F16 if quant == "f16" else QT.Q8_0, recipe=RECIPES[quant], merged=merged_gate_up,
               classes=np.asarray(tok["classes"], dtype=np.int8), n_vocab=len(tokens))
     plan_fn, kv_fn = _PLANS[arch]
     plan = plan_fn(cx)
-    biggest = max((quant_nbytes(t.shape, t.qtype) for t in plan if t.qtype == cx.qexp and "exps" in t.name),
+    biggest = max((quant_nbytes(t.shape, t.qtype) for t in plan if t.qtype in _BLOCK and "exps" in t.name),
                   default=0)
-    if biggest > (64 << 20) and cx.qexp in _BLOCK:
+    if biggest > (64 << 20):
         # big experts: draw random bytes once, cut each tensor from it (memcpy speed)
         cx.pool = _rng(seed, "pool").integers(0, 256, size=biggest + (1 << 20), dtype=np.uint8)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
     w = gguf.GGUFWriter(part, arch)
-    name = f"ostinato-demo {arch} {shape}{'' if n_layer is None else f' {shp.n_layer}L'} {quant} (random weights)"
+    tag = f"{'' if n_layer is None else f' {shp.n_layer}L'}{' merged-gate-up' if merged_gate_up else ''}"
+    name = f"ostinato-demo {arch} {shape}{tag} {quant} (random weights)"
     w.add_name(name)
     w.add_type("model")
     w.add_description("Synthetic MoE model written by 'ostinato synth': random weights, real "
                       "architecture and tokenizer, content-dependent skewed routing. Its text is "
                       "meaningless; use it for tests and benchmarks only.")
-    w.add_file_type(FTYPES[quant])
+    w.add_file_type(RECIPES[quant].ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     kv_fn(w, cx)
     w.add_tokenizer_model(tok["model"])
@@ -121,6 +133,8 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     w.add_string("ostinato.synth.shape", shape)
     w.add_uint32("ostinato.synth.seed", seed)
     w.add_string("ostinato.synth.quant", quant)
+    if merged_gate_up:
+        w.add_bool("ostinato.synth.merged_gate_up", True)
     w.add_string("ostinato.synth.routing", json.dumps(asdict(routing), sort_keys=True))
 
     for t in plan:
@@ -129,8 +143,8 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
             bshape = t.shape[:-1] + (t.shape[-1] // _BLOCK[t.qtype][0] * _BLOCK[t.qtype][1],)
             w.add_tensor_info(t.name, bshape, np.dtype(np.uint8), nb, raw_dtype=t.qtype)
         else:
-            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32 if t.qtype == QT.F32 else np.float16),
-                              nb, raw_dtype=t.qtype)
+            dt = {QT.F32: np.float32, QT.F16: np.float16, QT.I32: np.int32}[t.qtype]
+            w.add_tensor_info(t.name, t.shape, np.dtype(dt), nb, raw_dtype=t.qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -150,13 +164,15 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
 
 
 def synthetic_model(directory: str | os.PathLike, arch: str = "qwen3moe", shape: str = "tiny",
-                    n_layer: int | None = None, quant: str = "q8_0", seed: int = 0) -> Path:
+                    n_layer: int | None = None, quant: str = "q8_0", seed: int = 0,
+                    merged_gate_up: bool = False) -> Path:
     """A cached synthetic model: ``<directory>/ostinato-<arch>-<shape>[-<n>L]-<quant>-s<seed>.gguf``,
     written by :func:`write_synthetic_moe` if missing (the name carries the writer's format
     version, so a format change writes a new file). For test fixtures and the demo model."""
-    tag = f"-{n_layer}L" if n_layer is not None else ""
+    tag = (f"-{n_layer}L" if n_layer is not None else "") + ("-gu" if merged_gate_up else "")
     version = SYNTH_FORMAT.rsplit("/", 1)[-1]
     p = Path(directory) / f"ostinato-{arch}-{shape}{tag}-{quant}-s{seed}-v{version}.gguf"
     if not p.is_file():
-        write_synthetic_moe(p, arch=arch, shape=shape, n_layer=n_layer, quant=quant, seed=seed)
+        write_synthetic_moe(p, arch=arch, shape=shape, n_layer=n_layer, quant=quant, seed=seed,
+                            merged_gate_up=merged_gate_up)
     return p

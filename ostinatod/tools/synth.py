@@ -10,7 +10,7 @@ import time
 
 
 from ..synth.shapes import QUANTS, SHAPES, SynthError
-from ..synth.tensors import _PLANS
+from ..synth.archs import PLANS as _PLANS
 from ..synth.writer import write_synthetic_moe
 from ..synth.routing import routing_report
 
@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="qwen3moe", choices=sorted(_PLANS))
     ap.add_argument("--shape", default="tiny", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=None, help="number of layers (default: the shape's)")
-    ap.add_argument("--quant", default="q8_0", choices=list(QUANTS), help="expert weight type")
+    ap.add_argument("--quant", default="q8_0", choices=list(QUANTS), help="quant recipe: f16, q8_0, q4_0, "
+                    "mxfp4 set the experts' type; q4_k_m, q5_k_m, q6_k, iq4_xs, ud-q4_k_xl mix types per "
+                    "tensor and layer like the published files (docs/synthetic-models.md)")
+    ap.add_argument("--merged-gate-up", action="store_true", help="write ffn_gate_up_exps (one merged "
+                    "tensor) instead of ffn_gate_exps + ffn_up_exps (deepseek2, qwen35moe)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-o", "--output", help="output .gguf path")
     ap.add_argument("--report", metavar="MODEL.gguf", help="instead of writing: print the routing "
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         p = write_synthetic_moe(args.output, arch=args.arch, shape=args.shape, n_layer=args.layers,
-                                quant=args.quant, seed=args.seed, progress=True)
+                                quant=args.quant, seed=args.seed, progress=True,
+                                merged_gate_up=args.merged_gate_up)
     except SynthError as e:
         print(f"ostinato synth: {e}", file=sys.stderr)
         return 2
