@@ -380,6 +380,47 @@ def test_merged_gate_up_layers_take_the_expert_engine(tmp_path):
         r.close()
 
 
+NEW_ARCHS = ("glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_newer_architectures_through_the_engine(arch):
+    """Issue 13 item 2 on the CPU: each newer architecture's tiny file (synthetic, q8_0 experts) with
+    half of every MoE layer's experts hot gives stock's greedy tokens on the split path, the upload
+    path and the decode graph, and the pool holds its hot experts (not the stock fallback)."""
+    from ostinatod.residency.gguf_header import read_header
+    from ostinatod.synth.writer import synthetic_model
+
+    from conftest import CACHE
+    drop_ost()
+    path = synthetic_model(CACHE, arch=arch, shape="tiny")
+    m = model_block(path)
+    layers = sorted({int(t.name.split(".")[1]) for t in read_header(path).tensors
+                     if t.name.endswith("ffn_down_exps.weight")})
+    hot = half_hot((path, m, layers), seed=7)
+    ref = Runner(path)
+    try:
+        ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), N_NEW)
+    finally:
+        ref.close()
+    r = Runner(path, hot=hot, prefill_threshold=512)
+    try:
+        info = native.experts_json("ostinato_experts_info")
+        assert info["hot_experts"] == sum(len(v) for v in hot.values()), info["notes"]
+        for np_tokens, graph in ((512, None), (8, None), (512, True)):
+            native.set_prefill_threshold(np_tokens)
+            native.set_decode_graph(graph)
+            native.llama_fn("ostinato_experts_reset_stats")()
+            toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
+            st = _stats()
+            assert toks == ref_toks, (arch, np_tokens, graph)
+            assert 0 < st["hot_routes"] < st["routes"], st   # both branches did work
+    finally:
+        native.set_decode_graph(None)
+        native.set_prefill_threshold(512)
+        r.close()
+
+
 def test_all_cold_and_all_hot_match_stock(moe, stock):
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]

@@ -36,9 +36,10 @@ from ..residency.sets import ResidencySet, model_block, read_residency
 
 log = logging.getLogger("ostinatod.experts")
 
-# Architectures whose MoE layers the engine splits (separate up/gate/down expert tensors; expert
-# biases, as in gpt-oss, get per-slot bias rows in the pool).
-SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
+# Architectures whose MoE layers the engine splits (up/gate/down or merged gate_up expert tensors;
+# expert biases, as in gpt-oss, get per-slot bias rows in the pool). Each is exact against stock on
+# the CPU (tests/test_exactness.py); the four added by issue 13 have not run on the GPU yet.
+SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss", "glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
 
 def _default_np(settings: Any) -> int:
     try:
