@@ -585,6 +585,14 @@ def test_two_pools_match_stock(moe, stock):
             assert 0 < st["hot_routes"] < st["routes"]
             assert (st["upload_bytes"] > 0) == (np_tokens == 8)
             assert [p["hot_experts"] for p in st["pools"]] == [p["hot_experts"] for p in info["pools"]]
+            # per-GPU figures (issue 14 item 2): the pools' routes add up, each has its own share
+            assert sum(p["routes"] for p in st["pools"]) == st["routes"]
+            assert sum(p["hot_routes"] for p in st["pools"]) == st["hot_routes"]
+            assert all(0 <= p["hot_route_share"] <= 1 for p in st["pools"])
+        from ostinatod.control.snapshots import pool_lines
+        lines = pool_lines(st["pools"])
+        n = len(st["pools"])
+        assert len(lines) == (n if n > 1 else 0) and all("hot routes" in ln for ln in lines)
     finally:
         native.set_prefill_threshold(512)
         _switch(half_hot(moe))

@@ -96,6 +96,7 @@ struct pool_t {
     ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
     ggml_tensor * scratch = nullptr;           // I32 [4, n_layer]: the route kernel's counters
     int64_t bytes = 0, n_hot = 0;
+    int64_t routes = 0, hot_routes = 0;        // cumulative routes of this pool's layers (stats)
     int n_classes = 0;
     std::vector<int> layers;                   // MoE layers assigned to this pool's device
 };

@@ -562,7 +562,9 @@ const char * ostinato_experts_stats(int with_counts) {
     j["active"] = true;
     json pools = json::array();   // per device: pool bytes and hot experts
     for (auto & p : g_eng->pools) {
-        pools.push_back(json{{"gpu", p.gpu}, {"device", p.name}, {"bytes", p.bytes}, {"hot_experts", p.n_hot}});
+        pools.push_back(json{{"gpu", p.gpu}, {"device", p.name}, {"bytes", p.bytes}, {"hot_experts", p.n_hot},
+                             {"routes", p.routes}, {"hot_routes", p.hot_routes},
+                             {"hot_route_share", p.routes ? double(p.hot_routes) / double(p.routes) : 0.0}});
     }
     j["pools"] = pools;
     json last = json::array();
@@ -587,6 +589,7 @@ void ostinato_experts_reset_stats(void) {
     totals_init(g_eng->total, n);
     totals_init(g_eng->request, n);
     g_eng->last.clear();
+    for (auto & p : g_eng->pools) p.routes = p.hot_routes = 0;
 }
 
 }  // extern "C"

@@ -53,8 +53,11 @@ int32_t count_route(engine_t * e, int il, int32_t x, bool decode) {
     (decode ? e->request.counts_decode : e->request.counts_prefill)[idx]++;
     e->cur.routes++;
     const int32_t s = e->slot[il][x];
+    pool_t * pool = e->layer_pool[il] >= 0 ? &e->pools[e->layer_pool[il]] : nullptr;
+    if (pool) pool->routes++;
     if (s >= 0) {
         e->cur.hot++;
+        if (pool) pool->hot_routes++;
         if (!e->hot[il][x]) e->cur.borrowed++;
     } else {
         e->cur.cold++;

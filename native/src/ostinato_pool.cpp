@@ -427,6 +427,10 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         e->total = g_eng->total;
         e->request = g_eng->request;
         e->last = g_eng->last;
+        for (size_t i = 0; i < e->pools.size() && i < g_eng->pools.size(); ++i) {
+            e->pools[i].routes = g_eng->pools[i].routes;
+            e->pools[i].hot_routes = g_eng->pools[i].hot_routes;
+        }
     }
     e->cold_seen.assign(nle, 0);
     e->cpu_use.assign(nle, 0.0f);

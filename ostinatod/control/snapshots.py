@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Optional
 
 import psutil
 
@@ -53,6 +53,21 @@ def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
         "hot_experts": ex.get("hot_experts"), "pool_bytes": ex.get("pool_bytes"),
         "pools": ex.get("pools"), "switches": ex.get("switches"), "auto_switch": ex.get("auto_switch"),
     }
+
+
+def pool_lines(pools: Optional[list[dict[str, Any]]]) -> list[str]:
+    """One line per expert pool (GPU) from :func:`expert_view`'s ``pools``: ``GPU 1 (CUDA1): 3.4 GiB,
+    1,382 hot experts, 95.1% hot routes``; [] for one pool or none (the totals say it all)."""
+    if not pools or len(pools) < 2:
+        return []
+    out = []
+    for p in pools:
+        share = p.get("hot_route_share")
+        routes = p.get("routes")
+        out.append(f"GPU {p.get('gpu')} ({p.get('device')}): {(p.get('bytes') or 0) / (1 << 30):.1f} GiB, "
+                   f"{p.get('hot_experts') or 0:,} hot experts, "
+                   + (f"{share:.1%} hot routes" if routes else "no routes yet"))
+    return out
 
 
 async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:

@@ -114,7 +114,10 @@ class Worker:
                 out["experts"] = self.rt.stats()
             except Exception as e:
                 out["experts"] = {"error": str(e)}
-            out["experts"].update(self.residency_state())
+            res = self.residency_state()
+            if out["experts"].get("pools"):   # the live per-pool figures (with their hot-route share)
+                res.pop("pools", None)
+            out["experts"].update(res)
         return out
 
     def residency_state(self) -> dict[str, Any]:

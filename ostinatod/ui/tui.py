@@ -32,6 +32,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Header, Input, Label, Sparkline, Static
 
 from ..control.client import ControlAPIError, ControlClient, DaemonNotRunning
+from ..control.snapshots import pool_lines
 
 GIB = 1 << 30
 
@@ -113,6 +114,8 @@ def status_text(snap: dict[str, Any]) -> Text:
     st.append((f"  ({src})" if src else "") + "\n", style="dim")
     st.append("residency ", style="bold")
     st.append(residency_line(ex, m.get("experts_mode")) + "\n")
+    for line in pool_lines(ex.get("pools")):   # several GPUs: one line per pool
+        st.append("          " + line + "\n", style="dim")
     sw = snap.get("last_residency_switch")
     if sw:
         st.append("          " + switch_line(sw) + "\n", style="yellow" if sw.get("reason") == "auto" else "dim")
