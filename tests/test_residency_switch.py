@@ -409,3 +409,30 @@ def test_switch_behind_an_endless_generation_is_refused_and_serving_resumes(tiny
         finally:
             await eng.stop()
     asyncio.run(go())
+
+
+def test_daemon_serves_through_the_decode_graph(tiny_model, tmp_path):
+    """The live daemon with `decode_graph = true` on a CPU build (the GPU's default, forced here so
+    the worker's slots, batching and swaps run through the route/join ops and the CPU-branch pool):
+    two clients at once get answers, every decode pass of the engine took the decode graph, and a
+    swap to another set keeps serving through it."""
+    import concurrent.futures as cf
+    home = Path(tempfile.mkdtemp(prefix="ost-dg-", dir="/tmp"))
+    d = launch_daemon(home, "--model", str(tiny_model), *FLAGS, "--replan-idle-s", "0",
+                      "--decode-graph")
+    try:
+        chat(d, CODE, "coding")
+        ctl(d, "POST", "/residency/plan", {"workload": "coding"})
+        ctl(d, "POST", "/residency/switch", {"workload": "coding"})
+        with cf.ThreadPoolExecutor(2) as ex:
+            outs = list(ex.map(lambda t: chat(d, t, "coding", max_tokens=8), (CODE, PROSE)))
+        assert all(o["choices"][0]["message"] is not None for o in outs)
+        snap = ctl(d, "GET", "/metrics")   # the control API's snapshot, raw engine stats included
+        ex_stats = (snap.get("engine") or {}).get("experts") or {}
+        passes = ex_stats.get("last_passes") or []
+        decode = [p for p in passes if p.get("path") == "decode"]
+        assert decode and all(p.get("decode_graph") for p in decode), passes
+        assert residency(d)["workload"] == "coding"
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
