@@ -97,7 +97,12 @@ class Daemon:
 
         st = self.state
         st.phase = "starting"
-        runner = await start_http(st)
+        try:
+            runner = await start_http(st)
+        except OSError as e:  # port in use, address not resolvable or not ours: one clear line
+            log.error("cannot listen on %s:%s: %s", self.settings.host, self.settings.port,
+                      e.strerror or e)
+            return 1
         self._runners.append(runner)
         from .control.server import start_control_server
         try:

@@ -28,8 +28,17 @@ class Settings(BaseSettings):
                       "agent runs in a container (OpenHands): then e.g. 0.0.0.0 together with api_key.")
     port: int = Field(8385, ge=0, le=65535, description="TCP port of the HTTP API (0 picks a free one).")
     api_key: Optional[str] = Field(None, description="If set, every /v1 request must carry it as "
-                                   "'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
-    cors: bool = Field(False, description="Answer CORS preflight requests (browser clients).")
+                                   "'Authorization: Bearer KEY' or 'x-api-key: KEY'. Give it in the "
+                                   "environment (OSTINATO_API_KEY), settings.toml or api_key_file, "
+                                   "never on the command line (other users can read process arguments).")
+    api_key_file: Optional[Path] = Field(None, description="File holding the API key (first line); "
+                                         "it must not be readable by group or others (chmod 600).")
+    cors: bool = Field(False, description="Answer CORS preflight requests and accept any Origin "
+                       "header (browser clients; combine with api_key).")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host names accepted in the "
+                                     "Host and Origin headers besides IP addresses, loopback names, "
+                                     "host.docker.internal and the bound address ('*' accepts any). "
+                                     "Other names get 403: this blocks DNS rebinding.")
 
     # --- model ----------------------------------------------------------------------------
     model: Optional[Path] = Field(None, description="GGUF file to serve. Unset: a generated demo MoE "
@@ -123,8 +132,13 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, _TomlSource(settings_cls))
 
 
+class SettingsError(ValueError):
+    """Settings that cannot be used; the message is one line naming the file, key or cause."""
+
+
 class _TomlSource(PydanticBaseSettingsSource):
-    """Reads ``settings.toml`` from the config dir (missing file: no values)."""
+    """Reads ``settings.toml`` from the config dir (missing file: no values). A syntax error or an
+    unknown key (a typo such as ``apikey``) raises SettingsError naming it."""
 
     def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
         return None, field_name, False
@@ -133,20 +147,58 @@ class _TomlSource(PydanticBaseSettingsSource):
         path = get_paths().settings_file
         if not path.exists():
             return {}
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        return {k: v for k, v in data.items() if k in self.settings_cls.model_fields}
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"{path}: not valid TOML: {e}") from None
+        except OSError as e:
+            raise SettingsError(f"{path}: cannot be read: {e.strerror or e}") from None
+        unknown = [k for k in data if k not in self.settings_cls.model_fields]
+        if unknown:
+            import difflib
+
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, list(self.settings_cls.model_fields), n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise SettingsError(f"{path}: unknown setting{'s' if len(unknown) > 1 else ''} "
+                                f"{', '.join(hints)}")
+        return data
+
+
+def read_api_key_file(path: Path) -> str:
+    """The API key in ``path`` (first line). Raises SettingsError when the file is missing, empty
+    or readable by group or others (it must be chmod 600)."""
+    p = Path(path).expanduser()
+    try:
+        mode = p.stat().st_mode
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeError) as e:
+        raise SettingsError(f"api_key_file {p}: cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if mode & 0o077:
+        raise SettingsError(f"api_key_file {p}: readable by others (mode {mode & 0o777:o}); chmod 600 it")
+    key = (text.splitlines() or [""])[0].strip()
+    if not key:
+        raise SettingsError(f"api_key_file {p}: empty")
+    return key
 
 
 def load_settings(**overrides: Any) -> Settings:
-    """Build the settings from overrides > env > file > defaults. Unknown keys raise ValidationError."""
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    """Build the settings from overrides > env > file > defaults. Invalid values raise
+    ValidationError; an unreadable or unknown-keyed settings.toml or a bad api_key_file raise
+    SettingsError. ``api_key_file`` fills ``api_key`` when no key is given otherwise."""
+    s = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    if s.api_key_file is not None and not s.api_key:
+        s = s.model_copy(update={"api_key": read_api_key_file(s.api_key_file)})
+    return s
 
 
 def settings_markdown() -> str:
     """Markdown table of all settings (docs/settings.md is generated from this)."""
     rows = ["| setting | env | default | description |", "|---|---|---|---|"]
     for name, f in Settings.model_fields.items():
-        default = f.default if f.default is not None else "(unset)"
+        default = f.get_default(call_default_factory=True)
+        default = default if default is not None else "(unset)"
         rows.append(f"| `{name}` | `OSTINATO_{name.upper()}` | `{default}` | {f.description} |")
     return "\n".join(rows) + "\n"

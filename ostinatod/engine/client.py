@@ -262,7 +262,11 @@ class SubprocessEngine:
         if proc is None or proc.stdin is None or proc.returncode is not None:
             return False
         try:
-            proc.stdin.write(P.encode(msg).encode())
+            data = P.encode(msg).encode()
+        except (TypeError, ValueError, RecursionError) as e:  # never half a line on the pipe
+            raise EngineError("invalid_request", f"request cannot be sent to the engine: {e}", 400) from None
+        try:
+            proc.stdin.write(data)
             await proc.stdin.drain()
             return True
         except (BrokenPipeError, ConnectionResetError, RuntimeError):

@@ -278,9 +278,13 @@ class Worker:
         except EngineError as e:
             self._fail(t, e.code, e.message, e.status)
             return
-        except Exception as e:  # a bug must not take down the loop
-            log.exception("request %s: preparation failed", req.id)
-            self._fail(t, "internal_error", f"request preparation failed: {e}", 500)
+        except Exception as e:  # noqa: BLE001 - never takes down the loop
+            # the HTTP layer has validated the request's shape; what still fails here is content
+            # the template or tokenizer cannot take (a message of an unforeseen shape): the
+            # client's request, answered 400 (traceback at DEBUG for the rare daemon bug)
+            log.warning("request %s: cannot be prepared: %r", req.id, e)
+            log.debug("request %s: preparation traceback", req.id, exc_info=True)
+            self._fail(t, "invalid_request", f"request cannot be prepared: {e}", 400)
             return
         self._waiting.append(t)
 

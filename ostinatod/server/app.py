@@ -12,8 +12,10 @@ import logging
 from typing import Awaitable, Callable
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from . import anthropic_api, openai_api, responses_api
+from .common import INPUT_PHASE
 from .errors import ApiError, error_response
 from .metrics import CONTENT_TYPE
 from .state import DaemonState
@@ -31,15 +33,86 @@ def _key_of(request: web.Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+def _key_ok(got: str, key: str) -> bool:
+    """Constant-time comparison; a header that is not UTF-8 is simply a wrong key."""
+    try:
+        return hmac.compare_digest(got.encode("utf-8"), key.encode("utf-8"))
+    except UnicodeError:
+        return False
+
+
+# Host names always accepted: loopback names, and Docker's name of the host (OpenHands in a
+# container; no public DNS name, so no web page can rebind it). IP literals are accepted too:
+# DNS rebinding needs a domain name.
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "ip6-localhost", "host.docker.internal")
+
+
+def _is_ip(name: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _hostname(value: str) -> str:
+    """The host name of a Host header or an Origin (scheme, port and brackets removed, lower case)."""
+    v = value.strip().lower()
+    if "://" in v:
+        v = v.split("://", 1)[1]
+    v = v.split("/", 1)[0]
+    if v.startswith("["):
+        return v[1:].split("]", 1)[0]
+    return v.rsplit(":", 1)[0] if v.count(":") == 1 else v
+
+
+def _allowed_names(state: DaemonState) -> set[str]:
+    names = set(LOOPBACK_NAMES) | {h.lower() for h in state.settings.allowed_hosts}
+    host = state.settings.host
+    if host not in ("0.0.0.0", "::", ""):
+        names.add(_hostname(host))
+    return names
+
+
+def check_origin(state: DaemonState, request: web.Request) -> None:
+    """DNS-rebinding and browser-page guard: the Host header must be an IP address, a loopback
+    name, the bound address or one of ``allowed_hosts``; an Origin header (sent by browsers) must
+    name one of the names (``cors = true`` allows any Origin); a POST must declare a JSON body (browsers cannot
+    send ``application/json`` cross-site without a CORS preflight). Raises ApiError 403 / 415."""
+    names = _allowed_names(state)
+    host = request.headers.get("Host")
+    if host is not None and "*" not in names and _hostname(host) not in names and not _is_ip(_hostname(host)):
+        raise ApiError(403, "forbidden_host", f"Host {host!r} is not served here (allowed: loopback names "
+                       "and the allowed_hosts setting).")
+    origin = request.headers.get("Origin")
+    if origin is not None and not state.settings.cors and "*" not in names and _hostname(origin) not in names:
+        raise ApiError(403, "forbidden_origin", f"Origin {origin!r} is not allowed (browser pages may "
+                       "not use this API; see the cors and allowed_hosts settings).")
+    if request.method == "POST" and request.path not in _OPEN_PATHS:
+        ctype = request.content_type.lower()
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            raise ApiError(415, "unsupported_media_type", f"POST bodies must be JSON: send "
+                           f"'Content-Type: application/json' (got {ctype!r}).")
+
+
+# Exceptions that, raised while a request is being read and translated (INPUT_PHASE), come from a
+# body no explicit check foresaw: the client's mistake, answered 400 invalid_request.
+_INPUT_ERRORS = (ValidationError, ValueError, TypeError, AttributeError, LookupError, RecursionError)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn ApiError, unknown routes and unexpected bugs into the protocol's JSON error body."""
+    """Turn ApiError, unknown routes, malformed input and unexpected bugs into the protocol's JSON
+    error body (never a response once a stream has started: see common.respond)."""
     state: DaemonState = request.app["state"]
+    INPUT_PHASE.set(True)
     try:
+        check_origin(state, request)
         key = state.settings.api_key
         if key and request.path not in _OPEN_PATHS and request.method != "OPTIONS":
-            got = _key_of(request) or ""
-            if not hmac.compare_digest(got.encode(), key.encode()):
+            if not _key_ok(_key_of(request) or "", key):
                 raise ApiError(401, "invalid_api_key", "Missing or wrong API key (send 'Authorization: "
                                "Bearer KEY' or 'x-api-key: KEY').")
         return await handler(request)
@@ -59,9 +132,30 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         raise
     except (ConnectionResetError, ConnectionError):
         raise
+    except _INPUT_ERRORS as e:
+        if not INPUT_PHASE.get():
+            log.exception("internal error on %s %s", request.method, request.path)
+            return error_response(request.path, ApiError(500, "internal_error", f"Internal error: {e!r}"))
+        err = _input_error(e)
+        state.metrics.http_errors.labels(_protocol(request.path), err.code).inc()
+        log.info("%s %s -> 400 %s: %s", request.method, request.path, err.code, err.message)
+        return error_response(request.path, err)
     except Exception as e:  # a bug in the daemon, never model output: logged with traceback
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(request.path, ApiError(500, "internal_error", f"Internal error: {e!r}"))
+
+
+def _input_error(e: BaseException) -> ApiError:
+    """ApiError 400 for an exception raised by a malformed request body (see _INPUT_ERRORS)."""
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        return ApiError(400, "invalid_request", f"Invalid request: {loc}: {first.get('msg')}", param=loc or None)
+    if isinstance(e, UnicodeError):
+        return ApiError(400, "invalid_encoding", f"Invalid request: text that cannot be encoded: {e}")
+    if isinstance(e, RecursionError):
+        return ApiError(400, "invalid_json", "Invalid request: the body nests too deeply.")
+    return ApiError(400, "invalid_request", f"Invalid request: a field has an unexpected shape ({e})")
 
 
 def _protocol(path: str) -> str:
