@@ -252,3 +252,36 @@ def test_control_socket_bad_bodies_are_400(live_daemon):
     r = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--unix-socket", sock,
                         "http://x/" + "a" * 5000], capture_output=True, timeout=30)
     assert r.stdout in (b"404", b"414", b"400"), r
+
+
+def test_cli_output_into_a_closed_pipe_is_quiet(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "ostinatod.log").write_text("a log line of some length\n" * 20000)
+    env = dict(os.environ, OSTINATO_HOME=str(tmp_path))
+    r = subprocess.run(["sh", "-c", f"{sys.executable} -m ostinatod.cli logs -n 20000 | head -1"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "a log line of some length" and "Traceback" not in r.stderr, r.stderr
+
+
+def test_client_disconnect_mid_stream_logs_no_traceback(live_daemon):
+    import time
+
+    before = len(live_daemon.log())
+    port = int(live_daemon.url.rsplit(":", 1)[1])
+    body = json.dumps({"messages": MSG, "max_tokens": 400, "ignore_eos": True, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    s.recv(100)
+    s.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and "status=client_disconnected" not in live_daemon.log()[before:]:
+        time.sleep(0.2)
+    time.sleep(0.5)
+    new = live_daemon.log()[before:]
+    assert "status=client_disconnected" in new and "Traceback" not in new, new[-3000:]
+    _records_closed(live_daemon)

@@ -486,7 +486,10 @@ async def respond(request: web.Request, gen: Generation, stream: bool,
         for f in (enc.end() if hasattr(enc, "end") else []):
             await resp.write(f.encode())
         return resp
-    except (asyncio.CancelledError, ConnectionError):
+    except ConnectionError:  # the client went away (an ordinary event: one log line, no traceback)
+        gen.close("client_disconnected", "the client closed the connection")
+        return resp if resp is not None else web.Response(status=499)
+    except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - inside a started stream errors are stream events
         if resp is None or not resp.prepared or enc is None:
