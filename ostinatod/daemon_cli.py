@@ -249,8 +249,9 @@ def cmd_start(ns: argparse.Namespace) -> int:
         if url:
             code, body = _get_json(url + "/health", timeout=2)
             if code == 503 and body.get("status") == "error":
-                print(f"ostinatod (pid {proc.pid}) runs but its model failed to load; "
-                      f"'ostinatod stop' to stop it. Log ({log_file}):", file=sys.stderr)
+                print(f"ostinatod (pid {proc.pid}) runs but its model failed to load: {body.get('error')}\n"
+                      f"It keeps running without a model: 'ostinato load PATH' loads another, "
+                      f"'ostinatod stop' stops it. Log ({log_file}):", file=sys.stderr)
                 print(_new_log(log_file, start_offset), file=sys.stderr)
                 return 1
             if code == 200:

@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     engine_mode: Literal["subprocess", "inprocess"] = Field("subprocess", description="Run the "
                                                            "engine worker in a supervised subprocess "
                                                            "(survives crashes) or in-process.")
+    worker_ping_timeout_s: float = Field(10.0, ge=0, description="Liveness check of the engine "
+                                         "worker process: one that does not answer a ping within "
+                                         "this many seconds (stopped, wedged) is killed and "
+                                         "restarted (0: no check).")
     max_tokens_default: int = Field(4096, ge=1, description="Output tokens when a request sets none.")
     temperature: float = Field(0.8, ge=0, le=2, description="Sampling temperature of requests that "
                                "set none (0: greedy).")

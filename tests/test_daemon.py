@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -62,9 +63,19 @@ def test_truncated_gguf_gives_clear_error(tiny_model):
     bad.write_bytes(data[: len(data) // 2])
     r = ostinatod(home, "start", "--port", "0", "--model", str(bad), "--wait", "120")
     assert r.returncode == 1
-    assert "failed to start" in r.stderr
-    assert "truncated.gguf" in r.stderr  # the log tail names the file and the reason
-    assert ostinatod(home, "status").returncode == 3
+    assert "failed to load" in r.stderr and "truncated" in r.stderr
+    assert "truncated.gguf" in r.stderr  # names the file and the reason
+    # the daemon keeps running without a model and says why (issue 11, item 3)
+    st = ostinatod(home, "status", "--json")
+    assert st.returncode == 0, st
+    url = json.loads(st.stdout)["http_url"]
+    try:
+        urllib.request.urlopen(url + "/health", timeout=5)
+        raise AssertionError("health must be 503 without a model")
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+        assert e.code == 503 and body["status"] == "error" and "truncated" in body["error"], body
+    assert ostinatod(home, "stop").returncode == 0
 
 
 def test_missing_model_file():

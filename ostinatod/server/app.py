@@ -7,6 +7,7 @@ thread or subprocess. :func:`make_app` builds the app for a :class:`DaemonState`
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Awaitable, Callable
@@ -24,6 +25,7 @@ log = logging.getLogger("ostinatod.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPEN_PATHS = ("/health", "/")
+METRICS_ENGINE_WAIT_S = 1.0  # /metrics waits this long for the engine's counters, then answers without
 
 
 def _key_of(request: web.Request) -> str | None:
@@ -169,11 +171,13 @@ def _protocol(path: str) -> str:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: 200 {"status": "ok"} when ready, 503 while loading or without a model."""
+    """GET /health: 200 {"status": "ok"} when ready, 503 while loading, restarting or without a
+    model; with the engine's supervision facts (``restarts``, ``last_exit``, ``error``: why it
+    is not serving)."""
     state: DaemonState = request.app["state"]
     es = state.engine_state
     body = {"status": "ok" if es == "ready" else es, "model": state.model_name,
-            "random_weights": bool(state.model_info.get("is_demo"))}
+            "random_weights": bool(state.model_info.get("is_demo")), **state.engine_health()}
     return web.json_response(body, status=200 if es == "ready" else 503)
 
 
@@ -181,8 +185,8 @@ async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text format; the engine's stats() flattened under ostinato_engine_."""
     state: DaemonState = request.app["state"]
     if state.engine is not None and state.engine_state == "ready":
-        try:
-            state.metrics.set_engine_stats(await state.engine.stats())
+        try:  # never blocks on the engine: a busy or stopped worker leaves the last values
+            state.metrics.set_engine_stats(await asyncio.wait_for(state.engine.stats(), METRICS_ENGINE_WAIT_S))
         except Exception as e:  # noqa: BLE001 - metrics must answer even if the worker is restarting
             log.debug("engine stats unavailable: %r", e)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
