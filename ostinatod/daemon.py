@@ -116,6 +116,9 @@ class Daemon:
 
         st = self.state
         st.phase = "starting"
+        from .server.app import raise_fd_limit
+
+        log.debug("open-files limit %d", raise_fd_limit())
         try:
             runner = await start_http(st)
         except OSError as e:  # port in use, address not resolvable or not ours: one clear line

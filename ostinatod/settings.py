@@ -33,6 +33,13 @@ class Settings(BaseSettings):
                                    "never on the command line (other users can read process arguments).")
     api_key_file: Optional[Path] = Field(None, description="File holding the API key (first line); "
                                          "it must not be readable by group or others (chmod 600).")
+    http_max_connections: int = Field(512, ge=1, description="HTTP connections open at once; more "
+                                      "are closed at once (each holds a file descriptor).")
+    http_header_timeout_s: float = Field(10.0, ge=0, description="A connection whose first request "
+                                         "headers are not complete within this many seconds is "
+                                         "closed (slow or half-open clients; 0: no limit).")
+    http_body_timeout_s: float = Field(60.0, gt=0, description="A request body must arrive within "
+                                       "this many seconds, else 408 request_timeout.")
     cors: bool = Field(False, description="Answer CORS preflight requests and accept any Origin "
                        "header (browser clients; combine with api_key).")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names accepted in the "

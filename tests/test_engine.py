@@ -302,3 +302,35 @@ def test_utf8_pieces_split_inside_a_character():
         t.add(data[i:i + 1])
         assert "\ufffd" not in t.text  # never a half character in the streamed text
     assert t.flush() == "héllo → 世界"
+
+
+def test_prefill_stops_between_ubatches_when_cancelled(loop, tiny_model):
+    """Issue 11, item 5: a prompt is prefilled one ubatch per step, so a cancel (client gone) takes
+    effect between ubatches instead of after the whole n_batch chunk."""
+    from ostinatod.engine.client import InProcessEngine
+
+    eng = InProcessEngine(_settings(n_batch=1024, n_ubatch=64, n_slots=1), tiny_model)
+    loop.run_until_complete(eng.start())
+    loop.run_until_complete(eng.wait_ready(600))
+    try:
+        async def go():
+            s0 = await eng.stats()
+            evs = [e async for e in eng.generate(req(prompt="word " * 900, max_tokens=1))]
+            s1 = await eng.stats()
+            n_prompt = evs[0].data["prompt_tokens"]
+            assert s1["decode_calls"] - s0["decode_calls"] >= -(-n_prompt // 64)  # one step per ubatch
+            gen = eng.generate(req(prompt="other " * 900, max_tokens=1))
+            async for e in gen:
+                if e.type == "start":  # admitted: prefill running; the client goes away
+                    break
+            await gen.aclose()
+            for _ in range(200):
+                s2 = await eng.stats()
+                if s2["requests_cancelled"] > s1["requests_cancelled"] and s2["active"] == 0:
+                    return n_prompt, s2["prefilled_tokens"] - s1["prefilled_tokens"]
+                await asyncio.sleep(0.01)
+            raise AssertionError("not cancelled")
+        n_prompt, prefilled = loop.run_until_complete(go())
+        assert prefilled < n_prompt, (prefilled, n_prompt)
+    finally:
+        loop.run_until_complete(eng.stop())

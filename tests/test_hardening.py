@@ -285,3 +285,38 @@ def test_client_disconnect_mid_stream_logs_no_traceback(live_daemon):
     new = live_daemon.log()[before:]
     assert "status=client_disconnected" in new and "Traceback" not in new, new[-3000:]
     _records_closed(live_daemon)
+
+
+def test_slow_and_too_many_connections_cannot_stall_the_daemon(start_daemon, tiny_model):
+    import time
+
+    d = start_daemon("--model", str(tiny_model), "--n-ctx", "512", "--engine-mode", "inprocess",
+                     "--n-threads", "1", "--http-header-timeout-s", "1", "--http-body-timeout-s", "1",
+                     "--http-max-connections", "20")
+    port = int(d.url.rsplit(":", 1)[1])
+    socks = []
+    for _ in range(40):  # half-sent request headers, twice the cap
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+        socks.append(s)
+    time.sleep(2.5)
+    for s in socks:  # all closed by the daemon: refused over the cap, or timed out
+        s.settimeout(5)
+        try:
+            assert s.recv(100) == b""
+        except ConnectionResetError:
+            pass
+        s.close()
+    code, raw = http_raw(d.url, "GET", "/health", b"", [])
+    assert code == 200
+    # a body that never completes: 408, not a connection held forever
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"mess")
+    s.settimeout(10)
+    assert s.recv(200).startswith(b"HTTP/1.1 408"), "expected 408"
+    s.close()
+    limits = open(f"/proc/{d.pid}/limits").read()
+    soft = int(next(ln for ln in limits.splitlines() if ln.startswith("Max open files")).split()[3])
+    import resource
+    assert soft >= min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
 from ..engine.types import EngineError
@@ -84,6 +85,8 @@ async def _body(request: web.Request) -> dict[str, Any]:
         data = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ControlError(400, "invalid_json", f"request body is not valid JSON: {e}")
+    except RequestPayloadError as e:  # a Content-Encoding the body does not have, a cut body
+        raise ControlError(400, "invalid_encoding", f"request body cannot be read: {str(e).strip()}") from None
     except RecursionError:
         raise ControlError(400, "invalid_json", "request body nests too deeply") from None
     if not isinstance(data, dict):

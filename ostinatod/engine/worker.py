@@ -8,7 +8,8 @@ thread calls :meth:`Worker.run` (the loop); any thread calls :meth:`Worker.submi
 The loop is shaped like llama-server's ``update_slots``: each step admits waiting requests into
 free KV slots (:func:`.slots.choose_slot`: the longest cached prefix, without evicting another
 conversation), then builds one batch: one token for each generating slot (batched decode across
-slots) and then prefill chunks of waiting slots up to ``n_batch`` tokens. Around it:
+slots) and then prefill chunks of waiting slots, one ubatch (``n_ubatch`` tokens) per step so that
+a cancelled request stops between ubatches. Around it:
 :mod:`.loading` (model, context, expert runtime), :mod:`.sampling` (the sampler of a request),
 :mod:`.text` (UTF-8 hold-back, stop strings on new text only) and :mod:`.switcher` (residency-set
 swaps at request boundaries; DESIGN.md "Planning").
@@ -56,6 +57,7 @@ class Worker:
         self.gguf: Optional[ModelInfo] = None
         self.n_ctx_slot = 0
         self.n_batch = settings.n_batch
+        self.n_prefill_step = max(1, min(settings.n_batch, settings.n_ubatch))  # prompt tokens per step
         self.slots: list[Slot] = []
         self._inbox: "queue.Queue[tuple[Op, Any]]" = queue.Queue()
         self._waiting: list[Task] = []
@@ -355,9 +357,12 @@ class Worker:
                 plan.append((t, [t.next_token]))
                 rows.append((t, n))
                 n += 1
+        # prefill: at most one ubatch of prompt tokens per step (the forward pass llama_decode
+        # would cut anyway), so a cancel (client gone) is seen between ubatches, not after n_batch
+        budget = n + self.n_prefill_step
         for t in self._active:
-            if t.pending and n < self.n_batch:
-                k = min(len(t.pending), self.n_batch - n)
+            if t.pending and n < budget:
+                k = min(len(t.pending), budget - n)
                 chunk = t.pending[:k]
                 base = len(t.slot.tokens)
                 last = k == len(t.pending)

@@ -235,14 +235,107 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
     return app
 
 
+class _ConnectionGuard(asyncio.Protocol):
+    """Wraps aiohttp's protocol of one connection: closes it when its first request's headers have
+    not arrived within ``header_timeout`` seconds (slow or half-open clients), and refuses
+    connections beyond ``cap`` open at once (closed at once: a file descriptor each)."""
+
+    open_now = 0
+
+    def __init__(self, inner: asyncio.Protocol, cap: int, header_timeout: float):
+        self.inner, self.cap, self.header_timeout = inner, cap, header_timeout
+        self.transport: asyncio.BaseTransport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if _ConnectionGuard.open_now >= self.cap:
+            log.warning("connection refused: %d connections open (cap %d)", _ConnectionGuard.open_now, self.cap)
+            transport.close()
+            return
+        _ConnectionGuard.open_now += 1
+        self.counted = True
+        if self.header_timeout > 0:
+            self.timer = asyncio.get_running_loop().call_later(self.header_timeout, self._expire)
+        self.inner.connection_made(transport)
+
+    def _expire(self) -> None:
+        self.timer = None
+        if getattr(self.inner, "_request_count", 1) == 0 and self.transport is not None:
+            log.info("connection closed: no complete request headers within %.0f s", self.header_timeout)
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.counted:
+            self.inner.data_received(data)  # type: ignore[attr-defined]
+            if self.timer is not None and getattr(self.inner, "_request_count", 0) > 0:
+                self.timer.cancel()
+                self.timer = None
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.counted else None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.counted:
+            self.counted = False
+            _ConnectionGuard.open_now -= 1
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class _GuardedSite(web.TCPSite):
+    """A TCPSite whose connections go through :class:`_ConnectionGuard`."""
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        st = self._runner.app["state"]  # type: ignore[union-attr]
+        cap, timeout = st.settings.http_max_connections, st.settings.http_header_timeout_s
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _ConnectionGuard(server(), cap, timeout), self._host, self._port,
+            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+
+
+def raise_fd_limit(want: int = 65536) -> int:
+    """Raise this process's soft limit of open files towards the hard limit (at most ``want``);
+    returns the soft limit now in force."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit from %d: %s", soft, e)
+    return soft
+
+
 async def start_http(state: DaemonState, host: str | None = None, port: int | None = None) -> web.AppRunner:
     """Bind the app on ``host:port`` (settings by default; port 0 = free port). Sets
-    ``state.http_url`` to the bound address and returns the runner (``await runner.cleanup()``)."""
+    ``state.http_url`` to the bound address and returns the runner (``await runner.cleanup()``).
+
+    Connections are guarded (:class:`_ConnectionGuard`): settings ``http_max_connections`` and
+    ``http_header_timeout_s``; bodies must arrive within ``http_body_timeout_s`` (read_json)."""
+    s = state.settings
     runner = web.AppRunner(make_app(state), access_log=None, handler_cancellation=False)
     await runner.setup()
+
     host = host or state.settings.host
     port = state.settings.port if port is None else port
-    site = web.TCPSite(runner, host, port)
+    site = _GuardedSite(runner, host, port)
     await site.start()
     sock = site._server.sockets[0]  # type: ignore[union-attr]  # actual port when 0 was asked
     bound_port = sock.getsockname()[1]

@@ -85,7 +85,11 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     Infinity, nested deeper than MAX_JSON_DEPTH, not an object), ``invalid_encoding`` (a body that
     cannot be decoded: bad Content-Encoding, invalid UTF-8 or lone surrogates)."""
     try:
-        raw = await request.read()
+        state = request.app["state"]
+        raw = await asyncio.wait_for(request.read(), state.settings.http_body_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, "request_timeout", "The request body did not arrive within "
+                       f"{state.settings.http_body_timeout_s:.0f} s.") from None
     except RequestPayloadError as e:
         raise ApiError(400, "invalid_encoding", f"Request body cannot be read: {str(e).strip()}") from None
     try:
@@ -429,6 +433,7 @@ class Generation:
 
 
 HEARTBEAT_S = 10.0  # keep-alive interval of streams while the engine is silent (long prefill)
+WATCH_S = 1.0  # how often a silent stream checks that its client is still connected
 
 
 def apply_logit_bias(req: GenRequest, bias: Any) -> None:
@@ -480,9 +485,19 @@ async def respond(request: web.Request, gen: Generation, stream: bool,
         resp = await start_sse(request)
         for f in first:
             await resp.write(f.encode())
-        async for ev in gen.events(heartbeat=HEARTBEAT_S):
+        last_write = time.monotonic()
+        # a tick every second while the engine is silent (long prefill): a client that went away
+        # is noticed within a second and its request cancelled between ubatches; a keep-alive
+        # frame goes out every HEARTBEAT_S seconds of silence
+        async for ev in gen.events(heartbeat=WATCH_S):
+            if ev.type == "ping":
+                if request.transport is None or request.transport.is_closing():
+                    raise ConnectionResetError("the client closed the connection")
+                if time.monotonic() - last_write < HEARTBEAT_S:
+                    continue
             for f in enc.feed(ev, gen.usage):
                 await resp.write(f.encode())
+            last_write = time.monotonic()
         for f in (enc.end() if hasattr(enc, "end") else []):
             await resp.write(f.encode())
         return resp
