@@ -78,6 +78,10 @@ class Settings(BaseSettings):
                                          "worker process: one that does not answer a ping within "
                                          "this many seconds (stopped, wedged) is killed and "
                                          "restarted (0: no check).")
+    deterministic: bool = Field(False, description="Reproducible greedy outputs (evaluations): one "
+                                "sequence per forward pass, prompt chunks at fixed positions, the last "
+                                "prompt token alone, cached prefixes reused by whole chunks only. "
+                                "Costs throughput with several clients; see docs/reliability.md.")
     max_tokens_default: int = Field(4096, ge=1, description="Output tokens when a request sets none.")
     temperature: float = Field(0.8, ge=0, le=2, description="Sampling temperature of requests that "
                                "set none (0: greedy).")

@@ -334,3 +334,59 @@ def test_prefill_stops_between_ubatches_when_cancelled(loop, tiny_model):
         assert prefilled < n_prompt, (prefilled, n_prompt)
     finally:
         loop.run_until_complete(eng.stop())
+
+
+def test_deterministic_chunks_do_not_depend_on_the_cache():
+    """Issue 11, item 14: with ``deterministic`` the prompt chunks are the same whatever was cached."""
+    from ostinatod.engine.determinism import aligned_keep, chunk_len, extends_valid
+
+    def chunks(n_prompt: int, n_keep: int, step: int) -> list[tuple[int, int]]:
+        pos, out = n_keep, []
+        while pos < n_prompt:
+            k = chunk_len(pos, n_prompt - pos, step)
+            out.append((pos, pos + k))
+            pos += k
+        return out
+
+    step, n = 32, 150
+    cold = chunks(n, 0, step)
+    assert cold[-1] == (n - 1, n) and all(b - a == step for a, b in cold[:-2])  # last token alone
+    valid = 0
+    for a, b in cold:
+        valid = extends_valid(valid, a, b - a, step)
+    assert valid == 128  # whole aligned chunks only
+    for cached in (0, 5, 40, 100, 149):
+        keep = aligned_keep(cached, valid, step)
+        assert chunks(n, keep, step) == [c for c in cold if c[0] >= keep]
+
+
+def test_deterministic_setting_one_sequence_per_pass_and_same_outputs(loop, tiny_model):
+    """Issue 11, item 14: ``deterministic`` runs one sequence per forward pass (no cross-slot
+    batching), and greedy outputs are the same sequentially, again from the cache, and under
+    concurrency."""
+    from ostinatod.engine.client import InProcessEngine
+
+    eng = InProcessEngine(_settings(deterministic=True, n_ubatch=32, n_batch=256), tiny_model)
+    loop.run_until_complete(eng.start())
+    loop.run_until_complete(eng.wait_ready(600))
+    prompts = [f"Sort list number {i} in Python. " * (1 + i % 3) for i in range(4)]
+
+    def text(evs) -> str:
+        return "".join(e.data.get("text") or "" for e in evs if e.type == "delta")
+
+    try:
+        async def go():
+            async def one(p):
+                return [e async for e in eng.generate(req(messages=[{"role": "user", "content": p}],
+                                                          max_tokens=12, ignore_eos=True))]
+            first = [text(await one(p)) for p in prompts]
+            again = [text(await one(p)) for p in prompts]
+            s0 = await eng.stats()
+            conc = await asyncio.gather(*[one(p) for p in prompts])
+            s1 = await eng.stats()
+            return first, again, [text(c) for c in conc], s1["decode_calls"] - s0["decode_calls"]
+        first, again, conc, calls = loop.run_until_complete(go())
+        assert first == again == conc
+        assert calls >= 4 * 12  # every generated token in a pass of its own: nothing batched across slots
+    finally:
+        loop.run_until_complete(eng.stop())

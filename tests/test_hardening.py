@@ -299,6 +299,8 @@ def test_slow_and_too_many_connections_cannot_stall_the_daemon(start_daemon, tin
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
         socks.append(s)
+    # while they are held, a real client still gets in (the oldest half-sent one makes room)
+    assert http_raw(d.url, "GET", "/health", b"", [])[0] == 200
     time.sleep(2.5)
     for s in socks:  # all closed by the daemon: refused over the cap, or timed out
         s.settimeout(5)

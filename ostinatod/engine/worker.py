@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from ..residency.model import ModelInfo
 from ..settings import Settings
-from . import loading, sampling
+from . import determinism, loading, sampling
 from .protocol import Op
 from .slots import Slot, choose_slot
 from .task import Emit, Task
@@ -58,6 +58,9 @@ class Worker:
         self.n_ctx_slot = 0
         self.n_batch = settings.n_batch
         self.n_prefill_step = max(1, min(settings.n_batch, settings.n_ubatch))  # prompt tokens per step
+        self.deterministic = settings.deterministic
+        self._det_valid: dict[int, int] = {}  # slot id -> prefix computed by whole aligned chunks
+        self._turn = 0
         self.slots: list[Slot] = []
         self._inbox: "queue.Queue[tuple[Op, Any]]" = queue.Queue()
         self._waiting: list[Task] = []
@@ -310,6 +313,10 @@ class Worker:
                 llama_cpp.llama_memory_seq_cp(self.mem, src.id, target.id, 0, c.n_copy)
                 target.tokens = src.tokens[:c.n_copy]
             n_keep = c.n_keep
+            if self.deterministic:
+                valid = self._det_valid.get(c.copy_from if c.copy_from is not None else target.id, 0)
+                n_keep = determinism.aligned_keep(n_keep, valid, self.n_prefill_step)
+                self._det_valid[target.id] = n_keep
             if n_keep < len(target.tokens):
                 if not llama_cpp.llama_memory_seq_rm(self.mem, target.id, n_keep, -1):
                     llama_cpp.llama_memory_seq_rm(self.mem, target.id, -1, -1)
@@ -351,7 +358,11 @@ class Worker:
         n = 0
         rows: list[tuple[Task, int]] = []  # (task, batch index whose logits it samples from)
         plan: list[tuple[Task, list[int]]] = []
-        for t in self._active:
+        active = self._active
+        if self.deterministic:  # one sequence per forward pass, slots take turns (determinism.py)
+            self._turn = (self._turn + 1) % len(active)
+            active = [active[self._turn]]
+        for t in active:
             if t.next_token is not None and n < self.n_batch:
                 self._put(b, n, t.next_token, len(t.slot.tokens), t.slot.id, True)
                 plan.append((t, [t.next_token]))
@@ -360,9 +371,11 @@ class Worker:
         # prefill: at most one ubatch of prompt tokens per step (the forward pass llama_decode
         # would cut anyway), so a cancel (client gone) is seen between ubatches, not after n_batch
         budget = n + self.n_prefill_step
-        for t in self._active:
-            if t.pending and n < budget:
+        for t in active:
+            if t.pending and n < budget and not (self.deterministic and n):
                 k = min(len(t.pending), budget - n)
+                if self.deterministic:
+                    k = determinism.chunk_len(len(t.slot.tokens), len(t.pending), self.n_prefill_step)
                 chunk = t.pending[:k]
                 base = len(t.slot.tokens)
                 last = k == len(t.pending)
@@ -393,6 +406,10 @@ class Worker:
             if t.next_token is not None and toks == [t.next_token] and not t.pending:
                 t.next_token = None
             elif t.pending:
+                if self.deterministic:
+                    pos = len(t.slot.tokens) - len(toks)
+                    self._det_valid[t.slot.id] = determinism.extends_valid(
+                        self._det_valid.get(t.slot.id, 0), pos, len(toks), self.n_prefill_step)
                 t.pending = t.pending[len(toks):]
                 with self._lock:
                     self._counters["prefilled_tokens"] += len(toks)

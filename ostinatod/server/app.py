@@ -237,10 +237,13 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
 
 class _ConnectionGuard(asyncio.Protocol):
     """Wraps aiohttp's protocol of one connection: closes it when its first request's headers have
-    not arrived within ``header_timeout`` seconds (slow or half-open clients), and refuses
-    connections beyond ``cap`` open at once (closed at once: a file descriptor each)."""
+    not arrived within ``header_timeout`` seconds (slow or half-open clients). At most ``cap``
+    connections are open at once: at the cap a new connection closes the oldest one that has not
+    sent a whole request yet, or is refused when all of them have (a file descriptor each)."""
 
     open_now = 0
+    # connections whose first request is not complete yet, oldest first (evicted at the cap)
+    waiting: "dict[_ConnectionGuard, None]" = {}
 
     def __init__(self, inner: asyncio.Protocol, cap: int, header_timeout: float):
         self.inner, self.cap, self.header_timeout = inner, cap, header_timeout
@@ -250,12 +253,18 @@ class _ConnectionGuard(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        if _ConnectionGuard.open_now >= self.cap and _ConnectionGuard.waiting:
+            # at the cap: the oldest connection still sending its first headers makes room
+            oldest = next(iter(_ConnectionGuard.waiting))
+            log.info("connection cap %d reached: closing the oldest connection without a request", self.cap)
+            oldest._drop()
         if _ConnectionGuard.open_now >= self.cap:
             log.warning("connection refused: %d connections open (cap %d)", _ConnectionGuard.open_now, self.cap)
             transport.close()
             return
         _ConnectionGuard.open_now += 1
         self.counted = True
+        _ConnectionGuard.waiting[self] = None
         if self.header_timeout > 0:
             self.timer = asyncio.get_running_loop().call_later(self.header_timeout, self._expire)
         self.inner.connection_made(transport)
@@ -264,14 +273,23 @@ class _ConnectionGuard(asyncio.Protocol):
         self.timer = None
         if getattr(self.inner, "_request_count", 1) == 0 and self.transport is not None:
             log.info("connection closed: no complete request headers within %.0f s", self.header_timeout)
-            self.transport.close()
+            self._drop()
+
+    def _drop(self) -> None:
+        """Close a connection that has not sent a whole request: counted as gone at once."""
+        transport = self.transport
+        self.connection_lost(None)
+        if transport is not None:
+            transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self.counted:
             self.inner.data_received(data)  # type: ignore[attr-defined]
-            if self.timer is not None and getattr(self.inner, "_request_count", 0) > 0:
-                self.timer.cancel()
-                self.timer = None
+            if getattr(self.inner, "_request_count", 0) > 0:
+                _ConnectionGuard.waiting.pop(self, None)
+                if self.timer is not None:
+                    self.timer.cancel()
+                    self.timer = None
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received() if self.counted else None
@@ -279,6 +297,8 @@ class _ConnectionGuard(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
+            self.timer = None
+        _ConnectionGuard.waiting.pop(self, None)
         if self.counted:
             self.counted = False
             _ConnectionGuard.open_now -= 1

@@ -217,8 +217,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     model = Path(a.model) if a.model else _tiny_model()
     d = Daemon(model, ["--n-ctx", str(a.n_ctx), "--n-slots", "2", "--max-tokens-default", "4",
-                       "--worker-ping-timeout-s", "3"] + (["--n-threads", str(a.threads)] if a.threads else []))
-    out: dict[str, Any] = {"model": str(model), "daemon_home": str(d.home)}
+                       "--worker-ping-timeout-s", "3"] + (["--n-threads", str(a.threads)] if a.threads else [])
+               + (["--deterministic"] if a.deterministic else []))
+    out: dict[str, Any] = {"model": str(model), "daemon_home": str(d.home), "deterministic": a.deterministic}
     try:
         _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})
         rss0 = _rss(d.proc.pid)
@@ -231,7 +232,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                        "seconds": round(time.monotonic() - t0, 1), "max_answer_s": round(max(http.max_seconds,
                                                                                               ctl.max_seconds), 2),
                        "examples_5xx": (http.server_errors + ctl.server_errors)[:5],
-                       "examples_hangs": (http.hangs + ctl.hangs)[:5]}
+                       "examples_hangs": (http.hangs + ctl.hangs)[:5],
+                       "examples_dropped": (http.dropped + ctl.dropped)[:5]}
         out["greedy"] = _greedy(d, a.clients, a.prompts)
         out["slow_connections"] = _slow(d, a.slow)
         rss1 = _rss(d.proc.pid)  # before the crashes: a restarted worker starts from scratch
@@ -263,7 +265,7 @@ def _tiny_model() -> Path:
 def report(out: dict[str, Any]) -> str:
     f, g, s, c, r, al = (out.get(k, {}) for k in ("fuzz", "greedy", "slow_connections", "crashes", "rss", "alive"))
     lines = [
-        f"model            {out['model']}",
+        f"model            {out['model']}{'  (deterministic = true)' if out.get('deterministic') else ''}",
         f"fuzzed requests  HTTP {f.get('http_requests')} ({f.get('http_5xx')} 5xx, {f.get('http_hangs')} hangs), "
         f"control {f.get('control_requests')} ({f.get('control_5xx')} 5xx, {f.get('control_hangs')} hangs) "
         f"in {f.get('seconds')} s; slowest answer {f.get('max_answer_s')} s",
@@ -296,6 +298,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="engine CPU threads")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds without an answer that count as a hang")
+    ap.add_argument("--deterministic", action="store_true", help="run the daemon with deterministic = true")
     ap.add_argument("--json", help="write the figures to this file")
     a = ap.parse_args(argv)
     try:
