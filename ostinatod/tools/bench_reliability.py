@@ -63,11 +63,20 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, di
 
 
 def _rss(pid: int) -> int:
+    """RSS of the daemon plus its engine worker (other short-lived children, e.g. a hardware probe,
+    are not counted)."""
     import psutil
 
     try:
         p = psutil.Process(pid)
-        return p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+        total = p.memory_info().rss
+        for c in p.children():
+            try:
+                if "worker_main" in " ".join(c.cmdline()):
+                    total += c.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
     except psutil.NoSuchProcess:
         return 0
 
@@ -221,7 +230,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                + (["--deterministic"] if a.deterministic else []))
     out: dict[str, Any] = {"model": str(model), "daemon_home": str(d.home), "deterministic": a.deterministic}
     try:
-        _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4})
+        for _ in range(3):
+            _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}],
+                                                   "max_tokens": 4})
+        time.sleep(2)
         rss0 = _rss(d.proc.pid)
         t0 = time.monotonic()
         http = fuzz.fuzz(f"127.0.0.1:{d.port}", fuzz.HTTP_ROUTES, a.requests, port=d.port, timeout=a.timeout)
