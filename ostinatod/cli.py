@@ -60,7 +60,14 @@ def dispatch(prog: str, commands: dict[str, tuple[str, str, str]], argv: list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    return dispatch("ostinato", COMMANDS, argv)
+    try:
+        return dispatch("ostinato", COMMANDS, argv)
+    except BrokenPipeError:  # `ostinato ps | head`: the reader left; quiet exit like other tools
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 141  # 128 + SIGPIPE, as a shell reports it
 
 
 if __name__ == "__main__":

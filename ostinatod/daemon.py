@@ -54,21 +54,36 @@ class Daemon:
 
     async def reload(self, path: Optional[Path]) -> None:
         """Replace the engine by one serving ``path`` (None: unload). Waits until loaded.
-        Raises EngineError when the model cannot be loaded (the daemon keeps running, no model)."""
+
+        The new file is validated first (``check_model_file``: present, GGUF, complete); a bad file
+        raises EngineError and the served model stays. A file that passes but fails to load
+        raises EngineError too, leaving the daemon without a model and ``state.model_error``
+        saying why."""
         from .engine.types import EngineError
+
+        from .residency.model import ModelFileError, check_model_file
 
         async with self._lock:
             st = self.state
+            if path is not None:
+                path = Path(path)
+                # validate the new file before dropping the served one: a missing, foreign or
+                # truncated file leaves the current model serving
+                try:
+                    await asyncio.get_running_loop().run_in_executor(None, check_model_file, path)
+                except ModelFileError as e:
+                    status = 404 if not path.is_file() else 400
+                    code = "model_not_found" if status == 404 else "model_invalid"
+                    log.error("cannot load %s: %s (the served model, if any, stays)", path, e)
+                    raise EngineError(code, str(e), status) from None
             old, st.engine = st.engine, None
             st.model_info = {}
             if old is not None:
                 await old.stop()
             if path is None:
+                st.model_error = None
                 log.info("model unloaded")
                 return
-            path = Path(path)
-            if not path.is_file():
-                raise EngineError("model_not_found", f"model file not found: {path}", 404)
             st.phase = f"loading {path.name}"
             eng = make_engine(self.settings, path)
             st.engine = eng
@@ -76,10 +91,12 @@ class Daemon:
                 await eng.start()
                 await eng.wait_ready()
                 st.model_info = await eng.info()
-            except Exception:
+            except Exception as e:
                 st.phase = None
+                st.model_error = f"{path}: {getattr(e, 'message', None) or e}"
                 raise
             st.phase = None
+            st.model_error = None
             from .demo import demo_model_path
 
             st.demo = path == demo_model_path(self.settings, self.paths)
@@ -91,13 +108,23 @@ class Daemon:
 
     async def serve(self) -> int:
         """Bind HTTP (and the control socket), load the model, serve until stopped.
-        Returns the exit code: 0 after a stop, 1 when the model cannot be prepared or loaded."""
+        Returns the exit code: 0 after a stop, 1 when the port cannot be bound or the demo model
+        cannot be prepared. A model that fails to load leaves the daemon running without one
+        (``state.model_error`` says why)."""
         from .engine.types import EngineError
         from .server.app import start_http
 
         st = self.state
         st.phase = "starting"
-        runner = await start_http(st)
+        from .server.app import raise_fd_limit
+
+        log.debug("open-files limit %d", raise_fd_limit())
+        try:
+            runner = await start_http(st)
+        except OSError as e:  # port in use, address not resolvable or not ours: one clear line
+            log.error("cannot listen on %s:%s: %s", self.settings.host, self.settings.port,
+                      e.strerror or e)
+            return 1
         self._runners.append(runner)
         from .control.server import start_control_server
         try:
@@ -121,7 +148,15 @@ class Daemon:
             stop = asyncio.ensure_future(self._stop.wait())
             await asyncio.wait({load, stop}, return_when=asyncio.FIRST_COMPLETED)
             if load.done():
-                load.result()
+                try:
+                    load.result()
+                except (EngineError, RuntimeError, OSError) as e:
+                    # keep running without a model (like Ollama): /health, status and the TUI say
+                    # why, and `ostinato load` can fix it
+                    msg = getattr(e, "message", None) or str(e)
+                    st.model_error = st.model_error or f"{model}: {msg}"
+                    log.error("cannot serve model %s: %s; the daemon keeps running without a model "
+                              "('ostinato load PATH' to load one)", model, msg)
                 await stop
             else:
                 load.cancel()

@@ -33,9 +33,12 @@ from pydantic import ValidationError
 
 from .daemon import Daemon
 from .paths import Paths, get_paths
-from .settings import Settings, load_settings
+from .settings import Settings, SettingsError, load_settings
 
 log = logging.getLogger("ostinatod")
+
+# settings never taken from the command line (process arguments are readable by every local user)
+SECRET_SETTINGS = ("api_key",)
 
 DETACHED_ENV = "OSTINATOD_DETACHED"  # set by `start` for its child: log only to the log file
 
@@ -56,10 +59,16 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
     Defaults are None so that only flags the user gives override env and file values."""
     group = parser.add_argument_group("settings (override env OSTINATO_* and settings.toml)")
+    for name in SECRET_SETTINGS:  # accepted only to refuse them with a clear message
+        group.add_argument("--" + name.replace("_", "-"), dest="secret_" + name, default=None,
+                           help=argparse.SUPPRESS)
     for name, f in Settings.model_fields.items():
+        if name in SECRET_SETTINGS:
+            continue
         flag = "--" + name.replace("_", "-")
         ann = _unwrap(f.annotation)
-        default = f.default if f.default is not None else "unset"
+        default = f.get_default(call_default_factory=True)
+        default = default if default is not None else "unset"
         helptext = f"{f.description} [default: {default}]".replace("%", "%%")
         kw: dict[str, Any] = {"dest": name, "default": None, "help": helptext}
         if ann is bool:
@@ -70,18 +79,29 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=ann, metavar=ann.__name__.upper(), **kw)
         elif ann is Path:
             group.add_argument(flag, type=Path, metavar="PATH", **kw)
+        elif typing.get_origin(ann) is list:
+            group.add_argument(flag, action="append", metavar="VALUE", **kw)
         else:
             group.add_argument(flag, metavar="VALUE", **kw)
 
 
 def settings_from_args(ns: argparse.Namespace) -> Settings:
     """Settings from parsed flags > env > file > defaults. Raises SystemExit(2) on invalid values."""
-    overrides = {name: getattr(ns, name, None) for name in Settings.model_fields}
+    for name in SECRET_SETTINGS:
+        if getattr(ns, "secret_" + name, None) is not None:
+            print(f"ostinatod: --{name.replace('_', '-')} is not accepted on the command line (every "
+                  f"local user can read process arguments); use OSTINATO_{name.upper()}, {name} in "
+                  f"settings.toml or --{name.replace('_', '-')}-file (a chmod 600 file)", file=sys.stderr)
+            raise SystemExit(2)
+    overrides = {name: getattr(ns, name, None) for name in Settings.model_fields if name not in SECRET_SETTINGS}
     try:
         return load_settings(**overrides)
     except ValidationError as e:
         msgs = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
         print(f"ostinatod: invalid settings: {msgs}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except SettingsError as e:
+        print(f"ostinatod: invalid settings: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -95,6 +115,9 @@ def _flags_of(ns: argparse.Namespace) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(v, bool):
             out.append(flag if v else "--no-" + name.replace("_", "-"))
+        elif isinstance(v, list):
+            for x in v:
+                out += [flag, str(x)]
         else:
             out += [flag, str(Path(v).resolve()) if isinstance(v, Path) else str(v)]
     return out
@@ -107,6 +130,7 @@ def setup_logging(settings: Settings, paths: Paths) -> None:
     root.setLevel(settings.log_level)
     for h in list(root.handlers):
         root.removeHandler(h)
+    private_file(paths.log_file)
     fh = logging.FileHandler(paths.log_file)
     fh.setFormatter(fmt)
     root.addHandler(fh)
@@ -114,6 +138,13 @@ def setup_logging(settings: Settings, paths: Paths) -> None:
         sh = logging.StreamHandler(sys.stderr)
         sh.setFormatter(fmt)
         root.addHandler(sh)
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` if missing and make it readable by its owner only (0600): logs name models,
+    clients and errors."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    os.chmod(path, 0o600)
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -201,6 +232,7 @@ def cmd_start(ns: argparse.Namespace) -> int:
     log_file = paths.log_file
     start_offset = log_file.stat().st_size if log_file.exists() else 0
     env = dict(os.environ, **{DETACHED_ENV: "1"})
+    private_file(log_file)
     with open(log_file, "ab") as logf:
         proc = subprocess.Popen([sys.executable, "-m", "ostinatod.daemon_cli", "run", *_flags_of(ns)],
                                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
@@ -217,8 +249,9 @@ def cmd_start(ns: argparse.Namespace) -> int:
         if url:
             code, body = _get_json(url + "/health", timeout=2)
             if code == 503 and body.get("status") == "error":
-                print(f"ostinatod (pid {proc.pid}) runs but its model failed to load; "
-                      f"'ostinatod stop' to stop it. Log ({log_file}):", file=sys.stderr)
+                print(f"ostinatod (pid {proc.pid}) runs but its model failed to load: {body.get('error')}\n"
+                      f"It keeps running without a model: 'ostinato load PATH' loads another, "
+                      f"'ostinatod stop' stops it. Log ({log_file}):", file=sys.stderr)
                 print(_new_log(log_file, start_offset), file=sys.stderr)
                 return 1
             if code == 200:

@@ -28,8 +28,24 @@ class Settings(BaseSettings):
                       "agent runs in a container (OpenHands): then e.g. 0.0.0.0 together with api_key.")
     port: int = Field(8385, ge=0, le=65535, description="TCP port of the HTTP API (0 picks a free one).")
     api_key: Optional[str] = Field(None, description="If set, every /v1 request must carry it as "
-                                   "'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
-    cors: bool = Field(False, description="Answer CORS preflight requests (browser clients).")
+                                   "'Authorization: Bearer KEY' or 'x-api-key: KEY'. Give it in the "
+                                   "environment (OSTINATO_API_KEY), settings.toml or api_key_file, "
+                                   "never on the command line (other users can read process arguments).")
+    api_key_file: Optional[Path] = Field(None, description="File holding the API key (first line); "
+                                         "it must not be readable by group or others (chmod 600).")
+    http_max_connections: int = Field(512, ge=1, description="HTTP connections open at once; more "
+                                      "are closed at once (each holds a file descriptor).")
+    http_header_timeout_s: float = Field(10.0, ge=0, description="A connection whose first request "
+                                         "headers are not complete within this many seconds is "
+                                         "closed (slow or half-open clients; 0: no limit).")
+    http_body_timeout_s: float = Field(60.0, gt=0, description="A request body must arrive within "
+                                       "this many seconds, else 408 request_timeout.")
+    cors: bool = Field(False, description="Answer CORS preflight requests and accept any Origin "
+                       "header (browser clients; combine with api_key).")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host names accepted in the "
+                                     "Host and Origin headers besides IP addresses, loopback names, "
+                                     "host.docker.internal and the bound address ('*' accepts any). "
+                                     "Other names get 403: this blocks DNS rebinding.")
 
     # --- model ----------------------------------------------------------------------------
     model: Optional[Path] = Field(None, description="GGUF file to serve. Unset: a generated demo MoE "
@@ -58,6 +74,14 @@ class Settings(BaseSettings):
     engine_mode: Literal["subprocess", "inprocess"] = Field("subprocess", description="Run the "
                                                            "engine worker in a supervised subprocess "
                                                            "(survives crashes) or in-process.")
+    worker_ping_timeout_s: float = Field(10.0, ge=0, description="Liveness check of the engine "
+                                         "worker process: one that does not answer a ping within "
+                                         "this many seconds (stopped, wedged) is killed and "
+                                         "restarted (0: no check).")
+    deterministic: bool = Field(False, description="Reproducible greedy outputs (evaluations): one "
+                                "sequence per forward pass, prompt chunks at fixed positions, the last "
+                                "prompt token alone, cached prefixes reused by whole chunks only. "
+                                "Costs throughput with several clients; see docs/reliability.md.")
     max_tokens_default: int = Field(4096, ge=1, description="Output tokens when a request sets none.")
     temperature: float = Field(0.8, ge=0, le=2, description="Sampling temperature of requests that "
                                "set none (0: greedy).")
@@ -126,8 +150,13 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, _TomlSource(settings_cls))
 
 
+class SettingsError(ValueError):
+    """Settings that cannot be used; the message is one line naming the file, key or cause."""
+
+
 class _TomlSource(PydanticBaseSettingsSource):
-    """Reads ``settings.toml`` from the config dir (missing file: no values)."""
+    """Reads ``settings.toml`` from the config dir (missing file: no values). A syntax error or an
+    unknown key (a typo such as ``apikey``) raises SettingsError naming it."""
 
     def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
         return None, field_name, False
@@ -136,20 +165,58 @@ class _TomlSource(PydanticBaseSettingsSource):
         path = get_paths().settings_file
         if not path.exists():
             return {}
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        return {k: v for k, v in data.items() if k in self.settings_cls.model_fields}
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"{path}: not valid TOML: {e}") from None
+        except OSError as e:
+            raise SettingsError(f"{path}: cannot be read: {e.strerror or e}") from None
+        unknown = [k for k in data if k not in self.settings_cls.model_fields]
+        if unknown:
+            import difflib
+
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, list(self.settings_cls.model_fields), n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise SettingsError(f"{path}: unknown setting{'s' if len(unknown) > 1 else ''} "
+                                f"{', '.join(hints)}")
+        return data
+
+
+def read_api_key_file(path: Path) -> str:
+    """The API key in ``path`` (first line). Raises SettingsError when the file is missing, empty
+    or readable by group or others (it must be chmod 600)."""
+    p = Path(path).expanduser()
+    try:
+        mode = p.stat().st_mode
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeError) as e:
+        raise SettingsError(f"api_key_file {p}: cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if mode & 0o077:
+        raise SettingsError(f"api_key_file {p}: readable by others (mode {mode & 0o777:o}); chmod 600 it")
+    key = (text.splitlines() or [""])[0].strip()
+    if not key:
+        raise SettingsError(f"api_key_file {p}: empty")
+    return key
 
 
 def load_settings(**overrides: Any) -> Settings:
-    """Build the settings from overrides > env > file > defaults. Unknown keys raise ValidationError."""
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    """Build the settings from overrides > env > file > defaults. Invalid values raise
+    ValidationError; an unreadable or unknown-keyed settings.toml or a bad api_key_file raise
+    SettingsError. ``api_key_file`` fills ``api_key`` when no key is given otherwise."""
+    s = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    if s.api_key_file is not None and not s.api_key:
+        s = s.model_copy(update={"api_key": read_api_key_file(s.api_key_file)})
+    return s
 
 
 def settings_markdown() -> str:
     """Markdown table of all settings (docs/settings.md is generated from this)."""
     rows = ["| setting | env | default | description |", "|---|---|---|---|"]
     for name, f in Settings.model_fields.items():
-        default = f.default if f.default is not None else "(unset)"
+        default = f.get_default(call_default_factory=True)
+        default = default if default is not None else "(unset)"
         rows.append(f"| `{name}` | `OSTINATO_{name.upper()}` | `{default}` | {f.description} |")
     return "\n".join(rows) + "\n"

@@ -302,3 +302,91 @@ def test_utf8_pieces_split_inside_a_character():
         t.add(data[i:i + 1])
         assert "\ufffd" not in t.text  # never a half character in the streamed text
     assert t.flush() == "héllo → 世界"
+
+
+def test_prefill_stops_between_ubatches_when_cancelled(loop, tiny_model):
+    """Issue 11, item 5: a prompt is prefilled one ubatch per step, so a cancel (client gone) takes
+    effect between ubatches instead of after the whole n_batch chunk."""
+    from ostinatod.engine.client import InProcessEngine
+
+    eng = InProcessEngine(_settings(n_batch=1024, n_ubatch=64, n_slots=1), tiny_model)
+    loop.run_until_complete(eng.start())
+    loop.run_until_complete(eng.wait_ready(600))
+    try:
+        async def go():
+            s0 = await eng.stats()
+            evs = [e async for e in eng.generate(req(prompt="word " * 900, max_tokens=1))]
+            s1 = await eng.stats()
+            n_prompt = evs[0].data["prompt_tokens"]
+            assert s1["decode_calls"] - s0["decode_calls"] >= -(-n_prompt // 64)  # one step per ubatch
+            gen = eng.generate(req(prompt="other " * 900, max_tokens=1))
+            async for e in gen:
+                if e.type == "start":  # admitted: prefill running; the client goes away
+                    break
+            await gen.aclose()
+            for _ in range(200):
+                s2 = await eng.stats()
+                if s2["requests_cancelled"] > s1["requests_cancelled"] and s2["active"] == 0:
+                    return n_prompt, s2["prefilled_tokens"] - s1["prefilled_tokens"]
+                await asyncio.sleep(0.01)
+            raise AssertionError("not cancelled")
+        n_prompt, prefilled = loop.run_until_complete(go())
+        assert prefilled < n_prompt, (prefilled, n_prompt)
+    finally:
+        loop.run_until_complete(eng.stop())
+
+
+def test_deterministic_chunks_do_not_depend_on_the_cache():
+    """Issue 11, item 14: with ``deterministic`` the prompt chunks are the same whatever was cached."""
+    from ostinatod.engine.determinism import aligned_keep, chunk_len, extends_valid
+
+    def chunks(n_prompt: int, n_keep: int, step: int) -> list[tuple[int, int]]:
+        pos, out = n_keep, []
+        while pos < n_prompt:
+            k = chunk_len(pos, n_prompt - pos, step)
+            out.append((pos, pos + k))
+            pos += k
+        return out
+
+    step, n = 32, 150
+    cold = chunks(n, 0, step)
+    assert cold[-1] == (n - 1, n) and all(b - a == step for a, b in cold[:-2])  # last token alone
+    valid = 0
+    for a, b in cold:
+        valid = extends_valid(valid, a, b - a, step)
+    assert valid == 128  # whole aligned chunks only
+    for cached in (0, 5, 40, 100, 149):
+        keep = aligned_keep(cached, valid, step)
+        assert chunks(n, keep, step) == [c for c in cold if c[0] >= keep]
+
+
+def test_deterministic_setting_one_sequence_per_pass_and_same_outputs(loop, tiny_model):
+    """Issue 11, item 14: ``deterministic`` runs one sequence per forward pass (no cross-slot
+    batching), and greedy outputs are the same sequentially, again from the cache, and under
+    concurrency."""
+    from ostinatod.engine.client import InProcessEngine
+
+    eng = InProcessEngine(_settings(deterministic=True, n_ubatch=32, n_batch=256), tiny_model)
+    loop.run_until_complete(eng.start())
+    loop.run_until_complete(eng.wait_ready(600))
+    prompts = [f"Sort list number {i} in Python. " * (1 + i % 3) for i in range(4)]
+
+    def text(evs) -> str:
+        return "".join(e.data.get("text") or "" for e in evs if e.type == "delta")
+
+    try:
+        async def go():
+            async def one(p):
+                return [e async for e in eng.generate(req(messages=[{"role": "user", "content": p}],
+                                                          max_tokens=12, ignore_eos=True))]
+            first = [text(await one(p)) for p in prompts]
+            again = [text(await one(p)) for p in prompts]
+            s0 = await eng.stats()
+            conc = await asyncio.gather(*[one(p) for p in prompts])
+            s1 = await eng.stats()
+            return first, again, [text(c) for c in conc], s1["decode_calls"] - s0["decode_calls"]
+        first, again, conc, calls = loop.run_until_complete(go())
+        assert first == again == conc
+        assert calls >= 4 * 12  # every generated token in a pass of its own: nothing batched across slots
+    finally:
+        loop.run_until_complete(eng.stop())

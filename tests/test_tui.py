@@ -149,3 +149,14 @@ def test_tui_against_live_daemon(live_daemon):
             await pilot.press("escape")
             await pilot.press("q")
     asyncio.run(run())
+
+
+def test_status_panel_says_why_nothing_is_served():
+    """Issue 11, item 3: a model that failed to load (or a crashing worker) is explained in the TUI."""
+    from ostinatod.ui.tui import status_text
+
+    snap = {"engine_state": "error", "model": {"id": "x"}, "engine_health": {
+        "restarts": 0, "error": "/m/x.gguf: /m/x.gguf is truncated: tensor data needs 10 bytes"}}
+    assert "is truncated" in status_text(snap).plain
+    snap = {"engine_state": "ready", "model": {"id": "x"}, "engine_health": {"restarts": 3, "error": None}}
+    assert "3 worker restart(s)" in status_text(snap).plain

@@ -38,9 +38,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
 from ..engine.types import EngineError
+from ..server.common import check_json_value
+from ..server.errors import ApiError
 from .snapshots import _ctl, expert_view, metrics_snapshot
 
 log = logging.getLogger("ostinatod.control")
@@ -82,8 +85,16 @@ async def _body(request: web.Request) -> dict[str, Any]:
         data = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ControlError(400, "invalid_json", f"request body is not valid JSON: {e}")
+    except RequestPayloadError as e:  # a Content-Encoding the body does not have, a cut body
+        raise ControlError(400, "invalid_encoding", f"request body cannot be read: {str(e).strip()}") from None
+    except RecursionError:
+        raise ControlError(400, "invalid_json", "request body nests too deeply") from None
     if not isinstance(data, dict):
         raise ControlError(400, "invalid_request", "request body must be a JSON object")
+    try:
+        check_json_value(data)
+    except ApiError as e:
+        raise ControlError(400, e.code, e.message) from None
     return data
 
 

@@ -81,7 +81,7 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     if state.engine is not None and state.engine_state == "ready":
         try:
-            stats = await asyncio.wait_for(state.engine.stats(), 5) or {}
+            stats = await asyncio.wait_for(state.engine.stats(), 2) or {}
             state.metrics.set_engine_stats(stats)
         except Exception as e:  # a crashed/restarting worker: report, do not fail the snapshot
             stats = {"error": f"{type(e).__name__}: {e}"}
@@ -103,6 +103,7 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
         **_current_workload(state, ex),
         "paused": _ctl(state).get("paused_model") is not None,
         "phase": getattr(state, "phase", None),
+        "engine_health": state.engine_health(),  # restarts, last_exit, error (why it does not serve)
         "last_residency_switch": state.last_residency_switch,
         "requests": {"active": len(state.active), "total": len(state.recent) + len(state.active),
                      "active_list": [{k: r.get(k) for k in keys} for r in state.active.values()],

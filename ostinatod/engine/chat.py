@@ -175,8 +175,8 @@ class ChatTemplates(_NativeHandle):
         res = native.take_json(self._fn_apply(self._h, json.dumps(req).encode()))
         if "error" in res:
             err = res["error"]
-            status = 400 if err.get("type") == "invalid_request" else 500
-            raise EngineError(err.get("type", "template_error"), err.get("message", "template error"), status)
+            # rendering fails on what the request holds (tools, messages): the client's input
+            raise EngineError(err.get("type", "template_error"), err.get("message", "template error"), 400)
         return RenderedPrompt.from_result(res)
 
 

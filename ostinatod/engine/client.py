@@ -209,7 +209,7 @@ class SubprocessEngine:
     """
 
     def __init__(self, settings: Settings, model_path: Optional[Path] = None,
-                 restart_limit: int = 5, restart_window_s: float = 120.0):
+                 restart_limit: int = 5, restart_window_s: float = 120.0, max_backoff_s: float = 60.0):
         self.settings = settings
         self.model_path = model_path
         self.state = "stopped"
@@ -217,6 +217,12 @@ class SubprocessEngine:
         self.restarts = 0
         self.restart_limit = restart_limit
         self.restart_window_s = restart_window_s
+        self.max_backoff_s = max_backoff_s
+        self.last_exit: Optional[dict[str, Any]] = None  # {"code", "at", "reason"} of the last crash
+        self.next_restart_at: Optional[float] = None  # wall time of the pending restart
+        self._kill_reason: Optional[str] = None
+        self._load_failed = False  # the worker reported that the model cannot be loaded
+        self._watchdog: Optional[asyncio.Task] = None
         self._crash_times: list[float] = []
         self._proc: Optional[asyncio.subprocess.Process] = None
         self._reader: Optional[asyncio.Task] = None
@@ -246,8 +252,44 @@ class SubprocessEngine:
             return
         self.state = "loading"
         await self._spawn(path)
+        if self._watchdog is None and self.settings.worker_ping_timeout_s > 0:
+            self._watchdog = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Liveness: ping the worker every ``worker_ping_timeout_s / 2`` s while it is ready; one
+        without an answer for ``worker_ping_timeout_s`` (a stopped or wedged process) is killed,
+        which restarts it like a crash. The pipe reader answers pings, not the loop: a long
+        prefill step does not count as a hang."""
+        timeout = float(self.settings.worker_ping_timeout_s)
+        while not self._stopping:
+            await asyncio.sleep(timeout / 2)
+            proc = self._proc
+            if self.state != "ready" or proc is None or proc.returncode is not None:
+                continue
+            try:
+                await asyncio.wait_for(self._call(P.Op.PING), timeout)
+            except asyncio.TimeoutError:
+                if proc is self._proc and proc.returncode is None and not self._stopping:
+                    log.error("engine worker (pid %s) did not answer a ping within %.0f s (stopped or "
+                              "hung); killing it", proc.pid, timeout)
+                    self._kill_reason = f"did not answer a liveness ping within {timeout:.0f} s"
+                    try:
+                        proc.kill()
+                    except ProcessLookupError:
+                        pass
+            except EngineError:
+                pass
+
+    def status(self) -> dict[str, Any]:
+        """Supervision facts for /health and the control API's status."""
+        out: dict[str, Any] = {"restarts": self.restarts, "last_exit": self.last_exit,
+                               "error": self.error.message if self.error is not None else None}
+        if self.state == "restarting" and self.next_restart_at is not None:
+            out["next_restart_in_s"] = round(max(0.0, self.next_restart_at - time.time()), 1)
+        return out
 
     async def _spawn(self, path: Path) -> None:
+        self._load_failed = False
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         self._proc = await asyncio.create_subprocess_exec(
@@ -262,7 +304,11 @@ class SubprocessEngine:
         if proc is None or proc.stdin is None or proc.returncode is not None:
             return False
         try:
-            proc.stdin.write(P.encode(msg).encode())
+            data = P.encode(msg).encode()
+        except (TypeError, ValueError, RecursionError) as e:  # never half a line on the pipe
+            raise EngineError("invalid_request", f"request cannot be sent to the engine: {e}", 400) from None
+        try:
+            proc.stdin.write(data)
             await proc.stdin.drain()
             return True
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
@@ -293,8 +339,9 @@ class SubprocessEngine:
                     self.error = None
                     assert self._ready is not None
                     self._ready.set()
-                elif msg.error is not None:
+                elif msg.error is not None:  # the model failed to load in this worker
                     self.error = msg.error
+                    self._load_failed = True
         rc = await proc.wait()
         await self._on_exit(proc, rc, path)
 
@@ -310,7 +357,7 @@ class SubprocessEngine:
         self._replies.clear()
         if self._stopping or proc is not self._proc:
             return
-        if self.error is not None and self.state in ("loading", "restarting"):
+        if self._load_failed and self.state in ("loading", "restarting"):
             # the model failed to load: restarting would fail the same way
             self.state = "error"
             assert self._ready is not None
@@ -318,18 +365,24 @@ class SubprocessEngine:
             return
         now = time.monotonic()
         self._crash_times = [t for t in self._crash_times if now - t < self.restart_window_s] + [now]
-        if len(self._crash_times) > self.restart_limit:
-            self.state = "error"
-            self.error = EngineError("engine_crashed", f"the engine worker crashed {len(self._crash_times)} "
-                                     f"times in {self.restart_window_s:.0f} s; not restarting", 503)
-            assert self._ready is not None
-            self._ready.set()
-            return
-        log.error("engine worker exited with code %s; restarting", rc)
+        n = len(self._crash_times)
+        # the first restart_limit crashes of the window restart at once, later ones with exponential
+        # backoff; it never gives up (a daemon that serves nothing helps nobody; each try is logged)
+        delay = 0.2 if n <= self.restart_limit else min(self.max_backoff_s, 2.0 ** (n - self.restart_limit))
+        reason, self._kill_reason = self._kill_reason, None
+        self.last_exit = {"code": rc, "at": time.time(), "reason": reason or f"exited with code {rc}"}
+        plural = "es" if n > 1 else ""
+        self.error = EngineError("engine_crashed", f"the engine worker {self.last_exit['reason']} "
+                                 f"({n} crash{plural} in {self.restart_window_s:.0f} s); restarting in "
+                                 f"{delay:.1f} s", 503)
+        log.error("engine worker %s (%d crash%s in %.0f s); restarting in %.1f s",
+                  self.last_exit["reason"], n, plural, self.restart_window_s, delay)
         self.state = "restarting"
         self.restarts += 1
         self._ready = asyncio.Event()
-        await asyncio.sleep(0.2)
+        self.next_restart_at = time.time() + delay
+        await asyncio.sleep(delay)
+        self.next_restart_at = None
         if not self._stopping:
             await self._spawn(path)
 
@@ -356,6 +409,9 @@ class SubprocessEngine:
     async def stop(self) -> None:
         """Stop the worker process (in-flight requests get an error event)."""
         self._stopping = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         proc = self._proc
         if proc is not None and proc.returncode is None:
             await self._send(P.Shutdown())

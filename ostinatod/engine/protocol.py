@@ -31,13 +31,14 @@ class Op(str, Enum):
     STATS = "stats"
     FLUSH_TRACES = "flush_traces"
     SWITCH_RESIDENCY = "switch_residency"
+    PING = "ping"  # liveness: answered by the worker's pipe reader at once, whatever the loop does
     SHUTDOWN = "shutdown"
     STATE = "state"
     EVENT = "event"
     REPLY = "reply"
 
 
-CALL_OPS = (Op.COUNT_TOKENS, Op.STATS, Op.FLUSH_TRACES, Op.SWITCH_RESIDENCY)
+CALL_OPS = (Op.COUNT_TOKENS, Op.STATS, Op.FLUSH_TRACES, Op.SWITCH_RESIDENCY, Op.PING)
 
 
 def request_to_wire(req: GenRequest) -> dict[str, Any]:

@@ -8,7 +8,8 @@ thread calls :meth:`Worker.run` (the loop); any thread calls :meth:`Worker.submi
 The loop is shaped like llama-server's ``update_slots``: each step admits waiting requests into
 free KV slots (:func:`.slots.choose_slot`: the longest cached prefix, without evicting another
 conversation), then builds one batch: one token for each generating slot (batched decode across
-slots) and then prefill chunks of waiting slots up to ``n_batch`` tokens. Around it:
+slots) and then prefill chunks of waiting slots, one ubatch (``n_ubatch`` tokens) per step so that
+a cancelled request stops between ubatches. Around it:
 :mod:`.loading` (model, context, expert runtime), :mod:`.sampling` (the sampler of a request),
 :mod:`.text` (UTF-8 hold-back, stop strings on new text only) and :mod:`.switcher` (residency-set
 swaps at request boundaries; DESIGN.md "Planning").
@@ -25,7 +26,7 @@ from typing import Any, Optional
 
 from ..residency.model import ModelInfo
 from ..settings import Settings
-from . import loading, sampling
+from . import determinism, loading, sampling
 from .protocol import Op
 from .slots import Slot, choose_slot
 from .task import Emit, Task
@@ -56,6 +57,10 @@ class Worker:
         self.gguf: Optional[ModelInfo] = None
         self.n_ctx_slot = 0
         self.n_batch = settings.n_batch
+        self.n_prefill_step = max(1, min(settings.n_batch, settings.n_ubatch))  # prompt tokens per step
+        self.deterministic = settings.deterministic
+        self._det_valid: dict[int, int] = {}  # slot id -> prefix computed by whole aligned chunks
+        self._turn = 0
         self.slots: list[Slot] = []
         self._inbox: "queue.Queue[tuple[Op, Any]]" = queue.Queue()
         self._waiting: list[Task] = []
@@ -281,9 +286,13 @@ class Worker:
         except EngineError as e:
             self._fail(t, e.code, e.message, e.status)
             return
-        except Exception as e:  # a bug must not take down the loop
-            log.exception("request %s: preparation failed", req.id)
-            self._fail(t, "internal_error", f"request preparation failed: {e}", 500)
+        except Exception as e:  # noqa: BLE001 - never takes down the loop
+            # the HTTP layer has validated the request's shape; what still fails here is content
+            # the template or tokenizer cannot take (a message of an unforeseen shape): the
+            # client's request, answered 400 (traceback at DEBUG for the rare daemon bug)
+            log.warning("request %s: cannot be prepared: %r", req.id, e)
+            log.debug("request %s: preparation traceback", req.id, exc_info=True)
+            self._fail(t, "invalid_request", f"request cannot be prepared: {e}", 400)
             return
         self._waiting.append(t)
 
@@ -307,6 +316,10 @@ class Worker:
                 llama_cpp.llama_memory_seq_cp(self.mem, src.id, target.id, 0, c.n_copy)
                 target.tokens = src.tokens[:c.n_copy]
             n_keep = c.n_keep
+            if self.deterministic:
+                valid = self._det_valid.get(c.copy_from if c.copy_from is not None else target.id, 0)
+                n_keep = determinism.aligned_keep(n_keep, valid, self.n_prefill_step)
+                self._det_valid[target.id] = n_keep
             if n_keep < len(target.tokens):
                 if not llama_cpp.llama_memory_seq_rm(self.mem, target.id, n_keep, -1):
                     llama_cpp.llama_memory_seq_rm(self.mem, target.id, -1, -1)
@@ -348,15 +361,24 @@ class Worker:
         n = 0
         rows: list[tuple[Task, int]] = []  # (task, batch index whose logits it samples from)
         plan: list[tuple[Task, list[int]]] = []
-        for t in self._active:
+        active = self._active
+        if self.deterministic:  # one sequence per forward pass, slots take turns (determinism.py)
+            self._turn = (self._turn + 1) % len(active)
+            active = [active[self._turn]]
+        for t in active:
             if t.next_token is not None and n < self.n_batch:
                 self._put(b, n, t.next_token, len(t.slot.tokens), t.slot.id, True)
                 plan.append((t, [t.next_token]))
                 rows.append((t, n))
                 n += 1
-        for t in self._active:
-            if t.pending and n < self.n_batch:
-                k = min(len(t.pending), self.n_batch - n)
+        # prefill: at most one ubatch of prompt tokens per step (the forward pass llama_decode
+        # would cut anyway), so a cancel (client gone) is seen between ubatches, not after n_batch
+        budget = n + self.n_prefill_step
+        for t in active:
+            if t.pending and n < budget and not (self.deterministic and n):
+                k = min(len(t.pending), budget - n)
+                if self.deterministic:
+                    k = determinism.chunk_len(len(t.slot.tokens), len(t.pending), self.n_prefill_step)
                 chunk = t.pending[:k]
                 base = len(t.slot.tokens)
                 last = k == len(t.pending)
@@ -387,6 +409,10 @@ class Worker:
             if t.next_token is not None and toks == [t.next_token] and not t.pending:
                 t.next_token = None
             elif t.pending:
+                if self.deterministic:
+                    pos = len(t.slot.tokens) - len(toks)
+                    self._det_valid[t.slot.id] = determinism.extends_valid(
+                        self._det_valid.get(t.slot.id, 0), pos, len(toks), self.n_prefill_step)
                 t.pending = t.pending[len(toks):]
                 with self._lock:
                     self._counters["prefilled_tokens"] += len(toks)

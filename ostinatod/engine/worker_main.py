@@ -59,6 +59,9 @@ def main() -> int:
     send(P.StateMsg("ready", info=worker.info()))
 
     def call(msg: P.Call) -> None:
+        if msg.op is P.Op.PING:
+            send(P.Reply(msg.rid, True))
+            return
         if msg.op is P.Op.SWITCH_RESIDENCY:
             def done(info, err, rid=msg.rid) -> None:
                 send(P.Reply(rid, info) if err is None else P.Reply(rid, error=err))

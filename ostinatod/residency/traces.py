@@ -21,6 +21,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -48,11 +49,20 @@ def trace_path(fingerprint: str, workload: str, data_dir: Optional[Path] = None)
     return trace_file(fingerprint, _safe_name(workload), data_dir)
 
 
+# A workload name becomes a file name (traces, residency sets): letters, digits, ".", "_", "-",
+# starting with a letter or digit, at most 64 characters ("..", "/", "\\", NUL, ".x" are refused).
+WORKLOAD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def valid_workload(name: object) -> bool:
+    """True when ``name`` may be used as a workload name (see ``WORKLOAD_NAME``)."""
+    return isinstance(name, str) and WORKLOAD_NAME.fullmatch(name) is not None and ".." not in name
+
+
 def _safe_name(workload: str) -> str:
-    w = str(workload).strip()
-    if not w or any(c in w for c in "/\\\0") or w.startswith("."):
+    if not valid_workload(workload):
         raise TraceError(f"invalid workload name {workload!r}")
-    return w
+    return workload
 
 
 @dataclass
@@ -320,10 +330,15 @@ class TraceRecorder:
             pending, self._pending = self._pending, {}
             self._last_flush = time.monotonic()
         for workload, delta in pending.items():
+            if not valid_workload(workload):  # never a file name: dropped, never raised
+                log.warning("trace counts of invalid workload name %r dropped", workload)
+                continue
             try:
                 merge_into_file(self.path(workload), delta)
-            except (OSError, TraceError) as e:
-                log.warning("could not write trace %s: %s", self.path(workload), e)
+            except Exception as e:  # noqa: BLE001 - flushing must never raise into the worker
+                log.warning("could not write trace of workload %r: %r", workload, e)
+                if not isinstance(e, (OSError, TraceError)):
+                    continue  # not a transient failure: do not retry forever
                 with self._lock:  # keep the counts for the next flush
                     cur = self._pending.get(workload)
                     if cur is None:

@@ -7,13 +7,16 @@ thread or subprocess. :func:`make_app` builds the app for a :class:`DaemonState`
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from typing import Awaitable, Callable
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from . import anthropic_api, openai_api, responses_api
+from .common import INPUT_PHASE
 from .errors import ApiError, error_response
 from .metrics import CONTENT_TYPE
 from .state import DaemonState
@@ -22,6 +25,7 @@ log = logging.getLogger("ostinatod.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPEN_PATHS = ("/health", "/")
+METRICS_ENGINE_WAIT_S = 1.0  # /metrics waits this long for the engine's counters, then answers without
 
 
 def _key_of(request: web.Request) -> str | None:
@@ -31,15 +35,86 @@ def _key_of(request: web.Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+def _key_ok(got: str, key: str) -> bool:
+    """Constant-time comparison; a header that is not UTF-8 is simply a wrong key."""
+    try:
+        return hmac.compare_digest(got.encode("utf-8"), key.encode("utf-8"))
+    except UnicodeError:
+        return False
+
+
+# Host names always accepted: loopback names, and Docker's name of the host (OpenHands in a
+# container; no public DNS name, so no web page can rebind it). IP literals are accepted too:
+# DNS rebinding needs a domain name.
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "ip6-localhost", "host.docker.internal")
+
+
+def _is_ip(name: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _hostname(value: str) -> str:
+    """The host name of a Host header or an Origin (scheme, port and brackets removed, lower case)."""
+    v = value.strip().lower()
+    if "://" in v:
+        v = v.split("://", 1)[1]
+    v = v.split("/", 1)[0]
+    if v.startswith("["):
+        return v[1:].split("]", 1)[0]
+    return v.rsplit(":", 1)[0] if v.count(":") == 1 else v
+
+
+def _allowed_names(state: DaemonState) -> set[str]:
+    names = set(LOOPBACK_NAMES) | {h.lower() for h in state.settings.allowed_hosts}
+    host = state.settings.host
+    if host not in ("0.0.0.0", "::", ""):
+        names.add(_hostname(host))
+    return names
+
+
+def check_origin(state: DaemonState, request: web.Request) -> None:
+    """DNS-rebinding and browser-page guard: the Host header must be an IP address, a loopback
+    name, the bound address or one of ``allowed_hosts``; an Origin header (sent by browsers) must
+    name one of the names (``cors = true`` allows any Origin); a POST must declare a JSON body (browsers cannot
+    send ``application/json`` cross-site without a CORS preflight). Raises ApiError 403 / 415."""
+    names = _allowed_names(state)
+    host = request.headers.get("Host")
+    if host is not None and "*" not in names and _hostname(host) not in names and not _is_ip(_hostname(host)):
+        raise ApiError(403, "forbidden_host", f"Host {host!r} is not served here (allowed: loopback names "
+                       "and the allowed_hosts setting).")
+    origin = request.headers.get("Origin")
+    if origin is not None and not state.settings.cors and "*" not in names and _hostname(origin) not in names:
+        raise ApiError(403, "forbidden_origin", f"Origin {origin!r} is not allowed (browser pages may "
+                       "not use this API; see the cors and allowed_hosts settings).")
+    if request.method == "POST" and request.path not in _OPEN_PATHS:
+        ctype = request.content_type.lower()
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            raise ApiError(415, "unsupported_media_type", f"POST bodies must be JSON: send "
+                           f"'Content-Type: application/json' (got {ctype!r}).")
+
+
+# Exceptions that, raised while a request is being read and translated (INPUT_PHASE), come from a
+# body no explicit check foresaw: the client's mistake, answered 400 invalid_request.
+_INPUT_ERRORS = (ValidationError, ValueError, TypeError, AttributeError, LookupError, RecursionError)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn ApiError, unknown routes and unexpected bugs into the protocol's JSON error body."""
+    """Turn ApiError, unknown routes, malformed input and unexpected bugs into the protocol's JSON
+    error body (never a response once a stream has started: see common.respond)."""
     state: DaemonState = request.app["state"]
+    INPUT_PHASE.set(True)
     try:
+        check_origin(state, request)
         key = state.settings.api_key
         if key and request.path not in _OPEN_PATHS and request.method != "OPTIONS":
-            got = _key_of(request) or ""
-            if not hmac.compare_digest(got.encode(), key.encode()):
+            if not _key_ok(_key_of(request) or "", key):
                 raise ApiError(401, "invalid_api_key", "Missing or wrong API key (send 'Authorization: "
                                "Bearer KEY' or 'x-api-key: KEY').")
         return await handler(request)
@@ -59,9 +134,30 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         raise
     except (ConnectionResetError, ConnectionError):
         raise
+    except _INPUT_ERRORS as e:
+        if not INPUT_PHASE.get():
+            log.exception("internal error on %s %s", request.method, request.path)
+            return error_response(request.path, ApiError(500, "internal_error", f"Internal error: {e!r}"))
+        err = _input_error(e)
+        state.metrics.http_errors.labels(_protocol(request.path), err.code).inc()
+        log.info("%s %s -> 400 %s: %s", request.method, request.path, err.code, err.message)
+        return error_response(request.path, err)
     except Exception as e:  # a bug in the daemon, never model output: logged with traceback
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(request.path, ApiError(500, "internal_error", f"Internal error: {e!r}"))
+
+
+def _input_error(e: BaseException) -> ApiError:
+    """ApiError 400 for an exception raised by a malformed request body (see _INPUT_ERRORS)."""
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        return ApiError(400, "invalid_request", f"Invalid request: {loc}: {first.get('msg')}", param=loc or None)
+    if isinstance(e, UnicodeError):
+        return ApiError(400, "invalid_encoding", f"Invalid request: text that cannot be encoded: {e}")
+    if isinstance(e, RecursionError):
+        return ApiError(400, "invalid_json", "Invalid request: the body nests too deeply.")
+    return ApiError(400, "invalid_request", f"Invalid request: a field has an unexpected shape ({e})")
 
 
 def _protocol(path: str) -> str:
@@ -75,11 +171,13 @@ def _protocol(path: str) -> str:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: 200 {"status": "ok"} when ready, 503 while loading or without a model."""
+    """GET /health: 200 {"status": "ok"} when ready, 503 while loading, restarting or without a
+    model; with the engine's supervision facts (``restarts``, ``last_exit``, ``error``: why it
+    is not serving)."""
     state: DaemonState = request.app["state"]
     es = state.engine_state
     body = {"status": "ok" if es == "ready" else es, "model": state.model_name,
-            "random_weights": bool(state.model_info.get("is_demo"))}
+            "random_weights": bool(state.model_info.get("is_demo")), **state.engine_health()}
     return web.json_response(body, status=200 if es == "ready" else 503)
 
 
@@ -87,8 +185,8 @@ async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text format; the engine's stats() flattened under ostinato_engine_."""
     state: DaemonState = request.app["state"]
     if state.engine is not None and state.engine_state == "ready":
-        try:
-            state.metrics.set_engine_stats(await state.engine.stats())
+        try:  # never blocks on the engine: a busy or stopped worker leaves the last values
+            state.metrics.set_engine_stats(await asyncio.wait_for(state.engine.stats(), METRICS_ENGINE_WAIT_S))
         except Exception as e:  # noqa: BLE001 - metrics must answer even if the worker is restarting
             log.debug("engine stats unavailable: %r", e)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -137,14 +235,127 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
     return app
 
 
+class _ConnectionGuard(asyncio.Protocol):
+    """Wraps aiohttp's protocol of one connection: closes it when its first request's headers have
+    not arrived within ``header_timeout`` seconds (slow or half-open clients). At most ``cap``
+    connections are open at once: at the cap a new connection closes the oldest one that has not
+    sent a whole request yet, or is refused when all of them have (a file descriptor each)."""
+
+    open_now = 0
+    # connections whose first request is not complete yet, oldest first (evicted at the cap)
+    waiting: "dict[_ConnectionGuard, None]" = {}
+
+    def __init__(self, inner: asyncio.Protocol, cap: int, header_timeout: float):
+        self.inner, self.cap, self.header_timeout = inner, cap, header_timeout
+        self.transport: asyncio.BaseTransport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if _ConnectionGuard.open_now >= self.cap and _ConnectionGuard.waiting:
+            # at the cap: the oldest connection still sending its first headers makes room
+            oldest = next(iter(_ConnectionGuard.waiting))
+            log.info("connection cap %d reached: closing the oldest connection without a request", self.cap)
+            oldest._drop()
+        if _ConnectionGuard.open_now >= self.cap:
+            log.warning("connection refused: %d connections open (cap %d)", _ConnectionGuard.open_now, self.cap)
+            transport.close()
+            return
+        _ConnectionGuard.open_now += 1
+        self.counted = True
+        _ConnectionGuard.waiting[self] = None
+        if self.header_timeout > 0:
+            self.timer = asyncio.get_running_loop().call_later(self.header_timeout, self._expire)
+        self.inner.connection_made(transport)
+
+    def _expire(self) -> None:
+        self.timer = None
+        if getattr(self.inner, "_request_count", 1) == 0 and self.transport is not None:
+            log.info("connection closed: no complete request headers within %.0f s", self.header_timeout)
+            self._drop()
+
+    def _drop(self) -> None:
+        """Close a connection that has not sent a whole request: counted as gone at once."""
+        transport = self.transport
+        self.connection_lost(None)
+        if transport is not None:
+            transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self.counted:
+            self.inner.data_received(data)  # type: ignore[attr-defined]
+            if getattr(self.inner, "_request_count", 0) > 0:
+                _ConnectionGuard.waiting.pop(self, None)
+                if self.timer is not None:
+                    self.timer.cancel()
+                    self.timer = None
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.counted else None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        _ConnectionGuard.waiting.pop(self, None)
+        if self.counted:
+            self.counted = False
+            _ConnectionGuard.open_now -= 1
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class _GuardedSite(web.TCPSite):
+    """A TCPSite whose connections go through :class:`_ConnectionGuard`."""
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        st = self._runner.app["state"]  # type: ignore[union-attr]
+        cap, timeout = st.settings.http_max_connections, st.settings.http_header_timeout_s
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _ConnectionGuard(server(), cap, timeout), self._host, self._port,
+            backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
+
+
+def raise_fd_limit(want: int = 65536) -> int:
+    """Raise this process's soft limit of open files towards the hard limit (at most ``want``);
+    returns the soft limit now in force."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit from %d: %s", soft, e)
+    return soft
+
+
 async def start_http(state: DaemonState, host: str | None = None, port: int | None = None) -> web.AppRunner:
     """Bind the app on ``host:port`` (settings by default; port 0 = free port). Sets
-    ``state.http_url`` to the bound address and returns the runner (``await runner.cleanup()``)."""
+    ``state.http_url`` to the bound address and returns the runner (``await runner.cleanup()``).
+
+    Connections are guarded (:class:`_ConnectionGuard`): settings ``http_max_connections`` and
+    ``http_header_timeout_s``; bodies must arrive within ``http_body_timeout_s`` (read_json)."""
+    s = state.settings
     runner = web.AppRunner(make_app(state), access_log=None, handler_cancellation=False)
     await runner.setup()
+
     host = host or state.settings.host
     port = state.settings.port if port is None else port
-    site = web.TCPSite(runner, host, port)
+    site = _GuardedSite(runner, host, port)
     await site.start()
     sock = site._server.sockets[0]  # type: ignore[union-attr]  # actual port when 0 was asked
     bound_port = sock.getsockname()[1]

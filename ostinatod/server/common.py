@@ -6,6 +6,7 @@ record (TTFT, TPOT, token counts) while an adapter turns engine events into its 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import re
@@ -13,9 +14,11 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
 from ..engine.types import EngineError, EngineEvent, EventType, GenRequest
+from ..residency.traces import valid_workload
 from .encoders import Frame
 from .errors import ApiError
 from .state import DaemonState
@@ -43,15 +46,61 @@ _CLIENTS: list[tuple[str, str, Optional[str]]] = [
 ]
 
 
+# Deepest JSON nesting accepted in a request body (agents' tool schemas stay far below it; deeper
+# bodies would reach recursion limits of the parser, the worker pipe or the chat template).
+MAX_JSON_DEPTH = 64
+
+# True while a request is being read and turned into a GenRequest (set by the HTTP middleware,
+# cleared by ensure_engine): an unexpected ValueError/TypeError/... then is the client's mistake
+# (a body of a shape no check foresaw) and answers 400, never 500.
+INPUT_PHASE: contextvars.ContextVar[bool] = contextvars.ContextVar("ostinato_input_phase", default=False)
+
+
+def _no_constant(name: str) -> Any:
+    raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {name} is not a JSON number.")
+
+
+def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Raise ApiError 400 when a parsed JSON value nests deeper than ``max_depth`` (``invalid_json``)
+    or holds a string that is not valid Unicode, e.g. a lone surrogate ``"\\ud800"``
+    (``invalid_encoding``: it could not be encoded for the model)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, "invalid_encoding", "Request body holds a string that is not valid "
+                               "Unicode (a lone surrogate such as \\ud800).") from None
+        elif isinstance(v, (dict, list)):
+            if depth > max_depth:
+                raise ApiError(400, "invalid_json", f"Request body nests deeper than {max_depth} levels.")
+            items = list(v.keys()) + list(v.values()) if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items)
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """Parse the body as a JSON object. Raises ApiError 400 ``invalid_json`` with the position."""
-    raw = await request.read()
+    """Parse the body as a JSON object. Raises ApiError 400: ``invalid_json`` (not JSON, NaN or
+    Infinity, nested deeper than MAX_JSON_DEPTH, not an object), ``invalid_encoding`` (a body that
+    cannot be decoded: bad Content-Encoding, invalid UTF-8 or lone surrogates)."""
     try:
-        body = json.loads(raw)
+        state = request.app["state"]
+        raw = await asyncio.wait_for(request.read(), state.settings.http_body_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, "request_timeout", "The request body did not arrive within "
+                       f"{state.settings.http_body_timeout_s:.0f} s.") from None
+    except RequestPayloadError as e:
+        raise ApiError(400, "invalid_encoding", f"Request body cannot be read: {str(e).strip()}") from None
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "invalid_json", f"Request body nests deeper than {MAX_JSON_DEPTH} levels.") from None
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_json", "Request body must be a JSON object.")
+    check_json_value(body)
     return body
 
 
@@ -127,9 +176,16 @@ def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool 
 
 def request_workload(state: DaemonState, request: web.Request, suffix_workload: Optional[str],
                      client_workload: Optional[str]) -> str:
-    """Workload: header ``x-ostinato-workload`` > model suffix > known client > default."""
-    return (request.headers.get(WORKLOAD_HEADER) or suffix_workload or client_workload
-            or state.settings.workload_default)
+    """Workload: header ``x-ostinato-workload`` > model suffix > known client > default.
+    Raises ApiError 400 ``invalid_workload`` for a name that is not a plain file name
+    (``residency.traces.valid_workload``: letters, digits, ``.``, ``_``, ``-``, no ``..``)."""
+    header = request.headers.get(WORKLOAD_HEADER)
+    for given, where in ((header, WORKLOAD_HEADER), (suffix_workload, "model")):
+        if given and not valid_workload(given):
+            raise ApiError(400, "invalid_workload", f"Invalid workload name {given!r} (in {where}): use "
+                           "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.",
+                           param=where)
+    return header or suffix_workload or client_workload or state.settings.workload_default
 
 
 def fill_common(state: DaemonState, request: web.Request, req: GenRequest, requested_model: Optional[str],
@@ -143,18 +199,23 @@ def fill_common(state: DaemonState, request: web.Request, req: GenRequest, reque
     hdr = request.headers.get(LOGIT_BIAS_HEADER)
     if hdr:
         try:
-            extra = json.loads(hdr)
-        except json.JSONDecodeError:
-            raise ApiError(400, "invalid_request", f"{LOGIT_BIAS_HEADER} must be a JSON object") from None
+            extra = json.loads(hdr, parse_constant=_no_constant)
+        except (json.JSONDecodeError, RecursionError):
+            extra = None
+        if not isinstance(extra, dict):
+            raise ApiError(400, "invalid_request", f"{LOGIT_BIAS_HEADER} must be a JSON object",
+                           param=LOGIT_BIAS_HEADER)
         body_bias = getattr(req, "logit_bias", None) or {}
         apply_logit_bias(req, extra)
-        req.logit_bias = {**req.logit_bias, **body_bias}  # type: ignore[attr-defined]
+        req.logit_bias = {**(getattr(req, "logit_bias", None) or {}), **body_bias}  # type: ignore[attr-defined]
     if req.messages and state.settings.neutralize_volatile:
         neutralize_messages(req.messages)
 
 
 async def ensure_engine(state: DaemonState) -> Any:
-    """The engine, waiting while it loads/restarts. Raises ApiError 503 ``model_not_loaded``."""
+    """The engine, waiting while it loads/restarts. Raises ApiError 503 ``model_not_loaded``.
+    Ends the request's input phase (see INPUT_PHASE): errors from here on are not the client's."""
+    INPUT_PHASE.set(False)
     eng = state.engine
     if eng is None:
         raise ApiError(503, "model_not_loaded", "No model is loaded.")
@@ -210,9 +271,12 @@ class Generation:
         except EngineError as e:
             gen.close(e.code, e.message)
             raise ApiError(e.status, e.code, e.message) from None
+        except BaseException as e:  # every record is closed, whatever fails (then re-raised)
+            gen.close("internal_error", repr(e))
+            raise
         if first is None:
             gen.close("engine_crashed", "engine ended the stream without a result")
-            raise ApiError(502, "engine_crashed", "The engine ended the stream without a result.")
+            raise ApiError(503, "engine_crashed", "The engine ended the stream without a result.")
         if first.type == "error":
             d = first.data
             gen.close(d.get("code", "engine_error"), d.get("message"))
@@ -271,7 +335,7 @@ class Generation:
             if ev.type == "ping":
                 continue
             if ev.type == "error":
-                raise ApiError(int(ev.data.get("status") or 502), ev.data.get("code", "engine_error"),
+                raise ApiError(int(ev.data.get("status") or 503), ev.data.get("code", "engine_error"),
                                ev.data.get("message") or "engine error")
         return self.done or {}
 
@@ -289,7 +353,7 @@ class Generation:
                 except EngineError as e:
                     ev = EngineEvent("error", {"code": e.code, "message": e.message, "status": e.status})
                 if ev is None:
-                    ev = EngineEvent("error", {"code": "engine_crashed", "status": 502,
+                    ev = EngineEvent("error", {"code": "engine_crashed", "status": 503,
                                                "message": "The engine ended the stream without a result."})
             if ev.type == "start":
                 self._on_start(ev.data)
@@ -369,6 +433,7 @@ class Generation:
 
 
 HEARTBEAT_S = 10.0  # keep-alive interval of streams while the engine is silent (long prefill)
+WATCH_S = 1.0  # how often a silent stream checks that its client is still connected
 
 
 def apply_logit_bias(req: GenRequest, bias: Any) -> None:
@@ -406,7 +471,13 @@ async def respond(request: web.Request, gen: Generation, stream: bool,
                   open_stream: Callable[[], tuple[Any, list[Frame]]]) -> web.StreamResponse:
     """Answer one generation and close it: the JSON ``body(done)``, or, with ``stream``, the SSE
     frames of the encoder that ``open_stream()`` returns with its first frames (then the frames of
-    every engine event, then the encoder's ``end()`` frames if it has any)."""
+    every engine event, then the encoder's ``end()`` frames if it has any).
+
+    Once a stream has started (status 200 sent), nothing can become an HTTP error any more: a
+    failure is sent as the protocol's error event in the stream (the encoder's frames for an
+    engine "error" event) and the stream is ended."""
+    resp: Optional[web.StreamResponse] = None
+    enc: Any = None
     try:
         if not stream:
             return web.json_response(body(await gen.result(request)))
@@ -414,11 +485,41 @@ async def respond(request: web.Request, gen: Generation, stream: bool,
         resp = await start_sse(request)
         for f in first:
             await resp.write(f.encode())
-        async for ev in gen.events(heartbeat=HEARTBEAT_S):
+        last_write = time.monotonic()
+        # a tick every second while the engine is silent (long prefill): a client that went away
+        # is noticed within a second and its request cancelled between ubatches; a keep-alive
+        # frame goes out every HEARTBEAT_S seconds of silence
+        async for ev in gen.events(heartbeat=WATCH_S):
+            if ev.type == "ping":
+                if request.transport is None or request.transport.is_closing():
+                    raise ConnectionResetError("the client closed the connection")
+                if time.monotonic() - last_write < HEARTBEAT_S:
+                    continue
             for f in enc.feed(ev, gen.usage):
                 await resp.write(f.encode())
+            last_write = time.monotonic()
         for f in (enc.end() if hasattr(enc, "end") else []):
             await resp.write(f.encode())
+        return resp
+    except ConnectionError:  # the client went away (an ordinary event: one log line, no traceback)
+        gen.close("client_disconnected", "the client closed the connection")
+        return resp if resp is not None else web.Response(status=499)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - inside a started stream errors are stream events
+        if resp is None or not resp.prepared or enc is None:
+            raise
+        code = e.code if isinstance(e, ApiError) else "internal_error"
+        status = e.status if isinstance(e, ApiError) else 500
+        logging.getLogger("ostinatod.http").warning("request %s: error inside its stream: %r", gen.req.id, e)
+        gen.error = {"code": code, "message": str(e), "status": status}
+        try:
+            for f in enc.feed(EngineEvent("error", gen.error), gen.usage):
+                await resp.write(f.encode())
+            for f in (enc.end() if hasattr(enc, "end") else []):
+                await resp.write(f.encode())
+        except Exception:  # noqa: BLE001 - the client may be gone as well
+            pass
         return resp
     finally:
         await gen.aclose()

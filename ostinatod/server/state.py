@@ -64,6 +64,8 @@ class DaemonState:
     last_residency_switch: Optional[dict[str, Any]] = None
     # residency sets and traces of the served model (control API, re-planner); made here
     desk: Optional[ResidencyDesk] = None
+    # why the last model load failed (None after a successful load): /health, status, the TUI
+    model_error: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.recent is None:
@@ -86,10 +88,10 @@ class DaemonState:
 
     @property
     def engine_state(self) -> str:
-        """Engine lifecycle state; "loading" while the daemon prepares one (``phase``), "stopped"
-        when there is none."""
+        """Engine lifecycle state; "loading" while the daemon prepares one (``phase``), "error"
+        when there is none because the last load failed (``model_error``), else "stopped"."""
         if self.engine is None:
-            return "loading" if self.phase else "stopped"
+            return "loading" if self.phase else ("error" if self.model_error else "stopped")
         return getattr(self.engine, "state", "stopped")
 
     # --- request records ----------------------------------------------------------------------
@@ -152,6 +154,22 @@ class DaemonState:
                   f"{secs:.3f}" if isinstance(secs, (int, float)) else "?", rec.get("hot_experts"),
                   rec.get("pool_bytes"), rec.get("path"))
 
+    # --- engine supervision -------------------------------------------------------------------
+    def engine_health(self) -> dict[str, Any]:
+        """What /health and status say about the engine besides its state: ``restarts``,
+        ``last_exit`` ({"code", "at", "reason"}), ``error`` (why it does not serve: the last crash
+        while restarting, the load failure of the configured model, ...), ``next_restart_in_s``."""
+        out: dict[str, Any] = {"restarts": 0, "last_exit": None, "error": self.model_error}
+        eng = self.engine
+        if eng is not None:
+            sup = eng.status() if hasattr(eng, "status") else {}
+            out.update({k: v for k, v in sup.items() if v is not None or k != "error"})
+            if out.get("error") is None and getattr(eng, "error", None) is not None:
+                out["error"] = getattr(eng.error, "message", str(eng.error))
+            if self.engine_state == "ready":
+                out["error"] = None
+        return out
+
     # --- snapshots for status -----------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """Status summary (the control API's ``status`` and ``ostinatod status``)."""
@@ -165,6 +183,7 @@ class DaemonState:
             "phase": self.phase,
             "model": {"id": self.model_name, **info},
             "random_weights": bool(info.get("is_demo")),
+            "engine": self.engine_health(),
             "active_requests": len(self.active),
             "requests_total": len(self.recent) + len(self.active),
         }

@@ -5,6 +5,7 @@ Subcommands (each a module with ``main(argv) -> int``):
   engines  Ostinato against stock llama.cpp on the same model and sessions
            (ostinatod.tools.bench_engines)
   plot     time against pool size from stored engines JSONs (ostinatod.tools.bench_plot)
+  reliability  fuzzing, crashes, slow connections (ostinatod.tools.bench_reliability)
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                 "Ostinato vs stock llama.cpp baselines on one model and sessions"),
     "plot": ("ostinatod.tools.bench_plot", "main",
              "plot time against pool size from stored 'bench engines' JSONs (SVG)"),
+    "reliability": ("ostinatod.tools.bench_reliability", "main",
+                    "fuzz every route, crash and stop the worker, slow connections: 5xx, hangs, RSS"),
 }
 
 

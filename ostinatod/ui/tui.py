@@ -105,6 +105,11 @@ def status_text(snap: dict[str, Any]) -> Text:
     st.append("engine    ", style="bold")
     st.append(f"{state}" + (f" ({snap['phase']})" if snap.get("phase") else "") +
               ("  PAUSED" if snap.get("paused") else "") + "\n", style=style)
+    health = snap.get("engine_health") or {}
+    if health.get("error") and state != "ready":  # why nothing is served (load failure, crashes)
+        st.append(f"          {health['error']}\n", style="red")
+    elif health.get("restarts"):
+        st.append(f"          {health['restarts']} worker restart(s)\n", style="dim")
     st.append("experts   ", style="bold")
     st.append(f"{ex.get('mode') or m.get('experts_mode') or '-'}"
               f"  {m.get('arch') or ''} {m.get('n_layer') or ''}L×{m.get('n_expert') or ''}E k={m.get('n_expert_used') or ''}\n")

@@ -1,0 +1,329 @@
+"""``ostinato bench reliability``: the long part of the reliability suite (issue 11).
+
+Starts a daemon of its own (subprocess engine worker, a fresh OSTINATO_HOME) on the tiny synthetic
+model (or ``--model``), then, in order:
+
+1. fuzz: ``--requests`` hypothesis-generated requests over every HTTP route (bodies, headers) and
+   ``--control-requests`` over the control socket (``ostinatod/tools/fuzz.py``);
+2. concurrent greedy clients: ``--clients`` threads sending the same prompts at temperature 0;
+3. slow connections: ``--slow`` half-sent request headers held open while /health is timed;
+4. crashes: ``--kills`` times kill -9 of the worker in the middle of a stream, then one SIGSTOP
+   of the worker; each time the seconds until /health is 200 again (recovery);
+
+and prints the figures: requests, 5xx, hangs, daemon and worker alive, RSS (daemon + worker)
+before and after, recovery times. Exit code 0 when there were no 5xx, no hangs, both processes are
+alive and RSS grew less than 10%; 1 otherwise. ``--json FILE`` writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+
+def _health(url: str, timeout: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def _wait_healthy(url: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if _health(url) == 200:
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return float("inf")
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+    except OSError:
+        return -1, {}
+
+
+def _rss(pid: int) -> int:
+    """RSS of the daemon plus its engine worker (other short-lived children, e.g. a hardware probe,
+    are not counted)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        total = p.memory_info().rss
+        for c in p.children():
+            try:
+                if "worker_main" in " ".join(c.cmdline()):
+                    total += c.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+    except psutil.NoSuchProcess:
+        return 0
+
+
+def _workers(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
+
+
+class Daemon:
+    """An ``ostinatod run`` of its own in a fresh home."""
+
+    def __init__(self, model: Path, extra: list[str]):
+        self.home = Path(tempfile.mkdtemp(prefix="ostinato-reliability-"))
+        env = dict(os.environ, OSTINATO_HOME=str(self.home), OSTINATOD_DETACHED="1")
+        (self.home / "state").mkdir(parents=True)
+        self.out = open(self.home / "state" / "stdio.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ostinatod.daemon_cli", "run", "--port", "0",
+                                      "--model", str(model), "--engine-mode", "subprocess", *extra],
+                                     env=env, stdin=subprocess.DEVNULL, stdout=self.out, stderr=self.out)
+        info = self.home / "run" / "ostinatod.json"
+        deadline = time.monotonic() + 300
+        self.url = ""
+        while not self.url and time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                self.url = json.loads(info.read_text())["http_url"]
+            except (FileNotFoundError, json.JSONDecodeError, KeyError):
+                time.sleep(0.1)
+        if not self.url or _wait_healthy(self.url, 300) == float("inf"):
+            raise SystemExit(f"daemon did not start; see {self.home}/state")
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.socket = str(self.home / "run" / "control.sock")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.out.close()
+
+
+def _greedy(d: Daemon, clients: int, prompts: int) -> dict[str, Any]:
+    """The same prompts at temperature 0: sequentially twice, then from ``clients`` threads."""
+    texts = [f"Prompt number {i}: write some code about item {i * 7}." for i in range(prompts)]
+
+    def one(t: str) -> Optional[str]:
+        code, body = _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": t}],
+                                                            "max_tokens": 8, "temperature": 0})
+        return body["choices"][0]["message"].get("content") if code == 200 else None
+
+    seq1 = [one(t) for t in texts]
+    seq2 = [one(t) for t in texts]
+    results: list[tuple[int, Optional[str]]] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for i, t in enumerate(texts):
+            r = one(t)
+            with lock:
+                results.append((i, r))
+
+    th = [threading.Thread(target=worker) for _ in range(clients)]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    failed = sum(1 for _, r in results if r is None) + sum(1 for r in seq1 + seq2 if r is None)
+    return {"requests": len(results) + 2 * len(texts), "failed": failed,
+            "sequential_runs_equal": sum(a == b for a, b in zip(seq1, seq2)), "prompts": len(texts),
+            "concurrent_equal_to_sequential": sum(1 for i, r in results if r in (seq1[i], seq2[i])),
+            "concurrent_outputs": len(results)}
+
+
+def _slow(d: Daemon, n: int) -> dict[str, Any]:
+    import socket
+
+    socks = []
+    for _ in range(n):
+        try:
+            s = socket.create_connection(("127.0.0.1", d.port), timeout=5)
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+            socks.append(s)
+        except OSError:
+            break
+    t0 = time.monotonic()
+    code = _health(d.url, timeout=30)
+    health_s = time.monotonic() - t0
+    for s in socks:
+        s.close()
+    return {"opened": len(socks), "health_status_meanwhile": code, "health_seconds": round(health_s, 3)}
+
+
+def _crashes(d: Daemon, kills: int) -> dict[str, Any]:
+    recover: list[float] = []
+    for _ in range(kills):
+        result: dict[str, Any] = {}
+
+        def stream() -> None:
+            body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}
+            req = urllib.request.Request(d.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    result["code"], result["tail"] = r.status, r.read()[-300:]
+            except OSError as e:
+                result["error"] = repr(e)
+        th = threading.Thread(target=stream)
+        th.start()
+        time.sleep(0.5)
+        for pid in _workers(d.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.3)
+        recover.append(_wait_healthy(d.url, 300) + 0.3)
+        th.join(130)
+    stop_s = float("inf")
+    pids = _workers(d.proc.pid)
+    if pids:
+        os.kill(pids[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        time.sleep(0.2)
+        while time.monotonic() - t0 < 300:
+            if set(_workers(d.proc.pid)) - set(pids) and _health(d.url) == 200:
+                stop_s = time.monotonic() - t0
+                break
+            time.sleep(0.1)
+        try:
+            os.kill(pids[0], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    return {"kills": kills, "recovery_s": [round(x, 2) for x in recover],
+            "recovery_max_s": round(max(recover), 2) if recover else None,
+            "sigstop_recovery_s": round(stop_s, 2)}
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    from . import fuzz
+
+    model = Path(a.model) if a.model else _tiny_model()
+    d = Daemon(model, ["--n-ctx", str(a.n_ctx), "--n-slots", "2", "--max-tokens-default", "4",
+                       "--worker-ping-timeout-s", "3"] + (["--n-threads", str(a.threads)] if a.threads else [])
+               + (["--deterministic"] if a.deterministic else []))
+    out: dict[str, Any] = {"model": str(model), "daemon_home": str(d.home), "deterministic": a.deterministic}
+    try:
+        for _ in range(3):
+            _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}],
+                                                   "max_tokens": 4})
+        time.sleep(2)
+        rss0 = _rss(d.proc.pid)
+        t0 = time.monotonic()
+        http = fuzz.fuzz(f"127.0.0.1:{d.port}", fuzz.HTTP_ROUTES, a.requests, port=d.port, timeout=a.timeout)
+        ctl = fuzz.fuzz(d.socket, fuzz.CONTROL_ROUTES, a.control_requests, timeout=a.timeout)
+        out["fuzz"] = {"http_requests": http.requests, "http_by_status": http.by_status, "http_5xx": http.n_5xx,
+                       "http_hangs": http.n_hangs, "control_requests": ctl.requests,
+                       "control_by_status": ctl.by_status, "control_5xx": ctl.n_5xx, "control_hangs": ctl.n_hangs,
+                       "seconds": round(time.monotonic() - t0, 1), "max_answer_s": round(max(http.max_seconds,
+                                                                                              ctl.max_seconds), 2),
+                       "examples_5xx": (http.server_errors + ctl.server_errors)[:5],
+                       "examples_hangs": (http.hangs + ctl.hangs)[:5],
+                       "examples_dropped": (http.dropped + ctl.dropped)[:5]}
+        out["greedy"] = _greedy(d, a.clients, a.prompts)
+        out["slow_connections"] = _slow(d, a.slow)
+        rss1 = _rss(d.proc.pid)  # before the crashes: a restarted worker starts from scratch
+        out["crashes"] = _crashes(d, a.kills)
+        out["rss"] = {"before_bytes": rss0, "after_bytes": rss1,
+                      "growth_pct": round(100.0 * (rss1 - rss0) / rss0, 1) if rss0 else None}
+        out["alive"] = {"daemon": d.proc.poll() is None, "worker": bool(_workers(d.proc.pid)),
+                        "healthy": _wait_healthy(d.url, 120) != float("inf")}
+    finally:
+        d.stop()
+    f, r = out.get("fuzz", {}), out.get("rss", {})
+    out["ok"] = bool(f and f["http_5xx"] == 0 and f["control_5xx"] == 0 and f["http_hangs"] == 0
+                     and f["control_hangs"] == 0 and all(out["alive"].values())
+                     and (r.get("growth_pct") or 0) < 10)
+    return out
+
+
+def _tiny_model() -> Path:
+    from ..synth.writer import write_synthetic_moe
+
+    cache = Path(os.environ.get("OSTINATO_TEST_CACHE", Path.home() / ".cache" / "ostinato-test"))
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / "tiny-qwen3moe.gguf"
+    if not path.exists():
+        write_synthetic_moe(path, arch="qwen3moe", shape="tiny")
+    return path
+
+
+def report(out: dict[str, Any]) -> str:
+    f, g, s, c, r, al = (out.get(k, {}) for k in ("fuzz", "greedy", "slow_connections", "crashes", "rss", "alive"))
+    lines = [
+        f"model            {out['model']}{'  (deterministic = true)' if out.get('deterministic') else ''}",
+        f"fuzzed requests  HTTP {f.get('http_requests')} ({f.get('http_5xx')} 5xx, {f.get('http_hangs')} hangs), "
+        f"control {f.get('control_requests')} ({f.get('control_5xx')} 5xx, {f.get('control_hangs')} hangs) "
+        f"in {f.get('seconds')} s; slowest answer {f.get('max_answer_s')} s",
+        f"  HTTP statuses  {f.get('http_by_status')}",
+        f"  control        {f.get('control_by_status')}",
+        f"greedy clients   {g.get('requests')} requests, {g.get('failed')} failed; sequential runs equal "
+        f"{g.get('sequential_runs_equal')}/{g.get('prompts')}; concurrent equal to a sequential run "
+        f"{g.get('concurrent_equal_to_sequential')}/{g.get('concurrent_outputs')}",
+        f"slow connections {s.get('opened')} half-sent headers open; /health meanwhile {s.get('health_status_meanwhile')} "
+        f"in {s.get('health_seconds')} s",
+        f"crashes          {c.get('kills')} kill -9 mid-stream: recovery {c.get('recovery_s')} s; SIGSTOP: "
+        f"{c.get('sigstop_recovery_s')} s",
+        f"RSS              {r.get('before_bytes', 0) / 2**20:.0f} MiB before, {r.get('after_bytes', 0) / 2**20:.0f} MiB "
+        f"after ({r.get('growth_pct')}%)",
+        f"alive            daemon {al.get('daemon')}, worker {al.get('worker')}, healthy {al.get('healthy')}",
+        f"result           {'OK' if out.get('ok') else 'FAILED'}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="ostinato bench reliability", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="GGUF to serve (default: the tiny synthetic qwen3moe, written if missing)")
+    ap.add_argument("--requests", type=int, default=10000, help="fuzzed HTTP requests (default 10000)")
+    ap.add_argument("--control-requests", type=int, default=500, help="fuzzed control-socket requests")
+    ap.add_argument("--clients", type=int, default=8, help="concurrent greedy clients")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per greedy client")
+    ap.add_argument("--slow", type=int, default=600, help="half-sent request headers held open")
+    ap.add_argument("--kills", type=int, default=3, help="kill -9 of the worker mid-stream")
+    ap.add_argument("--n-ctx", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None, help="engine CPU threads")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds without an answer that count as a hang")
+    ap.add_argument("--deterministic", action="store_true", help="run the daemon with deterministic = true")
+    ap.add_argument("--json", help="write the figures to this file")
+    a = ap.parse_args(argv)
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        print("ostinato bench reliability needs hypothesis: pip install 'ostinato[test]'", file=sys.stderr)
+        return 2
+    out = run(a)
+    print(report(out))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
