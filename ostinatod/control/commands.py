@@ -60,6 +60,7 @@ def format_requests(d: dict[str, Any]) -> str:
                     f"{str(r.get('workload'))[:10]:<10} {str(r.get('client'))[:14]:<14} "
                     f"{_f(r.get('prompt_tokens')):>7} {_f(r.get('cached_tokens')):>7} "
                     f"{_f(r.get('completion_tokens')):>5} {_f(r.get('ttft_s')):>8} {_f(r.get('tpot_s')):>8}  {t}")
+        rows += [f"{'':<26} warning: {w}" for w in r.get("warnings") or []]
     if len(rows) == 1:
         rows.append("(no requests yet)")
     return "\n".join(rows)

@@ -11,7 +11,11 @@ tools, tool_choice) or ``template_error`` (the template failed to render).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -104,6 +108,42 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+_INCOMPLETE_SCHEMA = "JSON schema conversion was incomplete: "
+
+
+@contextlib.contextmanager
+def _stderr_captured():
+    """Capture what native code writes to file descriptor 2 (llama.cpp reports an incomplete
+    schema conversion only there); yields a function returning it. The text is written on to the
+    real stderr afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    buf = tempfile.TemporaryFile()
+    text: list[str] = []
+    try:
+        os.dup2(buf.fileno(), 2)
+        yield lambda: "".join(text)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        buf.seek(0)
+        data = buf.read().decode("utf-8", "replace")
+        buf.close()
+        text.append(data)
+        if data:
+            sys.stderr.write(data)
+
+
+def _refuse_incomplete_schema(said: str, schema: dict[str, Any]) -> None:
+    """EngineError 400 when llama.cpp could not enforce a part of the response's JSON schema (a
+    regex ``pattern`` it cannot express as a grammar is otherwise replaced by "any string")."""
+    for line in said.splitlines():
+        if _INCOMPLETE_SCHEMA in line:
+            what = line.split(_INCOMPLETE_SCHEMA, 1)[1].strip()
+            raise EngineError("invalid_request", "response_format: the JSON schema cannot be enforced: "
+                              f"{what.replace(', accepting any string', '')}", 400)
+
+
 class _NativeHandle:
     """Owner of one libostinato handle ``_h``, freed by the function named ``_free_fn`` on
     :meth:`close` (idempotent) or, as a fallback, when garbage-collected."""
@@ -150,6 +190,16 @@ class ChatTemplates(_NativeHandle):
 
         Raises EngineError("invalid_request" | "template_error").
         """
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if (add_generation_prompt and len(messages) > 1 and isinstance(last, dict)
+                and last.get("role") == "assistant" and not last.get("tool_calls")
+                and isinstance(last.get("content"), str) and last["content"]):
+            # a final assistant message is continued, not closed (prefill, as the Anthropic API
+            # and llama-server do): the turns before it, the generation prompt, then its text
+            r = self.render(messages[:-1], tools, tool_choice, parallel_tool_calls, enable_thinking,
+                            json_schema, add_generation_prompt=True)
+            r.prompt += last["content"]
+            return r
         tools = list(tools or [])
         choice = tool_choice if tool_choice is not None else "auto"
         if isinstance(choice, dict):
@@ -172,7 +222,12 @@ class ChatTemplates(_NativeHandle):
             req["json_schema"] = json_schema
         if self._h is None:
             raise EngineError("model_not_loaded", "chat templates are closed", 503)
-        res = native.take_json(self._fn_apply(self._h, json.dumps(req).encode()))
+        if json_schema is not None:
+            with _stderr_captured() as said:
+                res = native.take_json(self._fn_apply(self._h, json.dumps(req).encode()))
+            _refuse_incomplete_schema(said(), json_schema)
+        else:
+            res = native.take_json(self._fn_apply(self._h, json.dumps(req).encode()))
         if "error" in res:
             err = res["error"]
             status = 400 if err.get("type") == "invalid_request" else 500

@@ -37,6 +37,7 @@ class Task:
     cancelled: bool = False
     finished: bool = False
     special_ids: set = field(default_factory=set)
+    stop_sequence: Optional[str] = None  # the client's stop string that ended the output, if any
     residency_switch: Optional[dict[str, Any]] = None  # set swapped in right before this request
     residency_skipped: Optional[str] = None  # why its workload's planned set was not swapped in
 

@@ -30,7 +30,7 @@ from .protocol import Op
 from .slots import Slot, choose_slot
 from .task import Emit, Task
 from .switcher import ResidencySwitcher, SwitchDone
-from .text import StopScanner, merge_deltas
+from .text import StopScanner, merge_deltas, settle_tool_calls
 from .types import EngineError, EngineEvent, EventType, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
@@ -148,6 +148,17 @@ class Worker:
             return self.tokenize(req.prompt), None
         raise EngineError("invalid_request", "request has neither messages nor prompt")
 
+    def chat_parser(self, req: GenRequest, rendered: Any) -> Any:
+        """The output parser of a chat request. With ``tool_choice`` "none" the tools stay in the
+        prompt (docs/api.md: the cached prefix does not change with tool_choice) and a call the
+        model makes anyway is parsed with the "auto" format, to become text
+        (:func:`.text.settle_tool_calls`), never raw markup in the content."""
+        from . import chat
+        if req.tools and req.tool_choice == "none":
+            rendered = self.templates.render(req.messages, req.tools, "auto", req.parallel_tool_calls,
+                                             req.enable_thinking, req.json_schema)
+        return chat.ChatParser(rendered, parse_tool_calls=bool(req.tools))
+
     def count_tokens(self, req: GenRequest) -> int:
         """Tokens of the rendered prompt of ``req``."""
         return len(self.render(req)[0])
@@ -256,9 +267,11 @@ class Worker:
                 raise EngineError("invalid_request", "the prompt is empty")
             n_prompt = len(t.prompt)
             if n_prompt >= self.n_ctx_slot:
+                # Anthropic's own wording (Claude Code compacts the conversation on it)
                 raise EngineError("context_length_exceeded",
-                                  f"the prompt has {n_prompt} tokens; the context holds {self.n_ctx_slot} "
-                                  "tokens per slot (prompt + at least one output token)", 400)
+                                  f"prompt is too long: {n_prompt} tokens > {self.n_ctx_slot - 1} maximum "
+                                  f"(the context holds {self.n_ctx_slot} tokens per slot: prompt + at "
+                                  "least one output token)", 400)
             if n_prompt + req.max_tokens > self.n_ctx_slot:
                 # agents ask for far more output than they need (Claude Code: 32000): generate up to
                 # the end of the context and finish with "length" rather than refuse the turn
@@ -270,10 +283,8 @@ class Worker:
                 stops += [s for s in t.rendered.additional_stops if s and s not in stops]
             t.stops = StopScanner(stops)
             t.special_ids = loading.preserved_ids(self.vocab, t.rendered)
-            from . import chat
             if t.rendered is not None:
-                parse_tools = bool(req.tools) and req.tool_choice != "none"
-                t.parser = chat.ChatParser(t.rendered, parse_tool_calls=parse_tools)
+                t.parser = self.chat_parser(req, t.rendered)
             t.sampler = sampling.make_sampler(self.model, req, t.rendered, self.settings)
         except EngineError as e:
             self._fail(t, e.code, e.message, e.status)
@@ -426,6 +437,8 @@ class Worker:
         if t.stops:
             cut = t.stops.find(t.text.text)  # new text only
             if cut is not None:
+                if t.stops.matched in (req.stop or []):
+                    t.stop_sequence = t.stops.matched  # a client's stop string (not the template's)
                 t.text.cut(cut)
                 self._end(t, "stop")
                 return
@@ -475,9 +488,10 @@ class Worker:
         else:
             self._stream(t, final=True)
             message = {"role": "assistant", "content": t.text.text}
-        if message.get("tool_calls") and reason == "stop":
-            reason = "tool_calls"
+        message, reason = settle_tool_calls(message, reason, t.req.tool_choice)
         data = t.done_data(reason, message, time.monotonic())
+        if t.stop_sequence is not None:
+            data["stop_sequence"] = t.stop_sequence
         if self.rt is not None:
             try:
                 data["experts"] = self.rt.take_request_stats()

@@ -134,7 +134,22 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
     r.add_post("/v1/responses", responses_api.responses)
     r.add_post("/v1/messages", anthropic_api.messages)
     r.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
+    # ANTHROPIC_BASE_URL ending in /v1 (the client appends /v1/messages itself): served, with a hint
+    r.add_post("/v1/v1/messages", _doubled_v1(anthropic_api.messages))
+    r.add_post("/v1/v1/messages/count_tokens", _doubled_v1(anthropic_api.count_tokens))
     return app
+
+
+def _doubled_v1(handler: Handler) -> Handler:
+    """``handler`` for a path with a doubled ``/v1`` (a base URL that ends in /v1); logs the fix
+    once per daemon."""
+    async def served(request: web.Request) -> web.StreamResponse:
+        state: DaemonState = request.app["state"]
+        state.warn_once(["the client's base URL ends in /v1; served anyway, but drop /v1 from "
+                         "ANTHROPIC_BASE_URL (Anthropic clients append /v1/messages themselves)"],
+                        f"request to {request.path}")
+        return await handler(request)
+    return served
 
 
 async def start_http(state: DaemonState, host: str | None = None, port: int | None = None) -> web.AppRunner:

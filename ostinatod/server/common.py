@@ -185,6 +185,9 @@ class Generation:
         self.req = req
         self.protocol = protocol
         self.rec = state.begin_request(req.id, protocol, req.model, req.client, req.workload)
+        if req.warnings:
+            self.rec["warnings"] = list(req.warnings)
+            state.warn_once(req.warnings, f"request {req.id} ({req.client or 'unknown client'})")
         self.t0 = time.monotonic()
         self.t_first: Optional[float] = None
         self.n_deltas = 0

@@ -10,6 +10,9 @@ Request record (a plain dict, JSON-serialisable; ``recent`` keeps the last
      "prefilled_tokens", "completion_tokens", "ttft_s", "tpot_s", "total_s", "error", "started",
      "residency_switch_s"}
 
+and ``warnings`` (a list of strings) when the adapter could not honour part of the request (a tool
+left out, ...).
+
 ``residency_switch_s`` is the time of the residency-set swap the engine made right before the
 request (its workload's set; None when there was none).
 
@@ -64,6 +67,7 @@ class DaemonState:
     last_residency_switch: Optional[dict[str, Any]] = None
     # residency sets and traces of the served model (control API, re-planner); made here
     desk: Optional[ResidencyDesk] = None
+    warned: set = field(default_factory=set)  # warnings logged once (see warn_once)
 
     def __post_init__(self) -> None:
         if self.recent is None:
@@ -91,6 +95,14 @@ class DaemonState:
         if self.engine is None:
             return "loading" if self.phase else "stopped"
         return getattr(self.engine, "state", "stopped")
+
+    def warn_once(self, warnings: list[str], where: str) -> None:
+        """Log each of ``warnings`` at WARNING level the first time this daemon sees it (agents send
+        the same tools every turn; the request records keep them all)."""
+        for w in warnings:
+            if w not in self.warned:
+                self.warned.add(w)
+                log.warning("%s: %s", where, w)
 
     # --- request records ----------------------------------------------------------------------
     def begin_request(self, rid: str, protocol: str, model: Optional[str], client: Optional[str],
