@@ -82,10 +82,6 @@ def test_cut_tool_call_is_text_incomplete_responses(oai, model, tool_call_bias):
     assert final.status == "incomplete" and "get_weather(" in final.output_text
 
 
-# --- 2. whitespace variants of a tool call's markup ---------------------------------------------
-# (not done: the parser is llama.cpp's common/chat, reached through the native shim; see the report)
-
-
 # --- 3. a client's stop sequence is reported as such (Anthropic) --------------------------------
 
 HELLO = 9707  # "Hello" in the qwen2 vocabulary of the synthetic models
@@ -161,32 +157,26 @@ def test_unenforceable_json_schema_pattern_is_400(oai, model):
 
 # --- 7. tool_choice "none": tools stay in the prompt, a call made anyway is text ------------------
 
-def test_tool_choice_none_call_made_anyway_is_text(tiny_model, tmp_path, monkeypatch):
+def test_tool_choice_none_call_made_anyway_is_text(worker):
+    from ostinatod.engine.chat import openai_message
     from ostinatod.engine.text import settle_tool_calls
     from ostinatod.engine.types import GenRequest
-    from ostinatod.engine.worker import Worker
-    from ostinatod.settings import Settings
 
-    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
-    w = Worker(Settings(n_ctx=512, n_slots=1, n_threads=1, experts="stock", log_level="WARNING"), tiny_model)
-    w.load()
+    w = worker
+    req = GenRequest(id="r", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+                     tool_choice="none")
+    prompt, rendered = w.render(req)
+    auto = w.render(GenRequest(id="a", messages=req.messages, tools=[WEATHER]))[0]
+    assert prompt == auto  # the decision: same prompt (and cached prefix) as "auto"
+    p = w.chat_parser(req, rendered)
     try:
-        req = GenRequest(id="r", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
-                         tool_choice="none")
-        prompt, rendered = w.render(req)
-        auto = w.render(GenRequest(id="a", messages=req.messages, tools=[WEATHER]))[0]
-        assert prompt == auto  # the decision: same prompt (and cached prefix) as "auto"
-        p = w.chat_parser(req, rendered)
         res = p.feed('Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
                      final=True)
-        from ostinatod.engine.chat import openai_message
-        msg, finish = settle_tool_calls(openai_message(res.message), "stop", req.tool_choice)
-        p.close()
-        assert finish == "stop" and "tool_calls" not in msg
-        assert "<tool_call>" not in msg["content"]
-        assert msg["content"] == 'Sure.\nget_weather({"city": "Paris"})'
     finally:
-        w.close()
+        p.close()
+    msg, finish = settle_tool_calls(openai_message(res.message), "stop", req.tool_choice)
+    assert finish == "stop" and "tool_calls" not in msg
+    assert msg["content"] == 'Sure.\nget_weather({"city": "Paris"})'
 
 
 # --- 8. Anthropic tools with defer_loading stay out of the prompt until loaded --------------------
@@ -242,3 +232,43 @@ def test_doubled_v1_anthropic_base_url_is_served(live_daemon):
     assert m.type == "message"
     assert c.messages.count_tokens(model="claude-x", messages=[{"role": "user", "content": "hi"}]).input_tokens > 0
     assert "drop /v1 from ANTHROPIC_BASE_URL" in live_daemon.log()
+
+
+# --- 2. whitespace variants of the tool-call marker are calls -------------------------------------
+
+@pytest.fixture(scope="module")
+def worker(tiny_model, tmp_path_factory):
+    """An engine worker on the tiny model (not running its loop): its templates and parsers."""
+    import os
+
+    from ostinatod.engine.worker import Worker
+    from ostinatod.settings import Settings
+
+    os.environ.setdefault("OSTINATO_HOME", str(tmp_path_factory.mktemp("home")))
+    w = Worker(Settings(n_ctx=512, n_slots=1, n_threads=1, experts="stock", log_level="WARNING"), tiny_model)
+    w.load()
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+    '<tool_call>  {"name":"get_weather","arguments":{"city":"Paris"}} </tool_call>',
+    '<tool_call>\n\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'])
+def test_tool_call_marker_whitespace_variants_are_calls(worker, text):
+    from ostinatod.engine.types import GenRequest
+
+    req = GenRequest(id="r", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER])
+    p = worker.chat_parser(req, worker.render(req)[1])
+    try:
+        streamed = []
+        for i in range(1, len(text) + 1):  # as the worker streams it: the text so far, growing
+            streamed += p.feed(text[:i]).diffs
+        res = p.feed(text, final=True)
+        streamed += res.diffs
+    finally:
+        p.close()
+    assert [(c["name"], json.loads(c["arguments"])) for c in res.message["tool_calls"]] == \
+        [("get_weather", {"city": "Paris"})]
+    assert not res.message["content"]
+    assert not any("<tool_call>" in (d.get("content") or "") for d in streamed)

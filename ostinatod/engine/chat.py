@@ -260,6 +260,39 @@ class ParseResult:
     parse_error: Optional[str] = None
 
 
+def trigger_spacing(rendered: Optional[RenderedPrompt]) -> list[tuple[str, str]]:
+    """(marker, whitespace) pairs of the format's word triggers that end in whitespace, e.g.
+    ``("<tool_call>", "\\n")`` for Hermes/Qwen: llama.cpp's parser expects the trigger as written,
+    the model family's own servers (vLLM's hermes parser, older llama-server) accept the marker
+    followed by any whitespace or none."""
+    if rendered is None:
+        return []
+    out = []
+    for trig in json.loads(rendered.raw).get("grammar_triggers") or []:
+        v = trig.get("value") if isinstance(trig, dict) and trig.get("type") == "word" else None
+        if isinstance(v, str) and v.strip() and v != v.rstrip():
+            marker = v.rstrip()
+            out.append((marker, v[len(marker):]))
+    return out
+
+
+def respace_triggers(text: str, spaced: list[tuple[str, str]]) -> str:
+    """``text`` with each marker of :func:`trigger_spacing` followed by exactly the trigger's
+    whitespace (``<tool_call>{`` and ``<tool_call>  {`` become ``<tool_call>\\n{``); whitespace after
+    a marker at the very end is held back until the next character arrives, so the result only
+    grows at its end as ``text`` grows (streamed diffs stay consistent)."""
+    for marker, ws in spaced:
+        if marker not in text:
+            continue
+        parts = text.split(marker)
+        out = [parts[0]]
+        for p in parts[1:]:
+            rest = p.lstrip()
+            out.append(ws + rest if rest else "")
+        text = marker.join(out)
+    return text
+
+
 class ChatParser(_NativeHandle):
     """Incremental parser of one generation (reasoning / content / tool calls).
 
@@ -278,6 +311,7 @@ class ChatParser(_NativeHandle):
         if not h:
             raise EngineError("template_error", native.last_error() or "chat parser init failed", 500)
         self._h = h
+        self._spaced = trigger_spacing(rendered)
         self.message: dict[str, Any] = {"role": "assistant", "content": "", "reasoning_content": "",
                                         "tool_calls": []}
         self._sent: set[int] = set()  # tool call indexes whose id/name were emitted
@@ -285,6 +319,7 @@ class ChatParser(_NativeHandle):
     def feed(self, text_so_far: str, final: bool = False) -> ParseResult:
         """Parse ``text_so_far``; returns the message and the diffs as engine ``delta`` payloads
         (``{"content"}``, ``{"reasoning"}``, ``{"tool_calls": [{"index", "id", "name", "arguments"}]}``)."""
+        text_so_far = respace_triggers(text_so_far, self._spaced)
         res = native.take_json(self._feed(self._h, text_so_far.encode("utf-8", errors="replace"),
                                           0 if final else 1))
         if "error" in res:
