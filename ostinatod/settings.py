@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     api_key: Optional[str] = Field(None, description="If set, every /v1 request must carry it as "
                                    "'Authorization: Bearer KEY' or 'x-api-key: KEY'.")
     cors: bool = Field(False, description="Answer CORS preflight requests (browser clients).")
+    allow_open_bind: bool = Field(False, description="Start even when 'host' is not a loopback "
+                                  "address and no api_key is set (anyone who can reach the port can "
+                                  "use the model). Without it such a start is refused.")
 
     # --- model ----------------------------------------------------------------------------
     model: Optional[Path] = Field(None, description="GGUF file to serve. Unset: a generated demo MoE "
@@ -40,6 +43,13 @@ class Settings(BaseSettings):
                                          "GGUF's own (a file path or the template text).")
     demo_shape: Literal["tiny", "small"] = Field("small", description="Shape of the generated demo "
                                                  "model: 'tiny' (CI-sized) or 'small'.")
+    demo_max_tokens: int = Field(48, ge=0, description="With the generated demo model (random "
+                                 "weights, served when no model is set): an answer ends, as a finished "
+                                 "turn, after this many tokens whatever the client asked, so agents "
+                                 "complete their turns. 0: no cap.")
+    demo_end_bias: float = Field(8.0, ge=0, le=100, description="With the generated demo model: "
+                                 "logit bias added to its end-of-turn token, so answers end after a few "
+                                 "words (random weights almost never choose it). 0: none.")
 
     # --- engine ---------------------------------------------------------------------------
     n_ctx: int = Field(65536, ge=256, description="Context length per slot in tokens (agents need "

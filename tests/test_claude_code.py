@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CACHE
+from conftest import CACHE, ROOT
 
 
 @pytest.fixture(scope="session")
@@ -79,3 +79,67 @@ def test_claude_print_mode_completes(claude_cli, agent_daemon):
     prompts = [int(m.group(1)) for ln in lines if (m := re.search(r" prompt=(\d+)", ln))]
     assert max(prompts) > 1000
     shutil.rmtree(cfg, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def demo_daemon(tiny_model, tmp_path_factory):
+    """A daemon started with no model: it serves the demo model (the tiny model is put where the
+    generated demo model of shape "tiny" lives, so it is not generated here)."""
+    from conftest import launch_daemon
+
+    home = tmp_path_factory.mktemp("demo-home")
+    models = home / "data" / "models"
+    models.mkdir(parents=True)
+    shutil.copyfile(tiny_model, models / "ostinato-demo-tiny.gguf")
+    d = launch_daemon(home, "--demo-shape", "tiny", "--n-ctx", "65536", "--n-slots", "2", "--n-threads", "2",
+                      "--engine-mode", "subprocess")
+    yield d
+    d.stop()
+
+
+def test_launch_starts_claude_on_the_demo_model(claude_cli, demo_daemon):
+    """`ostinato launch claude -- ARGS` starts the real Claude Code with the daemon's URL, model,
+    key and context; the demo model ends its turns by itself (no logit-bias header) and says it is
+    a demo in its first words."""
+    import sys
+
+    from ostinatod.engine.types import DEMO_NOTICE
+
+    exe, env = claude_cli
+    cfg = Path(tempfile.mkdtemp(prefix="claude-cfg-"))
+    env = dict(demo_daemon.env, PATH=f"{exe.parent}{os.pathsep}{env['PATH']}", CLAUDE_CONFIG_DIR=str(cfg),
+               HOME=str(cfg), DISABLE_AUTOUPDATER="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="64",
+               MAX_THINKING_TOKENS="0", ANTHROPIC_API_KEY="a-real-anthropic-key-not-for-ostinato",
+               PYTHONPATH=str(ROOT))
+    for k in ("ANTHROPIC_BASE_URL", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_MODEL"):
+        env.pop(k, None)
+    workdir = tempfile.mkdtemp(prefix="claude-work-")
+    r = subprocess.run([sys.executable, "-m", "ostinatod.cli", "launch", "claude", "--",
+                        "-p", "say hi", "--max-turns", "1"], env=env, cwd=workdir,
+                       capture_output=True, text=True, timeout=540)
+    log = demo_daemon.log()
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}\nlog:\n{log[-3000:]}"
+    assert "starting claude on " + demo_daemon.url in r.stderr
+    assert r.stdout.startswith(DEMO_NOTICE.strip()), r.stdout
+    lines = [ln for ln in log.splitlines() if " anthropic " in ln and "status=" in ln]
+    assert lines and all("status=ok" in ln for ln in lines), "\n".join(lines)
+    assert any("client=claude-code" in ln for ln in lines)
+    shutil.rmtree(cfg, ignore_errors=True)
+
+
+def test_demo_model_ends_its_turns_and_says_so(demo_daemon):
+    import openai
+
+    from ostinatod.engine.types import DEMO_NOTICE
+
+    c = openai.OpenAI(base_url=demo_daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="ostinato-demo-random-weights", max_tokens=2000,
+                                  messages=[{"role": "user", "content": "Write a long story."}])
+    assert r.choices[0].finish_reason == "stop"  # a finished turn, not a cut one
+    assert r.usage.completion_tokens <= 48  # demo_max_tokens
+    assert r.choices[0].message.content.startswith(DEMO_NOTICE)
+    chunks = list(c.chat.completions.create(model="ostinato-demo-random-weights", max_tokens=2000, stream=True,
+                                            messages=[{"role": "user", "content": "Again."}]))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text.startswith(DEMO_NOTICE)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]

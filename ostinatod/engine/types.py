@@ -49,7 +49,12 @@ class GenRequest:
     model: Optional[str] = None  # the name the client asked for (echoed back)
     # what the adapter could not honour (a tool left out, ...): logged and shown by `ostinato ps`
     warnings: list[str] = field(default_factory=list)
+    # served by the generated demo model: the engine ends the turn early (settings demo_max_tokens,
+    # demo_end_bias) and the answer starts with DEMO_NOTICE
+    demo: bool = False
 
+
+DEMO_NOTICE = "[Ostinato demo model: random weights, the words that follow mean nothing] "
 
 class EventType(str, Enum):
     """Event types streamed by EngineClient.generate(), in order:

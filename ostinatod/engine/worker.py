@@ -31,7 +31,7 @@ from .slots import Slot, choose_slot
 from .task import Emit, Task
 from .switcher import ResidencySwitcher, SwitchDone
 from .text import StopScanner, merge_deltas, settle_tool_calls
-from .types import EngineError, EngineEvent, EventType, GenRequest
+from .types import DEMO_NOTICE, EngineError, EngineEvent, EventType, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
 
@@ -278,6 +278,8 @@ class Worker:
                 log.info("request %s: max_tokens %d clamped to the %d tokens left in the context",
                          req.id, req.max_tokens, self.n_ctx_slot - n_prompt)
                 req.max_tokens = self.n_ctx_slot - n_prompt
+            if req.demo and not req.ignore_eos:
+                self._demo_turn(t)
             stops = [] if req.ignore_eos else [s for s in (req.stop or []) if s]
             if t.rendered is not None and not req.ignore_eos:
                 stops += [s for s in t.rendered.additional_stops if s and s not in stops]
@@ -294,6 +296,21 @@ class Worker:
             self._fail(t, "internal_error", f"request preparation failed: {e}", 500)
             return
         self._waiting.append(t)
+
+    def _demo_turn(self, t: Task) -> None:
+        """The generated demo model ends its turns (random weights never choose end-of-turn): a
+        bias on the end-of-turn token and an output cap that ends the answer as a finished turn."""
+        import llama_cpp
+        req, s = t.req, self.settings
+        if s.demo_end_bias:
+            eot = llama_cpp.llama_vocab_eot(self.vocab)
+            eot = eot if eot >= 0 else llama_cpp.llama_vocab_eos(self.vocab)
+            if eot >= 0:
+                bias = dict(req.logit_bias or {})
+                bias.setdefault(eot, s.demo_end_bias)  # a client's own bias on it wins
+                req.logit_bias = bias
+        if s.demo_max_tokens and s.demo_max_tokens < req.max_tokens:
+            t.demo_cap = req.max_tokens = s.demo_max_tokens
 
     # ---- slots ----------------------------------------------------------------------------------
 
@@ -444,7 +461,7 @@ class Worker:
                 return
         self._stream(t, final=False)
         if t.n_gen >= req.max_tokens:
-            self._end(t, "length")
+            self._end(t, "stop" if t.demo_cap else "length")
             return
         if len(t.slot.tokens) + 1 >= self.n_ctx_slot:
             self._end(t, "length")
@@ -457,15 +474,21 @@ class Worker:
             text = text[:len(text) - t.stops.partial_len(text)]
         if t.parser is None:
             if len(text) > t.sent:
-                self._emit(t, EventType.DELTA, {"content": text[t.sent:]})
+                self._emit_delta(t, {"content": text[t.sent:]})
                 t.sent = len(text)
             return
         res = t.parser.feed(text, final=final)
         if res.diffs:
-            self._emit(t, EventType.DELTA, merge_deltas(res.diffs))
+            self._emit_delta(t, merge_deltas(res.diffs))
         if final and res.parse_error:
             log.info("request %s: output did not match the %s format, kept as text (%s)", t.req.id,
                      t.rendered.format_name if t.rendered else "?", res.parse_error[:200])
+
+    def _emit_delta(self, t: Task, d: dict[str, Any]) -> None:
+        if t.req.demo and not t.notice_sent:  # the demo model says what it is in its first words
+            d = dict(d, content=DEMO_NOTICE + (d.get("content") or ""))
+            t.notice_sent = True
+        self._emit(t, EventType.DELTA, d)
 
     def _end(self, t: Task, reason: Optional[str], error: Optional[tuple[str, str]] = None) -> None:
         """Finish ``t``: final parse, done (or error) event, slot released."""
@@ -488,6 +511,10 @@ class Worker:
         else:
             self._stream(t, final=True)
             message = {"role": "assistant", "content": t.text.text}
+        if t.req.demo:
+            if not t.notice_sent:
+                self._emit_delta(t, {})
+            message = dict(message, content=DEMO_NOTICE + (message.get("content") or ""))
         message, reason = settle_tool_calls(message, reason, t.req.tool_choice)
         data = t.done_data(reason, message, time.monotonic())
         if t.stop_sequence is not None:

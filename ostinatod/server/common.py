@@ -151,6 +151,7 @@ def fill_common(state: DaemonState, request: web.Request, req: GenRequest, reque
         req.logit_bias = {**req.logit_bias, **body_bias}  # type: ignore[attr-defined]
     if req.messages and state.settings.neutralize_volatile:
         neutralize_messages(req.messages)
+    req.demo = bool(state.demo)
 
 
 async def ensure_engine(state: DaemonState) -> Any:

@@ -58,6 +58,7 @@ class DaemonState:
     started_at: float = field(default_factory=time.time)
     model_info: dict[str, Any] = field(default_factory=dict)
     http_url: Optional[str] = None
+    bind_address: Optional[str] = None  # "ADDR:PORT" the HTTP API is bound to (0.0.0.0 included)
     demo: bool = False  # serving the generated demo model (listed as "ostinato-demo-random-weights")
     phase: Optional[str] = None  # what the daemon is doing before an engine exists ("generating demo model")
     reload: Optional[Callable[[Optional[Path]], Awaitable[None]]] = None
