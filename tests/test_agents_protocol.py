@@ -272,3 +272,14 @@ def test_tool_call_marker_whitespace_variants_are_calls(worker, text):
         [("get_weather", {"city": "Paris"})]
     assert not res.message["content"]
     assert not any("<tool_call>" in (d.get("content") or "") for d in streamed)
+
+
+# --- 13. LiteLLM-based agents (openai SDK user agent) are recognised by their system prompt --------
+
+def test_litellm_agents_recognised_by_system_prompt(oai, model, live_daemon):
+    system = ("You are a helpful assistant that can interact with a computer.\n"
+              "Reply with one bash block:\n```mswea_bash_command\nls\n```")
+    r = oai.chat.completions.create(
+        model=model, max_tokens=1, messages=[{"role": "system", "content": system},
+                                             {"role": "user", "content": "Solve the issue."}])
+    assert any(r.id in ln and "client=mini-swe-agent workload=coding" in ln for ln in live_daemon.log().splitlines())

@@ -43,6 +43,19 @@ _CLIENTS: list[tuple[str, str, Optional[str]]] = [
 ]
 
 
+# Agents that reach us through LiteLLM (which calls the openai SDK: "OpenAI/Python" user agent) or
+# another generic client, recognised by a marker of their own system prompt (first system message,
+# its first SYSTEM_MARKER_CHARS characters): marker -> client name; their workload is "coding".
+_SYSTEM_MARKERS: list[tuple[str, str]] = [
+    ("You are OpenHands agent", "openhands"),  # OpenHands (software-agent SDK and app)
+    ("mswea_bash_command", "mini-swe-agent"),  # mini-swe-agent's command block
+    ("mini-swe-agent", "mini-swe-agent"),
+    ("SWE-agent", "swe-agent"),
+]
+SYSTEM_MARKER_CHARS = 4000
+_GENERIC_CLIENTS = ("openai-python", "litellm", None)
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
     """Parse the body as a JSON object. Raises ApiError 400 ``invalid_json`` with the position."""
     raw = await request.read()
@@ -96,6 +109,22 @@ def detect_client(request: web.Request) -> tuple[Optional[str], Optional[str]]:
     return (ua.split("/")[0][:40] or None), None
 
 
+def client_from_system_prompt(messages: Optional[list[dict[str, Any]]]) -> Optional[str]:
+    """The agent whose system prompt starts ``messages`` (:data:`_SYSTEM_MARKERS`), or None."""
+    for m in messages or []:
+        if m.get("role") not in ("system", "developer"):
+            return None
+        c = m.get("content")
+        text = c if isinstance(c, str) else "".join(
+            p.get("text", "") for p in c or [] if isinstance(p, dict) and isinstance(p.get("text"), str))
+        head = text[:SYSTEM_MARKER_CHARS]
+        for marker, name in _SYSTEM_MARKERS:
+            if marker in head:
+                return name
+        return None
+    return None
+
+
 def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool = False
                   ) -> tuple[str, Optional[str]]:
     """Map the client's model name to the served model.
@@ -137,6 +166,10 @@ def fill_common(state: DaemonState, request: web.Request, req: GenRequest, reque
     """Set ``model``, ``client`` and ``workload`` of ``req`` from the HTTP request."""
     echoed, suffix = resolve_model(state, requested_model, anthropic)
     client, cw = detect_client(request)
+    if client in _GENERIC_CLIENTS or cw is None:
+        agent = client_from_system_prompt(req.messages)
+        if agent is not None:  # e.g. mini-swe-agent or OpenHands through LiteLLM
+            client, cw = agent, "coding"
     req.model = echoed
     req.client = client
     req.workload = request_workload(state, request, suffix, cw)
