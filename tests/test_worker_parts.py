@@ -50,6 +50,21 @@ def test_choose_slot_alone_or_without_gain():
     assert choose_slot([s1, s2], [1, 2]).target == 0
 
 
+def test_choose_slot_evicts_the_cheapest_slot_not_the_main_session():
+    # issue 12 item 16: main turn (long, used first), a title request (short, used last), then a
+    # side request with another system prompt: the title's slot is given up, not the main one
+    main = Slot(0, tokens=list(range(2000)), last_used=1.0)
+    title = Slot(1, tokens=[5000 + i for i in range(30)], last_used=2.0)
+    c = choose_slot([main, title], [9000 + i for i in range(50)])
+    assert c.target == 1 and c.n_keep == 0
+    # the main session's next turn still finds its whole prefix
+    assert choose_slot([main, title], list(range(2000)) + [1, 2]) == SlotChoice(target=0, n_keep=2000)
+    # a slot idle for long counts as empty, whatever it holds
+    old = Slot(0, tokens=list(range(2000)), last_used=1.0)
+    recent = Slot(1, tokens=[5000 + i for i in range(30)], last_used=1000.0)
+    assert choose_slot([old, recent], [7], now=1000.0 + 1).target == 0
+
+
 def test_stop_scanner_matches_the_whole_text_search():
     rng = random.Random(7)
     for _ in range(300):

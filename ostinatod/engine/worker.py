@@ -324,7 +324,7 @@ class Worker:
             t = self._waiting.pop(0)
             if not self._active:  # a request boundary: nothing is generating
                 self.switcher.auto_switch(t)
-            c = choose_slot(free, t.prompt)
+            c = choose_slot(free, t.prompt, time.monotonic())
             target = self.slots[c.target]
             if c.copy_from is not None:  # share the other conversation's prefix (cells, no copy)
                 src = self.slots[c.copy_from]
