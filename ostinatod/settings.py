@@ -56,6 +56,11 @@ class Settings(BaseSettings):
                        ">= 64K; clamped to the model's training context).")
     n_slots: int = Field(2, ge=1, le=16, description="KV sequences kept at once. The main agent "
                          "session and its side requests (titles, subagents) each keep their prefix.")
+    cache_ram_mb: Optional[int] = Field(None, ge=0, description="Host-memory prefix cache (MiB): a "
+                                        "slot's KV state is kept in RAM when another conversation takes "
+                                        "the slot and put back when its session returns (like "
+                                        "llama-server's --cache-ram). Unset: 1/8 of the RAM, at most "
+                                        "8192; 0: off.")
     n_batch: int = Field(2048, ge=32, description="Logical batch size for prefill (tokens).")
     n_ubatch: int = Field(512, ge=32, description="Physical batch (ubatch) size for prefill (tokens).")
     n_threads: Optional[int] = Field(None, ge=1, description="CPU threads for the CPU branch and "

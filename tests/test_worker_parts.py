@@ -121,3 +121,23 @@ def test_sampling_defaults_come_from_settings():
     assert (p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["seed"]) == (0.0, 1.0, 0, 0.0, 0xFFFFFFFF)
     p = sampler_params(GenRequest(id="x"), Settings(temperature=0.2, top_p=0.5))
     assert (p["temperature"], p["top_p"]) == (0.2, 0.5)
+
+
+def test_prefix_cache_budget_lookup_and_covering():
+    from ostinatod.engine.prefix_cache import PrefixCache
+
+    pc = PrefixCache(budget=1000, min_tokens=4)
+    a, b = list(range(100)), [7] * 50
+    assert pc.worth_saving(a, 10) and not pc.worth_saving(a, 98)  # losing 2 tokens is not worth it
+    assert pc.put(a, b"x" * 400) and pc.put(b, b"y" * 400)
+    assert not pc.worth_saving(a[:60], 0)  # a saved state already holds it
+    e, n = pc.best(a[:30] + [999])
+    assert e.tokens == a and n == 30
+    assert pc.best([1, 2, 3]) is None  # shares under min_tokens
+    pc.put(a + [1, 2], b"z" * 300)  # covers `a`: replaces it
+    assert [len(x.tokens) for x in pc.entries] == [50, 102]
+    pc.put([5] * 10, b"w" * 400)  # over budget: the least recently used goes
+    assert [x.tokens[0] for x in pc.entries] == [0, 5] and pc.dropped == 1
+    assert not pc.put([1] * 10, b"v" * 2000)  # alone over the budget
+    got = pc.take(pc.entries[0], 30)
+    assert got == b"z" * 300 and pc.stats()["hits"] == 1 and pc.stats()["restored_tokens"] == 30

@@ -375,3 +375,14 @@ def openai_message(msg: dict[str, Any]) -> dict[str, Any]:
     if calls:
         out["tool_calls"] = calls
     return out
+
+
+def parser_for(templates: ChatTemplates, req: Any, rendered: RenderedPrompt) -> ChatParser:
+    """The output parser of a chat request (a GenRequest) rendered as ``rendered``. With
+    ``tool_choice`` "none" the tools stay in the prompt (docs/api.md: the cached prefix does not
+    change with tool_choice) and a call the model makes anyway is parsed with the "auto" format, to
+    become text (:func:`.text.settle_tool_calls`), never raw markup in the content."""
+    if req.tools and req.tool_choice == "none":
+        rendered = templates.render(req.messages, req.tools, "auto", req.parallel_tool_calls,
+                                    req.enable_thinking, req.json_schema)
+    return ChatParser(rendered, parse_tool_calls=bool(req.tools))

@@ -27,6 +27,7 @@ from ..residency.model import ModelInfo
 from ..settings import Settings
 from . import loading, sampling
 from .protocol import Op
+from .prefix_cache import PrefixCache, make_prefix_cache, use_host_cache
 from .slots import Slot, choose_slot
 from .task import Emit, Task
 from .switcher import ResidencySwitcher, SwitchDone
@@ -67,6 +68,7 @@ class Worker:
                           "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0,
                           "generated_tokens": 0, "decode_calls": 0}
         self.switcher = ResidencySwitcher(self)
+        self.pcache: Optional[PrefixCache] = None  # host-memory prefix cache (settings.cache_ram_mb)
 
     # ---- loading --------------------------------------------------------------------------------
 
@@ -85,6 +87,7 @@ class Worker:
             self.switcher.note_active(res.path if res else None, res.workload if res else None)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [Slot(i) for i in range(m.n_slots)]
+        self.pcache = make_prefix_cache(self.settings)
 
     def close(self) -> None:
         """Free the context, model and native objects (call on the loop thread or after it ended)."""
@@ -107,6 +110,8 @@ class Worker:
             out: dict[str, Any] = dict(self._counters)
         out["slots"] = [{"id": s.id, "n_tokens": len(s.tokens), "busy": s.task is not None,
                          "last_used": s.last_used} for s in self.slots]
+        if self.pcache is not None:
+            out["host_cache"] = self.pcache.stats()
         out["waiting"] = len(self._waiting)
         out["active"] = len(self._active)
         if self.rt is not None:
@@ -149,15 +154,9 @@ class Worker:
         raise EngineError("invalid_request", "request has neither messages nor prompt")
 
     def chat_parser(self, req: GenRequest, rendered: Any) -> Any:
-        """The output parser of a chat request. With ``tool_choice`` "none" the tools stay in the
-        prompt (docs/api.md: the cached prefix does not change with tool_choice) and a call the
-        model makes anyway is parsed with the "auto" format, to become text
-        (:func:`.text.settle_tool_calls`), never raw markup in the content."""
+        """The output parser of a chat request (:func:`.chat.parser_for`)."""
         from . import chat
-        if req.tools and req.tool_choice == "none":
-            rendered = self.templates.render(req.messages, req.tools, "auto", req.parallel_tool_calls,
-                                             req.enable_thinking, req.json_schema)
-        return chat.ChatParser(rendered, parse_tool_calls=bool(req.tools))
+        return chat.parser_for(self.templates, req, rendered)
 
     def count_tokens(self, req: GenRequest) -> int:
         """Tokens of the rendered prompt of ``req``."""
@@ -279,7 +278,7 @@ class Worker:
                          req.id, req.max_tokens, self.n_ctx_slot - n_prompt)
                 req.max_tokens = self.n_ctx_slot - n_prompt
             if req.demo and not req.ignore_eos:
-                self._demo_turn(t)
+                t.demo_cap = sampling.demo_turn(req, self.vocab, self.settings)
             stops = [] if req.ignore_eos else [s for s in (req.stop or []) if s]
             if t.rendered is not None and not req.ignore_eos:
                 stops += [s for s in t.rendered.additional_stops if s and s not in stops]
@@ -297,21 +296,6 @@ class Worker:
             return
         self._waiting.append(t)
 
-    def _demo_turn(self, t: Task) -> None:
-        """The generated demo model ends its turns (random weights never choose end-of-turn): a
-        bias on the end-of-turn token and an output cap that ends the answer as a finished turn."""
-        import llama_cpp
-        req, s = t.req, self.settings
-        if s.demo_end_bias:
-            eot = llama_cpp.llama_vocab_eot(self.vocab)
-            eot = eot if eot >= 0 else llama_cpp.llama_vocab_eos(self.vocab)
-            if eot >= 0:
-                bias = dict(req.logit_bias or {})
-                bias.setdefault(eot, s.demo_end_bias)  # a client's own bias on it wins
-                req.logit_bias = bias
-        if s.demo_max_tokens and s.demo_max_tokens < req.max_tokens:
-            t.demo_cap = req.max_tokens = s.demo_max_tokens
-
     # ---- slots ----------------------------------------------------------------------------------
 
     def _admit(self) -> None:
@@ -326,6 +310,9 @@ class Worker:
                 self.switcher.auto_switch(t)
             c = choose_slot(free, t.prompt, time.monotonic())
             target = self.slots[c.target]
+            restored = 0
+            if self.pcache is not None:
+                c, restored = use_host_cache(self.pcache, self.ctx, self.mem, t.prompt, target, c)
             if c.copy_from is not None:  # share the other conversation's prefix (cells, no copy)
                 src = self.slots[c.copy_from]
                 llama_cpp.llama_memory_seq_rm(self.mem, target.id, -1, -1)
@@ -348,6 +335,8 @@ class Worker:
                 self._counters["cached_tokens"] += n_keep
             self._active.append(t)
             start = {"prompt_tokens": len(t.prompt), "cached_tokens": n_keep, "slot": target.id}
+            if restored:
+                start["host_cache_tokens"] = restored
             if t.residency_switch is not None:
                 start["residency_switch"] = t.residency_switch
             if t.residency_skipped is not None:
