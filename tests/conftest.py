@@ -195,6 +195,11 @@ def tool_call_bias() -> dict[str, float]:
     return {str(call): 30.0, str(newline): 30.0, str(im_end): 50.0}
 
 
+def child_pythonpath() -> str:
+    """PYTHONPATH for a child process run outside the checkout: this checkout first, then ours."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def npm_cli(package: str, bin_name: str, folder: str) -> tuple[Path, dict]:
     """(path of ``bin_name``, env with node on PATH) of the npm ``package`` installed into
     ``CACHE/folder`` on first use (reruns reuse it). Node >= 22 comes from the PyPI package
@@ -242,6 +247,6 @@ def run_launch(daemon: LiveDaemon, agent: str, exe: Path, node_env: dict, args: 
     work = Path(tempfile.mkdtemp(prefix=f"{agent}-work-"))
     env = dict(daemon.env, PATH=f"{exe.parent}{os.pathsep}{node_env['PATH']}", HOME=str(home),
                XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local" / "share"),
-               PYTHONPATH=str(ROOT), **extra_env)
+               PYTHONPATH=child_pythonpath(), **extra_env)
     return subprocess.run([sys.executable, "-m", "ostinatod.cli", "launch", agent, "--", *args], env=env,
                           cwd=work, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)

@@ -1,12 +1,13 @@
-"""Protocol edge cases that agents hit (issue 12, items 1-10), each across the protocols, streaming
+"""Protocol edge cases that agents hit (issue 12, items 1-10 and 13), each across the protocols, streaming
 and not, against the live daemon with the official ``openai`` and ``anthropic`` clients (real HTTP on
 loopback, real engine worker, tiny random-weight model)."""
 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
+import re
+import subprocess
+import sys
 
 import anthropic
 import openai
@@ -130,7 +131,6 @@ def test_prompt_too_long_wording(ant, oai, model):
     with pytest.raises(anthropic.BadRequestError) as e:
         ant.messages.create(model="claude-x", max_tokens=4, messages=[{"role": "user", "content": big}])
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    import re
     assert re.match(r"prompt is too long: \d+ tokens > \d+ maximum", e.value.body["error"]["message"])
     with pytest.raises(openai.BadRequestError) as e2:
         oai.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": big}])
@@ -215,8 +215,6 @@ def test_codex_namespace_tools_and_web_search_warning(oai, model, live_daemon, t
     assert calls and calls[0].name == "spawn_agent"
     assert calls[0].namespace == "multi_agent_v1"
     assert "tool web_search (web_search) left out" in live_daemon.log()
-    import subprocess
-    import sys
     ps = subprocess.run([sys.executable, "-m", "ostinatod.cli", "ps", "--json"], env=live_daemon.env,
                         capture_output=True, text=True, timeout=60)
     recs = json.loads(ps.stdout)

@@ -7,7 +7,6 @@ it; conftest.npm_cli).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess

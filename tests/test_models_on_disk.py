@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import child_pythonpath
 
 
 def _disk(tmp: Path, tiny_model: Path) -> dict[str, str]:
@@ -37,7 +37,7 @@ def _disk(tmp: Path, tiny_model: Path) -> dict[str, str]:
     (tmp / "ost" / "data" / "models").mkdir(parents=True)
     (tmp / "ost" / "data" / "models" / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 12)
     return dict(os.environ, HOME=str(home), HF_HUB_CACHE=str(hf), OLLAMA_MODELS=str(ol),
-                OSTINATO_HOME=str(tmp / "ost"), PYTHONPATH=str(ROOT))
+                OSTINATO_HOME=str(tmp / "ost"), PYTHONPATH=child_pythonpath())
 
 
 def test_models_found_on_disk(tmp_path, tiny_model):
