@@ -111,13 +111,14 @@ def cmd_load(argv: list[str]) -> int:
     ap.add_argument("path", help="PATH.gguf or a model name from 'ostinato models'")
     a = ap.parse_args(argv)
     path = Path(a.path).expanduser()
-    if not path.is_file():
+    if not path.is_file() and not a.path.startswith(("/", ".", "~")):  # a name, or a relative path
         from ..discover import find_models, resolve_name
         try:
             path = Path(resolve_name(a.path, find_models(gpus=[])).path)
         except LookupError as e:
-            print(f"ostinato: {e}", file=sys.stderr)
-            return 1
+            if not a.path.endswith(".gguf"):
+                print(f"ostinato: {e}", file=sys.stderr)
+                return 1  # else: a path after all; the daemon says what is wrong with it
     return _run(lambda: (lambda d: json.dumps(d, indent=2) if a.json else
                          f"loaded {d['model'].get('id')} from {path} (engine {d['state']})")(
         call("POST", "/models/load", {"path": str(path.resolve())})))

@@ -43,8 +43,9 @@ def content_blocks(done: dict[str, Any], ids: IdFactory = new_id) -> list[dict[s
         blocks.append({"type": "text", "text": m["content"]})
     for tc in m.get("tool_calls") or []:
         fn = tc.get("function") or tc
-        blocks.append({"type": "tool_use", "id": tc.get("id") or ids("toolu_"),
-                       "name": fn.get("name", ""), "input": json.loads(fn.get("arguments") or "{}")})
+        args = fn.get("arguments") or "{}"
+        blocks.append({"type": "tool_use", "id": tc.get("id") or ids("toolu_"), "name": fn.get("name", ""),
+                       "input": json.loads(args) if isinstance(args, str) else args})
     if not blocks:
         blocks.append({"type": "text", "text": ""})
     return blocks
