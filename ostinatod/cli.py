@@ -20,7 +20,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "profile": ("ostinatod.profile", "main", "record the hardware profile"),
     "status": ("ostinatod.control.commands", "cmd_status", "daemon status (control API)"),
     "ps": ("ostinatod.control.commands", "cmd_ps", "active and recent requests"),
-    "load": ("ostinatod.control.commands", "cmd_load", "load a model into the running daemon"),
+    "load": ("ostinatod.control.commands", "cmd_load", "load a model (path or name) into the running daemon"),
+    "models": ("ostinatod.control.commands", "cmd_models", "GGUF models on disk (HF cache, LM Studio, Ollama)"),
     "unload": ("ostinatod.control.commands", "cmd_unload", "unload the model"),
     "residency": ("ostinatod.control.commands", "cmd_residency", "show/plan/switch residency sets"),
     "logs": ("ostinatod.control.commands", "cmd_logs", "print the daemon log"),
@@ -28,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "resume": ("ostinatod.control.commands", "cmd_resume", "load the paused model again"),
     "tui": ("ostinatod.ui.tui", "main", "live terminal UI"),
     "tray": ("ostinatod.ui.tray", "main", "tray icon"),
-    "launch": ("ostinatod.launch", "main", "configure an agent (claude, opencode, openhands, codex)"),
+    "launch": ("ostinatod.launch", "main", "start an agent on the daemon (claude, opencode, openhands, codex)"),
 }
 
 

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -112,9 +113,14 @@ class Daemon:
         cannot be prepared. A model that fails to load leaves the daemon running without one
         (``state.model_error`` says why)."""
         from .engine.types import EngineError
-        from .server.app import start_http
+        from .server.app import open_bind_refusal, start_http
 
         st = self.state
+        refusal = open_bind_refusal(self.settings.host, self.settings.api_key, self.settings.allow_open_bind)
+        if refusal:
+            log.error("%s", refusal)
+            print(f"ostinatod: {refusal}", file=sys.stderr)
+            return 2
         st.phase = "starting"
         from .server.app import raise_fd_limit
 
@@ -132,7 +138,10 @@ class Daemon:
         except OSError as e:
             log.error("control socket %s: %s", self.paths.control_socket, e)
         self._write_runtime_files()
-        log.info("ostinatod %s listening on %s (pid %d)", _version(), st.http_url, os.getpid())
+        log.info("ostinatod %s listening on %s (pid %d)%s", _version(), st.bind_address, os.getpid(),
+                 "" if st.http_url.endswith(st.bind_address) else f"; local clients use {st.http_url}")
+        if not self.settings.api_key and not st.http_url.endswith(st.bind_address):
+            log.warning("the HTTP API is bound to %s WITHOUT an api_key (allow_open_bind)", st.bind_address)
         code = 0
         try:
             model = self.settings.model

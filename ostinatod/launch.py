@@ -1,21 +1,27 @@
-"""``ostinato launch claude|opencode|openhands|codex [--write]``: point an agent at the daemon.
+"""``ostinato launch claude|opencode|openhands|codex [--config-only] [--write] [-- ARGS]``: start an
+agent pointed at the running daemon (like ``ollama launch``).
 
-Prints the configuration each agent needs (facts in ../shared/CLIENTS.md); with ``--write`` merges
-it into the agent's own config file (other keys are kept; the previous file is saved once as
-``<file>.bak``):
+URL, model, context size and API key come from the running daemon (control API ``GET
+/connection``), else from the settings. By default the agent is started (``exec``) with the
+environment and arguments it needs, ARGS passed on; ``--config-only`` prints the configuration
+instead; ``--write`` also merges it into the agent's own config file (other keys are kept; the
+previous file is saved once as ``<file>.bak``). Facts in ../shared/CLIENTS.md:
 
 * Claude Code: ``ANTHROPIC_BASE_URL`` **without** ``/v1`` (the client appends ``/v1/messages``),
-  ``ANTHROPIC_AUTH_TOKEN``, the model for every slot (opus/sonnet/haiku), no non-essential
-  traffic, a long API timeout -> the ``env`` block of ``~/.claude/settings.json``.
+  ``ANTHROPIC_AUTH_TOKEN``, the model for every slot (opus/sonnet/haiku), the served context as
+  its auto-compact window, no non-essential traffic, a long API timeout -> the ``env`` block of
+  ``~/.claude/settings.json``. A ``ANTHROPIC_BASE_URL`` the user has set is kept.
 * OpenCode: an ``@ai-sdk/openai-compatible`` provider with ``baseURL .../v1``, context/output
-  limits, ``model`` and ``small_model`` -> ``~/.config/opencode/opencode.json``.
-* OpenHands (LiteLLM, in Docker): ``openai/<model>`` at ``http://host.docker.internal:PORT/v1`` ->
-  an env file for ``docker run --env-file``. Needs the daemon reachable from the docker bridge:
-  the ``host`` setting (off by default, 127.0.0.1) must be opened, with an ``api_key``.
-* Codex: a ``model_providers.ostinato`` entry with ``wire_api = "responses"`` ->
-  ``~/.codex/config.toml`` (merged with tomlkit, comments kept).
-
-Model name, URL and key come from the running daemon when one answers, else from the settings.
+  limits, ``model`` and ``small_model`` -> ``~/.config/opencode/opencode.json`` (started with
+  ``OPENCODE_CONFIG`` pointing at a file of its own, merged by OpenCode over the user's).
+* OpenHands (LiteLLM): ``openai/<model>``, ``LLM_BASE_URL`` ``http://127.0.0.1:PORT/v1`` for the
+  SDK/CLI on this machine (started as ``openhands``), or with ``--docker``
+  ``http://host.docker.internal:PORT/v1`` in an env file for ``docker run --env-file`` (needs the
+  daemon reachable from the docker bridge: ``host`` opened, with an ``api_key``); max input tokens
+  = the served context.
+* Codex: a ``model_providers.ostinato`` entry with ``wire_api = "responses"`` and
+  ``model_context_window`` -> ``~/.codex/config.toml`` (merged with tomlkit, comments kept); started
+  with the same as ``-c`` overrides.
 """
 
 from __future__ import annotations
@@ -38,23 +44,24 @@ PLACEHOLDER_KEY = "ostinato-local"
 
 
 def _daemon_facts(settings: Settings) -> dict[str, Any]:
-    """``{"url", "model", "n_ctx", "running"}`` from the running daemon, else from settings."""
+    """``{"url", "model", "n_ctx", "api_key", "running"}`` from the running daemon, else from
+    settings."""
     url = f"http://127.0.0.1:{settings.port}"
     model = settings.model_alias or (Path(settings.model).stem if settings.model else "ostinato-demo-random-weights")
-    n_ctx = settings.n_ctx
+    n_ctx, key = settings.n_ctx, settings.api_key
     running = False
     try:
         from .control.client import call
-        s = call("GET", "/status")
+        c = call("GET", "/connection")
         running = True
-        url = (s.get("http_url") or url).rstrip("/")
-        m = s.get("model") or {}
-        model = m.get("id") or model
-        n_ctx = m.get("n_ctx") or n_ctx
+        url = (c.get("http_url") or url).rstrip("/")
+        model = c.get("model") or model
+        n_ctx = c.get("n_ctx") or n_ctx
+        key = c.get("api_key") or key  # the daemon's key, however it was given (flag, env, file)
     except Exception:  # no daemon: settings are the truth
         pass
     return {"url": url.replace("://0.0.0.0:", "://127.0.0.1:"), "model": model, "n_ctx": int(n_ctx),
-            "running": running}
+            "api_key": key, "running": running}
 
 
 def _port(url: str) -> str:
@@ -63,8 +70,9 @@ def _port(url: str) -> str:
 
 # --- per agent: (text to print, {path: merge function}) ------------------------------------------
 
-def claude_env(url: str, model: str, key: str) -> dict[str, str]:
-    """Claude Code environment. Base URL without /v1 (anthropics/claude-code#20416)."""
+def claude_env(url: str, model: str, key: str, n_ctx: int) -> dict[str, str]:
+    """Claude Code environment. Base URL without /v1 (anthropics/claude-code#20416); the served
+    context as the auto-compact window (Claude Code would assume 200K-1M tokens)."""
     return {
         "ANTHROPIC_BASE_URL": url,
         "ANTHROPIC_AUTH_TOKEN": key,
@@ -74,6 +82,7 @@ def claude_env(url: str, model: str, key: str) -> dict[str, str]:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,  # background calls (titles) use this slot
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "API_TIMEOUT_MS": "3000000",  # a cold 64K prefill on CPU takes minutes
+        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(n_ctx),
     }
 
 
@@ -85,10 +94,11 @@ def opencode_provider(url: str, model: str, key: str, n_ctx: int) -> dict[str, A
                                "limit": {"context": n_ctx, "output": min(32768, n_ctx // 2)}}}}
 
 
-def openhands_env(url: str, model: str, key: str) -> dict[str, str]:
-    """OpenHands (LiteLLM) environment for its Docker container."""
-    return {"LLM_MODEL": f"openai/{model}", "LLM_BASE_URL": f"http://host.docker.internal:{_port(url)}/v1",
-            "LLM_API_KEY": key}
+def openhands_env(url: str, model: str, key: str, n_ctx: int, docker: bool = False) -> dict[str, str]:
+    """OpenHands (LiteLLM) environment: the SDK/CLI on this machine, or (``docker``) its container."""
+    base = f"http://host.docker.internal:{_port(url)}/v1" if docker else f"{url}/v1"
+    return {"LLM_MODEL": f"openai/{model}", "LLM_BASE_URL": base, "LLM_API_KEY": key,
+            "LLM_MAX_INPUT_TOKENS": str(n_ctx), "LLM_MAX_OUTPUT_TOKENS": str(min(32768, n_ctx // 2))}
 
 
 def codex_provider(url: str, key_env: Optional[str]) -> dict[str, Any]:
@@ -99,7 +109,12 @@ def codex_provider(url: str, key_env: Optional[str]) -> dict[str, Any]:
     return p
 
 
-def config_path(agent: str) -> Path:
+def codex_context(n_ctx: int) -> dict[str, int]:
+    """Codex's context keys: the served window, compaction at 90% of it."""
+    return {"model_context_window": n_ctx, "model_auto_compact_token_limit": n_ctx * 9 // 10}
+
+
+def config_path(agent: str, docker: bool = False) -> Path:
     """Where ``--write`` puts ``agent``'s configuration."""
     home = Path.home()
     if agent == "claude":
@@ -109,7 +124,7 @@ def config_path(agent: str) -> Path:
     if agent == "codex":
         return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml"
     from .paths import get_paths
-    return get_paths().config / "openhands.env"
+    return get_paths().config / ("openhands-docker.env" if docker else "openhands.env")
 
 
 def _backup(path: Path) -> None:
@@ -130,21 +145,28 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def write_config(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str]) -> Path:
+def opencode_config(facts: dict[str, Any], key: str, base: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """OpenCode's configuration: ``base`` (the user's file, kept) with our provider and models."""
+    data = dict(base or {})
+    data.setdefault("$schema", "https://opencode.ai/config.json")
+    data["provider"] = dict(data.get("provider") or {})
+    data["provider"][PROVIDER] = opencode_provider(facts["url"], facts["model"], key, facts["n_ctx"])
+    data["model"] = data["small_model"] = f"{PROVIDER}/{facts['model']}"
+    return data
+
+
+def write_config(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
+                 docker: bool = False) -> Path:
     """Merge ``agent``'s configuration into its config file; returns the path written."""
     url, model = facts["url"], facts["model"]
-    path = config_path(agent)
+    path = config_path(agent, docker)
     path.parent.mkdir(parents=True, exist_ok=True)
     if agent == "claude":
         data = _read_json(path)
-        data.setdefault("env", {}).update(claude_env(url, model, key))
+        data.setdefault("env", {}).update(claude_env(url, model, key, facts["n_ctx"]))
         text = json.dumps(data, indent=2) + "\n"
     elif agent == "opencode":
-        data = _read_json(path)
-        data.setdefault("$schema", "https://opencode.ai/config.json")
-        data.setdefault("provider", {})[PROVIDER] = opencode_provider(url, model, key, facts["n_ctx"])
-        data["model"] = data["small_model"] = f"{PROVIDER}/{model}"
-        text = json.dumps(data, indent=2) + "\n"
+        text = json.dumps(opencode_config(facts, key, _read_json(path)), indent=2) + "\n"
     elif agent == "codex":
         import tomlkit
         try:
@@ -158,9 +180,11 @@ def write_config(agent: str, facts: dict[str, Any], key: str, key_env: Optional[
             providers = tomlkit.table(is_super_table=True)
             doc["model_providers"] = providers
         providers[PROVIDER] = codex_provider(url, key_env)
+        for k, v in codex_context(facts["n_ctx"]).items():
+            doc[k] = v
         text = tomlkit.dumps(doc)
     else:
-        text = "".join(f"{k}={v}\n" for k, v in openhands_env(url, model, key).items())
+        text = "".join(f"{k}={v}\n" for k, v in openhands_env(url, model, key, facts["n_ctx"], docker).items())
     _backup(path)
     path.write_text(text)
     if agent in ("claude", "openhands"):
@@ -169,30 +193,35 @@ def write_config(agent: str, facts: dict[str, Any], key: str, key_env: Optional[
 
 
 def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
-           settings: Settings) -> str:
-    """The text ``ostinato launch AGENT`` prints: what to set, and where ``--write`` puts it."""
+           settings: Settings, docker: bool = False) -> str:
+    """The text ``ostinato launch AGENT --config-only`` prints: what to set, and where ``--write``
+    puts it."""
     url, model = facts["url"], facts["model"]
-    dest = config_path(agent)
+    dest = config_path(agent, docker)
     if agent == "claude":
-        env = claude_env(url, model, key)
+        env = claude_env(url, model, key, facts["n_ctx"])
         return ("# Claude Code: paste into your shell, then run `claude`\n" +
                 "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) +
                 f"# --write puts these into the \"env\" block of {dest}\n")
     if agent == "opencode":
-        body = {"$schema": "https://opencode.ai/config.json",
-                "provider": {PROVIDER: opencode_provider(url, model, key, facts["n_ctx"])},
-                "model": f"{PROVIDER}/{model}", "small_model": f"{PROVIDER}/{model}"}
+        body = opencode_config(facts, key)
         return f"// OpenCode: {dest} (--write merges this provider)\n{json.dumps(body, indent=2)}\n"
     if agent == "codex":
         import tomlkit
         doc = tomlkit.document()
         doc["model"], doc["model_provider"] = model, PROVIDER
+        for k, v in codex_context(facts["n_ctx"]).items():
+            doc[k] = v
         t = tomlkit.table(is_super_table=True)
         t[PROVIDER] = codex_provider(url, key_env)
         doc["model_providers"] = t
         extra = f"# and export {key_env}=<your api_key>\n" if key_env else ""
         return f"# Codex (Responses API): {dest} (--write merges this)\n{tomlkit.dumps(doc)}{extra}"
-    env = openhands_env(url, model, key)
+    env = openhands_env(url, model, key, facts["n_ctx"], docker)
+    if not docker:
+        return ("# OpenHands SDK / CLI on this machine (LiteLLM): set these, then run `openhands`\n" +
+                "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) +
+                "# (OpenHands in Docker: `ostinato launch openhands --docker --config-only`)\n")
     lines = [f"# OpenHands runs in Docker: it reaches the daemon at host.docker.internal:{_port(url)}."]
     if settings.host in ("127.0.0.1", "localhost", "::1"):
         lines += ["# The daemon binds 127.0.0.1 (the default), which the docker bridge cannot reach.",
@@ -200,7 +229,7 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
                   '#   host = "0.0.0.0"        # or the docker bridge address, e.g. 172.17.0.1',
                   '#   api_key = "<a secret>"',
                   "#   ostinatod stop && ostinatod start"]
-    elif not settings.api_key:
+    elif not facts.get("api_key"):
         lines.append(f"# WARNING: the daemon binds {settings.host} without an api_key; set one.")
     lines += [f"# Settings (LLM > Advanced): custom model, base URL, API key; or `docker run --env-file {dest}`",
               "# (on Linux also: --add-host host.docker.internal:host-gateway):"]
@@ -208,30 +237,98 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
     return "\n".join(lines) + "\n"
 
 
+BINARIES = {"claude": "claude", "opencode": "opencode", "codex": "codex", "openhands": "openhands"}
+INSTALL = {"claude": "npm install -g @anthropic-ai/claude-code", "opencode": "npm install -g opencode-ai",
+           "codex": "npm install -g @openai/codex", "openhands": "uv tool install openhands"}
+
+
+def agent_command(agent: str, facts: dict[str, Any], key: str, args: list[str],
+                  environ: dict[str, str], exe: str) -> tuple[list[str], dict[str, str], list[str]]:
+    """(argv, environment, notes) that start ``agent`` (executable ``exe``) on the daemon, with the
+    user's ``args`` passed on. ``environ`` is the user's environment: an ``ANTHROPIC_BASE_URL``
+    set there is kept (the user points Claude Code somewhere on purpose)."""
+    url, model, n_ctx = facts["url"], facts["model"], facts["n_ctx"]
+    env, notes = dict(environ), []
+    argv = [exe]
+    if agent == "claude":
+        ours = claude_env(url, model, key, n_ctx)
+        if environ.get("ANTHROPIC_BASE_URL"):
+            ours.pop("ANTHROPIC_BASE_URL")
+            notes.append(f"keeping your ANTHROPIC_BASE_URL={environ['ANTHROPIC_BASE_URL']} "
+                         f"(the daemon is at {url})")
+        else:
+            env.pop("ANTHROPIC_API_KEY", None)  # it would be sent instead of the daemon's token
+        env.update(ours)
+    elif agent == "opencode":
+        from .paths import get_paths
+        path = get_paths().config / "agents" / "opencode.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(opencode_config(facts, key), indent=2) + "\n")
+        path.chmod(0o600)  # carries the key
+        env["OPENCODE_CONFIG"] = str(path)  # merged over the user's own configuration
+    elif agent == "codex":
+        import tomlkit
+        prov = tomlkit.inline_table()
+        prov.update(codex_provider(url, "OSTINATO_API_KEY"))
+        for kv in [f"model_provider={json.dumps(PROVIDER)}", f"model={json.dumps(model)}",
+                   f"model_providers.{PROVIDER}={prov.as_string()}",
+                   *(f"{k}={v}" for k, v in codex_context(n_ctx).items())]:
+            argv += ["-c", kv]
+        env["OSTINATO_API_KEY"] = key
+    else:
+        env.update(openhands_env(url, model, key, n_ctx))
+    return argv + list(args), env, notes
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``ostinato launch AGENT [--write] [--url URL] [--model NAME]``."""
-    ap = argparse.ArgumentParser(prog="ostinato launch", description="Configure an agent to use the "
-                                 "Ostinato daemon (prints the configuration; --write merges it into "
-                                 "the agent's config file).")
+    """``ostinato launch AGENT [--config-only] [--write] [--docker] [--url URL] [--model NAME] [-- ARGS]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, passed = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(prog="ostinato launch", description="Start an agent on the Ostinato "
+                                 "daemon (URL, model, context and key from the running daemon); "
+                                 "arguments after -- go to the agent.")
     ap.add_argument("agent", choices=AGENTS)
-    ap.add_argument("--write", action="store_true", help="write/merge the agent's config file")
+    ap.add_argument("--config-only", action="store_true", help="print the configuration, do not "
+                    "start the agent")
+    ap.add_argument("--write", action="store_true", help="also write/merge the agent's config file")
+    ap.add_argument("--docker", action="store_true", help="openhands: the configuration for its Docker "
+                    "container (host.docker.internal); implies --config-only")
     ap.add_argument("--url", help="daemon base URL (default: the running daemon's, else settings)")
     ap.add_argument("--model", help="model name to configure (default: the served model)")
-    a = ap.parse_args(argv)
+    a, extra = ap.parse_known_args(argv)
+    passed = extra + passed
     settings = load_settings()
     facts = _daemon_facts(settings)
     if a.url:
         facts["url"] = a.url.rstrip("/").removesuffix("/v1")
     if a.model:
         facts["model"] = a.model
-    key = settings.api_key or PLACEHOLDER_KEY
+    key = facts["api_key"] or PLACEHOLDER_KEY
     # Codex reads its key from an environment variable named in the provider entry
-    key_env = "OSTINATO_API_KEY" if settings.api_key else None
-    print(render(a.agent, facts, key, key_env, settings), end="")
+    key_env = "OSTINATO_API_KEY" if facts["api_key"] else None
     if not facts["running"]:
-        print(f"# (no daemon answered; values from the settings. Start it with `ostinatod start`)",
+        print("# (no daemon answered; values from the settings. Start it with `ostinatod start`)",
               file=sys.stderr)
     if a.write:
-        path = write_config(a.agent, facts, key, key_env)
+        path = write_config(a.agent, facts, key, key_env, a.docker)
         print(f"# wrote {path}", file=sys.stderr)
-    return 0
+    if a.config_only or a.docker:
+        print(render(a.agent, facts, key, key_env, settings, a.docker), end="")
+        return 0
+    exe = shutil.which(BINARIES[a.agent])
+    if exe is None:
+        print(f"ostinato launch: `{BINARIES[a.agent]}` is not on PATH; install it ({INSTALL[a.agent]}) "
+              f"or see `ostinato launch {a.agent} --config-only`", file=sys.stderr)
+        return 127
+    cmd, env, notes = agent_command(a.agent, facts, key, passed, dict(os.environ), exe)
+    for n in notes:
+        print(f"# {n}", file=sys.stderr)
+    print(f"# starting {a.agent} on {facts['url']} (model {facts['model']}, context {facts['n_ctx']} tokens)",
+          file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # not reached

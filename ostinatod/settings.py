@@ -46,6 +46,9 @@ class Settings(BaseSettings):
                                      "Host and Origin headers besides IP addresses, loopback names, "
                                      "host.docker.internal and the bound address ('*' accepts any). "
                                      "Other names get 403: this blocks DNS rebinding.")
+    allow_open_bind: bool = Field(False, description="Start even when 'host' is not a loopback "
+                                  "address and no api_key is set (anyone who can reach the port can "
+                                  "use the model). Without it such a start is refused.")
 
     # --- model ----------------------------------------------------------------------------
     model: Optional[Path] = Field(None, description="GGUF file to serve. Unset: a generated demo MoE "
@@ -56,12 +59,24 @@ class Settings(BaseSettings):
                                          "GGUF's own (a file path or the template text).")
     demo_shape: Literal["tiny", "small"] = Field("small", description="Shape of the generated demo "
                                                  "model: 'tiny' (CI-sized) or 'small'.")
+    demo_max_tokens: int = Field(48, ge=0, description="With the generated demo model (random "
+                                 "weights, served when no model is set): an answer ends, as a finished "
+                                 "turn, after this many tokens whatever the client asked, so agents "
+                                 "complete their turns. 0: no cap.")
+    demo_end_bias: float = Field(8.0, ge=0, le=100, description="With the generated demo model: "
+                                 "logit bias added to its end-of-turn token, so answers end after a few "
+                                 "words (random weights almost never choose it). 0: none.")
 
     # --- engine ---------------------------------------------------------------------------
     n_ctx: int = Field(65536, ge=256, description="Context length per slot in tokens (agents need "
                        ">= 64K; clamped to the model's training context).")
     n_slots: int = Field(2, ge=1, le=16, description="KV sequences kept at once. The main agent "
                          "session and its side requests (titles, subagents) each keep their prefix.")
+    cache_ram_mb: Optional[int] = Field(None, ge=0, description="Host-memory prefix cache (MiB): a "
+                                        "slot's KV state is kept in RAM when another conversation takes "
+                                        "the slot and put back when its session returns (like "
+                                        "llama-server's --cache-ram). Unset: 1/8 of the RAM, at most "
+                                        "8192; 0: off.")
     n_batch: int = Field(2048, ge=32, description="Logical batch size for prefill (tokens).")
     n_ubatch: int = Field(512, ge=32, description="Physical batch (ubatch) size for prefill (tokens).")
     n_threads: Optional[int] = Field(None, ge=1, description="CPU threads for the CPU branch and "

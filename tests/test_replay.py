@@ -110,3 +110,25 @@ def test_replay_sends_the_session_workload(live_daemon, tmp_path: Path):
     replay.main(["--sessions", str(TAU2), "--ids", TAU2_ID, "--max-turns", "1", "--base-url", live_daemon.url,
                  "--json", str(tmp_path / "r.json"), "--cap-tokens", "2"])
     assert "workload=customer-service" in live_daemon.log()
+
+
+def test_replay_interleaved_agents_reports_cached_tokens(start_daemon, tiny_model, tmp_path: Path, capsys):
+    """Two sessions taking turns (agents side by side) on a daemon with ONE slot: each session's
+    returning turn is served from the host-memory prefix cache, which the summary reports."""
+    d = start_daemon("--model", str(tiny_model), "--n-ctx", "2048", "--n-slots", "1", "--n-threads", "2",
+                     "--engine-mode", "subprocess", "--cache-ram-mb", "64")
+    other = "swe-mini-pvlib__pvlib-python-1707"
+    out = tmp_path / "r.json"
+    rc = replay.main(["--sessions", str(SWE), "--ids", SWE_ID, other, "--max-turns", "2", "--interleave",
+                      "--base-url", d.url, "--json", str(out), "--cap-tokens", "2", "--quiet"])
+    data = json.loads(out.read_text())
+    assert rc == 0 and data["interleave"] is True
+    order = [(s["id"], t["index"]) for s in data["sessions"] for t in s["turns"]]
+    assert len(order) == 4
+    for s in data["sessions"]:
+        second = s["turns"][1]
+        # the other session used the only slot in between; the first turn's prefix came back
+        assert second["cached_tokens"] >= s["turns"][0]["prompt_tokens"] - 16, second
+    assert data["summary"]["cached_share_after_first"] > 0.5
+    assert "cached %" in capsys.readouterr().out
+    d.stop()

@@ -50,6 +50,21 @@ def test_choose_slot_alone_or_without_gain():
     assert choose_slot([s1, s2], [1, 2]).target == 0
 
 
+def test_choose_slot_evicts_the_cheapest_slot_not_the_main_session():
+    # issue 12 item 16: main turn (long, used first), a title request (short, used last), then a
+    # side request with another system prompt: the title's slot is given up, not the main one
+    main = Slot(0, tokens=list(range(2000)), last_used=1.0)
+    title = Slot(1, tokens=[5000 + i for i in range(30)], last_used=2.0)
+    c = choose_slot([main, title], [9000 + i for i in range(50)])
+    assert c.target == 1 and c.n_keep == 0
+    # the main session's next turn still finds its whole prefix
+    assert choose_slot([main, title], list(range(2000)) + [1, 2]) == SlotChoice(target=0, n_keep=2000)
+    # a slot idle for long counts as empty, whatever it holds
+    old = Slot(0, tokens=list(range(2000)), last_used=1.0)
+    recent = Slot(1, tokens=[5000 + i for i in range(30)], last_used=1000.0)
+    assert choose_slot([old, recent], [7], now=1000.0 + 1).target == 0
+
+
 def test_stop_scanner_matches_the_whole_text_search():
     rng = random.Random(7)
     for _ in range(300):
@@ -106,3 +121,23 @@ def test_sampling_defaults_come_from_settings():
     assert (p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["seed"]) == (0.0, 1.0, 0, 0.0, 0xFFFFFFFF)
     p = sampler_params(GenRequest(id="x"), Settings(temperature=0.2, top_p=0.5))
     assert (p["temperature"], p["top_p"]) == (0.2, 0.5)
+
+
+def test_prefix_cache_budget_lookup_and_covering():
+    from ostinatod.engine.prefix_cache import PrefixCache
+
+    pc = PrefixCache(budget=1000, min_tokens=4)
+    a, b = list(range(100)), [7] * 50
+    assert pc.worth_saving(a, 10) and not pc.worth_saving(a, 98)  # losing 2 tokens is not worth it
+    assert pc.put(a, b"x" * 400) and pc.put(b, b"y" * 400)
+    assert not pc.worth_saving(a[:60], 0)  # a saved state already holds it
+    e, n = pc.best(a[:30] + [999])
+    assert e.tokens == a and n == 30
+    assert pc.best([1, 2, 3]) is None  # shares under min_tokens
+    pc.put(a + [1, 2], b"z" * 300)  # covers `a`: replaces it
+    assert [len(x.tokens) for x in pc.entries] == [50, 102]
+    pc.put([5] * 10, b"w" * 400)  # over budget: the least recently used goes
+    assert [x.tokens[0] for x in pc.entries] == [0, 5] and pc.dropped == 1
+    assert not pc.put([1] * 10, b"v" * 2000)  # alone over the budget
+    got = pc.take(pc.entries[0], 30)
+    assert got == b"z" * 300 and pc.stats()["hits"] == 1 and pc.stats()["restored_tokens"] == 30

@@ -62,6 +62,7 @@ def format_requests(d: dict[str, Any]) -> str:
                     f"{str(r.get('workload'))[:10]:<10} {str(r.get('client'))[:14]:<14} "
                     f"{_f(r.get('prompt_tokens')):>7} {_f(r.get('cached_tokens')):>7} "
                     f"{_f(r.get('completion_tokens')):>5} {_f(r.get('ttft_s')):>8} {_f(r.get('tpot_s')):>8}  {t}")
+        rows += [f"{'':<26} warning: {w}" for w in r.get("warnings") or []]
     if len(rows) == 1:
         rows.append("(no requests yet)")
     return "\n".join(rows)
@@ -105,13 +106,37 @@ def cmd_ps(argv: list[str]) -> int:
 
 
 def cmd_load(argv: list[str]) -> int:
-    """``ostinato load PATH.gguf``: serve another model (waits until loaded)."""
-    ap = _parser("load", "Load a GGUF model into the running daemon.")
-    ap.add_argument("path", type=Path)
+    """``ostinato load PATH.gguf|NAME``: serve another model (waits until loaded); NAME is one that
+    ``ostinato models`` lists (a model in the Hugging Face cache, LM Studio or Ollama)."""
+    ap = _parser("load", "Load a GGUF model into the running daemon: a path, or a name that "
+                 "'ostinato models' lists.")
+    ap.add_argument("path", help="PATH.gguf or a model name from 'ostinato models'")
     a = ap.parse_args(argv)
+    path = Path(a.path).expanduser()
+    if not path.is_file() and not a.path.startswith(("/", ".", "~")):  # a name, or a relative path
+        from ..discover import find_models, resolve_name
+        try:
+            path = Path(resolve_name(a.path, find_models(gpus=[])).path)
+        except LookupError as e:
+            if not a.path.endswith(".gguf"):
+                print(f"ostinato: {e}", file=sys.stderr)
+                return 1  # else: a path after all; the daemon says what is wrong with it
     return _run(lambda: (lambda d: json.dumps(d, indent=2) if a.json else
-                         f"loaded {d['model'].get('id')} (engine {d['state']})")(
-        call("POST", "/models/load", {"path": str(a.path.expanduser().resolve())})))
+                         f"loaded {d['model'].get('id')} from {path} (engine {d['state']})")(
+        call("POST", "/models/load", {"path": str(path.resolve())})))
+
+
+def cmd_models(argv: list[str]) -> int:
+    """``ostinato models [--json] [--source S]``: GGUF models on disk (needs no daemon)."""
+    from ..discover import SOURCES, find_models, format_table
+    ap = _parser("models", "GGUF models already on disk (Hugging Face cache, LM Studio, Ollama, "
+                 "Ostinato's models directory) with architecture, size, quantisation, engine support "
+                 "and a suggested expert pool; 'ostinato load NAME' serves one.")
+    ap.add_argument("--source", action="append", choices=list(SOURCES), help="only these sources")
+    a = ap.parse_args(argv)
+    found = find_models(a.source)
+    print(json.dumps([m.to_json() for m in found], indent=2) if a.json else format_table(found))
+    return 0
 
 
 def cmd_unload(argv: list[str]) -> int:

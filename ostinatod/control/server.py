@@ -19,6 +19,7 @@ POST /residency/switch     ``{"workload": "..."}`` or ``{"path": "..."}`` -> swa
 GET  /profile              the stored hardware profile (404 before ``ostinato profile``)
 GET  /metrics              :func:`metrics_snapshot` (JSON; Prometheus text is on HTTP /metrics)
 GET  /requests?limit=N     active and recent request records
+GET  /connection           HTTP URL, served model, context and API key for agents (ostinato launch)
 GET  /events?interval=S    live stream: one :func:`metrics_snapshot` per line (NDJSON)
 =========================  ==================================================================
 
@@ -310,6 +311,18 @@ async def h_metrics(request: web.Request) -> web.Response:
     return web.json_response(await metrics_snapshot(_state(request)))
 
 
+async def h_connection(request: web.Request) -> web.Response:
+    """GET /connection: how a local agent reaches the HTTP API -- ``{"http_url" (for local
+    clients: 127.0.0.1 when bound to 0.0.0.0), "bind_address", "model" (the served id), "n_ctx"
+    (context per slot, None before a model is loaded), "api_key" (None when unset), "random_weights"}``.
+    The key is in it because ``ostinato launch`` hands it to the agent; the socket is 0600."""
+    st = _state(request)
+    return web.json_response({"http_url": st.http_url, "bind_address": st.bind_address,
+                              "model": st.model_name, "n_ctx": st.model_info.get("n_ctx"),
+                              "api_key": st.settings.api_key,
+                              "random_weights": bool(st.model_info.get("is_demo"))})
+
+
 async def h_requests(request: web.Request) -> web.Response:
     """GET /requests?limit=N: active request records and the last N finished ones (newest first)."""
     st = _state(request)
@@ -355,7 +368,8 @@ ROUTES = [("GET", "/status", h_status), ("GET", "/models", h_models),
           ("POST", "/pause", h_pause), ("POST", "/resume", h_resume),
           ("GET", "/residency", h_residency), ("POST", "/residency/plan", h_plan),
           ("POST", "/residency/switch", h_switch), ("GET", "/profile", h_profile),
-          ("GET", "/metrics", h_metrics), ("GET", "/requests", h_requests), ("GET", "/events", h_events)]
+          ("GET", "/metrics", h_metrics), ("GET", "/requests", h_requests), ("GET", "/events", h_events),
+          ("GET", "/connection", h_connection)]
 
 
 def make_app(state) -> web.Application:

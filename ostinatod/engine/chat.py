@@ -11,7 +11,11 @@ tools, tool_choice) or ``template_error`` (the template failed to render).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -104,6 +108,42 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+_INCOMPLETE_SCHEMA = "JSON schema conversion was incomplete: "
+
+
+@contextlib.contextmanager
+def _stderr_captured():
+    """Capture what native code writes to file descriptor 2 (llama.cpp reports an incomplete
+    schema conversion only there); yields a function returning it. The text is written on to the
+    real stderr afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    buf = tempfile.TemporaryFile()
+    text: list[str] = []
+    try:
+        os.dup2(buf.fileno(), 2)
+        yield lambda: "".join(text)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        buf.seek(0)
+        data = buf.read().decode("utf-8", "replace")
+        buf.close()
+        text.append(data)
+        if data:
+            sys.stderr.write(data)
+
+
+def _refuse_incomplete_schema(said: str, schema: dict[str, Any]) -> None:
+    """EngineError 400 when llama.cpp could not enforce a part of the response's JSON schema (a
+    regex ``pattern`` it cannot express as a grammar is otherwise replaced by "any string")."""
+    for line in said.splitlines():
+        if _INCOMPLETE_SCHEMA in line:
+            what = line.split(_INCOMPLETE_SCHEMA, 1)[1].strip()
+            raise EngineError("invalid_request", "response_format: the JSON schema cannot be enforced: "
+                              f"{what.replace(', accepting any string', '')}", 400)
+
+
 class _NativeHandle:
     """Owner of one libostinato handle ``_h``, freed by the function named ``_free_fn`` on
     :meth:`close` (idempotent) or, as a fallback, when garbage-collected."""
@@ -150,6 +190,16 @@ class ChatTemplates(_NativeHandle):
 
         Raises EngineError("invalid_request" | "template_error").
         """
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if (add_generation_prompt and len(messages) > 1 and isinstance(last, dict)
+                and last.get("role") == "assistant" and not last.get("tool_calls")
+                and isinstance(last.get("content"), str) and last["content"]):
+            # a final assistant message is continued, not closed (prefill, as the Anthropic API
+            # and llama-server do): the turns before it, the generation prompt, then its text
+            r = self.render(messages[:-1], tools, tool_choice, parallel_tool_calls, enable_thinking,
+                            json_schema, add_generation_prompt=True)
+            r.prompt += last["content"]
+            return r
         tools = list(tools or [])
         choice = tool_choice if tool_choice is not None else "auto"
         if isinstance(choice, dict):
@@ -172,7 +222,12 @@ class ChatTemplates(_NativeHandle):
             req["json_schema"] = json_schema
         if self._h is None:
             raise EngineError("model_not_loaded", "chat templates are closed", 503)
-        res = native.take_json(self._fn_apply(self._h, json.dumps(req).encode()))
+        if json_schema is not None:
+            with _stderr_captured() as said:
+                res = native.take_json(self._fn_apply(self._h, json.dumps(req).encode()))
+            _refuse_incomplete_schema(said(), json_schema)
+        else:
+            res = native.take_json(self._fn_apply(self._h, json.dumps(req).encode()))
         if "error" in res:
             err = res["error"]
             # rendering fails on what the request holds (tools, messages): the client's input
@@ -205,6 +260,39 @@ class ParseResult:
     parse_error: Optional[str] = None
 
 
+def trigger_spacing(rendered: Optional[RenderedPrompt]) -> list[tuple[str, str]]:
+    """(marker, whitespace) pairs of the format's word triggers that end in whitespace, e.g.
+    ``("<tool_call>", "\\n")`` for Hermes/Qwen: llama.cpp's parser expects the trigger as written,
+    the model family's own servers (vLLM's hermes parser, older llama-server) accept the marker
+    followed by any whitespace or none."""
+    if rendered is None:
+        return []
+    out = []
+    for trig in json.loads(rendered.raw).get("grammar_triggers") or []:
+        v = trig.get("value") if isinstance(trig, dict) and trig.get("type") == "word" else None
+        if isinstance(v, str) and v.strip() and v != v.rstrip():
+            marker = v.rstrip()
+            out.append((marker, v[len(marker):]))
+    return out
+
+
+def respace_triggers(text: str, spaced: list[tuple[str, str]]) -> str:
+    """``text`` with each marker of :func:`trigger_spacing` followed by exactly the trigger's
+    whitespace (``<tool_call>{`` and ``<tool_call>  {`` become ``<tool_call>\\n{``); whitespace after
+    a marker at the very end is held back until the next character arrives, so the result only
+    grows at its end as ``text`` grows (streamed diffs stay consistent)."""
+    for marker, ws in spaced:
+        if marker not in text:
+            continue
+        parts = text.split(marker)
+        out = [parts[0]]
+        for p in parts[1:]:
+            rest = p.lstrip()
+            out.append(ws + rest if rest else "")
+        text = marker.join(out)
+    return text
+
+
 class ChatParser(_NativeHandle):
     """Incremental parser of one generation (reasoning / content / tool calls).
 
@@ -223,6 +311,7 @@ class ChatParser(_NativeHandle):
         if not h:
             raise EngineError("template_error", native.last_error() or "chat parser init failed", 500)
         self._h = h
+        self._spaced = trigger_spacing(rendered)
         self.message: dict[str, Any] = {"role": "assistant", "content": "", "reasoning_content": "",
                                         "tool_calls": []}
         self._sent: set[int] = set()  # tool call indexes whose id/name were emitted
@@ -230,6 +319,7 @@ class ChatParser(_NativeHandle):
     def feed(self, text_so_far: str, final: bool = False) -> ParseResult:
         """Parse ``text_so_far``; returns the message and the diffs as engine ``delta`` payloads
         (``{"content"}``, ``{"reasoning"}``, ``{"tool_calls": [{"index", "id", "name", "arguments"}]}``)."""
+        text_so_far = respace_triggers(text_so_far, self._spaced)
         res = native.take_json(self._feed(self._h, text_so_far.encode("utf-8", errors="replace"),
                                           0 if final else 1))
         if "error" in res:
@@ -285,3 +375,14 @@ def openai_message(msg: dict[str, Any]) -> dict[str, Any]:
     if calls:
         out["tool_calls"] = calls
     return out
+
+
+def parser_for(templates: ChatTemplates, req: Any, rendered: RenderedPrompt) -> ChatParser:
+    """The output parser of a chat request (a GenRequest) rendered as ``rendered``. With
+    ``tool_choice`` "none" the tools stay in the prompt (docs/api.md: the cached prefix does not
+    change with tool_choice) and a call the model makes anyway is parsed with the "auto" format, to
+    become text (:func:`.text.settle_tool_calls`), never raw markup in the content."""
+    if req.tools and req.tool_choice == "none":
+        rendered = templates.render(req.messages, req.tools, "auto", req.parallel_tool_calls,
+                                    req.enable_thinking, req.json_schema)
+    return ChatParser(rendered, parse_tool_calls=bool(req.tools))

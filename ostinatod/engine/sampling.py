@@ -7,7 +7,7 @@ Sampling values a request does not set come from the settings (``temperature``, 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
 from ..settings import Settings
 from . import native
@@ -50,3 +50,22 @@ def free_sampler(smpl: Any) -> None:
 def sample(smpl: Any, ctx: Any, idx: int) -> int:
     """The token sampled from the logits of batch row ``idx`` (negative: sampling failed)."""
     return native.fn("ostinato_sampler_sample")(smpl, ctx, idx)
+
+
+def demo_turn(req: GenRequest, vocab: Any, settings: Settings) -> Optional[int]:
+    """Make the generated demo model end its turn (random weights never choose end-of-turn): a bias
+    on the end-of-turn token (``demo_end_bias``; a client's own bias on it wins) and ``max_tokens``
+    capped at ``demo_max_tokens``. Returns the cap when it applies (the answer then ends as a
+    finished turn), else None."""
+    import llama_cpp
+    if settings.demo_end_bias:
+        eot = llama_cpp.llama_vocab_eot(vocab)
+        eot = eot if eot >= 0 else llama_cpp.llama_vocab_eos(vocab)
+        if eot >= 0:
+            bias = dict(req.logit_bias or {})
+            bias.setdefault(eot, settings.demo_end_bias)
+            req.logit_bias = bias
+    if settings.demo_max_tokens and settings.demo_max_tokens < req.max_tokens:
+        req.max_tokens = settings.demo_max_tokens
+        return req.max_tokens
+    return None

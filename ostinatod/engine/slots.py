@@ -4,9 +4,13 @@
 the cache. A new request takes the free slot whose cached tokens share the longest common prefix
 with its prompt. If that match covers less than :data:`SAME_SESSION_SHARE` of the slot's tokens
 (another conversation) while another slot is free, the prefix is shared (``llama_memory_seq_cp``:
-cells are shared, no data copied) into the least recently used free slot instead, so a side
-request never evicts the main session's cache. Only the tail beyond the match is dropped.
-(Ollama's cache slot choice and llama-server's ``--slot-prompt-similarity`` work alike.)
+cells are shared, no data copied) into the *cheapest* free slot instead: the one whose cache is
+cheapest to lose -- the fewest cached tokens, a slot idle for over :data:`STALE_S` counting as
+empty, ties to the least recently used. So a title request or a side agent's request never evicts
+the main session's long cache, even when the main session used its slot longest ago. Only the tail
+beyond the match is dropped. (Ollama's cache slot choice and llama-server's
+``--slot-prompt-similarity`` work alike; a slot's cache that is lost anyway can be kept in host
+memory: :mod:`.prefix_cache`.)
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any, Optional, Sequence
 # slot's cached tokens (a re-rendered last turn differs only at the tail); below it the slot is kept
 # for its own conversation and the common prefix is shared into another slot.
 SAME_SESSION_SHARE = 0.75
+# A slot unused this long (seconds) is cheap to evict whatever it holds (its session has ended).
+STALE_S = 600.0
 
 
 @dataclass
@@ -51,15 +57,23 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def choose_slot(free: Sequence[Slot], prompt: Sequence[int]) -> SlotChoice:
-    """The slot of ``free`` (non-empty) for a request with ``prompt`` (see module docstring)."""
+def eviction_cost(slot: Slot, now: Optional[float] = None) -> tuple[int, float]:
+    """How much losing ``slot``'s cache costs (smaller: evict first): its cached tokens (0 when
+    idle for over :data:`STALE_S` at ``now``), then its last use."""
+    stale = now is not None and now - slot.last_used > STALE_S
+    return (0 if stale else len(slot.tokens), slot.last_used)
+
+
+def choose_slot(free: Sequence[Slot], prompt: Sequence[int], now: Optional[float] = None) -> SlotChoice:
+    """The slot of ``free`` (non-empty) for a request with ``prompt`` (see module docstring);
+    ``now`` (the slots' clock) lets long-idle slots count as empty."""
     matches = {s.id: common_prefix(s.tokens, prompt) for s in free}
     best = max(free, key=lambda s: (matches[s.id], -s.last_used))
     target, n_match, copy_from = best, matches[best.id], None
     if n_match < SAME_SESSION_SHARE * len(best.tokens) and len(free) > 1:
         # `best` holds another conversation that shares only a prefix with this one (a side
-        # request, a subagent): keep it, and share the prefix into the least recently used free slot
-        target = min(free, key=lambda s: s.last_used)
+        # request, a subagent): keep it, and share the prefix into the cheapest free slot
+        target = min(free, key=lambda s: eviction_cost(s, now))
         if target is not best and matches[target.id] < n_match:
             copy_from = best.id
         else:

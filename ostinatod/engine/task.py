@@ -37,6 +37,9 @@ class Task:
     cancelled: bool = False
     finished: bool = False
     special_ids: set = field(default_factory=set)
+    stop_sequence: Optional[str] = None  # the client's stop string that ended the output, if any
+    demo_cap: Optional[int] = None  # the demo model's output cap (ends the turn as "stop")
+    notice_sent: bool = False  # the demo notice went out (first content)
     residency_switch: Optional[dict[str, Any]] = None  # set swapped in right before this request
     residency_skipped: Optional[str] = None  # why its workload's planned set was not swapped in
 

@@ -5,6 +5,7 @@ Pure Python; the worker feeds it token pieces (bytes) as they are sampled.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional, Sequence
 
 
@@ -55,6 +56,7 @@ class StopScanner:
         self.stops = [s for s in stops if s]
         self._reach = max((len(s) for s in self.stops), default=1) - 1
         self._scanned = 0
+        self.matched: Optional[str] = None  # the stop string that :meth:`find` found last
 
     def __bool__(self) -> bool:
         return bool(self.stops)
@@ -68,7 +70,7 @@ class StopScanner:
         for s in self.stops:
             i = text.find(s, start)
             if i >= 0 and (best is None or i < best):
-                best = i
+                best, self.matched = i, s
         return best
 
     def partial_len(self, text: str) -> int:
@@ -110,3 +112,45 @@ def merge_deltas(deltas: list[dict[str, Any]]) -> dict[str, Any]:
         if "tool_calls" in d:
             out.setdefault("tool_calls", []).extend(d["tool_calls"])
     return out
+
+
+def call_text(call: dict[str, Any]) -> str:
+    """A tool call written as plain text, ``name(arguments)``: how a call that cannot be returned
+    as a call goes back (no model markup)."""
+    fn = call.get("function") or call
+    return f"{fn.get('name') or ''}({fn.get('arguments') or ''})"
+
+
+def settle_tool_calls(message: dict[str, Any], finish_reason: Optional[str],
+                      tool_choice: Any = None) -> tuple[dict[str, Any], Optional[str]]:
+    """The final assistant message and finish reason of a generation, with every tool call either
+    a valid call or text (docs/api.md "Tool calls"): a call is returned as a call only when its
+    arguments parse as a JSON object (a call cut by the length limit does not) and tools were not
+    switched off (``tool_choice`` "none"). Any other call is appended to the content as
+    ``name(arguments)`` (:func:`call_text`). The finish reason is "tool_calls" when valid calls
+    remain; otherwise "length" when the output was cut, else "stop" -- so a cut call reads
+    "output limit reached", not "JSON parsing failed"."""
+    calls = message.get("tool_calls") or []
+    if not calls:
+        return message, finish_reason
+    keep, text = [], []
+    for tc in calls:
+        fn = tc.get("function") or tc
+        args = fn.get("arguments")
+        try:
+            ok = isinstance(json.loads(args) if isinstance(args, str) else args, dict)
+        except (json.JSONDecodeError, TypeError):
+            ok = False
+        if ok and tool_choice != "none":
+            keep.append(tc)
+        else:
+            text.append(call_text(tc))
+    if not text:
+        return message, "tool_calls"
+    out = {k: v for k, v in message.items() if k != "tool_calls"}
+    content = out.get("content") or ""
+    out["content"] = content + ("\n" if content and not content.endswith("\n") else "") + "\n".join(text)
+    if keep:
+        out["tool_calls"] = keep
+        return out, "tool_calls"
+    return out, "length" if finish_reason == "length" else "stop"

@@ -47,14 +47,22 @@ class GenRequest:
     workload: Optional[str] = None
     client: Optional[str] = None  # e.g. "claude-code", "openai-python": for stats and workload
     model: Optional[str] = None  # the name the client asked for (echoed back)
+    # what the adapter could not honour (a tool left out, ...): logged and shown by `ostinato ps`
+    warnings: list[str] = field(default_factory=list)
+    # served by the generated demo model: the engine ends the turn early (settings demo_max_tokens,
+    # demo_end_bias) and the answer starts with DEMO_NOTICE
+    demo: bool = False
 
+
+DEMO_NOTICE = "[Ostinato demo model: random weights, the words that follow mean nothing] "
 
 class EventType(str, Enum):
     """Event types streamed by EngineClient.generate(), in order:
 
     - ``start`` once: {"prompt_tokens", "cached_tokens"} after the prompt is tokenised and matched
     - ``delta`` 0..n: {"content": str, "reasoning": str, "tool_calls": [ToolCallDelta]} (any subset)
-    - ``done`` once at the end: {"finish_reason", "message", "usage", "timings"}
+    - ``done`` once at the end: {"finish_reason", "message", "usage", "timings"} and, when a
+      client's stop string ended the output, "stop_sequence" (that string)
     - ``error`` instead of ``done`` on failure: {"code", "message", "status"}
 
     ``ping`` is never sent by an engine: the HTTP front end makes it while it waits (heartbeat).
@@ -85,7 +93,9 @@ class EngineEvent:
     (``content``, ``reasoning_content``, ``tool_calls`` with full arguments). ``done.usage`` is
     ``{"prompt_tokens", "completion_tokens", "cached_tokens", "prefilled_tokens"}``; ``done.timings``
     is ``{"ttft_s", "tpot_s", "prefill_s", "decode_s", "total_s"}``. ``finish_reason`` is one of
-    "stop", "length", "tool_calls". ``error.code`` is a stable string such as
+    "stop", "length", "tool_calls"; ``done.message`` is final: its tool calls are valid (a cut or
+    malformed call is in its content as text, :func:`.text.settle_tool_calls`), so adapters send the
+    calls of ``done.message``, not the streamed call deltas. ``error.code`` is a stable string such as
     "context_length_exceeded", "invalid_request", "engine_crashed", "model_not_loaded".
     """
 

@@ -28,11 +28,12 @@ from ..residency.model import ModelInfo
 from ..settings import Settings
 from . import determinism, loading, sampling
 from .protocol import Op
+from .prefix_cache import PrefixCache, make_prefix_cache, use_host_cache
 from .slots import Slot, choose_slot
 from .task import Emit, Task
 from .switcher import ResidencySwitcher, SwitchDone
-from .text import StopScanner, merge_deltas
-from .types import EngineError, EngineEvent, EventType, GenRequest
+from .text import StopScanner, merge_deltas, settle_tool_calls
+from .types import DEMO_NOTICE, EngineError, EngineEvent, EventType, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
 
@@ -72,6 +73,7 @@ class Worker:
                           "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0,
                           "generated_tokens": 0, "decode_calls": 0}
         self.switcher = ResidencySwitcher(self)
+        self.pcache: Optional[PrefixCache] = None  # host-memory prefix cache (settings.cache_ram_mb)
 
     # ---- loading --------------------------------------------------------------------------------
 
@@ -90,6 +92,7 @@ class Worker:
             self.switcher.note_active(res.path if res else None, res.workload if res else None)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [Slot(i) for i in range(m.n_slots)]
+        self.pcache = make_prefix_cache(self.settings)
 
     def close(self) -> None:
         """Free the context, model and native objects (call on the loop thread or after it ended)."""
@@ -112,6 +115,8 @@ class Worker:
             out: dict[str, Any] = dict(self._counters)
         out["slots"] = [{"id": s.id, "n_tokens": len(s.tokens), "busy": s.task is not None,
                          "last_used": s.last_used} for s in self.slots]
+        if self.pcache is not None:
+            out["host_cache"] = self.pcache.stats()
         out["waiting"] = len(self._waiting)
         out["active"] = len(self._active)
         if self.rt is not None:
@@ -155,6 +160,11 @@ class Worker:
         if req.prompt is not None:
             return self.tokenize(req.prompt), None
         raise EngineError("invalid_request", "request has neither messages nor prompt")
+
+    def chat_parser(self, req: GenRequest, rendered: Any) -> Any:
+        """The output parser of a chat request (:func:`.chat.parser_for`)."""
+        from . import chat
+        return chat.parser_for(self.templates, req, rendered)
 
     def count_tokens(self, req: GenRequest) -> int:
         """Tokens of the rendered prompt of ``req``."""
@@ -264,24 +274,26 @@ class Worker:
                 raise EngineError("invalid_request", "the prompt is empty")
             n_prompt = len(t.prompt)
             if n_prompt >= self.n_ctx_slot:
+                # Anthropic's own wording (Claude Code compacts the conversation on it)
                 raise EngineError("context_length_exceeded",
-                                  f"the prompt has {n_prompt} tokens; the context holds {self.n_ctx_slot} "
-                                  "tokens per slot (prompt + at least one output token)", 400)
+                                  f"prompt is too long: {n_prompt} tokens > {self.n_ctx_slot - 1} maximum "
+                                  f"(the context holds {self.n_ctx_slot} tokens per slot: prompt + at "
+                                  "least one output token)", 400)
             if n_prompt + req.max_tokens > self.n_ctx_slot:
                 # agents ask for far more output than they need (Claude Code: 32000): generate up to
                 # the end of the context and finish with "length" rather than refuse the turn
                 log.info("request %s: max_tokens %d clamped to the %d tokens left in the context",
                          req.id, req.max_tokens, self.n_ctx_slot - n_prompt)
                 req.max_tokens = self.n_ctx_slot - n_prompt
+            if req.demo and not req.ignore_eos:
+                t.demo_cap = sampling.demo_turn(req, self.vocab, self.settings)
             stops = [] if req.ignore_eos else [s for s in (req.stop or []) if s]
             if t.rendered is not None and not req.ignore_eos:
                 stops += [s for s in t.rendered.additional_stops if s and s not in stops]
             t.stops = StopScanner(stops)
             t.special_ids = loading.preserved_ids(self.vocab, t.rendered)
-            from . import chat
             if t.rendered is not None:
-                parse_tools = bool(req.tools) and req.tool_choice != "none"
-                t.parser = chat.ChatParser(t.rendered, parse_tool_calls=parse_tools)
+                t.parser = self.chat_parser(req, t.rendered)
             t.sampler = sampling.make_sampler(self.model, req, t.rendered, self.settings)
         except EngineError as e:
             self._fail(t, e.code, e.message, e.status)
@@ -308,8 +320,11 @@ class Worker:
             t = self._waiting.pop(0)
             if not self._active:  # a request boundary: nothing is generating
                 self.switcher.auto_switch(t)
-            c = choose_slot(free, t.prompt)
+            c = choose_slot(free, t.prompt, time.monotonic())
             target = self.slots[c.target]
+            restored = 0
+            if self.pcache is not None:
+                c, restored = use_host_cache(self.pcache, self.ctx, self.mem, t.prompt, target, c)
             if c.copy_from is not None:  # share the other conversation's prefix (cells, no copy)
                 src = self.slots[c.copy_from]
                 llama_cpp.llama_memory_seq_rm(self.mem, target.id, -1, -1)
@@ -336,6 +351,8 @@ class Worker:
                 self._counters["cached_tokens"] += n_keep
             self._active.append(t)
             start = {"prompt_tokens": len(t.prompt), "cached_tokens": n_keep, "slot": target.id}
+            if restored:
+                start["host_cache_tokens"] = restored
             if t.residency_switch is not None:
                 start["residency_switch"] = t.residency_switch
             if t.residency_skipped is not None:
@@ -455,12 +472,14 @@ class Worker:
         if t.stops:
             cut = t.stops.find(t.text.text)  # new text only
             if cut is not None:
+                if t.stops.matched in (req.stop or []):
+                    t.stop_sequence = t.stops.matched  # a client's stop string (not the template's)
                 t.text.cut(cut)
                 self._end(t, "stop")
                 return
         self._stream(t, final=False)
         if t.n_gen >= req.max_tokens:
-            self._end(t, "length")
+            self._end(t, "stop" if t.demo_cap else "length")
             return
         if len(t.slot.tokens) + 1 >= self.n_ctx_slot:
             self._end(t, "length")
@@ -473,15 +492,21 @@ class Worker:
             text = text[:len(text) - t.stops.partial_len(text)]
         if t.parser is None:
             if len(text) > t.sent:
-                self._emit(t, EventType.DELTA, {"content": text[t.sent:]})
+                self._emit_delta(t, {"content": text[t.sent:]})
                 t.sent = len(text)
             return
         res = t.parser.feed(text, final=final)
         if res.diffs:
-            self._emit(t, EventType.DELTA, merge_deltas(res.diffs))
+            self._emit_delta(t, merge_deltas(res.diffs))
         if final and res.parse_error:
             log.info("request %s: output did not match the %s format, kept as text (%s)", t.req.id,
                      t.rendered.format_name if t.rendered else "?", res.parse_error[:200])
+
+    def _emit_delta(self, t: Task, d: dict[str, Any]) -> None:
+        if t.req.demo and not t.notice_sent:  # the demo model says what it is in its first words
+            d = dict(d, content=DEMO_NOTICE + (d.get("content") or ""))
+            t.notice_sent = True
+        self._emit(t, EventType.DELTA, d)
 
     def _end(self, t: Task, reason: Optional[str], error: Optional[tuple[str, str]] = None) -> None:
         """Finish ``t``: final parse, done (or error) event, slot released."""
@@ -504,9 +529,14 @@ class Worker:
         else:
             self._stream(t, final=True)
             message = {"role": "assistant", "content": t.text.text}
-        if message.get("tool_calls") and reason == "stop":
-            reason = "tool_calls"
+        if t.req.demo:
+            if not t.notice_sent:
+                self._emit_delta(t, {})
+            message = dict(message, content=DEMO_NOTICE + (message.get("content") or ""))
+        message, reason = settle_tool_calls(message, reason, t.req.tool_choice)
         data = t.done_data(reason, message, time.monotonic())
+        if t.stop_sequence is not None:
+            data["stop_sequence"] = t.stop_sequence
         if self.rt is not None:
             try:
                 data["experts"] = self.rt.take_request_stats()

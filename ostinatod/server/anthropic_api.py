@@ -129,14 +129,47 @@ def convert_messages(body: MessagesBody) -> list[dict[str, Any]]:
     return out
 
 
-def convert_tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any]]]:
-    """Anthropic client tools -> OpenAI function tools; server tools (no input_schema) are dropped."""
+def loaded_tool_names(messages: list[Any]) -> set[str]:
+    """Names of deferred tools the conversation has loaded: ``tool_reference`` blocks (the result of
+    a tool search, inside ``tool_result`` content) and tools already called (``tool_use``)."""
+    names: set[str] = set()
+
+    def walk(blocks: Any) -> None:
+        if not isinstance(blocks, list):
+            return
+        for blk in blocks:
+            if not isinstance(blk, dict):
+                continue
+            if blk.get("type") == "tool_reference" and isinstance(blk.get("tool_name"), str):
+                names.add(blk["tool_name"])
+            elif blk.get("type") == "tool_use" and isinstance(blk.get("name"), str):
+                names.add(blk["name"])
+            elif blk.get("type") == "tool_result":
+                walk(blk.get("content"))
+
+    for m in messages:
+        if isinstance(m, dict):
+            walk(m.get("content"))
+    return names
+
+
+def convert_tools(tools: Optional[list[dict[str, Any]]], messages: Optional[list[Any]] = None
+                  ) -> Optional[list[dict[str, Any]]]:
+    """Anthropic client tools -> OpenAI function tools; server tools (no input_schema) are dropped,
+    and so are tools with ``defer_loading: true`` until the conversation loads them (as the
+    Anthropic API does: :func:`loaded_tool_names`), which keeps them out of the prompt."""
     out = []
+    loaded: Optional[set[str]] = None
     for t in tools or []:
         if not isinstance(t, dict) or "input_schema" not in t:
             continue
         if not t.get("name"):
             raise ApiError(400, "invalid_request", "every tool needs a name", param="tools")
+        if t.get("defer_loading") is True:
+            if loaded is None:
+                loaded = loaded_tool_names(messages or [])
+            if t["name"] not in loaded:
+                continue
         out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
                                                      "parameters": t["input_schema"]}})
     return out or None
@@ -162,7 +195,7 @@ def convert_tool_choice(tc: Optional[dict[str, Any]]) -> tuple[Any, bool]:
 
 def build_request(state: DaemonState, request: web.Request, b: MessagesBody, rid: str) -> GenRequest:
     """GenRequest from a validated Messages body."""
-    tools = convert_tools(b.tools)
+    tools = convert_tools(b.tools, b.messages)
     choice, parallel = convert_tool_choice(b.tool_choice)
     if isinstance(choice, dict):
         names = {t["function"]["name"] for t in tools or []}

@@ -232,6 +232,9 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
     r.add_post("/v1/responses", responses_api.responses)
     r.add_post("/v1/messages", anthropic_api.messages)
     r.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
+    # ANTHROPIC_BASE_URL ending in /v1 (the client appends /v1/messages itself): served, with a hint
+    r.add_post("/v1/v1/messages", _doubled_v1(anthropic_api.messages))
+    r.add_post("/v1/v1/messages/count_tokens", _doubled_v1(anthropic_api.count_tokens))
     return app
 
 
@@ -343,6 +346,39 @@ def raise_fd_limit(want: int = 65536) -> int:
     return soft
 
 
+def _doubled_v1(handler: Handler) -> Handler:
+    """``handler`` for a path with a doubled ``/v1`` (a base URL that ends in /v1); logs the fix
+    once per daemon."""
+    async def served(request: web.Request) -> web.StreamResponse:
+        state: DaemonState = request.app["state"]
+        state.warn_once(["the client's base URL ends in /v1; served anyway, but drop /v1 from "
+                         "ANTHROPIC_BASE_URL (Anthropic clients append /v1/messages themselves)"],
+                        f"request to {request.path}")
+        return await handler(request)
+    return served
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback bind address (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+    if host.strip("[]").lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def open_bind_refusal(host: str, api_key: str | None, allow_open_bind: bool) -> str | None:
+    """Why the HTTP API must not bind ``host`` (None when it may): a non-loopback address without
+    an api_key serves the model to anyone who can reach the port, unless allow_open_bind."""
+    if is_loopback(host) or api_key or allow_open_bind:
+        return None
+    return (f"refusing to bind {host!r} without an api_key: anyone who can reach the port could use "
+            "the model. Set api_key (settings.toml, OSTINATO_API_KEY), or allow_open_bind = true "
+            "(--allow-open-bind) to start anyway; host 127.0.0.1 is the default")
+
+
 async def start_http(state: DaemonState, host: str | None = None, port: int | None = None) -> web.AppRunner:
     """Bind the app on ``host:port`` (settings by default; port 0 = free port). Sets
     ``state.http_url`` to the bound address and returns the runner (``await runner.cleanup()``).
@@ -360,5 +396,7 @@ async def start_http(state: DaemonState, host: str | None = None, port: int | No
     sock = site._server.sockets[0]  # type: ignore[union-attr]  # actual port when 0 was asked
     bound_port = sock.getsockname()[1]
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
-    state.http_url = f"http://{shown}:{bound_port}"
+    state.http_url = f"http://{shown}:{bound_port}"  # what local clients use
+    bound = sock.getsockname()[0]
+    state.bind_address = f"[{bound}]:{bound_port}" if ":" in bound else f"{bound}:{bound_port}"
     return runner

@@ -78,6 +78,17 @@ def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
                 raise ApiError(400, "invalid_json", f"Request body nests deeper than {max_depth} levels.")
             items = list(v.keys()) + list(v.values()) if isinstance(v, dict) else v
             stack.extend((x, depth + 1) for x in items)
+# Agents that reach us through LiteLLM (which calls the openai SDK: "OpenAI/Python" user agent) or
+# another generic client, recognised by a marker of their own system prompt (first system message,
+# its first SYSTEM_MARKER_CHARS characters): marker -> client name; their workload is "coding".
+_SYSTEM_MARKERS: list[tuple[str, str]] = [
+    ("You are OpenHands agent", "openhands"),  # OpenHands (software-agent SDK and app)
+    ("mswea_bash_command", "mini-swe-agent"),  # mini-swe-agent's command block
+    ("mini-swe-agent", "mini-swe-agent"),
+    ("SWE-agent", "swe-agent"),
+]
+SYSTEM_MARKER_CHARS = 4000
+_GENERIC_CLIENTS = ("openai-python", "litellm", None)
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -145,6 +156,22 @@ def detect_client(request: web.Request) -> tuple[Optional[str], Optional[str]]:
     return (ua.split("/")[0][:40] or None), None
 
 
+def client_from_system_prompt(messages: Optional[list[dict[str, Any]]]) -> Optional[str]:
+    """The agent whose system prompt starts ``messages`` (:data:`_SYSTEM_MARKERS`), or None."""
+    for m in messages or []:
+        if m.get("role") not in ("system", "developer"):
+            return None
+        c = m.get("content")
+        text = c if isinstance(c, str) else "".join(
+            p.get("text", "") for p in c or [] if isinstance(p, dict) and isinstance(p.get("text"), str))
+        head = text[:SYSTEM_MARKER_CHARS]
+        for marker, name in _SYSTEM_MARKERS:
+            if marker in head:
+                return name
+        return None
+    return None
+
+
 def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool = False
                   ) -> tuple[str, Optional[str]]:
     """Map the client's model name to the served model.
@@ -193,6 +220,10 @@ def fill_common(state: DaemonState, request: web.Request, req: GenRequest, reque
     """Set ``model``, ``client`` and ``workload`` of ``req`` from the HTTP request."""
     echoed, suffix = resolve_model(state, requested_model, anthropic)
     client, cw = detect_client(request)
+    if client in _GENERIC_CLIENTS or cw is None:
+        agent = client_from_system_prompt(req.messages)
+        if agent is not None:  # e.g. mini-swe-agent or OpenHands through LiteLLM
+            client, cw = agent, "coding"
     req.model = echoed
     req.client = client
     req.workload = request_workload(state, request, suffix, cw)
@@ -210,6 +241,7 @@ def fill_common(state: DaemonState, request: web.Request, req: GenRequest, reque
         req.logit_bias = {**(getattr(req, "logit_bias", None) or {}), **body_bias}  # type: ignore[attr-defined]
     if req.messages and state.settings.neutralize_volatile:
         neutralize_messages(req.messages)
+    req.demo = bool(state.demo)
 
 
 async def ensure_engine(state: DaemonState) -> Any:
@@ -246,6 +278,9 @@ class Generation:
         self.req = req
         self.protocol = protocol
         self.rec = state.begin_request(req.id, protocol, req.model, req.client, req.workload)
+        if req.warnings:
+            self.rec["warnings"] = list(req.warnings)
+            state.warn_once(req.warnings, f"request {req.id} ({req.client or 'unknown client'})")
         self.t0 = time.monotonic()
         self.t_first: Optional[float] = None
         self.n_deltas = 0

@@ -107,9 +107,12 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
                 raise ApiError(400, "invalid_request", f"input.{i}: function_call needs name and call_id",
                                param=f"input.{i}")
             m = last_assistant()
+            name = item["name"]
+            if isinstance(item.get("namespace"), str) and item["namespace"]:
+                name = f"{item['namespace']}{enc.NAMESPACE_SEP}{name}"
             m.setdefault("tool_calls", []).append({
                 "id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}})
+                "function": {"name": name, "arguments": item.get("arguments") or "{}"}})
         elif kind == "function_call_output":
             if not item.get("call_id"):
                 raise ApiError(400, "invalid_request", f"input.{i}: function_call_output needs call_id",
@@ -127,15 +130,37 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
     return msgs
 
 
-def convert_tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any]]]:
-    """Flat Responses function tools -> chat tools; built-in tools (web_search, ...) are dropped."""
+def convert_tools(tools: Optional[list[dict[str, Any]]], warnings: Optional[list[str]] = None
+                  ) -> Optional[list[dict[str, Any]]]:
+    """Responses tools -> chat tools: flat function tools as they are, the functions of a
+    ``namespace`` tool flattened to ``<namespace>__<name>`` (calls go back with ``namespace`` and
+    ``name``: :func:`.encoders.responses.namespaced_names`). Tools this server cannot run
+    (``web_search``, ``custom``, ...) are left out, each named in ``warnings``."""
     out = []
     for t in tools or []:
-        if isinstance(t, dict) and t.get("type") == "function":
-            out.append({"type": "function", "function": {
-                "name": t.get("name"), "description": t.get("description", ""),
-                "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
+        if not isinstance(t, dict):
+            continue
+        if t.get("type") == "function":
+            out.append(_function_tool(t.get("name"), t))
+        elif t.get("type") == "namespace" and isinstance(t.get("name"), str):
+            for sub in t.get("tools") or []:
+                if isinstance(sub, dict) and sub.get("type", "function") == "function" and sub.get("name"):
+                    out.append(_function_tool(f"{t['name']}{enc.NAMESPACE_SEP}{sub['name']}", sub,
+                                              f"[{t['name']}] "))
+                elif warnings is not None:
+                    warnings.append(f"tool {t['name']}.{sub.get('name') if isinstance(sub, dict) else sub!r} "
+                                    f"({sub.get('type') if isinstance(sub, dict) else '?'}) left out: not a function")
+        elif warnings is not None:
+            warnings.append(f"tool {t.get('name') or t.get('type')!s} ({t.get('type')}) left out: "
+                            "this server runs only function tools")
     return out or None
+
+
+def _function_tool(name: Any, t: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    desc = t.get("description") or ""
+    return {"type": "function", "function": {
+        "name": name, "description": prefix + desc if desc else desc,
+        "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
 
 
 def convert_tool_choice(tc: Any) -> Any:
@@ -159,14 +184,15 @@ def responses_request(state: DaemonState, request: web.Request, b: ResponsesBody
     if b.previous_response_id:
         raise ApiError(400, "invalid_request", "previous_response_id is not supported: this server is "
                        "stateless; send the whole conversation in 'input'.", param="previous_response_id")
-    tools = convert_tools(b.tools)
+    warnings: list[str] = []
+    tools = convert_tools(b.tools, warnings)
     choice = convert_tool_choice(b.tool_choice)
     check_tools(tools, choice)
     fmt = (b.text or {}).get("format")
     req = GenRequest(id=new_id("resp_"), messages=convert_input(b), tools=tools, tool_choice=choice,
                      parallel_tool_calls=b.parallel_tool_calls,
                      max_tokens=b.max_output_tokens or state.settings.max_tokens_default,
-                     json_schema=json_schema_of(fmt), ignore_eos=b.ignore_eos)
+                     json_schema=json_schema_of(fmt), ignore_eos=b.ignore_eos, warnings=warnings)
     for k in ("temperature", "top_p", "seed"):
         if getattr(b, k) is not None:
             setattr(req, k, getattr(b, k))

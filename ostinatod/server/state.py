@@ -10,6 +10,9 @@ Request record (a plain dict, JSON-serialisable; ``recent`` keeps the last
      "prefilled_tokens", "completion_tokens", "ttft_s", "tpot_s", "total_s", "error", "started",
      "residency_switch_s"}
 
+and ``warnings`` (a list of strings) when the adapter could not honour part of the request (a tool
+left out, ...).
+
 ``residency_switch_s`` is the time of the residency-set swap the engine made right before the
 request (its workload's set; None when there was none).
 
@@ -55,6 +58,7 @@ class DaemonState:
     started_at: float = field(default_factory=time.time)
     model_info: dict[str, Any] = field(default_factory=dict)
     http_url: Optional[str] = None
+    bind_address: Optional[str] = None  # "ADDR:PORT" the HTTP API is bound to (0.0.0.0 included)
     demo: bool = False  # serving the generated demo model (listed as "ostinato-demo-random-weights")
     phase: Optional[str] = None  # what the daemon is doing before an engine exists ("generating demo model")
     reload: Optional[Callable[[Optional[Path]], Awaitable[None]]] = None
@@ -66,6 +70,7 @@ class DaemonState:
     desk: Optional[ResidencyDesk] = None
     # why the last model load failed (None after a successful load): /health, status, the TUI
     model_error: Optional[str] = None
+    warned: set = field(default_factory=set)  # warnings logged once (see warn_once)
 
     def __post_init__(self) -> None:
         if self.recent is None:
@@ -93,6 +98,14 @@ class DaemonState:
         if self.engine is None:
             return "loading" if self.phase else ("error" if self.model_error else "stopped")
         return getattr(self.engine, "state", "stopped")
+
+    def warn_once(self, warnings: list[str], where: str) -> None:
+        """Log each of ``warnings`` at WARNING level the first time this daemon sees it (agents send
+        the same tools every turn; the request records keep them all)."""
+        for w in warnings:
+            if w not in self.warned:
+                self.warned.add(w)
+                log.warning("%s: %s", where, w)
 
     # --- request records ----------------------------------------------------------------------
     def begin_request(self, rid: str, protocol: str, model: Optional[str], client: Optional[str],

@@ -22,8 +22,10 @@ JSON written by ``--json`` (also read by ``ostinato bench engines``)::
                  "target_tokens", "target_tokens_source", "ttft_s", "tpot_s", "total_s", "prompt_tokens",
                  "cached_tokens", "new_tokens", "completion_tokens", "finish_reason", "error"}],
                  "summary": {...}}],
-   "summary": {"turns", "errors", "ttft_after_tool_median_s", "ttft_after_user_median_s",
-               "ttft_median_s", "tpot_median_s", "total_s", ...}}
+   "interleave": bool,
+  "summary": {"turns", "errors", "ttft_after_tool_median_s", "ttft_after_user_median_s",
+               "ttft_median_s", "tpot_median_s", "total_s", "cached_tokens", "prompt_tokens",
+               "cached_share_after_first", ...}}
 """
 
 from __future__ import annotations
@@ -327,7 +329,15 @@ def summarize(turns: list[dict[str, Any]]) -> dict[str, Any]:
         "completion_tokens": sum(t["completion_tokens"] or 0 for t in ok),
         "cached_tokens": sum(t["cached_tokens"] or 0 for t in ok),
         "prompt_tokens": sum(t["prompt_tokens"] or 0 for t in ok),
+        # share of the prompt tokens served from the cache in turns after a session's first one:
+        # what interleaved agents keep of their prefix (1.0: nothing re-prefilled but the new turn)
+        "cached_share_after_first": _share([t for t in ok if t["after"] != "first"]),
     }
+
+
+def _share(turns: list[dict[str, Any]]) -> Optional[float]:
+    prompt = sum(t["prompt_tokens"] or 0 for t in turns)
+    return round(sum(t["cached_tokens"] or 0 for t in turns) / prompt, 4) if prompt else None
 
 
 def select(sessions: list[dict[str, Any]], ids: Optional[list[str]], limit: Optional[int]) -> list[dict[str, Any]]:
@@ -349,12 +359,15 @@ def select(sessions: list[dict[str, Any]], ids: Optional[list[str]], limit: Opti
 def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "openai",
                model: str = "default", max_turns: Optional[int] = None, api_key: str = "ostinato",
                timeout: float = 600.0, log=None, sessions_file: str = "",
-               cap_tokens: Optional[int] = None) -> dict[str, Any]:
+               cap_tokens: Optional[int] = None, interleave: bool = False) -> dict[str, Any]:
     """Replay ``sessions`` against ``base_url`` (no /v1) and return the result dict (module doc).
 
     ``client``: "openai" or "anthropic"; ``max_turns``: first M assistant turns per session;
     ``cap_tokens``: generate at most this many tokens per turn (quick runs; the recorded count is
-    kept in ``target_tokens``). Never raises for a failing turn: its error is recorded and the next turn runs.
+    kept in ``target_tokens``); ``interleave``: the sessions take turns, round-robin (turn 1 of each
+    session, then turn 2 of each, ...), as agents working side by side do -- the summary's
+    ``cached_share_after_first`` then says how much of its prefix each session kept. Never raises
+    for a failing turn: its error is recorded and the next turn runs.
     """
     if client not in ("openai", "anthropic"):
         raise ReplayError(f"unknown client {client!r} (openai or anthropic)")
@@ -377,28 +390,35 @@ def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "ope
                               "cap_tokens": cap_tokens,
                               "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                               "sessions": []}
+    recs = [{"id": s["id"], "workload": s.get("workload"), "turns": []} for s in sessions]
+    plans = [assistant_turns(s)[: max_turns if max_turns is not None else None] for s in sessions]
+    if interleave:  # round-robin over the sessions
+        order = [(i, p[k]) for k in range(max((len(p) for p in plans), default=0))
+                 for i, p in enumerate(plans) if k < len(p)]
+    else:
+        order = [(i, t) for i, p in enumerate(plans) for t in p]
     try:
-        for s in sessions:
-            turns = assistant_turns(s)[: max_turns if max_turns is not None else None]
-            rec: dict[str, Any] = {"id": s["id"], "workload": s.get("workload"), "turns": []}
+        for i, t in order:
+            s, rec = sessions[i], recs[i]
             scl = cl.with_options(default_headers={"x-ostinato-workload": workload_of(s)})
-            for t in turns:
-                n, src = counter.count(assistant_text(t.target))
-                res = TurnResult(t.index, t.message_index, t.after, min(n, cap_tokens) if cap_tokens else n, src,
-                                 target_tokens=n)
-                try:
-                    one(scl, model, s, t, res)
-                    if res.ttft_s is None:
-                        res.error = "no token streamed"
-                except Exception as e:  # noqa: BLE001 - recorded per turn, never dropped
-                    res.error = f"{type(e).__name__}: {str(e)[:500]}"
-                rec["turns"].append(dict(res.__dict__))
-                if log:
-                    log(_turn_line(s["id"], res))
-            rec["summary"] = summarize(rec["turns"])
-            result["sessions"].append(rec)
+            n, src = counter.count(assistant_text(t.target))
+            res = TurnResult(t.index, t.message_index, t.after, min(n, cap_tokens) if cap_tokens else n, src,
+                             target_tokens=n)
+            try:
+                one(scl, model, s, t, res)
+                if res.ttft_s is None:
+                    res.error = "no token streamed"
+            except Exception as e:  # noqa: BLE001 - recorded per turn, never dropped
+                res.error = f"{type(e).__name__}: {str(e)[:500]}"
+            rec["turns"].append(dict(res.__dict__))
+            if log:
+                log(_turn_line(s["id"], res))
     finally:
         cl.close()
+    for rec in recs:
+        rec["summary"] = summarize(rec["turns"])
+    result["sessions"] = recs
+    result["interleave"] = interleave
     result["token_count_method"] = counter.method
     result["summary"] = summarize([t for s in result["sessions"] for t in s["turns"]])
     return result
@@ -418,17 +438,21 @@ def _turn_line(sid: str, r: TurnResult) -> str:
 
 def table(result: dict[str, Any]) -> str:
     """Plain-text table: one row per session plus the overall medians."""
-    head = ("session", "turns", "err", "TTFT tool s", "TTFT user s", "TPOT ms", "new tok", "total s")
+    head = ("session", "turns", "err", "TTFT tool s", "TTFT user s", "TPOT ms", "new tok", "cached tok",
+            "cached %", "total s")
     rows = []
     for s in result["sessions"]:
         m = s["summary"]
         rows.append((s["id"], str(m["turns"]), str(m["errors"]), _fmt(m["ttft_after_tool_median_s"]),
                      _fmt(m["ttft_after_user_median_s"]), _fmt(m["tpot_median_s"], 1e3, 1),
-                     _fmt(m["new_tokens_median"], 1, 0), _fmt(m["total_s"], 1, 2)))
+                     _fmt(m["new_tokens_median"], 1, 0), str(m.get("cached_tokens", 0)),
+                     _fmt(m.get("cached_share_after_first"), 100, 1), _fmt(m["total_s"], 1, 2)))
     m = result["summary"]
-    rows.append(("ALL (medians over turns)", str(m["turns"]), str(m["errors"]), _fmt(m["ttft_after_tool_median_s"]),
+    rows.append(("ALL (medians over turns)" + (", interleaved" if result.get("interleave") else ""),
+                 str(m["turns"]), str(m["errors"]), _fmt(m["ttft_after_tool_median_s"]),
                  _fmt(m["ttft_after_user_median_s"]), _fmt(m["tpot_median_s"], 1e3, 1),
-                 _fmt(m["new_tokens_median"], 1, 0), _fmt(m["total_s"], 1, 2)))
+                 _fmt(m["new_tokens_median"], 1, 0), str(m.get("cached_tokens", 0)),
+                 _fmt(m.get("cached_share_after_first"), 100, 1), _fmt(m["total_s"], 1, 2)))
     w = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     line = lambda r: "  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r))  # noqa: E731
     return "\n".join([line(head), line(tuple("-" * x for x in w))] + [line(r) for r in rows])
@@ -459,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ids", nargs="+", default=None, help="session ids to replay (in this order)")
     ap.add_argument("--cap-tokens", type=int, default=None,
                     help="generate at most N tokens per turn (quick runs; default: the recorded length)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="sessions take turns round-robin, like agents side by side (reports the share "
+                    "of cached prompt tokens after each session's first turn)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--quiet", action="store_true", help="no per-turn lines")
@@ -481,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replaying {len(sessions)} session(s) from {a.sessions} against {base} "
           f"({a.client} client, model {model})", flush=True)
     result = run_replay(sessions, base, a.client, model, a.max_turns, key, a.timeout, say, str(a.sessions),
-                        a.cap_tokens)
+                        a.cap_tokens, a.interleave)
     print()
     print(table(result))
     print(f"token counts from: {result.get('token_count_method')}")

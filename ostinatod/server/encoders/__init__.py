@@ -53,3 +53,4 @@ class Frame:
 
 PING_COMMENT = Frame(comment="ping")
 DONE_SENTINEL = Frame(data="[DONE]")
+

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from ...engine.types import EngineEvent
 from . import Frame, IdFactory, new_id
+from .calls import TOOL_DELTAS_PER_PING, final_message, unsent_text
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -31,9 +32,9 @@ def usage(u: dict[str, int]) -> dict[str, int]:
 
 
 def content_blocks(done: dict[str, Any], ids: IdFactory = new_id) -> list[dict[str, Any]]:
-    """Content blocks of the final message: thinking, text, tool_use (a call whose arguments are
-    not a JSON object stays visible as text)."""
-    m = done.get("message") or {}
+    """Content blocks of the final message: thinking, text, tool_use (a call cut by the length limit
+    or whose arguments are not a JSON object is text: :func:`.final_message`)."""
+    m, _ = final_message(done)
     blocks: list[dict[str, Any]] = []
     if m.get("reasoning_content"):
         blocks.append({"type": "thinking", "thinking": m["reasoning_content"],
@@ -43,29 +44,30 @@ def content_blocks(done: dict[str, Any], ids: IdFactory = new_id) -> list[dict[s
     for tc in m.get("tool_calls") or []:
         fn = tc.get("function") or tc
         args = fn.get("arguments") or "{}"
-        try:
-            inp = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            inp = None
-        if not isinstance(inp, dict):  # malformed call from the model: keep it visible as text
-            blocks.append({"type": "text", "text": f"{fn.get('name')}({args})"})
-            continue
-        blocks.append({"type": "tool_use", "id": tc.get("id") or ids("toolu_"),
-                       "name": fn.get("name", ""), "input": inp})
+        blocks.append({"type": "tool_use", "id": tc.get("id") or ids("toolu_"), "name": fn.get("name", ""),
+                       "input": json.loads(args) if isinstance(args, str) else args})
     if not blocks:
         blocks.append({"type": "text", "text": ""})
     return blocks
+
+
+def stop_of(done: dict[str, Any], has_tool_use: bool) -> tuple[str, Optional[str]]:
+    """(stop_reason, stop_sequence) of a finished message."""
+    if has_tool_use:
+        return "tool_use", None
+    if done.get("stop_sequence"):
+        return "stop_sequence", done["stop_sequence"]
+    _, finish = final_message(done)
+    return STOP_REASONS.get(finish, "end_turn"), None
 
 
 def message_body(rid: str, model: Optional[str], done: dict[str, Any], u: dict[str, int],
                  ids: IdFactory = new_id) -> dict[str, Any]:
     """The non-streaming answer of ``POST /v1/messages``."""
     blocks = content_blocks(done, ids)
-    stop = STOP_REASONS.get(done.get("finish_reason") or "stop", "end_turn")
-    if any(bl["type"] == "tool_use" for bl in blocks):
-        stop = "tool_use"
+    stop, seq = stop_of(done, any(bl["type"] == "tool_use" for bl in blocks))
     return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-            "stop_reason": stop, "stop_sequence": None, "usage": usage(u)}
+            "stop_reason": stop, "stop_sequence": seq, "usage": usage(u)}
 
 
 class MessageStream:
@@ -76,11 +78,9 @@ class MessageStream:
         self.rid, self.model, self.ids = rid, model, ids
         self.index = -1
         self.open_kind: Optional[str] = None  # "thinking" | "text" | "tool"
-        self.open_tool: Optional[int] = None  # engine tool index of the open tool block
         self.thinking_text: list[str] = []
-        self.pending_tools: dict[int, dict[str, Any]] = {}  # engine index -> {"id","name","args"}
-        self.opened_tools: set[int] = set()
-        self.saw_tool = False
+        self.sent = ""  # text streamed so far
+        self.held_tool_deltas = 0
         self.out: list[Frame] = []
 
     def _emit(self, event: str, data: dict[str, Any]) -> None:
@@ -109,39 +109,13 @@ class MessageStream:
             self._emit("content_block_delta", {"index": self.index, "delta": {
                 "type": "signature_delta", "signature": signature("".join(self.thinking_text))}})
         self._emit("content_block_stop", {"index": self.index})
-        self.open_kind, self.open_tool = None, None
+        self.open_kind = None
 
     def _open_block(self, kind: str, block: dict[str, Any]) -> None:
         self._close_block()
         self.index += 1
         self.open_kind = kind
         self._emit("content_block_start", {"index": self.index, "content_block": block})
-
-    def _json_delta(self, text: str) -> None:
-        self._emit("content_block_delta", {"index": self.index, "delta": {
-            "type": "input_json_delta", "partial_json": text}})
-
-    def _tool_delta(self, tc: dict[str, Any]) -> None:
-        idx = int(tc.get("index", 0))
-        p = self.pending_tools.setdefault(idx, {"id": None, "name": None, "args": ""})
-        p["id"] = p["id"] or tc.get("id")
-        p["name"] = p["name"] or tc.get("name")
-        p["args"] += tc.get("arguments") or ""
-        if idx not in self.opened_tools:
-            if not p["name"]:
-                return  # wait for the name before opening the block
-            self._open_block("tool", {"type": "tool_use", "id": p["id"] or self.ids("toolu_"),
-                                      "name": p["name"], "input": {}})
-            self.opened_tools.add(idx)
-            self.open_tool = idx
-            self.saw_tool = True
-            if p["args"]:
-                self._json_delta(p["args"])
-            p["args"] = ""
-        elif self.open_tool == idx and p["args"]:
-            self._json_delta(p["args"])
-            p["args"] = ""
-        # deltas of an earlier, already closed tool block cannot be reopened; they stay buffered
 
     def _delta(self, d: dict[str, Any]) -> None:
         if d.get("reasoning"):
@@ -156,24 +130,32 @@ class MessageStream:
                 self._open_block("text", {"type": "text", "text": ""})
             self._emit("content_block_delta", {"index": self.index, "delta": {
                 "type": "text_delta", "text": d["content"]}})
-        for tc in d.get("tool_calls") or []:
-            self._tool_delta(tc)
+            self.sent += d["content"]
+        for _ in d.get("tool_calls") or []:  # held back: sent whole at the end (see encoders)
+            self.held_tool_deltas += 1
+            if self.held_tool_deltas % TOOL_DELTAS_PER_PING == 0:
+                self._emit("ping", {})
 
     def _done(self, data: dict[str, Any], u: dict[str, int]) -> None:
-        # tools whose name arrived only in the final message
-        final_calls = (data.get("message") or {}).get("tool_calls") or []
-        for i, tc in enumerate(final_calls):
-            if i not in self.opened_tools:
-                fn = tc.get("function") or tc
-                self._tool_delta({"index": i, "id": tc.get("id"), "name": fn.get("name"),
-                                  "arguments": "" if i in self.pending_tools else fn.get("arguments") or ""})
+        msg, _ = final_message(data)
+        rest = unsent_text(msg.get("content"), self.sent)
+        if rest:
+            if self.open_kind != "text":
+                self._open_block("text", {"type": "text", "text": ""})
+            self._emit("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": rest}})
+        calls = msg.get("tool_calls") or []
+        for tc in calls:
+            fn = tc.get("function") or tc
+            self._open_block("tool", {"type": "tool_use", "id": tc.get("id") or self.ids("toolu_"),
+                                      "name": fn.get("name") or "", "input": {}})
+            self._emit("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": fn.get("arguments") or "{}"}})
         if self.index < 0:
             self._open_block("text", {"type": "text", "text": ""})
         self._close_block()
-        stop = ("tool_use" if self.saw_tool
-                else STOP_REASONS.get(data.get("finish_reason") or "stop", "end_turn"))
+        stop, seq = stop_of(data, bool(calls))
         uu = usage(u)
-        self._emit("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
+        self._emit("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
                                      "usage": {"output_tokens": uu["output_tokens"],
                                                "input_tokens": uu["input_tokens"],
                                                "cache_read_input_tokens": uu["cache_read_input_tokens"]}})

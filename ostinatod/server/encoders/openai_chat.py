@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from ...engine.types import EngineEvent
 from . import DONE_SENTINEL, PING_COMMENT, Frame, IdFactory, new_id
+from .calls import TOOL_DELTAS_PER_PING, final_message, unsent_text
 
 
 def usage(u: dict[str, int]) -> dict[str, Any]:
@@ -29,7 +30,7 @@ def error_payload(data: dict[str, Any]) -> dict[str, Any]:
 
 def chat_message(done: dict[str, Any], ids: IdFactory = new_id) -> dict[str, Any]:
     """The assistant message of a chat completion (content, reasoning_content, tool_calls)."""
-    m = done.get("message") or {}
+    m, _ = final_message(done)
     out: dict[str, Any] = {"role": "assistant", "content": m.get("content") or None}
     if m.get("reasoning_content"):
         out["reasoning_content"] = m["reasoning_content"]
@@ -49,7 +50,7 @@ def chat_completion(rid: str, model: Optional[str], created: int, done: dict[str
                     u: dict[str, int], ids: IdFactory = new_id) -> dict[str, Any]:
     """The non-streaming answer of ``POST /v1/chat/completions``."""
     msg = chat_message(done, ids)
-    finish = done.get("finish_reason") or "stop"
+    _, finish = final_message(done)
     if msg.get("tool_calls"):
         finish = "tool_calls"
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -83,7 +84,7 @@ class _Stream:
     def _delta(self, d: dict[str, Any]) -> list[Frame]:
         raise NotImplementedError
 
-    def _finish(self, done: dict[str, Any]) -> Frame:
+    def _finish(self, done: dict[str, Any]) -> list[Frame]:
         raise NotImplementedError
 
     def feed(self, ev: EngineEvent, u: dict[str, int]) -> list[Frame]:
@@ -93,7 +94,7 @@ class _Stream:
         if ev.type == "delta":
             return self._delta(ev.data)
         if ev.type == "done":
-            out = [self._finish(ev.data)]
+            out = self._finish(ev.data)
             if self.include_usage:
                 out.append(Frame({"id": self.rid, "object": self.object, "created": self.created,
                                   "model": self.model, "choices": [], "usage": usage(u)}))
@@ -116,8 +117,8 @@ class ChatStream(_Stream):
                  ids: IdFactory = new_id):
         super().__init__(rid, model, created, include_usage)
         self.ids = ids
-        self.tool_ids: dict[int, str] = {}
-        self.saw_tools = False
+        self.sent = ""  # content streamed so far
+        self.held_tool_deltas = 0
 
     def _chunk(self, delta: dict[str, Any], finish: Optional[str] = None) -> Frame:
         c: dict[str, Any] = {"id": self.rid, "object": self.object, "created": self.created,
@@ -131,37 +132,33 @@ class ChatStream(_Stream):
     def start(self) -> list[Frame]:
         return [self._chunk({"role": "assistant", "content": ""})]
 
-    def _tool_calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        tcs = []
-        for tc in calls:
-            idx = int(tc.get("index", 0))
-            entry: dict[str, Any] = {"index": idx}
-            if idx not in self.tool_ids:
-                self.tool_ids[idx] = tc.get("id") or self.ids("call_")
-                entry.update(id=self.tool_ids[idx], type="function",
-                             function={"name": tc.get("name") or "", "arguments": tc.get("arguments") or ""})
-            else:
-                entry["function"] = {"arguments": tc.get("arguments") or ""}
-                if tc.get("name"):
-                    entry["function"]["name"] = tc["name"]
-            tcs.append(entry)
-        return tcs
-
     def _delta(self, d: dict[str, Any]) -> list[Frame]:
         out = []
         if d.get("reasoning"):
             out.append(self._chunk({"reasoning_content": d["reasoning"]}))
         if d.get("content"):
+            self.sent += d["content"]
             out.append(self._chunk({"content": d["content"]}))
-        tcs = self._tool_calls(d.get("tool_calls") or [])
-        if tcs:
-            self.saw_tools = True
-            out.append(self._chunk({"tool_calls": tcs}))
+        for _ in d.get("tool_calls") or []:  # held back: sent whole at the end (module encoders)
+            self.held_tool_deltas += 1
+            if self.held_tool_deltas % TOOL_DELTAS_PER_PING == 0:
+                out.append(PING_COMMENT)
         return out
 
-    def _finish(self, done: dict[str, Any]) -> Frame:
-        finish = done.get("finish_reason") or "stop"
-        return self._chunk({}, "tool_calls" if self.saw_tools else finish)
+    def _finish(self, done: dict[str, Any]) -> list[Frame]:
+        msg, finish = final_message(done)
+        out = []
+        rest = unsent_text(msg.get("content"), self.sent)
+        if rest:
+            out.append(self._chunk({"content": rest}))
+        calls = [{"index": i, "id": tc.get("id") or self.ids("call_"), "type": "function",
+                  "function": {"name": (tc.get("function") or tc).get("name") or "",
+                               "arguments": (tc.get("function") or tc).get("arguments") or "{}"}}
+                 for i, tc in enumerate(msg.get("tool_calls") or [])]
+        if calls:
+            out.append(self._chunk({"tool_calls": calls}))
+        out.append(self._chunk({}, "tool_calls" if calls else finish))
+        return out
 
 
 class CompletionStream(_Stream):
@@ -176,5 +173,5 @@ class CompletionStream(_Stream):
     def _delta(self, d: dict[str, Any]) -> list[Frame]:
         return [self._chunk(d["content"])] if d.get("content") else []
 
-    def _finish(self, done: dict[str, Any]) -> Frame:
-        return self._chunk("", done.get("finish_reason") or "stop")
+    def _finish(self, done: dict[str, Any]) -> list[Frame]:
+        return [self._chunk("", done.get("finish_reason") or "stop")]

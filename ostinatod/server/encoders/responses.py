@@ -12,6 +12,23 @@ from typing import Any, Optional
 
 from ...engine.types import EngineEvent
 from . import PING_COMMENT, Frame, IdFactory, new_id
+from .calls import TOOL_DELTAS_PER_PING, final_message, unsent_text
+
+
+NAMESPACE_SEP = "__"  # a namespace tool's functions are offered as "<namespace>__<name>"
+
+
+def namespaced_names(tools: Any) -> dict[str, tuple[str, str]]:
+    """Flat function name -> (namespace, name) for the functions of the request's ``namespace``
+    tools (Codex groups some tools so: ``{"type": "namespace", "name", "tools": [functions]}``)."""
+    out: dict[str, tuple[str, str]] = {}
+    for t in tools or []:
+        if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(t.get("name"), str):
+            for sub in t.get("tools") or []:
+                if isinstance(sub, dict) and sub.get("type", "function") == "function" \
+                        and isinstance(sub.get("name"), str):
+                    out[f"{t['name']}{NAMESPACE_SEP}{sub['name']}"] = (t["name"], sub["name"])
+    return out
 
 
 def usage(u: dict[str, int]) -> dict[str, Any]:
@@ -40,9 +57,11 @@ def response_obj(body: dict[str, Any], rid: str, model: Optional[str], created: 
             "text": b.get("text") or {"format": {"type": "text"}}, "truncation": "disabled"}
 
 
-def output_items(done: dict[str, Any], ids: IdFactory = new_id) -> list[dict[str, Any]]:
-    """Output items of the final message: reasoning, message, function calls."""
-    m = done.get("message") or {}
+def output_items(done: dict[str, Any], ids: IdFactory = new_id,
+                 namespaces: Optional[dict[str, tuple[str, str]]] = None) -> list[dict[str, Any]]:
+    """Output items of the final message: reasoning, message, function calls (a call of a
+    namespace tool's function carries its ``namespace`` and own ``name``)."""
+    m, _ = final_message(done)
     items: list[dict[str, Any]] = []
     if m.get("reasoning_content"):
         items.append({"type": "reasoning", "id": ids("rs_"), "summary": [],
@@ -52,18 +71,28 @@ def output_items(done: dict[str, Any], ids: IdFactory = new_id) -> list[dict[str
                       "content": [{"type": "output_text", "text": m.get("content") or "", "annotations": [],
                                    "logprobs": []}]})
     for tc in m.get("tool_calls") or []:
-        fn = tc.get("function") or tc
-        items.append({"type": "function_call", "id": ids("fc_"), "call_id": tc.get("id") or ids("call_"),
-                      "name": fn.get("name", ""), "arguments": fn.get("arguments") or "{}", "status": "completed"})
+        items.append(function_call_item(tc, ids, namespaces))
     return items
+
+
+def function_call_item(tc: dict[str, Any], ids: IdFactory = new_id,
+                       namespaces: Optional[dict[str, tuple[str, str]]] = None) -> dict[str, Any]:
+    """A ``function_call`` output item of a final tool call."""
+    fn = tc.get("function") or tc
+    item = {"type": "function_call", "id": ids("fc_"), "call_id": tc.get("id") or ids("call_"),
+            "name": fn.get("name", ""), "arguments": fn.get("arguments") or "{}", "status": "completed"}
+    ns = (namespaces or {}).get(item["name"])
+    if ns is not None:
+        item["namespace"], item["name"] = ns
+    return item
 
 
 def response_body(body: dict[str, Any], rid: str, model: Optional[str], created: int,
                   done: dict[str, Any], u: dict[str, int], ids: IdFactory = new_id) -> dict[str, Any]:
     """The non-streaming answer of ``POST /v1/responses``."""
-    inc = "max_output_tokens" if done.get("finish_reason") == "length" else None
+    inc = "max_output_tokens" if final_message(done)[1] == "length" else None
     return response_obj(body, rid, model, created, "incomplete" if inc else "completed",
-                        output_items(done, ids), usage(u), inc)
+                        output_items(done, ids, namespaced_names(body.get("tools"))), usage(u), inc)
 
 
 class ResponseStream:
@@ -75,7 +104,8 @@ class ResponseStream:
         self.seq = 0
         self.output: list[dict[str, Any]] = []
         self.cur: Optional[dict[str, Any]] = None  # open item: {"kind", "item", "text", "tool_index"}
-        self.tools_by_index: dict[int, dict[str, Any]] = {}
+        self.sent = ""  # message text streamed so far
+        self.held_tool_deltas = 0
         self.out: list[Frame] = []
 
     def _emit(self, event: str, data: dict[str, Any]) -> None:
@@ -146,31 +176,34 @@ class ResponseStream:
                                                          "output_index": len(self.output),
                                                          "content_index": 0, "delta": d["reasoning"]})
         if d.get("content"):
-            if self.cur is None or self.cur["kind"] != "message":
-                self._open_item("message", {"type": "message", "id": self.ids("msg_"), "status": "in_progress",
-                                            "role": "assistant", "content": []},
-                                {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            self.cur["text"] += d["content"]
-            self._emit("response.output_text.delta", {"item_id": self.cur["item"]["id"],
-                                                      "output_index": len(self.output),
-                                                      "content_index": 0, "delta": d["content"], "logprobs": []})
-        for tc in d.get("tool_calls") or []:
-            idx = int(tc.get("index", 0))
-            t = self.tools_by_index.setdefault(idx, {"id": None, "name": None, "args": "", "opened": False})
-            t["id"] = t["id"] or tc.get("id")
-            t["name"] = t["name"] or tc.get("name")
-            t["args"] += tc.get("arguments") or ""
-            if not t["opened"] and t["name"]:
-                t["opened"] = True
-                self._open_item("tool", {"type": "function_call", "id": self.ids("fc_"),
-                                         "call_id": t["id"] or self.ids("call_"), "name": t["name"],
-                                         "arguments": "", "status": "in_progress"}, tool_index=idx)
-            if t["opened"] and self.cur is not None and self.cur.get("tool_index") == idx and t["args"]:
-                self.cur["text"] += t["args"]
-                self._emit("response.function_call_arguments.delta", {"item_id": self.cur["item"]["id"],
-                                                                      "output_index": len(self.output),
-                                                                      "delta": t["args"]})
-                t["args"] = ""
+            self._text(d["content"])
+        for _ in d.get("tool_calls") or []:  # held back: sent whole at the end (see encoders)
+            self.held_tool_deltas += 1
+            if self.held_tool_deltas % TOOL_DELTAS_PER_PING == 0:
+                self.out.append(PING_COMMENT)
+
+    def _text(self, text: str) -> None:
+        if self.cur is None or self.cur["kind"] != "message":
+            self._open_item("message", {"type": "message", "id": self.ids("msg_"), "status": "in_progress",
+                                        "role": "assistant", "content": []},
+                            {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        if not text:
+            return
+        self.cur["text"] += text
+        self.sent += text
+        self._emit("response.output_text.delta", {"item_id": self.cur["item"]["id"],
+                                                  "output_index": len(self.output),
+                                                  "content_index": 0, "delta": text, "logprobs": []})
+
+    def _calls(self, msg: dict[str, Any]) -> None:
+        for tc in msg.get("tool_calls") or []:
+            item = function_call_item(tc, self.ids, namespaced_names(self.body.get("tools")))
+            self._open_item("tool", dict(item, arguments="", status="in_progress"))
+            self.cur["text"] = item["arguments"]
+            self._emit("response.function_call_arguments.delta", {"item_id": item["id"],
+                                                                  "output_index": len(self.output),
+                                                                  "delta": item["arguments"]})
+        self._close_item()
 
     def feed(self, ev: EngineEvent, u: dict[str, int]) -> list[Frame]:
         if ev.type == "ping":
@@ -178,13 +211,12 @@ class ResponseStream:
         elif ev.type == "delta":
             self._delta(ev.data)
         elif ev.type == "done":
-            self._close_item()
-            if not self.output:  # nothing streamed: use the final message
-                for item in output_items(ev.data, self.ids):
-                    self._emit("response.output_item.added", {"output_index": len(self.output), "item": item})
-                    self._emit("response.output_item.done", {"output_index": len(self.output), "item": item})
-                    self.output.append(item)
-            inc = "max_output_tokens" if ev.data.get("finish_reason") == "length" else None
+            msg, finish = final_message(ev.data)
+            rest = unsent_text(msg.get("content"), self.sent)
+            if rest or (not self.output and self.cur is None and not msg.get("tool_calls")):
+                self._text(rest)
+            self._calls(msg)
+            inc = "max_output_tokens" if finish == "length" else None
             self._emit("response.completed", {"response": self._obj(
                 "incomplete" if inc else "completed", usage(u), inc)})
         elif ev.type == "error":

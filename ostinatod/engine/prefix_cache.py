@@ -1,0 +1,164 @@
+"""A host-memory prefix cache of KV slot states (like llama-server's ``--cache-ram``).
+
+When a slot's cache is about to be lost -- another conversation takes the slot -- the worker saves
+the slot's KV state (``llama_state_seq_get_data``) here with its tokens; when a request's prompt
+shares a longer prefix with a saved state than with any slot, the state is put back into the
+request's slot (``llama_state_seq_set_data``) and only the rest of the prompt is prefilled. So an
+agent session's KV state survives other agents' requests and side requests even with few slots.
+
+The cache holds at most ``budget`` bytes; the least recently used states go first.
+:class:`PrefixCache` is pure Python (any object with ``len()`` as data); :func:`use_host_cache`
+does the llama.cpp calls for the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from .slots import Slot, SlotChoice, common_prefix
+
+log = logging.getLogger("ostinatod.engine")
+
+# A state is worth saving (and restoring) only when it spares at least this many prompt tokens.
+MIN_TOKENS = 256
+
+
+@dataclass
+class Saved:
+    """One saved slot state: ``tokens`` whose KV is in ``data`` (positions 0..n-1)."""
+
+    tokens: list[int]
+    data: Any
+    used: float = field(default_factory=time.monotonic)
+
+    @property
+    def n_bytes(self) -> int:
+        return len(self.data)
+
+
+class PrefixCache:
+    """Saved slot states within a byte budget (see module doc)."""
+
+    def __init__(self, budget: int, min_tokens: int = MIN_TOKENS):
+        self.budget, self.min_tokens = int(budget), min_tokens
+        self.entries: list[Saved] = []
+        self.saves = self.hits = self.restored_tokens = self.dropped = 0
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(e.n_bytes for e in self.entries)
+
+    def worth_saving(self, tokens: Sequence[int], n_keep: int) -> bool:
+        """Whether a slot holding ``tokens`` that keeps only ``n_keep`` of them should be saved
+        first: it would lose at least ``min_tokens`` tokens that no saved state already holds."""
+        if len(tokens) - n_keep < self.min_tokens or self.budget <= 0:
+            return False
+        return not any(len(e.tokens) >= len(tokens) and common_prefix(e.tokens, tokens) == len(tokens)
+                       for e in self.entries)
+
+    def put(self, tokens: Sequence[int], data: Any) -> bool:
+        """Keep a state (True), dropping the states it covers (their tokens are a prefix of
+        ``tokens``) and then the least recently used ones until it fits; False when it alone is
+        over the budget."""
+        size = len(data)
+        if size > self.budget:
+            return False
+        tokens = list(tokens)
+        self.entries = [e for e in self.entries
+                        if not (len(e.tokens) <= len(tokens) and common_prefix(e.tokens, tokens) == len(e.tokens))]
+        self.entries.sort(key=lambda e: e.used)
+        while self.entries and self.n_bytes + size > self.budget:
+            self.entries.pop(0)
+            self.dropped += 1
+        self.entries.append(Saved(tokens, data))
+        self.saves += 1
+        return True
+
+    def best(self, prompt: Sequence[int]) -> Optional[tuple[Saved, int]]:
+        """The saved state sharing the longest prefix with ``prompt`` and that prefix's length
+        (None when no state shares ``min_tokens`` tokens)."""
+        got: Optional[tuple[Saved, int]] = None
+        for e in self.entries:
+            n = common_prefix(e.tokens, prompt)
+            if n >= self.min_tokens and (got is None or n > got[1]):
+                got = (e, n)
+        return got
+
+    def take(self, entry: Saved, n_used: int) -> Any:
+        """Remove ``entry`` (it goes back into a slot, which holds it from now on) and return its
+        data; ``n_used``: the prompt tokens it spares (stats)."""
+        self.entries.remove(entry)
+        self.hits += 1
+        self.restored_tokens += n_used
+        return entry.data
+
+    def stats(self) -> dict[str, int]:
+        """``{"entries", "bytes", "budget", "saves", "hits", "restored_tokens", "dropped"}``."""
+        return {"entries": len(self.entries), "bytes": self.n_bytes, "budget": self.budget,
+                "saves": self.saves, "hits": self.hits, "restored_tokens": self.restored_tokens,
+                "dropped": self.dropped}
+
+
+def make_prefix_cache(settings: Any) -> Optional[PrefixCache]:
+    """The cache of ``settings.cache_ram_mb`` (None: 1/8 of the RAM, at most 8 GiB; 0: none)."""
+    mb = settings.cache_ram_mb
+    if mb is None:
+        import psutil
+        mb = min(8192, psutil.virtual_memory().total // 8 // 2 ** 20)
+    return PrefixCache(int(mb) * 2 ** 20) if mb else None
+
+
+def use_host_cache(pc: PrefixCache, ctx: Any, mem: Any, prompt: Sequence[int], target: Slot,
+                   c: SlotChoice) -> tuple[SlotChoice, int]:
+    """Around a slot choice ``c`` (worker loop thread): save ``target``'s state when the request
+    would drop much of it, and put a saved state back into ``target`` when it holds more of
+    ``prompt`` than ``c`` keeps. Returns the (possibly new) choice and the tokens restored."""
+    kept_own = 0 if c.copy_from is not None else c.n_keep
+    if pc.worth_saving(target.tokens, kept_own):
+        data = save_state(ctx, target.id)
+        if data is not None:
+            pc.put(target.tokens, data)
+    hit = pc.best(prompt)
+    if hit is None or min(hit[1], len(prompt) - 1) <= c.n_keep:
+        return c, 0
+    entry, n = hit
+    n = min(n, len(prompt) - 1)
+    if not restore_state(ctx, mem, target, pc.take(entry, n)):
+        return SlotChoice(target=target.id, n_keep=0), 0
+    target.tokens = list(entry.tokens)
+    return SlotChoice(target=target.id, n_keep=n), n
+
+
+def save_state(ctx: Any, seq: int) -> Any:
+    """The KV state of sequence ``seq`` (a ctypes byte array), or None when it cannot be read."""
+    import ctypes
+
+    import llama_cpp
+    try:
+        n = llama_cpp.llama_state_seq_get_size(ctx, seq)
+        buf = (ctypes.c_uint8 * n)()
+        got = llama_cpp.llama_state_seq_get_data(ctx, buf, n, seq)
+    except Exception as e:  # never fail a request for the cache
+        log.warning("host cache: saving sequence %d failed: %s", seq, e)
+        return None
+    if not got:
+        return None
+    return buf if got == n else (ctypes.c_uint8 * got).from_buffer_copy(bytes(buf)[:got])
+
+
+def restore_state(ctx: Any, mem: Any, slot: Slot, data: Any) -> bool:
+    """Put a saved state into ``slot``'s sequence (emptied first; left empty on failure)."""
+    import llama_cpp
+    llama_cpp.llama_memory_seq_rm(mem, slot.id, -1, -1)
+    slot.tokens = []
+    try:
+        ok = llama_cpp.llama_state_seq_set_data(ctx, data, len(data), slot.id)
+    except Exception as e:
+        log.warning("host cache: restoring into slot %d failed: %s", slot.id, e)
+        ok = 0
+    if not ok:
+        llama_cpp.llama_memory_seq_rm(mem, slot.id, -1, -1)
+    return bool(ok)
