@@ -16,12 +16,13 @@ def test_open_bind_rule():
     assert open_bind_refusal("0.0.0.0", None, True) is None
 
 
-def test_open_bind_without_key_is_refused_and_real_address_logged(start_daemon, tiny_model):
+def test_open_bind_without_key_is_refused_and_real_address_logged(start_daemon, tiny_model, monkeypatch):
     flags = ("--model", str(tiny_model), "--n-ctx", "512", "--n-slots", "1", "--n-threads", "1", "--host", "0.0.0.0")
     d = start_daemon(*flags, wait=False, timeout=60)
     assert d.proc.wait(60) == 2
     assert "refusing to bind '0.0.0.0' without an api_key" in d.log()
-    d = start_daemon(*flags, "--api-key", "k")
+    monkeypatch.setenv("OSTINATO_API_KEY", "k")   # a key never goes on the command line (issue 11)
+    d = start_daemon(*flags)
     m = re.search(r"listening on 0\.0\.0\.0:(\d+) \(pid \d+\); local clients use http://127\.0\.0\.1:(\d+)", d.log())
     assert m and m.group(1) == m.group(2), d.log()[-2000:]
     d.stop()

@@ -121,7 +121,9 @@ def test_tui_against_live_daemon(live_daemon):
         app = OstinatoTUI(socket=live_daemon.control_socket, interval=0.2)
         async with app.run_test(size=(150, 44)) as pilot:
             await _until(pilot, lambda: app.snapshot.get("engine_state") == "ready", 120)
-            n0 = len(app.snapshot["requests"]["recent"])
+            # the shared daemon may have served many requests already and the snapshot keeps the
+            # last 60: wait for new ids, not for a longer list
+            seen = {r["id"] for r in app.snapshot["requests"]["recent"]}
             client = OpenAI(base_url=live_daemon.url + "/v1", api_key="x")
             model = app.snapshot["model"]["id"]
             for text, workload in (("def add(a, b):", "coding"),
@@ -129,7 +131,8 @@ def test_tui_against_live_daemon(live_daemon):
                 await asyncio.to_thread(lambda: client.chat.completions.create(
                     model=model, max_tokens=8, messages=[{"role": "user", "content": text}],
                     extra_headers={"x-ostinato-workload": workload}))
-            await _until(pilot, lambda: len(app.snapshot["requests"]["recent"]) >= n0 + 2, 60)
+            await _until(pilot, lambda: len([r for r in app.snapshot["requests"]["recent"]
+                                             if r["id"] not in seen]) >= 2, 60)
             recent = app.snapshot["requests"]["recent"]
             assert [r["workload"] for r in recent[-2:]] == ["coding", "customer-service"]
             # the switch shows: current workload follows the latest request, counts per workload
