@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import pytest
 # before any test module imports llama_cpp: ostinatod.engine puts libstdc++ into the global symbol
 # scope first (a CUDA build's model load crashes otherwise; see ostinatod/engine/__init__.py)
 import ostinatod.engine  # noqa: E402,F401
+from ostinatod.tools.bench_launch import terminate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("OSTINATO_TEST_CACHE", Path.home() / ".cache" / "ostinato-test"))
@@ -98,13 +98,7 @@ class LiveDaemon:
         pytest.fail(f"daemon not healthy after {timeout} s:\n{self.log()[-4000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc)
 
 
 def launch_daemon(home: Path, *flags: str, wait: bool = True, timeout: float = 180) -> LiveDaemon:

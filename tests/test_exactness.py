@@ -310,6 +310,23 @@ def test_borrowed_decode_slots_change_where_not_what(moe, graph):
     assert info2["borrowed"]["slots_lent"] == 0 and info2["borrowed"]["handbacks"] >= lent
 
 
+def _every_path_matches(r, ref_toks):
+    """Greedy tokens of runner ``r`` equal ``ref_toks`` on the split path, the upload path (Np 8) and
+    the decode graph, with both branches doing work in each; restores Np and the graph setting."""
+    try:
+        for np_tokens, graph in ((512, None), (8, None), (512, True)):
+            native.set_prefill_threshold(np_tokens)
+            native.set_decode_graph(graph)
+            native.llama_fn("ostinato_experts_reset_stats")()
+            toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
+            st = _stats()
+            assert toks == ref_toks, (np_tokens, graph)
+            assert 0 < st["hot_routes"] < st["routes"], st   # both branches did work
+    finally:
+        native.set_decode_graph(None)
+        native.set_prefill_threshold(512)
+
+
 def merge_gate_up(src, dst):
     """Rewrites a GGUF with separate ffn_gate_exps / ffn_up_exps as one merged ffn_gate_up_exps per
     layer (gate rows first, then up rows, per expert), as recent converters write them."""
@@ -366,17 +383,8 @@ def test_merged_gate_up_layers_take_the_expert_engine(tmp_path):
         info = native.experts_json("ostinato_experts_info")
         assert info["size_classes"] and all(c["merged_gate_up"] for c in info["size_classes"])
         assert not any("not supported" in n for n in info["notes"])
-        for np_tokens, graph in ((512, None), (8, None), (512, True)):
-            native.set_prefill_threshold(np_tokens)
-            native.set_decode_graph(graph)
-            native.llama_fn("ostinato_experts_reset_stats")()
-            toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
-            st = _stats()
-            assert toks == ref_toks, (np_tokens, graph)
-            assert 0 < st["hot_routes"] < st["routes"]
+        _every_path_matches(r, ref_toks)
     finally:
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
         r.close()
 
 
@@ -407,17 +415,8 @@ def test_newer_architectures_through_the_engine(arch):
     try:
         info = native.experts_json("ostinato_experts_info")
         assert info["hot_experts"] == sum(len(v) for v in hot.values()), info["notes"]
-        for np_tokens, graph in ((512, None), (8, None), (512, True)):
-            native.set_prefill_threshold(np_tokens)
-            native.set_decode_graph(graph)
-            native.llama_fn("ostinato_experts_reset_stats")()
-            toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
-            st = _stats()
-            assert toks == ref_toks, (arch, np_tokens, graph)
-            assert 0 < st["hot_routes"] < st["routes"], st   # both branches did work
+        _every_path_matches(r, ref_toks)
     finally:
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
         r.close()
 
 

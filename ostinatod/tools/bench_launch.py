@@ -45,6 +45,22 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, Any]:
         return 0, None
 
 
+def terminate(proc: subprocess.Popen, grace: float = 30, group: bool = False) -> None:
+    """Stop a server process: SIGTERM, up to ``grace`` seconds for a clean exit, then SIGKILL (to
+    its whole process group when ``group``, for servers started in a session of their own)."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        if group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.wait(10)
+
+
 class Server:
     """A server process on loopback (our daemon or llama-server), stopped by :meth:`stop`."""
 
@@ -79,13 +95,7 @@ class Server:
             return ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        terminate(self.proc, group=True)
         self._log.close()
 
 

@@ -31,6 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+from .bench_launch import terminate
+
 
 def _health(url: str, timeout: float = 5.0) -> int:
     try:
@@ -115,12 +117,7 @@ class Daemon:
         self.socket = str(self.home / "run" / "control.sock")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        terminate(self.proc)
         self.out.close()
 
 
