@@ -77,15 +77,30 @@ class PrefixCache:
         self.saves += 1
         return True
 
-    def best(self, prompt: Sequence[int]) -> Optional[tuple[Saved, int]]:
+    def best(self, prompt: Sequence[int], whole: bool = False, at_most: Optional[int] = None
+             ) -> Optional[tuple[Saved, int]]:
         """The saved state sharing the longest prefix with ``prompt`` and that prefix's length
-        (None when no state shares ``min_tokens`` tokens)."""
+        (None when no state shares ``min_tokens`` tokens). ``whole``: only states whose tokens are
+        all a prefix of ``prompt`` (recurrent and hybrid memories cannot drop a suffix after a
+        restore); ``at_most``: only prefixes of at most that many tokens."""
         got: Optional[tuple[Saved, int]] = None
         for e in self.entries:
             n = common_prefix(e.tokens, prompt)
+            if whole and n != len(e.tokens):
+                continue
+            if at_most is not None and n > at_most:
+                continue
             if n >= self.min_tokens and (got is None or n > got[1]):
                 got = (e, n)
         return got
+
+    def checkpoint(self, tokens: Sequence[int], data: Any) -> bool:
+        """Keep the state of a slot right after its prompt (a message boundary) for a model whose
+        memory cannot be cut back (recurrent or hybrid attention): the next turn of that
+        conversation restores it instead of prefilling everything again. As :meth:`put`."""
+        if len(tokens) < self.min_tokens:
+            return False
+        return self.put(tokens, data)
 
     def take(self, entry: Saved, n_used: int) -> Any:
         """Remove ``entry`` (it goes back into a slot, which holds it from now on) and return its
@@ -112,16 +127,17 @@ def make_prefix_cache(settings: Any) -> Optional[PrefixCache]:
 
 
 def use_host_cache(pc: PrefixCache, ctx: Any, mem: Any, prompt: Sequence[int], target: Slot,
-                   c: SlotChoice) -> tuple[SlotChoice, int]:
+                   c: SlotChoice, whole: bool = False) -> tuple[SlotChoice, int]:
     """Around a slot choice ``c`` (worker loop thread): save ``target``'s state when the request
     would drop much of it, and put a saved state back into ``target`` when it holds more of
-    ``prompt`` than ``c`` keeps. Returns the (possibly new) choice and the tokens restored."""
+    ``prompt`` than ``c`` keeps (``whole``: only states that are all a prefix of ``prompt``, for
+    memories that cannot be cut back). Returns the (possibly new) choice and the tokens restored."""
     kept_own = 0 if c.copy_from is not None else c.n_keep
     if pc.worth_saving(target.tokens, kept_own):
         data = save_state(ctx, target.id)
         if data is not None:
             pc.put(target.tokens, data)
-    hit = pc.best(prompt)
+    hit = pc.best(prompt, whole=whole, at_most=len(prompt) - 1 if whole else None)
     if hit is None or min(hit[1], len(prompt) - 1) <= c.n_keep:
         return c, 0
     entry, n = hit
@@ -130,6 +146,22 @@ def use_host_cache(pc: PrefixCache, ctx: Any, mem: Any, prompt: Sequence[int], t
         return SlotChoice(target=target.id, n_keep=0), 0
     target.tokens = list(entry.tokens)
     return SlotChoice(target=target.id, n_keep=n), n
+
+
+def restore_checkpoint(pc: Optional[PrefixCache], ctx: Any, mem: Any, prompt: Sequence[int],
+                       target: Slot, n_keep: int) -> int:
+    """For a memory that cannot drop a suffix (recurrent or hybrid): instead of prefilling
+    ``prompt`` from scratch, put back the latest checkpoint (:meth:`PrefixCache.checkpoint`) that
+    is wholly a prefix of ``prompt`` and no longer than ``n_keep``. Returns the tokens now in
+    ``target`` (0: it was emptied; prefill everything)."""
+    import llama_cpp
+    hit = pc.best(prompt, whole=True, at_most=min(n_keep, len(prompt) - 1)) if pc is not None else None
+    if hit is not None and restore_state(ctx, mem, target, pc.take(hit[0], hit[1])):
+        target.tokens = list(hit[0].tokens)
+        return len(target.tokens)
+    llama_cpp.llama_memory_seq_rm(mem, target.id, -1, -1)
+    target.tokens = []
+    return 0
 
 
 def save_state(ctx: Any, seq: int) -> Any:

@@ -28,7 +28,8 @@ from ..residency.model import ModelInfo
 from ..settings import Settings
 from . import determinism, loading, sampling
 from .protocol import Op
-from .prefix_cache import PrefixCache, make_prefix_cache, use_host_cache
+from .prefix_cache import (PrefixCache, make_prefix_cache, restore_checkpoint, save_state,
+                           use_host_cache)
 from .slots import Slot, choose_slot
 from .task import Emit, Task
 from .switcher import ResidencySwitcher, SwitchDone
@@ -74,6 +75,7 @@ class Worker:
                           "generated_tokens": 0, "decode_calls": 0}
         self.switcher = ResidencySwitcher(self)
         self.pcache: Optional[PrefixCache] = None  # host-memory prefix cache (settings.cache_ram_mb)
+        self.uncuttable = False  # the memory cannot drop a suffix (recurrent/hybrid): checkpoints
 
     # ---- loading --------------------------------------------------------------------------------
 
@@ -93,6 +95,10 @@ class Worker:
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [Slot(i) for i in range(m.n_slots)]
         self.pcache = make_prefix_cache(self.settings)
+        # recurrent or hybrid attention (qwen35moe's linear-attention layers): the memory cannot drop
+        # a suffix, so prefix reuse goes through whole-state checkpoints (issue 13 item 3)
+        self.uncuttable = bool(llama_cpp.llama_model_is_recurrent(self.model)
+                               or llama_cpp.llama_model_is_hybrid(self.model))
 
     def close(self) -> None:
         """Free the context, model and native objects (call on the loop thread or after it ended)."""
@@ -324,7 +330,8 @@ class Worker:
             target = self.slots[c.target]
             restored = 0
             if self.pcache is not None:
-                c, restored = use_host_cache(self.pcache, self.ctx, self.mem, t.prompt, target, c)
+                c, restored = use_host_cache(self.pcache, self.ctx, self.mem, t.prompt, target, c,
+                                             whole=self.uncuttable)
             if c.copy_from is not None:  # share the other conversation's prefix (cells, no copy)
                 src = self.slots[c.copy_from]
                 llama_cpp.llama_memory_seq_rm(self.mem, target.id, -1, -1)
@@ -336,10 +343,11 @@ class Worker:
                 n_keep = determinism.aligned_keep(n_keep, valid, self.n_prefill_step)
                 self._det_valid[target.id] = n_keep
             if n_keep < len(target.tokens):
-                if not llama_cpp.llama_memory_seq_rm(self.mem, target.id, n_keep, -1):
-                    llama_cpp.llama_memory_seq_rm(self.mem, target.id, -1, -1)
-                    n_keep = 0
-                target.tokens = target.tokens[:n_keep]
+                if llama_cpp.llama_memory_seq_rm(self.mem, target.id, n_keep, -1):
+                    target.tokens = target.tokens[:n_keep]
+                else:   # recurrent/hybrid memory: back to the latest checkpoint within the prefix
+                    n_keep = restore_checkpoint(self.pcache, self.ctx, self.mem, t.prompt, target, n_keep)
+                    restored = max(restored, n_keep)
             target.task = t
             target.last_used = time.monotonic()
             t.slot = target
@@ -433,6 +441,11 @@ class Worker:
                 t.pending = t.pending[len(toks):]
                 with self._lock:
                     self._counters["prefilled_tokens"] += len(toks)
+                if not t.pending and self.uncuttable and self.pcache is not None:
+                    # the prompt's end is a message boundary: a checkpoint for the next turn
+                    data = save_state(self.ctx, t.slot.id)
+                    if data is not None:
+                        self.pcache.checkpoint(t.slot.tokens, data)
         for t, idx in rows:
             if t.finished or t.cancelled:
                 continue
