@@ -27,7 +27,7 @@ CASES = sorted(FIXTURES.glob("*.json"))
 def build(case: dict) -> dict:
     """The GenRequest the adapter makes of the case's body and headers, as a dict without ``id``."""
     from ostinatod.server import anthropic_api, openai_api, responses_api
-    from ostinatod.server.common import validate
+    from ostinatod.server.request_input import validate
     from ostinatod.server.state import DaemonState
     from ostinatod.settings import Settings
 

@@ -14,9 +14,10 @@
 // the CPU branch, whose inputs are all on the host already, runs while it computes (decode overlap);
 // the sum waits for both. The only GPU syncs per layer are the route op's and the sum's.
 //
-// This file: the engine's globals, the hooks called by the patched llama.cpp and the C API. The pool
-// is built in ostinato_pool.cpp, the CPU ops of the split/upload paths and the stats are in
-// ostinato_paths.cpp, the decode graph in ostinato_dgraph.cpp (shared state: ostinato_engine.h).
+// This file: the engine's globals, the hooks called by the patched llama.cpp and the C API's setters.
+// The pool is built in ostinato_pool.cpp, the CPU ops of the split/upload paths and the route counts
+// are in ostinato_paths.cpp, the info/stats JSON in ostinato_stats.cpp, the decode graph in
+// ostinato_dgraph.cpp (shared state: ostinato_engine.h).
 
 #include "ostinato_engine.h"
 
@@ -33,7 +34,6 @@ int64_t    g_np = 512;            // run-time: prefill threshold Np and forced p
 int        g_force = FORCE_AUTO;
 engine_t * g_eng = nullptr;
 std::string g_err;
-std::string g_out_info, g_out_stats, g_out_req;
 bool g_graph_dirty = false;   // set by a residency switch: cached graphs reference the old pool
 bool g_timing = false;        // timing mode: GPU branches get a synchronising marker
 bool g_overlap = true;        // decode overlap: CPU branch after the GPU branch in the graph
@@ -62,14 +62,6 @@ void free_engine(engine_t * e) {
 
 }  // namespace ost
 
-namespace {
-
-const char * keep(std::string & slot, const json & j) {
-    slot = j.dump();
-    return slot.c_str();
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // hooks called by the patched llama.cpp
@@ -499,97 +491,6 @@ int ostinato_experts_set_cpu_threads(int n) {
     }
     g_cpu_threads = n;
     return 0;
-}
-
-const char * ostinato_experts_info(void) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    json j;
-    j["active"] = g_eng != nullptr;
-    j["prefill_threshold"] = g_np;
-    j["force_path"] = g_force == FORCE_AUTO ? "auto" : g_force == FORCE_SPLIT ? "split" : "upload";
-    j["timing"] = g_timing;
-    j["overlap"] = g_overlap;
-    j["decode_graph"] = json{{"mode", g_dgraph < 0 ? "auto" : g_dgraph ? "on" : "off"}, {"max_tokens", g_dgraph_max},
-                             {"broken", g_dgraph_broken}};
-    if (g_eng && g_eng->dg) {
-        int nt = 0; int64_t mb = 0;
-        ost_dg_info(g_eng->dg, nt, mb);
-        j["decode_graph"]["active"] = true;
-        j["decode_graph"]["cpu_threads"] = nt;
-        j["decode_graph"]["mailbox_bytes"] = mb;
-    }
-    if (g_eng) {
-        const engine_t & e = *g_eng;
-        j["pool_device"] = e.pool_device;
-        j["pool_bytes"] = e.pool_bytes;
-        j["host_buffer"] = e.host_buffer;
-        j["host_pinned"] = g_pin.model == e.model && (g_pin.already_pinned || g_pin.bytes > 0);
-        j["pinned_bytes"] = g_pin.model == e.model ? g_pin.bytes : 0;
-        if (g_pin.model == e.model && !g_pin.note.empty()) j["pin_note"] = g_pin.note;
-        j["hot_experts"] = e.n_hot;
-        j["n_layer"] = e.n_layer; j["n_expert"] = e.n_expert; j["n_expert_used"] = e.k;
-        json cls = json::array();
-        for (auto & c : e.classes) {
-            cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)}, {"merged_gate_up", c.merged},
-                               {"up_shape", {c.up0, c.up1}}, {"down_shape", {c.down0, c.down1}},
-                               {"slots", c.members.size()}, {"zero_slots", e.k}, {"staging_slots", c.n_stage}, {"pool", c.pool}});
-        }
-        j["size_classes"] = cls;
-        json pools = json::array();
-        for (auto & p : e.pools) {
-            pools.push_back(json{{"gpu", p.gpu}, {"device", p.name}, {"bytes", p.bytes},
-                                 {"hot_experts", p.n_hot}, {"size_classes", p.n_classes},
-                                 {"layers", p.layers}, {"upload_stream", p.upload_backend != nullptr}});
-        }
-        j["pools"] = pools;
-        j["expert_bytes"] = e.expert_bytes;
-        int moe_layers = 0;
-        for (auto & l : e.layers) moe_layers += l.il >= 0;
-        j["moe_layers"] = moe_layers;
-        int lent = 0;
-        for (auto & c : e.classes) for (auto & b : c.borrowed) lent += b.first >= 0;
-        j["borrowed"] = json{{"on", g_borrow}, {"slots_lent", lent}, {"promotions", e.promotions},
-                             {"handbacks", e.handbacks}};
-        j["notes"] = e.notes;
-    }
-    return keep(g_out_info, j);
-}
-
-const char * ostinato_experts_stats(int with_counts) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (!g_eng) return keep(g_out_stats, json{{"active", false}});
-    json j = totals_json(*g_eng, g_eng->total, with_counts != 0);
-    j["active"] = true;
-    json pools = json::array();   // per device: pool bytes and hot experts
-    for (auto & p : g_eng->pools) {
-        pools.push_back(json{{"gpu", p.gpu}, {"device", p.name}, {"bytes", p.bytes}, {"hot_experts", p.n_hot},
-                             {"routes", p.routes}, {"hot_routes", p.hot_routes},
-                             {"hot_route_share", p.routes ? double(p.hot_routes) / double(p.routes) : 0.0}});
-    }
-    j["pools"] = pools;
-    json last = json::array();
-    for (auto & p : g_eng->last) last.push_back(pass_json(p));
-    j["last_passes"] = last;
-    return keep(g_out_stats, j);
-}
-
-const char * ostinato_experts_take_request_stats(void) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (!g_eng) return keep(g_out_req, json{{"active", false}});
-    json j = totals_json(*g_eng, g_eng->request, true);
-    j["active"] = true;
-    totals_init(g_eng->request, (size_t) g_eng->n_layer * g_eng->n_expert);
-    return keep(g_out_req, j);
-}
-
-void ostinato_experts_reset_stats(void) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (!g_eng) return;
-    const size_t n = (size_t) g_eng->n_layer * g_eng->n_expert;
-    totals_init(g_eng->total, n);
-    totals_init(g_eng->request, n);
-    g_eng->last.clear();
-    for (auto & p : g_eng->pools) p.routes = p.hot_routes = 0;
 }
 
 }  // extern "C"

@@ -43,7 +43,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
 from ..engine.types import EngineError
-from ..server.common import check_json_value
+from ..server.request_input import check_json_value
 from ..server.errors import ApiError
 from .snapshots import _ctl, expert_view, metrics_snapshot
 

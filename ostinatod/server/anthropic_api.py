@@ -17,7 +17,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import EngineError, GenRequest
-from .common import apply_logit_bias, ensure_engine, fill_common, open_generation, read_json, respond, validate
+from .common import apply_logit_bias, ensure_engine, fill_common, open_generation, respond
+from .request_input import read_json, validate
 from .encoders import anthropic as enc
 from .encoders import new_id
 from .errors import ApiError

@@ -16,7 +16,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from . import anthropic_api, openai_api, responses_api
-from .common import INPUT_PHASE
+from .request_input import INPUT_PHASE
 from .errors import ApiError, error_response
 from .metrics import CONTENT_TYPE
 from .state import DaemonState

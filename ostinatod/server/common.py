@@ -1,4 +1,4 @@
-"""Pieces shared by the protocol adapters: body parsing, model names, client and workload
+"""Pieces shared by the protocol adapters: model names, client and workload
 detection, volatile-prefix neutralisation, and the generation driver that keeps the request
 record (TTFT, TPOT, token counts) while an adapter turns engine events into its wire format.
 """
@@ -6,7 +6,6 @@ record (TTFT, TPOT, token counts) while an adapter turns engine events into its 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
 import re
@@ -14,13 +13,13 @@ import time
 from typing import Any, AsyncIterator, Callable, Optional
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from ..engine.types import EngineError, EngineEvent, EventType, GenRequest
 from ..residency.traces import valid_workload
 from .encoders import Frame
 from .errors import ApiError
+from .request_input import INPUT_PHASE, no_constant, read_json, validate
 from .state import DaemonState
 
 WORKLOAD_HEADER = "x-ostinato-workload"
@@ -46,38 +45,6 @@ _CLIENTS: list[tuple[str, str, Optional[str]]] = [
 ]
 
 
-# Deepest JSON nesting accepted in a request body (agents' tool schemas stay far below it; deeper
-# bodies would reach recursion limits of the parser, the worker pipe or the chat template).
-MAX_JSON_DEPTH = 64
-
-# True while a request is being read and turned into a GenRequest (set by the HTTP middleware,
-# cleared by ensure_engine): an unexpected ValueError/TypeError/... then is the client's mistake
-# (a body of a shape no check foresaw) and answers 400, never 500.
-INPUT_PHASE: contextvars.ContextVar[bool] = contextvars.ContextVar("ostinato_input_phase", default=False)
-
-
-def _no_constant(name: str) -> Any:
-    raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {name} is not a JSON number.")
-
-
-def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Raise ApiError 400 when a parsed JSON value nests deeper than ``max_depth`` (``invalid_json``)
-    or holds a string that is not valid Unicode, e.g. a lone surrogate ``"\\ud800"``
-    (``invalid_encoding``: it could not be encoded for the model)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ApiError(400, "invalid_encoding", "Request body holds a string that is not valid "
-                               "Unicode (a lone surrogate such as \\ud800).") from None
-        elif isinstance(v, (dict, list)):
-            if depth > max_depth:
-                raise ApiError(400, "invalid_json", f"Request body nests deeper than {max_depth} levels.")
-            items = list(v.keys()) + list(v.values()) if isinstance(v, dict) else v
-            stack.extend((x, depth + 1) for x in items)
 # Agents that reach us through LiteLLM (which calls the openai SDK: "OpenAI/Python" user agent) or
 # another generic client, recognised by a marker of their own system prompt (first system message,
 # its first SYSTEM_MARKER_CHARS characters): marker -> client name; their workload is "coding".
@@ -89,42 +56,6 @@ _SYSTEM_MARKERS: list[tuple[str, str]] = [
 ]
 SYSTEM_MARKER_CHARS = 4000
 _GENERIC_CLIENTS = ("openai-python", "litellm", None)
-
-
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """Parse the body as a JSON object. Raises ApiError 400: ``invalid_json`` (not JSON, NaN or
-    Infinity, nested deeper than MAX_JSON_DEPTH, not an object), ``invalid_encoding`` (a body that
-    cannot be decoded: bad Content-Encoding, invalid UTF-8 or lone surrogates)."""
-    try:
-        state = request.app["state"]
-        raw = await asyncio.wait_for(request.read(), state.settings.http_body_timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(408, "request_timeout", "The request body did not arrive within "
-                       f"{state.settings.http_body_timeout_s:.0f} s.") from None
-    except RequestPayloadError as e:
-        raise ApiError(400, "invalid_encoding", f"Request body cannot be read: {str(e).strip()}") from None
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ApiError(400, "invalid_json", f"Request body nests deeper than {MAX_JSON_DEPTH} levels.") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "invalid_json", "Request body must be a JSON object.")
-    check_json_value(body)
-    return body
-
-
-def validate(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:
-    """Validate ``body`` with a pydantic model; errors become ApiError 400 ``invalid_request``
-    naming the first bad field."""
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise ApiError(400, "invalid_request", f"Invalid request: {loc}: {first.get('msg')}",
-                       param=loc or None) from None
 
 
 def neutralize_text(text: str) -> str:
@@ -230,7 +161,7 @@ def fill_common(state: DaemonState, request: web.Request, req: GenRequest, reque
     hdr = request.headers.get(LOGIT_BIAS_HEADER)
     if hdr:
         try:
-            extra = json.loads(hdr, parse_constant=_no_constant)
+            extra = json.loads(hdr, parse_constant=no_constant)
         except (json.JSONDecodeError, RecursionError):
             extra = None
         if not isinstance(extra, dict):

@@ -15,7 +15,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.types import GenRequest
-from .common import Generation, apply_logit_bias, fill_common, open_generation, read_json, respond, validate
+from .common import Generation, apply_logit_bias, fill_common, open_generation, respond
+from .request_input import read_json, validate
 from .encoders import new_id
 from .encoders import openai_chat as enc
 from .errors import ApiError

@@ -1,0 +1,111 @@
+// Expert engine: the JSON of the C API's info and stats calls (pool layout, decode graph, borrowed
+// slots, per-pass and cumulative route counts). See ostinato_experts.h and ostinato_engine.h.
+#include "ostinato_engine.h"
+
+using namespace ost;
+
+namespace {
+
+std::string g_out_info, g_out_stats, g_out_req;   // each call's string lives until its next call
+
+const char * keep(std::string & slot, const json & j) {
+    slot = j.dump();
+    return slot.c_str();
+}
+
+}  // namespace
+
+extern "C" {
+
+const char * ostinato_experts_info(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    json j;
+    j["active"] = g_eng != nullptr;
+    j["prefill_threshold"] = g_np;
+    j["force_path"] = g_force == FORCE_AUTO ? "auto" : g_force == FORCE_SPLIT ? "split" : "upload";
+    j["timing"] = g_timing;
+    j["overlap"] = g_overlap;
+    j["decode_graph"] = json{{"mode", g_dgraph < 0 ? "auto" : g_dgraph ? "on" : "off"}, {"max_tokens", g_dgraph_max},
+                             {"broken", g_dgraph_broken}};
+    if (g_eng && g_eng->dg) {
+        int nt = 0; int64_t mb = 0;
+        ost_dg_info(g_eng->dg, nt, mb);
+        j["decode_graph"]["active"] = true;
+        j["decode_graph"]["cpu_threads"] = nt;
+        j["decode_graph"]["mailbox_bytes"] = mb;
+    }
+    if (g_eng) {
+        const engine_t & e = *g_eng;
+        j["pool_device"] = e.pool_device;
+        j["pool_bytes"] = e.pool_bytes;
+        j["host_buffer"] = e.host_buffer;
+        j["host_pinned"] = g_pin.model == e.model && (g_pin.already_pinned || g_pin.bytes > 0);
+        j["pinned_bytes"] = g_pin.model == e.model ? g_pin.bytes : 0;
+        if (g_pin.model == e.model && !g_pin.note.empty()) j["pin_note"] = g_pin.note;
+        j["hot_experts"] = e.n_hot;
+        j["n_layer"] = e.n_layer; j["n_expert"] = e.n_expert; j["n_expert_used"] = e.k;
+        json cls = json::array();
+        for (auto & c : e.classes) {
+            cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)}, {"merged_gate_up", c.merged},
+                               {"up_shape", {c.up0, c.up1}}, {"down_shape", {c.down0, c.down1}},
+                               {"slots", c.members.size()}, {"zero_slots", e.k}, {"staging_slots", c.n_stage}, {"pool", c.pool}});
+        }
+        j["size_classes"] = cls;
+        json pools = json::array();
+        for (auto & p : e.pools) {
+            pools.push_back(json{{"gpu", p.gpu}, {"device", p.name}, {"bytes", p.bytes},
+                                 {"hot_experts", p.n_hot}, {"size_classes", p.n_classes},
+                                 {"layers", p.layers}, {"upload_stream", p.upload_backend != nullptr}});
+        }
+        j["pools"] = pools;
+        j["expert_bytes"] = e.expert_bytes;
+        int moe_layers = 0;
+        for (auto & l : e.layers) moe_layers += l.il >= 0;
+        j["moe_layers"] = moe_layers;
+        int lent = 0;
+        for (auto & c : e.classes) for (auto & b : c.borrowed) lent += b.first >= 0;
+        j["borrowed"] = json{{"on", g_borrow}, {"slots_lent", lent}, {"promotions", e.promotions},
+                             {"handbacks", e.handbacks}};
+        j["notes"] = e.notes;
+    }
+    return keep(g_out_info, j);
+}
+
+const char * ostinato_experts_stats(int with_counts) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_eng) return keep(g_out_stats, json{{"active", false}});
+    json j = totals_json(*g_eng, g_eng->total, with_counts != 0);
+    j["active"] = true;
+    json pools = json::array();   // per device: pool bytes and hot experts
+    for (auto & p : g_eng->pools) {
+        pools.push_back(json{{"gpu", p.gpu}, {"device", p.name}, {"bytes", p.bytes}, {"hot_experts", p.n_hot},
+                             {"routes", p.routes}, {"hot_routes", p.hot_routes},
+                             {"hot_route_share", p.routes ? double(p.hot_routes) / double(p.routes) : 0.0}});
+    }
+    j["pools"] = pools;
+    json last = json::array();
+    for (auto & p : g_eng->last) last.push_back(pass_json(p));
+    j["last_passes"] = last;
+    return keep(g_out_stats, j);
+}
+
+const char * ostinato_experts_take_request_stats(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_eng) return keep(g_out_req, json{{"active", false}});
+    json j = totals_json(*g_eng, g_eng->request, true);
+    j["active"] = true;
+    totals_init(g_eng->request, (size_t) g_eng->n_layer * g_eng->n_expert);
+    return keep(g_out_req, j);
+}
+
+void ostinato_experts_reset_stats(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_eng) return;
+    const size_t n = (size_t) g_eng->n_layer * g_eng->n_expert;
+    totals_init(g_eng->total, n);
+    totals_init(g_eng->request, n);
+    g_eng->last.clear();
+    for (auto & p : g_eng->pools) p.routes = p.hot_routes = 0;
+}
+
+}  // extern "C"
