@@ -158,6 +158,20 @@ def live_daemon(tiny_model: Path) -> Iterator[LiveDaemon]:
     d.stop()
 
 
+@pytest.fixture(scope="module")
+def oai(live_daemon):
+    """The official openai client on the shared live daemon."""
+    import openai
+    return openai.OpenAI(base_url=live_daemon.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ant(live_daemon):
+    """The official anthropic client on the shared live daemon."""
+    import anthropic
+    return anthropic.Anthropic(base_url=live_daemon.url, api_key="none", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def start_daemon() -> Iterator:
     """``start_daemon(*flags, wait=True) -> LiveDaemon`` in a fresh OSTINATO_HOME; stopped at the end."""

@@ -22,16 +22,6 @@ A_WEATHER = {"name": "get_weather", "description": "Weather of a city",
 
 
 @pytest.fixture(scope="module")
-def oai(live_daemon):
-    return openai.OpenAI(base_url=live_daemon.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def ant(live_daemon):
-    return anthropic.Anthropic(base_url=live_daemon.url, api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def model(oai):
     return oai.models.list().data[0].id
 

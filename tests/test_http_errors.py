@@ -11,7 +11,6 @@ import urllib.request
 
 import anthropic
 import openai
-import psutil
 import pytest
 
 from conftest import LIVE_N_CTX
@@ -24,16 +23,6 @@ def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-@pytest.fixture(scope="module")
-def oai(live_daemon):
-    return openai.OpenAI(base_url=live_daemon.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def ant(live_daemon):
-    return anthropic.Anthropic(base_url=live_daemon.url, api_key="none", max_retries=0, timeout=120)
 
 
 def test_malformed_json_openai_and_anthropic_shapes(live_daemon):
