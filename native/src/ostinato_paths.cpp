@@ -95,7 +95,9 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const bool ok = e && il >= 0 && il < e->n_layer;
     const bool split = ok && e->layers[il].has_hot;
     const int zero0 = split ? e->layers[il].zero0 : 0;
-    const bool decode = n == 1;
+    // a decode pass by its token count, as the decode graph's counter has it (the last layer of a
+    // prefill sees only the output rows, often one)
+    const bool decode = ok && e->cur.tokens == 1;
     for (int64_t t = 0; t < n; ++t) {
         for (int64_t j = 0; j < k; ++j) {
             const int32_t x = *(const int32_t *) ((const char *) a->data + t * a->nb[1] + j * a->nb[0]);

@@ -195,6 +195,8 @@ void borrow_step(engine_t * e) {
         if (j < 0) continue;
         auto & b = c.borrowed[j];
         if (b.first >= 0) {
+            // overwriting a lent slot is safe here: the previous pass's output was read (sampling
+            // syncs the GPU) before this pass begins, so no kernel still reads the slot
             if (cand[i].first < 2 * low) continue;   // hysteresis: replace only a clearly colder one
             e->slot[b.first][b.second] = -1;
             set_table(e, b.first, b.second, -1);
