@@ -220,6 +220,51 @@ def test_paths_match_stock(moe, stock, path, np_tokens, force):
     assert (st["upload_bytes"] > 0) == up       # cold experts uploaded only on the upload path
 
 
+@pytest.mark.parametrize("np_tokens, force", [(512, "auto"), (8, "auto"), (8, "split")])
+def test_pool_views_match_stock_and_the_whole_class(moe, stock, np_tokens, force):
+    """Per-layer pool views (split and upload passes of >= 9 tokens): the GPU routes over a view of
+    the layer's own hot slots with -1 for the other branch's routes, the upload path's staged routes
+    over a view of the staging slots. Greedy tokens identical to stock and to the same placement
+    computed over the whole size class; on the CPU the logits are bitwise equal too (on the GPU the
+    grouped product's stream-k split, which depends on the matrix count, may order sums differently).
+    The decode graph is off so that the 24-token prompt takes the split path itself; every token is an
+    output, so that the last MoE layer (deepseek2's tiny shape has one) sees the whole prompt too."""
+    r = ost_runner(moe)
+    _switch(half_hot(moe))
+    native.set_prefill_threshold(np_tokens)
+    native.force_path(force)
+    native.set_decode_graph(False)
+    r.all_logits = True
+    try:
+        native.set_views(False)
+        native.llama_fn("ostinato_experts_reset_stats")()
+        base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        base = _stats()
+        native.set_views(True)
+        native.llama_fn("ostinato_experts_reset_stats")()
+        toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        st = _stats()
+    finally:
+        r.all_logits = False
+        native.set_views(True)
+        native.force_path("auto")
+        native.set_decode_graph(None)
+        native.set_prefill_threshold(512)
+    ref_toks, ref_logits = stock[PROMPT_LEN]
+    d = float(np.max(np.abs(logits - ref_logits)))
+    d_base = float(np.max(np.abs(logits - base_logits)))
+    print(f"\n[exactness] {moe[1]['arch']} pool views (Np {np_tokens}, {force}): max|dlogit| {d:.3g} vs "
+          f"stock, {d_base:.3g} vs the whole class; paths {st['paths']}")
+    assert toks == ref_toks == base_toks
+    assert d <= TOL
+    if not GPU:
+        assert np.array_equal(logits, base_logits)
+    assert [p["pool_views"] for p in st["last_passes"]] == [True] + [False] * N_NEW
+    assert not any(p["pool_views"] for p in base["last_passes"])
+    assert st["paths"] == base["paths"] and st["routes"] == base["routes"]
+    assert st["upload_bytes"] == base["upload_bytes"]   # the same cold experts are staged
+
+
 @pytest.mark.parametrize("np_tokens", [512, 8])
 def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     """The decode graph (route op as a GPU/CPU op, CPU branch on the engine's thread pool fed through
@@ -469,6 +514,8 @@ def test_stats_are_consistent(moe):
         assert p["hot_routes"] + p["cold_routes"] == p["routes"] == p["tokens"] * k * L
         assert p["distinct_cold_experts"] <= min(p["cold_routes"], L * (n_exp - n_exp // 2))
     assert [p["path"] for p in st["last_passes"]] == ["upload", "decode", "decode", "decode"]
+    # the prompt's pass (>= 9 tokens) computed its GPU routes over pool views, decode steps did not
+    assert [p["pool_views"] for p in st["last_passes"]] == [True, False, False, False]
     assert req["routes"] == st["routes"] and np.array(req["counts_prefill"]).sum() == cp.sum()
     assert again["routes"] == 0 and again["passes"] == 0
 

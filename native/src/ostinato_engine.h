@@ -67,6 +67,7 @@ struct pass_t {
     double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
     bool gpu_timed = false;
     bool graph = false;                         // the pass ran (some of) its layers in the decode graph
+    bool views = false;                         // some layer computed its GPU routes over pool views
     std::string path;
 };
 
@@ -152,7 +153,18 @@ extern int64_t    g_np;           // run-time: prefill threshold Np and forced p
 extern int        g_force;
 extern engine_t * g_eng;
 extern std::string g_err;
-extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow;
+extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views;
+
+// op_params slot and value with which a mul_mat_id is marked as holding negative ids (patch 21 reads
+// them in the CUDA backend; ggml's own use of a mul_mat_id's op_params ends at index 2 + GGML_MAX_SRC)
+constexpr int     OSTINATO_SKIPS_PARAM = 15;
+constexpr int32_t OSTINATO_SKIPS_MAGIC = 0x4F53544E;   // "OSTN"
+static_assert(OSTINATO_SKIPS_PARAM < GGML_MAX_OP_PARAMS / (int) sizeof(int32_t), "op_params slot");
+
+// userdata of the route and upload ops: the layer and whether the pass uses pool views
+inline intptr_t op_ud(int il, bool views) { return ((intptr_t) il << 1) | (views ? 1 : 0); }
+inline int  op_ud_layer(void * ud) { return (int) ((intptr_t) ud >> 1); }
+inline bool op_ud_views(void * ud) { return ((intptr_t) ud & 1) != 0; }
 extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its

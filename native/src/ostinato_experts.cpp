@@ -42,6 +42,7 @@ bool g_dgraph_broken = false; // a pass lost a wait: decode graph off until the 
 int  g_dgraph_max = 64;       // largest pass (tokens) that takes the decode graph
 int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: estimate physical cores)
 bool g_borrow = true;         // borrowed decode memory (staging slots lent to decode)
+bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -74,10 +75,11 @@ const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps) {
     return &g_eng->layers[it->second];
 }
 
-ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il) {
+ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
+                                 bool views) {
     ggml_tensor * args[2] = { selected_experts, cur };
     ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 2, 1,
-                                     args, cur ? 2 : 1, route_op, 1, (void *) (intptr_t) il);
+                                     args, cur ? 2 : 1, route_op, 1, (void *) (intptr_t) op_ud(il, views));
     ggml_format_name(t, "ostinato_route-%d", il);
     return t;
 }
@@ -97,12 +99,44 @@ ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il,
                           (void *) (intptr_t) ((il << 2) | (kind & 3)));
 }
 
-ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il) {
+ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views) {
     ggml_tensor * args[1] = { route };
     ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], 1, 1, args, 1,
-                                     upload_op, 1, (void *) (intptr_t) il);
+                                     upload_op, 1, (void *) (intptr_t) op_ud(il, views));
     ggml_format_name(t, "ostinato_upload-%d", il);
     return t;
+}
+
+int ostinato_moe_views(int il, int64_t n_tokens) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || il < 0 || il >= e->n_layer || !g_views) return 0;
+    const auto & l = e->layers[il];
+    return l.has_hot && l.views && n_tokens >= OSTINATO_VIEW_MIN_TOKENS ? 1 : 0;
+}
+
+void ostinato_moe_pool_views(ggml_context * ctx, const ostinato_moe_layer * l, bool hot, ggml_tensor * out[6]) {
+    const int64_t s0 = hot ? l->hot0 : l->stage0, n = hot ? l->n_hot : l->n_stage;
+    auto w = [&](ggml_tensor * t) -> ggml_tensor * {   // weights [.., .., slots]
+        return t ? ggml_view_3d(ctx, t, t->ne[0], t->ne[1], n, t->nb[1], t->nb[2], (size_t) s0 * t->nb[2]) : nullptr;
+    };
+    auto b = [&](ggml_tensor * t) -> ggml_tensor * {   // bias rows [.., slots]
+        return t ? ggml_view_2d(ctx, t, t->ne[0], n, t->nb[1], (size_t) s0 * t->nb[1]) : nullptr;
+    };
+    out[0] = w(l->up_pool); out[1] = w(l->gate_pool); out[2] = w(l->down_pool);
+    out[3] = b(l->up_b_pool); out[4] = b(l->gate_b_pool); out[5] = b(l->down_b_pool);
+}
+
+void ostinato_moe_tag_skips(ggml_tensor * t) {
+    if (!t) return;
+    if (t->op == GGML_OP_MUL_MAT_ID) {
+        t->op_params[OSTINATO_SKIPS_PARAM] = OSTINATO_SKIPS_MAGIC;
+    } else if (t->op == GGML_OP_ADD || t->op == GGML_OP_SCALE || t->op == GGML_OP_MUL) {
+        // LoRA terms (add of scaled mul_mat_ids) and per-expert scales share the ids
+        for (ggml_tensor * s : {t->src[0], t->src[1]}) {
+            if (s && (s->op == GGML_OP_MUL_MAT_ID || s->op == GGML_OP_ADD || s->op == GGML_OP_SCALE)) ostinato_moe_tag_skips(s);
+        }
+    }
 }
 
 namespace {
@@ -233,7 +267,9 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         dg = e->dg;
         // token boundary: borrowed slots are lent for decode and handed back before the upload path
         const bool upload = n_tokens > 1 && (g_force == FORCE_UPLOAD || (g_force != FORCE_SPLIT && n_tokens >= g_np));
-        if (upload || !g_borrow) borrow_release(e);
+        // a pass that may take pool views computes only the layer's own hot slots on the GPU: hand the
+        // borrowed ones back first (also before every upload pass, whose staging slots they are)
+        if (upload || !g_borrow || n_tokens >= OSTINATO_VIEW_MIN_TOKENS) borrow_release(e);
         else if (n_tokens == 1) borrow_step(e);
     }
     // outside g_mu: the decode graph's worker takes it to count routes
@@ -477,6 +513,13 @@ int ostinato_experts_set_decode_graph(int mode, int max_tokens) {
 int ostinato_experts_set_borrow(int on) {
     std::lock_guard<std::mutex> lock(g_mu);
     g_borrow = on != 0;
+    return 0;
+}
+
+int ostinato_experts_set_views(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_views != (on != 0)) g_graph_dirty = true;   // cached graphs were built with the other choice
+    g_views = on != 0;
     return 0;
 }
 

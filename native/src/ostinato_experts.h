@@ -27,7 +27,18 @@ struct ostinato_moe_layer {
     ggml_tensor * down_b_pool = nullptr;
     int zero0  = 0;                          // first zero slot
     int stage0 = 0;                          // first staging slot
+    int hot0   = 0;                          // the layer's hot slots: [hot0, hot0 + n_hot), in expert order
+    int n_hot  = 0;
+    int n_stage = 0;                         // staging slots of the class
+    // passes of more than OSTINATO_VIEW_MIN_TOKENS tokens compute the GPU routes over views of the
+    // layer's own slots (see ostinato_moe_views); false where the pool's device cannot skip negative ids
+    bool views = false;
 };
+
+// Split and upload passes of at least this many tokens use per-layer pool views. Below it the GPU's
+// mul_mat_id runs the vector kernel (MMVQ, at most 8 rows), whose grid does not grow with the pool and
+// which does not skip negative ids.
+constexpr int64_t OSTINATO_VIEW_MIN_TOKENS = 9;
 
 // Hooks used by the patched llama.cpp (C++ linkage, inside libllama).
 // Returns the layer entry when the engine is active for the model owning down_exps, else nullptr.
@@ -38,11 +49,28 @@ const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps);
 // ids (cold -> expert id, hot -> -1). `cur` (may be null) is taken as a second source only so that
 // the hidden states reach the host in the same scheduler split as the ids: the CPU branch then
 // starts without waiting for the GPU branch (decode overlap, DESIGN.md item 5).
-ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il);
+// With `views` (see ostinato_moe_views) plane 0 holds ids into the layer's hot view instead: hot ->
+// slot - hot0, cold -> -1 (skipped, exact zeros); a borrowed decode slot counts as cold there.
+ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
+                                 bool views = false);
 // Upload path: custom CPU op over the route op's output that copies each distinct cold expert of
 // layer il once into the staging slots of the pool and returns pool ids [k, n_tokens] (hot -> its
-// slot, cold -> its staging slot): the whole layer then runs on the GPU in one branch.
-ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il);
+// slot, cold -> its staging slot): the whole layer then runs on the GPU in one branch. With `views`
+// it returns ids into the staging view only (cold -> staging slot - stage0, hot -> -1); the hot
+// routes are computed over the hot view with the route op's plane 0.
+ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views = false);
+// Per-layer pool views (issue 9, prefill): 1 when layer il, in a split or upload pass whose layer
+// sees n_tokens tokens, computes its GPU routes over views of the pool (its hot slots; the staging
+// slots) with negative ids for the routes of the other branch. MMQ's mul_mat_id grid covers every
+// expert matrix of its src0 (a stream-k range over all of them), so over the whole size class (all
+// layers' slots) most of the GPU would scan empty matrices; a view keeps stock's grid.
+int  ostinato_moe_views(int il, int64_t n_tokens);
+// out[0..5] = views of the layer's up, gate, down pools and their bias pools (null where absent) over
+// its hot slots (hot = true) or its class's staging slots. Built in the graph's context.
+void ostinato_moe_pool_views(ggml_context * ctx, const ostinato_moe_layer * l, bool hot, ggml_tensor * out[6]);
+// Marks a mul_mat_id node (and those of LoRA terms under an add) as one whose ids may be negative:
+// the patched CUDA backend then writes exact zeros at those positions (patch 21).
+void ostinato_moe_tag_skips(ggml_tensor * t);
 // Timing marker after a branch (kind 1: GPU branch, 2: CPU branch, 3: upload branch); a node to
 // expand into the graph. Kind 1 and 3 read GPU memory (a sync point): only used in timing mode.
 ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il, int kind);
@@ -122,6 +150,9 @@ OSTINATO_API int          ostinato_experts_set_decode_graph(int mode, int max_to
 // Borrowed decode memory on (1, default) or off (0): during decode the upload path's staging slots
 // hold the cold experts the CPU branch computed most lately; handed back before an upload pass.
 OSTINATO_API int          ostinato_experts_set_borrow(int on);
+// Per-layer pool views for split and upload passes (see ostinato_moe_views): on (1, default) or off
+// (0: every pass computes over the whole size class, as before; for measurements). Next graph.
+OSTINATO_API int          ostinato_experts_set_views(int on);
 // Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates
 // the pool at the next pass (call between passes).
 OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);

@@ -42,7 +42,7 @@ json pass_json(const pass_t & p) {
                 {"cold_routes", p.cold}, {"distinct_cold_experts", p.distinct_cold}, {"path", p.path},
                 {"cpu_branch_ms", p.cpu_ms}, {"gpu_branch_ms", p.gpu_ms}, {"gpu_timed", p.gpu_timed},
                 {"upload_bytes", p.upload_bytes}, {"upload_ms", p.upload_ms}, {"total_ms", p.total_ms},
-                {"decode_graph", p.graph}};
+                {"decode_graph", p.graph}, {"pool_views", p.views}};
 }
 
 // Counts one route (layer il, expert x) into the current pass and the totals; returns the expert's
@@ -82,11 +82,13 @@ void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, 
 
 // Route op (custom CPU op, n_tasks = 1): reads selected_experts [k, n_tokens] (possibly a strided
 // view), counts the routes into the current pass and writes the two planes of ids (see the header).
+// With pool views plane 0 indexes the layer's hot view (hot -> slot - hot0, else -1).
 void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) return;
     const ggml_tensor * a = dst->src[0];
-    const int il = (int) (intptr_t) ud;
+    const int il = op_ud_layer(ud);
+    const bool views = op_ud_views(ud);
     const int64_t k = a->ne[0], n = a->ne[1];
     int32_t * g = (int32_t *) dst->data;
     int32_t * c = g + k * n;
@@ -95,6 +97,7 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const bool ok = e && il >= 0 && il < e->n_layer;
     const bool split = ok && e->layers[il].has_hot;
     const int zero0 = split ? e->layers[il].zero0 : 0;
+    const int hot0 = split ? e->layers[il].hot0 : 0, hot1 = split ? hot0 + e->layers[il].n_hot : 0;
     // a decode pass by its token count, as the decode graph's counter has it (the last layer of a
     // prefill sees only the output rows, often one)
     const bool decode = ok && e->cur.tokens == 1;
@@ -104,7 +107,13 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
             const int64_t i = t * k + j;
             if (!ok || x < 0 || x >= e->n_expert) { g[i] = x; c[i] = x; continue; }
             const int32_t s = count_route(e, il, x, decode);
-            if (s >= 0) {
+            if (views) {
+                // a slot outside the layer's hot range (a borrowed one; they are handed back before
+                // such passes) is computed by the CPU branch
+                const bool in = s >= hot0 && s < hot1;
+                g[i] = in ? s - hot0 : -1;
+                c[i] = in ? -1 : x;
+            } else if (s >= 0) {
                 g[i] = s; c[i] = -1;
             } else {
                 g[i] = split ? zero0 + (int32_t) j : x;   // a zero slot per position: exact zeros
@@ -113,18 +122,22 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         }
     }
     if (ok) e->mark_us[il] = now_us();
+    if (ok && views && split) e->cur.views = true;
 }
 
 // Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
 // cold expert of the pass once from host memory into the staging slots of the pool (ascending expert
 // ids into ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the
 // engine's own stream, joined once at the end) and writes pool ids: hot -> its slot, cold -> its
-// staging slot. Hot experts are never uploaded.
+// staging slot. Hot experts are never uploaded. With pool views the output indexes the staging
+// view (cold -> slot - stage0, hot -> -1); the hot routes run over the hot view, launched before this
+// op in graph order, so that these copies overlap that compute.
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) return;
     const ggml_tensor * route = dst->src[0];
-    const int il = (int) (intptr_t) ud;
+    const int il = op_ud_layer(ud);
+    const bool views = op_ud_views(ud);
     const int64_t k = route->ne[0], n = route->ne[1];
     const int32_t * g = (const int32_t *) route->data;   // plane 0: hot -> slot
     const int32_t * c = g + k * n;                        // plane 1: cold -> expert, hot -> -1
@@ -132,7 +145,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
     if (!e || il < 0 || il >= e->n_layer || !e->layers[il].has_hot) {
-        for (int64_t i = 0; i < k * n; ++i) out[i] = g[i];
+        for (int64_t i = 0; i < k * n; ++i) out[i] = views ? -1 : g[i];
         return;
     }
     const int64_t t0 = now_us();
@@ -173,7 +186,9 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     }
     for (int64_t i = 0; i < k * n; ++i) {
         const int32_t x = c[i];
-        out[i] = (x >= 0 && x < e->n_expert) ? slot[x] : g[i];
+        const bool cold = x >= 0 && x < e->n_expert;
+        if (views) out[i] = cold ? slot[x] - ol.stage0 : -1;
+        else       out[i] = cold ? slot[x] : g[i];
     }
     if (upload_backend) ggml_backend_synchronize(upload_backend);
     e->cur.upload_ms += (now_us() - t0) / 1000.0;

@@ -17,6 +17,22 @@ ggml_backend_dev_t pool_device(int gpu_index) {
     }
     return ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
 }
+// Expert types whose GPU mul_mat_id of more than 8 rows runs MMQ, which patch 21 makes skip negative
+// ids (ggml_cuda_should_use_mmq's list; on the GPUs MMQ serves for these types, compute capability 7.5
+// and up). Other types (F16, BF16, F32) go to kernels that would read out of bounds: no pool views.
+bool mmq_skips_negative_ids(ggml_type t) {
+    switch (t) {
+        case GGML_TYPE_Q1_0: case GGML_TYPE_Q2_0:
+        case GGML_TYPE_Q4_0: case GGML_TYPE_Q4_1: case GGML_TYPE_Q5_0: case GGML_TYPE_Q5_1: case GGML_TYPE_Q8_0:
+        case GGML_TYPE_Q2_K: case GGML_TYPE_Q3_K: case GGML_TYPE_Q4_K: case GGML_TYPE_Q5_K: case GGML_TYPE_Q6_K:
+        case GGML_TYPE_IQ1_S: case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS: case GGML_TYPE_IQ2_S:
+        case GGML_TYPE_IQ3_XXS: case GGML_TYPE_IQ3_S: case GGML_TYPE_IQ4_XS: case GGML_TYPE_IQ4_NL:
+        case GGML_TYPE_MXFP4: case GGML_TYPE_NVFP4:
+            return true;
+        default:
+            return false;
+    }
+}
 }  // namespace
 
 void unpin(pinned_t & p) {
@@ -287,9 +303,12 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             (L.ffn_gate_exps_b != nullptr) == (L.ffn_gate_exps != nullptr) &&
             up_b->type == GGML_TYPE_F32 && L.ffn_down_exps_b->type == GGML_TYPE_F32 &&
             (!L.ffn_gate_exps_b || L.ffn_gate_exps_b->type == GGML_TYPE_F32));
+        // per-expert weight scales are indexed by expert id, which the pool's slot ids are not
+        const bool scales = L.ffn_up_exps_s || L.ffn_gate_exps_s || L.ffn_down_exps_s;
         const char * unsupported = !up ? "no up or gate_up expert tensor"
                                  : (merged && L.ffn_gate_exps) ? "merged gate_up beside a separate gate"
-                                 : !biases_ok ? "a partial set of expert biases" : nullptr;
+                                 : !biases_ok ? "a partial set of expert biases"
+                                 : scales ? "per-expert weight scales" : nullptr;
         if (unsupported) {
             // the layer runs stock (all cold, counted); one note per layout
             const std::string note = std::string("expert layout not supported (") + unsupported + "): runs stock";
@@ -381,6 +400,17 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         l.up_b_pool = c.b_up; l.gate_b_pool = c.b_gate; l.down_b_pool = c.b_down;
         l.zero0 = (int) c.members.size();
         l.stage0 = l.zero0 + e->k;
+        l.n_stage = c.n_stage;
+        // members are in (layer, expert) order: the layer's hot slots are one run, in expert order
+        l.hot0 = -1; l.n_hot = 0;
+        for (size_t s = 0; s < c.members.size(); ++s) {
+            if (c.members[s].first != il) continue;
+            if (l.hot0 < 0) l.hot0 = (int) s;
+            l.n_hot++;
+        }
+        const bool on_cpu = ggml_backend_dev_type(e->pools[c.pool].dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+        l.views = on_cpu || (mmq_skips_negative_ids(c.t_up) && mmq_skips_negative_ids(c.t_down) &&
+                             (!c.has_gate || mmq_skips_negative_ids(c.t_gate)));
     }
     for (auto & p : e->pools) {
         if (p.n_classes == 0 && p.layers.empty()) continue;

@@ -171,6 +171,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_decode_graph": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -306,6 +307,15 @@ def set_borrow(on: bool) -> None:
     (decaying count), promoted at token boundaries and handed back before a pass that takes the
     upload path. On by default."""
     llama_fn("ostinato_experts_set_borrow")(1 if on else 0)
+
+
+def set_views(on: bool) -> None:
+    """Per-layer pool views (issue 9, docs/engine.md "Pool views"): split and upload passes of 9
+    tokens or more compute the GPU routes over views of the layer's own pool slots (and the staging
+    slots), with -1 for the routes of the other branch, so that the GPU's grouped matrix product
+    scans one layer's experts rather than the whole size class. On by default; off only for
+    measurements. Takes effect at the next graph build."""
+    llama_fn("ostinato_experts_set_views")(1 if on else 0)
 
 
 def set_cpu_threads(n: int) -> None:
