@@ -123,6 +123,7 @@ struct engine_t {
     ost_dgraph * dg = nullptr;                 // decode graph (created on first use)
     bool dg_failed = false;                    // its creation failed (note in `notes`)
     bool dg_running = false;                   // the current pass has decode-graph layers
+    double upload_cpu_share = 0.5;             // hybrid upload passes: adapted share of cold experts on the CPU
 
     // stats (guarded by mu)
     pass_t cur;
@@ -166,6 +167,7 @@ inline intptr_t op_ud(int il, bool views) { return ((intptr_t) il << 1) | (views
 inline int  op_ud_layer(void * ud) { return (int) ((intptr_t) ud >> 1); }
 inline bool op_ud_views(void * ud) { return ((intptr_t) ud & 1) != 0; }
 extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
+extern double g_upload_cpu_share;   // hybrid upload passes: fixed CPU share 0..1, or -1 (adapted)
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
 // bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.
@@ -182,6 +184,8 @@ int32_t count_route(engine_t * e, int il, int32_t x, bool decode);
 void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms);
 void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
+void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud);
+double upload_share(const engine_t * e, bool has_stream);
 void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
 // ostinato_pool.cpp
 void unpin(pinned_t & p);

@@ -43,6 +43,7 @@ int  g_dgraph_max = 64;       // largest pass (tokens) that takes the decode gra
 int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: estimate physical cores)
 bool g_borrow = true;         // borrowed decode memory (staging slots lent to decode)
 bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
+double g_upload_cpu_share = -1;   // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -101,9 +102,17 @@ ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il,
 
 ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views) {
     ggml_tensor * args[1] = { route };
-    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], 1, 1, args, 1,
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], views ? 2 : 1, 1, args, 1,
                                      upload_op, 1, (void *) (intptr_t) op_ud(il, views));
     ggml_format_name(t, "ostinato_upload-%d", il);
+    return t;
+}
+
+ggml_tensor * ostinato_moe_upload_join(ggml_context * ctx, ggml_tensor * upload, ggml_tensor * cpu_out, int il) {
+    ggml_tensor * args[2] = { upload, cpu_out };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, upload->ne[0], upload->ne[1], 1, 1, args, cpu_out ? 2 : 1,
+                                     upload_join_op, 1, (void *) (intptr_t) op_ud(il, true));
+    ggml_format_name(t, "ostinato_upload_join-%d", il);
     return t;
 }
 
@@ -520,6 +529,13 @@ int ostinato_experts_set_views(int on) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_views != (on != 0)) g_graph_dirty = true;   // cached graphs were built with the other choice
     g_views = on != 0;
+    return 0;
+}
+
+int ostinato_experts_set_upload_cpu_share(double share) {
+    if (!(share >= 0 && share <= 1) && share != -1) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_upload_cpu_share = share;
     return 0;
 }
 

@@ -59,6 +59,11 @@ ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_expe
 // it returns ids into the staging view only (cold -> staging slot - stage0, hot -> -1); the hot
 // routes are computed over the hot view with the route op's plane 0.
 ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views = false);
+// Hybrid upload pass (views): with `views` the upload op returns [k, n_tokens, 2], plane 1 the ids of
+// a CPU branch over the host tensors (the cold experts with the fewest routes; the copies of the others
+// run meanwhile). The join op, after that CPU branch (cpu_out, for order), waits for the copies and
+// returns the staged routes' ids [k, n_tokens] (plane 0).
+ggml_tensor * ostinato_moe_upload_join(ggml_context * ctx, ggml_tensor * upload, ggml_tensor * cpu_out, int il);
 // Per-layer pool views (issue 9, prefill): 1 when layer il, in a split or upload pass whose layer
 // sees n_tokens tokens, computes its GPU routes over views of the pool (its hot slots; the staging
 // slots) with negative ids for the routes of the other branch. MMQ's mul_mat_id grid covers every
@@ -153,6 +158,11 @@ OSTINATO_API int          ostinato_experts_set_borrow(int on);
 // Per-layer pool views for split and upload passes (see ostinato_moe_views): on (1, default) or off
 // (0: every pass computes over the whole size class, as before; for measurements). Next graph.
 OSTINATO_API int          ostinato_experts_set_views(int on);
+// Hybrid upload passes (pool views): share 0..1 of the distinct cold experts computed by the CPU
+// branch instead of uploaded (the ones with the fewest routes), or -1 (default): adapted per layer so
+// that the CPU branch and the copies end together (0 where the pool has no upload stream: CPU pools).
+// -1 (refused) for other values.
+OSTINATO_API int          ostinato_experts_set_upload_cpu_share(double share);
 // Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates
 // the pool at the next pass (call between passes).
 OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);

@@ -128,10 +128,15 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
 // Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
 // cold expert of the pass once from host memory into the staging slots of the pool (ascending expert
 // ids into ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the
-// engine's own stream, joined once at the end) and writes pool ids: hot -> its slot, cold -> its
-// staging slot. Hot experts are never uploaded. With pool views the output indexes the staging
-// view (cold -> slot - stage0, hot -> -1); the hot routes run over the hot view, launched before this
-// op in graph order, so that these copies overlap that compute.
+// engine's own stream) and writes pool ids: hot -> its slot, cold -> its staging slot. Hot experts
+// are never uploaded. Without pool views the copies are joined here and the output is [k, n].
+//
+// With pool views (dst [k, n, 2]) the pass is hybrid: the distinct cold experts with the fewest tokens
+// (a share, see upload_share) are left to a CPU branch, the others are uploaded; plane 0 indexes the
+// staging view (uploaded -> slot - stage0, else -1), plane 1 holds the CPU branch's expert ids (else
+// -1). The copies are not joined here: the CPU branch runs while they do, and upload_join_op joins
+// them before the staged routes run. The hot routes run over the hot view, launched before this op
+// in graph order, so the GPU computes them meanwhile.
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) return;
@@ -142,20 +147,35 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const int32_t * g = (const int32_t *) route->data;   // plane 0: hot -> slot
     const int32_t * c = g + k * n;                        // plane 1: cold -> expert, hot -> -1
     int32_t * out = (int32_t *) dst->data;
+    int32_t * out_cpu = views ? out + k * n : nullptr;
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
     if (!e || il < 0 || il >= e->n_layer || !e->layers[il].has_hot) {
-        for (int64_t i = 0; i < k * n; ++i) out[i] = views ? -1 : g[i];
+        for (int64_t i = 0; i < k * n; ++i) {
+            out[i] = views ? -1 : g[i];
+            if (out_cpu) out_cpu[i] = c[i];
+        }
         return;
     }
     const int64_t t0 = now_us();
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
     ggml_backend_t upload_backend = e->pools[e->layer_pool[il]].upload_backend;   // the layer's device
+    std::vector<int32_t> tokens(e->n_expert, 0);   // routes per cold expert in this pass
+    for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) tokens[c[i]]++;
+    std::vector<uint8_t> on_cpu(e->n_expert, 0);
+    if (views) {
+        // the CPU takes the share of distinct cold experts with the fewest routes (cheap there,
+        // while each upload costs a whole expert's bytes)
+        std::vector<int> cold;
+        for (int x = 0; x < e->n_expert; ++x) if (tokens[x] > 0) cold.push_back(x);
+        std::stable_sort(cold.begin(), cold.end(), [&](int a, int b) { return tokens[a] < tokens[b]; });
+        const size_t n_cpu = (size_t) std::lround(upload_share(e, upload_backend != nullptr) * (double) cold.size());
+        for (size_t i = 0; i < n_cpu && i < cold.size(); ++i) on_cpu[cold[i]] = 1;
+    }
     std::vector<int32_t> slot(e->n_expert, -1);
-    for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) slot[c[i]] = 1;   // seen
     int used = 0;
-    for (int x = 0; x < e->n_expert; ++x) slot[x] = slot[x] == 1 ? ol.stage0 + used++ : -1;
+    for (int x = 0; x < e->n_expert; ++x) if (tokens[x] > 0 && !on_cpu[x]) slot[x] = ol.stage0 + used++;
     GGML_ASSERT(ol.stage0 + used <= ol.down_pool->ne[2]);
     // one expert = one ne[2] slice of a weight tensor, one row (nb[1]) of a bias tensor
     auto put = [&](const ggml_tensor * src, ggml_tensor * pool, int x0, int s0, int m) {
@@ -187,12 +207,52 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     for (int64_t i = 0; i < k * n; ++i) {
         const int32_t x = c[i];
         const bool cold = x >= 0 && x < e->n_expert;
-        if (views) out[i] = cold ? slot[x] - ol.stage0 : -1;
-        else       out[i] = cold ? slot[x] : g[i];
+        if (views) {
+            out[i] = cold && !on_cpu[x] ? slot[x] - ol.stage0 : -1;
+            out_cpu[i] = cold && on_cpu[x] ? x : -1;
+        } else {
+            out[i] = cold ? slot[x] : g[i];
+        }
     }
-    if (upload_backend) ggml_backend_synchronize(upload_backend);
+    if (!views && upload_backend) ggml_backend_synchronize(upload_backend);
     e->cur.upload_ms += (now_us() - t0) / 1000.0;
     e->mark_us[il] = now_us();
+}
+
+// Share of a hybrid upload pass's distinct cold experts left to the CPU: the fixed value set through
+// the C API, else the engine's adapted one (upload_join_op); 0 without an upload stream (a CPU pool:
+// the "upload" is a memcpy). Caller holds g_mu.
+double upload_share(const engine_t * e, bool has_stream) {
+    if (g_upload_cpu_share >= 0) return g_upload_cpu_share;
+    return has_stream ? e->upload_cpu_share : 0.0;
+}
+
+// Join of a hybrid upload pass (CPU op, n_tasks = 1; sources: the upload op's output, and the CPU
+// branch's output only to run after it): waits for layer il's copies and returns plane 0 of the
+// upload op's output, the staged routes' ids. The adapted CPU share moves towards the point where the
+// CPU branch and the copies end together: a wait here means the copies were the longer part (the CPU
+// takes more next time), none means the CPU was (it takes fewer).
+void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    const ggml_tensor * up = dst->src[0];
+    std::memcpy(dst->data, up->data, ggml_nbytes(dst));
+    const int il = op_ud_layer(ud);
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || il < 0 || il >= e->n_layer || e->layer_pool[il] < 0) return;
+    const int64_t t0 = now_us();
+    e->cur.cpu_ms += (t0 - e->mark_us[il]) / 1000.0;   // since the upload op issued the copies
+    ggml_backend_t upload_backend = e->pools[e->layer_pool[il]].upload_backend;
+    if (!upload_backend) return;
+    ggml_backend_synchronize(upload_backend);
+    const int64_t t1 = now_us();
+    e->cur.upload_ms += (t1 - t0) / 1000.0;
+    e->mark_us[il] = t1;
+    if (g_upload_cpu_share < 0) {
+        constexpr double step = 0.02, waited_us = 50;
+        e->upload_cpu_share = std::clamp(e->upload_cpu_share + (t1 - t0 > waited_us ? step : -step), 0.0, 1.0);
+    }
 }
 
 // Custom CPU op used as a timestamp after a branch: kind 1 = GPU branch, 2 = CPU branch, 3 = upload

@@ -66,6 +66,11 @@ const char * ostinato_experts_info(void) {
         for (auto & c : e.classes) for (auto & b : c.borrowed) lent += b.first >= 0;
         j["borrowed"] = json{{"on", g_borrow}, {"slots_lent", lent}, {"promotions", e.promotions},
                              {"handbacks", e.handbacks}};
+        // prefill: pool views and the hybrid upload pass's CPU share (fixed, or the adapted value)
+        j["prefill"] = json{{"pool_views", g_views}, {"view_min_tokens", OSTINATO_VIEW_MIN_TOKENS},
+                            {"upload_cpu_share", upload_share(&e, std::any_of(e.pools.begin(), e.pools.end(),
+                                                     [](const pool_t & p) { return p.upload_backend != nullptr; }))},
+                            {"upload_cpu_share_adapted", g_upload_cpu_share < 0}};
         j["notes"] = e.notes;
     }
     return keep(g_out_info, j);

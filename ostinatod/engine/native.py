@@ -172,6 +172,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_upload_cpu_share": ([ctypes.c_double], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -316,6 +317,17 @@ def set_views(on: bool) -> None:
     scans one layer's experts rather than the whole size class. On by default; off only for
     measurements. Takes effect at the next graph build."""
     llama_fn("ostinato_experts_set_views")(1 if on else 0)
+
+
+def set_upload_cpu_share(share: Optional[float]) -> None:
+    """Hybrid upload passes (docs/engine.md "Pool views and the hybrid upload pass"): the share 0..1 of
+    a pass's distinct cold experts that a CPU branch computes while the others are uploaded (the ones
+    with the fewest routes go to the CPU). ``None`` (default): adapted per layer so that the CPU
+    branch and the copies end together (0 for a pool without an upload stream, i.e. on the CPU).
+    Raises ValueError outside 0..1."""
+    v = -1.0 if share is None else float(share)
+    if llama_fn("ostinato_experts_set_upload_cpu_share")(v) != 0:
+        raise ValueError(f"upload CPU share must be within 0..1, got {share}")
 
 
 def set_cpu_threads(n: int) -> None:
