@@ -343,6 +343,30 @@ def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     assert 0 < st["hot_routes"] < st["routes"] and st["cpu_branch_ms"] > 0   # both branches worked
 
 
+def test_decode_graph_with_every_expert_resident(moe, stock):
+    """A layer whose experts are all in the pool has no join in the decode graph (its GPU branch is the
+    output); its routes are still counted through the mailbox. Tokens stock's, logits bitwise equal to
+    the same placement without the graph, every decode route counted and hot."""
+    r = ost_runner(moe)
+    _switch({il: list(range(moe[1]["n_expert"])) for il in moe[2]})
+    try:
+        native.set_decode_graph(False)
+        base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        native.set_decode_graph(True, max_tokens=32)
+        native.llama_fn("ostinato_experts_reset_stats")()
+        toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        st = _stats(1)
+    finally:
+        native.set_decode_graph(None)
+        _switch(half_hot(moe))
+    k, L = moe[1]["n_expert_used"], len(moe[2])
+    assert toks == stock[PROMPT_LEN][0] == base_toks
+    assert np.array_equal(logits, base_logits)
+    assert all(p["decode_graph"] for p in st["last_passes"][1:])
+    assert np.array(st["counts_decode"]).sum() == N_NEW * k * L
+    assert st["cold_routes"] == 0 and st["hot_routes"] == st["routes"]
+
+
 def test_decode_graph_pool_threads_change_between_passes(moe, stock):
     """set_cpu_threads between passes re-creates the decode graph's CPU-branch pool with that many
     threads (the calibration's decode sweep relies on it); tokens stay stock's."""
