@@ -120,6 +120,9 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
     s = load_settings(model=model_path, experts="ostinato", residency=paths[0], n_slots=1,
                       n_ctx=max(512, n_max + decode_steps + 64), n_batch=n_max, n_ubatch=max(32, n_max),
                       n_threads=n_threads, engine_mode="inprocess")
+    from ..hardware import apply_cpu_placement
+
+    apply_cpu_placement(s.cpu_set)   # measured on the CPUs the engine worker will run on
     w = Worker(s, model_path)
     w.load()
     try:
@@ -228,9 +231,9 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
     from . import native
     import llama_cpp
 
-    from ..hardware import physical_cores
+    from ..hardware import default_threads
 
-    p = int(w.settings.n_threads or physical_cores())
+    p = int(w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None)))
     counts = sorted({max(1, p // 4), max(1, p // 2), p})
     w.rt.switch(residency_path)
     mem = llama_cpp.llama_get_memory(w.ctx)
