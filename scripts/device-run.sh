@@ -18,6 +18,9 @@
 #             scripts/serve_two_gpus.py plans over both GPUs at a 45% pool, starts the daemon, replays
 #             one held-out session, the longest dev prefill, and records status, /metrics and the TUI
 #             -> serve2.json (summary, checks), serve2.txt, serve2-tui.svg; the holder is stopped after
+#   calib2:   `ostinato calibrate --full` twice: OSTINATO_CPU_SET=all (every physical core, unpinned),
+#             then the default (NUMA-local cores): the decode step per thread count of each
+#             -> calibration-{all,auto}.json/.log (the default's stays in the hardware profile)
 #   bench2:   `ostinato bench engines --gpus 2` at a 45% pool: ostinato, ostinato-1gpu (the same model
 #             on GPU 0 alone), llama-server and stock-layers with llama.cpp's layer split
 # headline/full/sweep each need their own device call (<= 10 min: the bench skips, with a note,
@@ -69,6 +72,11 @@ if has exact; then
   fi
 fi
 if has exact2; then
+  # the host's shape for item 4: NUMA nodes, GPU affinity, the engine's CPU choice
+  { lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|NUMA)"; nvidia-smi topo -m
+    python3 -c "from ostinatod import hardware as h; import json; print(json.dumps(h.cpu_placement())); [print(g['index'], g['pci_bus_id'], 'numa', g['numa_node']) for g in h.probe_gpus()]"
+  } > "$OUT/topology.txt" 2>&1
+  tail -4 "$OUT/topology.txt"
   # every two-GPU case, no -x: one failing path must not hide the others
   OSTINATO_TEST_GPU=1 OSTINATO_TEST_GPUS=2 timeout 300 python3 -X faulthandler -m pytest -q -s -rs \
     -p no:cacheprovider -m two_gpu tests/test_exactness.py > "$OUT/exactness-2gpu.txt" 2>&1
@@ -106,6 +114,16 @@ print("cpu_branch", c.get("cpu_branch"))
 for p in (c.get("measurements") or {}).get("prefill", []):
     print(p)
 PY
+fi
+if has calib2; then
+  # decode step vs CPU threads, on every physical core (unpinned) and then on the engine's default
+  # choice (NUMA-local cores, pinned, on a host with several nodes; stored in the profile last)
+  for cs in all auto; do
+    OSTINATO_CPU_SET=$cs timeout 270 python3 -m ostinatod.cli calibrate --model /tmp/m.gguf --full --json \
+      > "$OUT/calibration-$cs.json" 2> "$OUT/calibration-$cs.log"
+    echo "[$(el)s] calibrate cpu_set=$cs rc=$?"; grep "CPU placement" "$OUT/calibration-$cs.log" | tail -1
+    python3 -c "import json, sys; c = json.load(open(sys.argv[1])); [print(r) for r in c.get('decode_sweep') or []]; print({k: c.get(k) for k in ('cpu_placement', 'decode_threads', 'decode_graph', 'decode_overlap', 'decode_step_ms', 'np_tokens', 'error')})" "$OUT/calibration-$cs.json" 2>&1 | head -20
+  done
 fi
 if has bench; then
   bench "engines-h200-L$LAYERS" "$@"

@@ -93,7 +93,8 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
     for each hot fraction, ``decode_steps`` one-token steps (per-layer cold routes from the step's
     route counts and the hot set), then prefill passes of each size on the split and on the upload
     path (``force_path``), ``repeats`` times, timed around ``llama_decode``.
-    Returns {"decode_rows", "gpu_ms_per_layer", "prefill": [PrefillPoint], "gpu", "expert_bytes",
+    Returns {"decode_rows", "gpu_ms_per_layer", "prefill": [PrefillPoint], "gpu", "decode_sweep",
+    "cpu_placement" (the CPUs it ran on: hardware.apply_cpu_placement), "expert_bytes",
     "model"}. Raises CalibrationError when the engine or the model cannot be used.
     """
     import tempfile
@@ -122,7 +123,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
                       n_threads=n_threads, engine_mode="inprocess")
     from ..hardware import apply_cpu_placement
 
-    apply_cpu_placement(s.cpu_set)   # measured on the CPUs the engine worker will run on
+    place = apply_cpu_placement(s.cpu_set)   # measured on the CPUs the engine worker will run on
     w = Worker(s, model_path)
     w.load()
     try:
@@ -213,6 +214,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
             exp_bytes = max(exp_bytes) if exp_bytes else None
         return {"decode_rows": rows, "gpu_ms_per_layer": gpu_ms, "prefill": prefill, "gpu": gpu,
                 "decode_sweep": sweep,
+                "cpu_placement": {k: place.get(k) for k in ("cpulist", "threads", "pin", "reason")},
                 "expert_bytes": exp_bytes, "model": {k: block[k] for k in ("fingerprint", "name")}}
     finally:
         w.close()
@@ -301,6 +303,7 @@ def run_calibration(model_path: Optional[Path] = None, *, profile_path: Optional
                                "prefill_passes": len(m["prefill"]),
                                "prefill": [vars(p) for p in m["prefill"]]}
         cal["model"] = m.get("model")
+        cal["cpu_placement"] = m.get("cpu_placement")   # the decode threads are counts on these CPUs
     except Exception as e:  # noqa: BLE001 - reported in the profile instead of crashing the caller
         log.warning("calibration failed: %s", e)
         cal = {"format": CALIBRATION_FORMAT, "error": f"{type(e).__name__}: {e}",
