@@ -79,6 +79,43 @@ def tui_text(socket: Path, svg: Path) -> str:
     return asyncio.run(run())
 
 
+def engine_numa(daemon_pid: int, model: Path) -> list[dict[str, Any]]:
+    """Per process of the daemon's tree: its CPU mask, thread count and, from ``/proc/<pid>/numa_maps``,
+    the pages of the model file's mapping per NUMA node (where the CPU branch reads cold experts
+    from) and of the anonymous memory. Item 4's question: are the engine's threads and the memory
+    they stream on one node?"""
+    import psutil
+
+    from ostinatod.cpus import format_cpulist
+
+    out = []
+    try:
+        procs = [psutil.Process(daemon_pid)] + psutil.Process(daemon_pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in procs:
+        rec: dict[str, Any] = {"pid": p.pid}
+        try:
+            rec["cmd"] = " ".join(p.cmdline()[:4])
+            rec["threads"] = p.num_threads()
+            rec["cpus"] = format_cpulist(sorted(os.sched_getaffinity(p.pid)))
+            model_pages: dict[str, int] = {}
+            anon_pages: dict[str, int] = {}
+            for line in Path(f"/proc/{p.pid}/numa_maps").read_text().splitlines():
+                into = model_pages if str(model) in line else anon_pages if " anon=" in line else None
+                if into is None:
+                    continue
+                for tok in line.split():
+                    if re.fullmatch(r"N\d+=\d+", tok):
+                        n, v = tok.split("=")
+                        into[n] = into.get(n, 0) + int(v)
+            rec["model_pages_per_node"], rec["anon_pages_per_node"] = model_pages, anon_pages
+        except (OSError, psutil.Error) as e:
+            rec["error"] = str(e)
+        out.append(rec)
+    return out
+
+
 def longest_dev_turn(dev: list[dict], dev_turns: int):
     """(session, turn) of the development turn with the longest context among those the traces
     replayed (the first ``dev_turns`` of each dev session): the planner sized the GPUs for it."""
@@ -219,6 +256,8 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001
             pools, snap = [], {"error": str(e)}
         summary["pools"] = pools
+        summary["engine_numa"] = engine_numa(srv.proc.pid, a.model.resolve())
+        note("engine processes: CPUs, threads, pages per NUMA node", json.dumps(summary["engine_numa"], indent=1))
         summary["gpu_memory"] = (snap.get("memory") or {}).get("gpus")
         summary["checks"]["status_shows_pools"] = st.count(" hot experts, ") >= 2
         summary["checks"]["metrics_show_pools"] = (
