@@ -34,6 +34,9 @@ from typing import Any, Optional
 
 import psutil
 
+from .cpus import (CpuTopology, choose_cpu_placement, format_cpulist, gpu_numa_node, parse_cpulist,
+                   pin_process, read_cpu_topology)
+
 log = logging.getLogger("ostinatod.hardware")
 
 FORMAT = "ostinato-hardware/1"
@@ -46,8 +49,9 @@ def probe_gpus() -> list[dict[str, Any]]:
     """NVIDIA GPUs seen by NVML, in NVML index order.
 
     Returns a list of ``{"index", "name", "uuid", "memory_total_bytes", "memory_free_bytes",
-    "pcie_gen", "pcie_width", "pcie_gen_max", "pcie_width_max"}`` (PCIe fields None when NVML
-    cannot tell). No NVML library or no driver: ``[]`` (a CPU-only machine), never an exception.
+    "pcie_gen", "pcie_width", "pcie_gen_max", "pcie_width_max", "pci_bus_id", "numa_node"}`` (PCIe
+    fields None when NVML cannot tell; ``numa_node`` from sysfs, None when the platform does not
+    say). No NVML library or no driver: ``[]`` (a CPU-only machine), never an exception.
     """
     try:
         import pynvml
@@ -69,6 +73,10 @@ def probe_gpus() -> list[dict[str, Any]]:
 
             name = pynvml.nvmlDeviceGetName(h)
             uuid = pynvml.nvmlDeviceGetUUID(h)
+            try:
+                bus = _name(pynvml.nvmlDeviceGetPciInfo(h).busId)
+            except Exception:
+                bus = None
             out.append({
                 "index": i,
                 "name": name.decode() if isinstance(name, bytes) else str(name),
@@ -79,6 +87,8 @@ def probe_gpus() -> list[dict[str, Any]]:
                 "pcie_width": q(pynvml.nvmlDeviceGetCurrPcieLinkWidth),
                 "pcie_gen_max": q(pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
                 "pcie_width_max": q(pynvml.nvmlDeviceGetMaxPcieLinkWidth),
+                "pci_bus_id": bus,
+                "numa_node": gpu_numa_node(bus) if bus else None,
             })
     finally:
         try:
@@ -126,8 +136,8 @@ def _numa_nodes() -> list[dict[str, Any]]:
 
 def probe_host() -> dict[str, Any]:
     """CPU and memory: ``{"os", "machine", "cpu_model", "physical_cores", "logical_cores",
-    "numa_nodes": [{"node", "cpus", "memory_total_bytes"}], "ram_total_bytes",
-    "ram_available_bytes"}``."""
+    "numa_nodes": [{"node", "cpus", "memory_total_bytes"}], "cpu_placement" (the engine's CPUs and
+    thread count: :func:`cpu_placement`), "ram_total_bytes", "ram_available_bytes"}``."""
     vm = psutil.virtual_memory()
     return {
         "os": f"{platform.system()} {platform.release()}",
@@ -136,6 +146,7 @@ def probe_host() -> dict[str, Any]:
         "physical_cores": psutil.cpu_count(logical=False) or psutil.cpu_count() or 1,
         "logical_cores": psutil.cpu_count() or 1,
         "numa_nodes": _numa_nodes(),
+        "cpu_placement": cpu_placement(),
         "ram_total_bytes": int(vm.total),
         "ram_available_bytes": int(vm.available),
     }
@@ -333,3 +344,71 @@ def physical_cores() -> int:
         return psutil.cpu_count(logical=False) or os.cpu_count() or 2
     except Exception:
         return os.cpu_count() or 2
+
+
+_placement: dict[str, Any] = {}
+
+
+def cpu_placement(cpu_set: Optional[str] = None) -> dict[str, Any]:
+    """The engine's CPUs on this machine (:func:`choose_cpu_placement` over sysfs, the GPUs' NUMA
+    nodes from NVML bus ids and this process's affinity; cached per ``cpu_set``). ``cpu_set`` (the
+    setting of that name): None or "auto" chooses; "all" keeps every allowed CPU's physical core,
+    unpinned; a cpulist ("0-15,32-47") is used as given, pinned. The GPUs are those of
+    CUDA_VISIBLE_DEVICES when it lists indices, else all. Never raises: on a failure, the physical
+    core count, unpinned."""
+    key = cpu_set or "auto"
+    if key in _placement:
+        return _placement[key]
+    try:
+        allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        if key not in ("auto", "all"):
+            cpus = sorted(set(parse_cpulist(key)) & (allowed or set(parse_cpulist(key))))
+            if not cpus:
+                raise ValueError(f"cpu_set {key!r} names no CPU this process may use")
+            out = {"cpus": cpus, "cpulist": format_cpulist(cpus), "threads": len(cpus), "nodes": [],
+                   "numa_nodes": None, "pin": True, "reason": f"setting cpu_set = {key}"}
+        elif key == "all":
+            topo = read_cpu_topology()
+            merged = CpuTopology({0: sorted({c for cs in topo.nodes.values() for c in cs})}, topo.core_of)
+            out = {**choose_cpu_placement(merged, [], allowed), "nodes": sorted(topo.nodes),
+                   "numa_nodes": len(topo.nodes),
+                   "reason": "setting cpu_set = all: every physical core, not pinned"}
+        else:
+            gpus = probe_gpus()
+            vis = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            if vis and all(v.strip().isdigit() for v in vis.split(",")):
+                want = {int(v) for v in vis.split(",")}
+                gpus = [g for g in gpus if g["index"] in want]
+            out = choose_cpu_placement(read_cpu_topology(), [g.get("numa_node") for g in gpus], allowed)
+    except Exception as e:  # noqa: BLE001 - a probe problem must not stop the engine
+        n = physical_cores()
+        out = {"cpus": [], "cpulist": "", "threads": n, "nodes": [], "numa_nodes": None, "pin": False,
+               "reason": f"placement not chosen ({type(e).__name__}: {e}): {n} physical cores, not pinned"}
+    _placement[key] = out
+    return out
+
+
+def default_threads(cpu_set: Optional[str] = None) -> int:
+    """CPU threads of the engine when the setting n_threads is unset: one per physical core of
+    :func:`cpu_placement` (at least 1)."""
+    return max(1, int(cpu_placement(cpu_set)["threads"]))
+
+
+def apply_cpu_placement(cpu_set: Optional[str] = None) -> dict[str, Any]:
+    """Pin this process (a process of its own for the engine: the worker, ``ostinato calibrate``)
+    to :func:`cpu_placement`'s CPUs when it says ``pin``, with :func:`pin_process`, and log the
+    choice. The engine's thread pools are ggml's and the decode graph's, made with an empty cpumask:
+    their threads inherit this mask, so they stay on those CPUs (not one thread per core: that needs
+    the pools' cpumask, see docs/engine.md). Returns the placement with ``pinned_threads`` (0:
+    not pinned) and, when the mask was refused, ``pin_error``; never raises."""
+    place = dict(cpu_placement(cpu_set))
+    place["pinned_threads"] = 0
+    if place["pin"]:
+        try:
+            place["pinned_threads"] = pin_process(place["cpus"])
+        except OSError as e:
+            place["pin_error"] = str(e)
+            log.warning("CPU placement: could not pin to %s: %s", place["cpulist"], e)
+    log.info("CPU placement: %d threads on CPUs %s (%s)%s", place["threads"], place["cpulist"] or "?",
+             place["reason"], f"; {place['pinned_threads']} threads pinned" if place["pinned_threads"] else "")
+    return place

@@ -118,6 +118,12 @@ def format_profile(p: dict[str, Any]) -> str:
     lines = [
         f"CPU    {h.get('cpu_model')}: {h.get('physical_cores')} cores ({h.get('logical_cores')} threads), "
         f"{len(h.get('numa_nodes', []))} NUMA node(s)",
+    ]
+    cp = h.get("cpu_placement")
+    if cp:
+        lines.append(f"       engine: {cp.get('threads')} threads on CPUs {cp.get('cpulist') or '?'} "
+                     f"({cp.get('reason')})")
+    lines += [
         f"RAM    {_gb(h.get('ram_total_bytes'))} total, {_gb(h.get('ram_available_bytes'))} available; "
         f"read {bw.get('host_read_gbps')} GB/s on {bw.get('host_read_threads')} threads",
     ]
@@ -128,7 +134,8 @@ def format_profile(p: dict[str, Any]) -> str:
         e = h2d.get(g["index"], {})
         lines.append(f"GPU {g['index']}  {g['name']}: {_gb(g['memory_total_bytes'])} "
                      f"({_gb(g['memory_free_bytes'])} free), PCIe gen {g.get('pcie_gen')}/{g.get('pcie_gen_max')} "
-                     f"x{g.get('pcie_width')}/{g.get('pcie_width_max')}, pinned H2D {e.get('gbps')} GB/s")
+                     f"x{g.get('pcie_width')}/{g.get('pcie_width_max')}, pinned H2D {e.get('gbps')} GB/s"
+                     + (f", NUMA node {g['numa_node']}" if g.get("numa_node") is not None else ""))
     cal = p.get("calibration")
     if not cal:
         state = "none yet ('ostinato calibrate')"

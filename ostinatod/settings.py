@@ -80,7 +80,13 @@ class Settings(BaseSettings):
     n_batch: int = Field(2048, ge=32, description="Logical batch size for prefill (tokens).")
     n_ubatch: int = Field(512, ge=32, description="Physical batch (ubatch) size for prefill (tokens).")
     n_threads: Optional[int] = Field(None, ge=1, description="CPU threads for the CPU branch and "
-                                     "host-side compute (default: physical cores).")
+                                     "host-side compute (default: one per CPU of cpu_set's choice).")
+    cpu_set: Optional[str] = Field(None, description="CPUs of the engine worker: a Linux cpulist "
+                                   "('0-15,32-47': pinned to those), 'all' (every physical core, not "
+                                   "pinned) or unset/'auto': on a host with several NUMA nodes the "
+                                   "physical cores of the node(s) the GPUs hang on, pinned; with one "
+                                   "node its physical cores, not pinned. The choice is logged and kept "
+                                   "in the hardware profile (host.cpu_placement).")
     n_gpu_layers: int = Field(-1, description="Layers whose dense weights and KV cache go to the GPU "
                               "(-1: all that fit; 0: CPU only).")
     flash_attn: Optional[bool] = Field(None, description="Force flash attention on/off (default: auto).")

@@ -11,10 +11,24 @@
 #   full:     the same at --budget-frac 1.0 (ostinato, stock-all-gpu, llama-server)
 #   sweep:    --budget-sweep 0.25,0.45,0.65,0.85 (ostinato per budget; stock-all-gpu, stock-layers and
 #             llama-server once), with the plot <name>.svg
+# Two GPUs (nvidia-h200-x2; issue 14), each its own device call after build (+ model for serve2/bench2):
+#   exact2:   the two-GPU exactness cases (pytest -m two_gpu, OSTINATO_TEST_GPUS=2): split, upload and
+#             decode-graph paths against stock with the same layer split -> exactness-2gpu.txt
+#   serve2:   unequal free memory: a torch process holds HOG_GIB (24) GiB on GPU HOG_GPU (1); then
+#             scripts/serve_two_gpus.py plans over both GPUs at a 45% pool, starts the daemon, replays
+#             one held-out session, the longest dev prefill, and records status, /metrics and the TUI
+#             -> serve2.json (summary, checks), serve2.txt, serve2-tui.svg; the holder is stopped after
+#   calib2:   `ostinato calibrate --full` twice: OSTINATO_CPU_SET=all (every physical core, unpinned),
+#             then the default (NUMA-local cores): the decode step per thread count of each
+#             -> calibration-{all,auto}.json/.log (the default's stays in the hardware profile)
+#   bench2:   `ostinato bench engines --gpus 2` at a 45% pool: ostinato, ostinato-1gpu (the same model
+#             on GPU 0 alone), llama-server and stock-layers with llama.cpp's layer split
 # headline/full/sweep each need their own device call (<= 10 min: the bench skips, with a note,
 # every engine whose estimate would pass the stage's time left, and writes its JSON after every
 # engine); each writes <name>.json, .md (.svg) and <name>.cmd.txt (the exact command) into $OUT.
 set -uo pipefail
+# NCCL_NVLS_ENABLE: no NVLink multicast on the lent machines (kept if already set)
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export PYTHONUNBUFFERED=1 OSTINATO_HOME=${OSTINATO_HOME:-/tmp/ostinato-home}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LAYERS=${1:-48}; shift || true
@@ -57,6 +71,25 @@ if has exact; then
     grep -nE "CUDA error|current device|in function|ggml_|GGML_ASSERT" "$OUT/exactness-gpu-blocking.txt" | head -30
   fi
 fi
+if has exact2; then
+  # the host's shape for item 4: NUMA nodes, GPU affinity, the engine's CPU choice
+  { lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\)|NUMA)"; nvidia-smi topo -m
+    python3 -c "from ostinatod import hardware as h; import json; print(json.dumps(h.cpu_placement())); [print(g['index'], g['pci_bus_id'], 'numa', g['numa_node']) for g in h.probe_gpus()]"
+  } > "$OUT/topology.txt" 2>&1
+  tail -4 "$OUT/topology.txt"
+  # every two-GPU case, no -x: one failing path must not hide the others
+  OSTINATO_TEST_GPU=1 OSTINATO_TEST_GPUS=2 timeout 300 python3 -X faulthandler -m pytest -q -s -rs \
+    -p no:cacheprovider -m two_gpu tests/test_exactness.py > "$OUT/exactness-2gpu.txt" 2>&1
+  rc=$?; echo "[$(el)s] two-GPU exactness rc=$rc: $(tail -1 "$OUT/exactness-2gpu.txt")"
+  grep -E "^\[exactness|SKIPPED|FAILED|PASSED" "$OUT/exactness-2gpu.txt" | head -40
+  if [ $rc -ne 0 ]; then
+    grep -nE "error|Error|assert|Abort" "$OUT/exactness-2gpu.txt" | head -30
+    CUDA_LAUNCH_BLOCKING=1 OSTINATO_TEST_GPU=1 OSTINATO_TEST_GPUS=2 timeout 150 python3 -X faulthandler \
+      -m pytest -q -s -x -p no:cacheprovider -m two_gpu tests/test_exactness.py \
+      > "$OUT/exactness-2gpu-blocking.txt" 2>&1
+    grep -nE "CUDA error|current device|in function|ggml_|GGML_ASSERT" "$OUT/exactness-2gpu-blocking.txt" | head -30
+  fi
+fi
 if has model; then
   # /tmp/m.layers records the layer count of /tmp/m.gguf: another LAYERS writes the model again
   if [ ! -f /tmp/m.gguf ] || [ "$(cat /tmp/m.layers 2>/dev/null)" != "$LAYERS" ]; then
@@ -82,6 +115,16 @@ for p in (c.get("measurements") or {}).get("prefill", []):
     print(p)
 PY
 fi
+if has calib2; then
+  # decode step vs CPU threads, on every physical core (unpinned) and then on the engine's default
+  # choice (NUMA-local cores, pinned, on a host with several nodes; stored in the profile last)
+  for cs in all auto; do
+    OSTINATO_CPU_SET=$cs timeout 270 python3 -m ostinatod.cli calibrate --model /tmp/m.gguf --full --json \
+      > "$OUT/calibration-$cs.json" 2> "$OUT/calibration-$cs.log"
+    echo "[$(el)s] calibrate cpu_set=$cs rc=$?"; grep "CPU placement" "$OUT/calibration-$cs.log" | tail -1
+    python3 -c "import json, sys; c = json.load(open(sys.argv[1])); [print(r) for r in c.get('decode_sweep') or []]; print({k: c.get(k) for k in ('cpu_placement', 'decode_threads', 'decode_graph', 'decode_overlap', 'decode_step_ms', 'np_tokens', 'error')})" "$OUT/calibration-$cs.json" 2>&1 | head -20
+  done
+fi
 if has bench; then
   bench "engines-h200-L$LAYERS" "$@"
 fi
@@ -96,4 +139,41 @@ fi
 if has sweep; then
   bench "engines-h200-L$LAYERS-sweep" --budget-frac 0.45 --budget-sweep 0.25,0.45,0.65,0.85 \
     --sessions 2 --turns 8 --engines ostinato,stock-all-gpu,stock-layers,llama-server "$@"
+fi
+if has serve2; then
+  HOG_GPU=${HOG_GPU:-1}; HOG_GIB=${HOG_GIB:-24}
+  rm -f /tmp/hog.ready
+  # another process holding part of one GPU (torch: cudaMalloc'd and touched), until we stop it
+  python3 - "$HOG_GPU" "$HOG_GIB" > /tmp/hog.log 2>&1 <<'PY' &
+import sys, time
+import torch
+g, gib = int(sys.argv[1]), float(sys.argv[2])
+x = torch.ones(int(gib * 2**30), dtype=torch.uint8, device=f"cuda:{g}")
+torch.cuda.synchronize(g)
+print(f"holding {gib} GiB on GPU {g}", flush=True)
+open("/tmp/hog.ready", "w").write("1")
+while True:
+    time.sleep(5)
+PY
+  HOG_PID=$!
+  for _ in $(seq 120); do [ -f /tmp/hog.ready ] || ! kill -0 $HOG_PID 2>/dev/null && break; sleep 0.5; done
+  cat /tmp/hog.log
+  nvidia-smi --query-gpu=index,memory.used,memory.free --format=csv,noheader
+  left=$(( 590 - $(el) ))
+  # SIGINT: the script's finally stops the daemon and writes its summary
+  timeout -s INT -k 20 $(( left - 25 )) python3 scripts/serve_two_gpus.py --model /tmp/m.gguf --sessions-dir .carry/sessions \
+    --out-dir "$OUT" --work-dir /tmp/serve2-work --gpus 2 --budget-frac 0.45 --hog "$HOG_GPU:$HOG_GIB" \
+    > /tmp/serve2.out 2>&1
+  rc=$?
+  grep -vE "^llama_|^load|^print_info|^\s*$" /tmp/serve2.out | tail -25
+  echo "[$(el)s] serve2 rc=$rc"
+  kill $HOG_PID 2>/dev/null; wait $HOG_PID 2>/dev/null
+  # a daemon left by a killed script: its process group (it runs in a session of its own)
+  pidf=/tmp/serve2-work/home-serve2/run/ostinatod.pid
+  [ -f $pidf ] && kill -- -"$(cat $pidf)" 2>/dev/null
+  python3 -c "import json; d = json.load(open('$OUT/serve2.json')); print(json.dumps({k: d.get(k) for k in ('checks', 'ok')})); [print(g) for g in d['plan']['per_gpu']]" 2>&1 | cut -c1-400
+fi
+if has bench2; then
+  bench "engines-h200x2-L$LAYERS" --gpus 2 --budget-frac 0.45 --sessions 2 --turns 6 \
+    --engines ostinato,ostinato-1gpu,llama-server,stock-layers "$@"
 fi

@@ -220,3 +220,73 @@ def test_plot_from_stored_json_without_sweep(tmp_path):
     assert text.startswith("<svg") and text.count("<circle") == 2  # one point per panel
     assert "llama-server" in text and "stock-layers" in text
     assert "ratio vs limit" in bench_report.markdown(json.loads(stored.read_text()))  # old JSONs still render
+
+
+def test_gpus_vs_one_gpu_ratios_and_when_the_one_gpu_engine_runs(tiny_model, tmp_path, monkeypatch):
+    """ostinato-1gpu / ostinato per metric (> 1: the GPUs together are faster); the one-GPU engine
+    is planned only for --gpus N > 1, on one GPU at the same budget fraction."""
+    import argparse
+
+    import numpy as np
+
+    from ostinatod.residency import planner
+    from ostinatod.residency.planner import read_model_shape
+    from ostinatod.residency.traces import Trace
+
+    eng = {"ostinato": {"decode_ms_per_token": 8.0, "ttft_after_tool_median_s": 0.2, "session_total_s": 10},
+           "ostinato-1gpu": {"decode_ms_per_token": 10.0, "ttft_after_tool_median_s": 0.1}}
+    r = bench_report.gpus_vs_one_gpu(eng)
+    assert r == {"decode": 1.25, "ttft_after_tool": 0.5, "session_total": None}
+    shape = read_model_shape(tiny_model)
+    counts = np.random.default_rng(0).integers(0, 50, (shape.n_layer, shape.n_expert))
+    tr = Trace(model=shape.model_block(), workload="coding", counts_prefill=counts,
+               counts_decode=np.zeros_like(counts), max_request_tokens=64)
+    monkeypatch.setattr(planner, "detect_gpus", lambda: [])
+    notes: list[str] = []
+    a1 = argparse.Namespace(budget_frac=0.5, gpus="1")
+    assert bench_prepare.one_gpu_plan(tiny_model, tr, a1, tmp_path, "coding", notes) is None
+    assert notes and "skipped" in notes[0]
+    a2 = argparse.Namespace(budget_frac=0.5, gpus="2")
+    res1, path1, _ = bench_prepare.one_gpu_plan(tiny_model, tr, a2, tmp_path, "coding", notes)
+    res2, _, _ = bench_prepare.plan(tiny_model, tr, a2, tmp_path, "coding")
+    assert [g["device"] for g in res1["gpus"]] == [0] and path1.name == "residency-1gpu.json"
+    assert [g["device"] for g in res2["gpus"]] == [0, 1]
+    assert a2.gpus == "2"  # the caller's namespace is left as it was
+    # the same budget: the one pool holds about what the two hold together
+    assert res1["plan"]["pool_bytes_total"] == pytest.approx(res2["plan"]["pool_bytes_total"], rel=0.2)
+
+
+@pytest.mark.slow
+def test_tiny_bench_two_gpus_with_the_one_gpu_engine(tiny_model, tmp_path, monkeypatch, capsys):
+    """`--gpus 2 --engines ostinato,ostinato-1gpu,stock-layers` in one run (emulated GPUs on a CPU
+    build: two pools as CPU buffers for ostinato, one for ostinato-1gpu): both Ostinato engines
+    serve every turn and the result carries the two-vs-one-GPU ratios."""
+    from ostinatod.residency import planner
+
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path / "home"))
+    if planner.detect_gpus():
+        pytest.skip("emulated GPUs only: this machine has real ones (the device run covers them)")
+    out = tmp_path / "out"
+    argv = ["--shape", "tiny", "--turns", "2", "--sessions", "1", "--dev-sessions", "1",
+            "--dev-turns", "2", "--dev-max-gen", "4", "--n-ctx", "16384", "--threads", "2",
+            "--out-dir", str(out), "--work-dir", str(tmp_path / "work"), "--name", "two",
+            "--sessions-dir", str(SESSIONS), "--model", str(tiny_model), "--budget-frac", "0.5",
+            "--gpus", "2", "--engines", "ostinato,ostinato-1gpu,stock-layers"]
+    rc = be.main(argv)
+    printed = capsys.readouterr().out
+    sys.stdout.write(printed)
+    res = json.loads((out / "two.json").read_text())
+    assert rc == 0, printed
+    assert set(res["engines"]) == {"ostinato", "ostinato-1gpu", "stock-layers"}, res["notes"]
+    for name in ("ostinato", "ostinato-1gpu"):
+        e = res["engines"][name]
+        assert e["turns"] == 2 and e["errors"] == 0, (name, e)
+        assert 0 < e["hot_route_share"] <= 1
+    pools2 = res["engines"]["ostinato"]["expert_stats"]
+    assert pools2.get("hot_route_share") is not None
+    assert set(res["ratios_gpus_vs_one_gpu"]) == {"decode", "ttft_after_tool", "session_total"}
+    assert res["ratios_gpus_vs_one_gpu"]["decode"] is not None
+    assert res["plan"]["one_gpu"]["pool_bytes"] > 0
+    assert len(res["plan"]["stock"]["gpus"]) == 2
+    md = (out / "two.md").read_text()
+    assert "ostinato-1gpu" in md and "the GPUs together are faster" in md

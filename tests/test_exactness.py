@@ -675,6 +675,7 @@ def _check_pools(info, hot, layer_device):
     return pools
 
 
+@pytest.mark.two_gpu
 @pytest.mark.skipif(GPU, reason="a switch to two GPUs needs the dense layers loaded with that split: "
                     "CPU build only (the GPU case is test_runtime_two_gpu_set_loads_two_pools)")
 def test_two_pools_match_stock(moe, stock):
@@ -714,6 +715,7 @@ def test_two_pools_match_stock(moe, stock):
     assert len(json.loads(native.llama_fn("ostinato_experts_info")().decode())["pools"]) == 1
 
 
+@pytest.mark.two_gpu
 @pytest.mark.skipif(GPU and N_GPUS < 2, reason="two GPUs named: needs a CPU build or >= 2 GPUs "
                     "(OSTINATO_TEST_GPUS=2)")
 def test_runtime_two_gpu_set_loads_two_pools(moe, stock, tmp_path):
@@ -753,6 +755,82 @@ def test_runtime_two_gpu_set_loads_two_pools(moe, stock, tmp_path):
             rt.switch(one)
             assert [p["gpu"] for p in rt.info()["pools"]] == [0]
     finally:
+        rt.close()
+        r.close()
+
+
+TWO_GPU_ARCHS = ("qwen3moe", "deepseek2")
+
+
+@pytest.mark.two_gpu
+@pytest.mark.skipif(GPU and N_GPUS < 2, reason="two GPUs named: needs a CPU build or >= 2 GPUs "
+                    "(OSTINATO_TEST_GPUS=2)")
+@pytest.mark.parametrize("arch", TWO_GPU_ARCHS)
+def test_two_gpus_every_path_matches_stock_layer_split(arch, tmp_path):
+    """Issue 14 item 1: a 4-layer model (deepseek2: 1 dense + 3 MoE layers, so both GPUs hold MoE
+    layers and a pool) loaded with a residency set over two GPUs (layers 0-1 on GPU 0, 2-3 on GPU
+    1, half of every MoE layer's experts hot). On each path -- split (Np 512), upload (Np 8) and
+    the decode graph -- the greedy tokens equal stock llama.cpp's with the same layer split
+    (``rt.tensor_split``, every routed expert in host memory); the max |delta logit| of the prefill
+    and of the decode steps is printed per path. Both pools serve routes and both branches work.
+    On a CPU build the two pools are CPU buffers and the reference is stock on the CPU."""
+    from ostinatod.settings import Settings
+    from ostinatod.synth.writer import synthetic_model
+
+    from conftest import CACHE
+    drop_ost()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path = synthetic_model(CACHE, arch=arch, shape="tiny", n_layer=4)
+    m = model_block(path)
+    moe = (path, m, _moe_layers(arch, m["n_layer"]))
+    hot, ld = half_hot(moe, seed=11), {il: (0 if il < 2 else 1) for il in range(m["n_layer"])}
+    assert {ld[il] for il in moe[2]} == {0, 1}  # MoE layers (and so a pool) on both GPUs
+    doc = make_residency(m, {})
+    doc["gpus"] = [{"device": g, "layers": [il for il in sorted(ld) if ld[il] == g], "budget_bytes": 0,
+                    "hot": {str(il): v for il, v in hot.items() if ld[il] == g}} for g in (0, 1)]
+    p = write_residency(doc, tmp_path / "two.json")
+    rt = runtime.ExpertRuntime.prepare(path, Settings(residency=p, prefill_threshold=512))
+    assert rt.layer_device == [ld[il] for il in range(m["n_layer"])]
+    r = Runner(path, rt=rt)
+    try:
+        if GPU:
+            assert rt.tensor_split is not None
+        ref_r = Runner(path, tensor_split=rt.tensor_split if GPU else None)
+        try:
+            ref_toks, ref_logits = ref_r.generate(_prompt(PROMPT_LEN), N_NEW)
+        finally:
+            ref_r.close()
+        info = rt.info()
+        _check_pools(info, hot, ld)
+        worst = 0.0
+        for name, np_tokens, graph in (("split", 512, None), ("upload", 8, None),
+                                       ("decode-graph", 512, True)):
+            native.set_prefill_threshold(np_tokens)
+            native.set_decode_graph(bool(graph), max_tokens=32)   # off: the split/upload paths proper
+            native.llama_fn("ostinato_experts_reset_stats")()
+            toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+            st = _stats()
+            d_pre = float(np.max(np.abs(logits[0] - ref_logits[0])))
+            d_dec = float(np.max(np.abs(logits[1:] - ref_logits[1:])))
+            worst = max(worst, d_pre, d_dec)
+            graphs = [bool(ps.get("decode_graph")) for ps in st["last_passes"]]
+            print(f"\n[exactness-2gpu] {arch} {name}: max|dlogit| prefill {d_pre:.3g}, decode {d_dec:.3g}; "
+                  f"tokens {'equal' if toks == ref_toks else 'DIFFER'}; paths {st['paths']}; decode-graph "
+                  f"passes {sum(graphs)}/{len(graphs)}; pools "
+                  + ", ".join(f"GPU {q['gpu']} {q['hot_routes']}/{q['routes']} hot" for q in st["pools"]))
+            assert toks == ref_toks, name
+            assert d_pre <= TOL and d_dec <= TOL, name
+            assert st["paths"]["upload" if np_tokens <= PROMPT_LEN else "split"] == 1, st["paths"]
+            assert st["paths"]["decode"] == N_NEW
+            assert (st["upload_bytes"] > 0) == (np_tokens <= PROMPT_LEN)
+            assert sorted(q["gpu"] for q in st["pools"]) == [0, 1]
+            assert all(0 < q["hot_routes"] < q["routes"] for q in st["pools"]), st["pools"]
+            if graph:  # every decode step ran as the decode graph
+                assert graphs[-N_NEW:] == [True] * N_NEW, graphs
+        print(f"\n[exactness-2gpu] {arch}: max|dlogit| over all paths {worst:.3g} (tolerance {TOL})")
+    finally:
+        native.set_decode_graph(None)
+        native.set_prefill_threshold(512)
         rt.close()
         r.close()
 

@@ -88,3 +88,36 @@ def test_planned_two_gpu_set_gives_a_valid_split(tiny_model):
     dev = full_layer_devices(res, shape.n_layer)
     assert dev == [g["device"] for g in doc["gpus"] for _ in g["layers"]]
     assert simulate_layer_split(tensor_split_for(dev, 16), shape.n_layer)[:shape.n_layer] == dev
+
+
+def test_per_gpu_pool_lines_and_prometheus_gauges():
+    """Issue 14 item 2 without GPUs: the per-GPU lines of `ostinato status` and the TUI carry each
+    pool's size, hot-route share and its GPU's memory; /metrics has the same per GPU, labelled."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ostinatod.control.snapshots import pool_lines
+    from ostinatod.server.metrics import pool_families
+
+    pools = [{"gpu": 0, "device": "CUDA0", "bytes": 3 << 30, "hot_experts": 1200, "routes": 1000,
+              "hot_route_share": 0.9},
+             {"gpu": 1, "device": "CUDA1", "bytes": 1 << 30, "hot_experts": 400, "routes": 0,
+              "hot_route_share": 0.0}]
+    gpus = [{"index": 0, "name": "H200", "total_bytes": 140 << 30, "used_bytes": 40 << 30},
+            {"index": 1, "name": "H200", "total_bytes": 140 << 30, "used_bytes": 70 << 30}]
+    lines = pool_lines(pools, gpus)
+    assert lines == ["GPU 0 (CUDA0): 3.0 GiB, 1,200 hot experts, 90.0% hot routes, memory 40.0/140.0 GiB",
+                     "GPU 1 (CUDA1): 1.0 GiB, 400 hot experts, no routes yet, memory 70.0/140.0 GiB"]
+    assert pool_lines(pools) == [ln.rsplit(", memory", 1)[0] for ln in lines]  # no NVML: no memory
+    assert pool_lines(pools[:1], gpus) == []  # one pool: the totals say it all
+
+    class _C:
+        def collect(self):
+            yield from pool_families(pools, gpus)
+
+    reg = CollectorRegistry()
+    reg.register(_C())
+    text = generate_latest(reg).decode()
+    assert 'ostinato_pool_bytes{device="CUDA1",gpu="1"} 1.073741824e+09' in text
+    assert 'ostinato_pool_hot_route_share{device="CUDA0",gpu="0"} 0.9' in text
+    assert 'ostinato_gpu_memory_used_bytes{gpu="1",name="H200"} 7.516192768e+10' in text
+    assert list(pool_families(None, [])) == []

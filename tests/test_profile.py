@@ -8,7 +8,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from ostinatod import hardware
+from ostinatod import cpus, hardware
 from ostinatod import profile as prof
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,3 +98,97 @@ def test_cli_show_and_json(home, capsys):
 def test_no_cuda_runtime_means_no_h2d_figure_not_a_crash(monkeypatch):
     monkeypatch.setattr(hardware, "_find_cudart", lambda: None)
     assert hardware.measure_pinned_h2d_bandwidth() is None
+
+
+# --- CPU placement on hosts with several NUMA nodes (fake sysfs trees) ----------------------------
+
+def _fake_sys(root: Path, nodes: dict[int, str], smt: int = 2, cores_per_pkg: int = 0,
+              gpus: dict[str, int] | None = None) -> Path:
+    """A sysfs tree: ``nodes`` {node: cpulist}; logical CPU c is core c % n_phys with ``smt``
+    hyper-threads (the Linux numbering: siblings are n_phys apart), package = node; ``gpus``
+    {sysfs PCI id: numa_node}."""
+    all_cpus = sorted(c for cl in nodes.values() for c in cpus.parse_cpulist(cl))
+    n_phys = len(all_cpus) // smt
+    for n, cl in nodes.items():
+        d = root / "devices/system/node" / f"node{n}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cl + "\n")
+        for c in cpus.parse_cpulist(cl):
+            t = root / "devices/system/cpu" / f"cpu{c}" / "topology"
+            t.mkdir(parents=True)
+            (t / "physical_package_id").write_text(f"{n}\n")
+            (t / "core_id").write_text(f"{c % n_phys}\n")
+    for bus, node in (gpus or {}).items():
+        d = root / "bus/pci/devices" / bus
+        d.mkdir(parents=True)
+        (d / "numa_node").write_text(f"{node}\n")
+    return root
+
+
+def test_cpu_placement_two_sockets_follows_the_gpus_node(tmp_path):
+    """2 sockets x 16 cores x 2 threads (node 0: CPUs 0-15,32-47; node 1: 16-31,48-63): the GPUs'
+    node's 16 physical cores, pinned; GPUs on both nodes: all 32 physical cores; no GPU node known:
+    the largest node; one node: its physical cores, unpinned."""
+    root = _fake_sys(tmp_path / "a", {0: "0-15,32-47", 1: "16-31,48-63"},
+                     gpus={"0000:3b:00.0": 1, "0000:86:00.0": 1, "0000:af:00.0": 0, "0000:d8:00.0": -1})
+    topo = cpus.read_cpu_topology(root)
+    assert topo.nodes[1] == list(range(16, 32)) + list(range(48, 64))
+    assert topo.core_of[16] == topo.core_of[48] == (1, 16)  # hyper-thread siblings share a core
+    n1 = cpus.gpu_numa_node("00000000:3B:00.0", root)   # NVML's 8-digit, upper-case form
+    assert n1 == 1 and cpus.gpu_numa_node("00000000:86:00.0", root) == 1
+    assert cpus.gpu_numa_node("00000000:D8:00.0", root) is None   # -1: no NUMA information
+    assert cpus.gpu_numa_node("00000000:01:00.0", root) is None   # no such device
+    p = cpus.choose_cpu_placement(topo, [n1, 1])
+    assert p["cpus"] == list(range(16, 32)) and p["threads"] == 16 and p["pin"]
+    assert p["nodes"] == [1] and p["cpulist"] == "16-31" and "NUMA node(s) [1]" in p["reason"]
+    both = cpus.choose_cpu_placement(topo, [0, 1])
+    assert both["cpus"] == list(range(32)) and both["threads"] == 32 and both["nodes"] == [0, 1]
+    unknown = cpus.choose_cpu_placement(topo, [None])
+    assert unknown["nodes"] == [0] and unknown["threads"] == 16 and "unknown" in unknown["reason"]
+    # a process limited (taskset, cgroup) to part of node 1 and the siblings of node 0
+    lim = cpus.choose_cpu_placement(topo, [1], allowed=set(range(20, 24)) | set(range(32, 48)))
+    assert lim["cpus"] == [20, 21, 22, 23] and lim["nodes"] == [1]
+    one = cpus.choose_cpu_placement(topo, [1], allowed=set(range(32, 40)))  # only node 0's HTs
+    assert one["cpus"] == list(range(32, 40)) and not one["pin"] and one["nodes"] == [0]
+    # one node, 8 cores x 2 threads: 8 threads, not pinned, whatever the GPU says
+    single = cpus.read_cpu_topology(_fake_sys(tmp_path / "b", {0: "0-15"}))
+    s = cpus.choose_cpu_placement(single, [0])
+    assert s["cpus"] == list(range(8)) and s["threads"] == 8 and not s["pin"]
+
+
+def test_cpu_topology_without_node_or_topology_files(tmp_path):
+    """No node dirs: one node with every CPU; no topology files: each logical CPU its own core."""
+    for c in range(4):
+        (tmp_path / "devices/system/cpu" / f"cpu{c}").mkdir(parents=True)
+    topo = cpus.read_cpu_topology(tmp_path)
+    assert topo.nodes == {0: [0, 1, 2, 3]}
+    p = cpus.choose_cpu_placement(topo, [])
+    assert p["threads"] == 4 and not p["pin"]
+    assert cpus.parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert cpus.format_cpulist([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    with pytest.raises(ValueError):
+        cpus.parse_cpulist("0-x")
+
+
+def test_placement_of_this_machine_and_the_pin(monkeypatch):
+    """On this machine: a placement within the process's CPUs; a cpu_set setting is used as given;
+    pin_process restricts every thread and a new thread inherits the mask."""
+    import os
+    import threading
+
+    allowed = os.sched_getaffinity(0)
+    p = hardware.cpu_placement()
+    assert p["threads"] >= 1 and set(p["cpus"]) <= allowed
+    assert hardware.default_threads() == p["threads"]
+    first = min(allowed)
+    assert hardware.cpu_placement(str(first))["cpus"] == [first]
+    seen = {}
+    try:
+        assert cpus.pin_process([first]) >= 1
+        th = threading.Thread(target=lambda: seen.update(mask=os.sched_getaffinity(0)))
+        th.start()
+        th.join()
+        assert seen["mask"] == {first} and os.sched_getaffinity(0) == {first}
+    finally:
+        cpus.pin_process(sorted(allowed))
+    assert os.sched_getaffinity(0) == allowed

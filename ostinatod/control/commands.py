@@ -43,7 +43,7 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"residency  {res.get('workload') or 'no set'}"
                      + (f", {res.get('hot_experts')} hot experts" if res.get("hot_experts") is not None else "")
                      + f", {res.get('switches') or 0} swaps, auto-switch {'on' if res.get('auto_switch') else 'off'}")
-        lines += [f"           {line}" for line in pool_lines(res.get("pools"))]
+        lines += [f"           {line}" for line in pool_lines(res.get("pools"), s.get("gpus"))]
     sw = s.get("last_residency_switch")
     if sw:
         lines.append(f"last swap  {sw.get('previous_workload') or 'none'} -> {sw.get('workload') or sw.get('path')} "

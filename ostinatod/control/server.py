@@ -42,6 +42,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
+from ..hardware import gpu_memory
 from ..engine.types import EngineError
 from ..server.request_input import check_json_value
 from ..server.errors import ApiError
@@ -118,7 +119,8 @@ async def h_status(request: web.Request) -> web.Response:
     """GET /status: DaemonState.status() + workload (the default of requests that name none),
     paused, socket/log paths, ``last_residency_switch`` and ``residency`` (the active set as
     :func:`expert_view` reports it: workload, residency path, hot_experts, pool_bytes, switches,
-    auto_switch, hot_route_share; None without an engine or when it runs stock)."""
+    auto_switch, hot_route_share; None without an engine or when it runs stock) and ``gpus``
+    (:func:`ostinatod.hardware.gpu_memory`)."""
     st = _state(request)
     out = st.status()
     out["workload"] = st.settings.workload_default
@@ -127,6 +129,7 @@ async def h_status(request: web.Request) -> web.Response:
     out["log_file"] = str(st.paths.log_file)
     out["last_residency_switch"] = st.last_residency_switch
     out["residency"] = None
+    out["gpus"] = gpu_memory()   # per GPU used/total bytes (NVML; [] without): the pool lines show it
     if st.engine is not None and st.engine_state == "ready":
         try:
             stats = await asyncio.wait_for(st.engine.stats(), 5) or {}

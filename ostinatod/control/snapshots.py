@@ -55,18 +55,26 @@ def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def pool_lines(pools: Optional[list[dict[str, Any]]]) -> list[str]:
+def pool_lines(pools: Optional[list[dict[str, Any]]],
+               gpus: Optional[list[dict[str, Any]]] = None) -> list[str]:
     """One line per expert pool (GPU) from :func:`expert_view`'s ``pools``: ``GPU 1 (CUDA1): 3.4 GiB,
-    1,382 hot experts, 95.1% hot routes``; [] for one pool or none (the totals say it all)."""
+    1,382 hot experts, 95.1% hot routes`` and, when ``gpus`` (:func:`gpu_memory`) names that GPU's
+    index, ``, memory 61.2/139.8 GiB`` (used by every process); [] for one pool or none (the
+    totals say it all). The pool's ``gpu`` is a CUDA index, NVML's order is the PCI bus order: the
+    same on machines of identical GPUs (CUDA orders the fastest first)."""
     if not pools or len(pools) < 2:
         return []
+    mem = {g.get("index"): g for g in gpus or []}
     out = []
     for p in pools:
         share = p.get("hot_route_share")
         routes = p.get("routes")
+        m = mem.get(p.get("gpu"))
         out.append(f"GPU {p.get('gpu')} ({p.get('device')}): {(p.get('bytes') or 0) / (1 << 30):.1f} GiB, "
                    f"{p.get('hot_experts') or 0:,} hot experts, "
-                   + (f"{share:.1%} hot routes" if routes else "no routes yet"))
+                   + (f"{share:.1%} hot routes" if routes else "no routes yet")
+                   + (f", memory {m['used_bytes'] / (1 << 30):.1f}/{m['total_bytes'] / (1 << 30):.1f} GiB"
+                      if m else ""))
     return out
 
 

@@ -93,7 +93,8 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
     for each hot fraction, ``decode_steps`` one-token steps (per-layer cold routes from the step's
     route counts and the hot set), then prefill passes of each size on the split and on the upload
     path (``force_path``), ``repeats`` times, timed around ``llama_decode``.
-    Returns {"decode_rows", "gpu_ms_per_layer", "prefill": [PrefillPoint], "gpu", "expert_bytes",
+    Returns {"decode_rows", "gpu_ms_per_layer", "prefill": [PrefillPoint], "gpu", "decode_sweep",
+    "cpu_placement" (the CPUs it ran on: hardware.apply_cpu_placement), "expert_bytes",
     "model"}. Raises CalibrationError when the engine or the model cannot be used.
     """
     import tempfile
@@ -120,6 +121,9 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
     s = load_settings(model=model_path, experts="ostinato", residency=paths[0], n_slots=1,
                       n_ctx=max(512, n_max + decode_steps + 64), n_batch=n_max, n_ubatch=max(32, n_max),
                       n_threads=n_threads, engine_mode="inprocess")
+    from ..hardware import apply_cpu_placement
+
+    place = apply_cpu_placement(s.cpu_set)   # measured on the CPUs the engine worker will run on
     w = Worker(s, model_path)
     w.load()
     try:
@@ -210,6 +214,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
             exp_bytes = max(exp_bytes) if exp_bytes else None
         return {"decode_rows": rows, "gpu_ms_per_layer": gpu_ms, "prefill": prefill, "gpu": gpu,
                 "decode_sweep": sweep,
+                "cpu_placement": {k: place.get(k) for k in ("cpulist", "threads", "pin", "reason")},
                 "expert_bytes": exp_bytes, "model": {k: block[k] for k in ("fingerprint", "name")}}
     finally:
         w.close()
@@ -228,9 +233,9 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
     from . import native
     import llama_cpp
 
-    from ..hardware import physical_cores
+    from ..hardware import default_threads
 
-    p = int(w.settings.n_threads or physical_cores())
+    p = int(w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None)))
     counts = sorted({max(1, p // 4), max(1, p // 2), p})
     w.rt.switch(residency_path)
     mem = llama_cpp.llama_get_memory(w.ctx)
@@ -298,6 +303,7 @@ def run_calibration(model_path: Optional[Path] = None, *, profile_path: Optional
                                "prefill_passes": len(m["prefill"]),
                                "prefill": [vars(p) for p in m["prefill"]]}
         cal["model"] = m.get("model")
+        cal["cpu_placement"] = m.get("cpu_placement")   # the decode threads are counts on these CPUs
     except Exception as e:  # noqa: BLE001 - reported in the profile instead of crashing the caller
         log.warning("calibration failed: %s", e)
         cal = {"format": CALIBRATION_FORMAT, "error": f"{type(e).__name__}: {e}",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..hardware import physical_cores
+from ..hardware import default_threads
 from ..residency.model import ModelFileError, ModelInfo, check_model_file
 from ..residency.sets import ResidencyError
 from ..settings import Settings
@@ -116,7 +116,7 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
     cparams.n_ubatch = min(settings.n_ubatch, n_batch)
     cparams.n_seq_max = n_slots
     cparams.kv_unified = True  # shared prefix cells across slots (seq_cp is metadata only)
-    threads = settings.n_threads or physical_cores()
+    threads = settings.n_threads or default_threads(getattr(settings, "cpu_set", None))
     cparams.n_threads = threads
     cparams.n_threads_batch = threads
     if rt is not None and rt.decode_threads:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..hardware import physical_cores
+from ..hardware import default_threads
 from . import native
 from .native import ExpertEngineError
 from .placement import experts_config, full_layer_devices, tensor_split_for
@@ -121,7 +121,7 @@ class ExpertRuntime:
         native.set_borrow(getattr(settings, "decode_borrow", True))
         # CPU-branch pool of the decode graph: one core is left to the thread that drives llama.cpp
         native.set_cpu_threads(decode_threads or getattr(settings, "n_threads", None)
-                               or max(1, physical_cores() - 1))
+                               or max(1, default_threads(getattr(settings, "cpu_set", None)) - 1))
         log.info("experts: %d hot experts from %s, Np = %d%s", sum(len(v) for v in hot.values()),
                  res_path or "no residency set (all experts cold)", np_tokens,
                  f", GPUs {residency.devices}" if layer_dev else "")

@@ -49,6 +49,11 @@ def main() -> int:
     settings = Settings(**{k: v for k, v in init.settings.items() if v is not None})
     logging.basicConfig(level=getattr(logging, settings.log_level, logging.INFO), stream=sys.stderr,
                         format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
+    from ..hardware import apply_cpu_placement
+
+    # before the model load: the engine's threads (ggml, OpenMP, the decode graph's pool) are made
+    # later and inherit this process's CPU mask
+    apply_cpu_placement(settings.cpu_set)
     worker = Worker(settings, Path(init.model_path))
     try:
         worker.load()

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..hardware import gpu_memory
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds; agents see TTFT from tens of ms (cached prefix) to minutes (cold 64K prefill).
@@ -44,6 +46,35 @@ def flatten(d: Any, prefix: str = "") -> Iterable[tuple[str, float]]:
             yield from flatten(v, f"{prefix}_{i}" if prefix else str(i))
 
 
+# per expert pool (one per GPU): (metric, key in the engine's ``pools`` entry, help)
+_POOL_GAUGES = (("ostinato_pool_bytes", "bytes", "Bytes of the expert pool on this GPU"),
+                ("ostinato_pool_hot_experts", "hot_experts", "Hot experts resident in the pool"),
+                ("ostinato_pool_routes", "routes", "Routes of the pool's layers since the counters' reset"),
+                ("ostinato_pool_hot_route_share", "hot_route_share",
+                 "Share of the pool's layers' routes computed from resident experts (0..1)"))
+
+
+def pool_families(pools: Any, gpus: list[dict[str, Any]]) -> Iterable[GaugeMetricFamily]:
+    """Per-GPU gauges labelled ``gpu`` (the CUDA index of the pool, or NVML's for memory):
+    ``ostinato_pool_*`` from the engine's ``pools`` (``[{gpu, device, bytes, hot_experts, routes,
+    hot_route_share}]``, None without the expert engine) and ``ostinato_gpu_memory_{used,total}_bytes``
+    from :func:`ostinatod.hardware.gpu_memory` (``[]`` without NVML). The flattened
+    ``ostinato_engine_experts_pools_<i>_*`` keep the same figures by list position."""
+    for metric, key, doc in _POOL_GAUGES if isinstance(pools, list) and pools else ():
+        g = GaugeMetricFamily(metric, doc, labels=["gpu", "device"])
+        for p in pools:
+            v = p.get(key) if isinstance(p, dict) else None
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                g.add_metric([str(p.get("gpu")), str(p.get("device"))], float(v))
+        yield g
+    for metric, key in (("ostinato_gpu_memory_used_bytes", "used_bytes"),
+                        ("ostinato_gpu_memory_total_bytes", "total_bytes")) if gpus else ():
+        g = GaugeMetricFamily(metric, "GPU memory (NVML), all processes", labels=["gpu", "name"])
+        for d in gpus:
+            g.add_metric([str(d.get("index")), str(d.get("name"))], float(d.get(key) or 0))
+        yield g
+
+
 class _EngineCollector(Collector):
     """Exposes the last engine stats snapshot (set by :meth:`Metrics.set_engine_stats`)."""
 
@@ -57,6 +88,7 @@ class _EngineCollector(Collector):
                                   "residency set (none: no set, all experts cold)", labels=["workload"])
             g.add_metric([str(ex.get("workload") or "none")], 1.0)
             yield g
+        yield from pool_families(ex.get("pools") if isinstance(ex, dict) else None, gpu_memory())
         seen = set()
         for name, value in flatten(self.snapshot):
             full = "ostinato_engine_" + name

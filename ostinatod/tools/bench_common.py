@@ -8,6 +8,10 @@ import time
 ENGINES = ("ostinato", "stock-all-gpu", "stock-layers", "stock-cpu", "llama-server")
 STOCK = ("stock-layers", "stock-cpu", "llama-server")  # the baselines at equal GPU memory
 LIMIT = "stock-all-gpu"  # every expert on the GPU: the reference limit, never a baseline
+# the Ostinato engine on the first GPU only, same pool budget (a fraction of the expert bytes), in
+# a run with --gpus N > 1: what N GPUs buy over one with the same model (never in the default list)
+ONE_GPU = "ostinato-1gpu"
+CHOICES = ENGINES + (ONE_GPU,)
 METRICS = (("decode", "decode_ms_per_token"), ("ttft_after_tool", "ttft_after_tool_median_s"),
            ("session_total", "session_total_s"))
 _T0 = time.monotonic()

@@ -23,6 +23,9 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
                      expert on the GPU (``experts = stock``, ``n_cpu_moe = 0``), run when the model
                      fits the free GPU memory (skipped with a note otherwise; on a machine without
                      GPU it runs CPU-only like every other engine, noted);
+   ``ostinato-1gpu`` (only when named, with ``--gpus N`` > 1) the Ostinato engine on the first GPU
+                     alone (CUDA_VISIBLE_DEVICES=0) with a one-GPU plan at the same ``--budget-frac``:
+                     the same model on one GPU in the same run; ``ratios_gpus_vs_one_gpu`` compares;
 6. with ``--budget-sweep F1,F2,...`` also runs the Ostinato engine at each of those pool budgets
    (the baselines and the limit run once, at ``--budget-frac``);
 7. prints a table and writes ``<out-dir>/<name>.json`` and ``<name>.md`` (after every engine, so an
@@ -57,13 +60,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .bench_common import ENGINES, LIMIT, BenchError, say
+from .bench_common import CHOICES, ENGINES, LIMIT, ONE_GPU, BenchError, say
 from .bench_fit import Estimator, limit_fit
 from .bench_launch import (StepRecorder, expert_stats, llama_server_binary, replay, start_daemon,
                            start_llama_server)
-from .bench_prepare import collect_dev_traces, plan, prepare_model, select_sessions
-from .bench_report import (engine_metrics, fmt, machine_info, markdown, ratios, ratios_vs_limit,
-                           replay_turns, summarize_breakdown)
+from .bench_prepare import collect_dev_traces, one_gpu_plan, plan, prepare_model, select_sessions
+from .bench_report import (engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown, ratios,
+                           ratios_vs_limit, replay_turns, summarize_breakdown)
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
 from .sessions import WORKLOAD_OF_SESSION, assistant_turns
 
@@ -102,9 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", default="1", help="GPUs to plan for and run on: N (the first N; "
                     "emulated when fewer exist) or 'auto' (all detected). N > 1: one pool per GPU, "
                     "layers split across them; stock engines use llama.cpp's layer split")
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(ENGINES)
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(CHOICES)
                     + f" ({LIMIT}: every expert on the GPU, the reference limit; run when the "
-                    "model fits the free GPU memory)")
+                    f"model fits the free GPU memory; {ONE_GPU}: with --gpus N > 1, Ostinato on the "
+                    "first GPU alone at the same pool budget; default: all but " + ONE_GPU + ")")
     ap.add_argument("--no-server", action="store_true", help="skip the llama-server baseline")
     ap.add_argument("--client", default="openai", choices=("openai", "anthropic"))
     ap.add_argument("--n-ctx", type=int, default=32768, help="context per slot")
@@ -130,9 +134,9 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     if a.layers is None and a.shape == "qwen3-30b-a3b" and not a.model:
         a.layers = 24
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
-    bad = [e for e in engines if e not in ENGINES]
+    bad = [e for e in engines if e not in CHOICES]
     if bad:
-        raise BenchError(f"unknown engines {bad}; choose from {', '.join(ENGINES)}")
+        raise BenchError(f"unknown engines {bad}; choose from {', '.join(CHOICES)}")
     if a.no_server and "llama-server" in engines:
         engines.remove("llama-server")
     if "ostinato" not in engines:
@@ -158,6 +162,9 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     notes: list[str] = []
     plans = {a.budget_frac: (res, res_path, stock)}
     plan_sweep(model, trace, a, run_dir, workload, sweep, plans, notes)
+    one = one_gpu_plan(model, trace, a, run_dir, workload, notes) if ONE_GPU in engines else None
+    if ONE_GPU in engines and one is None:
+        engines.remove(ONE_GPU)
     fit = None
     if LIMIT in engines:
         fit = limit_fit(model, a)
@@ -179,8 +186,14 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     sweep_runs: dict[float, dict[str, Any]] = {}
 
     def assemble() -> dict[str, Any]:
-        return _result(a, argv, model, block, sessions_file, dev, held, workload, res, stock,
-                       results, sweep, sweep_runs, plans, fit, notes)
+        out = _result(a, argv, model, block, sessions_file, dev, held, workload, res, stock,
+                      results, sweep, sweep_runs, plans, fit, notes)
+        if one is not None:
+            r1 = one[0]
+            out["plan"]["one_gpu"] = {"pool_bytes": r1["plan"]["pool_bytes_total"],
+                                      "dev_hot_route_share": r1["plan"]["dev_hot_route_share"]}
+            out["ratios_gpus_vs_one_gpu"] = gpus_vs_one_gpu(results)
+        return out
 
     for key, name, frac in jobs:
         e_s, how = est(name)
@@ -204,10 +217,13 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 srv = start_llama_server(binary, model, stock["n_cpu_moe"], run_dir, a)
             else:
                 st = {"ostinato": {"experts": "ostinato", "residency": plans[frac][1]},
+                      ONE_GPU: {"experts": "ostinato",
+                                "residency": one[1] if one else None},
                       LIMIT: {"experts": "stock", "n_cpu_moe": 0, "n_gpu_layers": -1},
                       "stock-layers": {"experts": "stock", "n_cpu_moe": stock["n_cpu_moe"]},
                       "stock-cpu": {"experts": "stock", "n_cpu_moe": block["n_layer"]}}[name]
-                srv = start_daemon(key, model, st, run_dir, a)
+                srv = start_daemon(key, model, st, run_dir,
+                                   argparse.Namespace(**{**vars(a), "gpus": "1"}) if name == ONE_GPU else a)
         except BenchError as e:
             notes.append(f"{key}: {e}")
             say(notes[-1])
@@ -216,7 +232,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
             url = srv.wait_ready(a.start_timeout)
             load_s = time.monotonic() - t0
             say(f"engine {key}: ready at {url} after {load_s:.1f} s; replaying")
-            if name == "ostinato":
+            if name in ("ostinato", ONE_GPU):
                 rec = StepRecorder(run_dir / f"home-{key}")
                 rec.start()
             t1 = time.monotonic()
@@ -230,7 +246,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
             turns = replay_turns(data)
             m = engine_metrics(turns)
             m["load_s"] = round(load_s, 2)
-            if name == "ostinato":
+            if name in ("ostinato", ONE_GPU):
                 ex = expert_stats(run_dir / f"home-{key}")
                 m["expert_stats"] = ex
                 m["hot_route_share"] = ex.get("hot_route_share")

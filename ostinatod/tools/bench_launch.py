@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
-from ..hardware import physical_cores
+from ..hardware import cpu_placement, default_threads
 from ..paths import get_paths
 from .bench_common import BenchError, say
 from .bench_report import turn_breakdown
@@ -65,11 +65,14 @@ class Server:
     """A server process on loopback (our daemon or llama-server), stopped by :meth:`stop`."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
-                 url_file: Optional[Path] = None, url: Optional[str] = None):
+                 url_file: Optional[Path] = None, url: Optional[str] = None,
+                 cpus: Optional[list[int]] = None):
         self.name, self.log_path = name, log_path
         self._log = open(log_path, "ab")
+        # cpus: the server process (and so every thread it makes) runs on these CPUs only
+        pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pre)
         self.url_file, self.url = url_file, url
 
     def wait_ready(self, timeout: float) -> str:
@@ -142,9 +145,15 @@ def llama_server_binary() -> Optional[Path]:
 
 def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
                        a: argparse.Namespace) -> Server:
-    """Stock llama-server: all layers on the GPU except the experts of the first n_cpu_moe layers."""
+    """Stock llama-server: all layers on the GPU except the experts of the first n_cpu_moe layers;
+    its threads and CPUs as our engine worker's (:func:`ostinatod.hardware.cpu_placement`: the
+    NUMA-local physical cores on a host with several nodes), so the comparison is at equal CPUs."""
     port = _free_port()
-    threads = a.threads or physical_cores()
+    from ..settings import load_settings
+
+    cpu_set = load_settings().cpu_set   # the daemons' setting (file or OSTINATO_CPU_SET)
+    place = cpu_placement(cpu_set)
+    threads = a.threads or default_threads(cpu_set)
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-c", str(a.n_ctx * 2), "-np", "2", "-ngl", "999", "--n-cpu-moe", str(n_cpu_moe),
            "-t", str(threads), "-tb", str(threads), "--jinja", "-b", "2048", "-ub", "512",
@@ -158,7 +167,7 @@ def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
     except ImportError:
         pass
     return Server("llama-server", cmd, env, run_dir / "llama-server.log",
-                  url=f"http://127.0.0.1:{port}")
+                  url=f"http://127.0.0.1:{port}", cpus=place["cpus"] if place["pin"] else None)
 
 
 def _model_name(url: str) -> str:

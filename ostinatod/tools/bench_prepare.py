@@ -178,3 +178,23 @@ def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str,
         f"share {res['plan']['dev_hot_route_share']:.1%}; stock-layers: n_cpu_moe {n_cpu_moe} "
         f"({gpu_layers} layers' experts = {stock['gpu_expert_bytes'] / 2**20:.1f} MiB on the GPU)")
     return res, path, stock
+
+
+def one_gpu_plan(model: Path, trace, a: argparse.Namespace, run_dir: Path, workload: str,
+                 notes: list[str]) -> Optional[tuple[dict, Path, dict]]:
+    """The plan of the ``ostinato-1gpu`` engine: the same model and traces planned for the first GPU
+    alone at the same ``--budget-frac`` (so the one pool holds what the N pools hold together).
+    Returns what :func:`plan` returns, or None with a note when it cannot run (``--gpus`` is 1 or
+    'auto': nothing to compare; the planner refuses the budget on one GPU)."""
+    n = str(getattr(a, "gpus", 1))
+    if not n.isdigit() or int(n) < 2:
+        notes.append(f"ostinato-1gpu: skipped, --gpus {n} (it compares a run on N > 1 GPUs with one GPU)")
+        say(notes[-1])
+        return None
+    try:
+        return plan(model, trace, argparse.Namespace(**{**vars(a), "gpus": "1"}), run_dir, workload,
+                    file_name="residency-1gpu.json")
+    except ValueError as e:  # PlanError: the one GPU's capacity test leaves no room at this budget
+        notes.append(f"ostinato-1gpu: no one-GPU plan at {a.budget_frac:.0%}: {e}")
+        say(notes[-1])
+        return None

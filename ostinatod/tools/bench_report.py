@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from .bench_common import LIMIT, METRICS, STOCK
+from .bench_common import LIMIT, METRICS, ONE_GPU, STOCK
 
 BUCKETS = ((0, 128, "<128"), (128, 512, "128-511"), (512, 2048, "512-2047"), (2048, 1 << 62, ">=2048"))
 
@@ -209,6 +209,14 @@ def ratios_vs_limit(engines: dict[str, dict[str, Any]], o: Optional[dict[str, An
     return {key: (round(o[m] / lim[m], 3) if o.get(m) and lim.get(m) else None) for key, m in METRICS}
 
 
+def gpus_vs_one_gpu(engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The Ostinato engine on one GPU (``ostinato-1gpu``) divided by the Ostinato engine on the run's
+    GPUs per metric (> 1: the GPUs together are faster than one; issue 14 wants decode >= 1). None
+    where either figure is missing."""
+    o, one = engines.get("ostinato") or {}, engines.get(ONE_GPU) or {}
+    return {key: (round(one[m] / o[m], 3) if o.get(m) and one.get(m) else None) for key, m in METRICS}
+
+
 def ratios(engines: dict[str, dict[str, Any]], o: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Ostinato (``o``, default ``engines["ostinato"]``) against the best stock engine at equal
     memory per metric (> 1: Ostinato faster); ``stock-all-gpu`` is not one of them."""
@@ -296,7 +304,14 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {k} | {fmt(o.get(m), '', nd)} | "
                      + (f"{best} {fmt(eng[best].get(m), '', nd)}" if best in eng else "n/a")
                      + f" | {fmt(r.get(k), 'x')} | {fmt(le.get(m), '', nd)} | {fmt(lim.get(k), 'x')} |")
+    two = result.get("ratios_gpus_vs_one_gpu")
+    if two:
+        lines += ["", f"Ostinato on {len(result['plan']['stock'].get('gpus') or [None])} GPUs against "
+                  f"`{ONE_GPU}` (the same pool budget on the first GPU alone; {ONE_GPU} / ostinato, "
+                  "> 1: the GPUs together are faster): "
+                  + ", ".join(f"{k} {fmt(two.get(k), 'x')}" for k, _ in METRICS) + "."]
     lines += breakdown_md(o.get("step_breakdown"), "Ostinato")
+    lines += breakdown_md((eng.get(ONE_GPU) or {}).get("step_breakdown"), ONE_GPU)
     lines += _sweep_md(result)
     lines.append("")
     for n in result.get("notes", []):

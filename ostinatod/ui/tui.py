@@ -119,7 +119,7 @@ def status_text(snap: dict[str, Any]) -> Text:
     st.append((f"  ({src})" if src else "") + "\n", style="dim")
     st.append("residency ", style="bold")
     st.append(residency_line(ex, m.get("experts_mode")) + "\n")
-    for line in pool_lines(ex.get("pools")):   # several GPUs: one line per pool
+    for line in pool_lines(ex.get("pools"), (snap.get("memory") or {}).get("gpus")):   # one per GPU
         st.append("          " + line + "\n", style="dim")
     sw = snap.get("last_residency_switch")
     if sw:
