@@ -7,7 +7,7 @@
 #   model:    the real-shape synthetic model /tmp/m.gguf (LAYERS layers, Qwen3-30B-A3B shape, Q4_0)
 #   calib:    `ostinato calibrate --full` on that model (stored in the hardware profile: Np for the bench)
 #   bench:    `ostinato bench engines` with the bench args given, results under $OUT
-#   headline: `ostinato bench engines` at a 45% pool, every engine incl. stock-all-gpu, 2 sessions x 8 turns
+#   headline: `ostinato bench engines` at a 45% pool: ostinato, stock-all-gpu, stock-layers, llama-server; 2 x 8 turns
 #   full:     the same at --budget-frac 1.0 (ostinato, stock-all-gpu, llama-server)
 #   sweep:    --budget-sweep 0.25,0.45,0.65,0.85 (ostinato per budget; stock-all-gpu, stock-layers and
 #             llama-server once), with the plot <name>.svg
@@ -56,7 +56,7 @@ if has build; then
     > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
   nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
   OSTINATO_CUDA=1 OSTINATO_CUDA_ARCHS=90 python3 -m ostinatod.cli build --sdist .carry/llama-src.tar.xz \
-    --with-server -j16 > /tmp/build.log 2>&1 || { tail -60 /tmp/build.log | tee "$OUT/build-tail.txt"; exit 1; }
+    --with-server -j"$(nproc)" > /tmp/build.log 2>&1 || { tail -60 /tmp/build.log | tee "$OUT/build-tail.txt"; exit 1; }
   echo "[$(el)s] built"
 fi
 if has exact; then
@@ -130,7 +130,7 @@ if has bench; then
 fi
 if has headline; then
   bench "engines-h200-L$LAYERS" --budget-frac 0.45 --sessions 2 --turns 8 \
-    --engines ostinato,stock-all-gpu,stock-layers,llama-server,stock-cpu "$@"
+    --engines ostinato,stock-all-gpu,stock-layers,llama-server "$@"
 fi
 if has full; then
   bench "engines-h200-L$LAYERS-full" --budget-frac 1.0 --sessions 2 --turns 8 \
