@@ -241,11 +241,13 @@ def test_pool_views_match_stock_and_the_whole_class(moe, stock, np_tokens, force
         base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         base = _stats()
         native.set_views(True)
+        native.set_upload_cpu_share(0.0)   # every cold expert uploaded, as without views (the hybrid: below)
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
         r.all_logits = False
+        native.set_upload_cpu_share(None)
         native.set_views(True)
         native.force_path("auto")
         native.set_decode_graph(None)
