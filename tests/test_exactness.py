@@ -247,7 +247,7 @@ def test_pool_views_match_stock_and_the_whole_class(moe, stock, np_tokens, force
         st = _stats()
     finally:
         r.all_logits = False
-        native.set_upload_cpu_share(None)
+        native.set_upload_cpu_share(0.0)
         native.set_views(True)
         native.force_path("auto")
         native.set_decode_graph(None)
@@ -291,7 +291,7 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share):
         info = native.experts_json("ostinato_experts_info")
     finally:
         r.all_logits = False
-        native.set_upload_cpu_share(None)
+        native.set_upload_cpu_share(0.0)
         native.set_decode_graph(None)
         native.set_prefill_threshold(512)
     ref_toks, ref_logits = stock[PROMPT_LEN]

@@ -43,7 +43,7 @@ int  g_dgraph_max = 64;       // largest pass (tokens) that takes the decode gra
 int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: estimate physical cores)
 bool g_borrow = true;         // borrowed decode memory (staging slots lent to decode)
 bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
-double g_upload_cpu_share = -1;   // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted
+double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -100,9 +100,14 @@ ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il,
                           (void *) (intptr_t) ((il << 2) | (kind & 3)));
 }
 
-ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views) {
+int ostinato_moe_hybrid(void) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return g_upload_cpu_share != 0 ? 1 : 0;
+}
+
+ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views, bool hybrid) {
     ggml_tensor * args[1] = { route };
-    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], views ? 2 : 1, 1, args, 1,
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], views && hybrid ? 2 : 1, 1, args, 1,
                                      upload_op, 1, (void *) (intptr_t) op_ud(il, views));
     ggml_format_name(t, "ostinato_upload-%d", il);
     return t;
@@ -535,6 +540,7 @@ int ostinato_experts_set_views(int on) {
 int ostinato_experts_set_upload_cpu_share(double share) {
     if (!(share >= 0 && share <= 1) && share != -1) return -1;
     std::lock_guard<std::mutex> lock(g_mu);
+    if ((g_upload_cpu_share != 0) != (share != 0)) g_graph_dirty = true;   // the graph has a CPU branch or not
     g_upload_cpu_share = share;
     return 0;
 }

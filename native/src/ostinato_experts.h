@@ -58,8 +58,11 @@ ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_expe
 // slot, cold -> its staging slot): the whole layer then runs on the GPU in one branch. With `views`
 // it returns ids into the staging view only (cold -> staging slot - stage0, hot -> -1); the hot
 // routes are computed over the hot view with the route op's plane 0.
-ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views = false);
-// Hybrid upload pass (views): with `views` the upload op returns [k, n_tokens, 2], plane 1 the ids of
+ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views = false,
+                                  bool hybrid = false);
+// 1 when upload passes with views are built hybrid (a CPU share other than 0 is set), else 0.
+int ostinato_moe_hybrid(void);
+// Hybrid upload pass (views and hybrid): the upload op returns [k, n_tokens, 2], plane 1 the ids of
 // a CPU branch over the host tensors (the cold experts with the fewest routes; the copies of the others
 // run meanwhile). The join op, after that CPU branch (cpu_out, for order), waits for the copies and
 // returns the staged routes' ids [k, n_tokens] (plane 0).
@@ -159,9 +162,10 @@ OSTINATO_API int          ostinato_experts_set_borrow(int on);
 // (0: every pass computes over the whole size class, as before; for measurements). Next graph.
 OSTINATO_API int          ostinato_experts_set_views(int on);
 // Hybrid upload passes (pool views): share 0..1 of the distinct cold experts computed by the CPU
-// branch instead of uploaded (the ones with the fewest routes), or -1 (default): adapted per layer so
-// that the CPU branch and the copies end together (0 where the pool has no upload stream: CPU pools).
-// -1 (refused) for other values.
+// branch instead of uploaded (the ones with the fewest routes), or -1: adapted per layer so that the
+// CPU branch and the copies end together (0 where the pool has no upload stream: CPU pools). 0, the
+// default, builds upload passes without a CPU branch (measured on the H200: the CPU branch of a long
+// pass costs more than the copies it saves). Returns -1 (refused) for other values.
 OSTINATO_API int          ostinato_experts_set_upload_cpu_share(double share);
 // Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates
 // the pool at the next pass (call between passes).

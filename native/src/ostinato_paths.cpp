@@ -129,9 +129,11 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
 // cold expert of the pass once from host memory into the staging slots of the pool (ascending expert
 // ids into ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the
 // engine's own stream) and writes pool ids: hot -> its slot, cold -> its staging slot. Hot experts
-// are never uploaded. Without pool views the copies are joined here and the output is [k, n].
+// are never uploaded. Unless hybrid the copies are joined here and the output is [k, n]; with pool
+// views it indexes the staging view (cold -> slot - stage0, hot -> -1), and the hot routes, launched
+// before this op in graph order, compute while the copies run.
 //
-// With pool views (dst [k, n, 2]) the pass is hybrid: the distinct cold experts with the fewest tokens
+// With pool views and dst [k, n, 2] the pass is hybrid: the distinct cold experts with the fewest tokens
 // (a share, see upload_share) are left to a CPU branch, the others are uploaded; plane 0 indexes the
 // staging view (uploaded -> slot - stage0, else -1), plane 1 holds the CPU branch's expert ids (else
 // -1). The copies are not joined here: the CPU branch runs while they do, and upload_join_op joins
@@ -143,11 +145,12 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const ggml_tensor * route = dst->src[0];
     const int il = op_ud_layer(ud);
     const bool views = op_ud_views(ud);
+    const bool hybrid = views && dst->ne[2] == 2;
     const int64_t k = route->ne[0], n = route->ne[1];
     const int32_t * g = (const int32_t *) route->data;   // plane 0: hot -> slot
     const int32_t * c = g + k * n;                        // plane 1: cold -> expert, hot -> -1
     int32_t * out = (int32_t *) dst->data;
-    int32_t * out_cpu = views ? out + k * n : nullptr;
+    int32_t * out_cpu = hybrid ? out + k * n : nullptr;
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
     if (!e || il < 0 || il >= e->n_layer || !e->layers[il].has_hot) {
@@ -164,7 +167,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     std::vector<int32_t> tokens(e->n_expert, 0);   // routes per cold expert in this pass
     for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) tokens[c[i]]++;
     std::vector<uint8_t> on_cpu(e->n_expert, 0);
-    if (views) {
+    if (hybrid) {
         // the CPU takes the share of distinct cold experts with the fewest routes (cheap there,
         // while each upload costs a whole expert's bytes)
         std::vector<int> cold;
@@ -209,12 +212,12 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         const bool cold = x >= 0 && x < e->n_expert;
         if (views) {
             out[i] = cold && !on_cpu[x] ? slot[x] - ol.stage0 : -1;
-            out_cpu[i] = cold && on_cpu[x] ? x : -1;
+            if (out_cpu) out_cpu[i] = cold && on_cpu[x] ? x : -1;
         } else {
             out[i] = cold ? slot[x] : g[i];
         }
     }
-    if (!views && upload_backend) ggml_backend_synchronize(upload_backend);
+    if (!hybrid && upload_backend) ggml_backend_synchronize(upload_backend);
     e->cur.upload_ms += (now_us() - t0) / 1000.0;
     e->mark_us[il] = now_us();
 }

@@ -33,6 +33,26 @@ bool mmq_skips_negative_ids(ggml_type t) {
             return false;
     }
 }
+// GPU index (among the GPU devices, as "device" counts them) of the device that holds layer il's
+// dense weights; -1 when they are in host memory or not found.
+int dense_gpu(const llama_model * model, int il) {
+    const auto & L = model->layers[il];
+    const ggml_tensor * w = nullptr;
+    for (const ggml_tensor * t : {L.wq, L.wq_a, L.wqkv, L.wkv_a_mqa, L.attn_norm}) {
+        if (t && t->buffer) { w = t; break; }
+    }
+    if (!w || ggml_backend_buffer_is_host(w->buffer)) return -1;
+    ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
+    if (!d || ggml_backend_dev_type(d) != GGML_BACKEND_DEVICE_TYPE_GPU) return -1;
+    int seen = 0;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t x = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(x) != GGML_BACKEND_DEVICE_TYPE_GPU) continue;
+        if (x == d) return seen;
+        seen++;
+    }
+    return -1;
+}
 }  // namespace
 
 void unpin(pinned_t & p) {
@@ -284,8 +304,13 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         e->by_down[L.ffn_down_exps] = il;
         e->layers[il].il = il;
         {
+            // without a layer map, a GPU config's pool follows the layer: where llama.cpp put the
+            // layer's dense weights (its default split over every visible GPU), else `device`
             auto ld = cfg.layer_device.find(il);
-            const int pi = pool_of(ld != cfg.layer_device.end() ? ld->second : cfg.device);
+            int gpu = cfg.device;
+            if (ld != cfg.layer_device.end()) gpu = ld->second;
+            else if (cfg.device >= 0 && cfg.layer_device.empty() && dense_gpu(model, il) >= 0) gpu = dense_gpu(model, il);
+            const int pi = pool_of(gpu);
             e->layer_pool[il] = pi;
             e->pools[pi].layers.push_back(il);
         }
