@@ -23,6 +23,11 @@
 #             -> calibration-{all,auto}.json/.log (the default's stays in the hardware profile)
 #   bench2:   `ostinato bench engines --gpus 2` at a 45% pool: ostinato, ostinato-1gpu (the same model
 #             on GPU 0 alone), llama-server and stock-layers with llama.cpp's layer split
+# Newer architectures (issue 13 item 5), after build; one device call fits about two rows:
+#   archs:    per row of ARCH_ROWS ("arch:shape:quant:layers ..."), the synthetic model at the shape's
+#             real per-layer sizes with that many layers (/tmp/a-<arch>.gguf), then `ostinato bench
+#             engines` at a 45% pool: ostinato, stock-all-gpu, llama-server, 1 session x 6 turns
+#             -> archs-<arch>.{json,md,log,cmd.txt}
 # headline/full/sweep each need their own device call (<= 10 min: the bench skips, with a note,
 # every engine whose estimate would pass the stage's time left, and writes its JSON after every
 # engine); each writes <name>.json, .md (.svg) and <name>.cmd.txt (the exact command) into $OUT.
@@ -123,6 +128,30 @@ if has calib2; then
       > "$OUT/calibration-$cs.json" 2> "$OUT/calibration-$cs.log"
     echo "[$(el)s] calibrate cpu_set=$cs rc=$?"; grep "CPU placement" "$OUT/calibration-$cs.log" | tail -1
     python3 -c "import json, sys; c = json.load(open(sys.argv[1])); [print(r) for r in c.get('decode_sweep') or []]; print({k: c.get(k) for k in ('cpu_placement', 'decode_threads', 'decode_graph', 'decode_overlap', 'decode_step_ms', 'np_tokens', 'error')})" "$OUT/calibration-$cs.json" 2>&1 | head -20
+  done
+fi
+if has archs; then
+  # the shapes' real per-layer sizes; layer counts cut so that each file is ~10-16 GiB (written at
+  # ~200 MB/s) and a row (write + bench) takes ~3-4 min
+  # two rows per call: each writes 4 files and 8 come back; the other two rows:
+  #   ARCH_ROWS="minimax-m2:minimax-m2:q4_k_m:6 deepseek4:deepseek-v4-flash:mxfp4:4"
+  ARCH_ROWS=${ARCH_ROWS:-"qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl:40 glm4moe:glm-4.5-air:q4_k_m:12"}
+  for row in $ARCH_ROWS; do
+    IFS=: read -r a shape quant nl <<< "$row"
+    if [ $(( 590 - $(el) )) -lt 200 ]; then echo "[$(el)s] archs: no time left for $row"; continue; fi
+    m=/tmp/a-$a.gguf
+    [ -f "$m" ] || python3 -m ostinatod.cli synth --arch "$a" --shape "$shape" --quant "$quant" --layers "$nl" \
+      -o "$m" 2>&1 | tail -1
+    left=$(( 590 - $(el) ))
+    cmd=(python3 -m ostinatod.cli bench engines --model "$m" --sessions-dir .carry/sessions --out-dir "$OUT"
+         --work-dir "/tmp/bench-work-archs-$a" --name "archs-$a" --time-limit $(( left > 260 ? 230 : left - 25 ))
+         --budget-frac 0.45 --sessions 1 --turns 6 --engines ostinato,stock-all-gpu,llama-server "$@")
+    printf '%s\n' "# stage of: STAGES=\"$STAGES\" ARCH_ROWS=\"$ARCH_ROWS\" bash scripts/device-run.sh $SCRIPT_ARGS; model: synth --arch $a --shape $shape --quant $quant --layers $nl (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+      "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/archs-$a.cmd.txt"
+    echo "[$(el)s] archs $a: ${cmd[*]}"
+    timeout "$left" "${cmd[@]}" > "$OUT/archs-$a.log" 2>&1
+    grep -E "engine .*: (decode|error)|^\| (decode|ttft|session)" "$OUT/archs-$a.log" | head -12
+    rm -f "$m"   # disk: the next row's file
   done
 fi
 if has bench; then
