@@ -312,6 +312,20 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share):
         assert 0 < p["upload_bytes"] < base["upload_bytes"]
 
 
+def _without_and_with_graph(r, with_counts=0):
+    """Generates the test prompt without, then with the decode graph (max 32 tokens); returns
+    (tokens, logits) of both and the stats of the run with the graph. Leaves the graph on auto."""
+    try:
+        native.set_decode_graph(False)
+        base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        native.set_decode_graph(True, max_tokens=32)
+        native.llama_fn("ostinato_experts_reset_stats")()
+        toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        return base_toks, base_logits, toks, logits, _stats(with_counts)
+    finally:
+        native.set_decode_graph(None)
+
+
 @pytest.mark.parametrize("np_tokens", [512, 8])
 def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     """The decode graph (route op as a GPU/CPU op, CPU branch on the engine's thread pool fed through
@@ -322,16 +336,8 @@ def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     r = ost_runner(moe)
     _switch(half_hot(moe))
     native.set_prefill_threshold(np_tokens)
-    try:
-        native.set_decode_graph(False)
-        base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
-        native.set_decode_graph(True, max_tokens=32)
-        native.llama_fn("ostinato_experts_reset_stats")()
-        toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
-        st = _stats()
-        info = native.experts_json("ostinato_experts_info")
-    finally:
-        native.set_decode_graph(None)
+    base_toks, base_logits, toks, logits, st = _without_and_with_graph(r)
+    info = native.experts_json("ostinato_experts_info")
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d = float(np.max(np.abs(logits - ref_logits)))
     print(f"\n[exactness] {moe[1]['arch']} decode graph (Np {np_tokens}): max|dlogit| {d:.3g} vs stock; "
@@ -352,14 +358,8 @@ def test_decode_graph_with_every_expert_resident(moe, stock):
     r = ost_runner(moe)
     _switch({il: list(range(moe[1]["n_expert"])) for il in moe[2]})
     try:
-        native.set_decode_graph(False)
-        base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
-        native.set_decode_graph(True, max_tokens=32)
-        native.llama_fn("ostinato_experts_reset_stats")()
-        toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
-        st = _stats(1)
+        base_toks, base_logits, toks, logits, st = _without_and_with_graph(r, with_counts=1)
     finally:
-        native.set_decode_graph(None)
         _switch(half_hot(moe))
     k, L = moe[1]["n_expert_used"], len(moe[2])
     assert toks == stock[PROMPT_LEN][0] == base_toks
