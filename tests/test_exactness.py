@@ -267,12 +267,14 @@ def test_pool_views_match_stock_and_the_whole_class(moe, stock, np_tokens, force
     assert st["upload_bytes"] == base["upload_bytes"]   # the same cold experts are staged
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
-def test_hybrid_upload_pass_matches_stock(moe, stock, share):
+@pytest.mark.parametrize("share, rows", [(0.0, 64), (0.5, 64), (1.0, 64), (1.0, 6), (None, 64)])
+def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
     """Hybrid upload pass (pool views): a fixed share of the distinct cold experts, those with the
     fewest routes, is computed by a CPU branch while the others are uploaded. Tokens identical to
-    stock; on the CPU logits bitwise equal to the whole-class upload pass; the uploaded bytes shrink
-    with the share (all cold experts uploaded at 0, none at 1) and the CPU branch works at > 0."""
+    stock; on the CPU logits bitwise equal to the whole-class upload pass (None: the adapted share); the uploaded bytes shrink
+    with the share (all cold experts uploaded at 0, none at 1 when the CPU branch's rows hold every
+    token) and the CPU branch works at > 0. With 6 rows for a 24-token pass the CPU branch takes only
+    experts whose tokens fit (the rest is uploaded) and pads its rows with other tokens."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
     native.set_prefill_threshold(8)
@@ -285,28 +287,34 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share):
         base = _stats()["last_passes"][0]
         native.set_views(True)
         native.set_upload_cpu_share(share)
+        native.set_hybrid_rows(rows)
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), 1)
         p = _stats()["last_passes"][0]
         info = native.experts_json("ostinato_experts_info")
     finally:
         r.all_logits = False
+        native.set_hybrid_rows(64)
         native.set_upload_cpu_share(0.0)
         native.set_decode_graph(None)
         native.set_prefill_threshold(512)
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d = float(np.max(np.abs(logits[0] - ref_logits[0])))
-    print(f"\n[exactness] {moe[1]['arch']} hybrid upload, CPU share {share}: max|dlogit| {d:.3g}; upload "
+    print(f"\n[exactness] {moe[1]['arch']} hybrid upload, CPU share {share}, {rows} rows: max|dlogit| {d:.3g}; upload "
           f"bytes {p['upload_bytes']} of {base['upload_bytes']}, CPU branch {p['cpu_branch_ms']:.3f} ms")
     assert toks == ref_toks[:1] == base_toks and d <= TOL
     if not GPU:
         assert np.array_equal(logits, base_logits)
     assert p["path"] == base["path"] == "upload" and p["pool_views"]
-    assert info["prefill"]["upload_cpu_share"] == share and not info["prefill"]["upload_cpu_share_adapted"]
     assert base["upload_bytes"] > 0
+    if share is None:   # adapted per layer from the joins' waits (a CPU pool has no upload stream: 0)
+        assert info["prefill"]["upload_cpu_share_adapted"]
+        assert GPU or (info["prefill"]["upload_cpu_share"] == 0 and p["upload_bytes"] == base["upload_bytes"])
+        return
+    assert info["prefill"]["upload_cpu_share"] == share and not info["prefill"]["upload_cpu_share_adapted"]
     if share == 0.0:
         assert p["upload_bytes"] == base["upload_bytes"]
-    elif share == 1.0:
+    elif share == 1.0 and rows >= PROMPT_LEN:
         assert p["upload_bytes"] == 0
     else:
         assert 0 < p["upload_bytes"] < base["upload_bytes"]

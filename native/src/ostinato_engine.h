@@ -162,12 +162,17 @@ constexpr int     OSTINATO_SKIPS_PARAM = 15;
 constexpr int32_t OSTINATO_SKIPS_MAGIC = 0x4F53544E;   // "OSTN"
 static_assert(OSTINATO_SKIPS_PARAM < GGML_MAX_OP_PARAMS / (int) sizeof(int32_t), "op_params slot");
 
-// userdata of the route and upload ops: the layer and whether the pass uses pool views
-inline intptr_t op_ud(int il, bool views) { return ((intptr_t) il << 1) | (views ? 1 : 0); }
-inline int  op_ud_layer(void * ud) { return (int) ((intptr_t) ud >> 1); }
+// userdata of the route and upload ops: the layer, whether the pass uses pool views and whether its
+// upload op is a hybrid one
+inline intptr_t op_ud(int il, bool views, bool hybrid = false) {
+    return ((intptr_t) il << 2) | (hybrid ? 2 : 0) | (views ? 1 : 0);
+}
+inline int  op_ud_layer(void * ud) { return (int) ((intptr_t) ud >> 2); }
 inline bool op_ud_views(void * ud) { return ((intptr_t) ud & 1) != 0; }
+inline bool op_ud_hybrid(void * ud) { return ((intptr_t) ud & 2) != 0; }
 extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
 extern double g_upload_cpu_share;   // hybrid upload passes: fixed CPU share 0..1, or -1 (adapted)
+extern int g_hybrid_rows;           // hybrid upload passes: most tokens the CPU branch takes
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
 // bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.

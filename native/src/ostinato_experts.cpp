@@ -44,6 +44,7 @@ int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: esti
 bool g_borrow = true;         // borrowed decode memory (staging slots lent to decode)
 bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
+int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -105,17 +106,28 @@ int ostinato_moe_hybrid(void) {
     return g_upload_cpu_share != 0 ? 1 : 0;
 }
 
+int64_t ostinato_moe_hybrid_rows(int64_t n_tokens) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return std::min<int64_t>(n_tokens, g_hybrid_rows);
+}
+
 ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views, bool hybrid) {
     ggml_tensor * args[1] = { route };
-    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, route->ne[0], route->ne[1], views && hybrid ? 2 : 1, 1, args, 1,
-                                     upload_op, 1, (void *) (intptr_t) op_ud(il, views));
+    const int64_t k = route->ne[0], n = route->ne[1];
+    hybrid = views && hybrid;
+    const int64_t m = hybrid ? ostinato_moe_hybrid_rows(n) : 0;
+    ggml_tensor * t = hybrid
+        ? ggml_custom_4d(ctx, GGML_TYPE_I32, k * n + k * m + 2 * m, 1, 1, 1, args, 1, upload_op, 1,
+                         (void *) (intptr_t) op_ud(il, true, true))
+        : ggml_custom_4d(ctx, GGML_TYPE_I32, k, n, 1, 1, args, 1, upload_op, 1, (void *) (intptr_t) op_ud(il, views));
     ggml_format_name(t, "ostinato_upload-%d", il);
     return t;
 }
 
-ggml_tensor * ostinato_moe_upload_join(ggml_context * ctx, ggml_tensor * upload, ggml_tensor * cpu_out, int il) {
+ggml_tensor * ostinato_moe_upload_join(ggml_context * ctx, ggml_tensor * upload, ggml_tensor * cpu_out, int il,
+                                       int64_t k, int64_t n_tokens) {
     ggml_tensor * args[2] = { upload, cpu_out };
-    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, upload->ne[0], upload->ne[1], 1, 1, args, cpu_out ? 2 : 1,
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, k, n_tokens, 1, 1, args, cpu_out ? 2 : 1,
                                      upload_join_op, 1, (void *) (intptr_t) op_ud(il, true));
     ggml_format_name(t, "ostinato_upload_join-%d", il);
     return t;
@@ -542,6 +554,14 @@ int ostinato_experts_set_upload_cpu_share(double share) {
     std::lock_guard<std::mutex> lock(g_mu);
     if ((g_upload_cpu_share != 0) != (share != 0)) g_graph_dirty = true;   // the graph has a CPU branch or not
     g_upload_cpu_share = share;
+    return 0;
+}
+
+int ostinato_experts_set_hybrid_rows(int rows) {
+    if (rows < 1 || rows > 4096) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (rows != g_hybrid_rows) g_graph_dirty = true;   // the CPU branch's shape is in the graph
+    g_hybrid_rows = rows;
     return 0;
 }
 

@@ -62,11 +62,18 @@ ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int i
                                   bool hybrid = false);
 // 1 when upload passes with views are built hybrid (a CPU share other than 0 is set), else 0.
 int ostinato_moe_hybrid(void);
-// Hybrid upload pass (views and hybrid): the upload op returns [k, n_tokens, 2], plane 1 the ids of
-// a CPU branch over the host tensors (the cold experts with the fewest routes; the copies of the others
-// run meanwhile). The join op, after that CPU branch (cpu_out, for order), waits for the copies and
-// returns the staged routes' ids [k, n_tokens] (plane 0).
-ggml_tensor * ostinato_moe_upload_join(ggml_context * ctx, ggml_tensor * upload, ggml_tensor * cpu_out, int il);
+// Rows M of a hybrid pass's CPU branch for a layer that sees n_tokens: min(n_tokens, the set maximum).
+int64_t ostinato_moe_hybrid_rows(int64_t n_tokens);
+// Hybrid upload pass (views and hybrid): the upload op returns I32 [k*n + k*M + 2*M] (n tokens, M
+// from ostinato_moe_hybrid_rows): the staged routes' ids [k, n] (cold and uploaded -> slot - stage0,
+// else -1); the CPU branch's ids [k, M] over M gathered tokens (cold experts computed on the CPU ->
+// expert id, else -1); the M tokens to gather for it; the M rows to scatter its output to. The CPU
+// takes the cold experts with the fewest routes (its share, at most M tokens); rows past the tokens
+// it takes point at distinct other tokens with all ids -1 (their output is 0, scattered onto rows
+// that get + 0). The join op, after that CPU branch (cpu_out, for order), waits for the copies and
+// returns the staged routes' ids [k, n].
+ggml_tensor * ostinato_moe_upload_join(ggml_context * ctx, ggml_tensor * upload, ggml_tensor * cpu_out, int il,
+                                       int64_t k, int64_t n_tokens);
 // Per-layer pool views (issue 9, prefill): 1 when layer il, in a split or upload pass whose layer
 // sees n_tokens tokens, computes its GPU routes over views of the pool (its hot slots; the staging
 // slots) with negative ids for the routes of the other branch. MMQ's mul_mat_id grid covers every
@@ -167,6 +174,8 @@ OSTINATO_API int          ostinato_experts_set_views(int on);
 // default, builds upload passes without a CPU branch (measured on the H200: the CPU branch of a long
 // pass costs more than the copies it saves). Returns -1 (refused) for other values.
 OSTINATO_API int          ostinato_experts_set_upload_cpu_share(double share);
+// Most tokens a hybrid pass's CPU branch takes (1..4096; default 64); -1 (refused) otherwise.
+OSTINATO_API int          ostinato_experts_set_hybrid_rows(int rows);
 // Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates
 // the pool at the next pass (call between passes).
 OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);

@@ -133,31 +133,54 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
 // views it indexes the staging view (cold -> slot - stage0, hot -> -1), and the hot routes, launched
 // before this op in graph order, compute while the copies run.
 //
-// With pool views and dst [k, n, 2] the pass is hybrid: the distinct cold experts with the fewest tokens
-// (a share, see upload_share) are left to a CPU branch, the others are uploaded; plane 0 indexes the
-// staging view (uploaded -> slot - stage0, else -1), plane 1 holds the CPU branch's expert ids (else
-// -1). The copies are not joined here: the CPU branch runs while they do, and upload_join_op joins
-// them before the staged routes run. The hot routes run over the hot view, launched before this op
-// in graph order, so the GPU computes them meanwhile.
+// A hybrid upload op (dst I32 [k*n + k*M + 2*M], layout in ostinato_experts.h) leaves the distinct
+// cold experts with the fewest routes (a share, see upload_share, touching at most M tokens) to a CPU
+// branch over those M tokens only and uploads the others. The copies are not joined here: the CPU
+// branch runs while they do, and upload_join_op joins them before the staged routes run. The hot
+// routes run over the hot view, launched before this op in graph order, so the GPU computes them
+// meanwhile.
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) return;
     const ggml_tensor * route = dst->src[0];
     const int il = op_ud_layer(ud);
     const bool views = op_ud_views(ud);
-    const bool hybrid = views && dst->ne[2] == 2;
+    const bool hybrid = op_ud_hybrid(ud);
     const int64_t k = route->ne[0], n = route->ne[1];
     const int32_t * g = (const int32_t *) route->data;   // plane 0: hot -> slot
     const int32_t * c = g + k * n;                        // plane 1: cold -> expert, hot -> -1
     int32_t * out = (int32_t *) dst->data;
+    // hybrid: the CPU branch's ids [k, M], then the tokens it gathers [M] and the rows it scatters to [M]
+    const int64_t m_rows = hybrid ? (ggml_nelements(dst) - k * n) / (k + 2) : 0;
     int32_t * out_cpu = hybrid ? out + k * n : nullptr;
+    int32_t * gather = hybrid ? out_cpu + k * m_rows : nullptr;
+    int32_t * scatter = hybrid ? gather + m_rows : nullptr;
+    std::vector<uint8_t> tok_in(hybrid ? n : 0, 0);   // token in the CPU branch's rows
+    // fills the CPU branch's rows from on_cpu: its tokens in order, then distinct other tokens with
+    // all ids -1 (outputs 0, scattered onto rows that get + 0)
+    auto cpu_rows = [&](const std::vector<uint8_t> & on_cpu) {
+        int64_t r = 0;
+        for (int64_t t = 0; t < n && r < m_rows; ++t) {
+            if (!tok_in[t]) continue;
+            gather[r] = scatter[r] = (int32_t) t;
+            for (int64_t j = 0; j < k; ++j) {
+                const int32_t x = c[t * k + j];
+                out_cpu[r * k + j] = x >= 0 && x < (int32_t) on_cpu.size() && on_cpu[x] ? x : -1;
+            }
+            r++;
+        }
+        for (int64_t t = 0; t < n && r < m_rows; ++t) {
+            if (tok_in[t]) continue;
+            gather[r] = scatter[r] = (int32_t) t;
+            for (int64_t j = 0; j < k; ++j) out_cpu[r * k + j] = -1;
+            r++;
+        }
+    };
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
     if (!e || il < 0 || il >= e->n_layer || !e->layers[il].has_hot) {
-        for (int64_t i = 0; i < k * n; ++i) {
-            out[i] = views ? -1 : g[i];
-            if (out_cpu) out_cpu[i] = c[i];
-        }
+        for (int64_t i = 0; i < k * n; ++i) out[i] = views ? -1 : g[i];
+        if (hybrid) cpu_rows({});
         return;
     }
     const int64_t t0 = now_us();
@@ -169,12 +192,26 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     std::vector<uint8_t> on_cpu(e->n_expert, 0);
     if (hybrid) {
         // the CPU takes the share of distinct cold experts with the fewest routes (cheap there,
-        // while each upload costs a whole expert's bytes)
+        // while each upload costs a whole expert's bytes), as long as their tokens fit its M rows
         std::vector<int> cold;
         for (int x = 0; x < e->n_expert; ++x) if (tokens[x] > 0) cold.push_back(x);
         std::stable_sort(cold.begin(), cold.end(), [&](int a, int b) { return tokens[a] < tokens[b]; });
         const size_t n_cpu = (size_t) std::lround(upload_share(e, upload_backend != nullptr) * (double) cold.size());
-        for (size_t i = 0; i < n_cpu && i < cold.size(); ++i) on_cpu[cold[i]] = 1;
+        std::vector<std::vector<int32_t>> toks_of(e->n_expert);   // tokens routed to each cold expert
+        for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) toks_of[c[i]].push_back((int32_t) (i / k));
+        int64_t m = 0;
+        size_t taken = 0;
+        for (int x : cold) {
+            if (taken >= n_cpu) break;
+            int64_t add = 0;
+            for (int32_t t : toks_of[x]) add += !tok_in[t];
+            if (m + add > m_rows) continue;
+            for (int32_t t : toks_of[x]) tok_in[t] = 1;
+            m += add;
+            on_cpu[x] = 1;
+            taken++;
+        }
+        cpu_rows(on_cpu);
     }
     std::vector<int32_t> slot(e->n_expert, -1);
     int used = 0;
@@ -212,7 +249,6 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         const bool cold = x >= 0 && x < e->n_expert;
         if (views) {
             out[i] = cold && !on_cpu[x] ? slot[x] - ol.stage0 : -1;
-            if (out_cpu) out_cpu[i] = cold && on_cpu[x] ? x : -1;
         } else {
             out[i] = cold ? slot[x] : g[i];
         }
@@ -231,8 +267,8 @@ double upload_share(const engine_t * e, bool has_stream) {
 }
 
 // Join of a hybrid upload pass (CPU op, n_tasks = 1; sources: the upload op's output, and the CPU
-// branch's output only to run after it): waits for layer il's copies and returns plane 0 of the
-// upload op's output, the staged routes' ids. The adapted CPU share moves towards the point where the
+// branch's output only to run after it): waits for layer il's copies and returns the first part of
+// the upload op's output, the staged routes' ids [k, n]. The adapted CPU share moves towards the point where the
 // CPU branch and the copies end together: a wait here means the copies were the longer part (the CPU
 // takes more next time), none means the CPU was (it takes fewer).
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud) {

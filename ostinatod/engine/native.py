@@ -173,6 +173,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_upload_cpu_share": ([ctypes.c_double], ctypes.c_int),
+    "ostinato_experts_set_hybrid_rows": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -330,6 +331,14 @@ def set_upload_cpu_share(share: Optional[float]) -> None:
     v = -1.0 if share is None else float(share)
     if llama_fn("ostinato_experts_set_upload_cpu_share")(v) != 0:
         raise ValueError(f"upload CPU share must be within 0..1, got {share}")
+
+
+def set_hybrid_rows(rows: int) -> None:
+    """Most tokens (1..4096, default 64) the CPU branch of a hybrid upload pass takes: it runs over
+    the tokens that have its routes only, gathered into that many rows (a cold expert whose tokens
+    would not fit is uploaded instead). Raises ValueError outside 1..4096. Next graph build."""
+    if llama_fn("ostinato_experts_set_hybrid_rows")(int(rows)) != 0:
+        raise ValueError(f"hybrid rows must be within 1..4096, got {rows}")
 
 
 def set_cpu_threads(n: int) -> None:
