@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from .paths import get_paths
@@ -141,6 +141,17 @@ class Settings(BaseSettings):
     decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
                                 "upload path's staging slots hold the cold experts the CPU branch "
                                 "computed most lately; handed back before each long prefill.")
+    upload_cpu_share: float = Field(0.0, ge=-1.0, le=1.0, description="Hybrid upload passes: the "
+                                    "share (0..1) of a long prefill's cold experts, those with the "
+                                    "fewest routes, that a CPU branch computes while the others are "
+                                    "uploaded; -1: adapted per layer. 0 (default) is off: measured on "
+                                    "the H200 its first version cost more than it saved; the current "
+                                    "one is not measured yet.")
+    prefill_prefetch: bool = Field(False, description="Prefetch for long prefills: the next layer's "
+                                   "router applied to this layer's input predicts its experts, whose "
+                                   "copies then start a layer early. Adds a second staging region to "
+                                   "the pool, which the planner's capacity test does not reserve; "
+                                   "not measured on a GPU yet.")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "
@@ -164,6 +175,13 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     recent_requests: int = Field(200, ge=1, description="Requests kept for the control API's "
                                  "recent-requests list.")
+
+    @field_validator("upload_cpu_share")
+    @classmethod
+    def _share_or_adapted(cls, v: float) -> float:
+        if not (0.0 <= v <= 1.0 or v == -1.0):
+            raise ValueError("upload_cpu_share is a share 0..1, or -1 (adapted)")
+        return v
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

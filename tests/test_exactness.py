@@ -848,3 +848,59 @@ def test_two_gpus_every_path_matches_stock_layer_split(arch, tmp_path):
 def test_layer_device_config_errors():
     with pytest.raises(native.ExpertEngineError, match="layer_device"):
         native.check_experts_config(placement.experts_config({0: [1]}, layer_device={0: -2}))
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])
+def test_prefetch_matches_stock(arch):
+    """Prefetch (upload passes with pool views): at each layer the next layer's router applied to this
+    layer's input predicts its routes and the copies of the predicted cold experts start early, into a
+    second staging region for odd layers. The 4-layer ci shape, so that a layer has a next one that is
+    not the last. Tokens identical to stock, logits bitwise equal to the same placement without
+    prefetch (on the CPU), predicted experts used by the next layer (hits), a larger pool (the second
+    region), and every other byte uploaded as without it (plus what was predicted and not used)."""
+    from ostinatod.synth.shapes import SHAPES
+    from ostinatod.synth.writer import synthetic_model
+
+    from conftest import CACHE
+    drop_ost()
+    path = synthetic_model(CACHE, arch=arch, shape="ci")
+    m = model_block(path)
+    first = SHAPES["ci"].n_layer_dense_lead if arch == "deepseek2" else 0
+    rng = np.random.default_rng(1)
+    hot = {il: sorted(rng.choice(m["n_expert"], m["n_expert"] // 2, replace=False).tolist())
+           for il in range(first, m["n_layer"])}
+    ref = Runner(path)
+    try:
+        ref_toks, ref_logits = ref.generate(_prompt(PROMPT_LEN), 4)
+    finally:
+        ref.close()
+    runs = {}
+    for pf in (False, True):
+        native.set_prefetch(pf)
+        r = Runner(path, hot=hot, prefill_threshold=8)
+        native.set_decode_graph(False)
+        r.all_logits = True
+        try:
+            native.llama_fn("ostinato_experts_reset_stats")()
+            toks, logits = r.generate(_prompt(PROMPT_LEN), 4)
+            runs[pf] = (toks, logits, _stats()["last_passes"][0], native.experts_json("ostinato_experts_info"))
+        finally:
+            native.set_prefetch(False)
+            native.set_decode_graph(None)
+            r.close()
+    (base_toks, base_logits, base, base_info), (toks, logits, p, info) = runs[False], runs[True]
+    d = float(np.max(np.abs(logits[0] - ref_logits[0])))
+    print(f"\n[exactness] {arch} ci prefetch: max|dlogit| {d:.3g}; hits {p['prefetch_hits']}, misses "
+          f"{p['prefetch_misses']}, wasted {p['prefetch_wasted']}; upload bytes {p['upload_bytes']} "
+          f"(without: {base['upload_bytes']})")
+    assert toks == ref_toks == base_toks and d <= TOL
+    if not GPU:
+        assert np.array_equal(logits, base_logits)
+    assert p["path"] == "upload" and p["pool_views"] and p["prefetch_hits"] > 0
+    assert base["prefetch_hits"] == base["prefetch_misses"] == 0
+    assert info["prefill"]["prefetch"] and not base_info["prefill"]["prefetch"]
+    assert info["pool_bytes"] > base_info["pool_bytes"]
+    if p["prefetch_wasted"] == 0:
+        assert p["upload_bytes"] == base["upload_bytes"]
+    else:
+        assert p["upload_bytes"] > base["upload_bytes"]

@@ -35,3 +35,14 @@ def test_docs_list_every_setting_and_are_current():
     assert settings_markdown() in text, "docs/settings.md is stale: regenerate it (see its header)"
     for name in Settings.model_fields:
         assert f"`OSTINATO_{name.upper()}`" in text
+
+
+def test_upload_cpu_share_is_a_share_or_adapted(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
+    assert Settings().upload_cpu_share == 0.0 and not Settings().prefill_prefetch
+    assert Settings(upload_cpu_share=-1).upload_cpu_share == -1
+    monkeypatch.setenv("OSTINATO_UPLOAD_CPU_SHARE", "0.25")
+    assert Settings().upload_cpu_share == 0.25
+    for bad in (-0.5, 1.5):
+        with pytest.raises(ValidationError, match="upload_cpu_share|less than or equal"):
+            Settings(upload_cpu_share=bad)

@@ -68,6 +68,7 @@ struct pass_t {
     bool gpu_timed = false;
     bool graph = false;                         // the pass ran (some of) its layers in the decode graph
     bool views = false;                         // some layer computed its GPU routes over pool views
+    int64_t prefetch_hits = 0, prefetch_misses = 0, prefetch_wasted = 0;   // experts, prefetch on
     std::string path;
 };
 
@@ -124,6 +125,9 @@ struct engine_t {
     bool dg_failed = false;                    // its creation failed (note in `notes`)
     bool dg_running = false;                   // the current pass has decode-graph layers
     double upload_cpu_share = 0.5;             // hybrid upload passes: adapted share of cold experts on the CPU
+    bool prefetch = false;                     // built with a second staging region (g_prefetch at build)
+    std::vector<std::vector<int32_t>> pf_slot; // [layer][expert]: staging slot a prefetch put it in, or -1
+    std::vector<uint8_t> pf_ran;               // [layer]: a prefetch ran for it in this pass (misses count)
 
     // stats (guarded by mu)
     pass_t cur;
@@ -173,6 +177,7 @@ inline bool op_ud_hybrid(void * ud) { return ((intptr_t) ud & 2) != 0; }
 extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
 extern double g_upload_cpu_share;   // hybrid upload passes: fixed CPU share 0..1, or -1 (adapted)
 extern int g_hybrid_rows;           // hybrid upload passes: most tokens the CPU branch takes
+extern bool g_prefetch;             // prefetch for upload passes with views (next pool build)
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
 // bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.
@@ -190,6 +195,8 @@ void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, 
 void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud);
+void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud);
+void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, const std::vector<uint8_t> & copy);
 double upload_share(const engine_t * e, bool has_stream);
 void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
 // ostinato_pool.cpp

@@ -45,6 +45,7 @@ bool g_borrow = true;         // borrowed decode memory (staging slots lent to d
 bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
+bool g_prefetch = false;          // prefetch for upload passes with views (a second staging region)
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -78,10 +79,13 @@ const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps) {
 }
 
 ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
-                                 bool views) {
-    ggml_tensor * args[2] = { selected_experts, cur };
+                                 bool views, ggml_tensor * pred) {
+    ggml_tensor * args[3] = { selected_experts, nullptr, nullptr };
+    int n_args = 1;
+    if (cur) args[n_args++] = cur;
+    if (pred) args[n_args++] = pred;
     ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 2, 1,
-                                     args, cur ? 2 : 1, route_op, 1, (void *) (intptr_t) op_ud(il, views));
+                                     args, n_args, route_op, 1, (void *) (intptr_t) op_ud(il, views));
     ggml_format_name(t, "ostinato_route-%d", il);
     return t;
 }
@@ -104,6 +108,30 @@ ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il,
 int ostinato_moe_hybrid(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     return g_upload_cpu_share != 0 ? 1 : 0;
+}
+
+ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int * il_next) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    const int nx = il + 1;
+    if (!e || !e->prefetch || !g_views || il < 0 || nx >= e->n_layer - 1 || n_tokens < OSTINATO_VIEW_MIN_TOKENS) {
+        return nullptr;
+    }
+    const auto & l = e->layers[nx];
+    ggml_tensor * gate = e->model->layers[nx].ffn_gate_inp;
+    if (!l.has_hot || !l.views || !gate || e->layer_pool[nx] != e->layer_pool[il] || gate->ne[1] != e->n_expert) {
+        return nullptr;
+    }
+    *il_next = nx;
+    return gate;
+}
+
+ggml_tensor * ostinato_moe_prefetch(ggml_context * ctx, ggml_tensor * pred, ggml_tensor * after, int il_next) {
+    ggml_tensor * args[2] = { pred, after };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, 2, prefetch_op, 1,
+                                     (void *) (intptr_t) op_ud(il_next, true));
+    ggml_format_name(t, "ostinato_prefetch-%d", il_next);
+    return t;
 }
 
 int64_t ostinato_moe_hybrid_rows(int64_t n_tokens) {
@@ -142,7 +170,7 @@ int ostinato_moe_views(int il, int64_t n_tokens) {
 }
 
 void ostinato_moe_pool_views(ggml_context * ctx, const ostinato_moe_layer * l, bool hot, ggml_tensor * out[6]) {
-    const int64_t s0 = hot ? l->hot0 : l->stage0, n = hot ? l->n_hot : l->n_stage;
+    const int64_t s0 = hot ? l->hot0 : l->view_stage0, n = hot ? l->n_hot : l->n_stage;
     auto w = [&](ggml_tensor * t) -> ggml_tensor * {   // weights [.., .., slots]
         return t ? ggml_view_3d(ctx, t, t->ne[0], t->ne[1], n, t->nb[1], t->nb[2], (size_t) s0 * t->nb[2]) : nullptr;
     };
@@ -287,6 +315,8 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         e->cur = pass_t();
         e->cur.tokens = n_tokens;
         std::fill(e->cold_seen.begin(), e->cold_seen.end(), 0);
+        for (auto & row : e->pf_slot) std::fill(row.begin(), row.end(), -1);   // a pass's prefetches are its own
+        std::fill(e->pf_ran.begin(), e->pf_ran.end(), 0);
         e->in_pass = true;
         e->pass_t0_us = now_us();
         e->dg_running = false;
@@ -562,6 +592,12 @@ int ostinato_experts_set_hybrid_rows(int rows) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (rows != g_hybrid_rows) g_graph_dirty = true;   // the CPU branch's shape is in the graph
     g_hybrid_rows = rows;
+    return 0;
+}
+
+int ostinato_experts_set_prefetch(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_prefetch = on != 0;   // the pool's layout: at the next build
     return 0;
 }
 

@@ -42,7 +42,8 @@ json pass_json(const pass_t & p) {
                 {"cold_routes", p.cold}, {"distinct_cold_experts", p.distinct_cold}, {"path", p.path},
                 {"cpu_branch_ms", p.cpu_ms}, {"gpu_branch_ms", p.gpu_ms}, {"gpu_timed", p.gpu_timed},
                 {"upload_bytes", p.upload_bytes}, {"upload_ms", p.upload_ms}, {"total_ms", p.total_ms},
-                {"decode_graph", p.graph}, {"pool_views", p.views}};
+                {"decode_graph", p.graph}, {"pool_views", p.views}, {"prefetch_hits", p.prefetch_hits},
+                {"prefetch_misses", p.prefetch_misses}, {"prefetch_wasted", p.prefetch_wasted}};
 }
 
 // Counts one route (layer il, expert x) into the current pass and the totals; returns the expert's
@@ -125,6 +126,75 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     if (ok && views && split) e->cur.views = true;
 }
 
+// Copies the experts x with copy[x] set into slot[x] of layer il's pool tensors (weights and
+// biases; one expert = one ne[2] slice of a weight tensor, one row of a bias tensor), asynchronously on
+// the layer's upload stream when its pool has one, else synchronously; runs of consecutive experts in
+// consecutive slots go in one copy. Counts the bytes into the pass. Caller holds g_mu.
+void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, const std::vector<uint8_t> & copy) {
+    const auto & L = e->model->layers[il];
+    const auto & ol = e->layers[il];
+    ggml_backend_t upload_backend = e->pools[e->layer_pool[il]].upload_backend;
+    auto put = [&](const ggml_tensor * src, ggml_tensor * pool, int x0, int s0, int m) {
+        const size_t nb = ggml_n_dims(src) >= 3 ? src->nb[2] : src->nb[1];
+        const size_t sz = (size_t) m * nb;
+        if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
+            const char * p = (const char *) src->data + (size_t) x0 * nb;
+            if (upload_backend) ggml_backend_tensor_set_async(upload_backend, pool, p, (size_t) s0 * nb, sz);
+            else                   ggml_backend_tensor_set(pool, p, (size_t) s0 * nb, sz);
+        } else {
+            std::vector<uint8_t> tmp(sz);
+            ggml_backend_tensor_get(src, tmp.data(), (size_t) x0 * nb, sz);
+            ggml_backend_tensor_set(pool, tmp.data(), (size_t) s0 * nb, sz);
+        }
+        e->cur.upload_bytes += (int64_t) sz;
+    };
+    for (int x = 0; x < e->n_expert;) {
+        if (!copy[x]) { ++x; continue; }
+        int m = 1;
+        while (x + m < e->n_expert && copy[x + m] && slot[x + m] == slot[x] + m) ++m;
+        put(up_src(L), ol.up_pool, x, slot[x], m);
+        if (ol.gate_pool) put(L.ffn_gate_exps, ol.gate_pool, x, slot[x], m);
+        put(L.ffn_down_exps, ol.down_pool, x, slot[x], m);
+        if (ol.up_b_pool)   put(up_b_src(L), ol.up_b_pool, x, slot[x], m);
+        if (ol.gate_b_pool) put(L.ffn_gate_exps_b, ol.gate_b_pool, x, slot[x], m);
+        if (ol.down_b_pool) put(L.ffn_down_exps_b, ol.down_b_pool, x, slot[x], m);
+        x += m;
+    }
+}
+
+// Prefetch op (CPU, n_tasks = 1; see ostinato_moe_prefetch): reads the predicted experts of layer il
+// (pred [k, n], possibly a strided view), starts the copies of the cold ones into the first slots of
+// il's staging region (ascending expert ids) on the upload stream and records them for il's upload
+// op; does not wait. The prediction only moves copies earlier: il's upload op stages what was not
+// predicted and never reads a slot it did not account for.
+void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    std::memset(dst->data, 0, ggml_nbytes(dst));
+    const ggml_tensor * pred = dst->src[0];
+    const int il = op_ud_layer(ud);
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || !e->prefetch || il < 0 || il >= e->n_layer || !e->layers[il].has_hot) return;
+    const int64_t t0 = now_us();
+    const auto & ol = e->layers[il];
+    std::vector<uint8_t> want(e->n_expert, 0);
+    for (int64_t t = 0; t < pred->ne[1]; ++t) {
+        for (int64_t j = 0; j < pred->ne[0]; ++j) {
+            const int32_t x = *(const int32_t *) ((const char *) pred->data + t * pred->nb[1] + j * pred->nb[0]);
+            if (x >= 0 && x < e->n_expert && e->slot[il][x] < 0) want[x] = 1;
+        }
+    }
+    std::vector<int32_t> slot(e->n_expert, -1);
+    int used = 0;
+    for (int x = 0; x < e->n_expert; ++x) if (want[x]) slot[x] = ol.view_stage0 + used++;
+    GGML_ASSERT(used <= ol.n_stage);   // at most the layer's cold experts, which the region holds
+    stage_experts(e, il, slot, want);
+    e->pf_slot[il] = slot;
+    e->pf_ran[il] = 1;
+    e->cur.upload_ms += (now_us() - t0) / 1000.0;
+}
+
 // Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
 // cold expert of the pass once from host memory into the staging slots of the pool (ascending expert
 // ids into ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the
@@ -184,7 +254,6 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         return;
     }
     const int64_t t0 = now_us();
-    const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
     ggml_backend_t upload_backend = e->pools[e->layer_pool[il]].upload_backend;   // the layer's device
     std::vector<int32_t> tokens(e->n_expert, 0);   // routes per cold expert in this pass
@@ -203,6 +272,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         size_t taken = 0;
         for (int x : cold) {
             if (taken >= n_cpu) break;
+            if (e->pf_slot[il][x] >= 0) continue;   // a prefetch is bringing it over already
             int64_t add = 0;
             for (int32_t t : toks_of[x]) add += !tok_in[t];
             if (m + add > m_rows) continue;
@@ -213,42 +283,34 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         }
         cpu_rows(on_cpu);
     }
-    std::vector<int32_t> slot(e->n_expert, -1);
+    // staging slots: pool-view passes stage in the layer's region (view_stage0), where a prefetch may
+    // have put some of the experts already (they take its first slots)
+    const int base = views ? ol.view_stage0 : ol.stage0;
+    auto & pf = e->pf_slot[il];
     int used = 0;
-    for (int x = 0; x < e->n_expert; ++x) if (tokens[x] > 0 && !on_cpu[x]) slot[x] = ol.stage0 + used++;
-    GGML_ASSERT(ol.stage0 + used <= ol.down_pool->ne[2]);
-    // one expert = one ne[2] slice of a weight tensor, one row (nb[1]) of a bias tensor
-    auto put = [&](const ggml_tensor * src, ggml_tensor * pool, int x0, int s0, int m) {
-        const size_t nb = ggml_n_dims(src) >= 3 ? src->nb[2] : src->nb[1];
-        const size_t sz = (size_t) m * nb;
-        if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
-            const char * p = (const char *) src->data + (size_t) x0 * nb;
-            if (upload_backend) ggml_backend_tensor_set_async(upload_backend, pool, p, (size_t) s0 * nb, sz);
-            else                   ggml_backend_tensor_set(pool, p, (size_t) s0 * nb, sz);
-        } else {
-            std::vector<uint8_t> tmp(sz);
-            ggml_backend_tensor_get(src, tmp.data(), (size_t) x0 * nb, sz);
-            ggml_backend_tensor_set(pool, tmp.data(), (size_t) s0 * nb, sz);
+    if (views) for (int x = 0; x < e->n_expert; ++x) if (pf[x] >= 0) used = std::max(used, pf[x] - base + 1);
+    std::vector<int32_t> slot(e->n_expert, -1);
+    std::vector<uint8_t> copy(e->n_expert, 0);
+    for (int x = 0; x < e->n_expert; ++x) {
+        const bool need = tokens[x] > 0 && !on_cpu[x];
+        if (views && pf[x] >= 0) {
+            if (need) { slot[x] = pf[x]; e->cur.prefetch_hits++; }
+            else      { e->cur.prefetch_wasted++; }
+        } else if (need) {
+            slot[x] = base + used++;
+            copy[x] = 1;
+            if (views && e->pf_ran[il]) e->cur.prefetch_misses++;
         }
-        e->cur.upload_bytes += (int64_t) sz;
-    };
-    for (int x = 0; x < e->n_expert;) {
-        if (slot[x] < 0) { ++x; continue; }
-        int m = 1;
-        while (x + m < e->n_expert && slot[x + m] >= 0) ++m;   // consecutive experts, consecutive slots
-        put(up_src(L), ol.up_pool, x, slot[x], m);
-        if (ol.gate_pool) put(L.ffn_gate_exps, ol.gate_pool, x, slot[x], m);
-        put(L.ffn_down_exps, ol.down_pool, x, slot[x], m);
-        if (ol.up_b_pool)   put(up_b_src(L), ol.up_b_pool, x, slot[x], m);
-        if (ol.gate_b_pool) put(L.ffn_gate_exps_b, ol.gate_b_pool, x, slot[x], m);
-        if (ol.down_b_pool) put(L.ffn_down_exps_b, ol.down_b_pool, x, slot[x], m);
-        x += m;
     }
+    GGML_ASSERT(base + used <= ol.down_pool->ne[2]);
+    stage_experts(e, il, slot, copy);
+    std::fill(pf.begin(), pf.end(), -1);
+    e->pf_ran[il] = 0;
     for (int64_t i = 0; i < k * n; ++i) {
         const int32_t x = c[i];
         const bool cold = x >= 0 && x < e->n_expert;
         if (views) {
-            out[i] = cold && !on_cpu[x] ? slot[x] - ol.stage0 : -1;
+            out[i] = cold && !on_cpu[x] ? slot[x] - base : -1;
         } else {
             out[i] = cold ? slot[x] : g[i];
         }

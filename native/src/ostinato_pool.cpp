@@ -407,7 +407,8 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     for (auto & c : e->classes) {
         // hot slots, k zero slots, then the upload path's staging slots (preallocated here)
         ggml_context * ctx = e->pools[c.pool].ctx;
-        const int64_t n_slots = (int64_t) c.members.size() + e->k + c.n_stage;
+        // prefetch: a second staging region, for the odd layers of pool-view passes
+        const int64_t n_slots = (int64_t) c.members.size() + e->k + c.n_stage * (g_prefetch ? 2 : 1);
         c.up = ggml_new_tensor_3d(ctx, c.t_up, c.up0, c.up1, n_slots);
         if (c.has_gate) c.gate = ggml_new_tensor_3d(ctx, c.t_gate, c.up0, c.up1, n_slots);
         c.down = ggml_new_tensor_3d(ctx, c.t_down, c.down0, c.down1, n_slots);
@@ -426,6 +427,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         l.zero0 = (int) c.members.size();
         l.stage0 = l.zero0 + e->k;
         l.n_stage = c.n_stage;
+        l.view_stage0 = l.stage0 + (g_prefetch && (il & 1) ? c.n_stage : 0);
         // members are in (layer, expert) order: the layer's hot slots are one run, in expert order
         l.hot0 = -1; l.n_hot = 0;
         for (size_t s = 0; s < c.members.size(); ++s) {
@@ -489,6 +491,9 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             e->pools[i].hot_routes = g_eng->pools[i].hot_routes;
         }
     }
+    e->prefetch = g_prefetch;
+    e->pf_slot.assign(e->n_layer, std::vector<int32_t>(e->n_expert, -1));
+    e->pf_ran.assign(e->n_layer, 0);
     e->cold_seen.assign(nle, 0);
     e->cpu_use.assign(nle, 0.0f);
     e->mark_us.assign(e->n_layer, 0);

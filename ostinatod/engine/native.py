@@ -174,6 +174,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_upload_cpu_share": ([ctypes.c_double], ctypes.c_int),
     "ostinato_experts_set_hybrid_rows": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_prefetch": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -339,6 +340,15 @@ def set_hybrid_rows(rows: int) -> None:
     would not fit is uploaded instead). Raises ValueError outside 1..4096. Next graph build."""
     if llama_fn("ostinato_experts_set_hybrid_rows")(int(rows)) != 0:
         raise ValueError(f"hybrid rows must be within 1..4096, got {rows}")
+
+
+def set_prefetch(on: bool) -> None:
+    """Prefetch for upload passes with pool views (docs/engine.md "Prefetch"): at each layer the next
+    layer's router applied to this layer's input predicts the next layer's routes, and the copies of
+    its predicted cold experts start after this layer's own, so that they run while this layer's
+    staged routes and the next layer's attention compute. The pool gets a second staging region (odd
+    layers stage there). Off by default; takes effect at the next load or residency switch."""
+    llama_fn("ostinato_experts_set_prefetch")(1 if on else 0)
 
 
 def set_cpu_threads(n: int) -> None:

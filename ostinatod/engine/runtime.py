@@ -119,6 +119,10 @@ class ExpertRuntime:
         native.set_overlap(overlap)
         native.set_decode_graph(decode_graph_choice(settings))
         native.set_borrow(getattr(settings, "decode_borrow", True))
+        # prefill: the hybrid pass's CPU share (-1: adapted) and the prefetch region (read at the pool build)
+        share = getattr(settings, "upload_cpu_share", 0.0)
+        native.set_upload_cpu_share(None if share == -1 else share)
+        native.set_prefetch(getattr(settings, "prefill_prefetch", False))
         # CPU-branch pool of the decode graph: one core is left to the thread that drives llama.cpp
         native.set_cpu_threads(decode_threads or getattr(settings, "n_threads", None)
                                or max(1, default_threads(getattr(settings, "cpu_set", None)) - 1))
