@@ -290,3 +290,16 @@ def test_tiny_bench_two_gpus_with_the_one_gpu_engine(tiny_model, tmp_path, monke
     assert len(res["plan"]["stock"]["gpus"]) == 2
     md = (out / "two.md").read_text()
     assert "ostinato-1gpu" in md and "the GPUs together are faster" in md
+
+
+def test_ostinato_variants_are_valid_daemon_settings(tmp_path, monkeypatch):
+    """The bench's Ostinato variants start the daemon with these settings (as OSTINATO_* variables):
+    each must be a setting the daemon accepts, and differ from its default (else the A/B is void)."""
+    from ostinatod.settings import Settings
+    from ostinatod.tools.bench_common import CHOICES, VARIANTS
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
+    default = Settings()
+    for name, opts in VARIANTS.items():
+        assert name in CHOICES
+        s = Settings(**opts)
+        assert any(getattr(s, k) != getattr(default, k) for k in opts), name
