@@ -1,9 +1,12 @@
-// Op-level test of native/patches/10-ggml-negative-expert-ids.patch, in the style of llama.cpp's
+// Op-level tests of native/patches/10-ggml-negative-expert-ids.patch (CPU) and 21-ggml-cuda-negative-
+// expert-ids.patch (GPU backends), in the style of llama.cpp's
 // test-backend-ops: a negative expert id in mul_mat_id means "a route computed by another branch":
 // the CPU skips it and writes an exact-zero row; add_id adds no bias there. Every other row must be
 // bitwise what the unpatched op computes. Exported from libostinato as ostinato_optest_negative_ids
 // (tests/test_native_ops.py calls it through ctypes).
 #include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 
 #include <cmath>
@@ -82,9 +85,109 @@ result_t run_case(ggml_type type, int64_t n_tokens, const std::vector<int> & neg
     return {buf, ok};
 }
 
-std::string g_out;
+std::string g_out, g_out_backend;
+
+// Patch 21 on a GPU backend: a mul_mat_id marked in op_params[15] with n_tokens > 8 (MMQ) and some
+// ids -1. Skipped rows must be exact +0 and get no bias from add_id; the other rows must match the
+// same backend's unmarked op on valid ids (to 1e-5 relative: the stream-k split of MMQ depends on
+// the work, so partial sums may be added in another order).
+result_t run_case_backend(ggml_backend_t be, ggml_type type, int64_t n_tokens, int stride) {
+    const int64_t K = 256, N = 128, E = 8, k = 4;
+    ggml_init_params ip = { 16 * ggml_tensor_overhead() + ggml_graph_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * as   = ggml_new_tensor_3d(ctx, type, K, N, E);
+    ggml_tensor * b    = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, K, 1, n_tokens);
+    ggml_tensor * bias = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, N, E);
+    ggml_tensor * ids  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, n_tokens);
+    ggml_tensor * ref_ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, n_tokens);
+    ggml_tensor * mm  = ggml_mul_mat_id(ctx, as, b, ids);
+    mm->op_params[15] = 0x4F53544E;   // what ostinato_moe_tag_skips writes
+    ggml_tensor * mmr = ggml_mul_mat_id(ctx, as, b, ref_ids);
+    ggml_tensor * ad  = ggml_add_id(ctx, mm, bias, ids);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, mmr);
+    ggml_build_forward_expand(gf, ad);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, be);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    auto upload = [&](ggml_tensor * t) {
+        std::vector<float> f(ggml_nelements(t));
+        for (auto & x : f) x = nd(rng);
+        std::vector<uint8_t> q(ggml_nbytes(t));
+        if (t->type == GGML_TYPE_F32) std::memcpy(q.data(), f.data(), q.size());
+        else ggml_quantize_chunk(t->type, f.data(), q.data(), 0, ggml_nelements(t) / t->ne[0], t->ne[0], nullptr);
+        ggml_backend_tensor_set(t, q.data(), 0, q.size());
+    };
+    upload(as); upload(b); upload(bias);
+    std::vector<int32_t> id(k * n_tokens), rid(k * n_tokens);
+    int64_t skipped = 0;
+    for (int64_t i = 0; i < k * n_tokens; ++i) {
+        rid[i] = (int32_t) ((i * 5 + i / k) % E);   // distinct within a token (k <= E, step 5 coprime)
+        id[i] = i % stride == 1 ? -1 : rid[i];
+        skipped += id[i] < 0;
+    }
+    ggml_backend_tensor_set(ids, id.data(), 0, id.size() * sizeof(int32_t));
+    ggml_backend_tensor_set(ref_ids, rid.data(), 0, rid.size() * sizeof(int32_t));
+    const bool computed = ggml_backend_graph_compute(be, gf) == GGML_STATUS_SUCCESS;
+    std::vector<float> m(ggml_nelements(mm)), mr(ggml_nelements(mmr)), a(ggml_nelements(ad)), bi(ggml_nelements(bias));
+    ggml_backend_tensor_get(mm, m.data(), 0, m.size() * sizeof(float));
+    ggml_backend_tensor_get(mmr, mr.data(), 0, mr.size() * sizeof(float));
+    ggml_backend_tensor_get(ad, a.data(), 0, a.size() * sizeof(float));
+    ggml_backend_tensor_get(bias, bi.data(), 0, bi.size() * sizeof(float));
+    int bad_zero = 0, bad_same = 0, bad_bias = 0;
+    for (int64_t pos = 0; pos < k * n_tokens; ++pos) {
+        for (int64_t r = 0; r < N; ++r) {
+            const int64_t o = pos * N + r;
+            if (id[pos] < 0) {
+                bad_zero += m[o] != 0.0f || std::signbit(m[o]);
+                bad_bias += a[o] != m[o];
+            } else {
+                bad_same += std::fabs(m[o] - mr[o]) > 1e-5f * (1.0f + std::fabs(mr[o]));
+                bad_bias += std::fabs(a[o] - (m[o] + bi[id[pos] * N + r])) > 1e-6f * (1.0f + std::fabs(a[o]));
+            }
+        }
+    }
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    const bool ok = computed && bad_zero == 0 && bad_same == 0 && bad_bias == 0;
+    char out[512];
+    snprintf(out, sizeof(out),
+             "{\"type\": \"%s\", \"tokens\": %lld, \"skipped\": %lld, \"computed\": %s, "
+             "\"nonzero_skipped_values\": %d, \"changed_computed_values\": %d, \"wrong_bias_values\": %d, "
+             "\"ok\": %s}", ggml_type_name(type), (long long) n_tokens, (long long) skipped,
+             computed ? "true" : "false", bad_zero, bad_same, bad_bias, ok ? "true" : "false");
+    return {out, ok};
+}
 
 }  // namespace
+
+// Patch 21's op test on the backend device named `dev_name` (NULL: the first GPU; "CPU": the CPU
+// backend, where patch 10 gives the same semantics); {"ok": true, "backend": null} where there is none.
+extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_negative_ids_backend(const char * dev_name) {
+    ggml_backend_dev_t dev = dev_name ? ggml_backend_dev_by_name(dev_name)
+                                      : ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    if (!dev) {
+        g_out_backend = "{\"ok\": true, \"backend\": null, \"cases\": []}";
+        return g_out_backend.c_str();
+    }
+    ggml_backend_t be = ggml_backend_dev_init(dev, nullptr);
+    std::string cases;
+    bool ok = be != nullptr;
+    if (be) {
+        for (ggml_type type : {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K}) {
+            // prefill-like passes above the vector kernel's 8 rows; a third or every second route skipped
+            for (auto [n, stride] : std::vector<std::pair<int64_t, int>>{{16, 3}, {40, 2}, {9, 1000}}) {
+                const result_t c = run_case_backend(be, type, n, stride);
+                ok = ok && c.ok;
+                cases += (cases.empty() ? "" : ", ") + c.json;
+            }
+        }
+        ggml_backend_free(be);
+    }
+    g_out_backend = std::string("{\"ok\": ") + (ok ? "true" : "false") + ", \"backend\": \"" +
+                    ggml_backend_dev_name(dev) + "\", \"cases\": [" + cases + "]}";
+    return g_out_backend.c_str();
+}
 
 extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_negative_ids(void) {
     std::string cases;
