@@ -150,8 +150,7 @@ class Settings(BaseSettings):
     prefill_prefetch: bool = Field(False, description="Prefetch for long prefills: the next layer's "
                                    "router applied to this layer's input predicts its experts, whose "
                                    "copies then start a layer early. Adds a second staging region to "
-                                   "the pool, which the planner's capacity test does not reserve; "
-                                   "not measured on a GPU yet.")
+                                   "the pool (the planner reserves it); not measured on a GPU yet.")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "

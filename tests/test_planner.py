@@ -125,6 +125,22 @@ def test_plan_unequal_gpus_get_unequal_ranges_and_capacity_caps_budget():
     assert hot_route_share(dev.counts, res["gpus"]) == pytest.approx(1.0)
 
 
+def test_prefetch_reserves_a_second_staging_region():
+    """With the prefill prefetch the pool has a second staging region: the capacity test reserves
+    two staging buffers, so the same free memory holds exactly one layer's experts fewer."""
+    shape = _shape(n_layer=4, n_expert=8, expert_bytes=[MiB] * 4)
+    dev = _trace(shape, _zipf_counts(4, 8, seed=4), max_tokens=4096)
+    one = planner.estimate_gpu_need(shape, range(4), 4096, last=True)
+    two = planner.estimate_gpu_need(shape, range(4), 4096, last=True, staging_regions=2)
+    assert two["staging"] == 2 * one["staging"] == 2 * 8 * MiB
+    assert two["total"] - one["total"] == one["staging"]
+    free = one["total"] + 12 * MiB
+    hot = {r: sum(len(v) for v in plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0, free)],
+                                                 budget_frac=1.0, margin_mb=0, staging_regions=r
+                                                 )["gpus"][0]["hot"].values()) for r in (1, 2)}
+    assert hot == {1: 12, 2: 4}
+
+
 def test_capacity_test_fails_with_clear_error_and_caps_pool():
     shape = _shape(n_layer=4, n_expert=8, expert_bytes=[MiB] * 4)
     dev = _trace(shape, _zipf_counts(4, 8, seed=4), max_tokens=4096)

@@ -104,13 +104,14 @@ def split_layers(n_layer: int, weights: Sequence[float]) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------
 
 def estimate_gpu_need(shape: ModelInfo, layers: Sequence[int], max_tokens: int, *,
-                      n_ubatch: int = 512, last: bool = False) -> dict[str, int]:
+                      n_ubatch: int = 512, last: bool = False, staging_regions: int = 1) -> dict[str, int]:
     """Bytes a GPU needs besides its expert pool to run a ``max_tokens`` request (estimates).
 
     dense: non-expert weights of ``layers`` (+ output head on the ``last`` GPU); kv: f16 KV cache
     of those layers at ``max_tokens``; compute: llama.cpp-style compute buffers of one ubatch
     (logits + activations + expert intermediates, f32); staging: the upload path's staging buffer
-    (every expert of the largest layer: the most distinct cold experts one layer can have);
+    (every expert of the largest layer: the most distinct cold experts one layer can have; times
+    ``staging_regions``, 2 with the prefill prefetch, docs/engine.md "Prefetch");
     zero_slots: k all-zero slots per size class. Returns a dict of these and ``total``.
     """
     layers = list(layers)
@@ -121,7 +122,7 @@ def estimate_gpu_need(shape: ModelInfo, layers: Sequence[int], max_tokens: int, 
     compute = 4 * n_ubatch * ((shape.n_vocab if last else 0) + 16 * shape.n_embd
                               + 3 * max(1, shape.n_expert_used) * ff)
     moe = [l for l in layers if shape.expert_bytes[l] > 0]
-    staging = max((shape.expert_bytes[l] * shape.n_expert for l in moe), default=0)
+    staging = staging_regions * max((shape.expert_bytes[l] * shape.n_expert for l in moe), default=0)
     zero = sum(shape.n_expert_used * shape.expert_bytes[l]
                for l in {shape.size_class[l]: l for l in moe}.values())
     need = {"dense": dense, "kv": kv, "compute": compute, "staging": staging, "zero_slots": zero}
@@ -178,11 +179,12 @@ def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
                    gpus: Sequence[GpuSpec], budget_frac: Optional[float] = None,
                    budget_mb: Optional[int] = None, margin_mb: int = DEFAULT_MARGIN_MB,
                    n_ubatch: int = 512, heldout: Optional[Trace] = None,
-                   source_traces: Sequence[str] = ()) -> dict[str, Any]:
+                   source_traces: Sequence[str] = (), staging_regions: int = 1) -> dict[str, Any]:
     """Plan a residency set; returns the ``ostinato-residency/1`` dict (not yet written).
 
     Budget per GPU j: ``budget_frac`` x the expert bytes of its layers, or ``budget_mb`` MiB, capped
-    by the capacity test when the GPU's free memory is known (free - need(longest request) - margin).
+    by the capacity test when the GPU's free memory is known (free - need(longest request) - margin;
+    ``staging_regions`` staging buffers in the need: 2 with the prefill prefetch).
     Without either budget, free memory alone decides (needs real GPUs). Raises PlanError when the
     traces do not fit the model, no budget can be derived, or the capacity test leaves no room.
     """
@@ -207,7 +209,7 @@ def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
     for j, (g, layers) in enumerate(zip(gpus, ranges)):
         exp_bytes = sum(shape.expert_bytes[l] * shape.n_expert for l in layers)
         need = estimate_gpu_need(shape, layers, max_tokens, n_ubatch=n_ubatch,
-                                 last=(j == len(gpus) - 1))
+                                 last=(j == len(gpus) - 1), staging_regions=staging_regions)
         budget: Optional[int] = None
         if budget_mb is not None:
             budget = int(budget_mb) * MiB
@@ -278,14 +280,15 @@ def plan_for_model(model_path: Path, workload: str, *, traces: Sequence[Path] = 
                         f"sessions through the daemon with this model and workload first)")
     dev = load_traces(tpaths, shape.fingerprint)
     held = load_traces([Path(p) for p in heldout_traces], shape.fingerprint) if heldout_traces else None
-    if budget_frac is None and budget_mb is None:
-        from ..settings import load_settings
+    from ..settings import load_settings
 
-        s = load_settings()
+    s = load_settings()
+    if budget_frac is None and budget_mb is None:
         budget_frac, budget_mb = s.expert_budget_frac, s.expert_budget_mb
     res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(gpus),
                          budget_frac=budget_frac, budget_mb=budget_mb, margin_mb=margin_mb,
-                         heldout=held, source_traces=[str(p) for p in tpaths])
+                         heldout=held, source_traces=[str(p) for p in tpaths],
+                         staging_regions=2 if s.prefill_prefetch else 1)
     path = Path(out) if out else residency_path(shape.fingerprint, workload, data_dir)
     return res, write_residency(res, path)
 
