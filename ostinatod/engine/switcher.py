@@ -73,24 +73,25 @@ class ResidencySwitcher:
                 key = (str(path), st.st_mtime_ns, st.st_size)
             except OSError:
                 pass
-        hot = pool = pools = None
+        hot = pool = pools = prefill = None
         if self.w.rt is not None:
             try:
                 inf = self.w.rt.info()
-                hot, pool = inf.get("hot_experts"), inf.get("pool_bytes")
+                hot, pool, prefill = inf.get("hot_experts"), inf.get("pool_bytes"), inf.get("prefill")
                 pools = [{k: p.get(k) for k in ("gpu", "device", "bytes", "hot_experts")}
                          for p in inf.get("pools") or []]
             except Exception as e:  # stats only
                 log.debug("expert info: %s", e)
         self.active_set = {"workload": workload or None, "path": str(path) if path else None,
-                           "key": key, "hot_experts": hot, "pool_bytes": pool, "pools": pools}
+                           "key": key, "hot_experts": hot, "pool_bytes": pool, "pools": pools,
+                           "prefill": prefill}
 
     def state(self) -> dict[str, Any]:
         """See :meth:`ostinatod.engine.worker.Worker.residency_state`."""
         a = self.active_set
         return {"workload": a.get("workload"), "residency": a.get("path"),
                 "hot_experts": a.get("hot_experts"), "pool_bytes": a.get("pool_bytes"),
-                "pools": a.get("pools"),
+                "pools": a.get("pools"), "prefill": a.get("prefill"),
                 "switches": self.count, "last_switch": self.last,
                 "auto_switch": bool(self.w.settings.residency_auto_switch)}
 

@@ -140,7 +140,8 @@ class Worker:
         """The active residency set and the swaps so far: ``{"workload" (of the active set; None
         without one), "residency" (its path or None), "hot_experts", "pool_bytes", "switches"
         (count since load), "last_switch" (see :meth:`switch_residency`, or None), "auto_switch"
-        (the setting), "pools" (per device: ``{gpu, device, bytes, hot_experts}``, or None)}``."""
+        (the setting), "pools" (per device: ``{gpu, device, bytes, hot_experts}``, or None),
+        "prefill" (the engine's prefill options: pool views, hybrid CPU share, prefetch; or None)}``."""
         return self.switcher.state()
 
     # ---- tokens ---------------------------------------------------------------------------------

@@ -236,7 +236,8 @@ def expert_stats(home: Path) -> dict[str, Any]:
     return {"hot_route_share": ex.get("hot_route_share", eng.get("hot_route_share")),
             "paths": ex.get("paths") or eng.get("paths"), "routes": ex.get("routes", eng.get("routes")),
             "cold_routes": ex.get("cold_routes", eng.get("cold_routes")),
-            "upload_bytes": eng.get("upload_bytes"), "prefill_threshold": eng.get("prefill_threshold")}
+            "upload_bytes": eng.get("upload_bytes"), "prefill_threshold": eng.get("prefill_threshold"),
+            "prefill": eng.get("prefill")}
 
 
 class StepRecorder:
