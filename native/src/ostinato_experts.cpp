@@ -114,7 +114,10 @@ ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int * il_next
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
     const int nx = il + 1;
-    if (!e || !e->prefetch || !g_views || il < 0 || nx >= e->n_layer - 1 || n_tokens < OSTINATO_VIEW_MIN_TOKENS) {
+    // the last trunk layer may see only the output rows (no views): no prefetch for it (layers past
+    // the trunk, e.g. MTP layers, are not in the forward pass)
+    if (!e || !e->prefetch || !g_views || il < 0 || nx >= (int) e->model->hparams.n_layer() - 1 ||
+        n_tokens < OSTINATO_VIEW_MIN_TOKENS) {
         return nullptr;
     }
     const auto & l = e->layers[nx];
@@ -171,11 +174,17 @@ int ostinato_moe_views(int il, int64_t n_tokens) {
 
 void ostinato_moe_pool_views(ggml_context * ctx, const ostinato_moe_layer * l, bool hot, ggml_tensor * out[6]) {
     const int64_t s0 = hot ? l->hot0 : l->view_stage0, n = hot ? l->n_hot : l->n_stage;
+    // each view gets the pool's buffer now, so that the scheduler sees weights (usage WEIGHTS) in
+    // its sources and runs their products on the pool's device, as for the whole pool tensor
+    auto init = [](ggml_tensor * v) {
+        if (v->view_src && v->view_src->buffer && !v->buffer) ggml_backend_view_init(v);
+        return v;
+    };
     auto w = [&](ggml_tensor * t) -> ggml_tensor * {   // weights [.., .., slots]
-        return t ? ggml_view_3d(ctx, t, t->ne[0], t->ne[1], n, t->nb[1], t->nb[2], (size_t) s0 * t->nb[2]) : nullptr;
+        return t ? init(ggml_view_3d(ctx, t, t->ne[0], t->ne[1], n, t->nb[1], t->nb[2], (size_t) s0 * t->nb[2])) : nullptr;
     };
     auto b = [&](ggml_tensor * t) -> ggml_tensor * {   // bias rows [.., slots]
-        return t ? ggml_view_2d(ctx, t, t->ne[0], n, t->nb[1], (size_t) s0 * t->nb[1]) : nullptr;
+        return t ? init(ggml_view_2d(ctx, t, t->ne[0], n, t->nb[1], (size_t) s0 * t->nb[1])) : nullptr;
     };
     out[0] = w(l->up_pool); out[1] = w(l->gate_pool); out[2] = w(l->down_pool);
     out[3] = b(l->up_b_pool); out[4] = b(l->gate_b_pool); out[5] = b(l->down_b_pool);
