@@ -187,6 +187,19 @@ def start_daemon() -> Iterator:
         d.stop()
 
 
+@pytest.fixture
+def keyed_daemon(start_daemon, tiny_model, tmp_path):
+    """``keyed_daemon(n_threads) -> LiveDaemon``: the tiny model served in-process with the API key
+    ``sekret`` read from a 0600 key file."""
+    def start(n_threads: int = 1):
+        key = tmp_path / "api-key"
+        key.write_text("sekret\n")
+        key.chmod(0o600)
+        return start_daemon("--model", str(tiny_model), "--api-key-file", str(key), "--n-ctx", "512",
+                            "--engine-mode", "inprocess", "--n-threads", str(n_threads))
+    return start
+
+
 @pytest.fixture(scope="session")
 def tool_call_bias() -> dict[str, float]:
     """OpenAI-style logit_bias that makes the synthetic model open a ``<tool_call>`` quickly.

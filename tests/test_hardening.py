@@ -130,12 +130,8 @@ def test_trace_flush_never_raises(tmp_path):
     assert sorted(p.name for p in (tmp_path / "traces" / ("f" * 16)).glob("*.json")) == ["coding.json"]
 
 
-def test_bad_api_key_encoding_is_401(start_daemon, tiny_model, tmp_path):
-    keyfile = tmp_path / "key"
-    keyfile.write_text("sekret\n")
-    keyfile.chmod(0o600)
-    d = start_daemon("--model", str(tiny_model), "--api-key-file", str(keyfile), "--n-ctx", "512",
-                     "--engine-mode", "inprocess", "--n-threads", "1")
+def test_bad_api_key_encoding_is_401(keyed_daemon):
+    d = keyed_daemon(1)
     status, raw = http_raw(d.url, "GET", "/v1/models", b"", [("x-api-key", b"\xff\xfe")])
     assert status == 401, raw
     status, _ = http_raw(d.url, "GET", "/v1/models", b"", [("x-api-key", "sekret")])

@@ -81,12 +81,8 @@ def test_unknown_route_is_json_404(live_daemon):
     assert code == 404 and body["error"]["code"] == "not_found"
 
 
-def test_api_key_required_when_configured(start_daemon, tiny_model, tmp_path):
-    key = tmp_path / "api-key"
-    key.write_text("sekret\n")
-    key.chmod(0o600)
-    d = start_daemon("--model", str(tiny_model), "--api-key-file", str(key), "--n-ctx", "512",
-                     "--engine-mode", "inprocess", "--n-threads", "2")
+def test_api_key_required_when_configured(keyed_daemon):
+    d = keyed_daemon(2)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=d.url + "/v1", api_key="wrong", max_retries=0).models.list()
     ok = openai.OpenAI(base_url=d.url + "/v1", api_key="sekret", max_retries=0).models.list()

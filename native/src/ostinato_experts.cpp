@@ -137,16 +137,15 @@ ggml_tensor * ostinato_moe_prefetch(ggml_context * ctx, ggml_tensor * pred, ggml
     return t;
 }
 
-int64_t ostinato_moe_hybrid_rows(int64_t n_tokens) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    return std::min<int64_t>(n_tokens, g_hybrid_rows);
-}
-
 ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int il, bool views, bool hybrid) {
     ggml_tensor * args[1] = { route };
     const int64_t k = route->ne[0], n = route->ne[1];
     hybrid = views && hybrid;
-    const int64_t m = hybrid ? ostinato_moe_hybrid_rows(n) : 0;
+    int64_t m = 0;   // the CPU branch's rows M (patch 13 reads them back from the op's size)
+    if (hybrid) {
+        std::lock_guard<std::mutex> lock(g_mu);
+        m = std::min<int64_t>(n, g_hybrid_rows);
+    }
     ggml_tensor * t = hybrid
         ? ggml_custom_4d(ctx, GGML_TYPE_I32, k * n + k * m + 2 * m, 1, 1, 1, args, 1, upload_op, 1,
                          (void *) (intptr_t) op_ud(il, true, true))
@@ -324,8 +323,10 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         e->cur = pass_t();
         e->cur.tokens = n_tokens;
         std::fill(e->cold_seen.begin(), e->cold_seen.end(), 0);
-        for (auto & row : e->pf_slot) std::fill(row.begin(), row.end(), -1);   // a pass's prefetches are its own
-        std::fill(e->pf_ran.begin(), e->pf_ran.end(), 0);
+        if (e->prefetch) {   // a pass's prefetches are its own (decode steps never prefetch: no cost there)
+            for (auto & row : e->pf_slot) std::fill(row.begin(), row.end(), -1);
+            std::fill(e->pf_ran.begin(), e->pf_ran.end(), 0);
+        }
         e->in_pass = true;
         e->pass_t0_us = now_us();
         e->dg_running = false;
@@ -334,7 +335,7 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         const bool upload = n_tokens > 1 && (g_force == FORCE_UPLOAD || (g_force != FORCE_SPLIT && n_tokens >= g_np));
         // a pass that may take pool views computes only the layer's own hot slots on the GPU: hand the
         // borrowed ones back first (also before every upload pass, whose staging slots they are)
-        if (upload || !g_borrow || n_tokens >= OSTINATO_VIEW_MIN_TOKENS) borrow_release(e);
+        if (upload || !g_borrow || (g_views && n_tokens >= OSTINATO_VIEW_MIN_TOKENS)) borrow_release(e);
         else if (n_tokens == 1) borrow_step(e);
     }
     // outside g_mu: the decode graph's worker takes it to count routes

@@ -66,10 +66,8 @@ ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int i
                                   bool hybrid = false);
 // 1 when upload passes with views are built hybrid (a CPU share other than 0 is set), else 0.
 int ostinato_moe_hybrid(void);
-// Rows M of a hybrid pass's CPU branch for a layer that sees n_tokens: min(n_tokens, the set maximum).
-int64_t ostinato_moe_hybrid_rows(int64_t n_tokens);
-// Hybrid upload pass (views and hybrid): the upload op returns I32 [k*n + k*M + 2*M] (n tokens, M
-// from ostinato_moe_hybrid_rows): the staged routes' ids [k, n] (cold and uploaded -> slot - stage0,
+// Hybrid upload pass (views and hybrid): the upload op returns I32 [k*n + k*M + 2*M] (n tokens, M =
+// min(n, ostinato_experts_set_hybrid_rows)): the staged routes' ids [k, n] (cold and uploaded -> slot - stage0,
 // else -1); the CPU branch's ids [k, M] over M gathered tokens (cold experts computed on the CPU ->
 // expert id, else -1); the M tokens to gather for it; the M rows to scatter its output to. The CPU
 // takes the cold experts with the fewest routes (its share, at most M tokens); rows past the tokens

@@ -35,21 +35,24 @@ bool mmq_skips_negative_ids(ggml_type t) {
 }
 // GPU index (among the GPU devices, as "device" counts them) of the device that holds layer il's
 // dense weights; -1 when they are in host memory or not found.
-int dense_gpu(const llama_model * model, int il) {
+// The GPU that holds layer il's dense weights (its attention weights' buffer), or null when they are
+// in host memory (partial offload, CPU build) or not found.
+ggml_backend_dev_t dense_dev(const llama_model * model, int il) {
     const auto & L = model->layers[il];
-    const ggml_tensor * w = nullptr;
     for (const ggml_tensor * t : {L.wq, L.wq_a, L.wqkv, L.wkv_a_mqa, L.attn_norm}) {
-        if (t && t->buffer) { w = t; break; }
+        if (!t || !t->buffer) continue;
+        if (ggml_backend_buffer_is_host(t->buffer)) return nullptr;
+        ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+        return d && ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_GPU ? d : nullptr;
     }
-    if (!w || ggml_backend_buffer_is_host(w->buffer)) return -1;
-    ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
-    if (!d || ggml_backend_dev_type(d) != GGML_BACKEND_DEVICE_TYPE_GPU) return -1;
-    int seen = 0;
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        ggml_backend_dev_t x = ggml_backend_dev_get(i);
-        if (ggml_backend_dev_type(x) != GGML_BACKEND_DEVICE_TYPE_GPU) continue;
-        if (x == d) return seen;
-        seen++;
+    return nullptr;
+}
+
+// dense_dev as a GPU index (among the GPU devices, as "device" counts them, see pool_device); -1 if none.
+int dense_gpu(const llama_model * model, int il) {
+    ggml_backend_dev_t d = dense_dev(model, il);
+    for (int g = 0; d != nullptr && g < (int) ggml_backend_dev_count(); ++g) {
+        if (pool_device(g) == d) return g;
     }
     return -1;
 }
@@ -130,14 +133,8 @@ bool check_layer_devices(const llama_model * model, const engine_t * e, std::str
     for (int il = 0; il < e->n_layer; ++il) {
         const int pi = e->layer_pool[il];
         if (pi < 0) continue;
-        const auto & L = model->layers[il];
-        const ggml_tensor * w = nullptr;
-        for (const ggml_tensor * t : {L.wq, L.wq_a, L.wqkv, L.wkv_a_mqa, L.attn_norm}) {
-            if (t && t->buffer) { w = t; break; }
-        }
-        if (!w || ggml_backend_buffer_is_host(w->buffer)) continue;
-        ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(w->buffer));
-        if (!d || ggml_backend_dev_type(d) == GGML_BACKEND_DEVICE_TYPE_CPU) continue;
+        ggml_backend_dev_t d = dense_dev(model, il);
+        if (!d) continue;
         const pool_t & p = e->pools[pi];
         if (d != p.dev) {
             err = "layer " + std::to_string(il) + ": the residency set puts its experts on GPU " +
@@ -249,42 +246,35 @@ void borrow_step(engine_t * e) {
 
 bool build_engine(llama_model * model, const config_t & cfg, std::string & err) {
     auto * e = new engine_t();
+    auto fail = [&](const std::string & why) { err = why; free_engine(e); return false; };
     e->model = model;
     e->n_layer = (int) model->layers.size();
     e->n_expert = (int) model->hparams.n_expert;
     e->k = (int) model->hparams.n_expert_used();
     if (e->n_expert <= 0 || e->k <= 0) {
-        err = "model has no routed experts (dense model): run stock";
-        free_engine(e);
-        return false;
+        return fail("model has no routed experts (dense model): run stock");
     }
     e->layers.resize(e->n_layer);
     e->hot.assign(e->n_layer, std::vector<uint8_t>(e->n_expert, 0));
     e->expert_bytes.assign(e->n_layer, 0);
     for (auto & kv : cfg.hot) {
         if (kv.first < 0 || kv.first >= e->n_layer) {
-            err = "residency set names layer " + std::to_string(kv.first) + " but the model has " +
-                  std::to_string(e->n_layer) + " layers";
-            free_engine(e);
-            return false;
+            return fail("residency set names layer " + std::to_string(kv.first) + " but the model has " +
+                  std::to_string(e->n_layer) + " layers");
         }
         for (int x : kv.second) {
             if (x < 0 || x >= e->n_expert) {
-                err = "residency set names expert " + std::to_string(x) + " of layer " +
+                return fail("residency set names expert " + std::to_string(x) + " of layer " +
                       std::to_string(kv.first) + " but the model has " + std::to_string(e->n_expert) +
-                      " experts";
-                free_engine(e);
-                return false;
+                      " experts");
             }
             e->hot[kv.first][x] = 1;
         }
     }
     for (auto & kv : cfg.layer_device) {
         if (kv.first < 0 || kv.first >= e->n_layer) {
-            err = "layer_device names layer " + std::to_string(kv.first) + " but the model has " +
-                  std::to_string(e->n_layer) + " layers";
-            free_engine(e);
-            return false;
+            return fail("layer_device names layer " + std::to_string(kv.first) + " but the model has " +
+                  std::to_string(e->n_layer) + " layers");
         }
     }
     // one pool per device in use, in order of first use by the layers (one-device config: one pool)
@@ -309,7 +299,10 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             auto ld = cfg.layer_device.find(il);
             int gpu = cfg.device;
             if (ld != cfg.layer_device.end()) gpu = ld->second;
-            else if (cfg.device >= 0 && cfg.layer_device.empty() && dense_gpu(model, il) >= 0) gpu = dense_gpu(model, il);
+            else if (cfg.device >= 0 && cfg.layer_device.empty()) {
+                const int g = dense_gpu(model, il);
+                if (g >= 0) gpu = g;
+            }
             const int pi = pool_of(gpu);
             e->layer_pool[il] = pi;
             e->pools[pi].layers.push_back(il);
@@ -371,19 +364,17 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     if (e->pools.empty()) pool_of(cfg.device);
     for (auto & p : e->pools) {
         p.dev = pool_device(p.gpu);
-        if (!p.dev) { err = "no backend device for the expert pool"; free_engine(e); return false; }
+        if (!p.dev) return fail("no backend device for the expert pool");
         p.name = ggml_backend_dev_name(p.dev);
         if (!cfg.layer_device.empty() && p.gpu >= 0 && ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU &&
             ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU) != nullptr) {
             // several GPUs named on a GPU build: a missing GPU is an error, not a CPU pool (a
             // CPU-only build puts every pool in a CPU buffer, which is what CI tests)
-            err = "the residency set names GPU " + std::to_string(p.gpu) + " but this machine has no such GPU";
-            free_engine(e);
-            return false;
+            return fail("the residency set names GPU " + std::to_string(p.gpu) + " but this machine has no such GPU");
         }
     }
     e->pool_device = e->pools[0].name;
-    if (!cfg.layer_device.empty() && !check_layer_devices(model, e, err)) { free_engine(e); return false; }
+    if (!cfg.layer_device.empty() && !check_layer_devices(model, e, err)) return fail(err);
     {
         // host experts are pinned once per model; cudaHostRegisterPortable makes them pinned for
         // every device, so the first GPU pool's backend does it for all pools
@@ -443,9 +434,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         if (p.n_classes == 0 && p.layers.empty()) continue;
         p.buf = ggml_backend_alloc_ctx_tensors_from_buft(p.ctx, ggml_backend_dev_buffer_type(p.dev));
         if (!p.buf) {
-            err = std::string("cannot allocate the expert pool on ") + p.name;
-            free_engine(e);
-            return false;
+            return fail(std::string("cannot allocate the expert pool on ") + p.name);
         }
         ggml_backend_buffer_set_usage(p.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_buffer_clear(p.buf, 0);   // zero slots (and any padding) are all-zero
