@@ -641,6 +641,18 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
         st = rt.stats()
         last = st["last_passes"][-1]
         assert last["cold_routes"] == 0 and last["hot_routes"] > 0  # the switched set is in use
+        # one-token steps' context threads: 1 only where the decode graph serves them (its own
+        # pool runs the CPU branch); here every layer is on the CPU (n_gpu_layers 0)
+        assert rt.context_decode_threads(6, 0) == 6
+        rt.decode_threads = 3
+        assert rt.context_decode_threads(6, 0) == 3 and rt.context_decode_threads(2, 0) == 2
+        assert rt.context_decode_threads(6, -1, graph=False) == 3
+        assert rt.context_decode_threads(6, -1, graph=True) == (1 if native.has_gpu() else 3)
+        rt.decode_threads = None
+        # a graph that serves (or was never needed) leaves the context as it is
+        assert rt.info()["decode_graph"]["failed"] is False and not rt.info()["decode_graph"]["broken"]
+        rt.context_threads = (1, 4)
+        assert rt.follow_decode_graph(ctx) is False and rt.context_threads == (1, 4)
     finally:
         rt.close()
         llama_cpp.llama_free(ctx)

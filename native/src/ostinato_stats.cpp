@@ -26,7 +26,7 @@ const char * ostinato_experts_info(void) {
     j["timing"] = g_timing;
     j["overlap"] = g_overlap;
     j["decode_graph"] = json{{"mode", g_dgraph < 0 ? "auto" : g_dgraph ? "on" : "off"}, {"max_tokens", g_dgraph_max},
-                             {"broken", g_dgraph_broken}};
+                             {"broken", g_dgraph_broken}, {"failed", g_eng && g_eng->dg_failed}};
     if (g_eng && g_eng->dg) {
         int nt = 0; int64_t mb = 0;
         ost_dg_info(g_eng->dg, nt, mb);

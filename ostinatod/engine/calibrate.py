@@ -121,7 +121,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
     s = load_settings(model=model_path, experts="ostinato", residency=paths[0], n_slots=1,
                       n_ctx=max(512, n_max + decode_steps + 64), n_batch=n_max, n_ubatch=max(32, n_max),
                       n_threads=n_threads, engine_mode="inprocess")
-    from ..hardware import apply_cpu_placement
+    from ..hardware import apply_cpu_placement, default_threads
 
     place = apply_cpu_placement(s.cpu_set)   # measured on the CPUs the engine worker will run on
     w = Worker(s, model_path)
@@ -157,6 +157,10 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
             return [int(x) for x in rng.integers(100, max(101, n_vocab - 300), size=n)]
 
         w.rt.set_timing(True)   # GPU-branch times (one sync per layer; off again when serving)
+        # timing mode runs one-token steps on the split path: their CPU branch on the context's
+        # threads, which the loader gave 1 where the decode graph would serve them
+        n_ctx_threads = int(s.n_threads or default_threads(s.cpu_set))
+        llama_cpp.llama_set_n_threads(w.ctx, n_ctx_threads, n_ctx_threads)
         rows: list[tuple[int, int, int, float]] = []
         gpu_ms: list[float] = []
         prefill: list[PrefillPoint] = []
@@ -255,6 +259,8 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
             for n in counts:
                 if graph:
                     native.set_cpu_threads(n)   # the graph's CPU-branch pool is made anew with n threads
+                    # the context as served with the graph (ExpertRuntime.context_decode_threads)
+                    llama_cpp.llama_set_n_threads(w.ctx, w.rt.context_decode_threads(n, -1, graph=True), p)
                 else:
                     llama_cpp.llama_set_n_threads(w.ctx, n, p)
                 out.append({"graph": graph, "overlap": overlap, "threads": n, "median_ms": step_ms()})

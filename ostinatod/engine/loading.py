@@ -119,9 +119,10 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
     threads = settings.n_threads or default_threads(getattr(settings, "cpu_set", None))
     cparams.n_threads = threads
     cparams.n_threads_batch = threads
-    if rt is not None and rt.decode_threads:
-        # one-token steps: the expert engine's CPU branch is small, fewer threads can be faster
-        cparams.n_threads = min(rt.decode_threads, threads)
+    if rt is not None:
+        # one-token steps: the CPU branch is small (or on the decode graph's own pool)
+        cparams.n_threads = rt.context_decode_threads(threads, mparams.n_gpu_layers)
+        rt.context_threads = (int(cparams.n_threads), int(threads))
     if settings.flash_attn is not None:
         cparams.flash_attn_type = 1 if settings.flash_attn else 0
     cparams.no_perf = True

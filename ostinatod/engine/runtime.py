@@ -66,6 +66,11 @@ class ExpertRuntime:
         self.attached = False
         # CPU threads for decode steps (settings or calibration; None: n_threads), set by prepare
         self.decode_threads: Optional[int] = None
+        # the decode graph setting served with (None: auto, on where the pool is on a GPU), set by prepare
+        self.decode_graph: Optional[bool] = None
+        # (one-token, batch) threads the context was made with, while one-token steps get 1 for the
+        # decode graph (set by the loader; see follow_decode_graph)
+        self.context_threads: Optional[tuple[int, int]] = None
         # the placement passed with the model load (native.load_model), set by prepare
         self.load_config: Optional[dict[str, Any]] = None
 
@@ -117,7 +122,8 @@ class ExpertRuntime:
         native.check_experts_config(config)
         overlap, decode_threads = decode_choices(settings)
         native.set_overlap(overlap)
-        native.set_decode_graph(decode_graph_choice(settings))
+        graph = decode_graph_choice(settings)
+        native.set_decode_graph(graph)
         native.set_borrow(getattr(settings, "decode_borrow", True))
         # prefill: the hybrid pass's CPU share (-1: adapted) and the prefetch region (read at the pool build)
         share = getattr(settings, "upload_cpu_share", 0.0)
@@ -131,8 +137,51 @@ class ExpertRuntime:
                  f", GPUs {residency.devices}" if layer_dev else "")
         rt = cls(Path(model_path), model, residency, np_tokens, dev, layer_dev)
         rt.decode_threads = decode_threads
+        rt.decode_graph = graph
         rt.load_config = config
         return rt
+
+    def context_decode_threads(self, threads: int, n_gpu_layers: int, graph: Optional[bool] = None) -> int:
+        """Threads of the llama context for one-token steps (``cparams.n_threads``; prefill keeps
+        ``threads``).
+
+        1 where the decode graph serves those steps (a GPU build, the pool on a GPU, the graph not
+        switched off, every layer offloaded: ``n_gpu_layers`` < 0 or > n_layer): the MoE layers' CPU
+        branch then runs on the graph's own pool and the context's CPU work in a step is the token's
+        embedding row. A larger count there is an OpenMP team (llama.cpp builds with GGML_OPENMP)
+        whose threads spin after every step (libgomp: 300,000 pause loops, several ms on a Xeon),
+        on the cores the CPU branch's pool needs. Else ``decode_threads`` capped by ``threads``, else
+        ``threads``. ``graph`` overrides the served setting (calibration's sweep forces it)."""
+        n_layer = int(self.model.get("n_layer", 0))
+        graph = self.decode_graph if graph is None else graph
+        if (graph is not False and self.device >= 0 and native.has_gpu()
+                and (n_gpu_layers < 0 or n_gpu_layers > n_layer)):
+            return 1
+        return min(self.decode_threads, threads) if self.decode_threads else threads
+
+    def follow_decode_graph(self, ctx: Any) -> bool:
+        """After a request: where the context's one-token steps got 1 thread for the decode graph
+        (:meth:`context_decode_threads`) but the graph does not serve them (its creation failed, or
+        a lost wait turned it off until the next load), give them the batch thread count back, so
+        that the split path's CPU branch is not left on one thread. Returns whether it changed the
+        context. Never raises (a failed probe changes nothing)."""
+        if not self.context_threads or self.context_threads[0] != 1 or self.context_threads[1] == 1:
+            return False
+        try:
+            dg = self.info().get("decode_graph") or {}
+        except Exception:  # noqa: BLE001 - a stats probe must not fail a request
+            return False
+        if not (dg.get("broken") or dg.get("failed")):
+            return False
+        import llama_cpp
+
+        n = self.context_threads[1]
+        llama_cpp.llama_set_n_threads(ctx, n, n)
+        self.context_threads = (n, n)
+        log.warning("experts: the decode graph does not serve one-token steps (%s): they run with %d "
+                    "threads again", "turned off after a lost wait" if dg.get("broken") else "its creation failed",
+                    n)
+        return True
 
     def adjust_model_params(self, mparams: Any) -> None:
         """Set fields of ``llama_model_params`` (ctypes struct) before the load.
