@@ -145,12 +145,15 @@ class Settings(BaseSettings):
                                     "share (0..1) of a long prefill's cold experts, those with the "
                                     "fewest routes, that a CPU branch computes while the others are "
                                     "uploaded; -1: adapted per layer. 0 (default) is off: measured on "
-                                    "the H200 its first version cost more than it saved; the current "
-                                    "one is not measured yet.")
-    prefill_prefetch: bool = Field(False, description="Prefetch for long prefills: the next layer's "
+                                    "the H200, both versions cost more than they saved (TTFT after a "
+                                    "tool output 0.266 s against 0.201 s, docs/benchmarks/"
+                                    "engines-h200-L48-ab).")
+    prefill_prefetch: bool = Field(True, description="Prefetch for long prefills: the next layer's "
                                    "router applied to this layer's input predicts its experts, whose "
                                    "copies then start a layer early. Adds a second staging region to "
-                                   "the pool (the planner reserves it); not measured on a GPU yet.")
+                                   "the pool (the planner reserves it). Measured on the H200: TTFT "
+                                   "after a tool output 0.149 s against 0.201 s without "
+                                   "(docs/benchmarks/engines-h200-L48-ab).")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "

@@ -39,7 +39,7 @@ def test_docs_list_every_setting_and_are_current():
 
 def test_upload_cpu_share_is_a_share_or_adapted(tmp_path, monkeypatch):
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
-    assert Settings().upload_cpu_share == 0.0 and not Settings().prefill_prefetch
+    assert Settings().upload_cpu_share == 0.0 and Settings().prefill_prefetch
     assert Settings(upload_cpu_share=-1).upload_cpu_share == -1
     monkeypatch.setenv("OSTINATO_UPLOAD_CPU_SHARE", "0.25")
     assert Settings().upload_cpu_share == 0.25

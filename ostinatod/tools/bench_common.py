@@ -11,9 +11,9 @@ LIMIT = "stock-all-gpu"  # every expert on the GPU: the reference limit, never a
 # the Ostinato engine on the first GPU only, same pool budget (a fraction of the expert bytes), in
 # a run with --gpus N > 1: what N GPUs buy over one with the same model (never in the default list)
 ONE_GPU = "ostinato-1gpu"
-# the Ostinato engine with the same plan and one prefill option that is off by default (docs/engine.md
+# the Ostinato engine with the same plan and one prefill option changed from its default (docs/engine.md
 # "Pool views and the hybrid upload pass", "Prefetch"): its daemon settings (never in the default list)
-VARIANTS = {"ostinato-prefetch": {"prefill_prefetch": True},
+VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-hybrid": {"upload_cpu_share": -1}}
 CHOICES = ENGINES + (ONE_GPU,) + tuple(VARIANTS)
 METRICS = (("decode", "decode_ms_per_token"), ("ttft_after_tool", "ttft_after_tool_median_s"),

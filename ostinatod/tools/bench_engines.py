@@ -26,9 +26,9 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    ``ostinato-1gpu`` (only when named, with ``--gpus N`` > 1) the Ostinato engine on the first GPU
                      alone (CUDA_VISIBLE_DEVICES=0) with a one-GPU plan at the same ``--budget-frac``:
                      the same model on one GPU in the same run; ``ratios_gpus_vs_one_gpu`` compares;
-   ``ostinato-prefetch``, ``ostinato-hybrid`` (only when named) the Ostinato engine with the same plan
-                     and prefill prefetch on / the hybrid upload pass with its adapted CPU share
-                     (settings ``prefill_prefetch``, ``upload_cpu_share = -1``): an A/B in one run;
+   ``ostinato-no-prefetch``, ``ostinato-hybrid`` (only when named) the Ostinato engine with the same
+                     plan and prefill prefetch off / the hybrid upload pass with its adapted CPU share
+                     (settings ``prefill_prefetch = false``, ``upload_cpu_share = -1``): an A/B in one run;
 6. with ``--budget-sweep F1,F2,...`` also runs the Ostinato engine at each of those pool budgets
    (the baselines and the limit run once, at ``--budget-frac``);
 7. prints a table and writes ``<out-dir>/<name>.json`` and ``<name>.md`` (after every engine, so an
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                     + f" ({LIMIT}: every expert on the GPU, the reference limit; run when the "
                     f"model fits the free GPU memory; {ONE_GPU}: with --gpus N > 1, Ostinato on the "
                     "first GPU alone at the same pool budget; " + ", ".join(VARIANTS) + ": Ostinato with "
-                    "one prefill option on; default: the first five)")
+                    "one prefill option changed from its default; default: the first five)")
     ap.add_argument("--no-server", action="store_true", help="skip the llama-server baseline")
     ap.add_argument("--client", default="openai", choices=("openai", "anthropic"))
     ap.add_argument("--n-ctx", type=int, default=32768, help="context per slot")
