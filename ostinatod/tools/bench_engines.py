@@ -291,7 +291,9 @@ def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stoc
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "command": "ostinato bench engines " + " ".join(argv),
-        "model": {**block, "file": model.name, "shape": a.shape, "quant": a.quant,
+        # --model: the file's own name says its shape and quant (the synthetic model's defaults do not)
+        "model": {**block, "file": model.name, "shape": None if a.model else a.shape,
+                  "quant": None if a.model else a.quant,
                   "bytes": model.stat().st_size},
         "sessions": {"file": str(sessions_file), "dev": [s["id"] for s in dev],
                      "held_out": [s["id"] for s in held], "turns_per_session": a.turns,
