@@ -25,11 +25,12 @@
 #             -> calibration-{all,auto}.json/.log (the default's stays in the hardware profile)
 #   bench2:   `ostinato bench engines --gpus 2` at a 45% pool: ostinato, ostinato-1gpu (the same model
 #             on GPU 0 alone), llama-server and stock-layers with llama.cpp's layer split
-# Newer architectures (issue 13 item 5), after build; one device call fits about two rows:
+# Newer architectures (issue 13 item 5), after build; one device call fits the four default rows (~8.5
+# min on the H200 with the layer counts below):
 #   archs:    per row of ARCH_ROWS ("arch:shape:quant:layers ..."), the synthetic model at the shape's
 #             real per-layer sizes with that many layers (/tmp/a-<arch>.gguf), then `ostinato bench
 #             engines` at a 45% pool: ostinato, stock-all-gpu, llama-server, 1 session x 6 turns
-#             -> archs-<arch>.{json,md,log,cmd.txt}
+#             -> archs-<arch>.{json,md,log,cmd.txt}, packed into archs.tar.gz (8 files come back)
 # headline/full/sweep each need their own device call (<= 10 min: the bench skips, with a note,
 # every engine whose estimate would pass the stage's time left, and writes its JSON after every
 # engine); each writes <name>.json, .md (.svg) and <name>.cmd.txt (the exact command) into $OUT.
@@ -133,11 +134,9 @@ if has calib2; then
   done
 fi
 if has archs; then
-  # the shapes' real per-layer sizes; layer counts cut so that each file is ~10-16 GiB (written at
-  # ~200 MB/s) and a row (write + bench) takes ~3-4 min
-  # two rows per call: each writes 4 files and 8 come back; the other two rows:
-  #   ARCH_ROWS="minimax-m2:minimax-m2:q4_k_m:6 deepseek4:deepseek-v4-flash:mxfp4:4"
-  ARCH_ROWS=${ARCH_ROWS:-"qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl:40 glm4moe:glm-4.5-air:q4_k_m:12"}
+  # the shapes' real per-layer sizes; layer counts cut so that each file is ~9-21 GiB (written at
+  # ~200-290 MB/s) and a row (write + bench) takes ~1-3 min (measured: 175, 140, 70, 128 s)
+  ARCH_ROWS=${ARCH_ROWS:-"qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl:40 glm4moe:glm-4.5-air:q4_k_m:12 minimax-m2:minimax-m2:q4_k_m:4 deepseek4:deepseek-v4-flash:mxfp4:4"}
   for row in $ARCH_ROWS; do
     IFS=: read -r a shape quant nl <<< "$row"
     if [ $(( 590 - $(el) )) -lt 200 ]; then echo "[$(el)s] archs: no time left for $row"; continue; fi
@@ -155,6 +154,9 @@ if has archs; then
     grep -E "engine .*: (decode|error)|^\| (decode|ttft|session)" "$OUT/archs-$a.log" | head -12
     rm -f "$m"   # disk: the next row's file
   done
+  # one file back instead of four per row
+  (cd "$OUT" && ls archs-* >/dev/null 2>&1 && tar -czf archs.tar.gz archs-* && rm -f archs-*.json archs-*.md \
+    archs-*.log archs-*.cmd.txt && tar -tzf archs.tar.gz)
 fi
 if has bench; then
   bench "engines-h200-L$LAYERS" "$@"
