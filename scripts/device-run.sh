@@ -9,8 +9,8 @@
 #   bench:    `ostinato bench engines` with the bench args given, results under $OUT
 #   headline: `ostinato bench engines` at a 45% pool: ostinato, stock-all-gpu, stock-layers, llama-server; 2 x 8 turns
 #   full:     the same at --budget-frac 1.0 (ostinato, stock-all-gpu, llama-server)
-#   ab:       45% pool: ostinato, ostinato-no-prefetch, ostinato-hybrid (the prefill options changed
-#             from their defaults), stock-all-gpu, llama-server
+#   ab:       45% pool: ostinato, ostinato-no-prefetch, ostinato-hybrid, ostinato-pool-quarter (the
+#             options changed from their defaults), stock-all-gpu, llama-server
 #   sweep:    --budget-sweep 0.25,0.45,0.65,0.85 (ostinato per budget; stock-all-gpu, stock-layers and
 #             llama-server once), with the plot <name>.svg
 # Two GPUs (nvidia-h200-x2; issue 14), each its own device call after build (+ model for serve2/bench2):
@@ -168,7 +168,7 @@ fi
 if has ab; then
   # the prefill options changed from their defaults, against the default, with a baseline and the limit
   bench "engines-h200-L$LAYERS-ab" --budget-frac 0.45 --sessions 2 --turns 8 \
-    --engines ostinato,ostinato-no-prefetch,ostinato-hybrid,stock-all-gpu,llama-server "$@"
+    --engines ostinato,ostinato-pool-quarter,ostinato-no-prefetch,ostinato-hybrid,stock-all-gpu,llama-server "$@"
 fi
 if has full; then
   bench "engines-h200-L$LAYERS-full" --budget-frac 1.0 --sessions 2 --turns 8 \

@@ -148,10 +148,10 @@ class ExpertRuntime:
         1 where the decode graph serves those steps (a GPU build, the pool on a GPU, the graph not
         switched off, every layer offloaded: ``n_gpu_layers`` < 0 or > n_layer): the MoE layers' CPU
         branch then runs on the graph's own pool and the context's CPU work in a step is the token's
-        embedding row. A larger count there is an OpenMP team (llama.cpp builds with GGML_OPENMP)
-        whose threads spin after every step (libgomp: 300,000 pause loops, several ms on a Xeon),
-        on the cores the CPU branch's pool needs. Else ``decode_threads`` capped by ``threads``, else
-        ``threads``. ``graph`` overrides the served setting (calibration's sweep forces it)."""
+        embedding row. A larger count there runs an OpenMP region (llama.cpp builds with
+        GGML_OPENMP) per step, whose team, with the pool's, holds more threads than the host has
+        CPUs: libgomp then sleeps and wakes them at every barrier (docs/engine.md, "Decode graph",
+        threads). Else ``decode_threads`` capped by ``threads``, else ``threads``. ``graph`` overrides the served setting (calibration's sweep forces it)."""
         n_layer = int(self.model.get("n_layer", 0))
         graph = self.decode_graph if graph is None else graph
         if (graph is not False and self.device >= 0 and native.has_gpu()

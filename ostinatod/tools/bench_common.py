@@ -11,11 +11,32 @@ LIMIT = "stock-all-gpu"  # every expert on the GPU: the reference limit, never a
 # the Ostinato engine on the first GPU only, same pool budget (a fraction of the expert bytes), in
 # a run with --gpus N > 1: what N GPUs buy over one with the same model (never in the default list)
 ONE_GPU = "ostinato-1gpu"
-# the Ostinato engine with the same plan and one prefill option changed from its default (docs/engine.md
-# "Pool views and the hybrid upload pass", "Prefetch"): its daemon settings (never in the default list)
+
+
+def _quarter_pool() -> dict:
+    """The decode graph's CPU-branch pool on a quarter of the engine's cores and the context's
+    threads on the rest: no more OpenMP threads in the process than cores, where libgomp would
+    otherwise shorten every wait to 100 spins and sleep (docs/engine.md, "Decode graph", threads)."""
+    from ..hardware import default_threads
+
+    p = default_threads()
+    q = max(1, p // 4)
+    return {"decode_threads": q, "n_threads": max(1, p - q)}
+
+
+# the Ostinato engine with the same plan and one option changed from its default (docs/engine.md
+# "Pool views and the hybrid upload pass", "Prefetch", "Decode graph"): its daemon settings, or a
+# function of the machine that returns them (never in the default list; see variant_settings)
 VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
-            "ostinato-hybrid": {"upload_cpu_share": -1}}
+            "ostinato-hybrid": {"upload_cpu_share": -1},
+            "ostinato-pool-quarter": _quarter_pool}
 CHOICES = ENGINES + (ONE_GPU,) + tuple(VARIANTS)
+
+
+def variant_settings(name: str) -> dict:
+    """The daemon settings of the bench variant ``name`` on this machine (KeyError if unknown)."""
+    opts = VARIANTS[name]
+    return dict(opts() if callable(opts) else opts)
 METRICS = (("decode", "decode_ms_per_token"), ("ttft_after_tool", "ttft_after_tool_median_s"),
            ("session_total", "session_total_s"))
 _T0 = time.monotonic()

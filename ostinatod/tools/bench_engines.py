@@ -26,9 +26,12 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    ``ostinato-1gpu`` (only when named, with ``--gpus N`` > 1) the Ostinato engine on the first GPU
                      alone (CUDA_VISIBLE_DEVICES=0) with a one-GPU plan at the same ``--budget-frac``:
                      the same model on one GPU in the same run; ``ratios_gpus_vs_one_gpu`` compares;
-   ``ostinato-no-prefetch``, ``ostinato-hybrid`` (only when named) the Ostinato engine with the same
-                     plan and prefill prefetch off / the hybrid upload pass with its adapted CPU share
-                     (settings ``prefill_prefetch = false``, ``upload_cpu_share = -1``): an A/B in one run;
+   ``ostinato-no-prefetch``, ``ostinato-hybrid``, ``ostinato-pool-quarter`` (only when named) the
+                     Ostinato engine with the same plan and prefill prefetch off / the hybrid upload
+                     pass with its adapted CPU share / the decode graph's CPU-branch pool on a quarter
+                     of the cores and the context's threads on the rest (settings ``prefill_prefetch =
+                     false``, ``upload_cpu_share = -1``, ``decode_threads`` + ``n_threads``): an A/B in
+                     one run;
 6. with ``--budget-sweep F1,F2,...`` also runs the Ostinato engine at each of those pool budgets
    (the baselines and the limit run once, at ``--budget-frac``);
 7. prints a table and writes ``<out-dir>/<name>.json`` and ``<name>.md`` (after every engine, so an
@@ -63,7 +66,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .bench_common import CHOICES, ENGINES, LIMIT, ONE_GPU, VARIANTS, BenchError, say
+from .bench_common import CHOICES, ENGINES, LIMIT, ONE_GPU, VARIANTS, BenchError, say, variant_settings
 from .bench_fit import Estimator, limit_fit
 from .bench_launch import (StepRecorder, expert_stats, llama_server_binary, replay, start_daemon,
                            start_llama_server)
@@ -112,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                     + f" ({LIMIT}: every expert on the GPU, the reference limit; run when the "
                     f"model fits the free GPU memory; {ONE_GPU}: with --gpus N > 1, Ostinato on the "
                     "first GPU alone at the same pool budget; " + ", ".join(VARIANTS) + ": Ostinato with "
-                    "one prefill option changed from its default; default: the first five)")
+                    "one option changed from its default; default: the first five)")
     ap.add_argument("--no-server", action="store_true", help="skip the llama-server baseline")
     ap.add_argument("--client", default="openai", choices=("openai", "anthropic"))
     ap.add_argument("--n-ctx", type=int, default=32768, help="context per slot")
@@ -226,8 +229,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                       LIMIT: {"experts": "stock", "n_cpu_moe": 0, "n_gpu_layers": -1},
                       "stock-layers": {"experts": "stock", "n_cpu_moe": stock["n_cpu_moe"]},
                       "stock-cpu": {"experts": "stock", "n_cpu_moe": block["n_layer"]},
-                      **{v: {"experts": "ostinato", "residency": plans[frac][1], **opts}
-                         for v, opts in VARIANTS.items()}}[name]
+                      **{v: {"experts": "ostinato", "residency": plans[frac][1], **variant_settings(v)}
+                         for v in VARIANTS if v == name}}[name]
                 srv = start_daemon(key, model, st, run_dir,
                                    argparse.Namespace(**{**vars(a), "gpus": "1"}) if name == ONE_GPU else a)
         except BenchError as e:
