@@ -151,7 +151,8 @@ class ExpertRuntime:
         embedding row. A larger count there runs an OpenMP region (llama.cpp builds with
         GGML_OPENMP) per step, whose team, with the pool's, holds more threads than the host has
         CPUs: libgomp then sleeps and wakes them at every barrier (docs/engine.md, "Decode graph",
-        threads). Else ``decode_threads`` capped by ``threads``, else ``threads``. ``graph`` overrides the served setting (calibration's sweep forces it)."""
+        threads). Else ``decode_threads`` capped by ``threads``, else ``threads``. ``graph``
+        overrides the served setting (calibration's sweep forces it)."""
         n_layer = int(self.model.get("n_layer", 0))
         graph = self.decode_graph if graph is None else graph
         if (graph is not False and self.device >= 0 and native.has_gpu()
