@@ -173,9 +173,10 @@ def suggested_pool(info: Any, gpus: list[dict[str, Any]], n_ctx: int) -> tuple[O
     of ``n_ctx`` tokens needs besides (the planner's estimate, 10% kept free)."""
     if not gpus:
         return None, "no GPU: experts run on the CPU"
-    from .residency.planner import estimate_gpu_need
+    from .residency.planner import estimate_gpu_need, staging_regions_for
     free = sum(int(g.get("memory_free_bytes") or 0) for g in gpus)
-    need = estimate_gpu_need(info, range(info.n_layer), n_ctx, last=True)["total"]
+    need = estimate_gpu_need(info, range(info.n_layer), n_ctx, last=True,
+                             staging_regions=staging_regions_for())["total"]
     pool = max(0, int(free * 0.9) - need)
     total = info.total_expert_bytes
     if total and pool >= total:

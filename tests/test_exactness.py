@@ -623,6 +623,7 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx = 128
     ctx = llama_cpp.llama_init_from_model(model, cp)
+    batch = llama_cpp.llama_batch_init(8, 0, 1)
     try:
         info = rt.info()
         assert info["hot_experts"] == sum(len(v) for v in half_hot(moe).values())
@@ -632,12 +633,13 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
         p2 = write_residency(make_residency(info_m, all_hot), tmp_path / "b.json")
         secs = rt.switch(p2)
         assert secs >= 0 and rt.info()["hot_experts"] == len(layers) * info_m["n_expert"]
-        batch = llama_cpp.llama_batch_init(8, 0, 1)
-        batch.n_tokens = 1
-        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = 1000, 0, 1, 1
-        batch.seq_id[0][0] = 0
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-        llama_cpp.llama_batch_free(batch)
+
+        def step(tok: int, pos: int):
+            batch.n_tokens = 1
+            batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = 1000 + tok, pos, 1, 1
+            batch.seq_id[0][0] = 0
+            return batch
+        assert llama_cpp.llama_decode(ctx, step(0, 0)) == 0
         st = rt.stats()
         last = st["last_passes"][-1]
         assert last["cold_routes"] == 0 and last["hot_routes"] > 0  # the switched set is in use
@@ -649,11 +651,31 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
         assert rt.context_decode_threads(6, -1, graph=False) == 3
         assert rt.context_decode_threads(6, -1, graph=True) == (1 if native.has_gpu() else 3)
         rt.decode_threads = None
-        # a graph that serves (or was never needed) leaves the context as it is
         assert rt.info()["decode_graph"]["failed"] is False and not rt.info()["decode_graph"]["broken"]
-        rt.context_threads = (1, 4)
-        assert rt.follow_decode_graph(ctx) is False and rt.context_threads == (1, 4)
+        # the context's one-token threads follow what ran: as if the loader had given them 1 for
+        # the graph, a step without it gets the batch count back, a step in the graph 1 again; a
+        # request without one-token steps changes nothing
+        rt.context_threads, rt.follows_graph = (1, 2), True
+        assert rt.follow_decode_graph(ctx, {"paths": {"decode": 0, "upload": 1}}) is False
+        rt.take_request_stats()
+        try:
+            native.set_decode_graph(False)
+            assert llama_cpp.llama_decode(ctx, step(1, 1)) == 0
+            st = rt.take_request_stats()
+            assert st["paths"]["decode"] == 1 and st["decode_graph_steps"] == 0
+            assert rt.follow_decode_graph(ctx, st) is True and rt.context_threads == (2, 2)
+            assert llama_cpp.llama_n_threads(ctx) == 2
+            native.set_decode_graph(True, max_tokens=32)
+            assert llama_cpp.llama_decode(ctx, step(2, 2)) == 0
+            st = rt.take_request_stats()
+        finally:
+            native.set_decode_graph(None)
+        assert st["decode_graph_steps"] == 1
+        assert rt.follow_decode_graph(ctx, st) is True and rt.context_threads == (1, 2)
+        assert llama_cpp.llama_n_threads(ctx) == 1
+        assert rt.follow_decode_graph(ctx, {"error": "stats failed"}) is False
     finally:
+        llama_cpp.llama_batch_free(batch)
         rt.close()
         llama_cpp.llama_free(ctx)
         llama_cpp.llama_model_free(model)

@@ -141,6 +141,31 @@ def test_prefetch_reserves_a_second_staging_region():
     assert hot == {1: 12, 2: 4}
 
 
+def test_sets_planned_to_the_memory_with_one_region_leave_no_room_for_prefetch():
+    """A set planned with one staging region against a GPU's free memory (the pool filled to the
+    capacity) has no room for the prefetch's second region: the runtime turns prefetch off for it
+    (runtime.prefetch_for); one planned with two, or with memory to spare, or a hand-made set keeps
+    the setting."""
+    from ostinatod.engine.runtime import prefetch_for
+    from ostinatod.residency.sets import ResidencySet
+    shape = _shape(n_layer=4, n_expert=8, expert_bytes=[MiB] * 4)
+    dev = _trace(shape, _zipf_counts(4, 8, seed=4), max_tokens=4096)
+    one = planner.estimate_gpu_need(shape, range(4), 4096, last=True)
+
+    def plan(free, regions):
+        return plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0, free)], budget_frac=1.0,
+                              margin_mb=0, staging_regions=regions)["plan"]
+    tight = plan(one["total"] + 12 * MiB, 1)          # 12 of 32 experts: the capacity binds
+    assert tight["staging_regions"] == 1 and not planner.room_for_prefetch(tight)
+    assert planner.room_for_prefetch(plan(one["total"] + 12 * MiB, 2))
+    assert planner.room_for_prefetch(plan(one["total"] + 64 * MiB, 1))   # every expert and 32 MiB spare
+    assert planner.room_for_prefetch({}) and planner.room_for_prefetch({"capacity": [{"capacity_bytes": None}]})
+    res = ResidencySet(path=None, model={}, workload="coding", raw={"plan": tight})
+    assert prefetch_for(True, res) is False and prefetch_for(False, res) is False
+    assert prefetch_for(True, None) is True
+    assert prefetch_for(True, ResidencySet(path=None, model={}, workload="coding", raw={})) is True
+
+
 def test_capacity_test_fails_with_clear_error_and_caps_pool():
     shape = _shape(n_layer=4, n_expert=8, expert_bytes=[MiB] * 4)
     dev = _trace(shape, _zipf_counts(4, 8, seed=4), max_tokens=4096)

@@ -75,6 +75,7 @@ struct pass_t {
 struct totals_t {
     int64_t passes = 0, tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
     int64_t borrowed = 0;
+    int64_t graph_steps = 0;                   // one-token passes that ran in the decode graph
     double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
     std::map<std::string, int64_t> paths;
     std::vector<int64_t> counts_prefill, counts_decode;   // [n_layer * n_expert]
@@ -83,6 +84,7 @@ struct totals_t {
         distinct_cold += p.distinct_cold; upload_bytes += p.upload_bytes; borrowed += p.borrowed;
         cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; upload_ms += p.upload_ms; total_ms += p.total_ms;
         paths[p.path]++;
+        if (p.graph && p.path == "decode") graph_steps++;
     }
 };
 

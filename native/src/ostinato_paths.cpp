@@ -22,6 +22,7 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
     j["paths"] = json::object();
     for (const char * p : {"decode", "split", "upload"}) j["paths"][p] = 0;
     for (auto & kv : t.paths) j["paths"][kv.first] = kv.second;
+    j["decode_graph_steps"] = t.graph_steps;
     if (with_counts) {
         json cp = json::array(), cd = json::array();
         for (int il = 0; il < e.n_layer; ++il) {

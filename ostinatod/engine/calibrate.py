@@ -158,9 +158,10 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
 
         w.rt.set_timing(True)   # GPU-branch times (one sync per layer; off again when serving)
         # timing mode runs one-token steps on the split path: their CPU branch on the context's
-        # threads, which the loader gave 1 where the decode graph would serve them
+        # threads, as served without the graph (the loader gave them 1 where the graph serves)
         n_ctx_threads = int(s.n_threads or default_threads(s.cpu_set))
-        llama_cpp.llama_set_n_threads(w.ctx, n_ctx_threads, n_ctx_threads)
+        llama_cpp.llama_set_n_threads(w.ctx, w.rt.context_decode_threads(n_ctx_threads, -1, graph=False),
+                                      n_ctx_threads)
         rows: list[tuple[int, int, int, float]] = []
         gpu_ms: list[float] = []
         prefill: list[PrefillPoint] = []

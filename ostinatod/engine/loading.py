@@ -123,6 +123,7 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
         # one-token steps: the CPU branch is small (or on the decode graph's own pool)
         cparams.n_threads = rt.context_decode_threads(threads, mparams.n_gpu_layers)
         rt.context_threads = (int(cparams.n_threads), int(threads))
+        rt.follows_graph = cparams.n_threads == 1 and threads > 1
     if settings.flash_attn is not None:
         cparams.flash_attn_type = 1 if settings.flash_attn else 0
     cparams.no_perf = True

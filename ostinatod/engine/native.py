@@ -347,7 +347,8 @@ def set_prefetch(on: bool) -> None:
     layer's router applied to this layer's input predicts the next layer's routes, and the copies of
     its predicted cold experts start after this layer's own, so that they run while this layer's
     staged routes and the next layer's attention compute. The pool gets a second staging region (odd
-    layers stage there). Off by default; takes effect at the next load or residency switch."""
+    layers stage there). Off in the native engine until set; the runtime sets the setting
+    ``prefill_prefetch`` (default on). Takes effect at the next load or residency switch."""
     llama_fn("ostinato_experts_set_prefetch")(1 if on else 0)
 
 

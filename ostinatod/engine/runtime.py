@@ -32,6 +32,7 @@ from .placement import experts_config, full_layer_devices, tensor_split_for
 
 from ..paths import residency_file
 from ..residency.calibration import DEFAULT_NP, decode_choices, decode_graph_choice, prefill_threshold
+from ..residency.planner import room_for_prefetch
 from ..residency.sets import ResidencySet, model_block, read_residency
 
 log = logging.getLogger("ostinatod.experts")
@@ -40,6 +41,20 @@ log = logging.getLogger("ostinatod.experts")
 # expert biases, as in gpt-oss, get per-slot bias rows in the pool). Each is exact against stock on
 # the CPU and on the H200 (tests/test_exactness.py, docs/benchmarks/exactness-h200.txt).
 SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss", "glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
+
+def prefetch_for(setting: bool, residency: Optional[ResidencySet]) -> bool:
+    """The prefill prefetch for a pool of ``residency``: the setting, unless the set was planned
+    to the GPU's memory without room for the prefetch's second staging region
+    (:func:`..residency.planner.room_for_prefetch`; then off, logged: re-plan to get it)."""
+    if not setting or residency is None:
+        return setting
+    if room_for_prefetch(residency.raw.get("plan") or {}):
+        return True
+    log.info("experts: prefill prefetch off for the residency set %s: it was planned to the GPU "
+             "memory with one staging region (re-plan with `ostinato plan` for the prefetch's second)",
+             residency.path or "(unnamed)")
+    return False
+
 
 def _default_np(settings: Any) -> int:
     try:
@@ -68,9 +83,12 @@ class ExpertRuntime:
         self.decode_threads: Optional[int] = None
         # the decode graph setting served with (None: auto, on where the pool is on a GPU), set by prepare
         self.decode_graph: Optional[bool] = None
-        # (one-token, batch) threads the context was made with, while one-token steps get 1 for the
-        # decode graph (set by the loader; see follow_decode_graph)
+        # the prefill prefetch setting (each set's pool gets it where its plan leaves room), set by prepare
+        self.prefetch = True
+        # (one-token, batch) threads of the context, set by the loader; follows_graph: the loader
+        # gave one-token steps 1 thread for the decode graph (follow_decode_graph keeps it true)
         self.context_threads: Optional[tuple[int, int]] = None
+        self.follows_graph = False
         # the placement passed with the model load (native.load_model), set by prepare
         self.load_config: Optional[dict[str, Any]] = None
 
@@ -128,7 +146,8 @@ class ExpertRuntime:
         # prefill: the hybrid pass's CPU share (-1: adapted) and the prefetch region (read at the pool build)
         share = getattr(settings, "upload_cpu_share", 0.0)
         native.set_upload_cpu_share(None if share == -1 else share)
-        native.set_prefetch(getattr(settings, "prefill_prefetch", False))
+        rt_prefetch = bool(getattr(settings, "prefill_prefetch", True))
+        native.set_prefetch(prefetch_for(rt_prefetch, residency))
         # CPU-branch pool of the decode graph: one core is left to the thread that drives llama.cpp
         native.set_cpu_threads(decode_threads or getattr(settings, "n_threads", None)
                                or max(1, default_threads(getattr(settings, "cpu_set", None)) - 1))
@@ -138,6 +157,7 @@ class ExpertRuntime:
         rt = cls(Path(model_path), model, residency, np_tokens, dev, layer_dev)
         rt.decode_threads = decode_threads
         rt.decode_graph = graph
+        rt.prefetch = rt_prefetch
         rt.load_config = config
         return rt
 
@@ -160,28 +180,36 @@ class ExpertRuntime:
             return 1
         return min(self.decode_threads, threads) if self.decode_threads else threads
 
-    def follow_decode_graph(self, ctx: Any) -> bool:
-        """After a request: where the context's one-token steps got 1 thread for the decode graph
-        (:meth:`context_decode_threads`) but the graph does not serve them (its creation failed, or
-        a lost wait turned it off until the next load), give them the batch thread count back, so
-        that the split path's CPU branch is not left on one thread. Returns whether it changed the
-        context. Never raises (a failed probe changes nothing)."""
-        if not self.context_threads or self.context_threads[0] != 1 or self.context_threads[1] == 1:
+    def follow_decode_graph(self, ctx: Any, request_stats: dict[str, Any]) -> bool:
+        """After a request, from its stats (:meth:`take_request_stats`): where the loader gave the
+        context's one-token steps 1 thread for the decode graph (:meth:`context_decode_threads`,
+        ``context_threads``), keep that count following what ran. One-token steps that ran without
+        the graph (its creation failed, a lost wait turned it off, the pool fell back to the CPU)
+        get the served count back (``decode_threads`` capped by the batch count, else the batch
+        count), so that the split path's CPU branch is not left on one thread; steps in the graph
+        again (after a residency switch, which clears a failure) get 1 again. A request without
+        one-token steps changes nothing. Returns whether it changed the context; never raises."""
+        if not self.context_threads or not self.follows_graph:
             return False
-        try:
-            dg = self.info().get("decode_graph") or {}
-        except Exception:  # noqa: BLE001 - a stats probe must not fail a request
+        one, batch = self.context_threads
+        paths = request_stats.get("paths") or {}
+        steps = int(paths.get("decode") or 0)
+        if steps <= 0:
             return False
-        if not (dg.get("broken") or dg.get("failed")):
+        in_graph = int(request_stats.get("decode_graph_steps") or 0) > 0
+        want = 1 if in_graph else (min(self.decode_threads, batch) if self.decode_threads else batch)
+        if want == one:
             return False
         import llama_cpp
 
-        n = self.context_threads[1]
-        llama_cpp.llama_set_n_threads(ctx, n, n)
-        self.context_threads = (n, n)
-        log.warning("experts: the decode graph does not serve one-token steps (%s): they run with %d "
-                    "threads again", "turned off after a lost wait" if dg.get("broken") else "its creation failed",
-                    n)
+        llama_cpp.llama_set_n_threads(ctx, want, batch)
+        self.context_threads = (want, batch)
+        if in_graph:
+            log.info("experts: one-token steps run in the decode graph again: the context's threads "
+                     "for them back to 1")
+        else:
+            log.warning("experts: %d one-token steps ran without the decode graph: they get %d threads "
+                        "(see the engine's notes)", steps, want)
         return True
 
     def adjust_model_params(self, mparams: Any) -> None:
@@ -291,10 +319,16 @@ class ExpertRuntime:
             # loaded across several GPUs, or a set across several: name every layer's GPU so that
             # the native engine checks it against where the dense weights were loaded
             layer_dev = full_layer_devices(res, int(self.model["n_layer"]))
-        native.experts_switch(experts_config(hot, device=self.device,
-                                             prefill_threshold=self.prefill_threshold,
-                                             force_path=self.forced,
-                                             layer_device=dict(enumerate(layer_dev)) if layer_dev else None))
+        old_prefetch = prefetch_for(self.prefetch, self.residency)
+        native.set_prefetch(prefetch_for(self.prefetch, res))   # read at the pool's build
+        try:
+            native.experts_switch(experts_config(hot, device=self.device,
+                                                 prefill_threshold=self.prefill_threshold,
+                                                 force_path=self.forced,
+                                                 layer_device=dict(enumerate(layer_dev)) if layer_dev else None))
+        except Exception:
+            native.set_prefetch(old_prefetch)
+            raise
         self.residency = res
         return time.perf_counter() - t0
 

@@ -556,7 +556,7 @@ class Worker:
                 data["experts"] = self.rt.take_request_stats()
             except Exception as e:
                 data["experts"] = {"error": str(e)}
-            self.rt.follow_decode_graph(self.ctx)
+            self.rt.follow_decode_graph(self.ctx, data["experts"])
             if self.traces is not None:
                 self.traces.record_done(t.req.workload or self.settings.workload_default, data,
                                         n_tools=len(t.req.tools or []))

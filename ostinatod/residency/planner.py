@@ -103,6 +103,32 @@ def split_layers(n_layer: int, weights: Sequence[float]) -> list[list[int]]:
 # Capacity test and fill
 # --------------------------------------------------------------------------------------------
 
+def staging_regions_for(settings: Any = None) -> int:
+    """Staging regions of a pool for the upload path: 2 with the prefill prefetch (setting
+    ``prefill_prefetch``, default on; docs/engine.md "Prefetch"), else 1. ``settings`` defaults to
+    the loaded settings."""
+    if settings is None:
+        from ..settings import load_settings
+
+        settings = load_settings()
+    return 2 if getattr(settings, "prefill_prefetch", True) else 1
+
+
+def room_for_prefetch(plan: dict[str, Any]) -> bool:
+    """Whether a residency set's ``plan`` leaves GPU memory for the prefetch's second staging
+    region: planned with 2 regions, or on every GPU whose capacity test ran, the capacity minus the
+    pool at least one region (``need_bytes.staging`` of a 1-region plan). A plan without those
+    figures (hand-made or emulated) says yes: nothing shows it was cut to the memory."""
+    if int(plan.get("staging_regions") or 1) >= 2:
+        return True
+    for c in plan.get("capacity") or []:
+        cap, pool = c.get("capacity_bytes"), c.get("pool_bytes")
+        region = (c.get("need_bytes") or {}).get("staging")
+        if cap is not None and pool is not None and region and int(cap) - int(pool) < int(region):
+            return False
+    return True
+
+
 def estimate_gpu_need(shape: ModelInfo, layers: Sequence[int], max_tokens: int, *,
                       n_ubatch: int = 512, last: bool = False, staging_regions: int = 1) -> dict[str, int]:
     """Bytes a GPU needs besides its expert pool to run a ``max_tokens`` request (estimates).
@@ -248,6 +274,7 @@ def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
         "expert_bytes_total": shape.total_expert_bytes,
         "pool_bytes_total": sum(c["pool_bytes"] for c in capacity),
         "max_request_tokens": max_tokens,
+        "staging_regions": staging_regions,
         "capacity": capacity,
         "method": "rank by dev route counts (prefill+decode), fill each GPU by routes per byte "
                   "across its layers (arXiv 2611.11533 Sec. 3.1, Rule 1 / Prop. 3.1, App. B)",
@@ -288,7 +315,7 @@ def plan_for_model(model_path: Path, workload: str, *, traces: Sequence[Path] = 
     res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(gpus),
                          budget_frac=budget_frac, budget_mb=budget_mb, margin_mb=margin_mb,
                          heldout=held, source_traces=[str(p) for p in tpaths],
-                         staging_regions=2 if s.prefill_prefetch else 1)
+                         staging_regions=staging_regions_for(s))
     path = Path(out) if out else residency_path(shape.fingerprint, workload, data_dir)
     return res, write_residency(res, path)
 

@@ -290,7 +290,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
 def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stock, results, sweep,
             sweep_runs, plans, fit, notes) -> dict[str, Any]:
     out = {
-        "name": a.name or f"engines-{a.shape}" + (f"-L{a.layers}" if a.layers else ""),
+        "name": a.name or (f"engines-{Path(a.model).stem}" if a.model
+                           else f"engines-{a.shape}" + (f"-L{a.layers}" if a.layers else "")),
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "command": "ostinato bench engines " + " ".join(argv),

@@ -150,12 +150,15 @@ def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str,
          budget_frac: Optional[float] = None, file_name: str = "residency.json") -> tuple[dict, Path, dict]:
     """Plan the residency set at ``budget_frac`` (default ``a.budget_frac``); returns (residency,
     path, stock placement at equal memory)."""
-    from ..residency.planner import plan_residency, read_model_shape, resolve_gpus, write_residency
+    from ..residency.planner import (plan_residency, read_model_shape, resolve_gpus, staging_regions_for,
+                                     write_residency)
 
     shape = read_model_shape(model)
     frac = a.budget_frac if budget_frac is None else budget_frac
+    # the daemon's settings (prefetch on by default): the staging regions its pools will hold
     res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(getattr(a, "gpus", 1)),
-                         budget_frac=frac, source_traces=[str(run_dir / "trace-dev.json")])
+                         budget_frac=frac, source_traces=[str(run_dir / "trace-dev.json")],
+                         staging_regions=staging_regions_for())
     path = write_residency(res, run_dir / file_name)
     pool = res["plan"]["pool_bytes_total"]
     moe = shape.moe_layers
