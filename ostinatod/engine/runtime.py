@@ -42,6 +42,7 @@ log = logging.getLogger("ostinatod.experts")
 # the CPU and on the H200 (tests/test_exactness.py, docs/benchmarks/exactness-h200.txt).
 SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss", "glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
 
+
 def prefetch_for(setting: bool, residency: Optional[ResidencySet]) -> bool:
     """The prefill prefetch for a pool of ``residency``: the setting, unless the set was planned
     to the GPU's memory without room for the prefetch's second staging region
