@@ -168,15 +168,17 @@ def quant_of(path: Path) -> Optional[str]:
     return max(by_type, key=by_type.get) if by_type else None
 
 
-def suggested_pool(info: Any, gpus: list[dict[str, Any]], n_ctx: int) -> tuple[Optional[int], str]:
+def suggested_pool(info: Any, gpus: list[dict[str, Any]], n_ctx: int,
+                   staging_regions: int = 1) -> tuple[Optional[int], str]:
     """(pool bytes, note): what the GPUs' free memory leaves for hot experts after what a request
-    of ``n_ctx`` tokens needs besides (the planner's estimate, 10% kept free)."""
+    of ``n_ctx`` tokens needs besides (the planner's estimate with ``staging_regions`` staging
+    buffers, :func:`.residency.planner.staging_regions_for`; 10% kept free)."""
     if not gpus:
         return None, "no GPU: experts run on the CPU"
-    from .residency.planner import estimate_gpu_need, staging_regions_for
+    from .residency.planner import estimate_gpu_need
     free = sum(int(g.get("memory_free_bytes") or 0) for g in gpus)
     need = estimate_gpu_need(info, range(info.n_layer), n_ctx, last=True,
-                             staging_regions=staging_regions_for())["total"]
+                             staging_regions=staging_regions)["total"]
     pool = max(0, int(free * 0.9) - need)
     total = info.total_expert_bytes
     if total and pool >= total:
@@ -184,8 +186,10 @@ def suggested_pool(info: Any, gpus: list[dict[str, Any]], n_ctx: int) -> tuple[O
     return pool, (f"{pool / total:.0%} of the expert bytes" if total else "")
 
 
-def describe(name: str, source: str, path: Path, gpus: list[dict[str, Any]], n_ctx: int) -> FoundModel:
-    """One :class:`FoundModel` (never raises: an unreadable file says why in ``engine``)."""
+def describe(name: str, source: str, path: Path, gpus: list[dict[str, Any]], n_ctx: int,
+             staging_regions: int = 1) -> FoundModel:
+    """One :class:`FoundModel` (never raises: an unreadable file says why in ``engine``);
+    ``staging_regions`` as :func:`suggested_pool` takes it."""
     from .engine.runtime import SUPPORTED_ARCHS
     from .residency.model import ModelFileError, check_model_file
     fm = FoundModel(name=name, source=source, path=str(path))
@@ -205,7 +209,7 @@ def describe(name: str, source: str, path: Path, gpus: list[dict[str, Any]], n_c
     else:
         fm.engine = "experts"
     if info.moe_layers:
-        fm.suggested_pool_bytes, fm.pool_note = suggested_pool(info, gpus, n_ctx)
+        fm.suggested_pool_bytes, fm.pool_note = suggested_pool(info, gpus, n_ctx, staging_regions)
     return fm
 
 
@@ -218,13 +222,16 @@ def find_models(sources: Optional[list[str]] = None, n_ctx: Optional[int] = None
             gpus = probe_gpus()
         except Exception:  # no NVML: no GPU
             gpus = []
+    from .residency.planner import staging_regions_for
+    from .settings import load_settings
+    settings = load_settings()   # once for every file
     if n_ctx is None:
-        from .settings import load_settings
-        n_ctx = load_settings().n_ctx
+        n_ctx = settings.n_ctx
+    regions = staging_regions_for(settings)
     out = []
     for src in sources or list(SOURCES):
         for name, path in SOURCES[src]():
-            out.append(describe(name, src, path, gpus, n_ctx))
+            out.append(describe(name, src, path, gpus, n_ctx, regions))
     return out
 
 

@@ -33,8 +33,6 @@ bool mmq_skips_negative_ids(ggml_type t) {
             return false;
     }
 }
-// GPU index (among the GPU devices, as "device" counts them) of the device that holds layer il's
-// dense weights; -1 when they are in host memory or not found.
 // The GPU that holds layer il's dense weights (its attention weights' buffer), or null when they are
 // in host memory (partial offload, CPU build) or not found.
 ggml_backend_dev_t dense_dev(const llama_model * model, int il) {
