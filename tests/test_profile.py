@@ -192,3 +192,16 @@ def test_placement_of_this_machine_and_the_pin(monkeypatch):
     finally:
         cpus.pin_process(sorted(allowed))
     assert os.sched_getaffinity(0) == allowed
+
+
+def test_expert_engine_threads_leave_the_pool_its_cores(monkeypatch):
+    """Unset, the decode graph's pool gets a quarter of the cores and the context the rest (no more
+    threads than cores: the 16-core H200 run in docs/benchmarks/engines-h200-16c-L48-threads.md); set
+    counts are kept as given."""
+    for cores, want in ((16, (12, 4)), (32, (24, 8)), (2, (2, 1)), (1, (1, 1))):
+        monkeypatch.setattr(hardware, "default_threads", lambda cpu_set=None, c=cores: c)
+        assert hardware.expert_engine_threads(None, None) == want
+    monkeypatch.setattr(hardware, "default_threads", lambda cpu_set=None: 16)
+    assert hardware.expert_engine_threads(8, None) == (8, 7)       # n_threads set: pool as before
+    assert hardware.expert_engine_threads(None, 6) == (12, 6)      # calibrated pool, context capped
+    assert hardware.expert_engine_threads(10, 3) == (10, 3)

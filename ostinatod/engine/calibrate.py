@@ -159,7 +159,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
         w.rt.set_timing(True)   # GPU-branch times (one sync per layer; off again when serving)
         # timing mode runs one-token steps on the split path: their CPU branch on the context's
         # threads, as served without the graph (the loader gave them 1 where the graph serves)
-        n_ctx_threads = int(s.n_threads or default_threads(s.cpu_set))
+        n_ctx_threads = int(w.rt.batch_threads or s.n_threads or default_threads(s.cpu_set))
         llama_cpp.llama_set_n_threads(w.ctx, w.rt.context_decode_threads(n_ctx_threads, -1, graph=False),
                                       n_ctx_threads)
         rows: list[tuple[int, int, int, float]] = []
@@ -267,9 +267,10 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
                 out.append({"graph": graph, "overlap": overlap, "threads": n, "median_ms": step_ms()})
     finally:
         native.set_decode_graph(None)
-        native.set_cpu_threads(max(1, p - 1))
+        # back to the served thread counts (hardware.expert_engine_threads, the loader's context)
+        native.set_cpu_threads(w.rt.pool_threads or max(1, p - 1))
         w.rt.set_overlap(True)
-        llama_cpp.llama_set_n_threads(w.ctx, p, p)
+        llama_cpp.llama_set_n_threads(w.ctx, *(w.rt.context_threads or (p, p)))
     return out
 
 

@@ -117,6 +117,8 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
     cparams.n_seq_max = n_slots
     cparams.kv_unified = True  # shared prefix cells across slots (seq_cp is metadata only)
     threads = settings.n_threads or default_threads(getattr(settings, "cpu_set", None))
+    if rt is not None and rt.batch_threads:
+        threads = rt.batch_threads  # leaves the decode graph's pool its cores
     cparams.n_threads = threads
     cparams.n_threads_batch = threads
     if rt is not None:

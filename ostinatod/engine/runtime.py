@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..hardware import default_threads
+from ..hardware import expert_engine_threads
 from . import native
 from .native import ExpertEngineError
 from .placement import experts_config, full_layer_devices, tensor_split_for
@@ -82,6 +82,9 @@ class ExpertRuntime:
         self.attached = False
         # CPU threads for decode steps (settings or calibration; None: n_threads), set by prepare
         self.decode_threads: Optional[int] = None
+        # the context's threads for batches (prefill): hardware.expert_engine_threads
+        self.batch_threads: Optional[int] = None
+        self.pool_threads: Optional[int] = None  # the decode graph's CPU-branch pool
         # the decode graph setting served with (None: auto, on where the pool is on a GPU), set by prepare
         self.decode_graph: Optional[bool] = None
         # the prefill prefetch setting (each set's pool gets it where its plan leaves room), set by prepare
@@ -149,14 +152,18 @@ class ExpertRuntime:
         native.set_upload_cpu_share(None if share == -1 else share)
         rt_prefetch = bool(getattr(settings, "prefill_prefetch", True))
         native.set_prefetch(prefetch_for(rt_prefetch, residency))
-        # CPU-branch pool of the decode graph: one core is left to the thread that drives llama.cpp
-        native.set_cpu_threads(decode_threads or getattr(settings, "n_threads", None)
-                               or max(1, default_threads(getattr(settings, "cpu_set", None)) - 1))
+        # CPU-branch pool of the decode graph and the context's prefill threads: together no more
+        # than the cores unless set (hardware.expert_engine_threads)
+        batch_threads, pool_threads = expert_engine_threads(
+            getattr(settings, "n_threads", None), decode_threads, getattr(settings, "cpu_set", None))
+        native.set_cpu_threads(pool_threads)
         log.info("experts: %d hot experts from %s, Np = %d%s", sum(len(v) for v in hot.values()),
                  res_path or "no residency set (all experts cold)", np_tokens,
                  f", GPUs {residency.devices}" if layer_dev else "")
         rt = cls(Path(model_path), model, residency, np_tokens, dev, layer_dev)
         rt.decode_threads = decode_threads
+        rt.batch_threads = batch_threads
+        rt.pool_threads = pool_threads
         rt.decode_graph = graph
         rt.prefetch = rt_prefetch
         rt.load_config = config

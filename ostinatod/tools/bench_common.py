@@ -16,7 +16,9 @@ ONE_GPU = "ostinato-1gpu"
 def _quarter_pool() -> dict:
     """The decode graph's CPU-branch pool on a quarter of the engine's cores and the context's
     threads on the rest: no more OpenMP threads in the process than cores, where libgomp would
-    otherwise shorten every wait to 100 spins and sleep (docs/engine.md, "Decode graph", threads)."""
+    otherwise shorten every wait to 100 spins and sleep (docs/engine.md, "Decode graph", threads).
+    The default since the 16-core H200 run (hardware.expert_engine_threads): kept to compare a
+    machine's calibrated or set counts with it."""
     from ..hardware import default_threads
 
     p = default_threads()
