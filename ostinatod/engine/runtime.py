@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..hardware import expert_engine_threads
+from ..hardware import default_threads, expert_engine_threads
 from . import native
 from .native import ExpertEngineError
 from .placement import experts_config, full_layer_devices, tensor_split_for
@@ -153,9 +153,14 @@ class ExpertRuntime:
         rt_prefetch = bool(getattr(settings, "prefill_prefetch", True))
         native.set_prefetch(prefetch_for(rt_prefetch, residency))
         # CPU-branch pool of the decode graph and the context's prefill threads: together no more
-        # than the cores unless set (hardware.expert_engine_threads)
-        batch_threads, pool_threads = expert_engine_threads(
-            getattr(settings, "n_threads", None), decode_threads, getattr(settings, "cpu_set", None))
+        # than the cores unless set (hardware.expert_engine_threads); without the graph (CPU build,
+        # pool on the CPU, graph off) the context keeps every core
+        n_threads, cpu_set = getattr(settings, "n_threads", None), getattr(settings, "cpu_set", None)
+        if graph is not False and dev >= 0 and native.has_gpu():
+            batch_threads, pool_threads = expert_engine_threads(n_threads, decode_threads, cpu_set)
+        else:
+            batch_threads = None
+            pool_threads = decode_threads or n_threads or max(1, default_threads(cpu_set) - 1)
         native.set_cpu_threads(pool_threads)
         log.info("experts: %d hot experts from %s, Np = %d%s", sum(len(v) for v in hot.values()),
                  res_path or "no residency set (all experts cold)", np_tokens,
