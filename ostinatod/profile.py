@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from .hardware import GIB, collect_profile
 from .paths import get_paths
+from .residency.calibration import PROBE_KIND
 
 log = logging.getLogger("ostinatod.profile")
 
@@ -80,6 +81,8 @@ def update_profile(path: Optional[Path] = None, measure: bool = True, recalibrat
     old = load_profile(path) or {}
     new = collect_profile(measure=measure, **measure_kw)
     changed = old.get("fingerprint") != new["fingerprint"]
+    # re-read: a calibration or an engine's Np probe may have been stored while this one measured
+    old = {**old, **{k: v for k, v in (load_profile(path) or {}).items() if k == "calibration"}}
     if "calibration" in old:
         new["calibration"] = old["calibration"]
         if changed and isinstance(new["calibration"], dict):
@@ -141,8 +144,13 @@ def format_profile(p: dict[str, Any]) -> str:
         state = "none yet ('ostinato calibrate')"
     elif cal.get("error"):
         state = f"failed: {cal['error']}"
+    elif cal.get("stale"):
+        state = "stale (hardware changed)"
+    elif cal.get("kind") == PROBE_KIND:
+        state = (f"Np = {cal.get('np_tokens')} measured at a model load ({cal.get('created', '?')}); "
+                 "'ostinato calibrate' for the rest")
     else:
-        state = "stale (hardware changed)" if cal.get("stale") else f"present ({cal.get('created', '?')})"
+        state = f"present ({cal.get('created', '?')})"
     lines.append("calib  " + state)
     lines.append(f"fingerprint {p.get('fingerprint', '')[:16]}")
     return "\n".join(lines)

@@ -200,3 +200,81 @@ def test_run_calibration_on_the_engine_cpu(tiny_model, tmp_path, monkeypatch):
     if not c["gpu_terms"]:
         assert c["gpu_branch_ms"] is None and c["np_tokens"] is None
     print(cal.format_calibration(c))
+
+
+def test_np_choice_order_and_the_load_probe_record(tmp_path):
+    """settings > full calibration > a probe of this model > 512; a probe never replaces a full
+    calibration that is not stale; a probe of another model is not used."""
+    prof = tmp_path / "hw.json"
+    prof.write_text(json.dumps({"format": "ostinato-hardware/1", "fingerprint": "f"}))
+    choice = calibration.prefill_threshold_choice
+    assert choice(None, prof, "m1") == (calibration.DEFAULT_NP, "default")
+    probe = {"np_tokens": 40, "points": [{"n": 16, "path": "split", "total_ms": 3.0}], "seconds": 0.5}
+    assert calibration.store_prefill_probe(probe, {"fingerprint": "m1", "name": "one"}, prof) == prof
+    rec = json.loads(prof.read_text())["calibration"]
+    assert rec["kind"] == calibration.PROBE_KIND and rec["np_tokens"] == 40 and rec["model"]["fingerprint"] == "m1"
+    assert choice(None, prof, "m1") == (40, "probe")
+    assert choice(None, prof, "m2") == (calibration.DEFAULT_NP, "default")   # another model: probe again
+    assert calibration.prefill_threshold(None, prof) == 40
+
+    class S:
+        prefill_threshold = 64
+
+    assert choice(S(), prof, "m1") == (64, "settings")
+    # a full calibration wins and is never replaced by a later probe
+    calibration.store_calibration({"np_tokens": 700, "format": calibration.CALIBRATION_FORMAT}, prof)
+    assert choice(None, prof, "m1") == (700, "calibration")
+    assert calibration.store_prefill_probe(probe, {"fingerprint": "m1"}, prof) is None
+    assert json.loads(prof.read_text())["calibration"]["np_tokens"] == 700
+    # ... unless it is stale (the hardware changed)
+    data = json.loads(prof.read_text())
+    data["calibration"]["stale"] = True
+    prof.write_text(json.dumps(data))
+    assert choice(None, prof, "m1") == (calibration.DEFAULT_NP, "default")
+    assert calibration.store_prefill_probe(probe, {"fingerprint": "m1"}, prof) == prof
+    assert choice(None, prof, "m1") == (40, "probe")
+
+
+def test_profile_show_names_a_probe(tmp_path):
+    from ostinatod.profile import format_profile
+    p = {"calibration": {"kind": calibration.PROBE_KIND, "np_tokens": 24, "created": "today"}}
+    assert "Np = 24 measured at a model load" in format_profile(p)
+
+
+def test_np_probe_on_the_engine_cpu(tiny_model, tmp_path, monkeypatch):
+    """The load probe through the real engine (CPU build: both paths run, the pool is a CPU buffer):
+    one split and one upload pass per size, Np among the sizes or 512, and afterwards the counters
+    are empty (the probe's routes reach neither traces nor /metrics) and the path is back on auto."""
+    from ostinatod.engine import native
+    from ostinatod.engine.worker import Worker
+    from ostinatod.residency.sets import make_residency, model_block, write_residency
+    from ostinatod.settings import load_settings
+
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
+    block = model_block(tiny_model)
+    half = {il: list(range(block["n_expert"] // 2)) for il in range(block["n_layer"])}
+    res = write_residency(make_residency(block, half), tmp_path / "half.json")
+    s = load_settings(model=tiny_model, experts="ostinato", residency=res, n_slots=1, n_ctx=512,
+                      engine_mode="inprocess")
+    w = Worker(s, tiny_model)
+    w.load()
+    try:
+        assert w.rt is not None
+        # a CPU build has no GPU pool: the load did not probe (the two paths are one computation here)
+        assert native.has_gpu() or not w.rt.wants_np_probe()
+        assert native.has_gpu() or calibration.load_calibration() is None
+        from ostinatod.engine.np_probe import probe_np
+        r = probe_np(w, sizes=(8, 32, 128))
+        assert [(p["path"], p["n"]) for p in r["points"]] == [
+            ("split", 8), ("split", 32), ("split", 128), ("upload", 8), ("upload", 32), ("upload", 128)]
+        assert all(p["total_ms"] > 0 for p in r["points"])
+        assert r["np_tokens"] in (8, 32, 128, calibration.DEFAULT_NP) or 8 < r["np_tokens"] < 128
+        st = w.rt.stats()
+        assert st["routes"] == 0 and st["passes"] == 0
+        assert w.rt.forced == "auto"
+        # through the worker: served with and stored for the next loads of this model
+        assert w.probe_np() == w.rt.prefill_threshold and w.rt.prefill_threshold_source == "probe"
+        stored = calibration.load_calibration()
+        assert stored["kind"] == calibration.PROBE_KIND and stored["model"]["fingerprint"] == block["fingerprint"]
+    finally:
+        w.close()

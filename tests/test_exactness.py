@@ -544,19 +544,25 @@ def test_newer_architectures_through_the_engine(arch):
         r.close()
 
 
-def test_all_cold_and_all_hot_match_stock(moe, stock):
+@pytest.mark.parametrize("np_tokens", [2, 512])
+def test_all_cold_and_all_hot_match_stock(moe, stock, np_tokens):
+    # Np 2: the 4-token prompt takes the upload path; 512: the split path; every set also on a
+    # pool where one layer holds all of its experts and the others half
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]
     r = ost_runner(moe)
-    native.set_prefill_threshold(2)  # the 4-token prompt takes the upload path
+    native.set_prefill_threshold(np_tokens)
+    first = min(moe[2])
     try:
-        for hot in ({}, {il: list(range(n)) for il in moe[2]}):
+        for hot in ({}, {il: list(range(n)) for il in moe[2]},
+                    {**half_hot(moe), first: list(range(n))}):
             _switch(hot)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, _ = r.generate(_prompt(4), N_NEW)
             st = _stats()
             assert toks == ref_toks
-            assert st["hot_routes"] == (st["routes"] if hot else 0)
+            every = all(len(v) == n for v in hot.values()) and hot
+            assert (st["hot_routes"] == st["routes"]) if every else st["hot_routes"] < st["routes"]
     finally:
         _switch(half_hot(moe))
         native.set_prefill_threshold(512)

@@ -37,6 +37,7 @@ import numpy as np
 from ..paths import get_paths
 from ..residency.calibration import CALIBRATION_FORMAT, h2d_from_profile, store_calibration
 from ..residency.cost import CalibrationError, PrefillPoint, solve_calibration
+from .np_probe import Passes
 
 log = logging.getLogger(__name__)
 
@@ -125,37 +126,15 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
 
     place = apply_cpu_placement(s.cpu_set)   # measured on the CPUs the engine worker will run on
     w = Worker(s, model_path)
-    w.load()
+    w.load(probe_np=False)
     try:
         if w.rt is None:
             raise CalibrationError("the expert engine is not active for this model (stock run)")
         info = w.rt.info() if hasattr(w.rt, "info") else {}
         gpu = native.has_gpu()
         n_moe = int(info.get("moe_layers") or block["n_layer"])
-        n_vocab = int(llama_cpp.llama_vocab_n_tokens(w.vocab))
-        rng = np.random.default_rng(0)
-        mem = llama_cpp.llama_get_memory(w.ctx)
-        batch = llama_cpp.llama_batch_init(n_max, 0, 1)
-
-        def decode(tokens: Sequence[int], pos0: int) -> float:
-            batch.n_tokens = len(tokens)
-            for i, t in enumerate(tokens):
-                batch.token[i] = int(t)
-                batch.pos[i] = pos0 + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1 if i == len(tokens) - 1 else 0
-            t0 = time.perf_counter()
-            rc = llama_cpp.llama_decode(w.ctx, batch)
-            llama_cpp.llama_synchronize(w.ctx)
-            ms = (time.perf_counter() - t0) * 1e3
-            if rc != 0:
-                raise CalibrationError(f"llama_decode returned {rc}")
-            return ms
-
-        def toks(n: int) -> list[int]:
-            return [int(x) for x in rng.integers(100, max(101, n_vocab - 300), size=n)]
-
+        passes = Passes(w, n_max)
+        decode, toks, mem = passes.decode, passes.toks, passes.mem
         w.rt.set_timing(True)   # GPU-branch times (one sync per layer; off again when serving)
         # timing mode runs one-token steps on the split path: their CPU branch on the context's
         # threads, as served without the graph (the loader gave them 1 where the graph serves)
@@ -213,7 +192,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
                 w.rt.force_path("auto")
         finally:
             w.rt.set_timing(False)
-            llama_cpp.llama_batch_free(batch)
+            passes.free()
         exp_bytes = info.get("expert_bytes")
         if isinstance(exp_bytes, list):
             exp_bytes = max(exp_bytes) if exp_bytes else None

@@ -31,7 +31,7 @@ from .native import ExpertEngineError
 from .placement import experts_config, full_layer_devices, tensor_split_for
 
 from ..paths import residency_file
-from ..residency.calibration import DEFAULT_NP, decode_choices, decode_graph_choice, prefill_threshold
+from ..residency.calibration import DEFAULT_NP, decode_choices, decode_graph_choice, prefill_threshold_choice
 from ..residency.planner import room_for_prefetch
 from ..residency.sets import ResidencySet, model_block, read_residency
 
@@ -57,11 +57,11 @@ def prefetch_for(setting: bool, residency: Optional[ResidencySet]) -> bool:
     return False
 
 
-def _default_np(settings: Any) -> int:
+def _default_np(settings: Any, fingerprint: Optional[str]) -> tuple[int, str]:
     try:
-        return int(prefill_threshold(settings))
+        return prefill_threshold_choice(settings, model_fingerprint=fingerprint)
     except Exception:  # an unreadable profile: the paper's PCIe 4.0 value
-        return DEFAULT_NP
+        return DEFAULT_NP, "default"
 
 
 class ExpertRuntime:
@@ -73,6 +73,8 @@ class ExpertRuntime:
         self.model = model
         self.residency = residency
         self.prefill_threshold = prefill_threshold
+        # where Np came from: "settings", "calibration", "probe" (measured at a load) or "default"
+        self.prefill_threshold_source = "default"
         self.device = device
         # several GPUs: GPU index of every layer (None: one GPU, the pool on `device`)
         self.layer_device = layer_device
@@ -138,7 +140,7 @@ class ExpertRuntime:
         layer_dev = None
         if residency is not None and len(residency.devices) > 1:
             layer_dev = full_layer_devices(residency, int(model["n_layer"]))
-        np_tokens = _default_np(settings)
+        np_tokens, np_source = _default_np(settings, model.get("fingerprint"))
         config = experts_config(hot, device=dev, prefill_threshold=np_tokens,
                                 layer_device=dict(enumerate(layer_dev)) if layer_dev else None)
         native.check_experts_config(config)
@@ -162,10 +164,11 @@ class ExpertRuntime:
             batch_threads = None
             pool_threads = decode_threads or n_threads or max(1, default_threads(cpu_set) - 1)
         native.set_cpu_threads(pool_threads)
-        log.info("experts: %d hot experts from %s, Np = %d%s", sum(len(v) for v in hot.values()),
-                 res_path or "no residency set (all experts cold)", np_tokens,
+        log.info("experts: %d hot experts from %s, Np = %d (%s)%s", sum(len(v) for v in hot.values()),
+                 res_path or "no residency set (all experts cold)", np_tokens, np_source,
                  f", GPUs {residency.devices}" if layer_dev else "")
         rt = cls(Path(model_path), model, residency, np_tokens, dev, layer_dev)
+        rt.prefill_threshold_source = np_source
         rt.decode_threads = decode_threads
         rt.batch_threads = batch_threads
         rt.pool_threads = pool_threads
@@ -285,6 +288,7 @@ class ExpertRuntime:
         ``with_counts`` the per (layer, expert) ``counts_prefill``/``counts_decode``."""
         d = native.experts_json("ostinato_experts_stats", 1 if with_counts else 0)
         d["prefill_threshold"] = self.prefill_threshold
+        d["prefill_threshold_source"] = self.prefill_threshold_source
         return d
 
     def take_request_stats(self) -> dict[str, Any]:
@@ -292,10 +296,19 @@ class ExpertRuntime:
         ``counts_prefill`` and ``counts_decode`` as [n_layer][n_expert] lists."""
         return native.experts_json("ostinato_experts_take_request_stats")
 
-    def set_prefill_threshold(self, np_tokens: int) -> None:
-        """Change Np at run time (calibration / tests)."""
+    def set_prefill_threshold(self, np_tokens: int, source: Optional[str] = None) -> None:
+        """Change Np at run time (calibration, the load probe, tests); ``source`` as in
+        :attr:`prefill_threshold_source` (kept when None)."""
         native.set_prefill_threshold(np_tokens)
         self.prefill_threshold = int(np_tokens)
+        if source is not None:
+            self.prefill_threshold_source = source
+
+    def wants_np_probe(self) -> bool:
+        """Whether the worker should measure Np at this load (:func:`.np_probe.probe_np`): nothing
+        gave one (no setting, no calibration, no probe of this model) and the pool is on a GPU,
+        where the split and upload paths differ (on a CPU build they are the same computation)."""
+        return self.prefill_threshold_source == "default" and self.device >= 0 and native.has_gpu()
 
     def force_path(self, path: str) -> None:
         """Force "split" or "upload" for prefill passes, or "auto"."""

@@ -79,9 +79,13 @@ class Worker:
 
     # ---- loading --------------------------------------------------------------------------------
 
-    def load(self) -> None:
+    def load(self, probe_np: bool = True) -> None:
         """Validate and load the model, create the context and the chat templates
-        (:func:`.loading.load_model`). Raises EngineError("model_not_loaded") on any failure."""
+        (:func:`.loading.load_model`). Raises EngineError("model_not_loaded") on any failure.
+
+        With ``probe_np``, where nothing gave the prefill threshold Np (no setting, calibration or
+        earlier probe of this model) and the pool is on a GPU, Np is measured before serving
+        (:meth:`probe_np`); the calibration itself loads with ``probe_np=False``."""
         import llama_cpp
 
         m = loading.load_model(self.settings, self.model_path)
@@ -99,6 +103,31 @@ class Worker:
         # a suffix, so prefix reuse goes through whole-state checkpoints (issue 13 item 3)
         self.uncuttable = bool(llama_cpp.llama_model_is_recurrent(self.model)
                                or llama_cpp.llama_model_is_hybrid(self.model))
+        if probe_np and self.rt is not None and self.rt.wants_np_probe():
+            self.probe_np()
+
+    def probe_np(self) -> Optional[int]:
+        """Measure Np on this model and machine (:func:`.np_probe.probe_np`, ~1 s), serve with it
+        and store it in the hardware profile for the next loads of this model
+        (:func:`..residency.calibration.store_prefill_probe`). A failure is logged and leaves Np
+        as it was (returns None); else returns the new Np."""
+        from ..residency.calibration import store_prefill_probe
+        from .np_probe import probe_np
+
+        try:
+            res = probe_np(self)
+        except Exception as e:  # noqa: BLE001 - serving with the default Np beats not serving
+            log.warning("experts: Np probe failed (%s: %s); serving with Np = %d", type(e).__name__, e,
+                        self.rt.prefill_threshold)
+            return None
+        self.rt.set_prefill_threshold(res["np_tokens"], "probe")
+        log.info("experts: Np = %d measured at load in %.2f s (%s)", res["np_tokens"], res["seconds"],
+                 ", ".join(f"{p['path']} {p['n']}: {p['total_ms']:.1f} ms" for p in res["points"]))
+        try:
+            store_prefill_probe(res, self.rt.model)
+        except OSError as e:
+            log.warning("experts: the measured Np was not stored in the hardware profile: %s", e)
+        return res["np_tokens"]
 
     def close(self) -> None:
         """Free the context, model and native objects (call on the loop thread or after it ended)."""

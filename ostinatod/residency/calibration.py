@@ -31,15 +31,53 @@ def load_calibration(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
         return None
 
 
-def prefill_threshold(settings: Any = None, path: Optional[Path] = None) -> int:
-    """Np to use: ``settings.prefill_threshold`` if set, else the calibrated value (unless stale),
-    else 512 (the paper's value, Sec. 3.3)."""
+PROBE_KIND = "prefill probe"  # a calibration record holding only the Np measured at a model load
+
+
+def prefill_threshold_choice(settings: Any = None, path: Optional[Path] = None,
+                             model_fingerprint: Optional[str] = None) -> tuple[int, str]:
+    """Np to use and where it comes from: ``(settings.prefill_threshold, "settings")`` if set, else
+    ``(np_tokens, "calibration")`` of a full calibration that is not stale, else ``(np_tokens,
+    "probe")`` of a load probe (:func:`store_prefill_probe`) of this model (``model_fingerprint``;
+    any model when None) that is not stale, else ``(512, "default")`` (the paper's value on PCIe 4.0,
+    Sec. 3.3; the engine worker then probes on a GPU, :func:`ostinatod.engine.np_probe.probe_np`)."""
     if settings is not None and getattr(settings, "prefill_threshold", None):
-        return int(settings.prefill_threshold)
+        return int(settings.prefill_threshold), "settings"
     cal = load_calibration(path)
-    if cal and not cal.get("stale") and cal.get("np_tokens"):
-        return int(cal["np_tokens"])
-    return DEFAULT_NP
+    if isinstance(cal, dict) and not cal.get("stale") and cal.get("np_tokens"):
+        if cal.get("kind") != PROBE_KIND:
+            return int(cal["np_tokens"]), "calibration"
+        fp = (cal.get("model") or {}).get("fingerprint")
+        if model_fingerprint is None or fp == model_fingerprint:
+            return int(cal["np_tokens"]), "probe"
+    return DEFAULT_NP, "default"
+
+
+def prefill_threshold(settings: Any = None, path: Optional[Path] = None) -> int:
+    """Np to use (:func:`prefill_threshold_choice` without the source)."""
+    return prefill_threshold_choice(settings, path)[0]
+
+
+def store_prefill_probe(probe: dict[str, Any], model: dict[str, Any], path: Optional[Path] = None
+                        ) -> Optional[Path]:
+    """Store a load probe's Np (:func:`ostinatod.engine.np_probe.probe_np`: ``{"np_tokens",
+    "points", "seconds"}``) as the calibration record of kind :data:`PROBE_KIND` for ``model``
+    (``{"fingerprint", "name"}``). A full calibration that is not stale is never replaced (it may have
+    been written since the probe started): then nothing is written and None is returned."""
+    cal = load_calibration(path)
+    if isinstance(cal, dict) and cal.get("np_tokens") and not cal.get("stale") \
+            and not cal.get("error") and cal.get("kind") != PROBE_KIND:
+        return None
+    import datetime as _dt
+
+    rec = {"format": CALIBRATION_FORMAT, "source": SOURCE, "kind": PROBE_KIND, "gpu_terms": True,
+           "np_tokens": int(probe["np_tokens"]), "prefill": {"points": probe.get("points", [])},
+           "model": {k: model.get(k) for k in ("fingerprint", "name")},
+           "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "seconds": probe.get("seconds"),
+           "notes": ["Np measured at a model load (split and upload passes of a few sizes); "
+                     "'ostinato calibrate --full' measures the whole cost model"]}
+    return store_calibration(rec, path)
 
 
 def store_calibration(cal: dict[str, Any], path: Optional[Path] = None) -> Path:

@@ -93,7 +93,7 @@ def collect_dev_traces(model: Path, block: dict[str, Any], dev: list[dict], a: a
     s = load_settings(model=model, experts="ostinato", residency=empty, n_slots=1, n_ctx=a.n_ctx,
                       n_threads=a.threads, engine_mode="inprocess", prefill_threshold=a.prefill_threshold)
     w = Worker(s, model)
-    w.load()
+    w.load(probe_np=False)   # all experts cold here: an Np probed now would not be the served one
     if w.rt is None:
         w.close()
         raise BenchError("the Ostinato expert engine is not active (stale native build? run "

@@ -1,0 +1,111 @@
+"""The prefill threshold Np measured at a model load (the "load probe"), and the timed forward passes
+it shares with the calibration (:mod:`.calibrate`).
+
+Without a setting, a calibration or an earlier probe of the model, a GPU engine would serve with the
+paper's Np of 512 (PCIe 4.0, Sec. 3.3); where the host-to-GPU link is faster or the CPU branch slower
+the paths cross far lower (16 tokens on the H200 host: docs/benchmarks), and every prefill below 512
+tokens (most prefills after a tool output) would pay the CPU branch. The probe measures the two paths
+on the served model and pool in about a second (Prop. 3.2: they cross once).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..residency.calibration import DEFAULT_NP
+from ..residency.cost import CalibrationError, PrefillPoint, measured_switch_point
+from . import native
+
+
+class Passes:
+    """Timed forward passes of random tokens on sequence 0 of a loaded Worker's context (the
+    calibration's and the load probe's measurements). ``decode(tokens, pos0)`` returns the wall
+    time of ``llama_decode`` + synchronize in ms and raises CalibrationError when it fails."""
+
+    def __init__(self, w: Any, n_max: int, seed: int = 0):
+        import llama_cpp
+
+        self._llama, self.w = llama_cpp, w
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(w.vocab))
+        self.rng = np.random.default_rng(seed)
+        self.mem = llama_cpp.llama_get_memory(w.ctx)
+        self.batch = llama_cpp.llama_batch_init(n_max, 0, 1)
+
+    def decode(self, tokens: Sequence[int], pos0: int) -> float:
+        b, llama_cpp = self.batch, self._llama
+        b.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            b.token[i] = int(t)
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1 if i == len(tokens) - 1 else 0
+        t0 = time.perf_counter()
+        rc = llama_cpp.llama_decode(self.w.ctx, b)
+        llama_cpp.llama_synchronize(self.w.ctx)
+        ms = (time.perf_counter() - t0) * 1e3
+        if rc != 0:
+            raise CalibrationError(f"llama_decode returned {rc}")
+        return ms
+
+    def toks(self, n: int) -> list[int]:
+        return [int(x) for x in self.rng.integers(100, max(101, self.n_vocab - 300), size=n)]
+
+    def clear(self) -> None:
+        self._llama.llama_memory_clear(self.mem, True)
+
+    def free(self) -> None:
+        if self.batch is not None:
+            self._llama.llama_batch_free(self.batch)
+            self.batch = None
+
+
+PROBE_SIZES = (16, 64, 256)   # token counts of the load probe's passes (after-tool prefills: ~100-1000)
+
+
+def probe_np(w: Any, sizes: Sequence[int] = PROBE_SIZES) -> dict[str, Any]:
+    """Np measured on the served model at its load (no calibration for it yet): one forced
+    split-path and one forced upload-path pass of each of ``sizes`` tokens (after a warm-up pass
+    per path), Np = the measured switch point of the two (:func:`..residency.cost.measured_switch_point`; Prop. 3.2 says the paths cross once), or 512 when the upload path is
+    not cheaper at any size (the crossing lies beyond them).
+
+    ``w``: a loaded :class:`.worker.Worker` whose expert runtime is active, before it serves (its
+    context's memory is cleared afterwards, the native counters reset so that the probe's routes
+    reach neither the traces nor the served statistics, the path back on auto). Takes ~1 s on the
+    48-layer 30B shape. Returns ``{"np_tokens", "points": [PrefillPoint as dicts], "seconds"}``.
+    Raises CalibrationError when a pass fails or the context's batch is smaller than a size.
+    """
+    import llama_cpp
+
+    t0 = time.monotonic()
+    # one pass per size: within the context's ubatch (a larger pass would be several forward passes)
+    n_batch = min(int(llama_cpp.llama_n_batch(w.ctx)), int(llama_cpp.llama_n_ubatch(w.ctx)))
+    sizes = sorted({int(n) for n in sizes if 0 < int(n) <= n_batch})
+    if len(sizes) < 2:
+        raise CalibrationError(f"the context's ubatch ({n_batch} tokens) is too small to probe Np")
+    passes = Passes(w, max(sizes), seed=1)
+    points: list[PrefillPoint] = []
+    try:
+        for path_name in ("split", "upload"):
+            w.rt.force_path(path_name)
+            passes.clear()
+            passes.decode(passes.toks(sizes[0]), 0)   # warm-up: allocations, the staging buffers
+            for n in sizes:
+                passes.clear()
+                w.rt.take_request_stats()
+                ms = passes.decode(passes.toks(n), 0)
+                st = w.rt.take_request_stats()
+                points.append(PrefillPoint(n, path_name, ms, float(st.get("distinct_cold_experts", 0)),
+                                           float(st.get("cold_routes", 0))))
+    finally:
+        w.rt.force_path("auto")
+        passes.clear()
+        passes.free()
+        w.rt.take_request_stats()
+        native.fn("ostinato_experts_reset_stats")()
+    measured = measured_switch_point(points)
+    return {"np_tokens": int(measured) if measured is not None else DEFAULT_NP,
+            "points": [vars(p) for p in points], "seconds": round(time.monotonic() - t0, 3)}
