@@ -82,7 +82,9 @@ def update_profile(path: Optional[Path] = None, measure: bool = True, recalibrat
     new = collect_profile(measure=measure, **measure_kw)
     changed = old.get("fingerprint") != new["fingerprint"]
     # re-read: a calibration or an engine's Np probe may have been stored while this one measured
-    old = {**old, **{k: v for k, v in (load_profile(path) or {}).items() if k == "calibration"}}
+    latest = load_profile(path) or {}
+    if "calibration" in latest:
+        old["calibration"] = latest["calibration"]
     if "calibration" in old:
         new["calibration"] = old["calibration"]
         if changed and isinstance(new["calibration"], dict):

@@ -233,6 +233,12 @@ def test_np_choice_order_and_the_load_probe_record(tmp_path):
     assert choice(None, prof, "m1") == (calibration.DEFAULT_NP, "default")
     assert calibration.store_prefill_probe(probe, {"fingerprint": "m1"}, prof) == prof
     assert choice(None, prof, "m1") == (40, "probe")
+    # a full calibration that found the upload path never cheaper (np_tokens None) is kept: 512
+    calibration.store_calibration({"np_tokens": None, "decode_threads": 4,
+                                   "format": calibration.CALIBRATION_FORMAT}, prof)
+    assert choice(None, prof, "m1") == (calibration.DEFAULT_NP, "calibration")
+    assert calibration.store_prefill_probe(probe, {"fingerprint": "m1"}, prof) is None
+    assert json.loads(prof.read_text())["calibration"]["decode_threads"] == 4
 
 
 def test_profile_show_names_a_probe(tmp_path):

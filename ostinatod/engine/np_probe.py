@@ -69,8 +69,9 @@ PROBE_SIZES = (16, 64, 256)   # token counts of the load probe's passes (after-t
 def probe_np(w: Any, sizes: Sequence[int] = PROBE_SIZES) -> dict[str, Any]:
     """Np measured on the served model at its load (no calibration for it yet): one forced
     split-path and one forced upload-path pass of each of ``sizes`` tokens (after a warm-up pass
-    per path), Np = the measured switch point of the two (:func:`..residency.cost.measured_switch_point`; Prop. 3.2 says the paths cross once), or 512 when the upload path is
-    not cheaper at any size (the crossing lies beyond them).
+    per path), Np = the measured switch point of the two
+    (:func:`..residency.cost.measured_switch_point`; Prop. 3.2 says the paths cross once), or 512
+    when the upload path is not cheaper at any size (the crossing lies beyond them).
 
     ``w``: a loaded :class:`.worker.Worker` whose expert runtime is active, before it serves (its
     context's memory is cleared afterwards, the native counters reset so that the probe's routes
@@ -104,8 +105,7 @@ def probe_np(w: Any, sizes: Sequence[int] = PROBE_SIZES) -> dict[str, Any]:
         w.rt.force_path("auto")
         passes.clear()
         passes.free()
-        w.rt.take_request_stats()
-        native.fn("ostinato_experts_reset_stats")()
+        native.fn("ostinato_experts_reset_stats")()   # the totals and the per-request counters
     measured = measured_switch_point(points)
     return {"np_tokens": int(measured) if measured is not None else DEFAULT_NP,
             "points": [vars(p) for p in points], "seconds": round(time.monotonic() - t0, 3)}

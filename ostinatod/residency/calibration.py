@@ -34,19 +34,27 @@ def load_calibration(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
 PROBE_KIND = "prefill probe"  # a calibration record holding only the Np measured at a model load
 
 
+def _is_full(cal: Any) -> bool:
+    """A usable record of ``ostinato calibrate``: not stale, not failed, not a load probe."""
+    return isinstance(cal, dict) and not cal.get("stale") and not cal.get("error") \
+        and cal.get("kind") != PROBE_KIND
+
+
 def prefill_threshold_choice(settings: Any = None, path: Optional[Path] = None,
                              model_fingerprint: Optional[str] = None) -> tuple[int, str]:
     """Np to use and where it comes from: ``(settings.prefill_threshold, "settings")`` if set, else
-    ``(np_tokens, "calibration")`` of a full calibration that is not stale, else ``(np_tokens,
-    "probe")`` of a load probe (:func:`store_prefill_probe`) of this model (``model_fingerprint``;
-    any model when None) that is not stale, else ``(512, "default")`` (the paper's value on PCIe 4.0,
-    Sec. 3.3; the engine worker then probes on a GPU, :func:`ostinatod.engine.np_probe.probe_np`)."""
+    ``(np_tokens, "calibration")`` of a full calibration that is not stale (512 where it found the
+    upload path never cheaper), else ``(np_tokens, "probe")`` of a load probe
+    (:func:`store_prefill_probe`) of this model (``model_fingerprint``; any model when None) that is
+    not stale, else ``(512, "default")`` (the paper's value on PCIe 4.0, Sec. 3.3; the engine worker
+    then probes on a GPU, :func:`ostinatod.engine.np_probe.probe_np`)."""
     if settings is not None and getattr(settings, "prefill_threshold", None):
         return int(settings.prefill_threshold), "settings"
     cal = load_calibration(path)
-    if isinstance(cal, dict) and not cal.get("stale") and cal.get("np_tokens"):
-        if cal.get("kind") != PROBE_KIND:
-            return int(cal["np_tokens"]), "calibration"
+    if _is_full(cal):
+        return int(cal.get("np_tokens") or DEFAULT_NP), "calibration"
+    if isinstance(cal, dict) and cal.get("kind") == PROBE_KIND and not cal.get("stale") \
+            and cal.get("np_tokens"):
         fp = (cal.get("model") or {}).get("fingerprint")
         if model_fingerprint is None or fp == model_fingerprint:
             return int(cal["np_tokens"]), "probe"
@@ -64,9 +72,7 @@ def store_prefill_probe(probe: dict[str, Any], model: dict[str, Any], path: Opti
     "points", "seconds"}``) as the calibration record of kind :data:`PROBE_KIND` for ``model``
     (``{"fingerprint", "name"}``). A full calibration that is not stale is never replaced (it may have
     been written since the probe started): then nothing is written and None is returned."""
-    cal = load_calibration(path)
-    if isinstance(cal, dict) and cal.get("np_tokens") and not cal.get("stale") \
-            and not cal.get("error") and cal.get("kind") != PROBE_KIND:
+    if _is_full(load_calibration(path)):
         return None
     import datetime as _dt
 
