@@ -359,22 +359,46 @@ def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     assert 0 < st["hot_routes"] < st["routes"] and st["cpu_branch_ms"] > 0   # both branches worked
 
 
-def test_decode_graph_with_every_expert_resident(moe, stock):
-    """A layer whose experts are all in the pool has no join in the decode graph (its GPU branch is the
-    output); its routes are still counted through the mailbox. Tokens stock's, logits bitwise equal to
-    the same placement without the graph, every decode route counted and hot."""
+@pytest.mark.parametrize("np_tokens", [512, 8])
+def test_every_expert_resident_takes_the_stock_computation(moe, stock, np_tokens):
+    """A pool holding every expert: each layer computes as stock does over a view of the pool (no
+    route op), on the split path (Np 512) and the upload path (Np 8). Tokens stock's; logits bitwise
+    equal to the same placement through the route op, with and without the decode graph; the count
+    op's route counts (read back at the stats call) equal the route op's, every route hot. On a GPU
+    every pass runs without host work (its decode_graph flag); a CPU pool's passes do not."""
     r = ost_runner(moe)
     _switch({il: list(range(moe[1]["n_expert"])) for il in moe[2]})
+    native.set_prefill_threshold(np_tokens)
+
+    def run():
+        native.llama_fn("ostinato_experts_reset_stats")()
+        toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        return toks, logits, _stats(1)
+
     try:
-        base_toks, base_logits, toks, logits, st = _without_and_with_graph(r, with_counts=1)
+        native.set_resident_path(False)
+        native.set_decode_graph(False)
+        base = run()
+        native.set_decode_graph(True, max_tokens=32)
+        graph = run()
+        native.set_decode_graph(None)
+        native.set_resident_path(True)
+        toks, logits, st = run()
     finally:
+        native.set_decode_graph(None)
+        native.set_resident_path(True)
+        native.set_prefill_threshold(512)
         _switch(half_hot(moe))
+    assert toks == stock[PROMPT_LEN][0] == base[0] == graph[0]
+    assert np.array_equal(logits, base[1]) and np.array_equal(logits, graph[1])
+    for key in ("counts_prefill", "counts_decode"):
+        assert st[key] == base[2][key] == graph[2][key]
     k, L = moe[1]["n_expert_used"], len(moe[2])
-    assert toks == stock[PROMPT_LEN][0] == base_toks
-    assert np.array_equal(logits, base_logits)
-    assert all(p["decode_graph"] for p in st["last_passes"][1:])
     assert np.array(st["counts_decode"]).sum() == N_NEW * k * L
-    assert st["cold_routes"] == 0 and st["hot_routes"] == st["routes"]
+    assert st["cold_routes"] == 0 and st["hot_routes"] == st["routes"] == base[2]["routes"]
+    assert st["pools"][0]["routes"] == st["routes"] == st["pools"][0]["hot_routes"]
+    assert all(p["decode_graph"] is GPU for p in st["last_passes"])
+    assert all(p["routes"] == 0 for p in st["last_passes"])   # counted on the device, not per pass
 
 
 def test_decode_graph_pool_threads_change_between_passes(moe, stock):
@@ -645,10 +669,10 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
             batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = 1000 + tok, pos, 1, 1
             batch.seq_id[0][0] = 0
             return batch
+        st0 = rt.stats()
         assert llama_cpp.llama_decode(ctx, step(0, 0)) == 0
-        st = rt.stats()
-        last = st["last_passes"][-1]
-        assert last["cold_routes"] == 0 and last["hot_routes"] > 0  # the switched set is in use
+        st = rt.stats()   # every layer all-resident: its routes come from the count op at this call
+        assert st["cold_routes"] == st0["cold_routes"] and st["hot_routes"] > st0["hot_routes"]
         # one-token steps' context threads: 1 only where the decode graph serves them (its own
         # pool runs the CPU branch); here every layer is on the CPU (n_gpu_layers 0)
         assert rt.context_decode_threads(6, 0) == 6
@@ -664,18 +688,25 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
         rt.context_threads, rt.follows_graph = (1, 2), True
         assert rt.follow_decode_graph(ctx, {"paths": {"decode": 0, "upload": 1}}) is False
         rt.take_request_stats()
+        # every layer is all-resident on a CPU pool: host work, not a decode-graph step even with
+        # the graph on; the route op's path (resident path off) takes the graph when it is on
         try:
-            native.set_decode_graph(False)
+            native.set_decode_graph(True, max_tokens=32)
             assert llama_cpp.llama_decode(ctx, step(1, 1)) == 0
+            assert rt.take_request_stats()["decode_graph_steps"] == 0
+            native.set_resident_path(False)
+            native.set_decode_graph(False)
+            assert llama_cpp.llama_decode(ctx, step(2, 2)) == 0
             st = rt.take_request_stats()
             assert st["paths"]["decode"] == 1 and st["decode_graph_steps"] == 0
             assert rt.follow_decode_graph(ctx, st) is True and rt.context_threads == (2, 2)
             assert llama_cpp.llama_n_threads(ctx) == 2
             native.set_decode_graph(True, max_tokens=32)
-            assert llama_cpp.llama_decode(ctx, step(2, 2)) == 0
+            assert llama_cpp.llama_decode(ctx, step(3, 3)) == 0
             st = rt.take_request_stats()
         finally:
             native.set_decode_graph(None)
+            native.set_resident_path(True)
         assert st["decode_graph_steps"] == 1
         assert rt.follow_decode_graph(ctx, st) is True and rt.context_threads == (1, 2)
         assert llama_cpp.llama_n_threads(ctx) == 1

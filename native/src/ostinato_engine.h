@@ -99,10 +99,23 @@ struct pool_t {
     ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
     ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
     ggml_tensor * scratch = nullptr;           // I32 [4, n_layer]: the route kernel's counters
+    ggml_tensor * counts = nullptr;            // I32 [n_expert, n_layer, 2]: routes of all-resident layers
+                                               // (plane 0 prefill, 1 decode), added to by the count op
+    std::vector<int32_t> counts_seen;          // host: the table as last read (flush_counts)
     int64_t bytes = 0, n_hot = 0;
     int64_t routes = 0, hot_routes = 0;        // cumulative routes of this pool's layers (stats)
     int n_classes = 0;
     std::vector<int> layers;                   // MoE layers assigned to this pool's device
+};
+
+// What one graph build (keyed by its graph context) holds of the engine: the all-resident layers
+// whose routes a count op at the end of the graph counts, per pool, and how many layers run without
+// (on a GPU) or with (route op, CPU pool) host work; a decode step with only the former is served
+// as the decode graph is.
+struct built_t {
+    std::map<int, std::vector<std::pair<int, ggml_tensor *>>> pending;   // pool -> (layer, selected)
+    int plane = 0;                             // 0 prefill, 1 decode (one-token pass)
+    int n_dev = 0, n_host = 0;
 };
 
 struct engine_t {
@@ -126,6 +139,7 @@ struct engine_t {
     ost_dgraph * dg = nullptr;                 // decode graph (created on first use)
     bool dg_failed = false;                    // its creation failed (note in `notes`)
     bool dg_running = false;                   // the current pass has decode-graph layers
+    std::map<ggml_context *, built_t> built;   // per graph context (reset when a graph is built in it)
     double upload_cpu_share = 0.5;             // hybrid upload passes: adapted share of cold experts on the CPU
     bool prefetch = false;                     // built with a second staging region (g_prefetch at build)
     std::vector<std::vector<int32_t>> pf_slot; // [layer][expert]: staging slot a prefetch put it in, or -1
@@ -160,13 +174,17 @@ extern int64_t    g_np;           // run-time: prefill threshold Np and forced p
 extern int        g_force;
 extern engine_t * g_eng;
 extern std::string g_err;
-extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views;
+extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views, g_resident;
 
 // op_params slot and value with which a mul_mat_id is marked as holding negative ids (patch 21 reads
 // them in the CUDA backend; ggml's own use of a mul_mat_id's op_params ends at index 2 + GGML_MAX_SRC)
 constexpr int     OSTINATO_SKIPS_PARAM = 15;
 constexpr int32_t OSTINATO_SKIPS_MAGIC = 0x4F53544E;   // "OSTN"
 static_assert(OSTINATO_SKIPS_PARAM < GGML_MAX_OP_PARAMS / (int) sizeof(int32_t), "op_params slot");
+// the count op's layer indices: past ggml_custom_op_params (fun, n_tasks, userdata) and within op_params
+static_assert(OSTINATO_COUNT_LAYERS * sizeof(int32_t) >= 3 * sizeof(void *) &&
+              OSTINATO_COUNT_LAYERS + OSTINATO_COUNT_MAX <= GGML_MAX_OP_PARAMS / (int) sizeof(int32_t) &&
+              OSTINATO_COUNT_MAX + 1 < GGML_MAX_SRC, "count op layout");
 
 // userdata of the route and upload ops: the layer, whether the pass uses pool views and whether its
 // upload op is a hybrid one
@@ -201,6 +219,8 @@ void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, const std::vector<uint8_t> & copy);
 double upload_share(const engine_t * e, bool has_stream);
 void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
+void count_op(ggml_tensor * dst, int ith, int nth, void * ud);
+void flush_counts(engine_t * e);
 // ostinato_pool.cpp
 void unpin(pinned_t & p);
 bool build_engine(llama_model * model, const config_t & cfg, std::string & err);

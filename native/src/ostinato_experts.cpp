@@ -43,6 +43,7 @@ int  g_dgraph_max = 64;       // largest pass (tokens) that takes the decode gra
 int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: estimate physical cores)
 bool g_borrow = true;         // borrowed decode memory (staging slots lent to decode)
 bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
+bool g_resident = true;       // all-resident layers take the stock computation over a pool view
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
 bool g_prefetch = false;          // prefetch for upload passes with views (a second staging region)
@@ -80,6 +81,10 @@ const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps) {
 
 ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
                                  bool views, ggml_tensor * pred) {
+    {
+        std::lock_guard<std::mutex> lock(g_mu);
+        if (g_eng) g_eng->built[ctx].n_host++;   // a host op in this graph (ctx is the graph's context)
+    }
     ggml_tensor * args[3] = { selected_experts, nullptr, nullptr };
     int n_args = 1;
     if (cur) args[n_args++] = cur;
@@ -286,7 +291,64 @@ ggml_tensor * ostinato_moe_join(ggml_context * ctx, ggml_tensor * ids_gpu, ggml_
 
 void ostinato_graph_build_begin(ggml_context * graph_ctx) {
     std::lock_guard<std::mutex> lock(g_mu);
+    if (g_eng) g_eng->built.erase(graph_ctx);
     if (g_eng && g_eng->dg) ost_dg_build_begin(g_eng->dg, graph_ctx);
+}
+
+int ostinato_moe_resident(int il) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || !g_resident || il < 0 || il >= e->n_layer) return 0;
+    const auto & l = e->layers[il];
+    const int pi = e->layer_pool[il];
+    return l.has_hot && l.n_hot == e->n_expert && pi >= 0 && e->pools[pi].counts ? 1 : 0;
+}
+
+void ostinato_moe_count_routes(ggml_context * graph_ctx, ggml_tensor * selected_experts, int il, int64_t n_tokens) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || il < 0 || il >= e->n_layer || e->layer_pool[il] < 0) return;
+    built_t & b = e->built[graph_ctx];
+    const int pi = e->layer_pool[il];
+    b.plane = n_tokens == 1 ? 1 : 0;   // a decode step, as the route op has it
+    b.pending[pi].push_back({il, selected_experts});
+    if (ggml_backend_dev_type(e->pools[pi].dev) == GGML_BACKEND_DEVICE_TYPE_CPU) b.n_host++;
+    else b.n_dev++;
+}
+
+void ostinato_graph_build_end(ggml_context * graph_ctx, ggml_cgraph * gf) {
+    // userdata of every count op: the CUDA backend knows the op by it (the layers are in op_params)
+    static const ostinato_op count_ud = [] {
+        ostinato_op o{};
+        o.magic = OSTINATO_OP_MAGIC;
+        o.kind = OSTINATO_OP_COUNT;
+        return o;
+    }();
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e) return;
+    auto it = e->built.find(graph_ctx);
+    if (it == e->built.end()) return;
+    built_t & b = it->second;
+    for (auto & kv : b.pending) {
+        ggml_tensor * table = e->pools[kv.first].counts;
+        const auto & layers = kv.second;
+        for (size_t i0 = 0; i0 < layers.size(); i0 += OSTINATO_COUNT_MAX) {
+            const size_t m = std::min<size_t>(OSTINATO_COUNT_MAX, layers.size() - i0);
+            // the plane as a view with the pool's buffer: the scheduler runs the op on the pool's device
+            ggml_tensor * plane = ggml_view_2d(graph_ctx, table, table->ne[0], table->ne[1], table->nb[1],
+                                               (size_t) b.plane * table->nb[2]);
+            ggml_backend_view_init(plane);
+            ggml_tensor * args[GGML_MAX_SRC] = { plane };
+            for (size_t i = 0; i < m; ++i) args[1 + i] = layers[i0 + i].second;
+            ggml_tensor * t = ggml_custom_4d(graph_ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, (int) m + 1, count_op, 1,
+                                             (void *) &count_ud);
+            for (size_t i = 0; i < m; ++i) t->op_params[OSTINATO_COUNT_LAYERS + i] = layers[i0 + i].first;
+            ggml_format_name(t, OSTINATO_OP_PREFIX "count-%d", layers[i0].first);
+            ggml_build_forward_expand(gf, t);
+        }
+    }
+    b.pending.clear();
 }
 
 int ostinato_moe_overlap(void) {
@@ -332,6 +394,9 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         e->in_pass = true;
         e->pass_t0_us = now_us();
         e->dg_running = false;
+        // a pass whose MoE layers are all-resident ones on a GPU has no host work either
+        auto bi = e->built.find(graph_ctx);
+        e->cur.graph = bi != e->built.end() && bi->second.n_dev > 0 && bi->second.n_host == 0;
         dg = e->dg;
         // token boundary: borrowed slots are lent for decode and handed back before the upload path
         const bool upload = n_tokens > 1 && (g_force == FORCE_UPLOAD || (g_force != FORCE_SPLIT && n_tokens >= g_np));
@@ -368,7 +433,7 @@ void ostinato_pass_end(int64_t n_tokens) {
     e->in_pass = false;
     e->cur.total_ms = (now_us() - e->pass_t0_us) / 1000.0;
     e->cur.path = n_tokens <= 1 ? "decode" : (up ? "upload" : "split");
-    e->cur.graph = e->dg_running;
+    e->cur.graph = e->cur.graph || e->dg_running;
     e->dg_running = false;
     e->total.add(e->cur);
     e->request.add(e->cur);
@@ -610,6 +675,13 @@ int ostinato_experts_set_hybrid_rows(int rows) {
 int ostinato_experts_set_prefetch(int on) {
     std::lock_guard<std::mutex> lock(g_mu);
     g_prefetch = on != 0;   // the pool's layout: at the next build
+    return 0;
+}
+
+int ostinato_experts_set_resident_path(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_resident != (on != 0)) g_graph_dirty = true;   // cached graphs were built with the other choice
+    g_resident = on != 0;
     return 0;
 }
 

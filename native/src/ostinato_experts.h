@@ -125,8 +125,18 @@ ggml_context * ostinato_moe_cpu_begin(ggml_context * graph_ctx, int il, ggml_ten
 void           ostinato_moe_cpu_end(ggml_context * graph_ctx, int il, ggml_tensor * out);
 // Join op of layer il: out_gpu (may be null: no hot expert) + the CPU branch at cold positions.
 ggml_tensor *  ostinato_moe_join(ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il);
+// 1 when every expert of layer il is resident in its pool (whose hot slots then hold them in expert
+// order, so that a view of the pool takes the router's ids as they are) and the all-resident path is
+// on (ostinato_experts_set_resident_path): the layer needs no route op on any path.
+int  ostinato_moe_resident(int il);
+// Registers the routes of all-resident layer il (selected_experts [k, n] of a pass of n_tokens) for
+// the count op that ostinato_graph_build_end adds to the graph built in graph_ctx.
+void ostinato_moe_count_routes(ggml_context * graph_ctx, ggml_tensor * selected_experts, int il, int64_t n_tokens);
 // Called before a graph is built in graph_ctx (its CPU-branch graphs are made anew).
 void ostinato_graph_build_begin(ggml_context * graph_ctx);
+// Called after it: appends the count ops of its all-resident layers (one per pool and per
+// OSTINATO_COUNT_MAX layers) to gf, after every other node, so that no fused pattern is split.
+void ostinato_graph_build_end(ggml_context * graph_ctx, ggml_cgraph * gf);
 // False once after a residency switch: the context must rebuild its cached graph.
 bool ostinato_graph_reusable(void);
 // Around the compute of the graph built in graph_ctx (its decode-graph layers' CPU branches run
@@ -194,6 +204,9 @@ OSTINATO_API int          ostinato_experts_set_hybrid_rows(int rows);
 // staging region (odd layers stage there, so that the next layer's copies can run while this layer's
 // staged routes compute); takes effect at the next load or residency switch.
 OSTINATO_API int          ostinato_experts_set_prefetch(int on);
+// The all-resident path (see ostinato_moe_resident) on (1, default) or off (0: such layers take the
+// route op as any other; for measurements). Takes effect at the next graph.
+OSTINATO_API int          ostinato_experts_set_resident_path(int on);
 // Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates
 // the pool at the next pass (call between passes).
 OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);

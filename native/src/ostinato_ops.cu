@@ -5,7 +5,9 @@
 #include "ostinato_ops.h"
 #include "ostinato_ops_cuda.cuh"
 
+#include <algorithm>
 #include <cstring>
+#include <string>
 
 static const ostinato_op * ost_op_of(const ggml_tensor * t) {
     if (t->op != GGML_OP_CUSTOM || strncmp(t->name, OSTINATO_OP_PREFIX, sizeof(OSTINATO_OP_PREFIX) - 1) != 0) {
@@ -121,9 +123,37 @@ static __global__ void ost_join_kernel(const float * gpu, const int32_t * ids_gp
     }
 }
 
-bool ggml_cuda_ostinato_supports_op(const ggml_tensor * op) {
+// Route counts of up to OSTINATO_COUNT_MAX all-resident layers (count op): grid.y = the layer.
+struct ost_count_args {
+    const char * sel[OSTINATO_COUNT_MAX];
+    int64_t nb0[OSTINATO_COUNT_MAX], nb1[OSTINATO_COUNT_MAX];
+    int32_t il[OSTINATO_COUNT_MAX], k[OSTINATO_COUNT_MAX], n[OSTINATO_COUNT_MAX];
+};
+
+static __global__ void ost_count_kernel(const ost_count_args a, int32_t * table, const int n_expert) {
+    const int s = blockIdx.y;
+    const int64_t m = (int64_t) a.k[s] * a.n[s];
+    for (int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (int64_t) gridDim.x * blockDim.x) {
+        const int64_t t = i / a.k[s], j = i % a.k[s];
+        const int32_t x = *(const int32_t *) (a.sel[s] + t * a.nb1[s] + j * a.nb0[s]);
+        if (x >= 0 && x < n_expert) atomicAdd(&table[(int64_t) a.il[s] * n_expert + x], 1);
+    }
+}
+
+bool ggml_cuda_ostinato_supports_op(const ggml_tensor * op, int device) {
     const ostinato_op * o = ost_op_of(op);
     if (!o) return false;
+    if (o->kind == OSTINATO_OP_COUNT) {
+        // only where the count table lives (the scheduler may offer an op over a host table to the GPU)
+        const ggml_tensor * t = op->src[0];
+        if (!t || t->type != GGML_TYPE_I32 || !t->buffer || !ggml_is_contiguous(t)) return false;
+        const std::string want = std::string(GGML_CUDA_NAME) + std::to_string(device);
+        if (want != ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer))) return false;
+        for (int i = 1; i < GGML_MAX_SRC && op->src[i]; ++i) {
+            if (op->src[i]->type != GGML_TYPE_I32) return false;
+        }
+        return true;
+    }
     if (o->kind == OSTINATO_OP_ROUTE) {
         return op->src[0] && op->src[0]->type == GGML_TYPE_I32 && op->src[1] && op->src[1]->type == GGML_TYPE_F32 &&
                op->type == GGML_TYPE_I32;
@@ -155,6 +185,23 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
         const dim3 grid((unsigned) o->k, (unsigned) dst->ne[2], 1);
         ost_join_kernel<<<grid, 256, 0, stream>>>(gpu ? (const float *) gpu->data : nullptr,
                                                   (const int32_t *) ids->data, (float *) dst->data, *o);
+    } else if (o->kind == OSTINATO_OP_COUNT) {
+        const ggml_tensor * table = dst->src[0];
+        ost_count_args a{};
+        int m = 0;
+        int64_t most = 1;
+        for (int i = 1; i < GGML_MAX_SRC && dst->src[i] && m < OSTINATO_COUNT_MAX; ++i, ++m) {
+            const ggml_tensor * sel = dst->src[i];
+            a.sel[m] = (const char *) sel->data; a.nb0[m] = sel->nb[0]; a.nb1[m] = sel->nb[1];
+            a.il[m] = dst->op_params[OSTINATO_COUNT_LAYERS + m];
+            a.k[m] = (int32_t) sel->ne[0]; a.n[m] = (int32_t) sel->ne[1];
+            GGML_ASSERT(a.il[m] >= 0 && a.il[m] < table->ne[1]);
+            most = std::max(most, sel->ne[0] * sel->ne[1]);
+        }
+        if (m > 0) {
+            const dim3 grid((unsigned) std::min<int64_t>((most + 255) / 256, 64), (unsigned) m, 1);
+            ost_count_kernel<<<grid, 256, 0, stream>>>(a, (int32_t *) table->data, (int) table->ne[0]);
+        }
     } else {
         return false;
     }

@@ -15,6 +15,14 @@
 // The CPU branch between them runs on the engine's resident thread pool (ostinato_experts.cpp),
 // which polls the layer headers in layer order.
 //
+// A layer whose experts are all resident needs neither: its hot slots hold the experts in expert
+// order, so its GPU branch is the stock computation over a view of the pool with the router's ids as
+// they are. Its routes are counted by a third op at the end of the graph:
+//   count (OSTINATO_OP_COUNT): src[0] one plane of the pool's count table, I32 [n_expert, n_layer]
+//     (the op runs where that table lives), src[1..m] the selected_experts [k, n] of m <= 8 such
+//     layers, whose indices are in op_params[OSTINATO_COUNT_LAYERS + i]. Adds 1 to table[il][x] per
+//     route; the host reads the table when it reports stats. Output I32 [1], unused.
+//
 // The CUDA backend recognises these ops by the node name prefix OSTINATO_OP_PREFIX *and* the magic of
 // the struct that the custom op's userdata points to; every other custom op stays on the CPU.
 #pragma once
@@ -27,7 +35,13 @@
 enum ostinato_op_kind {
     OSTINATO_OP_ROUTE = 1,
     OSTINATO_OP_JOIN  = 2,
+    OSTINATO_OP_COUNT = 3,
 };
+
+// count op: op_params int32 slot of its first layer index (after ggml_custom_op_params, 24 bytes),
+// and the most layers one op counts (ggml_custom_4d takes fewer than GGML_MAX_SRC sources, one is the table)
+#define OSTINATO_COUNT_LAYERS 6
+#define OSTINATO_COUNT_MAX    8
 
 // One layer's header in the mailbox; one cache line each so that the GPU's writes to one layer and
 // the CPU's polling of another do not share a line.

@@ -127,6 +127,57 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     if (ok && views && split) e->cur.views = true;
 }
 
+// Count op on the CPU (a CPU pool's all-resident layers; n_tasks = 1; same effect as
+// ost_count_kernel, see ostinato_ops.h): adds each route of the source layers to the count table.
+void count_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth; (void) ud;
+    if (ith != 0) return;
+    const ggml_tensor * table = dst->src[0];
+    int32_t * c = (int32_t *) table->data;
+    const int64_t n_expert = table->ne[0];
+    for (int i = 1; i < GGML_MAX_SRC && dst->src[i]; ++i) {
+        const ggml_tensor * sel = dst->src[i];
+        const int32_t il = dst->op_params[OSTINATO_COUNT_LAYERS + i - 1];
+        GGML_ASSERT(il >= 0 && il < table->ne[1]);
+        for (int64_t t = 0; t < sel->ne[1]; ++t) {
+            for (int64_t j = 0; j < sel->ne[0]; ++j) {
+                const int32_t x = *(const int32_t *) ((const char *) sel->data + t * sel->nb[1] + j * sel->nb[0]);
+                // relaxed atomics: flush_counts may read the table meanwhile (a stats call)
+                if (x >= 0 && x < n_expert) __atomic_fetch_add(&c[il * n_expert + x], 1, __ATOMIC_RELAXED);
+            }
+        }
+    }
+}
+
+// Reads each pool's count table (all-resident layers, see ostinato_ops.h) and adds what it gained
+// since the last read to the totals, the request's counts and the pool's routes (all hot). The table
+// only grows (modulo 2^32), so a read while a pass still runs loses nothing: the rest comes with the
+// next read. Caller holds g_mu.
+void flush_counts(engine_t * e) {
+    if (!e) return;
+    for (auto & p : e->pools) {
+        if (!p.counts) continue;
+        const size_t n = (size_t) ggml_nelements(p.counts), plane = n / 2;
+        std::vector<int32_t> now(n);
+        ggml_backend_tensor_get(p.counts, now.data(), 0, n * sizeof(int32_t));
+        if (p.counts_seen.size() != n) p.counts_seen.assign(n, 0);
+        for (size_t i = 0; i < n; ++i) {
+            const int64_t d = (int64_t) (uint32_t) ((uint32_t) now[i] - (uint32_t) p.counts_seen[i]);
+            if (d == 0) continue;
+            const bool decode = i >= plane;
+            const size_t idx = i % plane;   // layer * n_expert + expert
+            for (totals_t * t : {&e->total, &e->request}) {
+                (decode ? t->counts_decode : t->counts_prefill)[idx] += d;
+                t->routes += d;
+                t->hot += d;
+            }
+            p.routes += d;
+            p.hot_routes += d;
+        }
+        p.counts_seen = std::move(now);
+    }
+}
+
 // Copies the experts x with copy[x] set into slot[x] of layer il's pool tensors (weights and
 // biases; one expert = one ne[2] slice of a weight tensor, one row of a bias tensor), asynchronously on
 // the layer's upload stream when its pool has one, else synchronously; runs of consecutive experts in

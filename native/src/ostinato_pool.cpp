@@ -385,12 +385,14 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
 
     for (auto & c : e->classes) e->pools[c.pool].n_classes++;
     for (auto & p : e->pools) {
-        const size_t n_tensors = 6 * (size_t) p.n_classes + 3;   // up, gate, down + their bias rows; tables
+        const size_t n_tensors = 6 * (size_t) p.n_classes + 4;   // up, gate, down + their bias rows; tables
         ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
         p.ctx = ggml_init(ip);
         if (!p.layers.empty()) {
             p.table = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, e->n_expert, e->n_layer);
             p.scratch = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, 4, e->n_layer);
+            p.counts = ggml_new_tensor_3d(p.ctx, GGML_TYPE_I32, e->n_expert, e->n_layer, 2);
+            p.counts_seen.assign((size_t) ggml_nelements(p.counts), 0);   // the buffer is cleared below
         }
     }
     for (auto & c : e->classes) {
@@ -470,6 +472,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     totals_init(e->total, nle);
     totals_init(e->request, nle);
     if (g_eng && g_eng->model == model) {   // residency switch: keep the counters
+        flush_counts(g_eng);   // the old pool's count tables go with it
         e->total = g_eng->total;
         e->request = g_eng->request;
         e->last = g_eng->last;

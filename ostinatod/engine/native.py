@@ -172,6 +172,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_resident_path": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_upload_cpu_share": ([ctypes.c_double], ctypes.c_int),
     "ostinato_experts_set_hybrid_rows": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_prefetch": ([ctypes.c_int], ctypes.c_int),
@@ -319,6 +320,16 @@ def set_views(on: bool) -> None:
     scans one layer's experts rather than the whole size class. On by default; off only for
     measurements. Takes effect at the next graph build."""
     llama_fn("ostinato_experts_set_views")(1 if on else 0)
+
+
+def set_resident_path(on: bool) -> None:
+    """All-resident layers (docs/engine.md "All-resident layers"): a layer whose experts are all in
+    the pool (its hot slots then hold them in expert order) computes as stock does, over a view of
+    the pool with the router's ids, on every path and pass size: no route op, no host round trip; a
+    count op at the end of the graph counts its routes on the pool's device, read back at each stats
+    call. On by default; off only for measurements (such layers then take the route op like any
+    other). Takes effect at the next graph build."""
+    llama_fn("ostinato_experts_set_resident_path")(1 if on else 0)
 
 
 def set_upload_cpu_share(share: Optional[float]) -> None:
