@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,11 +71,12 @@ class Runner:
     """Loads the model with the low-level API and generates greedily; returns tokens and logits."""
 
     def __init__(self, path, hot=None, prefill_threshold=512, force="auto", all_logits=False, rt=None,
-                 tensor_split=None):
+                 tensor_split=None, cb_eval=None):
         # all_logits: every token is an output, so llama.cpp does not prune the last layer to the
         # output rows and every MoE layer sees every token of the pass
         # rt: an ExpertRuntime from prepare() (it configured the loader; the runner loads and attaches)
         # tensor_split (GPU, stock reference): llama.cpp's layer split with these weights
+        # cb_eval: a llama_cpp.ggml_backend_sched_eval_callback, called for every node in compute order
         self.all_logits = all_logits
         llama_cpp.llama_backend_init()
         cfg = None  # the placement passed with the load (None: stock)
@@ -101,6 +103,9 @@ class Runner:
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = 64, 32, 32
         cp.n_threads = cp.n_threads_batch = 1  # spinning thread barriers crawl on a busy 2-core CI box
+        if cb_eval is not None:
+            self._cb_eval = cb_eval  # kept alive with the context
+            cp.cb_eval = cb_eval
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         assert self.ctx
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
@@ -399,6 +404,47 @@ def test_every_expert_resident_takes_the_stock_computation(moe, stock, np_tokens
     assert st["pools"][0]["routes"] == st["routes"] == st["pools"][0]["hot_routes"]
     assert all(p["decode_graph"] is GPU for p in st["last_passes"])
     assert all(p["routes"] == 0 for p in st["last_passes"])   # counted on the device, not per pass
+
+
+def test_every_expert_resident_has_the_stock_graph(moe):
+    """With every expert resident, a forward pass computes the node sequence of stock's graph (op
+    by op, decode and prefill), then the count ops at its end: no VIEW between two products, so the
+    GPU backend fuses what it fuses for stock (up/gate/GLU, top-k)."""
+    import ctypes
+
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    ggml = ctypes.CDLL(str(libdir / "libggml-base.so"))
+    ggml.ggml_op_desc.argtypes, ggml.ggml_op_desc.restype = [ctypes.c_void_p], ctypes.c_char_p
+    ggml.ggml_get_name.argtypes, ggml.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+
+    def ops_of(hot):
+        seen: list = []
+
+        def cb(t, ask, _ud):
+            if ask:
+                seen.append((ggml.ggml_op_desc(t).decode(), ggml.ggml_get_name(t).decode()))
+            return False
+
+        drop_ost()
+        r = Runner(moe[0], hot=hot, cb_eval=llama_cpp.ggml_backend_sched_eval_callback(cb))
+        try:
+            passes = []
+            for toks, pos in ((_prompt(8), 0), ([1000], 8)):   # a prefill, then a decode step
+                seen.clear()
+                r._decode(toks, pos)
+                passes.append(list(seen))
+            return passes
+        finally:
+            r.close()
+
+    stock_passes = ops_of(None)
+    ost_passes = ops_of({il: list(range(moe[1]["n_expert"])) for il in moe[2]})
+    for st, ost in zip(stock_passes, ost_passes):
+        n = len(st)
+        assert [o for o, _ in ost[:n]] == [o for o, _ in st]
+        tail = ost[n:]   # per op: a VIEW of the count table's plane, then the count op
+        assert tail and all(o == "VIEW" for o, _ in tail[0::2])
+        assert all(o == "CUSTOM" and name.startswith("ostdev:count-") for o, name in tail[1::2])
 
 
 def test_decode_graph_pool_threads_change_between_passes(moe, stock):

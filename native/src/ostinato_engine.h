@@ -95,6 +95,7 @@ struct pool_t {
     ggml_backend_dev_t dev = nullptr;
     std::string name = "CPU";                  // backend device name, e.g. CUDA1
     ggml_context * ctx = nullptr;
+    ggml_context * resident_ctx = nullptr;     // the all-resident layers' leaves over buf (no data of their own)
     ggml_backend_buffer_t buf = nullptr;
     ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
     ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph

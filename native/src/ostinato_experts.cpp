@@ -60,6 +60,7 @@ void free_engine(engine_t * e) {
         if (p.upload_backend) ggml_backend_free(p.upload_backend);
         if (p.buf) ggml_backend_buffer_free(p.buf);
         if (p.ctx) ggml_free(p.ctx);
+        if (p.resident_ctx) ggml_free(p.resident_ctx);
     }
     delete e;
 }
@@ -301,7 +302,7 @@ int ostinato_moe_resident(int il) {
     if (!e || !g_resident || il < 0 || il >= e->n_layer) return 0;
     const auto & l = e->layers[il];
     const int pi = e->layer_pool[il];
-    return l.has_hot && l.n_hot == e->n_expert && pi >= 0 && e->pools[pi].counts ? 1 : 0;
+    return l.has_hot && l.n_hot == e->n_expert && l.resident[2] && pi >= 0 && e->pools[pi].counts ? 1 : 0;
 }
 
 void ostinato_moe_count_routes(ggml_context * graph_ctx, ggml_tensor * selected_experts, int il, int64_t n_tokens) {

@@ -32,6 +32,11 @@ struct ostinato_moe_layer {
     int hot0   = 0;                          // the layer's hot slots: [hot0, hot0 + n_hot), in expert order
     int n_hot  = 0;
     int n_stage = 0;                         // staging slots of the class
+    // a layer whose experts are all resident (n_hot == n_expert): its hot slots as tensors of their
+    // own (up, gate, down, their bias rows; null where the layer has none), leaves over the pool's
+    // memory rather than graph views, so that its graph has the node sequence of stock's and the
+    // GPU backend fuses the same patterns (a VIEW node between two products splits a fusion)
+    ggml_tensor * resident[6] = { nullptr, nullptr, nullptr, nullptr, nullptr, nullptr };
     // passes of more than OSTINATO_VIEW_MIN_TOKENS tokens compute the GPU routes over views of the
     // layer's own slots (see ostinato_moe_views); false where the pool's device cannot skip negative ids
     bool views = false;

@@ -446,6 +446,30 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             p.upload_backend = ggml_backend_dev_init(p.dev, nullptr);
         }
     }
+    // all-resident layers: leaves over their hot slots (see ostinato_moe_layer::resident)
+    for (int il = 0; il < e->n_layer; ++il) {
+        auto & l = e->layers[il];
+        if (!l.has_hot || l.n_hot != e->n_expert) continue;
+        pool_t & p = e->pools[e->layer_pool[il]];
+        if (!p.resident_ctx) {
+            ggml_init_params ip = { ggml_tensor_overhead() * 6 * (size_t) e->n_layer, nullptr, true };
+            p.resident_ctx = ggml_init(ip);
+        }
+        ggml_tensor * pool[6] = { l.up_pool, l.gate_pool, l.down_pool, l.up_b_pool, l.gate_b_pool, l.down_b_pool };
+        static const char * part[6] = { "up", "gate", "down", "up_b", "gate_b", "down_b" };
+        for (int i = 0; i < 6; ++i) {
+            ggml_tensor * t = pool[i];
+            if (!t) continue;
+            const int d = i < 3 ? 2 : 1;   // the slot dimension: experts of a weight, rows of a bias
+            ggml_tensor * r = d == 2 ? ggml_new_tensor_3d(p.resident_ctx, t->type, t->ne[0], t->ne[1], l.n_hot)
+                                     : ggml_new_tensor_2d(p.resident_ctx, t->type, t->ne[0], l.n_hot);
+            GGML_ASSERT(r->nb[d] == t->nb[d]);
+            r->buffer = t->buffer;
+            r->data = (char *) t->data + (size_t) l.hot0 * t->nb[d];
+            ggml_format_name(r, "ostinato.blk.%d.resident_%s", il, part[i]);
+            l.resident[i] = r;
+        }
+    }
     // copy hot experts into their slots; fill the index table
     e->slot.assign(e->n_layer, std::vector<int32_t>(e->n_expert, -1));
     e->layer_class = layer_class;
