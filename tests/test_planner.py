@@ -141,6 +141,18 @@ def test_prefetch_reserves_a_second_staging_region():
     assert hot == {1: 12, 2: 4}
 
 
+def test_compute_estimate_keeps_the_router_ids_of_each_moe_layer():
+    """The count op of all-resident layers keeps each MoE layer's sorted router ids (i32
+    [n_expert, n_ubatch]) until the end of the graph: the compute estimate holds them, per MoE layer
+    of the GPU, and grows with the ubatch."""
+    shape = _shape(n_layer=4, n_expert=8, expert_bytes=[MiB] * 4)
+    all4 = planner.estimate_gpu_need(shape, range(4), 4096, n_ubatch=512)
+    two = planner.estimate_gpu_need(shape, range(2), 4096, n_ubatch=512)
+    assert all4["compute"] - two["compute"] == 2 * 4 * 512 * 8
+    big = planner.estimate_gpu_need(shape, range(4), 4096, n_ubatch=1024)
+    assert big["compute"] == 2 * all4["compute"]
+
+
 def test_sets_planned_to_the_memory_with_one_region_leave_no_room_for_prefetch():
     """A set planned with one staging region against a GPU's free memory (the pool filled to the
     capacity) has no room for the prefetch's second region: the runtime turns prefetch off for it

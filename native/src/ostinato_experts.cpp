@@ -43,7 +43,7 @@ int  g_dgraph_max = 64;       // largest pass (tokens) that takes the decode gra
 int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: estimate physical cores)
 bool g_borrow = true;         // borrowed decode memory (staging slots lent to decode)
 bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
-bool g_resident = true;       // all-resident layers take the stock computation over a pool view
+bool g_resident = true;       // all-resident layers take the stock computation over their resident tensors
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
 bool g_prefetch = false;          // prefetch for upload passes with views (a second staging region)

@@ -131,7 +131,7 @@ void           ostinato_moe_cpu_end(ggml_context * graph_ctx, int il, ggml_tenso
 // Join op of layer il: out_gpu (may be null: no hot expert) + the CPU branch at cold positions.
 ggml_tensor *  ostinato_moe_join(ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il);
 // 1 when every expert of layer il is resident in its pool (whose hot slots then hold them in expert
-// order, so that a view of the pool takes the router's ids as they are) and the all-resident path is
+// order, so that tensors over them take the router's ids as they are) and the all-resident path is
 // on (ostinato_experts_set_resident_path): the layer needs no route op on any path.
 int  ostinato_moe_resident(int il);
 // Registers the routes of all-resident layer il (selected_experts [k, n] of a pass of n_tokens) for

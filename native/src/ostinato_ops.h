@@ -16,8 +16,8 @@
 // which polls the layer headers in layer order.
 //
 // A layer whose experts are all resident needs neither: its hot slots hold the experts in expert
-// order, so its GPU branch is the stock computation over a view of the pool with the router's ids as
-// they are. Its routes are counted by a third op at the end of the graph:
+// order, so its GPU branch is the stock computation over tensors on those slots with the router's
+// ids as they are. Its routes are counted by a third op at the end of the graph:
 //   count (OSTINATO_OP_COUNT): src[0] one plane of the pool's count table, I32 [n_expert, n_layer]
 //     (the op runs where that table lives), src[1..m] the selected_experts [k, n] of m <= 8 such
 //     layers, whose indices are in op_params[OSTINATO_COUNT_LAYERS + i]. Adds 1 to table[il][x] per

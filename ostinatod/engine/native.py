@@ -324,8 +324,8 @@ def set_views(on: bool) -> None:
 
 def set_resident_path(on: bool) -> None:
     """All-resident layers (docs/engine.md "All-resident layers"): a layer whose experts are all in
-    the pool (its hot slots then hold them in expert order) computes as stock does, over a view of
-    the pool with the router's ids, on every path and pass size: no route op, no host round trip; a
+    the pool (its hot slots then hold them in expert order) computes as stock does, over tensors on
+    those slots with the router's ids, on every path and pass size: no route op, no host round trip; a
     count op at the end of the graph counts its routes on the pool's device, read back at each stats
     call. On by default; off only for measurements (such layers then take the route op like any
     other). Takes effect at the next graph build."""

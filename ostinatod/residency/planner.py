@@ -135,7 +135,9 @@ def estimate_gpu_need(shape: ModelInfo, layers: Sequence[int], max_tokens: int, 
 
     dense: non-expert weights of ``layers`` (+ output head on the ``last`` GPU); kv: f16 KV cache
     of those layers at ``max_tokens``; compute: llama.cpp-style compute buffers of one ubatch
-    (logits + activations + expert intermediates, f32); staging: the upload path's staging buffer
+    (logits + activations + expert intermediates, f32; + the router's sorted ids of every MoE layer,
+    i32 [n_expert, n_ubatch] each, which the count op of all-resident layers keeps until the end of
+    the graph, docs/engine.md "All-resident layers"); staging: the upload path's staging buffer
     (every expert of the largest layer: the most distinct cold experts one layer can have; times
     ``staging_regions``, 2 with the prefill prefetch, docs/engine.md "Prefetch");
     zero_slots: k all-zero slots per size class. Returns a dict of these and ``total``.
@@ -145,9 +147,9 @@ def estimate_gpu_need(shape: ModelInfo, layers: Sequence[int], max_tokens: int, 
     dense = sum(shape.dense_layer_bytes[l] for l in layers) + (shape.other_bytes if last else 0)
     kv = int(shape.kv_bytes_per_token * frac * max_tokens)
     ff = shape.n_ff_exp or 4 * shape.n_embd
-    compute = 4 * n_ubatch * ((shape.n_vocab if last else 0) + 16 * shape.n_embd
-                              + 3 * max(1, shape.n_expert_used) * ff)
     moe = [l for l in layers if shape.expert_bytes[l] > 0]
+    compute = 4 * n_ubatch * ((shape.n_vocab if last else 0) + 16 * shape.n_embd
+                              + 3 * max(1, shape.n_expert_used) * ff + len(moe) * shape.n_expert)
     staging = staging_regions * max((shape.expert_bytes[l] * shape.n_expert for l in moe), default=0)
     zero = sum(shape.n_expert_used * shape.expert_bytes[l]
                for l in {shape.size_class[l]: l for l in moe}.values())
