@@ -370,7 +370,8 @@ def test_every_expert_resident_takes_the_stock_computation(moe, stock, np_tokens
     route op), on the split path (Np 512) and the upload path (Np 8). Tokens stock's; logits bitwise
     equal to the same placement through the route op, with and without the decode graph; the count
     op's route counts (read back at the stats call) equal the route op's, every route hot. On a GPU
-    every pass runs without host work (its decode_graph flag); a CPU pool's passes do not."""
+    every pass runs without host work (its decode_graph flag); a CPU pool's passes do not. (On a GPU
+    the comparison with the route-op path is within the GPU tolerance.)"""
     r = ost_runner(moe)
     _switch({il: list(range(moe[1]["n_expert"])) for il in moe[2]})
     native.set_prefill_threshold(np_tokens)
@@ -395,7 +396,11 @@ def test_every_expert_resident_takes_the_stock_computation(moe, stock, np_tokens
         native.set_prefill_threshold(512)
         _switch(half_hot(moe))
     assert toks == stock[PROMPT_LEN][0] == base[0] == graph[0]
-    assert np.array_equal(logits, base[1]) and np.array_equal(logits, graph[1])
+    assert np.array_equal(base[1], graph[1])
+    if GPU:   # the pool tensors have more slots than a layer's experts: MMQ may split them otherwise
+        assert float(np.max(np.abs(logits - base[1]))) <= TOL
+    else:
+        assert np.array_equal(logits, base[1])
     for key in ("counts_prefill", "counts_decode"):
         assert st[key] == base[2][key] == graph[2][key]
     k, L = moe[1]["n_expert_used"], len(moe[2])
@@ -717,6 +722,7 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
             return batch
         st0 = rt.stats()
         assert llama_cpp.llama_decode(ctx, step(0, 0)) == 0
+        llama_cpp.llama_synchronize(ctx)   # the count op's table is read as the device has it
         st = rt.stats()   # every layer all-resident: its routes come from the count op at this call
         assert st["cold_routes"] == st0["cold_routes"] and st["hot_routes"] > st0["hot_routes"]
         # one-token steps' context threads: 1 only where the decode graph serves them (its own
@@ -734,8 +740,9 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
         rt.context_threads, rt.follows_graph = (1, 2), True
         assert rt.follow_decode_graph(ctx, {"paths": {"decode": 0, "upload": 1}}) is False
         rt.take_request_stats()
-        # every layer is all-resident on a CPU pool: host work, not a decode-graph step even with
-        # the graph on; the route op's path (resident path off) takes the graph when it is on
+        # every layer is all-resident, its dense part on the CPU (n_gpu_layers 0; the pool may be on
+        # a GPU): host work, not a decode-graph step even with the graph on; the route op's path
+        # (resident path off) takes the graph when it is on
         try:
             native.set_decode_graph(True, max_tokens=32)
             assert llama_cpp.llama_decode(ctx, step(1, 1)) == 0

@@ -116,6 +116,18 @@ int ostinato_moe_hybrid(void) {
     return g_upload_cpu_share != 0 ? 1 : 0;
 }
 
+namespace {
+
+// Layer il takes the all-resident path (see ostinato_moe_resident). Caller holds g_mu.
+bool resident_layer(const engine_t * e, int il) {
+    if (!e || !g_resident || il < 0 || il >= e->n_layer) return false;
+    const auto & l = e->layers[il];
+    const int pi = e->layer_pool[il];
+    return l.has_hot && l.n_hot == e->n_expert && l.resident[2] && pi >= 0 && e->pools[pi].counts;
+}
+
+}  // namespace
+
 ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int * il_next) {
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
@@ -128,7 +140,9 @@ ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int * il_next
     }
     const auto & l = e->layers[nx];
     ggml_tensor * gate = e->model->layers[nx].ffn_gate_inp;
-    if (!l.has_hot || !l.views || !gate || e->layer_pool[nx] != e->layer_pool[il] || gate->ne[1] != e->n_expert) {
+    // an all-resident next layer has nothing cold to fetch
+    if (!l.has_hot || !l.views || !gate || e->layer_pool[nx] != e->layer_pool[il] || gate->ne[1] != e->n_expert ||
+        resident_layer(e, nx)) {
         return nullptr;
     }
     *il_next = nx;
@@ -292,17 +306,16 @@ ggml_tensor * ostinato_moe_join(ggml_context * ctx, ggml_tensor * ids_gpu, ggml_
 
 void ostinato_graph_build_begin(ggml_context * graph_ctx) {
     std::lock_guard<std::mutex> lock(g_mu);
+    // entries of freed graph contexts stay until their address comes back: keep the map small (a
+    // dropped live entry only loses its pass flag until that graph is built again)
+    if (g_eng && g_eng->built.size() > 16) g_eng->built.clear();
     if (g_eng) g_eng->built.erase(graph_ctx);
     if (g_eng && g_eng->dg) ost_dg_build_begin(g_eng->dg, graph_ctx);
 }
 
 int ostinato_moe_resident(int il) {
     std::lock_guard<std::mutex> lock(g_mu);
-    engine_t * e = g_eng;
-    if (!e || !g_resident || il < 0 || il >= e->n_layer) return 0;
-    const auto & l = e->layers[il];
-    const int pi = e->layer_pool[il];
-    return l.has_hot && l.n_hot == e->n_expert && l.resident[2] && pi >= 0 && e->pools[pi].counts ? 1 : 0;
+    return resident_layer(g_eng, il) ? 1 : 0;
 }
 
 void ostinato_moe_count_routes(ggml_context * graph_ctx, ggml_tensor * selected_experts, int il, int64_t n_tokens) {
@@ -313,7 +326,11 @@ void ostinato_moe_count_routes(ggml_context * graph_ctx, ggml_tensor * selected_
     const int pi = e->layer_pool[il];
     b.plane = n_tokens == 1 ? 1 : 0;   // a decode step, as the route op has it
     b.pending[pi].push_back({il, selected_experts});
-    if (ggml_backend_dev_type(e->pools[pi].dev) == GGML_BACKEND_DEVICE_TYPE_CPU) b.n_host++;
+    // no host work for the layer only when its router (the dense part) runs on the pool's GPU too
+    const ggml_tensor * gate = e->model->layers[il].ffn_gate_inp;
+    const bool dense_on_pool = gate && gate->buffer &&
+        ggml_backend_buft_get_device(ggml_backend_buffer_get_type(gate->buffer)) == e->pools[pi].dev;
+    if (ggml_backend_dev_type(e->pools[pi].dev) == GGML_BACKEND_DEVICE_TYPE_CPU || !dense_on_pool) b.n_host++;
     else b.n_dev++;
 }
 

@@ -136,6 +136,9 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
         passes = Passes(w, n_max)
         decode, toks, mem = passes.decode, passes.toks, passes.mem
         w.rt.set_timing(True)   # GPU-branch times (one sync per layer; off again when serving)
+        # the all-resident path (every layer of the 100% set) has no route op and so no timing
+        # marks: the rows time the route op's path, which is what partly hot layers take
+        native.set_resident_path(False)
         # timing mode runs one-token steps on the split path: their CPU branch on the context's
         # threads, as served without the graph (the loader gave them 1 where the graph serves)
         n_ctx_threads = int(w.rt.batch_threads or s.n_threads or default_threads(s.cpu_set))
@@ -170,6 +173,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
                         gpu_ms.append(float(st.get("gpu_branch_ms", 0.0)) / n_moe)
                 say(f"calibration: decode with {f:.0%} hot experts: {decode_steps} steps")
             w.rt.set_timing(False)   # serving conditions for the decode sweep
+            native.set_resident_path(True)
             sweep = decode_sweep(w, paths[len(paths) // 2], decode, toks, steps=max(8, decode_steps // 2))
             say(f"calibration: decode overlap x threads: {len(sweep)} settings")
             if prefill_sizes:
@@ -192,6 +196,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
                 w.rt.force_path("auto")
         finally:
             w.rt.set_timing(False)
+            native.set_resident_path(True)
             passes.free()
         exp_bytes = info.get("expert_bytes")
         if isinstance(exp_bytes, list):
