@@ -131,20 +131,20 @@ def test_store_keeps_other_profile_keys_and_threshold_lookup(tmp_path):
     prof = tmp_path / "hardware.json"
     prof.write_text(json.dumps({"format": "ostinato-hardware/1", "gpus": [{"index": 0}],
                                 "calibration": {"old": True}}))
-    assert calibration.prefill_threshold(None, prof) == calibration.DEFAULT_NP
+    assert calibration.prefill_threshold_choice(None, prof)[0] == calibration.DEFAULT_NP
     calibration.store_calibration({"np_tokens": 700, "format": calibration.CALIBRATION_FORMAT}, prof)
     data = json.loads(prof.read_text())
     assert data["gpus"] == [{"index": 0}] and data["format"] == "ostinato-hardware/1"
     assert data["calibration"] == {"np_tokens": 700, "format": calibration.CALIBRATION_FORMAT}
-    assert calibration.prefill_threshold(None, prof) == 700
+    assert calibration.prefill_threshold_choice(None, prof)[0] == 700
 
     class S:
         prefill_threshold = 64
 
-    assert calibration.prefill_threshold(S(), prof) == 64
+    assert calibration.prefill_threshold_choice(S(), prof)[0] == 64
     data["calibration"]["stale"] = True
     prof.write_text(json.dumps(data))
-    assert calibration.prefill_threshold(None, prof) == calibration.DEFAULT_NP
+    assert calibration.prefill_threshold_choice(None, prof)[0] == calibration.DEFAULT_NP
 
 
 def test_calibration_on_a_machine_without_profile_survives_the_daemon_start(tmp_path):
@@ -156,7 +156,7 @@ def test_calibration_on_a_machine_without_profile_survives_the_daemon_start(tmp_
     assert json.loads(prof.read_text())["fingerprint"]
     p = ensure_profile(prof, recalibrate=False)
     assert not p["calibration"].get("stale")
-    assert calibration.prefill_threshold(None, prof) == 16
+    assert calibration.prefill_threshold_choice(None, prof)[0] == 16
 
 
 def test_decode_graph_choice_setting_then_calibration_then_auto(tmp_path, monkeypatch):
@@ -215,7 +215,7 @@ def test_np_choice_order_and_the_load_probe_record(tmp_path):
     assert rec["kind"] == calibration.PROBE_KIND and rec["np_tokens"] == 40 and rec["model"]["fingerprint"] == "m1"
     assert choice(None, prof, "m1") == (40, "probe")
     assert choice(None, prof, "m2") == (calibration.DEFAULT_NP, "default")   # another model: probe again
-    assert calibration.prefill_threshold(None, prof) == 40
+    assert calibration.prefill_threshold_choice(None, prof)[0] == 40
 
     class S:
         prefill_threshold = 64

@@ -105,7 +105,7 @@ def probe_np(w: Any, sizes: Sequence[int] = PROBE_SIZES) -> dict[str, Any]:
         w.rt.force_path("auto")
         passes.clear()
         passes.free()
-        native.fn("ostinato_experts_reset_stats")()   # the totals and the per-request counters
+        native.llama_fn("ostinato_experts_reset_stats")()   # the totals and the per-request counters
     measured = measured_switch_point(points)
     return {"np_tokens": int(measured) if measured is not None else DEFAULT_NP,
             "points": [vars(p) for p in points], "seconds": round(time.monotonic() - t0, 3)}

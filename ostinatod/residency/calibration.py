@@ -61,11 +61,6 @@ def prefill_threshold_choice(settings: Any = None, path: Optional[Path] = None,
     return DEFAULT_NP, "default"
 
 
-def prefill_threshold(settings: Any = None, path: Optional[Path] = None) -> int:
-    """Np to use (:func:`prefill_threshold_choice` without the source)."""
-    return prefill_threshold_choice(settings, path)[0]
-
-
 def store_prefill_probe(probe: dict[str, Any], model: dict[str, Any], path: Optional[Path] = None
                         ) -> Optional[Path]:
     """Store a load probe's Np (:func:`ostinatod.engine.np_probe.probe_np`: ``{"np_tokens",
