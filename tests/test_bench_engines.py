@@ -62,7 +62,8 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     unknown *_ms keys (wait_ms) pass through."""
     prev = {"passes": 10, "tokens": 500, "paths": {"decode": 8, "split": 2}, "total_ms": 100.0,
             "cpu_branch_ms": 40.0, "last_passes": [_pass("decode", 1, total_ms=5.0)] * 8}
-    turn = [_pass("upload", 300, total_ms=30.0, cpu_branch_ms=0.0, wait_ms=1.0)] + \
+    turn = [_pass("upload", 300, total_ms=30.0, cpu_branch_ms=0.0, wait_ms=1.0, upload_bytes=4096,
+                  prefetch_hits=7, prefetch_misses=2)] + \
         [_pass("decode", 1, total_ms=4.0, cpu_branch_ms=2.0, wait_ms=0.5)] * 5
     cur = {"passes": 16, "tokens": 805, "paths": {"decode": 13, "split": 2, "upload": 1},
            "total_ms": 150.0, "cpu_branch_ms": 50.0, "last_passes": (prev["last_passes"] + turn)[-32:]}
@@ -72,6 +73,8 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     assert r["prefill_ms"]["total_ms"] == pytest.approx(30.0)
     assert r["decode_ms"]["total_ms"] == pytest.approx(20.0)
     assert r["decode_ms"]["wait_ms"] == pytest.approx(2.5) and r["prefill_ms"]["wait_ms"] == pytest.approx(1.0)
+    assert r["prefill_sums"] == {"upload_bytes": 4096, "distinct_cold_experts": 0, "prefetch_hits": 7,
+                                 "prefetch_misses": 2, "prefetch_wasted": 0}
     # a turn longer than the ring of 32 passes: decode from the steps seen, prefill = delta - decode
     long_turn = [_pass("decode", 1, total_ms=4.0)] * 32
     cur2 = {"passes": 16 + 41, "tokens": 805 + 200 + 40, "paths": {"decode": 13 + 40, "split": 3, "upload": 1},
@@ -93,6 +96,8 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     assert s["prefill"]["prefills"] == 2 and s["prefill"]["mean_ms"]["total_ms"] == pytest.approx(40.0)
     assert s["prefill"]["exact_share"] == 0.5 and s["prefill"]["paths"] == {"upload": 1, "split": 1}
     assert s["prefill_after_tool"]["prefills"] == 1 and s["turns_with_stats"] == 2
+    # counts per prefill only from turns whose prefill passes were all seen (r, not r2)
+    assert r2["prefill_sums"] == {} and s["prefill"]["mean_counts"]["prefetch_hits"] == 7
     assert "wait_ms" in s["decode_step"]["mean_ms"]
     md = "\n".join(bench_report.breakdown_md(s, "Ostinato"))
     assert "| total_ms |" in md and "| wait_ms |" in md
@@ -159,6 +164,8 @@ def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     assert b["turns"] == 2 and b["turns_with_stats"] == 2, b
     assert b["decode_step"]["steps"] > 0 and "total_ms" in b["decode_step"]["mean_ms"]
     assert b["prefill"]["prefills"] >= 1 and "cpu_branch_ms" in b["prefill"]["mean_ms"]
+    assert set(b["prefill"]["mean_counts"]) == {"upload_bytes", "distinct_cold_experts", "prefetch_hits",
+                                                "prefetch_misses", "prefetch_wasted"}
     # the sweep: two budgets, each with its Ostinato figures and ratios; the main one reused
     sw = res["sweep"]
     assert sw["budgets"] == [0.3, 0.6] and sw["baselines_budget_frac"] == 0.3

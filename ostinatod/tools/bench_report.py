@@ -48,7 +48,8 @@ def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
     totals) are summed over the passes seen. Returns ``{"passes", "seen", "exact",
     "decode_steps", "decode_seen", "decode_ms" (sums over the turn's steps), "decode_cold_routes"
     (mean per step seen), "prefill_passes", "prefill_paths", "prefill_tokens", "prefill_ms" (sums
-    over the turn's prefill passes), "gpu_timed" (share of the seen passes with GPU timing)}``."""
+    over the turn's prefill passes), "prefill_sums" (:data:`PASS_COUNT_KEYS` summed over them, when
+    all were seen, else empty), "gpu_timed" (share of the seen passes with GPU timing)}``."""
     p0 = int(prev.get("passes") or 0)
     dn = int(cur.get("passes") or 0) - p0
     known = {**_indexed(mid), **_indexed(cur)}
@@ -94,7 +95,15 @@ def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
             "decode_cold_routes": sum(cold) / len(cold) if cold else None,
             "prefill_passes": n_pre, "prefill_paths": pre_paths, "prefill_tokens": pre_tokens,
             "prefill_ms": pre_ms,
+            "prefill_sums": ({k: int(sum(p.get(k) or 0 for p in pre_seen)) for k in PASS_COUNT_KEYS}
+                             if all_pre else {}),
             "gpu_timed": (sum(1 for p in seen if p.get("gpu_timed")) / len(seen)) if seen else None}
+
+
+# per-pass counts of the native stats summed per prefill (bytes copied to the staging slots, the
+# prefetch's experts: predicted and used, needed and not predicted, predicted and not used)
+PASS_COUNT_KEYS = ("upload_bytes", "distinct_cold_experts", "prefetch_hits", "prefetch_misses",
+                   "prefetch_wasted")
 
 
 def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[str, Any]]
@@ -102,7 +111,8 @@ def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[s
     """Means per decode step and per prefill over the turns (``rows`` from :func:`turn_breakdown`,
     aligned with ``turns`` from :func:`replay_turns`; None rows: no snapshot). Returns
     ``{"decode_step": {"steps", "sampled_steps", "cold_routes_mean", "mean_ms": {key: ms}},
-    "prefill": {"prefills", "passes", "paths", "tokens_mean", "exact_share", "mean_ms"},
+    "prefill": {"prefills", "passes", "paths", "tokens_mean", "exact_share", "mean_ms", "mean_counts"
+    (:data:`PASS_COUNT_KEYS` per prefill, over the prefills whose passes were all seen)},
     "prefill_after_tool": (the same over turns after tool outputs), "gpu_timed_share", "source"}``.
     """
     def dec(rs: list[dict]) -> dict[str, Any]:
@@ -131,10 +141,12 @@ def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[s
             xs = [r["prefill_ms"][k] for r in rs if r["prefill_ms"].get(k) is not None]
             mean[k] = round(sum(xs) / len(xs), 4) if xs else None
         toks = [r["prefill_tokens"] for r in rs if r["prefill_tokens"] is not None]
+        summed = [r["prefill_sums"] for r in rs if r.get("prefill_sums")]
+        counts = {k: round(sum(c[k] for c in summed) / len(summed), 1) for k in PASS_COUNT_KEYS} if summed else {}
         return {"prefills": len(rs), "passes": sum(r["prefill_passes"] for r in rs), "paths": paths,
                 "tokens_mean": round(sum(toks) / len(toks), 1) if toks else None,
                 "exact_share": round(sum(1 for r in rs if r["exact"]) / len(rs), 3) if rs else None,
-                "mean_ms": mean}
+                "mean_ms": mean, "mean_counts": counts}
 
     ok = [r for r in rows if r]
     after = [r for r, t in zip(rows, turns) if r and t.get("after") == "tool"]
