@@ -148,12 +148,18 @@ class Settings(BaseSettings):
                                     "the H200, both versions cost more than they saved (TTFT after a "
                                     "tool output 0.266 s against 0.201 s, docs/benchmarks/"
                                     "engines-h200-L48-ab).")
-    prefill_prefetch: bool = Field(True, description="Prefetch for long prefills: the next layer's "
-                                   "router applied to this layer's input predicts its experts, whose "
-                                   "copies then start a layer early. Adds a second staging region to "
-                                   "the pool (the planner reserves it). Measured on the H200: TTFT "
+    prefill_prefetch: bool = Field(True, description="Prefetch for long prefills: the next layers' "
+                                   "routers applied to this layer's input predict their experts, whose "
+                                   "copies then start early (prefill_prefetch_depth layers ahead). Adds "
+                                   "staging regions to the pool (the planner reserves them). Measured "
+                                   "on the H200 (one layer ahead): TTFT "
                                    "after a tool output 0.149 s against 0.201 s without "
                                    "(docs/benchmarks/engines-h200-L48-ab).")
+    prefill_prefetch_depth: int = Field(2, ge=1, le=2, description="Layers ahead the prefill "
+                                        "prefetch predicts: 1 (the next layer) or 2 (the next two; a "
+                                        "layer's predicted set is the union of both predictions, and "
+                                        "its copies may start two layers early). The pool gets "
+                                        "depth + 1 staging regions (the planner reserves them).")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "

@@ -976,14 +976,17 @@ def test_layer_device_config_errors():
 
 @pytest.mark.parametrize("arch, share", [("qwen3moe", 0.0), ("deepseek2", 0.0), ("qwen3moe", 0.5)])
 def test_prefetch_matches_stock(arch, share):
-    """Prefetch (upload passes with pool views): at each layer the next layer's router applied to this
-    layer's input predicts its routes and the copies of the predicted cold experts start early, into a
-    second staging region for odd layers. The 8-layer, 32-expert small shape: a layer has a next one
-    that is not the last, and the prediction misses some experts and stages some unused ones. Tokens
-    identical to stock, logits bitwise equal to the same placement without prefetch (on the CPU),
-    predicted experts used by the next layer (hits), a larger pool (the second region), and every
-    byte uploaded as without it plus what was predicted and not used. share 0.5: with the hybrid
-    pass too (the CPU branch leaves prefetched experts to the copies)."""
+    """Prefetch (upload passes with pool views): at each layer the routers of the next one or two
+    layers applied to this layer's input predict their routes and the copies of the predicted cold
+    experts start early (on a stream of their own on a GPU), into depth + 1 staging regions (layer il
+    in region il % (depth + 1)). The 8-layer, 32-expert small shape: a layer has next ones that are
+    not the last, and the prediction misses some experts and stages some unused ones. At depths 1 and
+    2: tokens identical to stock, logits bitwise equal to the same placement without prefetch (on the
+    CPU), predicted experts used by their layer (hits), a larger pool per region, and every byte
+    uploaded as without it plus what was predicted and not used; depth 2 takes depth 1's prediction
+    and adds the one from two layers back (as many hits or more, as many wasted or more, the same
+    experts needed). share 0.5: with the hybrid pass too (the CPU branch leaves prefetched experts to
+    the copies)."""
     from ostinatod.synth.shapes import SHAPES
     from ostinatod.synth.writer import synthetic_model
 
@@ -1001,8 +1004,8 @@ def test_prefetch_matches_stock(arch, share):
     finally:
         ref.close()
     runs = {}
-    for pf in (False, True):
-        native.set_prefetch(pf)
+    for depth in (0, 1, 2):
+        native.set_prefetch(depth)
         r = Runner(path, hot=hot, prefill_threshold=8)
         native.set_decode_graph(False)
         native.set_upload_cpu_share(share)
@@ -1010,27 +1013,36 @@ def test_prefetch_matches_stock(arch, share):
         try:
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), 4)
-            runs[pf] = (toks, logits, _stats()["last_passes"][0], native.experts_json("ostinato_experts_info"))
+            runs[depth] = (toks, logits, _stats()["last_passes"][0], native.experts_json("ostinato_experts_info"))
         finally:
-            native.set_prefetch(False)
+            native.set_prefetch(0)
             native.set_decode_graph(None)
             native.set_upload_cpu_share(0.0)
             r.close()
-    (base_toks, base_logits, base, base_info), (toks, logits, p, info) = runs[False], runs[True]
-    d = float(np.max(np.abs(logits[0] - ref_logits[0])))
-    print(f"\n[exactness] {arch} small prefetch (CPU share {share}): max|dlogit| {d:.3g}; hits {p['prefetch_hits']}, misses "
-          f"{p['prefetch_misses']}, wasted {p['prefetch_wasted']}; upload bytes {p['upload_bytes']} "
-          f"(without: {base['upload_bytes']})")
-    assert toks == ref_toks == base_toks and d <= TOL
-    if not GPU:
-        assert np.array_equal(logits, base_logits)
-    assert p["path"] == "upload" and p["pool_views"] and p["prefetch_hits"] > 0
-    assert base["prefetch_hits"] == base["prefetch_misses"] == 0
-    assert info["prefill"]["prefetch"] and not base_info["prefill"]["prefetch"]
-    assert info["pool_bytes"] > base_info["pool_bytes"]
+    base_toks, base_logits, base, base_info = runs[0]
+    assert base["prefetch_hits"] == base["prefetch_misses"] == 0 and base_info["prefill"]["prefetch"] == 0
+    for depth in (1, 2):
+        toks, logits, p, info = runs[depth]
+        d = float(np.max(np.abs(logits[0] - ref_logits[0])))
+        print(f"\n[exactness] {arch} small prefetch depth {depth} (CPU share {share}): max|dlogit| {d:.3g}; hits "
+              f"{p['prefetch_hits']}, misses {p['prefetch_misses']}, wasted {p['prefetch_wasted']}; upload bytes "
+              f"{p['upload_bytes']} (without: {base['upload_bytes']})")
+        assert toks == ref_toks == base_toks and d <= TOL
+        if not GPU:
+            assert np.array_equal(logits, base_logits)
+        assert p["path"] == "upload" and p["pool_views"] and p["prefetch_hits"] > 0
+        assert info["prefill"]["prefetch"] == depth
+        assert info["pool_bytes"] > runs[depth - 1][3]["pool_bytes"]   # one staging region more
+        if share == 0.0:
+            assert p["prefetch_misses"] + p["prefetch_wasted"] > 0   # the prediction is not perfect here
+            if p["prefetch_wasted"] == 0:
+                assert p["upload_bytes"] == base["upload_bytes"]
+            else:
+                assert p["upload_bytes"] > base["upload_bytes"]
     if share == 0.0:
-        assert p["prefetch_misses"] + p["prefetch_wasted"] > 0   # the prediction is not perfect here
-        if p["prefetch_wasted"] == 0:
-            assert p["upload_bytes"] == base["upload_bytes"]
-        else:
-            assert p["upload_bytes"] > base["upload_bytes"]
+        p1, p2 = runs[1][2], runs[2][2]
+        assert p1["prefetch_hits"] + p1["prefetch_misses"] == p2["prefetch_hits"] + p2["prefetch_misses"]
+        assert p2["prefetch_hits"] >= p1["prefetch_hits"] and p2["prefetch_wasted"] >= p1["prefetch_wasted"]
+        # the extra bytes are the extra wasted experts (all of one size here)
+        assert ((p2["upload_bytes"] - base["upload_bytes"]) * p1["prefetch_wasted"]
+                == (p1["upload_bytes"] - base["upload_bytes"]) * p2["prefetch_wasted"])

@@ -153,29 +153,46 @@ def test_compute_estimate_keeps_the_router_ids_of_each_moe_layer():
     assert big["compute"] == 2 * all4["compute"]
 
 
-def test_sets_planned_to_the_memory_with_one_region_leave_no_room_for_prefetch():
-    """A set planned with one staging region against a GPU's free memory (the pool filled to the
-    capacity) has no room for the prefetch's second region: the runtime turns prefetch off for it
-    (runtime.prefetch_for); one planned with two, or with memory to spare, or a hand-made set keeps
-    the setting."""
+def test_prefetch_depth_is_cut_to_the_staging_regions_a_set_has_room_for():
+    """A set planned with fewer staging regions than the prefetch depth needs (1 + depth) against a
+    GPU's free memory (the pool filled to the capacity) gets the depth its room allows: none with one
+    region and no spare memory, depth 1 with two regions when depth 2 is asked for, the full depth
+    with every region planned or memory to spare, or for a hand-made set (runtime.prefetch_for)."""
     from ostinatod.engine.runtime import prefetch_for
     from ostinatod.residency.sets import ResidencySet
     shape = _shape(n_layer=4, n_expert=8, expert_bytes=[MiB] * 4)
     dev = _trace(shape, _zipf_counts(4, 8, seed=4), max_tokens=4096)
-    one = planner.estimate_gpu_need(shape, range(4), 4096, last=True)
+    one = planner.estimate_gpu_need(shape, range(4), 4096, last=True)   # one region: 8 MiB
 
     def plan(free, regions):
         return plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0, free)], budget_frac=1.0,
                               margin_mb=0, staging_regions=regions)["plan"]
     tight = plan(one["total"] + 12 * MiB, 1)          # 12 of 32 experts: the capacity binds
-    assert tight["staging_regions"] == 1 and not planner.room_for_prefetch(tight)
-    assert planner.room_for_prefetch(plan(one["total"] + 12 * MiB, 2))
-    assert planner.room_for_prefetch(plan(one["total"] + 64 * MiB, 1))   # every expert and 32 MiB spare
-    assert planner.room_for_prefetch({}) and planner.room_for_prefetch({"capacity": [{"capacity_bytes": None}]})
+    assert tight["staging_regions"] == 1 and planner.prefetch_room(tight, 2) == 0
+    two = plan(one["total"] + 20 * MiB, 2)            # room for a second region, not a third
+    assert planner.prefetch_room(two, 1) == 1 and planner.prefetch_room(two, 2) == 1
+    assert planner.prefetch_room(plan(one["total"] + 28 * MiB, 3), 2) == 2
+    spare = plan(one["total"] + 64 * MiB, 1)          # every expert (32 MiB) and 32 MiB spare: 4 regions
+    assert planner.prefetch_room(spare, 2) == 2
+    assert planner.prefetch_room({}, 2) == 2 and planner.prefetch_room({"capacity": [{"capacity_bytes": None}]}, 2) == 2
+    assert planner.prefetch_room(tight, 0) == 0
     res = ResidencySet(path=None, model={}, workload="coding", raw={"plan": tight})
-    assert prefetch_for(True, res) is False and prefetch_for(False, res) is False
-    assert prefetch_for(True, None) is True
-    assert prefetch_for(True, ResidencySet(path=None, model={}, workload="coding", raw={})) is True
+    assert prefetch_for(2, res) == 0 and prefetch_for(0, res) == 0
+    assert prefetch_for(2, ResidencySet(path=None, model={}, workload="coding", raw={"plan": two})) == 1
+    assert prefetch_for(2, None) == 2
+    assert prefetch_for(1, ResidencySet(path=None, model={}, workload="coding", raw={})) == 1
+
+
+def test_staging_regions_follow_the_prefetch_settings():
+    """The planner reserves 1 + the prefetch depth staging regions: 3 by default, 2 at depth 1, 1
+    with the prefetch off; the settings refuse depths outside 1..2."""
+    from ostinatod.settings import Settings
+    assert planner.staging_regions_for(Settings()) == 3
+    assert planner.staging_regions_for(Settings(prefill_prefetch_depth=1)) == 2
+    assert planner.staging_regions_for(Settings(prefill_prefetch=False)) == 1
+    for bad in (0, 3):
+        with pytest.raises(ValueError):
+            Settings(prefill_prefetch_depth=bad)
 
 
 def test_capacity_test_fails_with_clear_error_and_caps_pool():

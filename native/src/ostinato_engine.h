@@ -98,6 +98,8 @@ struct pool_t {
     ggml_context * resident_ctx = nullptr;     // the all-resident layers' leaves over buf (no data of their own)
     ggml_backend_buffer_t buf = nullptr;
     ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
+    ggml_backend_t prefetch_backend = nullptr; // GPU pool with prefetch: a second stream, for predicted copies
+    std::vector<ggml_backend_event_t> pf_event;   // [layer]: recorded on it after a layer's prefetch copies
     ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
     ggml_tensor * scratch = nullptr;           // I32 [4, n_layer]: the route kernel's counters
     ggml_tensor * counts = nullptr;            // I32 [n_expert, n_layer, 2]: routes of all-resident layers
@@ -142,9 +144,11 @@ struct engine_t {
     bool dg_running = false;                   // the current pass has decode-graph layers
     std::map<ggml_context *, built_t> built;   // per graph context (reset when a graph is built in it)
     double upload_cpu_share = 0.5;             // hybrid upload passes: adapted share of cold experts on the CPU
-    bool prefetch = false;                     // built with a second staging region (g_prefetch at build)
+    int prefetch = 0;                          // prefetch depth the pool was built for (g_prefetch at
+                                               // build): 0 off, d layers ahead with d + 1 staging regions
     std::vector<std::vector<int32_t>> pf_slot; // [layer][expert]: staging slot a prefetch put it in, or -1
     std::vector<uint8_t> pf_ran;               // [layer]: a prefetch ran for it in this pass (misses count)
+    std::vector<uint8_t> pf_pending;           // [layer]: its prefetch copies are not joined yet
 
     // stats (guarded by mu)
     pass_t cur;
@@ -198,7 +202,7 @@ inline bool op_ud_hybrid(void * ud) { return ((intptr_t) ud & 2) != 0; }
 extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
 extern double g_upload_cpu_share;   // hybrid upload passes: fixed CPU share 0..1, or -1 (adapted)
 extern int g_hybrid_rows;           // hybrid upload passes: most tokens the CPU branch takes
-extern bool g_prefetch;             // prefetch for upload passes with views (next pool build)
+extern int g_prefetch;              // prefetch depth for upload passes with views, 0..2 (next pool build)
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
 // bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.
@@ -217,7 +221,9 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud);
-void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, const std::vector<uint8_t> & copy);
+void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, const std::vector<uint8_t> & copy,
+                   ggml_backend_t stream);
+void join_copies(engine_t * e, int il);
 double upload_share(const engine_t * e, bool has_stream);
 void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void count_op(ggml_tensor * dst, int ith, int nth, void * ud);

@@ -46,7 +46,7 @@ bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_
 bool g_resident = true;       // all-resident layers take the stock computation over their resident tensors
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
-bool g_prefetch = false;          // prefetch for upload passes with views (a second staging region)
+int g_prefetch = 0;               // prefetch depth for upload passes with views (depth + 1 staging regions)
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -57,7 +57,11 @@ void free_engine(engine_t * e) {
     if (!e) return;
     ost_dg_free(e->dg);
     for (auto & p : e->pools) {
+        // copies still in flight (a pass that failed before its upload op) land before the pool goes
+        if (p.prefetch_backend) ggml_backend_synchronize(p.prefetch_backend);
         if (p.upload_backend) ggml_backend_free(p.upload_backend);
+        for (auto ev : p.pf_event) if (ev) ggml_backend_event_free(ev);
+        if (p.prefetch_backend) ggml_backend_free(p.prefetch_backend);
         if (p.buf) ggml_backend_buffer_free(p.buf);
         if (p.ctx) ggml_free(p.ctx);
         if (p.resident_ctx) ggml_free(p.resident_ctx);
@@ -81,15 +85,16 @@ const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps) {
 }
 
 ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
-                                 bool views, ggml_tensor * pred) {
+                                 bool views, ggml_tensor * pred, ggml_tensor * pred2) {
     {
         std::lock_guard<std::mutex> lock(g_mu);
         if (g_eng) g_eng->built[ctx].n_host++;   // a host op in this graph (ctx is the graph's context)
     }
-    ggml_tensor * args[3] = { selected_experts, nullptr, nullptr };
+    ggml_tensor * args[4] = { selected_experts, nullptr, nullptr, nullptr };
     int n_args = 1;
     if (cur) args[n_args++] = cur;
     if (pred) args[n_args++] = pred;
+    if (pred2) args[n_args++] = pred2;
     ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, selected_experts->ne[0], selected_experts->ne[1], 2, 1,
                                      args, n_args, route_op, 1, (void *) (intptr_t) op_ud(il, views));
     ggml_format_name(t, "ostinato_route-%d", il);
@@ -128,19 +133,19 @@ bool resident_layer(const engine_t * e, int il) {
 
 }  // namespace
 
-ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int * il_next) {
+ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int dist, int * il_next) {
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
-    const int nx = il + 1;
+    const int nx = il + dist;
     // the last trunk layer may see only the output rows (no views): no prefetch for it (layers past
     // the trunk, e.g. MTP layers, are not in the forward pass)
-    if (!e || !e->prefetch || !g_views || il < 0 || nx >= (int) e->model->hparams.n_layer() - 1 ||
+    if (!e || dist < 1 || dist > e->prefetch || !g_views || il < 0 || nx >= (int) e->model->hparams.n_layer() - 1 ||
         n_tokens < OSTINATO_VIEW_MIN_TOKENS) {
         return nullptr;
     }
     const auto & l = e->layers[nx];
     ggml_tensor * gate = e->model->layers[nx].ffn_gate_inp;
-    // an all-resident next layer has nothing cold to fetch
+    // an all-resident layer has nothing cold to fetch
     if (!l.has_hot || !l.views || !gate || e->layer_pool[nx] != e->layer_pool[il] || gate->ne[1] != e->n_expert ||
         resident_layer(e, nx)) {
         return nullptr;
@@ -406,6 +411,8 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         // a pass's prefetches are its own; only passes that may take pool views prefetch or read
         // them (decode steps never do: no work there)
         if (e->prefetch && n_tokens >= OSTINATO_VIEW_MIN_TOKENS) {
+            // copies a failed pass left behind must not land in a region this pass stages into
+            for (int il = 0; il < e->n_layer; ++il) if (e->pf_pending[il]) join_copies(e, il);
             for (auto & row : e->pf_slot) std::fill(row.begin(), row.end(), -1);
             std::fill(e->pf_ran.begin(), e->pf_ran.end(), 0);
         }
@@ -690,9 +697,10 @@ int ostinato_experts_set_hybrid_rows(int rows) {
     return 0;
 }
 
-int ostinato_experts_set_prefetch(int on) {
+int ostinato_experts_set_prefetch(int depth) {
+    if (depth < 0 || depth > OSTINATO_PREFETCH_MAX_DEPTH) return -1;
     std::lock_guard<std::mutex> lock(g_mu);
-    g_prefetch = on != 0;   // the pool's layout: at the next build
+    g_prefetch = depth;   // the pool's layout: at the next build
     return 0;
 }
 

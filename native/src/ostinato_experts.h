@@ -28,7 +28,7 @@ struct ostinato_moe_layer {
     int zero0  = 0;                          // first zero slot
     int stage0 = 0;                          // first staging slot
     int view_stage0 = 0;                     // first staging slot of the layer's region in pool-view passes
-                                             // (the second region, past the first, for odd layers with prefetch)
+                                             // (with prefetch depth d: region il % (d + 1) of d + 1)
     int hot0   = 0;                          // the layer's hot slots: [hot0, hot0 + n_hot), in expert order
     int n_hot  = 0;
     int n_stage = 0;                         // staging slots of the class
@@ -46,6 +46,8 @@ struct ostinato_moe_layer {
 // mul_mat_id runs the vector kernel (MMVQ, at most 8 rows), whose grid does not grow with the pool and
 // which does not skip negative ids.
 constexpr int64_t OSTINATO_VIEW_MIN_TOKENS = 9;
+// deepest prefetch: a layer predicts the routes of at most this many layers after it
+constexpr int OSTINATO_PREFETCH_MAX_DEPTH = 2;
 
 // Hooks used by the patched llama.cpp (C++ linkage, inside libllama).
 // Returns the layer entry when the engine is active for the model owning down_exps, else nullptr.
@@ -58,10 +60,10 @@ const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps);
 // starts without waiting for the GPU branch (decode overlap, DESIGN.md item 5).
 // With `views` (see ostinato_moe_views) plane 0 holds ids into the layer's hot view instead: hot ->
 // slot - hot0, cold -> -1 (skipped, exact zeros); a borrowed decode slot counts as cold there.
-// `pred` (may be null): the predicted experts of the next layer (see ostinato_moe_prefetch_gate), a
-// source only so that they reach the host in the same scheduler split.
+// `pred`, `pred2` (may be null): the predicted experts of the next layers (see
+// ostinato_moe_prefetch_gate), sources only so that they reach the host in the same scheduler split.
 ggml_tensor * ostinato_moe_route(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
-                                 bool views = false, ggml_tensor * pred = nullptr);
+                                 bool views = false, ggml_tensor * pred = nullptr, ggml_tensor * pred2 = nullptr);
 // Upload path: custom CPU op over the route op's output that copies each distinct cold expert of
 // layer il once into the staging slots of the pool and returns pool ids [k, n_tokens] (hot -> its
 // slot, cold -> its staging slot): the whole layer then runs on the GPU in one branch. With `views`
@@ -81,17 +83,20 @@ int ostinato_moe_hybrid(void);
 // returns the staged routes' ids [k, n].
 ggml_tensor * ostinato_moe_upload_join(ggml_context * ctx, ggml_tensor * upload, ggml_tensor * cpu_out, int il,
                                        int64_t k, int64_t n_tokens);
-// Prefetch (upload passes with pool views, when on): the router weights [n_embd, n_expert] of the MoE
-// layer after il when that layer takes a prefetch in this pass (its experts have a pool, it is not the
-// last layer, it is on il's pool and sees n_tokens >= OSTINATO_VIEW_MIN_TOKENS), with its index in
-// *il_next; else null. The graph applies them to layer il's FFN input and takes the top k per token:
-// a prediction of the next layer's routes, ready at layer il's route op.
-ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int * il_next);
-// Prefetch op (CPU; after layer il's upload op, or its join when hybrid, in graph order): starts the
-// copies of the cold experts among pred [k, n] (the prediction for layer il_next) into il_next's
-// staging region on the upload stream and returns; il_next's upload op takes them as staged (hits),
-// uploads the experts it needs that were not predicted (misses) and waits for all. Returns a 1-element
-// tensor to expand into the graph.
+// Prefetch (upload passes with pool views, when on): the router weights [n_embd, n_expert] of MoE
+// layer il + dist (1 <= dist <= the prefetch depth) when that layer takes a prefetch in this pass (its
+// experts have a pool, it is not the last layer, it is on il's pool, it is not all-resident and sees
+// n_tokens >= OSTINATO_VIEW_MIN_TOKENS), with its index in *il_next; else null. The graph applies them
+// to layer il's FFN input and takes the top k per token: a prediction of that layer's routes, ready at
+// layer il's route op.
+ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int dist, int * il_next);
+// Prefetch op (CPU; after layer il's upload op, or its join when hybrid, in graph order; the one for
+// il + 1 before the one for il + 2): starts the copies of the cold experts among pred [k, n] (a
+// prediction for layer il_next) that no earlier prediction brought, into the next free slots of
+// il_next's staging region, on the pool's prefetch stream, and returns; il_next's upload op takes
+// them as staged (hits), uploads the experts it needs that were not predicted (misses, on the upload
+// stream, which does not queue behind predictions for later layers) and waits for both. Returns a
+// 1-element tensor to expand into the graph; `after` orders it.
 ggml_tensor * ostinato_moe_prefetch(ggml_context * ctx, ggml_tensor * pred, ggml_tensor * after, int il_next);
 // Per-layer pool views (issue 9, prefill): 1 when layer il, in a split or upload pass whose layer
 // sees n_tokens tokens, computes its GPU routes over views of the pool (its hot slots; the staging
@@ -205,10 +210,12 @@ OSTINATO_API int          ostinato_experts_set_views(int on);
 OSTINATO_API int          ostinato_experts_set_upload_cpu_share(double share);
 // Most tokens a hybrid pass's CPU branch takes (1..4096; default 64); -1 (refused) otherwise.
 OSTINATO_API int          ostinato_experts_set_hybrid_rows(int rows);
-// Prefetch for upload passes with pool views on (1) or off (0, default). The pool then has a second
-// staging region (odd layers stage there, so that the next layer's copies can run while this layer's
-// staged routes compute); takes effect at the next load or residency switch.
-OSTINATO_API int          ostinato_experts_set_prefetch(int on);
+// Prefetch depth for upload passes with pool views: 0 (off, default), 1 (each layer predicts the next
+// one) or 2 (each layer predicts the next two; a layer's staged set is the union of both predictions).
+// The pool then has depth + 1 staging regions (layer il stages in region il % (depth + 1), so that the
+// copies for the next layers run while this layer's staged routes compute); takes effect at the next
+// load or residency switch. -1 (refused) outside 0..OSTINATO_PREFETCH_MAX_DEPTH.
+OSTINATO_API int          ostinato_experts_set_prefetch(int depth);
 // The all-resident path (see ostinato_moe_resident) on (1, default) or off (0: such layers take the
 // route op as any other; for measurements). Takes effect at the next graph.
 OSTINATO_API int          ostinato_experts_set_resident_path(int on);

@@ -180,12 +180,14 @@ void flush_counts(engine_t * e) {
 
 // Copies the experts x with copy[x] set into slot[x] of layer il's pool tensors (weights and
 // biases; one expert = one ne[2] slice of a weight tensor, one row of a bias tensor), asynchronously on
-// the layer's upload stream when its pool has one, else synchronously; runs of consecutive experts in
-// consecutive slots go in one copy. Counts the bytes into the pass. Caller holds g_mu.
-void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, const std::vector<uint8_t> & copy) {
+// `stream` (a GPU pool's upload or prefetch backend), else (null: a CPU pool) synchronously; runs of
+// consecutive experts in consecutive slots go in one copy. Counts the bytes into the pass. Caller
+// holds g_mu.
+void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, const std::vector<uint8_t> & copy,
+                   ggml_backend_t stream) {
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
-    ggml_backend_t upload_backend = e->pools[e->layer_pool[il]].upload_backend;
+    ggml_backend_t upload_backend = stream;
     auto put = [&](const ggml_tensor * src, ggml_tensor * pool, int x0, int s0, int m) {
         const size_t nb = ggml_n_dims(src) >= 3 ? src->nb[2] : src->nb[1];
         const size_t sz = (size_t) m * nb;
@@ -214,11 +216,12 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
     }
 }
 
-// Prefetch op (CPU, n_tasks = 1; see ostinato_moe_prefetch): reads the predicted experts of layer il
-// (pred [k, n], possibly a strided view), starts the copies of the cold ones into the first slots of
-// il's staging region (ascending expert ids) on the upload stream and records them for il's upload
-// op; does not wait. The prediction only moves copies earlier: il's upload op stages what was not
-// predicted and never reads a slot it did not account for.
+// Prefetch op (CPU, n_tasks = 1; see ostinato_moe_prefetch): reads a prediction for layer il (pred
+// [k, n], possibly a strided view), starts the copies of its cold experts that no earlier prediction
+// of this pass brought into the next free slots of il's staging region (ascending expert ids), on the
+// pool's prefetch stream, records them for il's upload op and an event after them; does not wait. The
+// prediction only moves copies earlier: il's upload op stages what was not predicted and never reads a
+// slot it did not account for.
 void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) return;
@@ -230,21 +233,46 @@ void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     if (!e || !e->prefetch || il < 0 || il >= e->n_layer || !e->layers[il].has_hot) return;
     const int64_t t0 = now_us();
     const auto & ol = e->layers[il];
+    auto & pf = e->pf_slot[il];
     std::vector<uint8_t> want(e->n_expert, 0);
     for (int64_t t = 0; t < pred->ne[1]; ++t) {
         for (int64_t j = 0; j < pred->ne[0]; ++j) {
             const int32_t x = *(const int32_t *) ((const char *) pred->data + t * pred->nb[1] + j * pred->nb[0]);
-            if (x >= 0 && x < e->n_expert && e->slot[il][x] < 0) want[x] = 1;
+            if (x >= 0 && x < e->n_expert && e->slot[il][x] < 0 && pf[x] < 0) want[x] = 1;
         }
     }
+    int used = 0;   // slots of the region taken by earlier predictions for il
+    for (int x = 0; x < e->n_expert; ++x) if (pf[x] >= 0) used = std::max(used, pf[x] - ol.view_stage0 + 1);
     std::vector<int32_t> slot(e->n_expert, -1);
-    int used = 0;
-    for (int x = 0; x < e->n_expert; ++x) if (want[x]) slot[x] = ol.view_stage0 + used++;
+    bool any = false;
+    for (int x = 0; x < e->n_expert; ++x) {
+        if (!want[x]) continue;
+        slot[x] = pf[x] = ol.view_stage0 + used++;
+        any = true;
+    }
     GGML_ASSERT(used <= ol.n_stage);   // at most the layer's cold experts, which the region holds
-    stage_experts(e, il, slot, want);
-    e->pf_slot[il] = slot;
     e->pf_ran[il] = 1;
+    if (any) {
+        pool_t & p = e->pools[e->layer_pool[il]];
+        stage_experts(e, il, slot, want, p.prefetch_backend ? p.prefetch_backend : p.upload_backend);
+        if (p.prefetch_backend && p.pf_event[il]) {
+            ggml_backend_event_record(p.pf_event[il], p.prefetch_backend);
+            e->pf_pending[il] = 1;
+        }
+    }
     e->cur.upload_ms += (now_us() - t0) / 1000.0;
+}
+
+// Waits for layer il's copies: its pool's upload stream (the upload op's own copies) and the
+// prefetch copies recorded for il (an event on the prefetch stream, which may already run copies for
+// later layers). Caller holds g_mu.
+void join_copies(engine_t * e, int il) {
+    pool_t & p = e->pools[e->layer_pool[il]];
+    if (p.upload_backend) ggml_backend_synchronize(p.upload_backend);
+    if (e->pf_pending[il]) {
+        if (p.pf_event[il]) ggml_backend_event_synchronize(p.pf_event[il]);
+        e->pf_pending[il] = 0;
+    }
 }
 
 // Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
@@ -355,7 +383,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         }
     }
     GGML_ASSERT(base + used <= ol.down_pool->ne[2]);
-    stage_experts(e, il, slot, copy);
+    stage_experts(e, il, slot, copy, upload_backend);
     std::fill(pf.begin(), pf.end(), -1);
     e->pf_ran[il] = 0;
     for (int64_t i = 0; i < k * n; ++i) {
@@ -367,7 +395,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
             out[i] = cold ? slot[x] : g[i];
         }
     }
-    if (!hybrid && upload_backend) ggml_backend_synchronize(upload_backend);
+    if (!hybrid) join_copies(e, il);
     e->cur.upload_ms += (now_us() - t0) / 1000.0;
     e->mark_us[il] = now_us();
 }
@@ -396,9 +424,8 @@ void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     if (!e || il < 0 || il >= e->n_layer || e->layer_pool[il] < 0) return;
     const int64_t t0 = now_us();
     e->cur.cpu_ms += (t0 - e->mark_us[il]) / 1000.0;   // since the upload op issued the copies
-    ggml_backend_t upload_backend = e->pools[e->layer_pool[il]].upload_backend;
-    if (!upload_backend) return;
-    ggml_backend_synchronize(upload_backend);
+    if (!e->pools[e->layer_pool[il]].upload_backend) return;
+    join_copies(e, il);
     const int64_t t1 = now_us();
     e->cur.upload_ms += (t1 - t0) / 1000.0;
     e->mark_us[il] = t1;

@@ -398,8 +398,9 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     for (auto & c : e->classes) {
         // hot slots, k zero slots, then the upload path's staging slots (preallocated here)
         ggml_context * ctx = e->pools[c.pool].ctx;
-        // prefetch: a second staging region, for the odd layers of pool-view passes
-        const int64_t n_slots = (int64_t) c.members.size() + e->k + c.n_stage * (g_prefetch ? 2 : 1);
+        // prefetch depth d: d + 1 staging regions, layer il stages in region il % (d + 1) in pool-view
+        // passes (the copies for the next d layers never land in a region a layer still reads)
+        const int64_t n_slots = (int64_t) c.members.size() + e->k + c.n_stage * (g_prefetch + 1);
         c.up = ggml_new_tensor_3d(ctx, c.t_up, c.up0, c.up1, n_slots);
         if (c.has_gate) c.gate = ggml_new_tensor_3d(ctx, c.t_gate, c.up0, c.up1, n_slots);
         c.down = ggml_new_tensor_3d(ctx, c.t_down, c.down0, c.down1, n_slots);
@@ -418,7 +419,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         l.zero0 = (int) c.members.size();
         l.stage0 = l.zero0 + e->k;
         l.n_stage = c.n_stage;
-        l.view_stage0 = l.stage0 + (g_prefetch && (il & 1) ? c.n_stage : 0);
+        l.view_stage0 = l.stage0 + (il % (g_prefetch + 1)) * c.n_stage;
         // members are in (layer, expert) order: the layer's hot slots are one run, in expert order
         l.hot0 = -1; l.n_hot = 0;
         for (size_t s = 0; s < c.members.size(); ++s) {
@@ -444,6 +445,13 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             // a stream of our own per device for the upload path's copies (joined at the end of
             // each upload op)
             p.upload_backend = ggml_backend_dev_init(p.dev, nullptr);
+            if (g_prefetch > 0) {
+                // predicted copies on a stream of their own: a layer's misses never queue behind
+                // the copies predicted for the layers after it; an event per layer joins its copies
+                p.prefetch_backend = ggml_backend_dev_init(p.dev, nullptr);
+                p.pf_event.assign(e->n_layer, nullptr);
+                for (int il : p.layers) p.pf_event[il] = ggml_backend_event_new(p.dev);
+            }
         }
     }
     // all-resident layers: leaves over their hot slots (see ostinato_moe_layer::resident)
@@ -508,6 +516,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     e->prefetch = g_prefetch;
     e->pf_slot.assign(e->n_layer, std::vector<int32_t>(e->n_expert, -1));
     e->pf_ran.assign(e->n_layer, 0);
+    e->pf_pending.assign(e->n_layer, 0);
     e->cold_seen.assign(nle, 0);
     e->cpu_use.assign(nle, 0.0f);
     e->mark_us.assign(e->n_layer, 0);

@@ -353,14 +353,17 @@ def set_hybrid_rows(rows: int) -> None:
         raise ValueError(f"hybrid rows must be within 1..4096, got {rows}")
 
 
-def set_prefetch(on: bool) -> None:
-    """Prefetch for upload passes with pool views (docs/engine.md "Prefetch"): at each layer the next
-    layer's router applied to this layer's input predicts the next layer's routes, and the copies of
-    its predicted cold experts start after this layer's own, so that they run while this layer's
-    staged routes and the next layer's attention compute. The pool gets a second staging region (odd
-    layers stage there). Off in the native engine until set; the runtime sets the setting
-    ``prefill_prefetch`` (default on). Takes effect at the next load or residency switch."""
-    llama_fn("ostinato_experts_set_prefetch")(1 if on else 0)
+def set_prefetch(depth: int | bool) -> None:
+    """Prefetch depth for upload passes with pool views (docs/engine.md "Prefetch"): at each layer
+    the routers of the next ``depth`` layers (0 = off, 1 or 2; True = 1) applied to this layer's input
+    predict their routes, and the copies of their predicted cold experts start after this layer's own
+    on a stream of their own, so that they run while this layer's staged routes and the next layers'
+    attention compute. The pool gets depth + 1 staging regions (layer il stages in region
+    il % (depth + 1)). Off in the native engine until set; the runtime sets the settings'
+    (``prefill_prefetch``, ``prefill_prefetch_depth``). Takes effect at the next load or residency
+    switch. Raises ValueError outside 0..2."""
+    if llama_fn("ostinato_experts_set_prefetch")(int(depth)) != 0:
+        raise ValueError(f"prefetch depth must be within 0..2, got {depth}")
 
 
 def set_cpu_threads(n: int) -> None:

@@ -32,7 +32,7 @@ from .placement import experts_config, full_layer_devices, tensor_split_for
 
 from ..paths import residency_file
 from ..residency.calibration import DEFAULT_NP, decode_choices, decode_graph_choice, prefill_threshold_choice
-from ..residency.planner import room_for_prefetch
+from ..residency.planner import prefetch_depth_setting, prefetch_room
 from ..residency.sets import ResidencySet, model_block, read_residency
 
 log = logging.getLogger("ostinatod.experts")
@@ -43,18 +43,20 @@ log = logging.getLogger("ostinatod.experts")
 SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss", "glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
 
 
-def prefetch_for(setting: bool, residency: Optional[ResidencySet]) -> bool:
-    """The prefill prefetch for a pool of ``residency``: the setting, unless the set was planned
-    to the GPU's memory without room for the prefetch's second staging region
-    (:func:`..residency.planner.room_for_prefetch`; then off, logged: re-plan to get it)."""
-    if not setting or residency is None:
-        return setting
-    if room_for_prefetch(residency.raw.get("plan") or {}):
-        return True
-    log.info("experts: prefill prefetch off for the residency set %s: it was planned to the GPU "
-             "memory with one staging region (re-plan with `ostinato plan` for the prefetch's second)",
-             residency.path or "(unnamed)")
-    return False
+def prefetch_for(depth: int, residency: Optional[ResidencySet]) -> int:
+    """The prefill prefetch depth for a pool of ``residency``: ``depth`` (the settings',
+    :func:`..residency.planner.prefetch_depth_setting`; 0 = off), less where the set was planned to
+    the GPU's memory without room for its staging regions (:func:`..residency.planner.prefetch_room`;
+    logged: re-plan to get it)."""
+    if depth <= 0 or residency is None:
+        return max(0, depth)
+    room = prefetch_room(residency.raw.get("plan") or {}, depth)
+    if room < depth:
+        log.info("experts: prefill prefetch depth %d instead of %d for the residency set %s: it was "
+                 "planned to the GPU memory with %s staging region(s) (re-plan with `ostinato plan` "
+                 "for %d)", room, depth, residency.path or "(unnamed)",
+                 (residency.raw.get("plan") or {}).get("staging_regions", 1), depth + 1)
+    return room
 
 
 def _default_np(settings: Any, fingerprint: Optional[str]) -> tuple[int, str]:
@@ -89,8 +91,9 @@ class ExpertRuntime:
         self.pool_threads: Optional[int] = None  # the decode graph's CPU-branch pool
         # the decode graph setting served with (None: auto, on where the pool is on a GPU), set by prepare
         self.decode_graph: Optional[bool] = None
-        # the prefill prefetch setting (each set's pool gets it where its plan leaves room), set by prepare
-        self.prefetch = True
+        # the prefill prefetch depth the settings ask for (each set's pool gets what its plan leaves
+        # room for), set by prepare
+        self.prefetch = 0
         # (one-token, batch) threads of the context, set by the loader; follows_graph: the loader
         # gave one-token steps 1 thread for the decode graph (follow_decode_graph keeps it true)
         self.context_threads: Optional[tuple[int, int]] = None
@@ -152,7 +155,7 @@ class ExpertRuntime:
         # prefill: the hybrid pass's CPU share (-1: adapted) and the prefetch region (read at the pool build)
         share = getattr(settings, "upload_cpu_share", 0.0)
         native.set_upload_cpu_share(None if share == -1 else share)
-        rt_prefetch = bool(getattr(settings, "prefill_prefetch", True))
+        rt_prefetch = prefetch_depth_setting(settings)
         native.set_prefetch(prefetch_for(rt_prefetch, residency))
         # CPU-branch pool of the decode graph and the context's prefill threads: together no more
         # than the cores unless set (hardware.expert_engine_threads); without the graph (CPU build,

@@ -104,29 +104,44 @@ def split_layers(n_layer: int, weights: Sequence[float]) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------
 
 def staging_regions_for(settings: Any = None) -> int:
-    """Staging regions of a pool for the upload path: 2 with the prefill prefetch (setting
-    ``prefill_prefetch``, default on; docs/engine.md "Prefetch"), else 1. ``settings`` defaults to
-    the loaded settings."""
+    """Staging regions of a pool for the upload path: 1 + the prefill prefetch's depth (settings
+    ``prefill_prefetch``, default on, and ``prefill_prefetch_depth``, default 2; docs/engine.md
+    "Prefetch"), 1 with the prefetch off. ``settings`` defaults to the loaded settings."""
     if settings is None:
         from ..settings import load_settings
 
         settings = load_settings()
-    return 2 if getattr(settings, "prefill_prefetch", True) else 1
+    return 1 + prefetch_depth_setting(settings)
 
 
-def room_for_prefetch(plan: dict[str, Any]) -> bool:
-    """Whether a residency set's ``plan`` leaves GPU memory for the prefetch's second staging
-    region: planned with 2 regions, or on every GPU whose capacity test ran, the capacity minus the
-    pool at least one region (``need_bytes.staging`` of a 1-region plan). A plan without those
-    figures (hand-made or emulated) says yes: nothing shows it was cut to the memory."""
-    if int(plan.get("staging_regions") or 1) >= 2:
-        return True
+def prefetch_depth_setting(settings: Any) -> int:
+    """The prefill prefetch depth the settings ask for: 0 (``prefill_prefetch`` off), else
+    ``prefill_prefetch_depth`` (1 or 2)."""
+    if not getattr(settings, "prefill_prefetch", True):
+        return 0
+    return int(getattr(settings, "prefill_prefetch_depth", 2))
+
+
+def prefetch_room(plan: dict[str, Any], depth: int) -> int:
+    """The deepest prefill prefetch, at most ``depth``, whose staging regions (1 + depth) a residency
+    set's ``plan`` leaves GPU memory for: ``depth`` when planned with that many regions; else, on
+    every GPU whose capacity test ran, the regions that fit in the capacity minus the pool besides the
+    planned ones (a region is ``need_bytes.staging`` / ``staging_regions``). A plan without those
+    figures (hand-made or emulated) gives ``depth``: nothing shows it was cut to the memory."""
+    planned = max(1, int(plan.get("staging_regions") or 1))
+    if depth <= planned - 1:
+        return max(0, depth)
+    spare: Optional[int] = None
     for c in plan.get("capacity") or []:
         cap, pool = c.get("capacity_bytes"), c.get("pool_bytes")
-        region = (c.get("need_bytes") or {}).get("staging")
-        if cap is not None and pool is not None and region and int(cap) - int(pool) < int(region):
-            return False
-    return True
+        staging = (c.get("need_bytes") or {}).get("staging")
+        if cap is None or pool is None or not staging:
+            continue
+        fit = max(0, int(cap) - int(pool)) // max(1, int(staging) // planned)
+        spare = fit if spare is None else min(spare, fit)
+    if spare is None:
+        return depth
+    return max(0, min(depth, planned - 1 + spare))
 
 
 def estimate_gpu_need(shape: ModelInfo, layers: Sequence[int], max_tokens: int, *,
@@ -139,7 +154,7 @@ def estimate_gpu_need(shape: ModelInfo, layers: Sequence[int], max_tokens: int, 
     i32 [n_expert, n_ubatch] each, which the count op of all-resident layers keeps until the end of
     the graph, docs/engine.md "All-resident layers"); staging: the upload path's staging buffer
     (every expert of the largest layer: the most distinct cold experts one layer can have; times
-    ``staging_regions``, 2 with the prefill prefetch, docs/engine.md "Prefetch");
+    ``staging_regions``, 1 + the prefill prefetch's depth, docs/engine.md "Prefetch");
     zero_slots: k all-zero slots per size class. Returns a dict of these and ``total``.
     """
     layers = list(layers)
@@ -212,7 +227,7 @@ def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
 
     Budget per GPU j: ``budget_frac`` x the expert bytes of its layers, or ``budget_mb`` MiB, capped
     by the capacity test when the GPU's free memory is known (free - need(longest request) - margin;
-    ``staging_regions`` staging buffers in the need: 2 with the prefill prefetch).
+    ``staging_regions`` staging buffers in the need: 1 + the prefill prefetch's depth).
     Without either budget, free memory alone decides (needs real GPUs). Raises PlanError when the
     traces do not fit the model, no budget can be derived, or the capacity test leaves no room.
     """

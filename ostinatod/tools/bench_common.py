@@ -30,6 +30,7 @@ def _quarter_pool() -> dict:
 # "Pool views and the hybrid upload pass", "Prefetch", "Decode graph"): its daemon settings, or a
 # function of the machine that returns them (never in the default list; see variant_settings)
 VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
+            "ostinato-prefetch1": {"prefill_prefetch_depth": 1},
             "ostinato-hybrid": {"upload_cpu_share": -1},
             "ostinato-pool-quarter": _quarter_pool}
 CHOICES = ENGINES + (ONE_GPU,) + tuple(VARIANTS)
