@@ -160,12 +160,6 @@ class Settings(BaseSettings):
                                         "layer's predicted set is the union of both predictions, and "
                                         "its copies may start two layers early). The pool gets "
                                         "depth + 1 staging regions (the planner reserves them).")
-    prefetch_copy_kernel: bool = Field(True, description="The prefill prefetch's copies on a GPU: one "
-                                       "kernel per layer reading the predicted experts from pinned "
-                                       "host memory (where every expert tensor is pinned and mapped), "
-                                       "instead of one cudaMemcpyAsync per expert matrix. Measured on "
-                                       "the H200: 5.6 GB of 884,736-byte chunks in 109 ms against 122 "
-                                       "ms (docs/benchmarks/h2d-h200.json).")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "

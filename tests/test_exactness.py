@@ -978,8 +978,7 @@ def test_layer_device_config_errors():
 def test_prefetch_matches_stock(arch, share):
     """Prefetch (upload passes with pool views): at each layer the routers of the next one or two
     layers applied to this layer's input predict their routes and the copies of the predicted cold
-    experts start early (on a stream of their own on a GPU, by one copy kernel per layer where every
-    expert tensor is pinned and mapped), into depth + 1 staging regions (layer il
+    experts start early (on a stream of their own on a GPU), into depth + 1 staging regions (layer il
     in region il % (depth + 1)). The 8-layer, 32-expert small shape: a layer has next ones that are
     not the last, and the prediction misses some experts and stages some unused ones. At depths 1 and
     2: tokens identical to stock, logits bitwise equal to the same placement without prefetch (on the
@@ -1005,10 +1004,8 @@ def test_prefetch_matches_stock(arch, share):
     finally:
         ref.close()
     runs = {}
-    # on a GPU also depth 2 with the copies by cudaMemcpyAsync instead of the copy kernel ("memcpy")
-    for depth in (0, 1, 2) + (("memcpy",) if GPU else ()):
-        native.set_prefetch(2 if depth == "memcpy" else depth)
-        native.set_copy_kernel(depth != "memcpy")
+    for depth in (0, 1, 2):
+        native.set_prefetch(depth)
         r = Runner(path, hot=hot, prefill_threshold=8)
         native.set_decode_graph(False)
         native.set_upload_cpu_share(share)
@@ -1019,18 +1016,10 @@ def test_prefetch_matches_stock(arch, share):
             runs[depth] = (toks, logits, _stats()["last_passes"][0], native.experts_json("ostinato_experts_info"))
         finally:
             native.set_prefetch(0)
-            native.set_copy_kernel(True)
             native.set_decode_graph(None)
             native.set_upload_cpu_share(0.0)
             r.close()
     base_toks, base_logits, base, base_info = runs[0]
-    if GPU:
-        # the copy kernel moves the same bytes as one cudaMemcpyAsync per chunk: the same logits, bit
-        # for bit, where the engine could use it (every expert tensor pinned and mapped)
-        assert runs[2][3]["prefill"]["copy_kernel"] and not runs["memcpy"][3]["prefill"]["copy_kernel"]
-        assert runs["memcpy"][0] == runs[2][0] and np.array_equal(runs["memcpy"][1], runs[2][1])
-    else:
-        assert not runs[2][3]["prefill"]["copy_kernel"]   # a CPU pool copies with memcpy
     assert base["prefetch_hits"] == base["prefetch_misses"] == 0 and base_info["prefill"]["prefetch"] == 0
     for depth in (1, 2):
         toks, logits, p, info = runs[depth]

@@ -100,9 +100,6 @@ struct pool_t {
     ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
     ggml_backend_t prefetch_backend = nullptr; // GPU pool with prefetch: a second stream, for predicted copies
     std::vector<ggml_backend_event_t> pf_event;   // [layer]: recorded on it after a layer's prefetch copies
-    // the prefetch's copy kernel on the prefetch stream (ostinato_cuda_gather), or null: one
-    // cudaMemcpyAsync per chunk
-    bool (*gather)(ggml_backend_t, const ostinato_copy *, int) = nullptr;
     ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
     ggml_tensor * scratch = nullptr;           // I32 [4, n_layer]: the route kernel's counters
     ggml_tensor * counts = nullptr;            // I32 [n_expert, n_layer, 2]: routes of all-resident layers
@@ -172,8 +169,6 @@ struct pinned_t {
     std::vector<void *> ptrs;
     int64_t bytes = 0;
     bool already_pinned = false;   // the loader put the experts in a pinned (CUDA_Host) buffer
-    bool mapped = false;           // every expert tensor pinned and readable by kernels at its host
-                                   // address (the prefetch's copy kernel reads them there)
     std::string note;
 };
 
@@ -208,7 +203,6 @@ extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
 extern double g_upload_cpu_share;   // hybrid upload passes: fixed CPU share 0..1, or -1 (adapted)
 extern int g_hybrid_rows;           // hybrid upload passes: most tokens the CPU branch takes
 extern int g_prefetch;              // prefetch depth for upload passes with views, 0..2 (next pool build)
-extern bool g_copy_kernel;          // prefetch copies by one kernel per layer where the GPU can (next pool build)
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
 // bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.

@@ -47,7 +47,6 @@ bool g_resident = true;       // all-resident layers take the stock computation 
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
 int g_prefetch = 0;               // prefetch depth for upload passes with views (depth + 1 staging regions)
-bool g_copy_kernel = true;        // the prefetch's copies by a kernel (ostinato_cuda_gather) where possible
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -702,12 +701,6 @@ int ostinato_experts_set_prefetch(int depth) {
     if (depth < 0 || depth > OSTINATO_PREFETCH_MAX_DEPTH) return -1;
     std::lock_guard<std::mutex> lock(g_mu);
     g_prefetch = depth;   // the pool's layout: at the next build
-    return 0;
-}
-
-int ostinato_experts_set_copy_kernel(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_copy_kernel = on != 0;   // read at the next pool build
     return 0;
 }
 

@@ -216,10 +216,6 @@ OSTINATO_API int          ostinato_experts_set_hybrid_rows(int rows);
 // copies for the next layers run while this layer's staged routes compute); takes effect at the next
 // load or residency switch. -1 (refused) outside 0..OSTINATO_PREFETCH_MAX_DEPTH.
 OSTINATO_API int          ostinato_experts_set_prefetch(int depth);
-// The prefetch's copies on a GPU pool: 1 (default) one kernel per layer's predicted experts that reads
-// them from pinned host memory (where every expert tensor is pinned and mapped at its host address),
-// 0 one cudaMemcpyAsync per expert tensor slice. Takes effect at the next load or residency switch.
-OSTINATO_API int          ostinato_experts_set_copy_kernel(int on);
 // The all-resident path (see ostinato_moe_resident) on (1, default) or off (0: such layers take the
 // route op as any other; for measurements). Takes effect at the next graph.
 OSTINATO_API int          ostinato_experts_set_resident_path(int on);

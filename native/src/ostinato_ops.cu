@@ -2,8 +2,6 @@
 // add this file to its sources and two cases to ggml-cuda.cu). Paper: arXiv 2611.11533, Section 3.4.
 #include "../vendor/llama.cpp/ggml/src/ggml-cuda/common.cuh"
 #include "../vendor/llama.cpp/ggml/src/ggml-impl.h"
-#include "../vendor/llama.cpp/ggml/src/ggml-backend-impl.h"
-#include "../vendor/llama.cpp/ggml/include/ggml-cuda.h"
 #include "ostinato_ops.h"
 #include "ostinato_ops_cuda.cuh"
 
@@ -209,55 +207,4 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
     }
     CUDA_CHECK(cudaGetLastError());
     return true;
-}
-
-// The prefetch's copy kernel: block b copies chunks b, b + gridDim.x, ... with 16-byte loads from the
-// mapped host memory (a chunk whose addresses or size are not 16-byte multiples goes byte by byte).
-// One kernel for a layer's predicted experts instead of one DMA per chunk: no per-copy setup.
-struct ost_copy_args {
-    ostinato_copy c[OSTINATO_COPY_MAX];
-};
-
-static __global__ void ost_gather_kernel(const ost_copy_args a, const int n) {
-    for (int i = blockIdx.x; i < n; i += gridDim.x) {
-        const ostinato_copy c = a.c[i];
-        if (((uintptr_t) c.src | (uintptr_t) c.dst | c.bytes) & 15) {
-            const unsigned char * s = (const unsigned char *) c.src;
-            unsigned char * d = (unsigned char *) c.dst;
-            for (uint64_t j = threadIdx.x; j < c.bytes; j += blockDim.x) d[j] = s[j];
-            continue;
-        }
-        const uint4 * s = (const uint4 *) c.src;
-        uint4 * d = (uint4 *) c.dst;
-        const uint64_t m = c.bytes / 16, step = blockDim.x;
-        uint64_t j = threadIdx.x;
-        // two loads in flight per thread: the reads cross PCIe
-        for (; j + step < m; j += 2 * step) {
-            const uint4 v0 = s[j], v1 = s[j + step];
-            d[j] = v0; d[j + step] = v1;
-        }
-        if (j < m) d[j] = s[j];
-    }
-}
-
-extern "C" bool ostinato_cuda_gather(ggml_backend_t backend, const ostinato_copy * c, int n) {
-    if (!backend || n < 1 || n > OSTINATO_COPY_MAX || !ggml_backend_is_cuda(backend)) return false;
-    ggml_backend_cuda_context * ctx = (ggml_backend_cuda_context *) backend->context;
-    ggml_cuda_set_device(ctx->device);
-    ost_copy_args a;
-    memcpy(a.c, c, (size_t) n * sizeof(ostinato_copy));
-    // 32 blocks of 512 threads kept PCIe busy in the probe (51 GB/s from 66 blocks with one load in
-    // flight per thread) and leave the other multiprocessors to the prefill's kernels
-    ost_gather_kernel<<<std::min(n, 32), 512, 0, ctx->stream()>>>(a, n);
-    CUDA_CHECK(cudaGetLastError());
-    return true;
-}
-
-extern "C" bool ostinato_cuda_host_mapped(const void * p) {
-    cudaPointerAttributes attr;
-    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-        (void) cudaGetLastError();
-        return false;
-    }
-    return attr.type == cudaMemoryTypeHost && attr.devicePointer == p;
 }

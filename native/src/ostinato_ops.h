@@ -76,16 +76,3 @@ struct ostinato_op {
     const float * out;         // mailbox: [n_embd * k * max_tokens] CPU-branch output (shared)
     int64_t  timeout_ns;       // a wait longer than this gives up (status = 1) instead of hanging the GPU
 };
-
-// Copy kernel of the prefill prefetch (ostinato_cuda_gather, exported by the CUDA backend through its
-// registry's get_proc_address under that name): one chunk to copy from pinned, device-mapped host
-// memory (an expert's slice of a weight or bias tensor) into device memory. Many chunks go in one
-// kernel launch, passed by value (at most OSTINATO_COPY_MAX per launch): on the H200 one kernel moved
-// 5.6 GB of 884,736-byte chunks in 109 ms where one cudaMemcpyAsync per chunk took 122 ms
-// (docs/benchmarks/h2d-h200.json).
-struct ostinato_copy {
-    const void * src;          // host (pinned, mapped: the same address on the device)
-    void * dst;                // device
-    uint64_t bytes;
-};
-#define OSTINATO_COPY_MAX 160

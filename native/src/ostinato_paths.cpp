@@ -188,34 +188,13 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
     ggml_backend_t upload_backend = stream;
-    // the prefetch stream of a pool with the copy kernel: chunks collected, one launch per
-    // OSTINATO_COPY_MAX of them (a refused launch falls back to one copy per chunk)
-    const pool_t & pool_of = e->pools[e->layer_pool[il]];
-    const bool kernel = stream && stream == pool_of.prefetch_backend && pool_of.gather;
-    struct chunk_t { ostinato_copy c; ggml_tensor * pool; size_t off; };
-    std::vector<chunk_t> chunks;
-    auto flush = [&]() {
-        if (chunks.empty()) return;
-        std::vector<ostinato_copy> c(chunks.size());
-        for (size_t i = 0; i < chunks.size(); ++i) c[i] = chunks[i].c;
-        if (!pool_of.gather(stream, c.data(), (int) c.size())) {
-            for (const auto & k : chunks) ggml_backend_tensor_set_async(stream, k.pool, k.c.src, k.off, k.c.bytes);
-        }
-        chunks.clear();
-    };
     auto put = [&](const ggml_tensor * src, ggml_tensor * pool, int x0, int s0, int m) {
         const size_t nb = ggml_n_dims(src) >= 3 ? src->nb[2] : src->nb[1];
         const size_t sz = (size_t) m * nb;
         if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
             const char * p = (const char *) src->data + (size_t) x0 * nb;
-            if (kernel) {
-                chunks.push_back({{p, (char *) pool->data + (size_t) s0 * nb, (uint64_t) sz}, pool, (size_t) s0 * nb});
-                if (chunks.size() == OSTINATO_COPY_MAX) flush();
-            } else if (upload_backend) {
-                ggml_backend_tensor_set_async(upload_backend, pool, p, (size_t) s0 * nb, sz);
-            } else {
-                ggml_backend_tensor_set(pool, p, (size_t) s0 * nb, sz);
-            }
+            if (upload_backend) ggml_backend_tensor_set_async(upload_backend, pool, p, (size_t) s0 * nb, sz);
+            else                   ggml_backend_tensor_set(pool, p, (size_t) s0 * nb, sz);
         } else {
             std::vector<uint8_t> tmp(sz);
             ggml_backend_tensor_get(src, tmp.data(), (size_t) x0 * nb, sz);
@@ -235,7 +214,6 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
         if (ol.down_b_pool) put(L.ffn_down_exps_b, ol.down_b_pool, x, slot[x], m);
         x += m;
     }
-    flush();
 }
 
 // Prefetch op (CPU, n_tasks = 1; see ostinato_moe_prefetch): reads a prediction for layer il (pred

@@ -113,17 +113,6 @@ void pin_experts(llama_model * model, ggml_backend_dev_t dev) {
         else failed += (int64_t) (b - a);
     }
     if (!had_env) unsetenv("GGML_CUDA_REGISTER_HOST");
-    // the prefetch's copy kernel reads the experts at their host addresses: only where every expert
-    // tensor is pinned and mapped there (unified addressing)
-    auto mapped = (bool (*)(const void *)) ggml_backend_reg_get_proc_address(g_pin.reg, "ostinato_cuda_host_mapped");
-    g_pin.mapped = failed == 0 && mapped != nullptr;
-    for (const auto & L : model->layers) {
-        for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps,
-                                      L.ffn_up_exps_b, L.ffn_gate_exps_b, L.ffn_down_exps_b, L.ffn_gate_up_exps_b}) {
-            if (!g_pin.mapped || !t || !t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data) continue;
-            g_pin.mapped = mapped(t->data) && mapped((const char *) t->data + ggml_nbytes(t) - 1);
-        }
-    }
     if (failed) {
         g_pin.note = "pinning " + std::to_string(failed >> 20) + " MiB of cold experts failed (cudaHostRegister): "
                      "those stay pageable and upload slower";
@@ -462,10 +451,6 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
                 p.prefetch_backend = ggml_backend_dev_init(p.dev, nullptr);
                 p.pf_event.assign(e->n_layer, nullptr);
                 for (int il : p.layers) p.pf_event[il] = ggml_backend_event_new(p.dev);
-                if (g_copy_kernel && g_pin.mapped && g_pin.model == model) {
-                    p.gather = (bool (*)(ggml_backend_t, const ostinato_copy *, int))
-                        ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(p.dev), "ostinato_cuda_gather");
-                }
             }
         }
     }

@@ -71,9 +71,7 @@ const char * ostinato_experts_info(void) {
                             {"upload_cpu_share", upload_share(&e, std::any_of(e.pools.begin(), e.pools.end(),
                                                      [](const pool_t & p) { return p.upload_backend != nullptr; }))},
                             {"upload_cpu_share_adapted", g_upload_cpu_share < 0},
-                            {"hybrid_rows", g_hybrid_rows}, {"prefetch", e.prefetch},
-                            {"copy_kernel", std::any_of(e.pools.begin(), e.pools.end(),
-                                                        [](const pool_t & p) { return p.gather != nullptr; })}};
+                            {"hybrid_rows", g_hybrid_rows}, {"prefetch", e.prefetch}};
         j["notes"] = e.notes;
     }
     return keep(g_out_info, j);

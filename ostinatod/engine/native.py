@@ -176,7 +176,6 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_upload_cpu_share": ([ctypes.c_double], ctypes.c_int),
     "ostinato_experts_set_hybrid_rows": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_prefetch": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_copy_kernel": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -365,15 +364,6 @@ def set_prefetch(depth: int | bool) -> None:
     switch. Raises ValueError outside 0..2."""
     if llama_fn("ostinato_experts_set_prefetch")(int(depth)) != 0:
         raise ValueError(f"prefetch depth must be within 0..2, got {depth}")
-
-
-def set_copy_kernel(on: bool) -> None:
-    """How the prefetch's copies run on a GPU pool (docs/engine.md "Prefetch"): True (the native
-    default) one kernel per layer's predicted experts, reading them from pinned host memory at their
-    host addresses where every expert tensor is pinned and mapped; False one cudaMemcpyAsync per expert
-    tensor slice. The runtime sets the setting ``prefetch_copy_kernel``. Takes effect at the next load
-    or residency switch; ``info()["prefill"]["copy_kernel"]`` says whether a pool uses the kernel."""
-    llama_fn("ostinato_experts_set_copy_kernel")(1 if on else 0)
 
 
 def set_cpu_threads(n: int) -> None:

@@ -157,7 +157,6 @@ class ExpertRuntime:
         native.set_upload_cpu_share(None if share == -1 else share)
         rt_prefetch = prefetch_depth_setting(settings)
         native.set_prefetch(prefetch_for(rt_prefetch, residency))
-        native.set_copy_kernel(bool(getattr(settings, "prefetch_copy_kernel", True)))
         # CPU-branch pool of the decode graph and the context's prefill threads: together no more
         # than the cores unless set (hardware.expert_engine_threads); without the graph (CPU build,
         # pool on the CPU, graph off) the context keeps every core
