@@ -160,8 +160,10 @@ class Settings(BaseSettings):
                                         "layer's predicted set is the union of both predictions, and "
                                         "its copies may start two layers early). The pool gets "
                                         "depth + 1 staging regions (the planner reserves them). "
-                                        "Measured on the H200 at a 45% pool: TTFT after a tool "
-                                        "output 0.146 s at depth 2 against 0.153 s at depth 1 "
+                                        "Measured on the H200 at a 45% pool, one run: TTFT after a "
+                                        "tool output 0.146 s at depth 2 against 0.153 s at depth 1, "
+                                        "but 127.8 against 126.4 ms per such prefill in the engine "
+                                        "(3.5% more bytes copied, fewer misses): no clear winner "
                                         "(docs/benchmarks/engines-h200-16c-L48-prefetch2-headline).")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")

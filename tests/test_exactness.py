@@ -1021,6 +1021,9 @@ def test_prefetch_matches_stock(arch, share):
             r.close()
     base_toks, base_logits, base, base_info = runs[0]
     assert base["prefetch_hits"] == base["prefetch_misses"] == 0 and base_info["prefill"]["prefetch"] == 0
+    for bad in (-1, 3):   # the graph predicts at most two layers ahead
+        with pytest.raises(ValueError):
+            native.set_prefetch(bad)
     for depth in (1, 2):
         toks, logits, p, info = runs[depth]
         d = float(np.max(np.abs(logits[0] - ref_logits[0])))

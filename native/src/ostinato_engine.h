@@ -52,8 +52,9 @@ struct size_class_t {
     std::vector<std::pair<int, int>> members;   // (layer, expert) in slot order
     int n_stage = 0;                            // max cold experts of one layer of the class
     std::vector<std::pair<int, int>> borrowed;  // per staging slot: (layer, expert) lent to decode, or (-1, -1)
-    ggml_tensor * up = nullptr, * gate = nullptr, * down = nullptr;   // [.., .., slots + k + n_stage]
-    ggml_tensor * b_up = nullptr, * b_gate = nullptr, * b_down = nullptr;   // [.., slots + k + n_stage]
+    // [.., .., slots + k + n_stage * (prefetch depth + 1)], biases [.., the same]
+    ggml_tensor * up = nullptr, * gate = nullptr, * down = nullptr;
+    ggml_tensor * b_up = nullptr, * b_gate = nullptr, * b_down = nullptr;
     bool operator==(const size_class_t & o) const {
         return pool == o.pool && t_up == o.t_up && t_gate == o.t_gate && t_down == o.t_down && up0 == o.up0 &&
                up1 == o.up1 && down0 == o.down0 && down1 == o.down1 && has_gate == o.has_gate && merged == o.merged &&

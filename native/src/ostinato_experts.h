@@ -16,12 +16,13 @@ struct ggml_cgraph;
 struct ostinato_moe_layer {
     int il = -1;
     bool has_hot = false;                    // false: layer computed by the stock code (all cold)
-    // pool of the layer's size class, [.., .., n_slots + k + n_stage]: hot experts, k zero slots, then
-    // the upload path's staging slots (so that an upload-path pass is one mul_mat_id per matrix)
+    // pool of the layer's size class, [.., .., n_slots + k + n_stage * regions]: hot experts, k zero
+    // slots, then the upload path's staging slots, one region of n_stage per prefetch depth + 1 (so
+    // that an upload-path pass is one mul_mat_id per matrix)
     ggml_tensor * up_pool   = nullptr;
     ggml_tensor * gate_pool = nullptr;
     ggml_tensor * down_pool = nullptr;
-    // per-slot expert biases (gpt-oss), [n, n_slots + k + n_stage]; zero slots' rows are 0; else null
+    // per-slot expert biases (gpt-oss), [n, n_slots + k + n_stage * regions]; zero slots' rows are 0; else null
     ggml_tensor * up_b_pool   = nullptr;
     ggml_tensor * gate_b_pool = nullptr;
     ggml_tensor * down_b_pool = nullptr;

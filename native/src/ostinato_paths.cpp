@@ -255,7 +255,7 @@ void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     if (any) {
         pool_t & p = e->pools[e->layer_pool[il]];
         stage_experts(e, il, slot, want, p.prefetch_backend ? p.prefetch_backend : p.upload_backend);
-        if (p.prefetch_backend && p.pf_event[il]) {
+        if (p.prefetch_backend) {   // it exists only with an event per layer
             ggml_backend_event_record(p.pf_event[il], p.prefetch_backend);
             e->pf_pending[il] = 1;
         }
@@ -382,7 +382,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
             if (views && e->pf_ran[il]) e->cur.prefetch_misses++;
         }
     }
-    GGML_ASSERT(base + used <= ol.down_pool->ne[2]);
+    GGML_ASSERT(used <= ol.n_stage && base + used <= ol.down_pool->ne[2]);   // within the layer's region
     stage_experts(e, il, slot, copy, upload_backend);
     std::fill(pf.begin(), pf.end(), -1);
     e->pf_ran[il] = 0;

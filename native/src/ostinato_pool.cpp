@@ -450,7 +450,16 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
                 // the copies predicted for the layers after it; an event per layer joins its copies
                 p.prefetch_backend = ggml_backend_dev_init(p.dev, nullptr);
                 p.pf_event.assign(e->n_layer, nullptr);
-                for (int il : p.layers) p.pf_event[il] = ggml_backend_event_new(p.dev);
+                bool events = p.prefetch_backend != nullptr;
+                for (int il : p.layers) events = events && (p.pf_event[il] = ggml_backend_event_new(p.dev)) != nullptr;
+                if (!events) {
+                    // a device without events: the predicted copies go on the upload stream,
+                    // which each upload op joins whole
+                    for (auto & ev : p.pf_event) if (ev) ggml_backend_event_free(ev);
+                    p.pf_event.clear();
+                    if (p.prefetch_backend) ggml_backend_free(p.prefetch_backend);
+                    p.prefetch_backend = nullptr;
+                }
             }
         }
     }

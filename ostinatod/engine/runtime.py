@@ -92,8 +92,9 @@ class ExpertRuntime:
         # the decode graph setting served with (None: auto, on where the pool is on a GPU), set by prepare
         self.decode_graph: Optional[bool] = None
         # the prefill prefetch depth the settings ask for (each set's pool gets what its plan leaves
-        # room for), set by prepare
+        # room for) and the depth the current set's pool was built with, set by prepare
         self.prefetch = 0
+        self.prefetch_applied = 0
         # (one-token, batch) threads of the context, set by the loader; follows_graph: the loader
         # gave one-token steps 1 thread for the decode graph (follow_decode_graph keeps it true)
         self.context_threads: Optional[tuple[int, int]] = None
@@ -156,7 +157,8 @@ class ExpertRuntime:
         share = getattr(settings, "upload_cpu_share", 0.0)
         native.set_upload_cpu_share(None if share == -1 else share)
         rt_prefetch = prefetch_depth_setting(settings)
-        native.set_prefetch(prefetch_for(rt_prefetch, residency))
+        applied = prefetch_for(rt_prefetch, residency)
+        native.set_prefetch(applied)
         # CPU-branch pool of the decode graph and the context's prefill threads: together no more
         # than the cores unless set (hardware.expert_engine_threads); without the graph (CPU build,
         # pool on the CPU, graph off) the context keeps every core
@@ -177,6 +179,7 @@ class ExpertRuntime:
         rt.pool_threads = pool_threads
         rt.decode_graph = graph
         rt.prefetch = rt_prefetch
+        rt.prefetch_applied = applied
         rt.load_config = config
         return rt
 
@@ -348,8 +351,9 @@ class ExpertRuntime:
             # loaded across several GPUs, or a set across several: name every layer's GPU so that
             # the native engine checks it against where the dense weights were loaded
             layer_dev = full_layer_devices(res, int(self.model["n_layer"]))
-        old_prefetch = prefetch_for(self.prefetch, self.residency)
-        native.set_prefetch(prefetch_for(self.prefetch, res))   # read at the pool's build
+        old_prefetch = self.prefetch_applied
+        depth = prefetch_for(self.prefetch, res)
+        native.set_prefetch(depth)   # read at the pool's build
         try:
             native.experts_switch(experts_config(hot, device=self.device,
                                                  prefill_threshold=self.prefill_threshold,
@@ -359,6 +363,7 @@ class ExpertRuntime:
             native.set_prefetch(old_prefetch)
             raise
         self.residency = res
+        self.prefetch_applied = depth
         return time.perf_counter() - t0
 
     def close(self) -> None:
