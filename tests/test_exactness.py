@@ -1049,3 +1049,49 @@ def test_prefetch_matches_stock(arch, share):
         # the extra bytes are the extra wasted experts (all of one size here)
         assert ((p2["upload_bytes"] - base["upload_bytes"]) * p1["prefetch_wasted"]
                 == (p1["upload_bytes"] - base["upload_bytes"]) * p2["prefetch_wasted"])
+
+
+def test_prefetch_two_ahead_over_an_all_resident_layer():
+    """Depth 2 where the next layer is all-resident: layer 2 of the small shape holds every expert
+    (its own computation, no upload op, no prefetch ops of its own), so layer 3's experts can only be
+    predicted from layer 1, two ahead; the route op of layer 1 then takes only the second prediction.
+    Tokens stock's and logits bitwise equal to no prefetch (CPU); depth 2 stages predicted experts
+    for more layers than depth 1 (more needed experts counted as hits or misses)."""
+    from ostinatod.synth.writer import synthetic_model
+
+    from conftest import CACHE
+    drop_ost()
+    path = synthetic_model(CACHE, arch="qwen3moe", shape="small")
+    m = model_block(path)
+    rng = np.random.default_rng(2)
+    hot = {il: sorted(rng.choice(m["n_expert"], m["n_expert"] // 2, replace=False).tolist())
+           for il in range(m["n_layer"])}
+    hot[2] = list(range(m["n_expert"]))
+    ref = Runner(path)
+    try:
+        ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), 4)
+    finally:
+        ref.close()
+    runs = {}
+    for depth in (0, 1, 2):
+        native.set_prefetch(depth)
+        r = Runner(path, hot=hot, prefill_threshold=8)
+        native.set_decode_graph(False)
+        r.all_logits = True
+        try:
+            native.llama_fn("ostinato_experts_reset_stats")()
+            toks, logits = r.generate(_prompt(PROMPT_LEN), 4)
+            runs[depth] = (toks, logits, _stats()["last_passes"][0])
+        finally:
+            native.set_prefetch(0)
+            native.set_decode_graph(None)
+            r.close()
+    needed = {d: runs[d][2]["prefetch_hits"] + runs[d][2]["prefetch_misses"] for d in (1, 2)}
+    print(f"\n[exactness] small prefetch over an all-resident layer: needed experts counted at depth 1 "
+          f"{needed[1]}, depth 2 {needed[2]}; hits {runs[1][2]['prefetch_hits']} / {runs[2][2]['prefetch_hits']}")
+    for depth in (1, 2):
+        assert runs[depth][0] == ref_toks == runs[0][0]
+        if not GPU:
+            assert np.array_equal(runs[depth][1], runs[0][1])
+        assert runs[depth][2]["path"] == "upload" and runs[depth][2]["prefetch_hits"] > 0
+    assert needed[2] > needed[1]   # layer 3 is predicted (from layer 1) only at depth 2
