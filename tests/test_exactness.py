@@ -974,6 +974,28 @@ def test_layer_device_config_errors():
         native.check_experts_config(placement.experts_config({0: [1]}, layer_device={0: -2}))
 
 
+def _prefetch_runs(path, hot, share=0.0):
+    """{depth: (tokens, all logits, first pass's stats, info)} of the prompt generated at prefetch
+    depths 0, 1 and 2 (upload path: Np 8, no decode graph, the hybrid CPU share ``share``)."""
+    runs = {}
+    for depth in (0, 1, 2):
+        native.set_prefetch(depth)
+        r = Runner(path, hot=hot, prefill_threshold=8)
+        native.set_decode_graph(False)
+        native.set_upload_cpu_share(share)
+        r.all_logits = True
+        try:
+            native.llama_fn("ostinato_experts_reset_stats")()
+            toks, logits = r.generate(_prompt(PROMPT_LEN), 4)
+            runs[depth] = (toks, logits, _stats()["last_passes"][0], native.experts_json("ostinato_experts_info"))
+        finally:
+            native.set_prefetch(0)
+            native.set_decode_graph(None)
+            native.set_upload_cpu_share(0.0)
+            r.close()
+    return runs
+
+
 @pytest.mark.parametrize("arch, share", [("qwen3moe", 0.0), ("deepseek2", 0.0), ("qwen3moe", 0.5)])
 def test_prefetch_matches_stock(arch, share):
     """Prefetch (upload passes with pool views): at each layer the routers of the next one or two
@@ -1003,22 +1025,7 @@ def test_prefetch_matches_stock(arch, share):
         ref_toks, ref_logits = ref.generate(_prompt(PROMPT_LEN), 4)
     finally:
         ref.close()
-    runs = {}
-    for depth in (0, 1, 2):
-        native.set_prefetch(depth)
-        r = Runner(path, hot=hot, prefill_threshold=8)
-        native.set_decode_graph(False)
-        native.set_upload_cpu_share(share)
-        r.all_logits = True
-        try:
-            native.llama_fn("ostinato_experts_reset_stats")()
-            toks, logits = r.generate(_prompt(PROMPT_LEN), 4)
-            runs[depth] = (toks, logits, _stats()["last_passes"][0], native.experts_json("ostinato_experts_info"))
-        finally:
-            native.set_prefetch(0)
-            native.set_decode_graph(None)
-            native.set_upload_cpu_share(0.0)
-            r.close()
+    runs = _prefetch_runs(path, hot, share)
     base_toks, base_logits, base, base_info = runs[0]
     assert base["prefetch_hits"] == base["prefetch_misses"] == 0 and base_info["prefill"]["prefetch"] == 0
     for bad in (-1, 3):   # the graph predicts at most two layers ahead
@@ -1072,20 +1079,7 @@ def test_prefetch_two_ahead_over_an_all_resident_layer():
         ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), 4)
     finally:
         ref.close()
-    runs = {}
-    for depth in (0, 1, 2):
-        native.set_prefetch(depth)
-        r = Runner(path, hot=hot, prefill_threshold=8)
-        native.set_decode_graph(False)
-        r.all_logits = True
-        try:
-            native.llama_fn("ostinato_experts_reset_stats")()
-            toks, logits = r.generate(_prompt(PROMPT_LEN), 4)
-            runs[depth] = (toks, logits, _stats()["last_passes"][0])
-        finally:
-            native.set_prefetch(0)
-            native.set_decode_graph(None)
-            r.close()
+    runs = _prefetch_runs(path, hot)
     needed = {d: runs[d][2]["prefetch_hits"] + runs[d][2]["prefetch_misses"] for d in (1, 2)}
     print(f"\n[exactness] small prefetch over an all-resident layer: needed experts counted at depth 1 "
           f"{needed[1]}, depth 2 {needed[2]}; hits {runs[1][2]['prefetch_hits']} / {runs[2][2]['prefetch_hits']}")
