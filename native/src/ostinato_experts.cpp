@@ -408,11 +408,11 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         e->cur = pass_t();
         e->cur.tokens = n_tokens;
         std::fill(e->cold_seen.begin(), e->cold_seen.end(), 0);
-        // a pass's prefetches are its own; only passes that may take pool views prefetch or read
-        // them (decode steps never do: no work there)
         // prefetch copies a failed pass left behind must not land in a region this pass stages or
         // lends (a decode step's borrowed slots) into
         for (int il = 0; il < e->n_layer && e->prefetch; ++il) if (e->pf_pending[il]) join_copies(e, il);
+        // a pass's prefetches are its own; only passes that may take pool views prefetch or read
+        // them (decode steps never do: no work there)
         if (e->prefetch && n_tokens >= OSTINATO_VIEW_MIN_TOKENS) {
             for (auto & row : e->pf_slot) std::fill(row.begin(), row.end(), -1);
             std::fill(e->pf_ran.begin(), e->pf_ran.end(), 0);

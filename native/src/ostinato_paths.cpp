@@ -187,13 +187,12 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
                    ggml_backend_t stream) {
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
-    ggml_backend_t upload_backend = stream;
     auto put = [&](const ggml_tensor * src, ggml_tensor * pool, int x0, int s0, int m) {
         const size_t nb = ggml_n_dims(src) >= 3 ? src->nb[2] : src->nb[1];
         const size_t sz = (size_t) m * nb;
         if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
             const char * p = (const char *) src->data + (size_t) x0 * nb;
-            if (upload_backend) ggml_backend_tensor_set_async(upload_backend, pool, p, (size_t) s0 * nb, sz);
+            if (stream) ggml_backend_tensor_set_async(stream, pool, p, (size_t) s0 * nb, sz);
             else                   ggml_backend_tensor_set(pool, p, (size_t) s0 * nb, sz);
         } else {
             std::vector<uint8_t> tmp(sz);

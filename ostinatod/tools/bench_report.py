@@ -33,6 +33,12 @@ def _indexed(snap: Optional[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {n - len(ring) + i: p for i, p in enumerate(ring)}
 
 
+# per-pass counts of the native stats summed per prefill (bytes copied to the staging slots, the
+# prefetch's experts: predicted and used, needed and not predicted, predicted and not used)
+PASS_COUNT_KEYS = ("upload_bytes", "distinct_cold_experts", "prefetch_hits", "prefetch_misses",
+                   "prefetch_wasted")
+
+
 def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
                    mid: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Per-turn split of the native engine's pass times between the turn's prefill passes (path
@@ -98,12 +104,6 @@ def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
             "prefill_sums": ({k: int(sum(p.get(k) or 0 for p in pre_seen)) for k in PASS_COUNT_KEYS}
                              if all_pre else {}),
             "gpu_timed": (sum(1 for p in seen if p.get("gpu_timed")) / len(seen)) if seen else None}
-
-
-# per-pass counts of the native stats summed per prefill (bytes copied to the staging slots, the
-# prefetch's experts: predicted and used, needed and not predicted, predicted and not used)
-PASS_COUNT_KEYS = ("upload_bytes", "distinct_cold_experts", "prefetch_hits", "prefetch_misses",
-                   "prefetch_wasted")
 
 
 def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[str, Any]]
