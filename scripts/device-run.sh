@@ -3,12 +3,13 @@
 # is warm). Usage: STAGES="build exact model calib" bash scripts/device-run.sh [LAYERS] [bench args...]
 # LAYERS defaults to 48 (the Qwen3-30B-A3B shape's own depth: the headline run of docs/benchmarks).
 #   build:    offline install from .carry/ + CUDA build with the stock llama-server (~300 s)
-#   exact:    GPU exactness tests (on failure: rerun the first failure with CUDA_LAUNCH_BLOCKING=1)
+#   exact:    GPU exactness tests and the op-level tests of the patches (on failure: rerun the first
+#             failure with CUDA_LAUNCH_BLOCKING=1)
 #   model:    the real-shape synthetic model /tmp/m.gguf (LAYERS layers, Qwen3-30B-A3B shape, Q4_0)
 #   calib:    `ostinato calibrate --full` on that model (stored in the hardware profile: Np for the bench)
 #   bench:    `ostinato bench engines` with the bench args given, results under $OUT
-#   headline: `ostinato bench engines` at a 45% pool: ostinato, ostinato-prefetch1 (prefetch one layer deep
-#             instead of two), stock-all-gpu, stock-layers, llama-server; 2 x 8 turns
+#   headline: `ostinato bench engines` at a 45% pool: ostinato, ostinato-copy1d (upload copies matrix by
+#             matrix instead of one 2D copy per expert), stock-all-gpu, stock-layers, llama-server; 2 x 8 turns
 #   full:     the same at --budget-frac 1.0 (ostinato, stock-all-gpu, llama-server)
 #   ab:       45% pool: ostinato, ostinato-no-prefetch, ostinato-hybrid, ostinato-pool-quarter (the
 #             options changed from their defaults), stock-all-gpu, llama-server
@@ -70,13 +71,13 @@ if has build; then
 fi
 if has exact; then
   OSTINATO_TEST_GPU=1 timeout 200 python3 -X faulthandler -m pytest -q -s -x -p no:cacheprovider \
-    tests/test_exactness.py > "$OUT/exactness-gpu.txt" 2>&1
+    tests/test_native_ops.py tests/test_exactness.py > "$OUT/exactness-gpu.txt" 2>&1
   rc=$?; echo "[$(el)s] exactness rc=$rc: $(tail -1 "$OUT/exactness-gpu.txt")"
   grep -E "max \|d|delta|Δ" "$OUT/exactness-gpu.txt" | head -20
   if [ $rc -ne 0 ]; then
     grep -nE "error|Error|ERROR|assert|Abort|abort" "$OUT/exactness-gpu.txt" | head -30
     CUDA_LAUNCH_BLOCKING=1 OSTINATO_TEST_GPU=1 timeout 120 python3 -X faulthandler -m pytest -q -s -x \
-      -p no:cacheprovider tests/test_exactness.py > "$OUT/exactness-gpu-blocking.txt" 2>&1
+      -p no:cacheprovider tests/test_native_ops.py tests/test_exactness.py > "$OUT/exactness-gpu-blocking.txt" 2>&1
     grep -nE "CUDA error|current device|in function|ggml_|GGML_ASSERT" "$OUT/exactness-gpu-blocking.txt" | head -30
   fi
 fi
@@ -165,7 +166,7 @@ if has bench; then
 fi
 if has headline; then
   bench "engines-h200-L$LAYERS" --budget-frac 0.45 --sessions 2 --turns 8 \
-    --engines ostinato,ostinato-prefetch1,stock-all-gpu,stock-layers,llama-server "$@"
+    --engines ostinato,ostinato-copy1d,stock-all-gpu,stock-layers,llama-server "$@"
 fi
 if has ab; then
   # the prefill options changed from their defaults, against the default, with a baseline and the limit

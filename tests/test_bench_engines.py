@@ -73,7 +73,7 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     assert r["prefill_ms"]["total_ms"] == pytest.approx(30.0)
     assert r["decode_ms"]["total_ms"] == pytest.approx(20.0)
     assert r["decode_ms"]["wait_ms"] == pytest.approx(2.5) and r["prefill_ms"]["wait_ms"] == pytest.approx(1.0)
-    assert r["prefill_sums"] == {"upload_bytes": 4096, "distinct_cold_experts": 0, "prefetch_hits": 7,
+    assert r["prefill_sums"] == {"upload_bytes": 4096, "upload_copies": 0, "distinct_cold_experts": 0, "prefetch_hits": 7,
                                  "prefetch_misses": 2, "prefetch_wasted": 0}
     # a turn longer than the ring of 32 passes: decode from the steps seen, prefill = delta - decode
     long_turn = [_pass("decode", 1, total_ms=4.0)] * 32
@@ -164,7 +164,7 @@ def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     assert b["turns"] == 2 and b["turns_with_stats"] == 2, b
     assert b["decode_step"]["steps"] > 0 and "total_ms" in b["decode_step"]["mean_ms"]
     assert b["prefill"]["prefills"] >= 1 and "cpu_branch_ms" in b["prefill"]["mean_ms"]
-    assert set(b["prefill"]["mean_counts"]) == {"upload_bytes", "distinct_cold_experts", "prefetch_hits",
+    assert set(b["prefill"]["mean_counts"]) == {"upload_bytes", "upload_copies", "distinct_cold_experts", "prefetch_hits",
                                                 "prefetch_misses", "prefetch_wasted"}
     # the sweep: two budgets, each with its Ostinato figures and ratios; the main one reused
     sw = res["sweep"]

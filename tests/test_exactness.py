@@ -225,6 +225,45 @@ def test_paths_match_stock(moe, stock, path, np_tokens, force):
     assert (st["upload_bytes"] > 0) == up       # cold experts uploaded only on the upload path
 
 
+def test_upload_copies_take_whole_experts(moe, stock):
+    """Whole-expert copies (docs/engine.md "Whole-expert copies"): the pool places each size class's
+    weight tensors in the order of the host tensors at one pitch, so an expert's up, gate and down
+    matrices (a run of consecutive experts: theirs) reach the pool in one 2D copy (the GPU backend's;
+    row by row into a CPU pool, which tests the same rows and pitches here). The same prompt on the
+    upload path with one copy per matrix and with 2D copies: tokens identical to stock and to each
+    other, logits equal (bitwise on the CPU; on the GPU within 1e-3: the same bytes in the same slots,
+    so only a misplaced byte could move them), the same bytes uploaded in fewer copy calls."""
+    r = ost_runner(moe)
+    _switch(half_hot(moe))
+    native.set_prefill_threshold(8)
+    r.all_logits = True
+    runs = {}
+    try:
+        for on in (False, True):
+            native.set_copy_2d(on)
+            native.llama_fn("ostinato_experts_reset_stats")()
+            toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+            runs[on] = (toks, logits, _stats()["last_passes"][0])
+        info = native.experts_json("ostinato_experts_info")
+    finally:
+        r.all_logits = False
+        native.set_copy_2d(True)
+        native.set_prefill_threshold(512)
+    ref_toks, _ = stock[PROMPT_LEN]
+    (toks_1d, logits_1d, p_1d), (toks_2d, logits_2d, p_2d) = runs[False], runs[True]
+    d = float(np.max(np.abs(logits_2d - logits_1d)))
+    print(f"\n[exactness] {moe[1]['arch']} whole-expert copies: max|dlogit| {d:.3g} against one copy per "
+          f"matrix; copies {p_2d['upload_copies']} against {p_1d['upload_copies']}, bytes {p_2d['upload_bytes']}")
+    assert toks_2d == toks_1d == ref_toks
+    assert np.array_equal(logits_2d, logits_1d) if not GPU else d <= 1e-3
+    assert p_1d["path"] == p_2d["path"] == "upload"
+    assert p_2d["upload_bytes"] == p_1d["upload_bytes"] > 0
+    assert info["prefill"]["copy_2d"] is True
+    # the synthetic files keep a layer's expert tensors adjacent, as llama.cpp's converter does
+    assert info["size_classes"] and all(c["expert_rows_at_one_pitch"] for c in info["size_classes"])
+    assert info["pools"][0]["copy_2d"] and p_2d["upload_copies"] < p_1d["upload_copies"]
+
+
 @pytest.mark.parametrize("np_tokens, force", [(512, "auto"), (8, "auto"), (8, "split")])
 def test_pool_views_match_stock_and_the_whole_class(moe, stock, np_tokens, force):
     """Per-layer pool views (split and upload passes of >= 9 tokens): the GPU routes over a view of

@@ -1,5 +1,6 @@
 """Op-level tests of the negative-expert-id capability (native/patches/10-ggml-negative-expert-ids.patch
-on the CPU, 21-ggml-cuda-negative-expert-ids.patch on a GPU backend),
+on the CPU, 21-ggml-cuda-negative-expert-ids.patch on a GPU backend) and of the GPU backend's 2D copy
+(22-ggml-cuda-set-2d-async.patch, last test),
 in the style of llama.cpp's test-backend-ops: ``ostinato_optest_negative_ids`` in libostinato builds
 ggml graphs of mul_mat_id and add_id with some ids set to -1 (F32, Q8_0 and Q4_0 experts; 1 and 2
 threads; one token, several tokens, every route skipped, none skipped) and compares them with the
@@ -47,3 +48,22 @@ def test_marked_mul_mat_id_skips_negative_ids_on_a_backend(device):
     print(f"\n[optest] {report['backend']}: {len(report['cases'])} cases, {len(bad)} bad")
     assert len(report["cases"]) == 9 and report["ok"] and not bad, bad
     assert any(c["skipped"] > 0 for c in report["cases"])
+
+
+def test_gpu_backend_2d_copy_moves_rows_at_two_pitches_and_refuses_the_rest():
+    """Patch 22: the GPU backend registry offers "ggml_backend_set_2d_async", which copies rows of
+    host memory at one pitch into device memory at another on the backend's stream (the upload
+    path's one copy per expert): the device bytes equal the rows placed by hand, the bytes between
+    rows unchanged; the CPU backend and a pitch below the width are refused with nothing written.
+    Skipped in a build without a GPU backend (the CPU build offers no 2D copy)."""
+    from ostinatod.engine import native
+    if not native.has("ostinato_optest_set_2d"):
+        pytest.fail("libostinato lacks ostinato_optest_set_2d: run 'ostinato build'")
+    native.declare("ostinato_optest_set_2d", [], ctypes.c_char_p)
+    report = json.loads(native.fn("ostinato_optest_set_2d")().decode())
+    if report["backend"] is None:
+        assert not report["offered"]
+        pytest.skip("no GPU backend in this build")
+    print(f"\n[optest] {report['backend']}: 2D copy, {len(report['cases'])} cases")
+    assert report["ok"] and report["refusals_ok"], report
+    assert len(report["cases"]) == 4 and all(c["queued"] and c["bytes_as_expected"] for c in report["cases"])

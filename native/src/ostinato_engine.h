@@ -70,12 +70,13 @@ struct pass_t {
     bool graph = false;                         // the pass ran (some of) its layers in the decode graph
     bool views = false;                         // some layer computed its GPU routes over pool views
     int64_t prefetch_hits = 0, prefetch_misses = 0, prefetch_wasted = 0;   // experts, prefetch on
+    int64_t upload_copies = 0;                  // copy calls of the upload path (one per 2D copy)
     std::string path;
 };
 
 struct totals_t {
     int64_t passes = 0, tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
-    int64_t borrowed = 0;
+    int64_t borrowed = 0, upload_copies = 0;
     int64_t graph_steps = 0;                   // one-token passes that ran in the decode graph
     double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
     std::map<std::string, int64_t> paths;
@@ -83,11 +84,19 @@ struct totals_t {
     void add(const pass_t & p) {
         passes++; tokens += p.tokens; routes += p.routes; hot += p.hot; cold += p.cold;
         distinct_cold += p.distinct_cold; upload_bytes += p.upload_bytes; borrowed += p.borrowed;
+        upload_copies += p.upload_copies;
         cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; upload_ms += p.upload_ms; total_ms += p.total_ms;
         paths[p.path]++;
         if (p.graph && p.path == "decode") graph_steps++;
     }
 };
+
+// A pool's 2D copy from host memory: height rows of width bytes at pitch spitch in host memory and
+// dpitch in the pool. A GPU pool's is its backend's "ggml_backend_set_2d_async" (native/patches/22),
+// queued on `backend`'s stream, false when nothing was queued; a CPU pool's copies row by row now
+// (set_2d_host, backend null).
+using set_2d_fn = bool (*)(ggml_backend_t backend, void * dst, size_t dpitch, const void * src, size_t spitch,
+                           size_t width, size_t height);
 
 // One expert pool: the hot experts (and zero and staging slots) of the MoE layers placed on one
 // device, one set of pool tensors per size class, in one backend buffer of that device.
@@ -100,6 +109,8 @@ struct pool_t {
     ggml_backend_buffer_t buf = nullptr;
     ggml_backend_t upload_backend = nullptr;   // GPU pool: own stream for the upload path's async copies
     ggml_backend_t prefetch_backend = nullptr; // GPU pool with prefetch: a second stream, for predicted copies
+    set_2d_fn set_2d = nullptr;                // its 2D copy (stage_experts): set_2d_host on a CPU pool,
+                                               // the GPU backend's when it offers one, else null
     std::vector<ggml_backend_event_t> pf_event;   // [layer]: recorded on it after a layer's prefetch copies
     ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
     ggml_tensor * scratch = nullptr;           // I32 [4, n_layer]: the route kernel's counters
@@ -180,7 +191,7 @@ extern int64_t    g_np;           // run-time: prefill threshold Np and forced p
 extern int        g_force;
 extern engine_t * g_eng;
 extern std::string g_err;
-extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views, g_resident;
+extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views, g_resident, g_copy_2d;
 
 // op_params slot and value with which a mul_mat_id is marked as holding negative ids (patch 21 reads
 // them in the CUDA backend; ggml's own use of a mul_mat_id's op_params ends at index 2 + GGML_MAX_SRC)
@@ -222,6 +233,11 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud);
+// one 2D copy of an expert run's weight matrices (see copy_rows_2d)
+struct rows_2d_t { const char * src; char * dst; size_t spitch, dpitch, width, height; };
+bool copy_rows_2d(const engine_t * e, int il, int x0, int s0, int m, rows_2d_t & r);
+bool set_2d_host(ggml_backend_t, void * dst, size_t dpitch, const void * src, size_t spitch, size_t width,
+                 size_t height);
 void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, const std::vector<uint8_t> & copy,
                    ggml_backend_t stream);
 void join_copies(engine_t * e, int il);

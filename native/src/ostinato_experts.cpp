@@ -44,6 +44,7 @@ int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: esti
 bool g_borrow = true;         // borrowed decode memory (staging slots lent to decode)
 bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
 bool g_resident = true;       // all-resident layers take the stock computation over their resident tensors
+bool g_copy_2d = true;        // upload path: an expert's matrices in one 2D copy where the layout allows
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
 int g_prefetch = 0;               // prefetch depth for upload passes with views (depth + 1 staging regions)
@@ -679,6 +680,12 @@ int ostinato_experts_set_views(int on) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_views != (on != 0)) g_graph_dirty = true;   // cached graphs were built with the other choice
     g_views = on != 0;
+    return 0;
+}
+
+int ostinato_experts_set_copy_2d(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_copy_2d = on != 0;   // read by each copy; graphs are unaffected
     return 0;
 }
 

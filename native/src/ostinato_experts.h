@@ -203,6 +203,11 @@ OSTINATO_API int          ostinato_experts_set_borrow(int on);
 // Per-layer pool views for split and upload passes (see ostinato_moe_views): on (1, default) or off
 // (0: every pass computes over the whole size class, as before; for measurements). Next graph.
 OSTINATO_API int          ostinato_experts_set_views(int on);
+// Upload-path copies of GPU pools: on (1, default), an expert's weight matrices go in one 2D copy
+// where they sit at one pitch in host memory and in the pool (llama.cpp's layout: a layer's expert
+// tensors are adjacent in the file; the pool places its class tensors likewise); off (0), one copy
+// per matrix (for measurements). Takes effect at the next copy.
+OSTINATO_API int          ostinato_experts_set_copy_2d(int on);
 // Hybrid upload passes (pool views): share 0..1 of the distinct cold experts computed by the CPU
 // branch instead of uploaded (the ones with the fewest routes), or -1: adapted per layer so that the
 // CPU branch and the copies end together (0 where the pool has no upload stream: CPU pools). 0, the

@@ -1,5 +1,6 @@
-// Op-level tests of native/patches/10-ggml-negative-expert-ids.patch (CPU) and 21-ggml-cuda-negative-
-// expert-ids.patch (GPU backends), in the style of llama.cpp's
+// Op-level tests of native/patches/10-ggml-negative-expert-ids.patch (CPU), 21-ggml-cuda-negative-
+// expert-ids.patch (GPU backends) and 22-ggml-cuda-set-2d-async.patch (the GPU backend's 2D copy,
+// ostinato_optest_set_2d, at the end), in the style of llama.cpp's
 // test-backend-ops: a negative expert id in mul_mat_id means "a route computed by another branch":
 // the CPU skips it and writes an exact-zero row; add_id adds no bias there. Every other row must be
 // bitwise what the unpatched op computes. Exported from libostinato as ostinato_optest_negative_ids
@@ -205,4 +206,72 @@ extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_n
     }
     g_out = std::string("{\"ok\": ") + (ok ? "true" : "false") + ", \"cases\": [" + cases + "]}";
     return g_out.c_str();
+}
+
+// Patch 22's test: "ggml_backend_set_2d_async" of the first GPU's backend registry copies `height`
+// rows of `width` bytes from host memory at one pitch into a device tensor at another, on the
+// backend's stream, and leaves every byte between the rows as it was; it refuses a backend that is
+// not the GPU's (the CPU backend) and a pitch smaller than the width, queueing nothing.
+// {"ok": true, "backend": null} where the build has no GPU backend.
+extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_set_2d(void) {
+    static std::string out;
+    using set_2d_fn = bool (*)(ggml_backend_t, void *, size_t, const void *, size_t, size_t, size_t);
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
+    auto fn = dev ? (set_2d_fn) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev),
+                                                                  "ggml_backend_set_2d_async") : nullptr;
+    if (!dev || !fn) {
+        out = std::string("{\"ok\": true, \"backend\": null, \"offered\": ") + (fn ? "true" : "false") + ", \"cases\": []}";
+        return out.c_str();
+    }
+    ggml_backend_t be = ggml_backend_dev_init(dev, nullptr);
+    ggml_backend_t cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+    std::string cases;
+    bool ok = be != nullptr && cpu != nullptr;
+    const size_t n = 1u << 20;
+    ggml_init_params ip = { ggml_tensor_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * t = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) n);
+    ggml_backend_buffer_t buf = be ? ggml_backend_alloc_ctx_tensors(ctx, be) : nullptr;
+    ok = ok && buf != nullptr;
+    std::vector<uint8_t> host(n), before(n, 0xA5), got(n);
+    for (size_t i = 0; i < n; ++i) host[i] = (uint8_t) (i * 131 + (i >> 8));
+    struct case_t { size_t width, spitch, dpitch, height, src0, dst0; };
+    // an expert's three matrices (host pitch > device pitch and the reverse), one row, rows back to back
+    for (const case_t c : {case_t{4096, 20000, 9000, 3, 100, 64}, case_t{3000, 3000, 70000, 3, 0, 5},
+                           case_t{65536, 65536, 65536, 1, 128, 256}, case_t{1000, 1000, 1000, 8, 7, 0}}) {
+        if (!ok) break;
+        ggml_backend_tensor_set(t, before.data(), 0, n);
+        char * dst = (char *) t->data + c.dst0;
+        const bool queued = fn(be, dst, c.dpitch, host.data() + c.src0, c.spitch, c.width, c.height);
+        ggml_backend_synchronize(be);
+        ggml_backend_tensor_get(t, got.data(), 0, n);
+        std::vector<uint8_t> want = before;
+        for (size_t r = 0; r < c.height; ++r) {
+            std::memcpy(want.data() + c.dst0 + r * c.dpitch, host.data() + c.src0 + r * c.spitch, c.width);
+        }
+        const bool same = got == want;
+        ok = ok && queued && same;
+        char line[256];
+        snprintf(line, sizeof(line), "{\"width\": %zu, \"height\": %zu, \"queued\": %s, \"bytes_as_expected\": %s}",
+                 c.width, c.height, queued ? "true" : "false", same ? "true" : "false");
+        cases += (cases.empty() ? "" : ", ") + std::string(line);
+    }
+    // refusals: the CPU backend, and a pitch below the width (CUDA's invalid value); nothing changes
+    bool refused = false;
+    if (ok) {
+        ggml_backend_tensor_set(t, before.data(), 0, n);
+        const bool cpu_q = fn(cpu, t->data, 4096, host.data(), 4096, 4096, 2);
+        const bool pitch_q = fn(be, t->data, 100, host.data(), 4096, 4096, 2);
+        ggml_backend_synchronize(be);
+        ggml_backend_tensor_get(t, got.data(), 0, n);
+        refused = !cpu_q && !pitch_q && got == before;
+        ok = refused;
+    }
+    if (buf) ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    if (cpu) ggml_backend_free(cpu);
+    if (be) ggml_backend_free(be);
+    out = std::string("{\"ok\": ") + (ok ? "true" : "false") + ", \"backend\": \"" + ggml_backend_dev_name(dev) +
+          "\", \"offered\": true, \"refusals_ok\": " + (refused ? "true" : "false") + ", \"cases\": [" + cases + "]}";
+    return out.c_str();
 }

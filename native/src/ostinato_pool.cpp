@@ -242,6 +242,53 @@ void borrow_step(engine_t * e) {
     }
 }
 
+// Allocates pool p's tensors (index pi in e->pools) in one buffer of its device and places them:
+// the tables, then per size class its weight tensors in the order of their host tensors' addresses
+// (those of the class's first layer) at one pitch, when they hold the same bytes per expert, then the
+// bias rows. llama.cpp's files put a layer's up, gate and down experts next to each other, so a slot's
+// matrices sit at one pitch in the pool as the expert's do in host memory and stage_experts copies
+// them with one 2D copy. Falls back to ggml's sequential placement when the buffer type caps the size
+// (several buffers). Null when the allocation fails.
+static ggml_backend_buffer_t alloc_pool(const engine_t * e, pool_t & p, int pi) {
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(p.dev);
+    const size_t align = ggml_backend_buft_get_alignment(buft);
+    auto room = [&](const ggml_tensor * t) { return GGML_PAD(ggml_backend_buft_get_alloc_size(buft, t), align); };
+    std::vector<std::pair<ggml_tensor *, size_t>> at;   // tensor, offset
+    size_t off = 0;
+    auto place = [&](ggml_tensor * t) { if (t) { at.push_back({t, off}); off += room(t); } };
+    place(p.table); place(p.scratch); place(p.counts);
+    for (const auto & c : e->classes) {
+        if (c.pool != pi) continue;
+        const auto & L = e->model->layers[c.members.front().first];
+        std::vector<std::pair<const void *, ggml_tensor *>> w = {{up_src(L)->data, c.up}};
+        if (c.gate) w.push_back({L.ffn_gate_exps->data, c.gate});
+        w.push_back({L.ffn_down_exps->data, c.down});
+        std::sort(w.begin(), w.end());
+        bool same = true;
+        size_t pitch = 0;
+        for (auto & [h, t] : w) { same = same && t->nb[2] == c.up->nb[2]; pitch = std::max(pitch, room(t)); }
+        for (auto & [h, t] : w) {
+            if (same) { at.push_back({t, off}); off += pitch; }
+            else place(t);
+        }
+        place(c.b_up); place(c.b_gate); place(c.b_down);
+    }
+    size_t n_tensors = 0;
+    for (ggml_tensor * t = ggml_get_first_tensor(p.ctx); t; t = ggml_get_next_tensor(p.ctx, t)) n_tensors++;
+    GGML_ASSERT(at.size() == n_tensors);   // every tensor of the pool's context is placed
+    if (off > ggml_backend_buft_get_max_size(buft)) return ggml_backend_alloc_ctx_tensors_from_buft(p.ctx, buft);
+    ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, std::max<size_t>(off, 1));
+    if (!buf) return nullptr;
+    char * base = (char *) ggml_backend_buffer_get_base(buf);
+    for (auto [t, o] : at) {
+        if (ggml_backend_tensor_alloc(buf, t, base + o) != GGML_STATUS_SUCCESS) {
+            ggml_backend_buffer_free(buf);
+            return nullptr;
+        }
+    }
+    return buf;
+}
+
 bool build_engine(llama_model * model, const config_t & cfg, std::string & err) {
     auto * e = new engine_t();
     auto fail = [&](const std::string & why) { err = why; free_engine(e); return false; };
@@ -431,20 +478,24 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         l.views = on_cpu || (mmq_skips_negative_ids(c.t_up) && mmq_skips_negative_ids(c.t_down) &&
                              (!c.has_gate || mmq_skips_negative_ids(c.t_gate)));
     }
-    for (auto & p : e->pools) {
+    for (size_t pi = 0; pi < e->pools.size(); ++pi) {
+        pool_t & p = e->pools[pi];
         if (p.n_classes == 0 && p.layers.empty()) continue;
-        p.buf = ggml_backend_alloc_ctx_tensors_from_buft(p.ctx, ggml_backend_dev_buffer_type(p.dev));
+        p.buf = alloc_pool(e, p, (int) pi);
         if (!p.buf) {
             return fail(std::string("cannot allocate the expert pool on ") + p.name);
         }
         ggml_backend_buffer_set_usage(p.buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_buffer_clear(p.buf, 0);   // zero slots (and any padding) are all-zero
+        if (ggml_backend_buffer_is_host(p.buf)) p.set_2d = set_2d_host;
         p.bytes = (int64_t) ggml_backend_buffer_get_size(p.buf);
         e->pool_bytes += p.bytes;
         if (ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
             // a stream of our own per device for the upload path's copies (joined at the end of
             // each upload op)
             p.upload_backend = ggml_backend_dev_init(p.dev, nullptr);
+            p.set_2d = (set_2d_fn) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(p.dev),
+                                                                     "ggml_backend_set_2d_async");
             if (g_prefetch > 0) {
                 // predicted copies on a stream of their own: a layer's misses never queue behind
                 // the copies predicted for the layers after it; an event per layer joins its copies

@@ -46,16 +46,21 @@ const char * ostinato_experts_info(void) {
         j["n_layer"] = e.n_layer; j["n_expert"] = e.n_expert; j["n_expert_used"] = e.k;
         json cls = json::array();
         for (auto & c : e.classes) {
+            // whether an expert's weight matrices go in one 2D copy (the class's first layer, slot 0)
+            rows_2d_t r;
+            const bool one_copy = !c.members.empty() && copy_rows_2d(&e, c.members.front().first, 0, 0, 1, r);
             cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)}, {"merged_gate_up", c.merged},
                                {"up_shape", {c.up0, c.up1}}, {"down_shape", {c.down0, c.down1}},
-                               {"slots", c.members.size()}, {"zero_slots", e.k}, {"staging_slots", c.n_stage}, {"pool", c.pool}});
+                               {"slots", c.members.size()}, {"zero_slots", e.k}, {"staging_slots", c.n_stage}, {"pool", c.pool},
+                               {"expert_rows_at_one_pitch", one_copy}});
         }
         j["size_classes"] = cls;
         json pools = json::array();
         for (auto & p : e.pools) {
             pools.push_back(json{{"gpu", p.gpu}, {"device", p.name}, {"bytes", p.bytes},
                                  {"hot_experts", p.n_hot}, {"size_classes", p.n_classes},
-                                 {"layers", p.layers}, {"upload_stream", p.upload_backend != nullptr}});
+                                 {"layers", p.layers}, {"upload_stream", p.upload_backend != nullptr},
+                                 {"copy_2d", p.set_2d != nullptr}});
         }
         j["pools"] = pools;
         j["expert_bytes"] = e.expert_bytes;
@@ -71,7 +76,7 @@ const char * ostinato_experts_info(void) {
                             {"upload_cpu_share", upload_share(&e, std::any_of(e.pools.begin(), e.pools.end(),
                                                      [](const pool_t & p) { return p.upload_backend != nullptr; }))},
                             {"upload_cpu_share_adapted", g_upload_cpu_share < 0},
-                            {"hybrid_rows", g_hybrid_rows}, {"prefetch", e.prefetch}};
+                            {"hybrid_rows", g_hybrid_rows}, {"prefetch", e.prefetch}, {"copy_2d", g_copy_2d}};
         j["notes"] = e.notes;
     }
     return keep(g_out_info, j);

@@ -172,6 +172,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_copy_2d": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_resident_path": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_upload_cpu_share": ([ctypes.c_double], ctypes.c_int),
     "ostinato_experts_set_hybrid_rows": ([ctypes.c_int], ctypes.c_int),
@@ -320,6 +321,16 @@ def set_views(on: bool) -> None:
     scans one layer's experts rather than the whole size class. On by default; off only for
     measurements. Takes effect at the next graph build."""
     llama_fn("ostinato_experts_set_views")(1 if on else 0)
+
+
+def set_copy_2d(on: bool) -> None:
+    """Upload-path copies on a GPU pool (docs/engine.md "Whole-expert copies"): on, an expert's up,
+    gate and down matrices (a run of consecutive experts: theirs) go in one 2D copy where they sit at
+    one pitch in host memory and in the pool, which llama.cpp's files and the pool layout give; off,
+    one copy per matrix. The bytes are the same; the copy engine moves them faster in fewer, larger
+    transfers (docs/benchmarks/h2d-h200.json). On by default; off only for measurements. Takes
+    effect at the next copy."""
+    llama_fn("ostinato_experts_set_copy_2d")(1 if on else 0)
 
 
 def set_resident_path(on: bool) -> None:

@@ -31,6 +31,7 @@ def _quarter_pool() -> dict:
 # function of the machine that returns them (never in the default list; see variant_settings)
 VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-prefetch1": {"prefill_prefetch_depth": 1},
+            "ostinato-copy1d": {"upload_copy_2d": False},
             "ostinato-hybrid": {"upload_cpu_share": -1},
             "ostinato-pool-quarter": _quarter_pool}
 CHOICES = ENGINES + (ONE_GPU,) + tuple(VARIANTS)

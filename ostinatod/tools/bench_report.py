@@ -35,7 +35,7 @@ def _indexed(snap: Optional[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 # per-pass counts of the native stats summed per prefill (bytes copied to the staging slots, the
 # prefetch's experts: predicted and used, needed and not predicted, predicted and not used)
-PASS_COUNT_KEYS = ("upload_bytes", "distinct_cold_experts", "prefetch_hits", "prefetch_misses",
+PASS_COUNT_KEYS = ("upload_bytes", "upload_copies", "distinct_cold_experts", "prefetch_hits", "prefetch_misses",
                    "prefetch_wasted")
 
 
