@@ -54,7 +54,8 @@ def test_gpu_backend_2d_copy_moves_rows_at_two_pitches_and_refuses_the_rest():
     """Patch 22: the GPU backend registry offers "ggml_backend_set_2d_async", which copies rows of
     host memory at one pitch into device memory at another on the backend's stream (the upload
     path's one copy per expert): the device bytes equal the rows placed by hand, the bytes between
-    rows unchanged; the CPU backend and a pitch below the width are refused with nothing written.
+    rows unchanged; the CPU backend, a pitch below the width and one above the device's maximum pitch
+    (2^31 bytes: the driver would split such a copy into rows) are refused with nothing written.
     Skipped in a build without a GPU backend (the CPU build offers no 2D copy)."""
     from ostinatod.engine import native
     if not native.has("ostinato_optest_set_2d"):

@@ -211,7 +211,8 @@ extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_n
 // Patch 22's test: "ggml_backend_set_2d_async" of the first GPU's backend registry copies `height`
 // rows of `width` bytes from host memory at one pitch into a device tensor at another, on the
 // backend's stream, and leaves every byte between the rows as it was; it refuses a backend that is
-// not the GPU's (the CPU backend) and a pitch smaller than the width, queueing nothing.
+// not the GPU's (the CPU backend), a pitch smaller than the width and a pitch above the device's
+// maximum (2^31 bytes here: the driver would move such a copy row by row), queueing nothing.
 // {"ok": true, "backend": null} where the build has no GPU backend.
 extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_set_2d(void) {
     static std::string out;
@@ -256,15 +257,17 @@ extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_s
                  c.width, c.height, queued ? "true" : "false", same ? "true" : "false");
         cases += (cases.empty() ? "" : ", ") + std::string(line);
     }
-    // refusals: the CPU backend, and a pitch below the width (CUDA's invalid value); nothing changes
+    // refusals: the CPU backend, a pitch below the width (CUDA's invalid value) and a destination
+    // pitch of 2^31 bytes (above cudaDevAttrMaxPitch; refused before any byte moves); nothing changes
     bool refused = false;
     if (ok) {
         ggml_backend_tensor_set(t, before.data(), 0, n);
         const bool cpu_q = fn(cpu, t->data, 4096, host.data(), 4096, 4096, 2);
         const bool pitch_q = fn(be, t->data, 100, host.data(), 4096, 4096, 2);
+        const bool wide_q = fn(be, t->data, (size_t) 1 << 31, host.data(), 4096, 4096, 2);
         ggml_backend_synchronize(be);
         ggml_backend_tensor_get(t, got.data(), 0, n);
-        refused = !cpu_q && !pitch_q && got == before;
+        refused = !cpu_q && !pitch_q && !wide_q && got == before;
         ok = refused;
     }
     if (buf) ggml_backend_buffer_free(buf);

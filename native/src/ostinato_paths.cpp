@@ -222,8 +222,10 @@ bool set_2d_host(ggml_backend_t, void * dst, size_t dpitch, const void * src, si
 // when they sit at one pitch in
 // host memory and in the pool, as llama.cpp's files and build_engine's pool layout put them: the copy
 // engine moves 2.65 MB per transfer instead of 0.88 MB on the 48-layer Qwen3-30B-A3B shape at Q4_0,
-// 108.7 against 120.0 ms for one prefill's 5.6 GB (docs/benchmarks/h2d-h200.json). Counts the bytes
-// and copy calls into the pass. Caller holds g_mu.
+// 108.7 against 120.0 ms for one prefill's 5.6 GB (docs/benchmarks/h2d-h200.json). The GPU backend
+// refuses a pitch above the device's maximum (2^31 - 1 bytes: a 45% pool of that shape has 2.45 GB
+// class tensors), and such runs go matrix by matrix. Counts the bytes and copy calls into the pass.
+// Caller holds g_mu.
 void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, const std::vector<uint8_t> & copy,
                    ggml_backend_t stream) {
     const auto & L = e->model->layers[il];
