@@ -167,8 +167,10 @@ class Settings(BaseSettings):
                                         "(docs/benchmarks/engines-h200-16c-L48-prefetch2-headline).")
     upload_copy_2d: bool = Field(True, description="Long prefills on a GPU pool: each cold expert's "
                                  "weight matrices reach the GPU in one 2D copy rather than one copy "
-                                 "per matrix (same bytes, fewer and larger transfers). Off only for "
-                                 "measurements.")
+                                 "per matrix (same bytes, fewer and larger transfers), where the "
+                                 "pool's pitch is within the device's maximum (pools of under 2 GiB "
+                                 "per class tensor; docs/engine.md, \"Whole-expert copies\"). Off only "
+                                 "for measurements.")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "
