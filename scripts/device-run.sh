@@ -8,8 +8,8 @@
 #   model:    the real-shape synthetic model /tmp/m.gguf (LAYERS layers, Qwen3-30B-A3B shape, Q4_0)
 #   calib:    `ostinato calibrate --full` on that model (stored in the hardware profile: Np for the bench)
 #   bench:    `ostinato bench engines` with the bench args given, results under $OUT
-#   headline: `ostinato bench engines` at a 45% pool: ostinato, ostinato-copy1d (upload copies matrix by
-#             matrix instead of one 2D copy per expert), stock-all-gpu, stock-layers, llama-server; 2 x 8 turns
+#   headline: `ostinato bench engines` at a 45% pool: ostinato, ostinato-whole-slots (whole-expert pool
+#             slots: one upload transfer per expert), stock-all-gpu, stock-layers, llama-server; 2 x 8 turns
 #   full:     the same at --budget-frac 1.0 (ostinato, stock-all-gpu, llama-server)
 #   ab:       45% pool: ostinato, ostinato-no-prefetch, ostinato-hybrid, ostinato-pool-quarter (the
 #             options changed from their defaults), stock-all-gpu, llama-server
@@ -166,7 +166,7 @@ if has bench; then
 fi
 if has headline; then
   bench "engines-h200-L$LAYERS" --budget-frac 0.45 --sessions 2 --turns 8 \
-    --engines ostinato,ostinato-copy1d,stock-all-gpu,stock-layers,llama-server "$@"
+    --engines ostinato,ostinato-whole-slots,stock-all-gpu,stock-layers,llama-server "$@"
 fi
 if has ab; then
   # the prefill options changed from their defaults, against the default, with a baseline and the limit

@@ -264,6 +264,58 @@ def test_upload_copies_take_whole_experts(moe, stock):
     assert info["pools"][0]["copy_2d"] and p_2d["upload_copies"] < p_1d["upload_copies"]
 
 
+@pytest.mark.parametrize("share", ["half", "all"])
+def test_whole_expert_slots_change_where_not_what(moe, stock, share):
+    """Whole-expert slots (docs/engine.md "Whole-expert copies"): a slot holds its expert's weight
+    matrices next to each other, the class tensors strided by a whole slot. The same prompt and
+    decode steps on the split path, the upload path (pool views, one 2D copy per expert with a pitch
+    of one matrix) and the decode graph, with half the experts hot and with every expert hot (the
+    all-resident layers' leaves over the strided slots): tokens identical to stock, logits equal to
+    the default layout's (bitwise on the CPU, within the GPU tolerance there: kernels read other
+    strides), uploads one copy per expert where the default layout needs one per matrix run."""
+    r = ost_runner(moe)
+    n = moe[1]["n_expert"]
+    hot = half_hot(moe) if share == "half" else {il: list(range(n)) for il in moe[2]}
+    cases = ((512, None), (8, None), (512, True))   # split + decode, upload + decode, decode graph
+    r.all_logits = True
+    runs, infos = {}, {}
+    try:
+        for whole in (False, True):
+            native.set_whole_slots(whole)
+            _switch(hot)   # a pool build: the layout follows the setting
+            infos[whole] = native.experts_json("ostinato_experts_info")
+            for np_tokens, graph in cases:
+                native.set_prefill_threshold(np_tokens)
+                native.set_decode_graph(graph)
+                native.llama_fn("ostinato_experts_reset_stats")()
+                toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+                runs[(whole, np_tokens, graph)] = (toks, logits, _stats()["last_passes"][0])
+    finally:
+        r.all_logits = False
+        native.set_whole_slots(False)
+        native.set_decode_graph(None)
+        native.set_prefill_threshold(512)
+        _switch(half_hot(moe))
+    ref_toks, _ = stock[PROMPT_LEN]
+    assert all(c["whole_slots"] for c in infos[True]["size_classes"]) and infos[True]["size_classes"]
+    assert not any(c["whole_slots"] for c in infos[False]["size_classes"])
+    assert all(c["expert_rows_at_one_pitch"] for c in infos[True]["size_classes"])
+    assert infos[True]["pool_bytes"] <= infos[False]["pool_bytes"] + 4096 * len(infos[True]["size_classes"])
+    for np_tokens, graph in cases:
+        (t0, l0, p0), (t1, l1, p1) = runs[(False, np_tokens, graph)], runs[(True, np_tokens, graph)]
+        d = float(np.max(np.abs(l1 - l0)))
+        print(f"\n[exactness] {moe[1]['arch']} whole-expert slots ({share} hot, Np {np_tokens}, graph {graph}): "
+              f"max|dlogit| {d:.3g} against the default layout; first pass {p1['path']}, copies "
+              f"{p1['upload_copies']} against {p0['upload_copies']}")
+        assert t1 == t0 == ref_toks
+        assert np.array_equal(l1, l0) if not GPU else d <= TOL
+        assert p1["upload_bytes"] == p0["upload_bytes"]
+        if p0["upload_bytes"] > 0:
+            # one 2D copy per staged expert (plus its bias rows, gpt-oss) against runs of matrices
+            biases = 3 if moe[1]["arch"] == "gpt-oss" else 0
+            assert p1["upload_copies"] == p1["distinct_cold_experts"] * (1 + biases)
+
+
 @pytest.mark.parametrize("np_tokens, force", [(512, "auto"), (8, "auto"), (8, "split")])
 def test_pool_views_match_stock_and_the_whole_class(moe, stock, np_tokens, force):
     """Per-layer pool views (split and upload passes of >= 9 tokens): the GPU routes over a view of

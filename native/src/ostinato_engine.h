@@ -49,6 +49,8 @@ struct size_class_t {
     bool has_gate;
     bool merged = false;                        // up slot holds merged gate_up rows (ffn_gate_up_exps)
     bool has_bias = false;                      // expert biases (gpt-oss): one F32 row per expert
+    bool whole_slots = false;                   // a slot holds its expert's weight matrices next to each
+                                                // other: the weight tensors are strided by a whole slot
     std::vector<std::pair<int, int>> members;   // (layer, expert) in slot order
     int n_stage = 0;                            // max cold experts of one layer of the class
     std::vector<std::pair<int, int>> borrowed;  // per staging slot: (layer, expert) lent to decode, or (-1, -1)
@@ -191,7 +193,8 @@ extern int64_t    g_np;           // run-time: prefill threshold Np and forced p
 extern int        g_force;
 extern engine_t * g_eng;
 extern std::string g_err;
-extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views, g_resident, g_copy_2d;
+extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views, g_resident, g_copy_2d,
+            g_whole_slots;
 
 // op_params slot and value with which a mul_mat_id is marked as holding negative ids (patch 21 reads
 // them in the CUDA backend; ggml's own use of a mul_mat_id's op_params ends at index 2 + GGML_MAX_SRC)

@@ -45,6 +45,7 @@ bool g_borrow = true;         // borrowed decode memory (staging slots lent to d
 bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
 bool g_resident = true;       // all-resident layers take the stock computation over their resident tensors
 bool g_copy_2d = true;        // upload path: an expert's matrices in one 2D copy where the layout allows
+bool g_whole_slots = false;   // pools built with whole-expert slots (read at each pool build)
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
 int g_prefetch = 0;               // prefetch depth for upload passes with views (depth + 1 staging regions)
@@ -680,6 +681,12 @@ int ostinato_experts_set_views(int on) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_views != (on != 0)) g_graph_dirty = true;   // cached graphs were built with the other choice
     g_views = on != 0;
+    return 0;
+}
+
+int ostinato_experts_set_whole_slots(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_whole_slots = on != 0;   // read at the next pool build (model load or residency switch)
     return 0;
 }
 

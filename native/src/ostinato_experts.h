@@ -208,6 +208,12 @@ OSTINATO_API int          ostinato_experts_set_views(int on);
 // tensors are adjacent in the file; the pool places its class tensors likewise); off (0), one copy
 // per matrix (for measurements). Takes effect at the next copy.
 OSTINATO_API int          ostinato_experts_set_copy_2d(int on);
+// Whole-expert slots: on (1), the pools built from now on (next model load or residency switch) give
+// each size class whose weight matrices hold the same bytes per expert one slot = [the expert's
+// matrices, in host order] (the class tensors strided by a whole slot), so that an upload copy of an
+// expert has a pitch of one matrix, within any device's 2D copy limit; off (0, default), one tensor
+// after the other (pitch: a whole class tensor). Computation is unchanged.
+OSTINATO_API int          ostinato_experts_set_whole_slots(int on);
 // Hybrid upload passes (pool views): share 0..1 of the distinct cold experts computed by the CPU
 // branch instead of uploaded (the ones with the fewest routes), or -1: adapted per layer so that the
 // CPU branch and the copies end together (0 where the pool has no upload stream: CPU pools). 0, the

@@ -182,7 +182,9 @@ void flush_counts(engine_t * e) {
 // The weight matrices (up or gate_up, gate, down) of experts x0 .. x0+m-1 of layer il and their pool
 // slots s0 .. s0+m-1 as the rows of one 2D copy: each the same bytes per expert, the host tensors in
 // host memory, one positive pitch between consecutive rows (by host address) in host memory and one
-// in the pool, the rows in the same order in both. False (r unchanged) when they are not.
+// in the pool, the rows in the same order in both. With whole-expert slots (pool tensors strided by a
+// slot) only one expert's (m = 1): the next expert's rows are not beside them in the pool. False (r
+// unchanged) when they are not rows of one 2D copy.
 bool copy_rows_2d(const engine_t * e, int il, int x0, int s0, int m, rows_2d_t & r) {
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
@@ -193,9 +195,9 @@ bool copy_rows_2d(const engine_t * e, int il, int x0, int s0, int m, rows_2d_t &
     const size_t nb = w[0].first->nb[2];
     std::vector<row_t> rows;
     for (auto [src, dst] : w) {
-        if (!src || !dst || src->nb[2] != nb || dst->nb[2] != nb || !src->buffer ||
+        if (!src || !dst || src->nb[2] != nb || dst->nb[2] < nb || (dst->nb[2] != nb && m != 1) || !src->buffer ||
             !ggml_backend_buffer_is_host(src->buffer)) return false;
-        rows.push_back({(const char *) src->data + (size_t) x0 * nb, (char *) dst->data + (size_t) s0 * nb});
+        rows.push_back({(const char *) src->data + (size_t) x0 * nb, (char *) dst->data + (size_t) s0 * dst->nb[2]});
     }
     std::sort(rows.begin(), rows.end(), [](const row_t & a, const row_t & b) { return a.src < b.src; });
     const size_t width = (size_t) m * nb;
@@ -231,17 +233,22 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
     const pool_t & pool = e->pools[e->layer_pool[il]];
+    // a run of m experts whose slices are contiguous in the pool tensor too (not so with whole-expert
+    // slots, whose runs are one expert long)
     auto put = [&](const ggml_tensor * src, ggml_tensor * dst, int x0, int s0, int m) {
-        const size_t nb = ggml_n_dims(src) >= 3 ? src->nb[2] : src->nb[1];
+        const int d = ggml_n_dims(src) >= 3 ? 2 : 1;
+        const size_t nb = src->nb[d];
         const size_t sz = (size_t) m * nb;
+        GGML_ASSERT(m == 1 || dst->nb[d] == nb);
+        const size_t at = (size_t) s0 * dst->nb[d];
         if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {
             const char * p = (const char *) src->data + (size_t) x0 * nb;
-            if (stream) ggml_backend_tensor_set_async(stream, dst, p, (size_t) s0 * nb, sz);
-            else                   ggml_backend_tensor_set(dst, p, (size_t) s0 * nb, sz);
+            if (stream) ggml_backend_tensor_set_async(stream, dst, p, at, sz);
+            else                   ggml_backend_tensor_set(dst, p, at, sz);
         } else {
             std::vector<uint8_t> tmp(sz);
             ggml_backend_tensor_get(src, tmp.data(), (size_t) x0 * nb, sz);
-            ggml_backend_tensor_set(dst, tmp.data(), (size_t) s0 * nb, sz);
+            ggml_backend_tensor_set(dst, tmp.data(), at, sz);
         }
         e->cur.upload_bytes += (int64_t) sz;
         e->cur.upload_copies++;
@@ -255,10 +262,11 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
         e->cur.upload_copies++;
         return true;
     };
+    const bool whole = e->classes[e->layer_class[il]].whole_slots;
     for (int x = 0; x < e->n_expert;) {
         if (!copy[x]) { ++x; continue; }
         int m = 1;
-        while (x + m < e->n_expert && copy[x + m] && slot[x + m] == slot[x] + m) ++m;
+        while (!whole && x + m < e->n_expert && copy[x + m] && slot[x + m] == slot[x] + m) ++m;
         if (!put_2d(x, slot[x], m)) {
             put(up_src(L), ol.up_pool, x, slot[x], m);
             if (ol.gate_pool) put(L.ffn_gate_exps, ol.gate_pool, x, slot[x], m);

@@ -152,14 +152,15 @@ void copy_expert(const llama_model * model, const size_class_t & c, int il, int 
     auto put = [&](const ggml_tensor * src, ggml_tensor * dst) {
         const int d = ggml_n_dims(src) >= 3 ? 2 : 1;   // weight slice or bias row
         const size_t nb = src->nb[d];
-        GGML_ASSERT(dst->nb[d] == nb);
+        // a slot's slice is contiguous; whole-expert slots stride the pool tensor by more than it
+        GGML_ASSERT(dst->nb[d - 1] == src->nb[d - 1] && dst->nb[d] >= nb);
         if (src->buffer && ggml_backend_buffer_is_host(src->buffer)) {   // straight from (pinned) host memory
-            ggml_backend_tensor_set(dst, (const char *) src->data + (size_t) x * nb, (size_t) slot * nb, nb);
+            ggml_backend_tensor_set(dst, (const char *) src->data + (size_t) x * nb, (size_t) slot * dst->nb[d], nb);
             return;
         }
         tmp.resize(nb);
         ggml_backend_tensor_get(src, tmp.data(), (size_t) x * nb, nb);
-        ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * nb, nb);
+        ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * dst->nb[d], nb);
     };
     const auto & L = model->layers[il];
     put(up_src(L), c.up);
@@ -247,8 +248,10 @@ void borrow_step(engine_t * e) {
 // (those of the class's first layer) at one pitch, when they hold the same bytes per expert, then the
 // bias rows. llama.cpp's files put a layer's up, gate and down experts next to each other, so a slot's
 // matrices sit at one pitch in the pool as the expert's do in host memory and stage_experts copies
-// them with one 2D copy. Falls back to ggml's sequential placement when the buffer type caps the size
-// (several buffers). Null when the allocation fails.
+// them with one 2D copy. The pitch is one class tensor, or with whole-expert slots (the weight tensors
+// strided by a slot, see build_engine) one matrix: the tensors start one matrix apart and interleave.
+// Falls back to ggml's sequential placement when the buffer type caps the size (several buffers).
+// Null when the allocation fails.
 static ggml_backend_buffer_t alloc_pool(const engine_t * e, pool_t & p, int pi) {
     ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(p.dev);
     const size_t align = ggml_backend_buft_get_alignment(buft);
@@ -264,12 +267,23 @@ static ggml_backend_buffer_t alloc_pool(const engine_t * e, pool_t & p, int pi) 
         if (c.gate) w.push_back({L.ffn_gate_exps->data, c.gate});
         w.push_back({L.ffn_down_exps->data, c.down});
         std::sort(w.begin(), w.end());
-        bool same = true;
-        size_t pitch = 0;
-        for (auto & [h, t] : w) { same = same && t->nb[2] == c.up->nb[2]; pitch = std::max(pitch, room(t)); }
-        for (auto & [h, t] : w) {
-            if (same) { at.push_back({t, off}); off += pitch; }
-            else place(t);
+        if (c.whole_slots) {
+            // part i of slot s at off + s * slot + i * matrix; then the room the last part's padding needs
+            const size_t matrix = w[0].second->nb[2] / w.size();
+            size_t pad = 0;
+            for (size_t i = 0; i < w.size(); ++i) {
+                at.push_back({w[i].second, off + i * matrix});
+                pad = std::max(pad, room(w[i].second) - ggml_nbytes(w[i].second));
+            }
+            off += GGML_PAD((size_t) w[0].second->ne[2] * w[0].second->nb[2] + pad, align);
+        } else {
+            bool same = true;
+            size_t pitch = 0;
+            for (auto & [h, t] : w) { same = same && t->nb[2] == c.up->nb[2]; pitch = std::max(pitch, room(t)); }
+            for (auto & [h, t] : w) {
+                if (same) { at.push_back({t, off}); off += pitch; }
+                else place(t);
+            }
         }
         place(c.b_up); place(c.b_gate); place(c.b_down);
     }
@@ -451,6 +465,17 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         c.up = ggml_new_tensor_3d(ctx, c.t_up, c.up0, c.up1, n_slots);
         if (c.has_gate) c.gate = ggml_new_tensor_3d(ctx, c.t_gate, c.up0, c.up1, n_slots);
         c.down = ggml_new_tensor_3d(ctx, c.t_down, c.down0, c.down1, n_slots);
+        // whole-expert slots: where the weight parts hold the same bytes per expert (then their stride,
+        // a whole slot, is a multiple of each part's block size)
+        c.whole_slots = g_whole_slots && c.up->nb[2] == c.down->nb[2] && (!c.gate || c.gate->nb[2] == c.up->nb[2]);
+        if (c.whole_slots) {
+            const size_t slot_bytes = (c.gate ? 3 : 2) * c.up->nb[2];
+            for (ggml_tensor * t : {c.up, c.gate, c.down}) {
+                if (!t) continue;
+                t->nb[2] = slot_bytes;
+                t->nb[3] = slot_bytes * (size_t) t->ne[2];
+            }
+        }
         if (c.has_bias) {
             c.b_up = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.up1, n_slots);
             if (c.has_gate) c.b_gate = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.up1, n_slots);
@@ -531,7 +556,8 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             const int d = i < 3 ? 2 : 1;   // the slot dimension: experts of a weight, rows of a bias
             ggml_tensor * r = d == 2 ? ggml_new_tensor_3d(p.resident_ctx, t->type, t->ne[0], t->ne[1], l.n_hot)
                                      : ggml_new_tensor_2d(p.resident_ctx, t->type, t->ne[0], l.n_hot);
-            GGML_ASSERT(r->nb[d] == t->nb[d]);
+            GGML_ASSERT(r->nb[d - 1] == t->nb[d - 1] && r->nb[d] <= t->nb[d]);
+            for (int j = d; j < GGML_MAX_DIMS; ++j) r->nb[j] = j == d ? t->nb[d] : r->nb[j - 1] * r->ne[j - 1];
             r->buffer = t->buffer;
             r->data = (char *) t->data + (size_t) l.hot0 * t->nb[d];
             ggml_format_name(r, "ostinato.blk.%d.resident_%s", il, part[i]);

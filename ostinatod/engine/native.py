@@ -173,6 +173,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_copy_2d": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_whole_slots": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_resident_path": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_upload_cpu_share": ([ctypes.c_double], ctypes.c_int),
     "ostinato_experts_set_hybrid_rows": ([ctypes.c_int], ctypes.c_int),
@@ -331,6 +332,15 @@ def set_copy_2d(on: bool) -> None:
     transfers (docs/benchmarks/h2d-h200.json). On by default; off only for measurements. Takes
     effect at the next copy."""
     llama_fn("ostinato_experts_set_copy_2d")(1 if on else 0)
+
+
+def set_whole_slots(on: bool) -> None:
+    """Whole-expert slots (docs/engine.md "Whole-expert copies"): pools built after this call (the
+    next model load or residency switch) give each size class whose weight matrices hold the same
+    bytes per expert slots that hold an expert's matrices next to each other (the class tensors
+    strided by a whole slot), so that an upload copy's pitch is one matrix, within the GPU's 2D copy
+    limit at any pool size. Same memory, same computation. Off by default until measured on a GPU."""
+    llama_fn("ostinato_experts_set_whole_slots")(1 if on else 0)
 
 
 def set_resident_path(on: bool) -> None:
