@@ -60,44 +60,32 @@ def three_1d(sp):
     return n
 
 
-def one_2d(sp):
-    n = 0
-    for l, ids in enumerate(picks):
-        for slot, e in enumerate(ids):
-            cp.cuda.runtime.memcpy2DAsync(dp + slot * M, SLOTS * M, hp + (l * 3 * NE + e) * M, NE * M,
-                                          M, 3, H2D, sp)
-            n += 1
-    return n
-
-
-def runs_1d(sp):
-    n = 0
-    for l, ids in enumerate(picks):
-        slot = 0
-        for e, r in runs(ids):
-            for t in range(3):
-                cp.cuda.runtime.memcpyAsync(dp + (t * SLOTS + slot) * M, hp + ((l * 3 + t) * NE + e) * M,
-                                            r * M, H2D, sp)
-                n += 1
-            slot += r
-    return n
-
-
-def runs_2d(sp):
-    n = 0
-    for l, ids in enumerate(picks):
-        slot = 0
-        for e, r in runs(ids):
-            cp.cuda.runtime.memcpy2DAsync(dp + slot * M, SLOTS * M, hp + (l * 3 * NE + e) * M, NE * M,
-                                          r * M, 3, H2D, sp)
-            n += 1
-            slot += r
-    return n
+def sorted_copies(two_d, merge_runs):
+    """Experts sorted by id into consecutive slots; one copy per run of consecutive ids (merge_runs)
+    or per expert; per matrix (1D) or one 2D copy (height 3) for the three."""
+    def issue(sp):
+        n = 0
+        for l, ids in enumerate(picks):
+            slot = 0
+            for e, r in (runs(ids) if merge_runs else [(e, 1) for e in ids]):
+                if two_d:
+                    cp.cuda.runtime.memcpy2DAsync(dp + slot * M, SLOTS * M, hp + (l * 3 * NE + e) * M, NE * M,
+                                                  r * M, 3, H2D, sp)
+                    n += 1
+                else:
+                    for t in range(3):
+                        cp.cuda.runtime.memcpyAsync(dp + (t * SLOTS + slot) * M, hp + ((l * 3 + t) * NE + e) * M,
+                                                    r * M, H2D, sp)
+                        n += 1
+                slot += r
+        return n
+    return issue
 
 
 total = LAYERS * PER_LAYER * 3 * M
 out = {"bytes": total}
-for name, fn in (("three_1d", three_1d), ("one_2d", one_2d), ("runs_1d", runs_1d), ("runs_2d", runs_2d)):
+for name, fn in (("three_1d", three_1d), ("one_2d", sorted_copies(True, False)),
+                 ("runs_1d", sorted_copies(False, True)), ("runs_2d", sorted_copies(True, True))):
     for _ in range(2):
         ms, n = timed(fn)
     out[name] = {"copies": n, "ms": round(ms, 1), "gbps": round(total / ms / 1e6, 1)}
