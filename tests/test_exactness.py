@@ -309,7 +309,9 @@ def test_whole_expert_slots_change_where_not_what(moe, stock, share):
               f"{p1['upload_copies']} against {p0['upload_copies']}")
         assert t1 == t0 == ref_toks
         assert np.array_equal(l1, l0) if not GPU else d <= TOL
+        assert p1["path"] == p0["path"] == ("upload" if np_tokens == 8 else "split")
         assert p1["upload_bytes"] == p0["upload_bytes"]
+        assert (p0["upload_bytes"] > 0) == (share == "half" and np_tokens == 8)
         if p0["upload_bytes"] > 0:
             # one 2D copy per staged expert (plus its bias rows, gpt-oss) against runs of matrices
             biases = 3 if moe[1]["arch"] == "gpt-oss" else 0

@@ -65,6 +65,7 @@ def test_gpu_backend_2d_copy_moves_rows_at_two_pitches_and_refuses_the_rest():
     if report["backend"] is None:
         assert not report["offered"]
         pytest.skip("no GPU backend in this build")
+    assert report["offered"], f"{report['backend']}: the GPU backend offers no 2D copy (patch 22 missing)"
     print(f"\n[optest] {report['backend']}: 2D copy, {len(report['cases'])} cases")
     assert report["ok"] and report["refusals_ok"], report
     assert len(report["cases"]) == 4 and all(c["queued"] and c["bytes_as_expected"] for c in report["cases"])

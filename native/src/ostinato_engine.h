@@ -51,6 +51,8 @@ struct size_class_t {
     bool has_bias = false;                      // expert biases (gpt-oss): one F32 row per expert
     bool whole_slots = false;                   // a slot holds its expert's weight matrices next to each
                                                 // other: the weight tensors are strided by a whole slot
+    bool copy_2d_refused = false;               // the pool's 2D copy refused this class's (its pitch is
+                                                // above the GPU's maximum): copies go matrix by matrix
     std::vector<std::pair<int, int>> members;   // (layer, expert) in slot order
     int n_stage = 0;                            // max cold experts of one layer of the class
     std::vector<std::pair<int, int>> borrowed;  // per staging slot: (layer, expert) lent to decode, or (-1, -1)
@@ -95,8 +97,8 @@ struct totals_t {
 
 // A pool's 2D copy from host memory: height rows of width bytes at pitch spitch in host memory and
 // dpitch in the pool. A GPU pool's is its backend's "ggml_backend_set_2d_async" (native/patches/22),
-// queued on `backend`'s stream, false when nothing was queued; a CPU pool's copies row by row now
-// (set_2d_host, backend null).
+// queued on `backend`'s stream, false when nothing was queued (dst must be memory of that backend's
+// device); a CPU pool's copies row by row now (set_2d_host, backend null).
 using set_2d_fn = bool (*)(ggml_backend_t backend, void * dst, size_t dpitch, const void * src, size_t spitch,
                            size_t width, size_t height);
 

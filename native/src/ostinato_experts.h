@@ -203,10 +203,11 @@ OSTINATO_API int          ostinato_experts_set_borrow(int on);
 // Per-layer pool views for split and upload passes (see ostinato_moe_views): on (1, default) or off
 // (0: every pass computes over the whole size class, as before; for measurements). Next graph.
 OSTINATO_API int          ostinato_experts_set_views(int on);
-// Upload-path copies of GPU pools: on (1, default), an expert's weight matrices go in one 2D copy
-// where they sit at one pitch in host memory and in the pool (llama.cpp's layout: a layer's expert
-// tensors are adjacent in the file; the pool places its class tensors likewise); off (0), one copy
-// per matrix (for measurements). Takes effect at the next copy.
+// Upload-path copies: on (1, default), an expert's weight matrices go in one 2D copy (the GPU backend's,
+// which refuses a pitch above the device's maximum; row by row into a CPU pool) where they sit at one
+// pitch in host memory and in the pool (llama.cpp's layout: a layer's expert tensors are adjacent in
+// the file; the pool places its class tensors likewise); off (0), one copy per matrix (for
+// measurements). Takes effect at the next copy.
 OSTINATO_API int          ostinato_experts_set_copy_2d(int on);
 // Whole-expert slots: on (1), the pools built from now on (next model load or residency switch) give
 // each size class whose weight matrices hold the same bytes per expert one slot = [the expert's

@@ -220,8 +220,12 @@ extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_s
     ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_GPU);
     auto fn = dev ? (set_2d_fn) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev),
                                                                   "ggml_backend_set_2d_async") : nullptr;
-    if (!dev || !fn) {
-        out = std::string("{\"ok\": true, \"backend\": null, \"offered\": ") + (fn ? "true" : "false") + ", \"cases\": []}";
+    if (!dev) {
+        out = "{\"ok\": true, \"backend\": null, \"offered\": false, \"cases\": []}";
+        return out.c_str();
+    }
+    if (!fn) {   // a GPU build without patch 22
+        out = std::string("{\"ok\": false, \"backend\": \"") + ggml_backend_dev_name(dev) + "\", \"offered\": false, \"cases\": []}";
         return out.c_str();
     }
     ggml_backend_t be = ggml_backend_dev_init(dev, nullptr);
@@ -258,13 +262,14 @@ extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_s
         cases += (cases.empty() ? "" : ", ") + std::string(line);
     }
     // refusals: the CPU backend, a pitch below the width (CUDA's invalid value) and a destination
-    // pitch of 2^31 bytes (above cudaDevAttrMaxPitch; refused before any byte moves); nothing changes
+    // pitch of 2^31 bytes (above cudaDevAttrMaxPitch; one row, so that not even a copy that was not
+    // refused could write outside the buffer); nothing changes
     bool refused = false;
     if (ok) {
         ggml_backend_tensor_set(t, before.data(), 0, n);
         const bool cpu_q = fn(cpu, t->data, 4096, host.data(), 4096, 4096, 2);
         const bool pitch_q = fn(be, t->data, 100, host.data(), 4096, 4096, 2);
-        const bool wide_q = fn(be, t->data, (size_t) 1 << 31, host.data(), 4096, 4096, 2);
+        const bool wide_q = fn(be, t->data, (size_t) 1 << 31, host.data(), 4096, 4096, 1);
         ggml_backend_synchronize(be);
         ggml_backend_tensor_get(t, got.data(), 0, n);
         refused = !cpu_q && !pitch_q && !wide_q && got == before;

@@ -197,6 +197,9 @@ bool copy_rows_2d(const engine_t * e, int il, int x0, int s0, int m, rows_2d_t &
     for (auto [src, dst] : w) {
         if (!src || !dst || src->nb[2] != nb || dst->nb[2] < nb || (dst->nb[2] != nb && m != 1) || !src->buffer ||
             !ggml_backend_buffer_is_host(src->buffer)) return false;
+        // the checks ggml_backend_tensor_set would make: within both tensors
+        GGML_ASSERT(x0 >= 0 && s0 >= 0 && (size_t) (x0 + m - 1) * nb + nb <= ggml_nbytes(src) &&
+                    (size_t) (s0 + m - 1) * dst->nb[2] + nb <= ggml_nbytes(dst));
         rows.push_back({(const char *) src->data + (size_t) x0 * nb, (char *) dst->data + (size_t) s0 * dst->nb[2]});
     }
     std::sort(rows.begin(), rows.end(), [](const row_t & a, const row_t & b) { return a.src < b.src; });
@@ -253,16 +256,20 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
         e->cur.upload_bytes += (int64_t) sz;
         e->cur.upload_copies++;
     };
+    size_class_t & cls = e->classes[e->layer_class[il]];
     auto put_2d = [&](int x0, int s0, int m) {
-        if (!pool.set_2d || !g_copy_2d) return false;
+        if (!pool.set_2d || !g_copy_2d || cls.copy_2d_refused) return false;
         rows_2d_t r;
         if (!copy_rows_2d(e, il, x0, s0, m, r)) return false;
-        if (!pool.set_2d(stream, r.dst, r.dpitch, r.src, r.spitch, r.width, r.height)) return false;
+        if (!pool.set_2d(stream, r.dst, r.dpitch, r.src, r.spitch, r.width, r.height)) {
+            cls.copy_2d_refused = true;   // the class's pitch: not worth asking again per copy
+            return false;
+        }
         e->cur.upload_bytes += (int64_t) (r.width * r.height);
         e->cur.upload_copies++;
         return true;
     };
-    const bool whole = e->classes[e->layer_class[il]].whole_slots;
+    const bool whole = cls.whole_slots;
     for (int x = 0; x < e->n_expert;) {
         if (!copy[x]) { ++x; continue; }
         int m = 1;

@@ -250,9 +250,9 @@ void borrow_step(engine_t * e) {
 // matrices sit at one pitch in the pool as the expert's do in host memory and stage_experts copies
 // them with one 2D copy. The pitch is one class tensor, or with whole-expert slots (the weight tensors
 // strided by a slot, see build_engine) one matrix: the tensors start one matrix apart and interleave.
-// Falls back to ggml's sequential placement when the buffer type caps the size (several buffers).
-// Null when the allocation fails.
-static ggml_backend_buffer_t alloc_pool(const engine_t * e, pool_t & p, int pi) {
+// Falls back to ggml's sequential placement when the buffer type caps the size (several buffers; then
+// without whole-expert slots). Null when the allocation fails.
+static ggml_backend_buffer_t alloc_pool(engine_t * e, pool_t & p, int pi) {
     ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(p.dev);
     const size_t align = ggml_backend_buft_get_alignment(buft);
     auto room = [&](const ggml_tensor * t) { return GGML_PAD(ggml_backend_buft_get_alloc_size(buft, t), align); };
@@ -290,7 +290,19 @@ static ggml_backend_buffer_t alloc_pool(const engine_t * e, pool_t & p, int pi) 
     size_t n_tensors = 0;
     for (ggml_tensor * t = ggml_get_first_tensor(p.ctx); t; t = ggml_get_next_tensor(p.ctx, t)) n_tensors++;
     GGML_ASSERT(at.size() == n_tensors);   // every tensor of the pool's context is placed
-    if (off > ggml_backend_buft_get_max_size(buft)) return ggml_backend_alloc_ctx_tensors_from_buft(p.ctx, buft);
+    if (off > ggml_backend_buft_get_max_size(buft)) {
+        // ggml places tensor after tensor: whole-expert slots would take a slot's room per part
+        for (auto & c : e->classes) {
+            if (c.pool != pi || !c.whole_slots) continue;
+            c.whole_slots = false;
+            for (ggml_tensor * t : {c.up, c.gate, c.down}) {
+                if (!t) continue;
+                t->nb[2] = t->nb[1] * (size_t) t->ne[1];
+                t->nb[3] = t->nb[2] * (size_t) t->ne[2];
+            }
+        }
+        return ggml_backend_alloc_ctx_tensors_from_buft(p.ctx, buft);
+    }
     ggml_backend_buffer_t buf = ggml_backend_buft_alloc_buffer(buft, std::max<size_t>(off, 1));
     if (!buf) return nullptr;
     char * base = (char *) ggml_backend_buffer_get_base(buf);

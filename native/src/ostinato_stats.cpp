@@ -52,7 +52,8 @@ const char * ostinato_experts_info(void) {
             cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)}, {"merged_gate_up", c.merged},
                                {"up_shape", {c.up0, c.up1}}, {"down_shape", {c.down0, c.down1}},
                                {"slots", c.members.size()}, {"zero_slots", e.k}, {"staging_slots", c.n_stage}, {"pool", c.pool},
-                               {"expert_rows_at_one_pitch", one_copy}, {"whole_slots", c.whole_slots}});
+                               {"expert_rows_at_one_pitch", one_copy}, {"whole_slots", c.whole_slots},
+                               {"copy_2d_refused", c.copy_2d_refused}});
         }
         j["size_classes"] = cls;
         json pools = json::array();
