@@ -299,6 +299,7 @@ def test_whole_expert_slots_change_where_not_what(moe, stock, share):
     ref_toks, _ = stock[PROMPT_LEN]
     assert all(c["whole_slots"] for c in infos[True]["size_classes"]) and infos[True]["size_classes"]
     assert not any(c["whole_slots"] for c in infos[False]["size_classes"])
+    assert infos[True]["prefill"]["whole_slots"] and not infos[False]["prefill"]["whole_slots"]
     assert all(c["expert_rows_at_one_pitch"] for c in infos[True]["size_classes"])
     assert infos[True]["pool_bytes"] <= infos[False]["pool_bytes"] + 4096 * len(infos[True]["size_classes"])
     for np_tokens, graph in cases:

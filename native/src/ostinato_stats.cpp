@@ -77,7 +77,9 @@ const char * ostinato_experts_info(void) {
                             {"upload_cpu_share", upload_share(&e, std::any_of(e.pools.begin(), e.pools.end(),
                                                      [](const pool_t & p) { return p.upload_backend != nullptr; }))},
                             {"upload_cpu_share_adapted", g_upload_cpu_share < 0},
-                            {"hybrid_rows", g_hybrid_rows}, {"prefetch", e.prefetch}, {"copy_2d", g_copy_2d}};
+                            {"hybrid_rows", g_hybrid_rows}, {"prefetch", e.prefetch}, {"copy_2d", g_copy_2d},
+                            {"whole_slots", std::any_of(e.classes.begin(), e.classes.end(),
+                                                        [](const size_class_t & c) { return c.whole_slots; })}};
         j["notes"] = e.notes;
     }
     return keep(g_out_info, j);
