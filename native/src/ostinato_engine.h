@@ -102,6 +102,15 @@ struct totals_t {
 using set_2d_fn = bool (*)(ggml_backend_t backend, void * dst, size_t dpitch, const void * src, size_t spitch,
                            size_t width, size_t height);
 
+// One 2D copy of an expert run's weight matrices: rows at src / dst, spitch / dpitch apart. Per layer
+// (engine_t::rows_2d, from layout_2d at the pool build) the copy of expert 0 into slot 0, with the
+// host and pool strides of one expert; height 0 where the parts are not rows of one 2D copy.
+struct rows_2d_t {
+    const char * src = nullptr; char * dst = nullptr;
+    size_t spitch = 0, dpitch = 0, width = 0, height = 0;
+    size_t src_stride = 0, dst_stride = 0;   // bytes from one expert / slot to the next
+};
+
 // One expert pool: the hot experts (and zero and staging slots) of the MoE layers placed on one
 // device, one set of pool tensors per size class, in one backend buffer of that device.
 struct pool_t {
@@ -172,6 +181,7 @@ struct engine_t {
     int64_t pass_t0_us = 0;
     std::vector<uint8_t> cold_seen;            // [layer * n_expert] for distinct cold experts
     std::vector<int64_t> mark_us;              // [layer]: time of the last marker
+    std::vector<rows_2d_t> rows_2d;            // [layer]: its experts' 2D copy geometry (layout_2d)
     totals_t total, request;
     std::deque<pass_t> last;
 };
@@ -225,6 +235,15 @@ extern int g_prefetch;              // prefetch depth for upload passes with vie
 // bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.
 inline const ggml_tensor * up_src(const llama_layer & L) { return L.ffn_gate_up_exps ? L.ffn_gate_up_exps : L.ffn_up_exps; }
 inline const ggml_tensor * up_b_src(const llama_layer & L) { return L.ffn_gate_up_exps ? L.ffn_gate_up_exps_b : L.ffn_up_exps_b; }
+// An expert's weight parts as (host tensor, pool tensor) pairs: up (or merged gate_up), gate where
+// the pool has one, down. Biases are not among them.
+inline std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> weight_parts(const llama_layer & L, ggml_tensor * up,
+                                                                               ggml_tensor * gate, ggml_tensor * down) {
+    std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> w = {{up_src(L), up}};
+    if (gate) w.push_back({L.ffn_gate_exps, gate});
+    w.push_back({L.ffn_down_exps, down});
+    return w;
+}
 
 int64_t now_us();
 void free_engine(engine_t * e);
@@ -238,8 +257,7 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud);
-// one 2D copy of an expert run's weight matrices (see copy_rows_2d)
-struct rows_2d_t { const char * src; char * dst; size_t spitch, dpitch, width, height; };
+rows_2d_t layout_2d(const engine_t * e, int il);
 bool copy_rows_2d(const engine_t * e, int il, int x0, int s0, int m, rows_2d_t & r);
 bool set_2d_host(ggml_backend_t, void * dst, size_t dpitch, const void * src, size_t spitch, size_t width,
                  size_t height);

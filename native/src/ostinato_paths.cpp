@@ -179,37 +179,53 @@ void flush_counts(engine_t * e) {
     }
 }
 
-// The weight matrices (up or gate_up, gate, down) of experts x0 .. x0+m-1 of layer il and their pool
-// slots s0 .. s0+m-1 as the rows of one 2D copy: each the same bytes per expert, the host tensors in
-// host memory, one positive pitch between consecutive rows (by host address) in host memory and one
-// in the pool, the rows in the same order in both. With whole-expert slots (pool tensors strided by a
-// slot) only one expert's (m = 1): the next expert's rows are not beside them in the pool. False (r
-// unchanged) when they are not rows of one 2D copy.
-bool copy_rows_2d(const engine_t * e, int il, int x0, int s0, int m, rows_2d_t & r) {
+// The weight matrices (up or gate_up, gate, down) of layer il's expert 0 and pool slot 0 as the rows
+// of one 2D copy: each the same bytes per expert, the host tensors in host memory, one positive pitch
+// between consecutive rows (by host address) in host memory and one in the pool, the rows in the same
+// order in both, one slot stride for all parts. Height 0 when they are not. Computed once per layer at
+// the pool build (the addresses do not change until the next one).
+rows_2d_t layout_2d(const engine_t * e, int il) {
     const auto & L = e->model->layers[il];
     const auto & ol = e->layers[il];
     struct row_t { const char * src; char * dst; };
-    std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> w = {{up_src(L), ol.up_pool}};
-    if (ol.gate_pool) w.push_back({L.ffn_gate_exps, ol.gate_pool});
-    w.push_back({L.ffn_down_exps, ol.down_pool});
-    const size_t nb = w[0].first->nb[2];
+    const auto w = weight_parts(L, ol.up_pool, ol.gate_pool, ol.down_pool);
+    const ggml_tensor * src0 = w[0].first;
+    const ggml_tensor * dst0 = w[0].second;
+    if (!src0 || !dst0) return {};
+    const size_t nb = src0->nb[2], stride = dst0->nb[2];
     std::vector<row_t> rows;
     for (auto [src, dst] : w) {
-        if (!src || !dst || src->nb[2] != nb || dst->nb[2] < nb || (dst->nb[2] != nb && m != 1) || !src->buffer ||
-            !ggml_backend_buffer_is_host(src->buffer)) return false;
-        // the checks ggml_backend_tensor_set would make: within both tensors
-        GGML_ASSERT(x0 >= 0 && s0 >= 0 && (size_t) (x0 + m - 1) * nb + nb <= ggml_nbytes(src) &&
-                    (size_t) (s0 + m - 1) * dst->nb[2] + nb <= ggml_nbytes(dst));
-        rows.push_back({(const char *) src->data + (size_t) x0 * nb, (char *) dst->data + (size_t) s0 * dst->nb[2]});
+        if (!src || !dst || src->nb[2] != nb || dst->nb[2] != stride || stride < nb || !src->buffer ||
+            !ggml_backend_buffer_is_host(src->buffer)) return {};
+        rows.push_back({(const char *) src->data, (char *) dst->data});
     }
     std::sort(rows.begin(), rows.end(), [](const row_t & a, const row_t & b) { return a.src < b.src; });
-    const size_t width = (size_t) m * nb;
     const ptrdiff_t sp = rows[1].src - rows[0].src, dp = rows[1].dst - rows[0].dst;
-    if (sp < (ptrdiff_t) width || dp < (ptrdiff_t) width) return false;
+    if (sp < (ptrdiff_t) nb || dp < (ptrdiff_t) nb) return {};
     for (size_t i = 2; i < rows.size(); ++i) {
-        if (rows[i].src - rows[i - 1].src != sp || rows[i].dst - rows[i - 1].dst != dp) return false;
+        if (rows[i].src - rows[i - 1].src != sp || rows[i].dst - rows[i - 1].dst != dp) return {};
     }
-    r = {rows[0].src, rows[0].dst, (size_t) sp, (size_t) dp, width, rows.size()};
+    rows_2d_t r;
+    r.src = rows[0].src; r.dst = rows[0].dst;
+    r.spitch = (size_t) sp; r.dpitch = (size_t) dp; r.width = nb; r.height = rows.size();
+    r.src_stride = nb; r.dst_stride = stride;
+    return r;
+}
+
+// Experts x0 .. x0+m-1 of layer il into slots s0 .. s0+m-1 as one 2D copy (layer il's layout_2d moved
+// to them, m matrices wide): a run is one 2D copy where its slices are contiguous in the pool too, so
+// with whole-expert slots (pool tensors strided by a slot) only one expert's. False (r unchanged) when
+// it is not one 2D copy.
+bool copy_rows_2d(const engine_t * e, int il, int x0, int s0, int m, rows_2d_t & r) {
+    const rows_2d_t & b = e->rows_2d[il];
+    const size_t width = (size_t) m * b.width;
+    if (b.height == 0 || (m > 1 && b.dst_stride != b.src_stride) || width > b.spitch || width > b.dpitch) return false;
+    // the checks ggml_backend_tensor_set would make: within the host and pool tensors
+    GGML_ASSERT(x0 >= 0 && s0 >= 0 && x0 + m <= e->n_expert && s0 + m <= e->layers[il].down_pool->ne[2]);
+    r = b;
+    r.src += (size_t) x0 * b.src_stride;
+    r.dst += (size_t) s0 * b.dst_stride;
+    r.width = width;
     return true;
 }
 
@@ -275,9 +291,7 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
         int m = 1;
         while (!whole && x + m < e->n_expert && copy[x + m] && slot[x + m] == slot[x] + m) ++m;
         if (!put_2d(x, slot[x], m)) {
-            put(up_src(L), ol.up_pool, x, slot[x], m);
-            if (ol.gate_pool) put(L.ffn_gate_exps, ol.gate_pool, x, slot[x], m);
-            put(L.ffn_down_exps, ol.down_pool, x, slot[x], m);
+            for (auto [src, dst] : weight_parts(L, ol.up_pool, ol.gate_pool, ol.down_pool)) put(src, dst, x, slot[x], m);
         }
         if (ol.up_b_pool)   put(up_b_src(L), ol.up_b_pool, x, slot[x], m);
         if (ol.gate_b_pool) put(L.ffn_gate_exps_b, ol.gate_b_pool, x, slot[x], m);

@@ -163,9 +163,7 @@ void copy_expert(const llama_model * model, const size_class_t & c, int il, int 
         ggml_backend_tensor_set(dst, tmp.data(), (size_t) slot * dst->nb[d], nb);
     };
     const auto & L = model->layers[il];
-    put(up_src(L), c.up);
-    if (c.has_gate) put(L.ffn_gate_exps, c.gate);
-    put(L.ffn_down_exps, c.down);
+    for (auto [src, dst] : weight_parts(L, c.up, c.gate, c.down)) put(src, dst);
     if (c.b_up)   put(up_b_src(L), c.b_up);
     if (c.b_gate) put(L.ffn_gate_exps_b, c.b_gate);
     if (c.b_down) put(L.ffn_down_exps_b, c.b_down);
@@ -263,9 +261,8 @@ static ggml_backend_buffer_t alloc_pool(engine_t * e, pool_t & p, int pi) {
     for (const auto & c : e->classes) {
         if (c.pool != pi) continue;
         const auto & L = e->model->layers[c.members.front().first];
-        std::vector<std::pair<const void *, ggml_tensor *>> w = {{up_src(L)->data, c.up}};
-        if (c.gate) w.push_back({L.ffn_gate_exps->data, c.gate});
-        w.push_back({L.ffn_down_exps->data, c.down});
+        std::vector<std::pair<const void *, ggml_tensor *>> w;   // host address of the first layer's part
+        for (auto [src, dst] : weight_parts(L, c.up, c.gate, c.down)) w.push_back({src->data, dst});
         std::sort(w.begin(), w.end());
         if (c.whole_slots) {
             // part i of slot s at off + s * slot + i * matrix; then the room the last part's padding needs
@@ -618,6 +615,8 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
     e->cold_seen.assign(nle, 0);
     e->cpu_use.assign(nle, 0.0f);
     e->mark_us.assign(e->n_layer, 0);
+    e->rows_2d.assign(e->n_layer, rows_2d_t());
+    for (int il = 0; il < e->n_layer; ++il) if (e->layers[il].has_hot) e->rows_2d[il] = layout_2d(e, il);
     free_engine(g_eng);
     g_eng = e;
     g_graph_dirty = true;

@@ -47,8 +47,7 @@ const char * ostinato_experts_info(void) {
         json cls = json::array();
         for (auto & c : e.classes) {
             // whether an expert's weight matrices go in one 2D copy (the class's first layer, slot 0)
-            rows_2d_t r;
-            const bool one_copy = !c.members.empty() && copy_rows_2d(&e, c.members.front().first, 0, 0, 1, r);
+            const bool one_copy = !c.members.empty() && e.rows_2d[c.members.front().first].height > 0;
             cls.push_back(json{{"type_up", ggml_type_name(c.t_up)}, {"type_down", ggml_type_name(c.t_down)}, {"merged_gate_up", c.merged},
                                {"up_shape", {c.up0, c.up1}}, {"down_shape", {c.down0, c.down1}},
                                {"slots", c.members.size()}, {"zero_slots", e.k}, {"staging_slots", c.n_stage}, {"pool", c.pool},
