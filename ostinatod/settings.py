@@ -171,12 +171,12 @@ class Settings(BaseSettings):
                                  "pool's pitch is within the device's maximum (pools of under 2 GiB "
                                  "per class tensor; docs/engine.md, \"Whole-expert copies\"). Off only "
                                  "for measurements.")
-    pool_whole_expert_slots: bool = Field(False, description="Expert pool layout: each slot holds "
+    pool_whole_expert_slots: bool = Field(True, description="Expert pool layout: each slot holds "
                                           "its expert's weight matrices next to each other, so that "
                                           "a long prefill's upload copies take one transfer per "
                                           "expert at any pool size (docs/engine.md, \"Whole-expert "
-                                          "copies\"). Same memory and computation; off until "
-                                          "measured on a GPU.")
+                                          "copies\"). Same memory and computation. Off only for "
+                                          "measurements (the layout with one tensor per matrix).")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "

@@ -8,8 +8,9 @@
 #   model:    the real-shape synthetic model /tmp/m.gguf (LAYERS layers, Qwen3-30B-A3B shape, Q4_0)
 #   calib:    `ostinato calibrate --full` on that model (stored in the hardware profile: Np for the bench)
 #   bench:    `ostinato bench engines` with the bench args given, results under $OUT
-#   headline: `ostinato bench engines` at a 45% pool: ostinato, ostinato-whole-slots (whole-expert pool
-#             slots: one upload transfer per expert), stock-all-gpu, stock-layers, llama-server; 2 x 8 turns
+#   headline: `ostinato bench engines` at a 45% pool: ostinato, ostinato-class-slots (the pool layout with
+#             one tensor per matrix: one upload transfer per matrix where the class tensor's pitch is past
+#             the device's maximum), stock-all-gpu, stock-layers, llama-server; 2 x 8 turns
 #   full:     the same at --budget-frac 1.0 (ostinato, stock-all-gpu, llama-server)
 #   ab:       45% pool: ostinato, ostinato-no-prefetch, ostinato-hybrid, ostinato-pool-quarter (the
 #             options changed from their defaults), stock-all-gpu, llama-server
@@ -59,6 +60,8 @@ bench() {
   timeout "$left" "${cmd[@]}" 2>&1 | tee "$OUT/$name.log" | grep -vE "^\| prefill|^$" | tail -60
   grep -hE "ostinato: |pinned|CUDA error|GGML_ASSERT|Traceback|model buffer size" "/tmp/bench-work-$name"/*.log \
     2>/dev/null | sort | uniq -c | head -30
+  # the per-turn figures of every engine (paired comparisons: same prompt, same cached tokens)
+  (cd "/tmp/bench-work-$name" 2>/dev/null && ls replay-*.json >/dev/null 2>&1 && tar -czf "$OUT/$name-replays.tar.gz" replay-*.json)
   echo "[$(el)s] $name done: $(ls "$OUT/$name".* 2>/dev/null | tr '\n' ' ')"
 }
 if has build; then
@@ -166,7 +169,7 @@ if has bench; then
 fi
 if has headline; then
   bench "engines-h200-L$LAYERS" --budget-frac 0.45 --sessions 2 --turns 8 \
-    --engines ostinato,ostinato-whole-slots,stock-all-gpu,stock-layers,llama-server "$@"
+    --engines ostinato,ostinato-class-slots,stock-all-gpu,stock-layers,llama-server "$@"
 fi
 if has ab; then
   # the prefill options changed from their defaults, against the default, with a baseline and the limit

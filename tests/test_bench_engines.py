@@ -313,3 +313,63 @@ def test_ostinato_variants_are_valid_daemon_settings(tmp_path, monkeypatch):
         opts = variant_settings(name)
         s = Settings(**opts)
         assert any(getattr(s, k) != getattr(default, k) for k in opts), name
+
+
+def test_step_recorder_polls_only_after_the_first_token(tmp_path):
+    """The per-turn breakdown must not touch the measured engine during its prefill: the recorder
+    asks the control socket (a real HTTP server on a Unix socket here) only between turns until
+    the turn's first token has arrived, then until a snapshot shows the turn's first decode step."""
+    import socketserver
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler
+
+    (tmp_path / "run").mkdir()
+    calls: list[float] = []
+    state = {"decode": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def address_string(self):  # a Unix socket has no client address
+            return "unix"
+
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            calls.append(time.monotonic())
+            body = json.dumps({"engine": {"experts": {"passes": 1 + state["decode"], "last_passes": [],
+                                                      "paths": {"decode": state["decode"]}}}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+    srv = Server(str(tmp_path / "run" / "control.sock"), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        rec = bench_launch.StepRecorder(tmp_path, poll_s=0.01)
+        rec.start()
+        assert len(calls) == 1          # the snapshot before the first turn
+        time.sleep(0.2)                 # the turn's prefill: 20 poll periods
+        assert len(calls) == 1, "polled before the first token"
+        rec.first_token()
+        time.sleep(0.1)                 # polling now, no decode step yet
+        n_waiting = len(calls)
+        assert n_waiting >= 3
+        state["decode"] = 1             # the turn's first decode step
+        time.sleep(0.1)
+        n_done = len(calls)
+        assert n_done > n_waiting and rec.mid is not None and rec.mid["paths"]["decode"] == 1
+        time.sleep(0.1)
+        assert len(calls) == n_done     # stopped at the snapshot with the decode step
+        rec.turn()                      # the snapshot after the turn; the next turn's poller waits again
+        time.sleep(0.1)
+        assert len(calls) == n_done + 1
+        rec.stop()
+        assert len(rec.rows) == 1
+    finally:
+        srv.shutdown()
+        srv.server_close()

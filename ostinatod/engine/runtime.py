@@ -154,7 +154,7 @@ class ExpertRuntime:
         native.set_decode_graph(graph)
         native.set_borrow(getattr(settings, "decode_borrow", True))
         native.set_copy_2d(getattr(settings, "upload_copy_2d", True))
-        native.set_whole_slots(getattr(settings, "pool_whole_expert_slots", False))
+        native.set_whole_slots(getattr(settings, "pool_whole_expert_slots", True))
         # prefill: the hybrid pass's CPU share (-1: adapted) and the prefetch region (read at the pool build)
         share = getattr(settings, "upload_cpu_share", 0.0)
         native.set_upload_cpu_share(None if share == -1 else share)

@@ -32,7 +32,7 @@ def _quarter_pool() -> dict:
 VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-prefetch1": {"prefill_prefetch_depth": 1},
             "ostinato-copy1d": {"upload_copy_2d": False},
-            "ostinato-whole-slots": {"pool_whole_expert_slots": True},
+            "ostinato-class-slots": {"pool_whole_expert_slots": False},
             "ostinato-hybrid": {"upload_cpu_share": -1},
             "ostinato-pool-quarter": _quarter_pool}
 CHOICES = ENGINES + (ONE_GPU,) + tuple(VARIANTS)

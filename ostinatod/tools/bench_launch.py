@@ -179,10 +179,11 @@ def _model_name(url: str) -> str:
 
 
 def replay(url: str, sessions_file: Path, held: list[dict], a: argparse.Namespace, out: Path,
-           on_turn=None) -> dict:
+           on_turn=None, on_first_token=None) -> dict:
     """Replay the held-out sessions against ``url`` with the one replay client
     (:func:`ostinatod.tools.replay.run_replay`, what ``ostinato bench replay`` runs); the result
-    JSON is also written to ``out``. ``on_turn()`` runs after every turn (outside its timing)."""
+    JSON is also written to ``out``. ``on_turn()`` runs after every turn (outside its timing),
+    ``on_first_token()`` in every turn once its first token arrived (after its TTFT was taken)."""
     from .replay import run_replay
 
     log_lines: list[str] = []
@@ -195,7 +196,7 @@ def replay(url: str, sessions_file: Path, held: list[dict], a: argparse.Namespac
             on_turn()
 
     data = run_replay(held, url, client=a.client, model=_model_name(url), max_turns=a.turns,
-                      log=log, sessions_file=str(sessions_file))
+                      log=log, sessions_file=str(sessions_file), on_first_token=on_first_token)
     out.write_text(json.dumps(data, indent=1))
     out.with_suffix(".log").write_text("\n".join(log_lines) + "\n")
     return data
@@ -243,9 +244,12 @@ def expert_stats(home: Path) -> dict[str, Any]:
 class StepRecorder:
     """Snapshots of the Ostinato daemon's expert stats around every replayed turn (control API):
     one before the first turn, one after every turn, and one per turn as soon as its first decode
-    step has run (a poller every ``poll_s`` while the turn's prefill runs, stopped at the first
-    decode step: it catches the prefill passes in the ring of the last 32 passes, at the cost of a
-    few stats calls during the prefill)."""
+    step has run (it catches the prefill passes in the ring of the last 32 passes). That one comes
+    from a poller, every ``poll_s``, that starts when the turn's first token has arrived
+    (:meth:`first_token`, the replay's ``on_first_token``), not before: a stats call takes the
+    daemon's GIL and the engine's lock, and this process's GIL, so polling during the prefill added
+    to the measured engine's TTFT alone (the baselines are never polled). It stops at the first
+    snapshot that shows a decode step of the turn."""
 
     def __init__(self, home: Path, poll_s: float = 0.025):
         self.home, self.poll_s = home, poll_s
@@ -254,6 +258,7 @@ class StepRecorder:
         self.rows: list[Optional[dict[str, Any]]] = []
         self.errors = 0
         self._stop = threading.Event()
+        self._go = threading.Event()
         self._th: Optional[threading.Thread] = None
 
     def _snap(self) -> Optional[dict[str, Any]]:
@@ -265,21 +270,29 @@ class StepRecorder:
         return ex if "passes" in ex else None
 
     def _arm(self) -> None:
-        self.mid, self._stop = None, threading.Event()
-        base, stop = self.prev, self._stop
+        self.mid, self._stop, self._go = None, threading.Event(), threading.Event()
+        base, stop, go = self.prev, self._stop, self._go
         if base is None:
             return
         n_dec = int((base.get("paths") or {}).get("decode", 0) or 0)
 
         def poll() -> None:
-            while not stop.wait(self.poll_s):
+            while not go.wait(self.poll_s):   # the turn's first token (its TTFT taken), or the turn's end
+                if stop.is_set():
+                    return
+            while not stop.is_set():
                 snap = self._snap()
                 if snap and int((snap.get("paths") or {}).get("decode", 0) or 0) > n_dec:
                     self.mid = snap
                     return
+                stop.wait(self.poll_s)
 
         self._th = threading.Thread(target=poll, name="bench-step-poll", daemon=True)
         self._th.start()
+
+    def first_token(self) -> None:
+        """The current turn's first token has arrived: start polling for its first decode step."""
+        self._go.set()
 
     def _disarm(self) -> None:
         self._stop.set()

@@ -233,7 +233,7 @@ class TurnResult:
             self.new_tokens = self.prompt_tokens - (self.cached_tokens or 0)
 
 
-def _openai_turn(client, model: str, session: dict, turn: Turn, res: TurnResult) -> None:
+def _openai_turn(client, model: str, session: dict, turn: Turn, res: TurnResult, on_first=None) -> None:
     kw: dict[str, Any] = {}
     tools = tools_openai(session.get("tools") or [])
     if tools:
@@ -253,7 +253,10 @@ def _openai_turn(client, model: str, session: dict, turn: Turn, res: TurnResult)
                     bool(getattr(d, "reasoning_content", None) or (getattr(d, "model_extra", None) or {}).get("reasoning_content"))
                 if got:
                     n_stream += 1
-                    t_first = t_first or now
+                    if t_first is None:
+                        t_first = now
+                        if on_first is not None:
+                            on_first()
                     t_last = now
                 if ch.finish_reason:
                     res.finish_reason = ch.finish_reason
@@ -268,7 +271,7 @@ def _openai_turn(client, model: str, session: dict, turn: Turn, res: TurnResult)
     res.finish(t0, t_first, t_last, n_stream)
 
 
-def _anthropic_turn(client, model: str, session: dict, turn: Turn, res: TurnResult) -> None:
+def _anthropic_turn(client, model: str, session: dict, turn: Turn, res: TurnResult, on_first=None) -> None:
     system, messages = to_anthropic(turn.context)
     kw: dict[str, Any] = {}
     tools = tools_anthropic(session.get("tools") or [])
@@ -293,7 +296,10 @@ def _anthropic_turn(client, model: str, session: dict, turn: Turn, res: TurnResu
                 d = ev.delta
                 if (getattr(d, "text", None) or getattr(d, "partial_json", None) or getattr(d, "thinking", None)):
                     n_stream += 1
-                    t_first = t_first or now
+                    if t_first is None:
+                        t_first = now
+                        if on_first is not None:
+                            on_first()
                     t_last = now
             elif ev.type == "message_delta":
                 if ev.usage is not None and ev.usage.output_tokens is not None:
@@ -359,14 +365,17 @@ def select(sessions: list[dict[str, Any]], ids: Optional[list[str]], limit: Opti
 def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "openai",
                model: str = "default", max_turns: Optional[int] = None, api_key: str = "ostinato",
                timeout: float = 600.0, log=None, sessions_file: str = "",
-               cap_tokens: Optional[int] = None, interleave: bool = False) -> dict[str, Any]:
+               cap_tokens: Optional[int] = None, interleave: bool = False,
+               on_first_token=None) -> dict[str, Any]:
     """Replay ``sessions`` against ``base_url`` (no /v1) and return the result dict (module doc).
 
     ``client``: "openai" or "anthropic"; ``max_turns``: first M assistant turns per session;
     ``cap_tokens``: generate at most this many tokens per turn (quick runs; the recorded count is
     kept in ``target_tokens``); ``interleave``: the sessions take turns, round-robin (turn 1 of each
     session, then turn 2 of each, ...), as agents working side by side do -- the summary's
-    ``cached_share_after_first`` then says how much of its prefix each session kept. Never raises
+    ``cached_share_after_first`` then says how much of its prefix each session kept;
+    ``on_first_token()`` runs in each turn as soon as its first token has arrived (after its TTFT
+    was taken: a harness may observe the server from then on without adding to the TTFT). Never raises
     for a failing turn: its error is recorded and the next turn runs.
     """
     if client not in ("openai", "anthropic"):
@@ -405,7 +414,7 @@ def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "ope
             res = TurnResult(t.index, t.message_index, t.after, min(n, cap_tokens) if cap_tokens else n, src,
                              target_tokens=n)
             try:
-                one(scl, model, s, t, res)
+                one(scl, model, s, t, res, on_first=on_first_token)
                 if res.ttft_s is None:
                     res.error = "no token streamed"
             except Exception as e:  # noqa: BLE001 - recorded per turn, never dropped
