@@ -57,6 +57,7 @@ bench() {
   printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
     "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
   echo "[$(el)s] $name: ${cmd[*]}"
+  rm -f "/tmp/bench-work-$name"/replay-*.json   # a repeated stage packs only its own replays
   timeout "$left" "${cmd[@]}" 2>&1 | tee "$OUT/$name.log" | grep -vE "^\| prefill|^$" | tail -60
   grep -hE "ostinato: |pinned|CUDA error|GGML_ASSERT|Traceback|model buffer size" "/tmp/bench-work-$name"/*.log \
     2>/dev/null | sort | uniq -c | head -30

@@ -366,10 +366,14 @@ def test_step_recorder_polls_only_after_the_first_token(tmp_path):
         time.sleep(0.1)
         assert len(calls) == n_done     # stopped at the snapshot with the decode step
         rec.turn()                      # the snapshot after the turn; the next turn's poller waits again
+        assert rec.mid is None
         time.sleep(0.1)
         assert len(calls) == n_done + 1
+        th = rec._th
+        rec.turn()                      # a turn that streamed no token: its poller never asked
+        assert len(calls) == n_done + 2 and not th.is_alive()
         rec.stop()
-        assert len(rec.rows) == 1
+        assert len(rec.rows) == 2 and rec._th is None
     finally:
         srv.shutdown()
         srv.server_close()

@@ -21,6 +21,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from ostinatod.engine import native, placement, runtime  # noqa: E402
 from ostinatod.residency.sets import (ResidencyError, make_residency, model_block,  # noqa: E402
                                         write_residency)
+from ostinatod.settings import Settings  # noqa: E402
 
 if not native.experts_available():  # pragma: no cover - stale build
     pytest.skip("native engine built without the expert engine (run 'ostinato build')",
@@ -38,6 +39,17 @@ TOL = 0.25 if GPU else 1e-3
 
 
 ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
+# the daemon's pool layout (setting pool_whole_expert_slots); the native library's own default is off
+WHOLE_SLOTS = Settings.model_fields["pool_whole_expert_slots"].default
+
+
+@pytest.fixture(autouse=True)
+def _daemon_pool_layout():
+    """Every test builds its pools with the daemon's layout: the native flag is process-wide and an
+    ExpertRuntime load sets it from the settings, so without this a test's layout would depend on
+    the tests that ran before it."""
+    native.set_whole_slots(WHOLE_SLOTS)
+    yield
 
 
 def _moe_layers(arch, n_layer):
@@ -292,7 +304,7 @@ def test_whole_expert_slots_change_where_not_what(moe, stock, share):
                 runs[(whole, np_tokens, graph)] = (toks, logits, _stats()["last_passes"][0])
     finally:
         r.all_logits = False
-        native.set_whole_slots(False)
+        native.set_whole_slots(WHOLE_SLOTS)
         native.set_decode_graph(None)
         native.set_prefill_threshold(512)
         _switch(half_hot(moe))

@@ -82,6 +82,21 @@ def test_replay_live(live_daemon, client: str, turns: int, tmp_path: Path, capsy
     assert SWE_ID in capsys.readouterr().out  # the table
 
 
+@pytest.mark.parametrize("client", ["openai", "anthropic"])
+def test_first_token_callback_once_per_turn_inside_it(live_daemon, client: str):
+    """``on_first_token`` (the bench's cue to start observing the server after the TTFT) runs once
+    per turn, while that turn streams: after the turns before it were logged, before it is."""
+    sess = [s for s in sessions.load_sessions(SWE) if s["id"] == SWE_ID]
+    logged: list[str] = []
+    cues: list[int] = []
+    model = replay._default_model(live_daemon.url, "ostinato")
+    data = replay.run_replay(sess, live_daemon.url, client=client, model=model, max_turns=2, cap_tokens=6,
+                             log=logged.append, on_first_token=lambda: cues.append(len(logged)))
+    turns = data["sessions"][0]["turns"]
+    assert [t["error"] for t in turns] == [None, None]
+    assert cues == [0, 1]
+
+
 def test_replay_records_errors(tmp_path: Path):
     """A server that is not there: every turn is recorded as an error and the exit code says so."""
     with socket.socket() as s:

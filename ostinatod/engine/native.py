@@ -339,7 +339,8 @@ def set_whole_slots(on: bool) -> None:
     next model load or residency switch) give each size class whose weight matrices hold the same
     bytes per expert slots that hold an expert's matrices next to each other (the class tensors
     strided by a whole slot), so that an upload copy's pitch is one matrix, within the GPU's 2D copy
-    limit at any pool size. Same memory, same computation. Off by default until measured on a GPU."""
+    limit at any pool size. Same memory, same computation. The native default is off; the daemon
+    sets it at every load from the setting ``pool_whole_expert_slots`` (on by default)."""
     llama_fn("ostinato_experts_set_whole_slots")(1 if on else 0)
 
 

@@ -30,10 +30,11 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    ``ostinato-hybrid``, ``ostinato-pool-quarter``
                      (only when named) the Ostinato engine with the same plan and prefill prefetch off /
                      one layer deep / one upload copy per expert matrix instead of one 2D copy per
-                     expert / the pool layout with one tensor per matrix (whole-expert slots off) / the hybrid upload pass with its adapted CPU
-                     share / the decode graph's CPU-branch pool on a quarter of the cores and the
-                     context's threads on the rest (settings ``prefill_prefetch = false``,
-                     ``prefill_prefetch_depth = 1``, ``upload_copy_2d = false``,
+                     expert / the pool layout with one tensor per matrix (whole-expert slots off)
+                     / the hybrid upload pass with its adapted CPU share / the decode graph's
+                     CPU-branch pool on a quarter of the cores and the context's threads on the rest
+                     (settings ``prefill_prefetch = false``, ``prefill_prefetch_depth = 1``,
+                     ``upload_copy_2d = false``,
                      ``pool_whole_expert_slots = false``, ``upload_cpu_share = -1``, ``decode_threads`` +
                      ``n_threads``): an A/B in one run;
 6. with ``--budget-sweep F1,F2,...`` also runs the Ostinato engine at each of those pool budgets

@@ -254,7 +254,7 @@ class StepRecorder:
     def __init__(self, home: Path, poll_s: float = 0.025):
         self.home, self.poll_s = home, poll_s
         self.prev: Optional[dict[str, Any]] = None
-        self.mid: Optional[dict[str, Any]] = None
+        self._mid: list[Optional[dict[str, Any]]] = [None]   # per armed turn: a late poller writes its own
         self.rows: list[Optional[dict[str, Any]]] = []
         self.errors = 0
         self._stop = threading.Event()
@@ -269,9 +269,14 @@ class StepRecorder:
             return None
         return ex if "passes" in ex else None
 
+    @property
+    def mid(self) -> Optional[dict[str, Any]]:
+        """The current turn's snapshot just after its first decode step, or None (not yet, or missed)."""
+        return self._mid[0]
+
     def _arm(self) -> None:
-        self.mid, self._stop, self._go = None, threading.Event(), threading.Event()
-        base, stop, go = self.prev, self._stop, self._go
+        self._mid, self._stop, self._go = [None], threading.Event(), threading.Event()
+        base, stop, go, mid = self.prev, self._stop, self._go, self._mid
         if base is None:
             return
         n_dec = int((base.get("paths") or {}).get("decode", 0) or 0)
@@ -283,7 +288,7 @@ class StepRecorder:
             while not stop.is_set():
                 snap = self._snap()
                 if snap and int((snap.get("paths") or {}).get("decode", 0) or 0) > n_dec:
-                    self.mid = snap
+                    mid[0] = snap
                     return
                 stop.wait(self.poll_s)
 

@@ -374,8 +374,9 @@ def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "ope
     kept in ``target_tokens``); ``interleave``: the sessions take turns, round-robin (turn 1 of each
     session, then turn 2 of each, ...), as agents working side by side do -- the summary's
     ``cached_share_after_first`` then says how much of its prefix each session kept;
-    ``on_first_token()`` runs in each turn as soon as its first token has arrived (after its TTFT
-    was taken: a harness may observe the server from then on without adding to the TTFT). Never raises
+    ``on_first_token()`` runs once in each turn that streams a token, as soon as the first one has
+    arrived (after its TTFT was taken: a harness may observe the server from then on without adding
+    to the TTFT; what it does then may still slow the turn's first decode steps). Never raises
     for a failing turn: its error is recorded and the next turn runs.
     """
     if client not in ("openai", "anthropic"):
