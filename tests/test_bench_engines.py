@@ -377,3 +377,34 @@ def test_step_recorder_polls_only_after_the_first_token(tmp_path):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--turns", "0"], "must be at least 1"),
+    (["--sessions", "-1"], "must be at least 1"),
+    (["--budget-frac", "1.5"], "must be in (0, 1]"),
+    (["--budget-frac", "x"], "not a number"),
+    (["--gpus", "zero"], "not a whole number"),
+    (["--shape", "huge"], "invalid choice"),
+])
+def test_bad_options_are_one_line_errors(args, words, capsys):
+    """Options the run could only reject late (after the dev traces) or with a traceback are refused
+    by the parser at once: exit 2, the reason on stderr."""
+    with pytest.raises(SystemExit) as e:
+        be.main(args + ["--no-server"])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_plot_refuses_what_is_not_a_bench_result(tmp_path, capsys):
+    from ostinatod.tools import bench_plot
+
+    other = tmp_path / "calibration.json"
+    other.write_text(json.dumps({"decode_sweep": []}))
+    text = tmp_path / "x.md"
+    text.write_text("# not json")
+    assert bench_plot.main([str(other), "-o", str(tmp_path / "a.svg")]) == 1
+    assert "not an 'ostinato bench engines' result" in capsys.readouterr().err
+    assert bench_plot.main([str(text), "-o", str(tmp_path / "b.svg")]) == 1
+    assert "x.md: not a readable JSON" in capsys.readouterr().err
+    assert not (tmp_path / "a.svg").exists() and not (tmp_path / "b.svg").exists()

@@ -71,6 +71,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..residency.planner import PlanError
+from ..synth.shapes import SHAPES, SynthError
 from .bench_common import CHOICES, ENGINES, LIMIT, ONE_GPU, VARIANTS, BenchError, say, variant_settings
 from .bench_fit import Estimator, limit_fit
 from .bench_launch import (StepRecorder, expert_stats, llama_server_binary, replay, start_daemon,
@@ -84,12 +86,41 @@ from .sessions import WORKLOAD_OF_SESSION, assistant_turns
 WORKLOAD_OF_FILE = WORKLOAD_OF_SESSION  # keyed by file stem: swe.jsonl, tau2.jsonl
 
 
+def _count(text: str) -> int:
+    """argparse type: a whole number >= 1 (turns, sessions, tokens)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _fraction(text: str) -> float:
+    """argparse type: a pool budget, a fraction in (0, 1] of the expert bytes."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {x}")
+    return x
+
+
+def _gpus(text: str) -> str:
+    """argparse type: 'auto' or a GPU count >= 1 (the planner's rule: resolve_gpus)."""
+    if text != "auto":
+        _count(text)
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ostinato bench engines",
                                  description="Ostinato vs stock llama.cpp on one model and the same "
                                              "held-out agent sessions (see docs/benchmarks/README.md).")
-    ap.add_argument("--shape", default="qwen3-30b-a3b", help="synthetic model shape (tiny, small, "
-                    "qwen3-30b-a3b)")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
+                    help="synthetic model shape (e.g. tiny, small, qwen3-30b-a3b)")
     ap.add_argument("--layers", type=int, help="layers of the synthetic model (default 24 for "
                     "qwen3-30b-a3b, the shape's own otherwise)")
     ap.add_argument("--quant", default="q4_0", help="expert quantization of the synthetic model")
@@ -99,12 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="recorded sessions (default: the first existing of $OSTINATO_SESSIONS_DIR, "
                          "./shared/sessions, ../shared/sessions, .carry/sessions, /work/shared/sessions)")
     ap.add_argument("--sessions-file", default="swe.jsonl", help="file in --sessions-dir")
-    ap.add_argument("--dev-sessions", type=int, default=3, help="dev sessions replayed for traces")
-    ap.add_argument("--dev-turns", type=int, default=6, help="turns per dev session")
-    ap.add_argument("--dev-max-gen", type=int, default=48, help="generated tokens per dev turn (cap)")
-    ap.add_argument("--sessions", type=int, default=2, help="held-out sessions per engine")
-    ap.add_argument("--turns", type=int, default=16, help="turns per held-out session")
-    ap.add_argument("--budget-frac", type=float, default=0.45, help="pool budget (fraction of "
+    ap.add_argument("--dev-sessions", type=_count, default=3, help="dev sessions replayed for traces")
+    ap.add_argument("--dev-turns", type=_count, default=6, help="turns per dev session")
+    ap.add_argument("--dev-max-gen", type=_count, default=48, help="generated tokens per dev turn (cap)")
+    ap.add_argument("--sessions", type=_count, default=2, help="held-out sessions per engine")
+    ap.add_argument("--turns", type=_count, default=16, help="turns per held-out session")
+    ap.add_argument("--budget-frac", type=_fraction, default=0.45, help="pool budget (fraction of "
                     "expert bytes)")
     ap.add_argument("--budget-sweep", metavar="F1,F2,...", help="also run the Ostinato engine at "
                     "each of these pool budgets (e.g. 0.25,0.45,0.65,0.85); the baselines and "
@@ -113,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-limit", type=float, metavar="S", help="skip (with a note) every engine "
                     "run whose estimate would end past S seconds from the start (the JSON is "
                     "written after every engine either way)")
-    ap.add_argument("--gpus", default="1", help="GPUs to plan for and run on: N (the first N; "
+    ap.add_argument("--gpus", type=_gpus, default="1", help="GPUs to plan for and run on: N (the first N; "
                     "emulated when fewer exist) or 'auto' (all detected). N > 1: one pool per GPU, "
                     "layers split across them; stock engines use llama.cpp's layer split")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(CHOICES)
@@ -340,7 +371,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = build_parser().parse_args(argv)
     try:
         result = run(a, argv, on_progress=lambda r: write_result(r, a.out_dir, plot=False))
-    except BenchError as e:
+    except (BenchError, PlanError, SynthError) as e:
         print(f"ostinato bench engines: {e}", file=sys.stderr)
         return 1
     jpath = write_result(result, a.out_dir)

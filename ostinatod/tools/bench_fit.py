@@ -35,7 +35,7 @@ def limit_fit(model: Path, a: argparse.Namespace, gpus: Optional[list] = None) -
     need_b = shape.total_expert_bytes + need["dense"] + need["kv"] + need["compute"] + 2**30
     if not used:
         return {"run": True, "gpu": False, "need_bytes": need_b, "free_bytes": None,
-                "note": f"{LIMIT}: no GPU found: it ran CPU-only like the other engines (the same "
+                "note": f"{LIMIT}: no GPU found: it runs CPU-only like the other engines (the same "
                         "placement as stock-layers on a CPU build), so its figures are not the "
                         "all-GPU limit here; ratios_vs_limit only check the plumbing"}
     free = sum(g.free_bytes or 0 for g in used)
@@ -68,9 +68,9 @@ class Estimator:
         elif self.turn_s:
             ref = next(iter(self.turn_s))
             t = self.turn_s[ref] * prior / PRIOR_TURN_S.get(ref, prior)
-            src = f"issue 9's ratio to {ref}, measured here"
+            src = f"the reference H200 run's ratio to {ref}, measured here"
         else:
-            t, src = prior * self.n_layer / 48, "issue 9's H200 figure scaled by layers"
+            t, src = prior * self.n_layer / 48, "the reference H200 run's figure, scaled by layers"
         load = statistics.mean(self.load_s) if self.load_s else PRIOR_LOAD_S
         return self.n_turns * t + load, (f"{self.n_turns} turns x {t:.2f} s/turn ({src}) + load "
                                          f"~{load:.0f} s")

@@ -155,11 +155,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("-o", "--out", type=Path, help="output .svg (default: the first JSON's name "
                     "with .svg)")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        results = [json.loads(p.read_text()) for p in a.json]
-    except (OSError, ValueError) as e:
-        print(f"ostinato bench plot: {e}", file=sys.stderr)
-        return 1
+    results = []
+    for p in a.json:
+        try:
+            r = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            print(f"ostinato bench plot: {p}: not a readable JSON ({e})", file=sys.stderr)
+            return 1
+        if not isinstance(r, dict) or not isinstance(r.get("engines"), dict):
+            print(f"ostinato bench plot: {p}: not an 'ostinato bench engines' result (no 'engines' block)",
+                  file=sys.stderr)
+            return 1
+        results.append(r)
     out = write_plot(results, a.out or a.json[0].with_suffix(".svg"))
     pts, lines, _ = collect(results)
     print(f"written {out} ({len(pts)} Ostinato point(s), lines: {', '.join(lines) or 'none'})")

@@ -175,11 +175,14 @@ def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str,
     stock["gpus"] = [{"device": g["device"], "pool_bytes": c["pool_bytes"],
                       "layers": [g["layers"][0], g["layers"][-1]] if g["layers"] else []}
                      for g, c in zip(res["gpus"], res["plan"]["capacity"])]
+    def size(b: float) -> str:   # tiny test models have pools of a few KiB
+        return f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
+
     say(f"plan at {frac:.0%}: {len(res['gpus'])} GPU(s), "
         f"{sum(len(v) for g in res['gpus'] for v in g['hot'].values())} hot experts, pool "
-        f"{pool / 2**20:.1f} MiB = {pool / shape.total_expert_bytes:.1%} of expert bytes, dev hot-route "
+        f"{size(pool)} = {pool / shape.total_expert_bytes:.1%} of expert bytes, dev hot-route "
         f"share {res['plan']['dev_hot_route_share']:.1%}; stock-layers: n_cpu_moe {n_cpu_moe} "
-        f"({gpu_layers} layers' experts = {stock['gpu_expert_bytes'] / 2**20:.1f} MiB on the GPU)")
+        f"({gpu_layers} layers' experts = {size(stock['gpu_expert_bytes'])} on the GPU)")
     return res, path, stock
 
 
