@@ -247,9 +247,10 @@ class StepRecorder:
     step has run (it catches the prefill passes in the ring of the last 32 passes). That one comes
     from a poller, every ``poll_s``, that starts when the turn's first token has arrived
     (:meth:`first_token`, the replay's ``on_first_token``), not before: a stats call takes the
-    daemon's GIL and the engine's lock, and this process's GIL, so polling during the prefill added
-    to the measured engine's TTFT alone (the baselines are never polled). It stops at the first
-    snapshot that shows a decode step of the turn."""
+    daemon's GIL and the engine's lock, and this process's GIL, so polling during the prefill could
+    add to the measured engine's TTFT alone (the baselines are never polled; the size of that was
+    not separable from run-to-run noise on the H200, docs/benchmarks/README.md). It stops at the
+    first snapshot that shows a decode step of the turn."""
 
     def __init__(self, home: Path, poll_s: float = 0.025):
         self.home, self.poll_s = home, poll_s

@@ -175,6 +175,7 @@ def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str,
     stock["gpus"] = [{"device": g["device"], "pool_bytes": c["pool_bytes"],
                       "layers": [g["layers"][0], g["layers"][-1]] if g["layers"] else []}
                      for g, c in zip(res["gpus"], res["plan"]["capacity"])]
+
     def size(b: float) -> str:   # tiny test models have pools of a few KiB
         return f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB"
 
