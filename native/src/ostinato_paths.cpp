@@ -240,8 +240,8 @@ bool set_2d_host(ggml_backend_t, void * dst, size_t dpitch, const void * src, si
 // `stream` (a GPU pool's upload or prefetch backend), else (null: a CPU pool) synchronously; runs of
 // consecutive experts in consecutive slots go in one copy. With the pool's 2D copy (pool_t::set_2d: the
 // GPU backend's, or row by row into a CPU pool; g_copy_2d) a run's weight matrices go in one 2D copy
-// when they sit at one pitch in
-// host memory and in the pool, as llama.cpp's files and build_engine's pool layout put them: the copy
+// when they sit at one pitch in host memory and in the pool, as llama.cpp's files and build_engine's
+// pool layout put them: the copy
 // engine moves 2.65 MB per transfer instead of 0.88 MB on the 48-layer Qwen3-30B-A3B shape at Q4_0,
 // 108.7 against 120.0 ms for one prefill's 5.6 GB (docs/benchmarks/h2d-h200.json). The GPU backend
 // refuses a pitch above the device's maximum (2^31 - 1 bytes: a 45% pool of that shape has 2.45 GB

@@ -241,6 +241,17 @@ void borrow_step(engine_t * e) {
     }
 }
 
+// Sets the slot stride (nb[2], and nb[3] after it) of class c's weight tensors: a whole slot with
+// whole-expert slots, one matrix (ggml's contiguous layout) without.
+static void set_slot_stride(size_class_t & c, bool whole) {
+    const size_t slot_bytes = (c.gate ? 3 : 2) * c.up->nb[1] * (size_t) c.up->ne[1];
+    for (ggml_tensor * t : {c.up, c.gate, c.down}) {
+        if (!t) continue;
+        t->nb[2] = whole ? slot_bytes : t->nb[1] * (size_t) t->ne[1];
+        t->nb[3] = t->nb[2] * (size_t) t->ne[2];
+    }
+}
+
 // Allocates pool p's tensors (index pi in e->pools) in one buffer of its device and places them:
 // the tables, then per size class its weight tensors in the order of their host tensors' addresses
 // (those of the class's first layer) at one pitch, when they hold the same bytes per expert, then the
@@ -292,11 +303,7 @@ static ggml_backend_buffer_t alloc_pool(engine_t * e, pool_t & p, int pi) {
         for (auto & c : e->classes) {
             if (c.pool != pi || !c.whole_slots) continue;
             c.whole_slots = false;
-            for (ggml_tensor * t : {c.up, c.gate, c.down}) {
-                if (!t) continue;
-                t->nb[2] = t->nb[1] * (size_t) t->ne[1];
-                t->nb[3] = t->nb[2] * (size_t) t->ne[2];
-            }
+            set_slot_stride(c, false);
         }
         return ggml_backend_alloc_ctx_tensors_from_buft(p.ctx, buft);
     }
@@ -477,14 +484,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         // whole-expert slots: where the weight parts hold the same bytes per expert (then their stride,
         // a whole slot, is a multiple of each part's block size)
         c.whole_slots = g_whole_slots && c.up->nb[2] == c.down->nb[2] && (!c.gate || c.gate->nb[2] == c.up->nb[2]);
-        if (c.whole_slots) {
-            const size_t slot_bytes = (c.gate ? 3 : 2) * c.up->nb[2];
-            for (ggml_tensor * t : {c.up, c.gate, c.down}) {
-                if (!t) continue;
-                t->nb[2] = slot_bytes;
-                t->nb[3] = slot_bytes * (size_t) t->ne[2];
-            }
-        }
+        if (c.whole_slots) set_slot_stride(c, true);
         if (c.has_bias) {
             c.b_up = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.up1, n_slots);
             if (c.has_gate) c.b_gate = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.up1, n_slots);
