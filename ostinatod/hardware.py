@@ -395,19 +395,24 @@ def default_threads(cpu_set: Optional[str] = None) -> int:
 
 
 def expert_engine_threads(n_threads: Optional[int], decode_threads: Optional[int],
-                          cpu_set: Optional[str] = None) -> tuple[int, int]:
-    """(context threads for prefill, decode-graph CPU-branch pool threads) of the expert engine.
+                          cpu_set: Optional[str] = None, kernel: bool = True) -> tuple[int, int]:
+    """(context threads for prefill, decode-graph CPU-branch threads) of the expert engine.
 
-    Unset, the pool gets a quarter of :func:`default_threads` (at least 1) and the context the rest,
-    so that the two thread teams hold no more threads than the placement has cores. Measured on the
-    16-core H200 machine (docs/benchmarks/engines-h200-16c-L48-threads.md): the former default (context
-    16, pool 15) cost every prefill ~1.8 s more at a 100% pool (TTFT after tool 1.91 s against
-    0.13 s) and 0.1 s more at 45%, at the same decode speed. A set ``n_threads`` is kept for the
-    context and ``decode_threads`` (setting or calibration) for the pool; the pool then defaults to
-    ``n_threads - 1`` as before. Never raises."""
+    With the CPU branch's own kernel (``kernel``, setting ``cpu_branch_kernel``) its team is plain
+    threads that sleep outside decode-graph passes, so neither team waits on the other: unset, the
+    context gets every core of :func:`default_threads` for prefill and the CPU branch every core
+    but one (the context's own thread, which launches the decode graph and waits for it, keeps
+    one). With ggml's graph compute (``kernel`` false) both teams are OpenMP teams, and libgomp cuts
+    every wait short once the process holds more OpenMP threads than CPUs: the pool then gets a
+    quarter of the cores and the context the rest (measured on the 16-core H200 machine,
+    docs/benchmarks/engines-h200-16c-L48-threads.md: context 16 with pool 15 cost every prefill
+    ~1.8 s more at a 100% pool). A set ``n_threads`` is kept for the context and ``decode_threads``
+    (setting or calibration) for the pool; the pool then defaults to ``n_threads - 1``. Never raises."""
     p = default_threads(cpu_set)
     if n_threads:
         return int(n_threads), int(decode_threads or max(1, int(n_threads) - 1))
+    if kernel:
+        return p, int(decode_threads or max(1, p - 1))
     pool = int(decode_threads or max(1, p // 4))
     return max(1, p - min(pool, p // 4)), pool
 

@@ -138,6 +138,12 @@ class Settings(BaseSettings):
                                          "split-path prefills run as one CUDA graph per GPU (route op "
                                          "on the GPU, CPU branch on a resident thread pool). Default: "
                                          "on when the expert pool is on a GPU; false turns it off.")
+    cpu_branch_kernel: bool = Field(True, description="The decode graph's CPU branch computes a "
+                                    "layer's cold experts with its own kernel (ggml-cpu's dot products "
+                                    "row by row, each expert read once, on a thread team that spins "
+                                    "while a pass runs; bitwise what ggml computes) instead of ggml's "
+                                    "graph compute. Off only for measurements (docs/engine.md, "
+                                    "\"CPU branch kernel\").")
     decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
                                 "upload path's staging slots hold the cold experts the CPU branch "
                                 "computed most lately; handed back before each long prefill.")

@@ -16,6 +16,10 @@
 #             options changed from their defaults), stock-all-gpu, llama-server
 #   sweep:    --budget-sweep 0.25,0.45,0.65,0.85 (ostinato per budget; stock-all-gpu, stock-layers and
 #             llama-server once), with the plot <name>.svg
+#   cpubench: `ostinato bench cpu-branch` on 2-layer files at real per-layer sizes (qwen3moe Q4_0 and
+#             Q8_0 at the Qwen3-30B-A3B shape, qwen35moe UD-Q4_K_XL at the Qwen3.5-35B-A3B shape): the CPU
+#             branch's own kernel against llama.cpp's CPU mul_mat_id on the same experts, 1-16 experts,
+#             1 and 4 tokens, 1 to all threads, with the host's read bandwidth -> cpu-branch-h200.{json,md}
 # Two GPUs (nvidia-h200-x2; issue 14), each its own device call after build (+ model for serve2/bench2):
 #   exact2:   the two-GPU exactness cases (pytest -m two_gpu, OSTINATO_TEST_GPUS=2): split, upload and
 #             decode-graph paths against stock with the same layer split -> exactness-2gpu.txt
@@ -112,6 +116,21 @@ if has model; then
       --quant q4_0 -o /tmp/m.gguf 2>&1 | tail -1 && echo "$LAYERS" > /tmp/m.layers
   fi
   echo "[$(el)s] model ready ($(cat /tmp/m.layers 2>/dev/null) layers, $(du -h /tmp/m.gguf | cut -f1))"
+fi
+if has cpubench; then
+  ms=()
+  for row in qwen3moe:qwen3-30b-a3b:q4_0 qwen3moe:qwen3-30b-a3b:q8_0 qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl; do
+    IFS=: read -r a shape quant <<< "$row"
+    m=/tmp/cb-$a-$quant.gguf
+    [ -f "$m" ] || python3 -m ostinatod.cli synth --arch "$a" --shape "$shape" --quant "$quant" --layers 2 -o "$m" 2>&1 | tail -1
+    ms+=(--model "$m")
+  done
+  cmd=(python3 -m ostinatod.cli bench cpu-branch "${ms[@]}" --experts 1,2,4,8,16 --tokens 1,4
+       --threads 1,4,8,12,15,16 --reps 20 --read-bw-mib 4096 --json "$OUT/cpu-branch-h200.json")
+  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+    "${cmd[*]}" > "$OUT/cpu-branch-h200.cmd.txt"
+  timeout 240 "${cmd[@]}" > "$OUT/cpu-branch-h200.md" 2> "$OUT/cpu-branch-h200.log"
+  echo "[$(el)s] cpubench rc=$?"; grep -E "^\| (cb|model)|16 \| |15 \|" "$OUT/cpu-branch-h200.md" | head -40; tail -3 "$OUT/cpu-branch-h200.log"
 fi
 if has calib; then
   timeout 240 python3 -m ostinatod.cli calibrate --model /tmp/m.gguf --full --json > "$OUT/calibration.json" \

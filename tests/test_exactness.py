@@ -468,6 +468,14 @@ def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     assert graph == [np_tokens > PROMPT_LEN] + [True] * N_NEW
     assert info["decode_graph"]["active"] and info["decode_graph"]["mailbox_bytes"] > 0
     assert 0 < st["hot_routes"] < st["routes"] and st["cpu_branch_ms"] > 0   # both branches worked
+    # the CPU branch's own kernel computed the cold routes, except where the graph is not its shape
+    # (gpt-oss: expert biases and SwiGLU-OAI), which ggml computed; bitwise the same either way
+    kern = info["decode_graph"]["cpu_kernel"]
+    if moe[1]["arch"] == "gpt-oss":
+        assert kern["layers_kernel"] == 0 and kern["layers_ggml"] > 0 and "unmatched" in kern
+    else:
+        assert kern["layers_kernel"] > 0 and "unmatched" not in kern
+        assert st["cpu_kernel_layers"] > 0 and st["cpu_branch_bytes"] > 0
 
 
 @pytest.mark.parametrize("np_tokens", [512, 8])

@@ -69,3 +69,46 @@ def test_gpu_backend_2d_copy_moves_rows_at_two_pitches_and_refuses_the_rest():
     print(f"\n[optest] {report['backend']}: 2D copy, {len(report['cases'])} cases")
     assert report["ok"] and report["refusals_ok"], report
     assert len(report["cases"]) == 4 and all(c["queued"] and c["bytes_as_expected"] for c in report["cases"])
+
+
+@pytest.mark.parametrize("arch,shape,quant,merged", [
+    ("qwen3moe", "tiny", "q8_0", False),
+    ("qwen3moe", "tiny", "q4_0", False),
+    ("qwen3moe", "ci", "q4_k_m", False),
+    ("qwen35moe", "ci", "ud-q4_k_xl", True),
+])
+def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shape, quant, merged):
+    """The CPU branch's own kernel (native/src/ostinato_cpuffn.cpp, with ggml-cpu's SwiGLU row
+    kernel exported by native/patches/23) on a model's expert tensors: for 1-8 experts, 1, 3 and 16
+    tokens and 1-3 threads, its output rows are bitwise those of llama.cpp's CPU graph (up and gate
+    mul_mat_id, swiglu, down mul_mat_id) on the same inputs; separate and merged gate_up tensors,
+    Q8_0, Q4_0 and K-quant mixes. An expert with 8 or more routes of a type that ggml-cpu computes
+    with its tiled kernel is left to ggml (kernel false); every other row ran the kernel."""
+    from ostinatod.engine import native
+    from ostinatod.synth.writer import write_synthetic_moe
+    from ostinatod.tools.bench_cpu import _load
+
+    path = write_synthetic_moe(tmp_path / "m.gguf", arch=arch, shape=shape, n_layer=2, quant=quant,
+                               merged_gate_up=merged)
+    import llama_cpp
+    model = _load(path)
+    try:
+        res = native.cpu_branch_bench(model, {"experts": [1, 2, 8], "tokens": [1, 3, 16],
+                                              "threads": [1, 3], "reps": 1, "read_bw_bytes": 1 << 20, "flush_bytes": 1 << 20})
+        with pytest.raises(native.ExpertEngineError, match="no routed experts"):
+            native.cpu_branch_bench(model, {"layer": 99})
+    finally:
+        llama_cpp.llama_model_free(model)
+    assert res["merged_gate_up"] is merged
+    rows = res["rows"]
+    assert len(rows) == 3 * 3 * 2 and all(r["matched"] for r in rows)
+    tiled = res["type_up"].startswith(("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq")) or \
+        res["type_down"].startswith(("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq"))
+    for r in rows:
+        most = -(-r["routes"] // r["experts"])   # routes of the busiest expert
+        if tiled and most >= 8:
+            assert r["kernel"] is False, r
+        else:
+            assert r["kernel"] is True and r["bitwise_equal"] is True and r["max_abs_diff"] == 0.0, r
+            assert r["bytes"] == r["experts"] * res["expert_bytes"]
+    assert [b["threads"] for b in res["read_bw"]] == [1, 3] and all(b["gbps"] > 0 for b in res["read_bw"])

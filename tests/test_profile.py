@@ -195,13 +195,18 @@ def test_placement_of_this_machine_and_the_pin(monkeypatch):
 
 
 def test_expert_engine_threads_leave_the_pool_its_cores(monkeypatch):
-    """Unset, the decode graph's pool gets a quarter of the cores and the context the rest (no more
-    threads than cores: the 16-core H200 run in docs/benchmarks/engines-h200-16c-L48-threads.md); set
-    counts are kept as given."""
-    for cores, want in ((16, (12, 4)), (32, (24, 8)), (2, (2, 1)), (1, (1, 1))):
+    """Unset, with the CPU branch's own kernel (plain threads that sleep between decode passes) the
+    context gets every core for prefill and the CPU branch every core but one; with ggml's graph
+    compute (two OpenMP teams) the pool gets a quarter of the cores and the context the rest (no more
+    OpenMP threads than cores: the 16-core H200 run in docs/benchmarks/engines-h200-16c-L48-threads.md);
+    set counts are kept as given."""
+    for cores, want, want_kernel in ((16, (12, 4), (16, 15)), (32, (24, 8), (32, 31)), (2, (2, 1), (2, 1)),
+                                     (1, (1, 1), (1, 1))):
         monkeypatch.setattr(hardware, "default_threads", lambda cpu_set=None, c=cores: c)
-        assert hardware.expert_engine_threads(None, None) == want
+        assert hardware.expert_engine_threads(None, None, kernel=False) == want
+        assert hardware.expert_engine_threads(None, None) == want_kernel
     monkeypatch.setattr(hardware, "default_threads", lambda cpu_set=None: 16)
     assert hardware.expert_engine_threads(8, None) == (8, 7)       # n_threads set: pool as before
-    assert hardware.expert_engine_threads(None, 6) == (12, 6)      # calibrated pool, context capped
+    assert hardware.expert_engine_threads(None, 6, kernel=False) == (12, 6)   # calibrated pool, context capped
+    assert hardware.expert_engine_threads(None, 6) == (16, 6)
     assert hardware.expert_engine_threads(10, 3) == (10, 3)

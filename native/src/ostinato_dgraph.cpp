@@ -1,5 +1,6 @@
 // Decode graph of the expert engine: see ostinato_dgraph.h and ostinato_ops.h.
 #include "ostinato_dgraph.h"
+#include "ostinato_cpuffn.h"
 
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
@@ -20,6 +21,8 @@
 #define OST_RELAX() std::this_thread::yield()
 #endif
 
+bool g_ffn_kernel = true;
+
 namespace {
 
 constexpr int64_t WAIT_TIMEOUT_NS = 20LL * 1000 * 1000 * 1000;   // a wait this long means a lost pass
@@ -36,12 +39,17 @@ struct cpu_job_t {
     ggml_context * ctx = nullptr;   // the CPU branch's tensors (no data of its own)
     ggml_cgraph * g = nullptr;
     ggml_tensor * out = nullptr;
+    ggml_tensor * ids = nullptr;    // mailbox leaves: CPU-branch ids, hidden rows
+    ggml_tensor * cur = nullptr;
     ggml_cplan plan{};
+    bool fast = false;              // the graph is the one the CPU branch's own kernel computes
+    ost_ffn ffn;
 };
 
 struct jobset_t {
     std::vector<cpu_job_t> jobs;
     bool ready = false;             // intermediates allocated, plans made
+    bool any_fast = false;          // some job runs on the kernel's team
     ~jobset_t() { for (auto & j : jobs) if (j.ctx) ggml_free(j.ctx); }
 };
 
@@ -65,6 +73,11 @@ struct ost_dgraph {
     std::vector<uint8_t> work;
     ggml_threadpool * tp = nullptr;
     int n_threads = 1;
+    ost_team * team = nullptr;          // the CPU branch's own kernel runs on it (spins during a pass)
+    std::vector<uint8_t> ffn_ws;
+    std::string fast_note;
+    std::vector<int64_t> wait_seen;     // per layer: the last pass whose join wait was collected              // why the last graph built did not match the kernel, if so
+    int64_t n_fast = 0, n_graph = 0;    // CPU-branch layer computes by the kernel / by ggml
 
     // worker
     std::thread worker;
@@ -138,6 +151,9 @@ void join_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
             }
             std::atomic_thread_fence(std::memory_order_acquire);
             waited = true;
+            o.hdr->wait_ns = now_ns() - t0;
+            std::atomic_thread_fence(std::memory_order_release);
+            o.hdr->wait_seq = seq;
         }
         for (int64_t i = 0; i < o.n_embd; ++i) {
             const float c = (cold && o.scratch[2] != 0 && ok) ? o.out[off + i] : 0.0f;
@@ -200,18 +216,36 @@ void worker_main(ost_dgraph * dg) {
             std::atomic_thread_fence(std::memory_order_acquire);
             const int n = h->n, n_cold = h->n_cold;
             double cpu_ms = 0;
+            int64_t bytes = 0;
+            bool fast = false;
             if (n_cold > 0) {
                 const int64_t c0 = now_ns();
-                ggml_graph_compute(j.g, &j.plan);
+                if (j.fast) {
+                    ost_ffn_job fj;
+                    fj.f = &j.ffn; fj.ids = dg->ids_cpu; fj.cur = dg->cur; fj.cur_stride = dg->cfg.n_embd;
+                    fj.out = dg->out; fj.k = dg->cfg.k; fj.n = n;
+                    ost_ffn_stats st;
+                    fast = ost_ffn_run(dg->team, fj, dg->ffn_ws, &st);
+                    bytes = st.bytes;
+                }
+                if (!fast) {
+                    // ggml's own compute (OpenMP team): the kernel's team sleeps meanwhile
+                    if (js->any_fast) ost_team_set_active(dg->team, false);
+                    ggml_graph_compute(j.g, &j.plan);
+                    if (js->any_fast) ost_team_set_active(dg->team, true);
+                }
                 cpu_ms = (now_ns() - c0) / 1e6;
                 std::atomic_thread_fence(std::memory_order_release);
                 h->done = seq;
+                (fast ? dg->n_fast : dg->n_graph)++;
             }
             if (dg->cfg.count) {
                 dg->cfg.count(dg->cfg.count_ud, j.il, n, dg->cfg.k,
-                              dg->ids_all + (size_t) j.il * dg->cfg.k * dg->cfg.max_tokens, n_cold, cpu_ms);
+                              dg->ids_all + (size_t) j.il * dg->cfg.k * dg->cfg.max_tokens, n_cold, cpu_ms, bytes,
+                              n_cold > 0 ? (fast ? 1 : 2) : 0);
             }
         }
+        ost_team_set_active(dg->team, false);
         lk.lock();
         dg->lost = dg->lost || lost;
         dg->pending = false;
@@ -247,6 +281,7 @@ ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
     dg->cur = (float *) (base + o_cur);
     dg->out = (float *) (base + o_out);
     dg->ops.resize((size_t) 2 * L);
+    dg->wait_seen.assign((size_t) L, 0);
     for (int il = 0; il < L; ++il) {
         const ost_dg_layer & l = cfg.layers[il];
         for (int kind : {OSTINATO_OP_ROUTE, OSTINATO_OP_JOIN}) {
@@ -277,6 +312,8 @@ ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
         delete dg;
         return nullptr;
     }
+    // the kernel's team: the worker thread is its thread 0
+    dg->team = ost_team_new(nt);
     dg->worker = std::thread(worker_main, dg);
     return dg;
 }
@@ -290,6 +327,7 @@ void ost_dg_free(ost_dgraph * dg) {
         dg->cv.notify_all();
     }
     dg->worker.join();
+    ost_team_free(dg->team);
     dg->sets.clear();
     if (dg->galloc) ggml_gallocr_free(dg->galloc);
     if (dg->tp) ggml_threadpool_free(dg->tp);
@@ -302,6 +340,27 @@ int ost_dg_max_tokens(const ost_dgraph * dg) { return dg ? dg->cfg.max_tokens : 
 void ost_dg_info(const ost_dgraph * dg, int & n_threads, int64_t & mailbox_bytes) {
     n_threads = dg ? dg->n_threads : 0;
     mailbox_bytes = dg ? dg->mbx_bytes : 0;
+}
+
+void ost_dg_kernel_info(const ost_dgraph * dg, int64_t & n_fast, int64_t & n_graph, std::string & note) {
+    n_fast = dg ? dg->n_fast : 0;
+    n_graph = dg ? dg->n_graph : 0;
+    note = dg ? dg->fast_note : std::string();
+}
+
+double ost_dg_collect_wait(ost_dgraph * dg) {
+    if (!dg) return 0.0;
+    int64_t ns = 0;
+    for (int il = 0; il < dg->cfg.n_layer; ++il) {
+        ostinato_mbx_hdr & h = dg->hdr[il];
+        const int64_t s = h.wait_seq;
+        if (s > dg->wait_seen[(size_t) il]) {
+            std::atomic_thread_fence(std::memory_order_acquire);
+            ns += h.wait_ns;
+            dg->wait_seen[(size_t) il] = s;
+        }
+    }
+    return ns / 1e6;
 }
 
 void ost_dg_build_begin(ost_dgraph * dg, ggml_context * graph_ctx) {
@@ -329,6 +388,8 @@ ggml_context * ost_dg_cpu_begin(ost_dgraph * dg, ggml_context * graph_ctx, int i
     GGML_ASSERT(job.ctx != nullptr);
     *ids = mailbox_tensor(dg, job.ctx, GGML_TYPE_I32, k, n, 1, dg->ids_cpu);
     *cur_cpu = mailbox_tensor(dg, job.ctx, GGML_TYPE_F32, cur->ne[0], 1, n, dg->cur);
+    job.ids = *ids;
+    job.cur = *cur_cpu;
     dg->sets[graph_ctx].jobs.push_back(job);
     return job.ctx;
 }
@@ -344,6 +405,10 @@ void ost_dg_cpu_end(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tens
     j.out = out;
     j.g = ggml_new_graph_custom(j.ctx, MAX_CPU_NODES, false);
     ggml_build_forward_expand(j.g, out);
+    std::string why;
+    j.fast = g_ffn_kernel && ost_ffn_match(out, j.ids, j.cur, j.ffn, why);
+    if (j.fast) js->any_fast = true;
+    else if (g_ffn_kernel) dg->fast_note = why;
 }
 
 ggml_tensor * ost_dg_join(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il) {
@@ -367,6 +432,7 @@ bool ost_dg_pass_begin(ost_dgraph * dg, ggml_context * graph_ctx) {
     std::atomic_thread_fence(std::memory_order_seq_cst);
     dg->run = js;
     dg->pending = true;
+    if (js->any_fast) ost_team_set_active(dg->team, true);   // spins until the pass ends
     dg->cv.notify_all();
     return true;
 }

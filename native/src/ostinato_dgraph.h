@@ -22,7 +22,10 @@
 struct ost_dgraph;
 
 // Route counts of one layer in one pass, reported by the worker thread (under no lock of ours).
-typedef void (*ost_dg_count_fn)(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms);
+// cpu_bytes: expert weight bytes the CPU branch read; kernel: 0 no CPU branch ran, 1 the CPU branch's
+// own kernel (ostinato_cpuffn.h), 2 ggml's graph compute.
+typedef void (*ost_dg_count_fn)(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms,
+                                int64_t cpu_bytes, int kernel);
 
 struct ost_dg_layer {
     bool moe = false;              // the layer has routed experts
@@ -62,3 +65,12 @@ bool           ost_dg_pass_begin(ost_dgraph * dg, ggml_context * graph_ctx);
 bool           ost_dg_pass_end(ost_dgraph * dg, std::string & err);
 // CPU-branch time of the passes so far (ms) and the number of layers that had cold routes.
 void           ost_dg_info(const ost_dgraph * dg, int & n_threads, int64_t & mailbox_bytes);
+// Layer computes of the CPU branch by its own kernel / by ggml so far, and why the last graph built
+// did not match the kernel (empty if it did).
+void           ost_dg_kernel_info(const ost_dgraph * dg, int64_t & n_fast, int64_t & n_graph, std::string & note);
+// Time the GPU's join ops waited for the CPU branch (ms), summed over the layers of the passes
+// completed since the last call (a pass still running on the GPU is counted at a later call).
+double         ost_dg_collect_wait(ost_dgraph * dg);
+// The CPU branch's own kernel on (default) or off (ggml's graph compute for every layer; for
+// measurements). Read when a graph is built.
+extern bool    g_ffn_kernel;

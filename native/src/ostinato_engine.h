@@ -70,6 +70,8 @@ struct pass_t {
     int64_t tokens = 0, routes = 0, hot = 0, cold = 0, distinct_cold = 0, upload_bytes = 0;
     int64_t borrowed = 0;                       // hot routes served by borrowed decode slots
     double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
+    int64_t cpu_bytes = 0;                      // expert bytes the decode graph's CPU branch read
+    int64_t cpu_layers = 0, cpu_kernel_layers = 0;   // its layer computes, of which by its own kernel
     bool gpu_timed = false;
     bool graph = false;                         // the pass ran (some of) its layers in the decode graph
     bool views = false;                         // some layer computed its GPU routes over pool views
@@ -83,6 +85,8 @@ struct totals_t {
     int64_t borrowed = 0, upload_copies = 0;
     int64_t graph_steps = 0;                   // one-token passes that ran in the decode graph
     double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
+    int64_t cpu_bytes = 0, cpu_layers = 0, cpu_kernel_layers = 0;
+    double join_wait_ms = 0;                   // the decode graph's joins waiting for the CPU branch
     std::map<std::string, int64_t> paths;
     std::vector<int64_t> counts_prefill, counts_decode;   // [n_layer * n_expert]
     void add(const pass_t & p) {
@@ -90,6 +94,7 @@ struct totals_t {
         distinct_cold += p.distinct_cold; upload_bytes += p.upload_bytes; borrowed += p.borrowed;
         upload_copies += p.upload_copies;
         cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; upload_ms += p.upload_ms; total_ms += p.total_ms;
+        cpu_bytes += p.cpu_bytes; cpu_layers += p.cpu_layers; cpu_kernel_layers += p.cpu_kernel_layers;
         paths[p.path]++;
         if (p.graph && p.path == "decode") graph_steps++;
     }
@@ -252,7 +257,10 @@ void totals_init(totals_t & t, size_t n);
 json totals_json(const engine_t & e, const totals_t & t, bool with_counts);
 json pass_json(const pass_t & p);
 int32_t count_route(engine_t * e, int il, int32_t x, bool decode);
-void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms);
+void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms, int64_t cpu_bytes,
+              int kernel);
+// Adds the decode graph's join waits of completed passes to the totals. Caller holds g_mu.
+void collect_join_wait(engine_t * e);
 void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud);

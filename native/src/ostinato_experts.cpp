@@ -407,6 +407,7 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         std::lock_guard<std::mutex> lock(g_mu);
         engine_t * e = g_eng;
         if (!e) return;
+        collect_join_wait(e);   // the passes before this one are done on the GPU too
         e->cur = pass_t();
         e->cur.tokens = n_tokens;
         std::fill(e->cold_seen.begin(), e->cold_seen.end(), 0);
@@ -723,6 +724,13 @@ int ostinato_experts_set_resident_path(int on) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_resident != (on != 0)) g_graph_dirty = true;   // cached graphs were built with the other choice
     g_resident = on != 0;
+    return 0;
+}
+
+int ostinato_experts_set_cpu_kernel(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_ffn_kernel != (on != 0)) g_graph_dirty = true;   // the CPU-branch jobs are matched at graph build
+    g_ffn_kernel = on != 0;
     return 0;
 }
 

@@ -235,6 +235,15 @@ OSTINATO_API int          ostinato_experts_set_resident_path(int on);
 // Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates
 // the pool at the next pass (call between passes).
 OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);
+// The decode graph's CPU branch on its own kernel (1, default: ostinato_cpuffn.h) or on ggml's graph
+// compute (0; for measurements). Takes effect at the next graph.
+OSTINATO_API int          ostinato_experts_set_cpu_kernel(int on);
+// The CPU branch alone on `model`'s expert tensors (loaded in host memory, not repacked): its own
+// kernel against llama.cpp's CPU MUL_MAT_ID graph on the same inputs, bit for bit, and the host's
+// read bandwidth. args: {"layer": -1 (first MoE layer), "experts": [E...], "tokens": [n...],
+// "threads": [t...], "reps": 10, "ggml": true, "read_bw_bytes": 268435456, "flush_bytes": 268435456}. Returns JSON ({"error": ...}
+// on bad input), valid until the next call (see ostinato_cpubench.cpp).
+OSTINATO_API const char * ostinato_cpu_branch_bench(const struct llama_model * model, const char * args_json);
 // Stats as JSON; the returned string stays valid until the next call of the same function.
 OSTINATO_API const char * ostinato_experts_info(void);
 OSTINATO_API const char * ostinato_experts_stats(int with_counts);

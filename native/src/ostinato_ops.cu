@@ -114,6 +114,17 @@ static __global__ void ost_join_kernel(const float * gpu, const int32_t * ids_gp
             if (ost_now_ns() - t0 > o.timeout_ns) { *o.status = 1; ok = 0; break; }
         }
         __threadfence_system();
+        // the layer's first cold position reports its wait (the others wait for the same `done`)
+        bool first = true;
+        for (int64_t p = 0; p < pos && first; ++p) {
+            const int32_t q = ids_gpu[p];
+            first = !(o.has_hot ? (q >= o.zero0 && q < o.zero0 + o.k) : (q >= 0 && q < o.n_expert));
+        }
+        if (first) {
+            o.hdr->wait_ns = ost_now_ns() - t0;
+            __threadfence_system();
+            o.hdr->wait_seq = seq;
+        }
     }
     __syncthreads();
     const float * cpu = o.out + off;

@@ -50,7 +50,9 @@ struct ostinato_mbx_hdr {
     volatile int64_t done;     // written by the CPU branch last: pass_seq whose output rows are ready
     volatile int32_t n;        // tokens of the layer in this pass
     volatile int32_t n_cold;   // cold routes of the layer in this pass
-    int32_t pad[10];
+    volatile int64_t wait_ns;  // written by join (GPU): how long its first cold position waited for `done`
+    volatile int64_t wait_seq; // written by join after wait_ns: the pass it measured
+    int32_t pad[6];
 };
 
 // userdata of one op node (stable for the life of the expert pool: CUDA graphs capture its values).

@@ -20,6 +20,8 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
     j["borrowed_routes"] = t.borrowed;
     j["cpu_branch_ms"] = t.cpu_ms; j["gpu_branch_ms"] = t.gpu_ms; j["upload_ms"] = t.upload_ms;
     j["total_ms"] = t.total_ms;
+    j["cpu_branch_bytes"] = t.cpu_bytes; j["cpu_branch_layers"] = t.cpu_layers;
+    j["cpu_kernel_layers"] = t.cpu_kernel_layers; j["join_wait_ms"] = t.join_wait_ms;
     j["paths"] = json::object();
     for (const char * p : {"decode", "split", "upload"}) j["paths"][p] = 0;
     for (auto & kv : t.paths) j["paths"][kv.first] = kv.second;
@@ -45,7 +47,9 @@ json pass_json(const pass_t & p) {
                 {"cpu_branch_ms", p.cpu_ms}, {"gpu_branch_ms", p.gpu_ms}, {"gpu_timed", p.gpu_timed},
                 {"upload_bytes", p.upload_bytes}, {"upload_copies", p.upload_copies}, {"upload_ms", p.upload_ms}, {"total_ms", p.total_ms},
                 {"decode_graph", p.graph}, {"pool_views", p.views}, {"prefetch_hits", p.prefetch_hits},
-                {"prefetch_misses", p.prefetch_misses}, {"prefetch_wasted", p.prefetch_wasted}};
+                {"prefetch_misses", p.prefetch_misses}, {"prefetch_wasted", p.prefetch_wasted},
+                {"cpu_branch_bytes", p.cpu_bytes}, {"cpu_branch_layers", p.cpu_layers},
+                {"cpu_kernel_layers", p.cpu_kernel_layers}};
 }
 
 // Counts one route (layer il, expert x) into the current pass and the totals; returns the expert's
@@ -71,7 +75,8 @@ int32_t count_route(engine_t * e, int il, int32_t x, bool decode) {
 }
 
 // Route counts of a decode-graph layer, reported by the decode graph's worker thread.
-void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms) {
+void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms, int64_t cpu_bytes,
+              int kernel) {
     (void) n_cold;
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
@@ -81,6 +86,16 @@ void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, 
         if (ids[i] >= 0 && ids[i] < e->n_expert) count_route(e, il, ids[i], decode);
     }
     e->cur.cpu_ms += cpu_ms;
+    e->cur.cpu_bytes += cpu_bytes;
+    e->cur.cpu_layers += kernel != 0;
+    e->cur.cpu_kernel_layers += kernel == 1;
+}
+
+void collect_join_wait(engine_t * e) {
+    if (!e || !e->dg) return;
+    const double ms = ost_dg_collect_wait(e->dg);
+    e->total.join_wait_ms += ms;
+    e->request.join_wait_ms += ms;
 }
 
 // Route op (custom CPU op, n_tasks = 1): reads selected_experts [k, n_tokens] (possibly a strided

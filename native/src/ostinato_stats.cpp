@@ -33,6 +33,10 @@ const char * ostinato_experts_info(void) {
         j["decode_graph"]["active"] = true;
         j["decode_graph"]["cpu_threads"] = nt;
         j["decode_graph"]["mailbox_bytes"] = mb;
+        int64_t nf = 0, ng = 0; std::string note;
+        ost_dg_kernel_info(g_eng->dg, nf, ng, note);
+        j["decode_graph"]["cpu_kernel"] = json{{"on", g_ffn_kernel}, {"layers_kernel", nf}, {"layers_ggml", ng}};
+        if (!note.empty()) j["decode_graph"]["cpu_kernel"]["unmatched"] = note;
     }
     if (g_eng) {
         const engine_t & e = *g_eng;
@@ -88,6 +92,7 @@ const char * ostinato_experts_stats(int with_counts) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (!g_eng) return keep(g_out_stats, json{{"active", false}});
     flush_counts(g_eng);
+    collect_join_wait(g_eng);
     json j = totals_json(*g_eng, g_eng->total, with_counts != 0);
     j["active"] = true;
     json pools = json::array();   // per device: pool bytes and hot experts
@@ -107,6 +112,7 @@ const char * ostinato_experts_take_request_stats(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (!g_eng) return keep(g_out_req, json{{"active", false}});
     flush_counts(g_eng);
+    collect_join_wait(g_eng);
     json j = totals_json(*g_eng, g_eng->request, true);
     j["active"] = true;
     totals_init(g_eng->request, (size_t) g_eng->n_layer * g_eng->n_expert);
@@ -117,6 +123,7 @@ void ostinato_experts_reset_stats(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (!g_eng) return;
     flush_counts(g_eng);   // what the count tables hold so far goes with the reset
+    collect_join_wait(g_eng);
     const size_t n = (size_t) g_eng->n_layer * g_eng->n_expert;
     totals_init(g_eng->total, n);
     totals_init(g_eng->request, n);

@@ -176,6 +176,8 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
             native.set_resident_path(True)
             sweep = decode_sweep(w, paths[len(paths) // 2], decode, toks, steps=max(8, decode_steps // 2))
             say(f"calibration: decode overlap x threads: {len(sweep)} settings")
+            cpu_bw = cpu_branch_bandwidth(w)
+            say(f"calibration: CPU-branch bandwidth at {len(cpu_bw)} thread counts")
             if prefill_sizes:
                 mid = paths[len(paths) // 2]
                 w.rt.switch(mid)
@@ -202,7 +204,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
         if isinstance(exp_bytes, list):
             exp_bytes = max(exp_bytes) if exp_bytes else None
         return {"decode_rows": rows, "gpu_ms_per_layer": gpu_ms, "prefill": prefill, "gpu": gpu,
-                "decode_sweep": sweep,
+                "decode_sweep": sweep, "cpu_branch_bandwidth": cpu_bw,
                 "cpu_placement": {k: place.get(k) for k in ("cpulist", "threads", "pin", "reason")},
                 "expert_bytes": exp_bytes, "model": {k: block[k] for k in ("fingerprint", "name")}}
     finally:
@@ -225,7 +227,8 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
     from ..hardware import default_threads
 
     p = int(w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None)))
-    counts = sorted({max(1, p // 4), max(1, p // 2), p})
+    # every core but one: the default of the CPU branch's own kernel (hardware.expert_engine_threads)
+    counts = sorted({max(1, p // 4), max(1, p // 2), max(1, p - 1), p})
     w.rt.switch(residency_path)
     mem = llama_cpp.llama_get_memory(w.ctx)
     out: list[dict[str, Any]] = []
@@ -255,6 +258,36 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
         native.set_cpu_threads(w.rt.pool_threads or max(1, p - 1))
         w.rt.set_overlap(True)
         llama_cpp.llama_set_n_threads(w.ctx, *(w.rt.context_threads or (p, p)))
+    return out
+
+
+def cpu_branch_bandwidth(w: Any) -> list[dict[str, Any]]:
+    """The CPU branch's own kernel alone on the served model's experts (its first MoE layer, as the
+    engine holds them in host memory), decode-like: 1 token, 1-8 cold experts, per thread count (1, a
+    quarter, half, all but one and all of the cores). Per count: the fixed cost and bandwidth of
+    ``ms = alpha + bytes / bw`` (:func:`ostinatod.residency.cost.fit_cpu_bandwidth`, paper Sec. 3.2)
+    and the host's read bandwidth at that count, measured in the same call
+    (``native.cpu_branch_bench``). Returns [{"threads", "alpha_us", "bw_gbps", "host_read_gbps"}];
+    [] when the engine cannot run it (logged)."""
+    from . import native
+    from ..hardware import default_threads
+    from ..residency.cost import fit_cpu_bandwidth
+
+    p = int(w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None)))
+    counts = sorted({1, max(1, p // 4), max(1, p // 2), max(1, p - 1), p})
+    try:
+        res = native.cpu_branch_bench(w.model, {"experts": [1, 2, 4, 8], "tokens": [1], "threads": counts,
+                                                "reps": 8, "ggml": False, "read_bw_bytes": 512 << 20})
+    except native.ExpertEngineError as e:
+        log.warning("calibration: CPU-branch bandwidth not measured: %s", e)
+        return []
+    read = {int(b["threads"]): float(b["gbps"]) for b in res.get("read_bw", [])}
+    out = []
+    for t in counts:
+        f = fit_cpu_bandwidth([r for r in res["rows"] if int(r["threads"]) == t])
+        if f:
+            out.append({"threads": t, "alpha_us": round(f["alpha_us"], 2), "bw_gbps": round(f["bw_gbps"], 2),
+                        "host_read_gbps": round(read[t], 2) if t in read else None})
     return out
 
 
@@ -296,6 +329,8 @@ def run_calibration(model_path: Optional[Path] = None, *, profile_path: Optional
                                "prefill": [vars(p) for p in m["prefill"]]}
         cal["model"] = m.get("model")
         cal["cpu_placement"] = m.get("cpu_placement")   # the decode threads are counts on these CPUs
+        if m.get("cpu_branch_bandwidth"):
+            cal["cpu_branch_bandwidth"] = m["cpu_branch_bandwidth"]
     except Exception as e:  # noqa: BLE001 - reported in the profile instead of crashing the caller
         log.warning("calibration failed: %s", e)
         cal = {"format": CALIBRATION_FORMAT, "error": f"{type(e).__name__}: {e}",
@@ -325,6 +360,11 @@ def format_calibration(cal: dict[str, Any]) -> str:
              f"prefill threshold Np: {cal.get('np_tokens') or 'not calibrated'}"
              + (f" (measured crossing {cal['np_measured_crossing']})"
                 if cal.get("np_measured_crossing") else "")]
+    bw = cal.get("cpu_branch_bandwidth") or []
+    if bw:
+        lines.append("CPU-branch kernel: " + "; ".join(
+            f"{r['threads']} threads {r['bw_gbps']:.1f} GB/s + {r['alpha_us']:.1f} us"
+            + (f" (host reads {r['host_read_gbps']:.1f} GB/s)" if r.get("host_read_gbps") else "") for r in bw))
     lines += [f"note: {n}" for n in cal.get("notes", [])]
     return "\n".join(lines)
 

@@ -170,6 +170,8 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_overlap": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_decode_graph": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_cpu_kernel": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_cpu_branch_bench": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_copy_2d": ([ctypes.c_int], ctypes.c_int),
@@ -392,6 +394,31 @@ def set_cpu_threads(n: int) -> None:
     """Threads of the decode graph's CPU-branch pool (0: the physical cores). A change takes effect at
     the next forward pass (the pool is made anew then); call it between passes."""
     llama_fn("ostinato_experts_set_cpu_threads")(max(0, int(n)))
+
+
+def set_cpu_kernel(on: bool) -> None:
+    """The decode graph's CPU branch on its own kernel (True, the runtime's default from the setting
+    ``cpu_branch_kernel``) or on ggml's graph compute (False; measurements). The native default is on.
+    Takes effect at the next graph build (a change marks the cached graphs stale)."""
+    llama_fn("ostinato_experts_set_cpu_kernel")(1 if on else 0)
+
+
+def cpu_branch_bench(model: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """The CPU branch alone on ``model``'s expert tensors (a llama_model pointer loaded in host memory
+    with CPU repacking off): the engine's own kernel against llama.cpp's CPU ``mul_mat_id`` graph on
+    the same tensors and inputs, bit for bit, per (experts, tokens, threads), and the host's read
+    bandwidth per thread count (``ostinato_cpu_branch_bench``, native/src/ostinato_cpubench.cpp).
+    ``args``: layer (-1: the first MoE layer), experts, tokens, threads (lists of ints), reps, ggml
+    (bool), read_bw_bytes, flush_bytes (read before every timed run so that the experts come from
+    memory, as in a decode step; default 256 MiB). Returns the JSON result: ``read_bw`` [{threads, ms, gbps}], ``rows``
+    [{experts, tokens, threads, routes, bytes, kernel, kernel_ms, kernel_gbps, ggml_ms, ggml_gbps,
+    bitwise_equal, max_abs_diff}], the layer's types and ``expert_bytes``. Raises ExpertEngineError
+    with the native reason (a layer without experts, tensors not in host memory)."""
+    raw = llama_fn("ostinato_cpu_branch_bench")(model, json.dumps(args).encode())
+    out = json.loads(raw.decode())
+    if "error" in out:
+        raise ExpertEngineError(f"CPU-branch bench: {out['error']}")
+    return out
 
 
 def has_gpu() -> bool:

@@ -153,6 +153,7 @@ class ExpertRuntime:
         graph = decode_graph_choice(settings)
         native.set_decode_graph(graph)
         native.set_borrow(getattr(settings, "decode_borrow", True))
+        native.set_cpu_kernel(getattr(settings, "cpu_branch_kernel", True))
         native.set_copy_2d(getattr(settings, "upload_copy_2d", True))
         native.set_whole_slots(getattr(settings, "pool_whole_expert_slots", True))
         # prefill: the hybrid pass's CPU share (-1: adapted) and the prefetch region (read at the pool build)
@@ -166,7 +167,8 @@ class ExpertRuntime:
         # pool on the CPU, graph off) the context keeps every core
         n_threads, cpu_set = getattr(settings, "n_threads", None), getattr(settings, "cpu_set", None)
         if graph is not False and dev >= 0 and native.has_gpu():
-            batch_threads, pool_threads = expert_engine_threads(n_threads, decode_threads, cpu_set)
+            batch_threads, pool_threads = expert_engine_threads(n_threads, decode_threads, cpu_set,
+                                                                kernel=getattr(settings, "cpu_branch_kernel", True))
         else:
             batch_threads = None
             pool_threads = decode_threads or n_threads or max(1, default_threads(cpu_set) - 1)

@@ -98,6 +98,23 @@ def fit_linear(x: Sequence[Sequence[float]], y: Sequence[float]) -> tuple[np.nda
     return coef, float(np.sqrt(np.mean((y - X @ coef) ** 2)))
 
 
+def fit_cpu_bandwidth(rows: Sequence[dict[str, Any]]) -> Optional[dict[str, float]]:
+    """Least-squares ``ms = alpha + bytes / bw`` of the CPU branch's kernel over measurements of one
+    (tokens, threads): paper Sec. 3.2, C(r) = alpha + beta r with beta = expert bytes / bw.
+
+    ``rows``: dicts with ``bytes`` (expert bytes read), ``kernel_ms`` and ``kernel`` (false rows,
+    left to ggml, are ignored), as ``ostinato_cpu_branch_bench`` gives them. Returns {"alpha_us",
+    "bw_gbps" (1e9 bytes/s), "rmse_us", "points"}, or None with fewer than 2 distinct byte counts
+    (alpha and bw confounded)."""
+    pts = [(float(r["bytes"]), float(r["kernel_ms"])) for r in rows if r.get("kernel") and r.get("bytes")]
+    if len({b for b, _ in pts}) < 2:
+        return None
+    coef, rmse = fit_linear([[b] for b, _ in pts], [t for _, t in pts])
+    slope = float(coef[1])   # ms per byte
+    return {"alpha_us": float(coef[0]) * 1e3, "bw_gbps": (1.0 / slope / 1e6) if slope > 0 else float("inf"),
+            "rmse_us": rmse * 1e3, "points": len(pts)}
+
+
 @dataclass
 class PrefillPoint:
     """One measured prefill forward pass: tokens n, path, wall time, distinct cold experts u."""

@@ -6,6 +6,7 @@ Subcommands (each a module with ``main(argv) -> int``):
            (ostinatod.tools.bench_engines)
   plot     time against pool size from stored engines JSONs (ostinatod.tools.bench_plot)
   reliability  fuzzing, crashes, slow connections (ostinatod.tools.bench_reliability)
+  cpu-branch   the CPU branch alone on a model's expert tensors (ostinatod.tools.bench_cpu)
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
              "plot time against pool size from stored 'bench engines' JSONs (SVG)"),
     "reliability": ("ostinatod.tools.bench_reliability", "main",
                     "fuzz every route, crash and stop the worker, slow connections: 5xx, hangs, RSS"),
+    "cpu-branch": ("ostinatod.tools.bench_cpu", "main",
+                   "the CPU branch's kernel vs llama.cpp's mul_mat_id on a model's experts, vs read bandwidth"),
 }
 
 

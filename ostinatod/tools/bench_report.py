@@ -37,6 +37,9 @@ def _indexed(snap: Optional[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 # prefetch's experts: predicted and used, needed and not predicted, predicted and not used)
 PASS_COUNT_KEYS = ("upload_bytes", "upload_copies", "distinct_cold_experts", "prefetch_hits", "prefetch_misses",
                    "prefetch_wasted")
+# per-pass counts of the decode steps averaged per step seen: the CPU branch's expert bytes read and
+# its layer computes (of which by its own kernel), docs/engine.md "CPU branch kernel"
+DECODE_MEAN_KEYS = ("cpu_branch_bytes", "cpu_branch_layers", "cpu_kernel_layers")
 
 
 def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
@@ -53,7 +56,7 @@ def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
     prefill as the delta minus that (``exact`` False). Keys only in the per-pass dicts (not in the
     totals) are summed over the passes seen. Returns ``{"passes", "seen", "exact",
     "decode_steps", "decode_seen", "decode_ms" (sums over the turn's steps), "decode_cold_routes"
-    (mean per step seen), "prefill_passes", "prefill_paths", "prefill_tokens", "prefill_ms" (sums
+    (mean per step seen), "decode_means" (:data:`DECODE_MEAN_KEYS` per step seen), "prefill_passes", "prefill_paths", "prefill_tokens", "prefill_ms" (sums
     over the turn's prefill passes), "prefill_sums" (:data:`PASS_COUNT_KEYS` summed over them, when
     all were seen, else empty), "gpu_timed" (share of the seen passes with GPU timing)}``."""
     p0 = int(prev.get("passes") or 0)
@@ -96,9 +99,12 @@ def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
     else:
         pre_tokens = int(cur.get("tokens") or 0) - int(prev.get("tokens") or 0) - n_dec
     cold = [p.get("cold_routes") for p in dec_seen if p.get("cold_routes") is not None]
+    means = {k: sum(p.get(k) or 0 for p in dec_seen) / len(dec_seen) for k in DECODE_MEAN_KEYS
+             if dec_seen and any(k in p for p in dec_seen)}
     return {"passes": dn, "seen": len(seen), "exact": exact or all_pre,
             "decode_steps": n_dec, "decode_seen": len(dec_seen), "decode_ms": dec_ms,
             "decode_cold_routes": sum(cold) / len(cold) if cold else None,
+            "decode_means": means,
             "prefill_passes": n_pre, "prefill_paths": pre_paths, "prefill_tokens": pre_tokens,
             "prefill_ms": pre_ms,
             "prefill_sums": ({k: int(sum(p.get(k) or 0 for p in pre_seen)) for k in PASS_COUNT_KEYS}
@@ -110,7 +116,8 @@ def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[s
                         ) -> dict[str, Any]:
     """Means per decode step and per prefill over the turns (``rows`` from :func:`turn_breakdown`,
     aligned with ``turns`` from :func:`replay_turns`; None rows: no snapshot). Returns
-    ``{"decode_step": {"steps", "sampled_steps", "cold_routes_mean", "mean_ms": {key: ms}},
+    ``{"decode_step": {"steps", "sampled_steps", "cold_routes_mean", "mean_ms": {key: ms}, "means":
+    {DECODE_MEAN_KEYS per step, "cpu_branch_gbps": bytes / cpu_branch_ms}},
     "prefill": {"prefills", "passes", "paths", "tokens_mean", "exact_share", "mean_ms", "mean_counts"
     (:data:`PASS_COUNT_KEYS` per prefill, over the prefills whose passes were all seen)},
     "prefill_after_tool": (the same over turns after tool outputs), "gpu_timed_share", "source"}``.
@@ -125,9 +132,18 @@ def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[s
             mean[k] = round(sum(r["decode_ms"][k] for r in have) / n, 4) if n else None
         cold = [(r["decode_cold_routes"], r["decode_seen"]) for r in rs if r["decode_cold_routes"] is not None]
         w = sum(c[1] for c in cold)
+        means = {}
+        for k in DECODE_MEAN_KEYS:
+            have = [(r["decode_means"][k], r["decode_seen"]) for r in rs if k in (r.get("decode_means") or {})]
+            n = sum(c for _, c in have)
+            if n:
+                means[k] = round(sum(v * c for v, c in have) / n, 1)
+        # the CPU branch's effective bandwidth over the steps seen (bytes read / its time)
+        if means.get("cpu_branch_bytes") and mean.get("cpu_branch_ms"):
+            means["cpu_branch_gbps"] = round(means["cpu_branch_bytes"] / mean["cpu_branch_ms"] / 1e6, 2)
         return {"steps": steps, "sampled_steps": sum(r["decode_seen"] for r in rs),
                 "cold_routes_mean": round(sum(c * n for c, n in cold) / w, 3) if w else None,
-                "mean_ms": mean}
+                "mean_ms": mean, "means": means}
 
     def pre(rs: list[dict]) -> dict[str, Any]:
         rs = [r for r in rs if r["prefill_passes"] > 0]
@@ -353,6 +369,10 @@ def breakdown_md(b: Optional[dict[str, Any]], who: str) -> list[str]:
     out.append("| cold routes / tokens | " + " | ".join(
         [fmt(d.get("cold_routes_mean"), "", 2)] + [fmt(c.get("tokens_mean"), "", 0) for _, c in cols[1:]])
         + " |")
+    dm = d.get("means") or {}
+    if dm.get("cpu_branch_bytes"):
+        out.append(f"| CPU branch MB read / GB/s (decode) | {fmt(dm['cpu_branch_bytes'] / 1e6, '', 2)} / "
+                   f"{fmt(dm.get('cpu_branch_gbps'), '', 1)} | | |")
     return out
 
 

@@ -1,0 +1,425 @@
+// The CPU branch's own kernel and thread team: see ostinato_cpuffn.h.
+#include "ostinato_cpuffn.h"
+
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define OST_PAUSE() _mm_pause()
+#elif defined(__aarch64__)
+#define OST_PAUSE() __asm__ __volatile__("yield")
+#else
+#define OST_PAUSE() std::this_thread::yield()
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// graph matching
+
+namespace {
+
+bool host_weights(const ggml_tensor * w) {
+    // not a repacked CPU tensor (its extra holds the repack traits, its rows another layout)
+    const ggml_tensor * s = w && w->view_src ? w->view_src : w;
+    return w && (w->op == GGML_OP_NONE || w->op == GGML_OP_VIEW) && w->data && !s->extra && w->view_offs == 0 && ggml_n_dims(w) == 3 && w->nb[0] == ggml_type_size(w->type) &&
+           ggml_get_type_traits_cpu(w->type)->vec_dot != nullptr;
+}
+
+bool is_mmid(const ggml_tensor * t, const ggml_tensor * x, const ggml_tensor * ids) {
+    return t && t->op == GGML_OP_MUL_MAT_ID && t->type == GGML_TYPE_F32 && t->src[1] == x && t->src[2] == ids &&
+           host_weights(t->src[0]);
+}
+
+// ggml-cpu's tiled K-quant matmul takes an expert with this many rows of these types (tiled.cpp):
+// not the same arithmetic as vec_dot, so such experts stay with ggml
+constexpr int TILED_MIN_ROWS = 8;
+
+bool tiled_type(ggml_type t) {
+    switch (t) {
+        case GGML_TYPE_Q6_K: case GGML_TYPE_Q5_K: case GGML_TYPE_Q4_K: case GGML_TYPE_Q3_K: case GGML_TYPE_Q2_K:
+        case GGML_TYPE_IQ4_XS: case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ2_XS: case GGML_TYPE_IQ2_S:
+        case GGML_TYPE_IQ3_XXS: case GGML_TYPE_IQ3_S: case GGML_TYPE_IQ1_S: case GGML_TYPE_IQ1_M:
+            return true;
+        default:
+            return false;
+    }
+}
+
+bool tiled_possible(const ost_ffn & f) {
+    const char * off = getenv("GGML_CPU_TILED_MM");
+    if (off && atoi(off) == 0) return false;
+    return tiled_type(f.up->type) || (f.gate && tiled_type(f.gate->type)) || tiled_type(f.down->type);
+}
+
+}  // namespace
+
+bool ost_ffn_match(const ggml_tensor * out, const ggml_tensor * ids, const ggml_tensor * cur, ost_ffn & f,
+                   std::string & why) {
+    f = ost_ffn{};
+    if (!cur || cur->type != GGML_TYPE_F32 || !ggml_is_contiguous(cur) || cur->ne[1] != 1) {
+        why = "input rows not F32 [n_embd, 1, n]";
+        return false;
+    }
+    if (!ids || ids->type != GGML_TYPE_I32 || !ggml_is_contiguous(ids)) { why = "ids not contiguous I32"; return false; }
+    if (!is_mmid(out, out ? out->src[1] : nullptr, ids)) { why = "output is not a mul_mat_id over host experts"; return false; }
+    const ggml_tensor * act = out->src[1];
+    if (act->op != GGML_OP_GLU || ggml_get_glu_op(act) != GGML_GLU_OP_SWIGLU || !act->src[1] ||
+        ((const int32_t *) act->op_params)[1] != 0 /* swapped */ || act->type != GGML_TYPE_F32 || !ggml_is_contiguous(act)) {
+        why = "activation is not swiglu(gate, up)";
+        return false;
+    }
+    const ggml_tensor * g = act->src[0];
+    const ggml_tensor * u = act->src[1];
+    if (is_mmid(g, cur, ids) && is_mmid(u, cur, ids)) {
+        f.gate = g->src[0];
+        f.up = u->src[0];
+        if (f.up->type != f.gate->type) { why = "up and gate of different types"; return false; }
+    } else if (g->op == GGML_OP_VIEW && u->op == GGML_OP_VIEW && g->src[0] == u->src[0] && is_mmid(g->src[0], cur, ids)) {
+        const ggml_tensor * gu = g->src[0];
+        const int64_t n_ff = gu->ne[0] / 2;
+        size_t og = 0, ou = 0;
+        memcpy(&og, g->op_params, sizeof(og));
+        memcpy(&ou, u->op_params, sizeof(ou));
+        if (g->ne[0] != n_ff || u->ne[0] != n_ff || og != 0 || ou != (size_t) n_ff * sizeof(float) ||
+            g->nb[1] != gu->nb[1] || u->nb[1] != gu->nb[1]) {
+            why = "merged gate_up views not [gate | up]";
+            return false;
+        }
+        f.up = gu->src[0];
+        f.merged = true;
+    } else {
+        why = "gate and up are not mul_mat_ids of the input";
+        return false;
+    }
+    f.down = out->src[0];
+    f.n_embd = cur->ne[0];
+    f.n_ff = f.merged ? f.up->ne[1] / 2 : f.up->ne[1];
+    f.n_expert = f.down->ne[2];
+    if (f.up->ne[0] != f.n_embd || f.down->ne[0] != f.n_ff || f.down->ne[1] != f.n_embd ||
+        f.up->ne[2] != f.n_expert || (f.gate && (f.gate->ne[0] != f.n_embd || f.gate->ne[1] != f.n_ff ||
+                                                 f.gate->ne[2] != f.n_expert))) {
+        why = "expert tensor shapes do not agree";
+        return false;
+    }
+    f.expert_bytes = (int64_t) (f.up->nb[1] * f.up->ne[1] + (f.gate ? f.gate->nb[1] * f.gate->ne[1] : 0) +
+                                f.down->nb[1] * f.down->ne[1]);
+    return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// thread team
+
+namespace {
+
+// Spins a little, then yields on every try: a thread that only spins gathers CPU time and the
+// scheduler then runs it last, so on a machine with more runnable threads than cores the thread a
+// barrier waits for may not run for a whole time slice (measured on the 2-core CI machine under
+// load: ~40 ms per kernel run with pure spinning). Yielding costs ~1 us when nothing else waits.
+constexpr int SPINS_BEFORE_YIELD = 256;
+
+template <class Done> inline void spin_until(Done done) {
+    for (int i = 0; !done(); ++i) {
+        if (i < SPINS_BEFORE_YIELD) OST_PAUSE();
+        else std::this_thread::yield();
+    }
+}
+
+}  // namespace
+
+struct ost_team {
+    int n = 1;
+    std::vector<std::thread> threads;
+    std::mutex m;
+    std::condition_variable cv;
+    std::atomic<uint64_t> gen{0};          // one more per run
+    std::atomic<bool> active{false};
+    std::atomic<bool> quit{false};
+    void (*fn)(void *, int, int) = nullptr;
+    void * ctx = nullptr;
+    // barrier
+    alignas(64) std::atomic<int> arrived{0};
+    alignas(64) std::atomic<uint64_t> phase{0};
+};
+
+namespace {
+
+void team_main(ost_team * t, int ith) {
+    uint64_t seen = 0;
+    for (;;) {
+        // spin while a pass is in flight, sleep between passes
+        for (int i = 0; t->gen.load(std::memory_order_acquire) == seen && !t->quit.load(std::memory_order_relaxed); ++i) {
+            if (t->active.load(std::memory_order_relaxed)) {
+                if (i < SPINS_BEFORE_YIELD) OST_PAUSE();
+                else std::this_thread::yield();
+                continue;
+            }
+            std::unique_lock<std::mutex> lk(t->m);
+            t->cv.wait(lk, [&] {
+                return t->gen.load(std::memory_order_acquire) != seen || t->quit.load() || t->active.load();
+            });
+        }
+        if (t->quit.load()) return;
+        seen = t->gen.load(std::memory_order_acquire);
+        t->fn(t->ctx, ith, t->n);
+        ost_team_barrier(t);
+    }
+}
+
+}  // namespace
+
+ost_team * ost_team_new(int n) {
+    auto * t = new ost_team();
+    t->n = std::max(1, n);
+    for (int i = 1; i < t->n; ++i) t->threads.emplace_back(team_main, t, i);
+    return t;
+}
+
+void ost_team_free(ost_team * t) {
+    if (!t) return;
+    {
+        std::lock_guard<std::mutex> lk(t->m);
+        t->quit = true;
+    }
+    t->cv.notify_all();
+    for (auto & th : t->threads) th.join();
+    delete t;
+}
+
+int ost_team_size(const ost_team * t) { return t ? t->n : 1; }
+
+void ost_team_set_active(ost_team * t, bool active) {
+    if (!t || t->active.load() == active) return;
+    {
+        std::lock_guard<std::mutex> lk(t->m);
+        t->active = active;
+    }
+    if (active) t->cv.notify_all();
+}
+
+void ost_team_barrier(ost_team * t) {
+    if (!t || t->n == 1) return;
+    const uint64_t ph = t->phase.load(std::memory_order_acquire);
+    if (t->arrived.fetch_add(1, std::memory_order_acq_rel) == t->n - 1) {
+        t->arrived.store(0, std::memory_order_relaxed);
+        t->phase.fetch_add(1, std::memory_order_acq_rel);
+    } else {
+        spin_until([&] { return t->phase.load(std::memory_order_acquire) != ph; });
+    }
+}
+
+void ost_team_run(ost_team * t, void (*fn)(void *, int, int), void * ctx) {
+    if (!t || t->n == 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    t->fn = fn;
+    t->ctx = ctx;
+    if (t->active.load(std::memory_order_relaxed)) {
+        t->gen.fetch_add(1, std::memory_order_acq_rel);
+    } else {
+        {
+            std::lock_guard<std::mutex> lk(t->m);
+            t->gen.fetch_add(1, std::memory_order_acq_rel);
+        }
+        t->cv.notify_all();
+    }
+    fn(ctx, 0, t->n);
+    ost_team_barrier(t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// kernel
+
+namespace {
+
+struct route_t { int32_t t, j; };
+
+struct group_t {
+    int32_t e = 0;
+    int32_t r0 = 0, nr = 0;     // its routes: routes[r0 .. r0 + nr)
+};
+
+// Work of one run, laid out in the caller's scratch.
+struct run_t {
+    const ost_ffn * f;
+    const ost_ffn_job * job;
+    std::vector<group_t> groups;
+    std::vector<route_t> routes;     // grouped by expert
+    // per route r: gate and up rows (F32 [2][n_ff]), its quantised activation row
+    float * gu = nullptr;
+    char * actq = nullptr;
+    size_t actq_row = 0;
+    // per token: its quantised input row
+    const char * xq = nullptr;
+    size_t xq_row = 0;
+    std::vector<int32_t> tok_slot;   // token -> row of xq
+    // weighted row ranges: rows of phase 1 (2 n_ff per group) and phase 3 (n_embd per group)
+    std::vector<int64_t> w1, w3;     // prefix sums of row weight per group
+};
+
+// [lo, hi) of the rows of a phase given to thread ith: rows weighted by (routes + 2) of their expert
+// (a row costs its bytes once and a dot product per route), cut in equal parts of the total weight.
+void share(const std::vector<int64_t> & w, int64_t rows_per_group, int ith, int nth,
+           std::vector<std::pair<int64_t, int64_t>> & parts, const std::vector<group_t> & groups) {
+    parts.clear();
+    const int64_t total = w.back();
+    const int64_t a = total * ith / nth, b = total * (ith + 1) / nth;
+    for (size_t g = 0; g < groups.size(); ++g) {
+        const int64_t g0 = w[g], g1 = w[g + 1];
+        if (g1 <= a || g0 >= b) continue;
+        const int64_t per = (g1 - g0) / rows_per_group;   // weight of one row of this group
+        const int64_t lo = std::max<int64_t>(0, (a - g0 + per - 1) / per);
+        const int64_t hi = std::min<int64_t>(rows_per_group, (b - g0 + per - 1) / per);
+        if (hi > lo) parts.emplace_back((int64_t) g * rows_per_group + lo, (int64_t) g * rows_per_group + hi);
+    }
+}
+
+void phase_rows(run_t & r, int ith, int nth, bool down) {
+    const ost_ffn & f = *r.f;
+    const int64_t n_ff = f.n_ff;
+    const int64_t per = down ? f.n_embd : 2 * n_ff;
+    thread_local std::vector<std::pair<int64_t, int64_t>> parts;
+    share(down ? r.w3 : r.w1, per, ith, nth, parts, r.groups);
+    for (auto & p : parts) {
+        for (int64_t u = p.first; u < p.second; ++u) {
+            const group_t & g = r.groups[(size_t) (u / per)];
+            const int64_t row = u % per;
+            if (down) {
+                const ggml_tensor * w = f.down;
+                const auto vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
+                const char * wr = (const char *) w->data + g.e * w->nb[2] + row * w->nb[1];
+                for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
+                    const route_t & rt = r.routes[(size_t) q];
+                    float * dst = r.job->out + ((int64_t) rt.t * r.job->k + rt.j) * f.n_embd + row;
+                    vec_dot((int) n_ff, dst, 0, wr, 0, r.actq + (size_t) q * r.actq_row, 0, 1);
+                }
+            } else {
+                // rows [0, n_ff): gate, [n_ff, 2 n_ff): up (merged: the tensor's own row order, gate first)
+                const bool is_gate = row < n_ff;
+                const ggml_tensor * w = f.merged ? f.up : (is_gate ? f.gate : f.up);
+                const int64_t wrow = f.merged ? row : (is_gate ? row : row - n_ff);
+                const auto vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
+                const char * wr = (const char *) w->data + g.e * w->nb[2] + wrow * w->nb[1];
+                for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
+                    const route_t & rt = r.routes[(size_t) q];
+                    const char * x = r.xq + (size_t) r.tok_slot[(size_t) rt.t] * r.xq_row;
+                    vec_dot((int) f.n_embd, r.gu + (size_t) q * 2 * n_ff + row, 0, wr, 0, x, 0, 1);
+                }
+            }
+        }
+    }
+}
+
+struct team_ctx {
+    run_t * r;
+    ost_team * team;
+};
+
+void team_fn(void * ctx, int ith, int nth) {
+    team_ctx & c = *(team_ctx *) ctx;
+    run_t & r = *c.r;
+    const ost_ffn & f = *r.f;
+    phase_rows(r, ith, nth, false);
+    ost_team_barrier(c.team);
+    // the activation of each route over its whole row, as ggml's GLU op computes it, then its
+    // quantisation for the down matrix, as ggml's MUL_MAT_ID quantises each src1 row
+    const auto from_float = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(f.down->type)->vec_dot_type)->from_float;
+    thread_local std::vector<float> act;
+    act.resize((size_t) f.n_ff);
+    for (size_t q = (size_t) ith; q < r.routes.size(); q += (size_t) nth) {
+        const float * gq = r.gu + q * 2 * f.n_ff;
+        ggml_cpu_vec_swiglu_f32((int) f.n_ff, act.data(), gq, gq + f.n_ff);
+        from_float(act.data(), r.actq + q * r.actq_row, f.n_ff);
+    }
+    ost_team_barrier(c.team);
+    phase_rows(r, ith, nth, true);
+}
+
+}  // namespace
+
+bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> & ws, ost_ffn_stats * st) {
+    const ost_ffn & f = *job.f;
+    static thread_local run_t r;
+    r.f = &f;
+    r.job = &job;
+    r.groups.clear();
+    r.routes.clear();
+    // group the routes by expert (ascending), tokens in order within an expert
+    thread_local std::vector<int32_t> count;
+    count.assign((size_t) f.n_expert, 0);
+    int64_t n_routes = 0;
+    for (int64_t i = 0; i < (int64_t) job.n * job.k; ++i) {
+        const int32_t e = job.ids[i];
+        if (e >= 0 && e < f.n_expert) { count[(size_t) e]++; n_routes++; }
+    }
+    if (n_routes == 0) {
+        if (st) *st = ost_ffn_stats{};
+        return true;
+    }
+    const bool tiled = tiled_possible(f);
+    int32_t at = 0;
+    thread_local std::vector<int32_t> start;
+    start.assign((size_t) f.n_expert, -1);
+    for (int32_t e = 0; e < f.n_expert; ++e) {
+        if (!count[(size_t) e]) continue;
+        if (tiled && count[(size_t) e] >= TILED_MIN_ROWS) return false;
+        r.groups.push_back(group_t{ e, at, count[(size_t) e] });
+        start[(size_t) e] = at;
+        at += count[(size_t) e];
+    }
+    r.routes.resize((size_t) n_routes);
+    r.tok_slot.assign((size_t) job.n, -1);
+    int32_t n_tok = 0;
+    for (int32_t t = 0; t < job.n; ++t) {
+        for (int32_t j = 0; j < job.k; ++j) {
+            const int32_t e = job.ids[(int64_t) t * job.k + j];
+            if (e < 0 || e >= f.n_expert) continue;
+            r.routes[(size_t) start[(size_t) e]++] = route_t{ t, j };
+            if (r.tok_slot[(size_t) t] < 0) r.tok_slot[(size_t) t] = n_tok++;
+        }
+    }
+    // scratch: quantised input rows, gate/up rows, quantised activation rows
+    const ggml_type xt = ggml_get_type_traits_cpu(f.up->type)->vec_dot_type;
+    const ggml_type at_t = ggml_get_type_traits_cpu(f.down->type)->vec_dot_type;
+    r.xq_row = ggml_row_size(xt, f.n_embd);
+    r.actq_row = ggml_row_size(at_t, f.n_ff);
+    auto pad = [](size_t x) { return (x + 63) & ~size_t(63); };
+    const size_t o_gu = pad((size_t) n_tok * r.xq_row);
+    const size_t o_act = o_gu + pad((size_t) n_routes * 2 * f.n_ff * sizeof(float));
+    const size_t size = o_act + pad((size_t) n_routes * r.actq_row) + 64;
+    if (ws.size() < size) ws.resize(size);
+    char * base = (char *) (((uintptr_t) ws.data() + 63) & ~uintptr_t(63));
+    r.xq = base;
+    r.gu = (float *) (base + o_gu);
+    r.actq = base + o_act;
+    // each token's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float)
+    const auto from_float = ggml_get_type_traits_cpu(xt)->from_float;
+    for (int32_t t = 0; t < job.n; ++t) {
+        if (r.tok_slot[(size_t) t] < 0) continue;
+        from_float(job.cur + (int64_t) t * job.cur_stride, (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row),
+                   f.n_embd);
+    }
+    // row weights: each row is read once and dotted with each route of its expert
+    r.w1.assign(r.groups.size() + 1, 0);
+    r.w3.assign(r.groups.size() + 1, 0);
+    for (size_t g = 0; g < r.groups.size(); ++g) {
+        const int64_t wr = r.groups[g].nr + 2;
+        r.w1[g + 1] = r.w1[g] + wr * 2 * f.n_ff;
+        r.w3[g + 1] = r.w3[g] + wr * f.n_embd;
+    }
+    team_ctx c{ &r, team };
+    ost_team_run(team, team_fn, &c);
+    if (st) {
+        st->experts = (int64_t) r.groups.size();
+        st->routes = n_routes;
+        st->bytes = (int64_t) r.groups.size() * f.expert_bytes;
+    }
+    return true;
+}

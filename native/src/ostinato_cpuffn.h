@@ -1,0 +1,76 @@
+// The CPU branch's own kernel (internal to libllama): the expert FFN of a layer's cold routes,
+// computed row by row with ggml-cpu's own dot products on a resident thread team that spins while
+// a forward pass is in flight. Paper: arXiv 2611.11533, Sections 3.2 and 3.4 (the CPU branch's cost
+// C(r) = alpha + beta r: beta is the bytes of one cold expert over the host's read bandwidth, alpha
+// the per-layer fixed cost this kernel keeps to a few microseconds).
+//
+// What it computes is what ggml-cpu computes for the same graph, bit for bit: the CPU branch graph
+// (built by the patched build_moe_ffn from stock's expert FFN code) is matched node by node
+// (ost_ffn_match), and the kernel then does what ggml's MUL_MAT_ID, GLU(SWIGLU) and MUL_MAT_ID do:
+// each token row quantized to the weights' vec_dot type with the same from_float, each output
+// element one vec_dot of a weight row with that row, the activation by ggml-cpu's own
+// ggml_vec_swiglu_f32 over whole rows (exported by native/patches/23), -1 ids skipped. Only the
+// order of the work differs: the experts' rows are shared out over the team by bytes, every row is
+// read once for all of its expert's tokens, and there are three barriers instead of ggml's
+// per-op synchronisation. Graphs it does not match (biases, scales, other activations, clamps) and
+// experts that ggml-cpu would compute with its tiled K-quant kernel (>= 8 rows of one expert) keep
+// ggml's graph compute.
+#pragma once
+
+#include "ggml.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// A CPU-branch graph in the one shape the kernel computes.
+struct ost_ffn {
+    const ggml_tensor * up = nullptr;     // [n_embd, n_ff, n_expert] (merged: [n_embd, 2 n_ff, n_expert], gate rows first)
+    const ggml_tensor * gate = nullptr;   // [n_embd, n_ff, n_expert]; nullptr when merged
+    const ggml_tensor * down = nullptr;   // [n_ff, n_embd, n_expert]
+    bool merged = false;
+    int64_t n_embd = 0, n_ff = 0, n_expert = 0;
+    // bytes of one expert (up + gate + down): what a cold route reads
+    int64_t expert_bytes = 0;
+};
+
+// Recognises out = MUL_MAT_ID(down, SWIGLU(MUL_MAT_ID(gate, cur, ids), MUL_MAT_ID(up, cur, ids)), ids)
+// (or the merged gate_up form: two views of one MUL_MAT_ID) over host tensors. Returns false, with
+// the reason in `why`, for any other graph.
+bool ost_ffn_match(const ggml_tensor * out, const ggml_tensor * ids, const ggml_tensor * cur, ost_ffn & f,
+                   std::string & why);
+
+// Resident thread team: n - 1 threads of its own plus the caller of ost_team_run as thread 0.
+struct ost_team;
+ost_team * ost_team_new(int n);
+void       ost_team_free(ost_team * t);
+int        ost_team_size(const ost_team * t);
+// Spin between runs (a pass is in flight) or sleep (between passes). Cheap; call from one thread.
+void       ost_team_set_active(ost_team * t, bool active);
+// Runs fn(ctx, ith, nth) on every thread of the team, the caller as ith 0; returns when all are done.
+void       ost_team_run(ost_team * t, void (*fn)(void * ctx, int ith, int nth), void * ctx);
+// Barrier of the threads of the running fn.
+void       ost_team_barrier(ost_team * t);
+
+// One layer's CPU branch: n tokens, k routes each; ids [n][k] (expert, or < 0: not this branch's),
+// cur row t at cur + t * cur_stride floats, out [n][k][n_embd] F32 (rows at a negative id are not
+// written). Scratch lives in `ws` (grown as needed).
+struct ost_ffn_job {
+    const ost_ffn * f = nullptr;
+    const int32_t * ids = nullptr;
+    const float * cur = nullptr;
+    int64_t cur_stride = 0;
+    float * out = nullptr;
+    int k = 0, n = 0;
+};
+
+struct ost_ffn_stats {
+    int64_t experts = 0;     // distinct experts computed
+    int64_t routes = 0;      // routes computed
+    int64_t bytes = 0;       // weight bytes read (each distinct expert once)
+};
+
+// False (nothing computed) when an expert of the job has >= 8 routes and a weight type that ggml-cpu
+// would compute with its tiled kernel for that many (bitwise equality could not be promised): the
+// caller then runs ggml's graph. `team` may be null (the caller alone).
+bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> & ws, ost_ffn_stats * st);

@@ -1,0 +1,200 @@
+"""``ostinato bench cpu-branch``: the CPU branch alone on a model's real expert tensors.
+
+For each model (``--model``, or small synthetic ones per ``--quants`` at ``--shape``'s real per-layer
+sizes), one MoE layer's experts are loaded in host memory and, per (experts E, tokens n, threads T),
+the CPU branch's own kernel (native/src/ostinato_cpuffn.cpp) and llama.cpp's own CPU ``mul_mat_id``
+graph compute the same routes from the same inputs; their outputs are compared bit for bit. In the
+same run the host's read bandwidth is measured per thread count. Reported per row: GB/s of expert
+bytes read (each distinct expert once) for both, the kernel's share of the read bandwidth, and per
+(model, tokens, threads) a fit of the kernel's time against the bytes read, ``t = alpha + bytes /
+bw`` (paper Sec. 3.2: C(r) = alpha + beta r with beta = expert bytes / bw): alpha is the fixed cost
+of one layer's CPU branch, bw its effective bandwidth. See docs/engine.md, "CPU branch kernel".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from .bench_common import BenchError, say
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {s!r}") from None
+    if not out or any(v < 1 for v in out):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return out
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Adds to one model's native result: per row the kernel's share of the host read bandwidth at
+    its thread count and its speed-up over ggml; per (tokens, threads) the alpha/bw fit. Pure."""
+    bw = {int(b["threads"]): float(b["gbps"]) for b in result.get("read_bw", [])}
+    for r in result.get("rows", []):
+        host = bw.get(int(r["threads"]))
+        if host and r.get("kernel_gbps") is not None:
+            r["kernel_share_of_read_bw"] = r["kernel_gbps"] / host
+        if r.get("kernel_ms") and r.get("ggml_ms"):
+            r["speedup_vs_ggml"] = r["ggml_ms"] / r["kernel_ms"]
+    from ..residency.cost import fit_cpu_bandwidth
+
+    fits = []
+    keys = sorted({(int(r["tokens"]), int(r["threads"])) for r in result.get("rows", [])})
+    for n, t in keys:
+        f = fit_cpu_bandwidth([r for r in result["rows"] if r["tokens"] == n and r["threads"] == t])
+        if f:
+            f.update(tokens=n, threads=t, host_read_gbps=bw.get(t))
+            fits.append(f)
+    result["fits"] = fits
+    return result
+
+
+def _load(path: Path) -> Any:
+    """A llama_model of ``path`` with every tensor in host memory and CPU repacking off (the
+    layout the CPU branch reads)."""
+    import llama_cpp
+
+    try:
+        import llama_cpp._logger as llog
+        llog.set_verbose(False)   # llama.cpp's load log would bury the table
+    except Exception:  # pragma: no cover - logging only
+        pass
+    llama_cpp.llama_backend_init()
+    mp = llama_cpp.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    if hasattr(mp, "use_extra_bufts"):
+        mp.use_extra_bufts = False
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    if not model:
+        raise BenchError(f"llama.cpp could not load {path}")
+    return model
+
+
+def run(models: Sequence[Path], args: dict[str, Any]) -> list[dict[str, Any]]:
+    """The native bench on each model; returns one summarized result per model."""
+    import llama_cpp
+
+    from ..engine import native
+
+    out = []
+    for path in models:
+        say(f"cpu-branch: {path.name}")
+        model = _load(path)
+        try:
+            res = native.cpu_branch_bench(model, args)
+        finally:
+            llama_cpp.llama_model_free(model)
+        res["model"] = str(path)
+        out.append(summarize(res))
+    return out
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    """Markdown tables of the results (rows, then the fits)."""
+    lines = ["| model | types | E | n | T | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        name = Path(res["model"]).name
+        types = f"{res['type_up']}/{res['type_down']}"
+        for r in res["rows"]:
+            def f(key: str, fmt: str) -> str:
+                v = r.get(key)
+                return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
+            lines.append(f"| {name} | {types} | {r['experts']} | {r['tokens']} | {r['threads']} | "
+                         f"{r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
+                         f"{f('kernel_share_of_read_bw', '.0%')} | {f('ggml_ms', '.3f')} | {f('ggml_gbps', '.1f')} | "
+                         f"{f('speedup_vs_ggml', '.2f')} | {r.get('bitwise_equal', '–')} |")
+    lines += ["", "| model | n | T | alpha us | bw GB/s | host read GB/s | bw / read |", "|---|---|---|---|---|---|---|"]
+    for res in results:
+        for fit in res.get("fits", []):
+            host = fit.get("host_read_gbps")
+            share = f"{fit['bw_gbps'] / host:.0%}" if host else "–"
+            lines.append(f"| {Path(res['model']).name} | {fit['tokens']} | {fit['threads']} | {fit['alpha_us']:.1f} | "
+                         f"{fit['bw_gbps']:.1f} | {host or 0:.1f} | {share} |")
+    bw = results[0].get("read_bw", []) if results else []
+    if bw:
+        lines += ["", "host read bandwidth: " + ", ".join(f"{b['threads']} threads {b['gbps']:.1f} GB/s" for b in bw)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ostinato bench cpu-branch`` (see the module docstring). 0 on success, 1 when an output
+    differs from ggml's (bitwise_equal false), 2 on bad arguments or a model that cannot be used."""
+    from ..hardware import default_threads
+
+    ap = argparse.ArgumentParser(prog="ostinato bench cpu-branch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, action="append", default=[],
+                    help="GGUF whose expert tensors to use (repeatable); default: synthetic models per --quants")
+    ap.add_argument("--quants", default="q4_0,q8_0,q4_k_m", help="quant recipes of the synthetic models")
+    ap.add_argument("--shape", default="tiny", help="shape of the synthetic models (e.g. qwen3-30b-a3b: "
+                    "its real per-layer sizes, 2 layers)")
+    ap.add_argument("--arch", default="qwen3moe")
+    ap.add_argument("--layer", type=int, default=-1, help="MoE layer (default: the first)")
+    ap.add_argument("--experts", type=_ints, default=[1, 2, 4, 8], help="distinct experts per layer")
+    ap.add_argument("--tokens", type=_ints, default=[1], help="tokens per pass (1: decode)")
+    ap.add_argument("--threads", type=_ints, default=None, help="thread counts (default: 1, half and "
+                    "all of the engine's cores)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--read-bw-mib", type=int, default=1024, help="buffer of the host read-bandwidth test")
+    ap.add_argument("--flush-mib", type=int, default=256, help="memory read before every timed run, so "
+                    "that the experts come from memory as in a decode step (0: off, warm caches)")
+    ap.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's graph (the kernel alone)")
+    ap.add_argument("--work-dir", type=Path, default=None, help="where synthetic models are written")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    a = ap.parse_args(argv)
+    if a.reps < 1 or a.read_bw_mib < 0 or a.flush_mib < 0:
+        ap.error("--reps must be >= 1, --read-bw-mib and --flush-mib >= 0")
+    p = default_threads()
+    threads = a.threads or sorted({1, max(1, p // 2), p})
+    models = list(a.model)
+    for m in models:
+        if not m.is_file():
+            print(f"ostinato bench cpu-branch: no such model: {m}", file=sys.stderr)
+            return 2
+    try:
+        if not models:
+            from ..synth.shapes import SynthError
+            from ..synth.writer import write_synthetic_moe
+
+            work = a.work_dir or Path(tempfile.mkdtemp(prefix="ost-cpu-branch-"))
+            work.mkdir(parents=True, exist_ok=True)
+            for q in [q for q in a.quants.split(",") if q]:
+                path = work / f"{a.arch}-{a.shape}-{q}.gguf"
+                if not path.exists():
+                    say(f"writing {path.name}")
+                    try:
+                        write_synthetic_moe(path, arch=a.arch, shape=a.shape, n_layer=2, quant=q)
+                    except SynthError as e:
+                        print(f"ostinato bench cpu-branch: {e}", file=sys.stderr)
+                        return 2
+                models.append(path)
+        args = {"layer": a.layer, "experts": a.experts, "tokens": a.tokens, "threads": threads,
+                "reps": a.reps, "ggml": not a.no_ggml, "read_bw_bytes": a.read_bw_mib << 20,
+                "flush_bytes": a.flush_mib << 20}
+        results = run(models, args)
+    except (BenchError, Exception) as e:   # a native refusal, a file llama.cpp will not load
+        from ..engine.native import ExpertEngineError
+
+        if not isinstance(e, (BenchError, ExpertEngineError)):
+            raise
+        print(f"ostinato bench cpu-branch: {e}", file=sys.stderr)
+        return 2
+    print(table(results))
+    if a.json:
+        a.json.write_text(json.dumps({"command": sys.argv, "threads": threads, "results": results}, indent=1))
+    bad = [r for res in results for r in res["rows"] if r.get("bitwise_equal") is False]
+    if bad:
+        print(f"ostinato bench cpu-branch: {len(bad)} rows differ from llama.cpp's mul_mat_id", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""``ostinato bench cpu-branch`` (ostinatod/tools/bench_cpu.py): the fit of a kernel's time against the
+bytes it reads, the summary, and one tiny run of the real command on a synthetic model (no timing
+is asserted: speed is what the stored H200 runs in docs/benchmarks report)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ostinatod.residency.cost import fit_cpu_bandwidth
+from ostinatod.tools import bench_cpu
+
+
+def test_fit_recovers_fixed_cost_and_bandwidth():
+    # t = 20 us + bytes / 50 GB/s, exactly
+    rows = [{"kernel": True, "bytes": b, "kernel_ms": 0.020 + b / 50e9 * 1e3} for b in (2e6, 4e6, 8e6, 16e6)]
+    f = fit_cpu_bandwidth(rows)
+    assert f["alpha_us"] == pytest.approx(20.0, abs=1e-6) and f["bw_gbps"] == pytest.approx(50.0, rel=1e-9)
+    assert f["points"] == 4
+    # one byte count: alpha and bw are confounded
+    assert fit_cpu_bandwidth(rows[:1] * 3) is None
+    # rows the kernel left to ggml do not count
+    assert fit_cpu_bandwidth([dict(r, kernel=False) for r in rows]) is None
+
+
+def test_summary_gives_shares_of_the_read_bandwidth_and_speedups():
+    res = {"read_bw": [{"threads": 1, "gbps": 10.0}, {"threads": 4, "gbps": 40.0}],
+           "rows": [{"experts": e, "tokens": 1, "threads": t, "bytes": e * 1e6, "kernel": True,
+                     "kernel_ms": 0.01 + e * 1e6 / (t * 8e9) * 1e3, "kernel_gbps": e * 1e6 / (0.01 + e * 1e6 / (t * 8e9) * 1e3) / 1e6,
+                     "ggml_ms": 1.0} for e in (1, 2, 4) for t in (1, 4)]}
+    out = bench_cpu.summarize(res)
+    r = out["rows"][0]
+    assert r["kernel_share_of_read_bw"] == pytest.approx(r["kernel_gbps"] / 10.0)
+    assert r["speedup_vs_ggml"] == pytest.approx(1.0 / r["kernel_ms"])
+    fits = {f["threads"]: f for f in out["fits"]}
+    assert fits[4]["bw_gbps"] == pytest.approx(32.0) and fits[1]["alpha_us"] == pytest.approx(10.0)
+    assert fits[4]["host_read_gbps"] == 40.0
+
+
+def test_cpu_branch_bench_command_runs_and_checks_bitwise(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    rc = bench_cpu.main(["--quants", "q8_0,q4_0", "--experts", "1,2", "--tokens", "1,2", "--threads", "1,2",
+                         "--reps", "2", "--read-bw-mib", "4", "--flush-mib", "4", "--work-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert [r["type_up"] for r in data["results"]] == ["q8_0", "q4_0"]
+    rows = [r for res in data["results"] for r in res["rows"]]
+    assert len(rows) == 2 * 2 * 2 * 2 and all(r["bitwise_equal"] for r in rows)
+    assert all(r["kernel_gbps"] > 0 and r["ggml_gbps"] > 0 for r in rows)
+    assert all(f["points"] == 2 for res in data["results"] for f in res["fits"])
+    text = capsys.readouterr().out
+    assert "host read bandwidth: 1 threads" in text and "| alpha us |" in text
+
+
+@pytest.mark.parametrize("argv", [["--threads", "0"], ["--experts", "x"], ["--model", "/nonexistent.gguf"],
+                                  ["--reps", "0"]])
+def test_cpu_branch_bench_refuses_bad_arguments(argv, capsys):
+    try:
+        rc = bench_cpu.main(argv)
+    except SystemExit as e:   # argparse's own refusal
+        rc = e.code
+    assert rc == 2
+    assert "cpu-branch" in capsys.readouterr().err
