@@ -173,6 +173,11 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                         ids[(size_t) t * k + j] = (int32_t) (((int64_t) ((t * k + j) % E) * n_expert) / E);
                     }
                 }
+                // distinct experts the routes reach (fewer than E when n k < E)
+                std::vector<int32_t> used(ids.begin(), ids.end());
+                used.erase(std::remove(used.begin(), used.end(), -1), used.end());
+                std::sort(used.begin(), used.end());
+                const int64_t n_used = std::unique(used.begin(), used.end()) - used.begin();
                 std::vector<float> x((size_t) n_embd * n);
                 uint32_t s = 12345u + (uint32_t) (E * 131 + n);
                 for (auto & v : x) { s = s * 1664525u + 1013904223u; v = ((s >> 8) / 8388608.0f) - 1.0f; }
@@ -196,8 +201,8 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 std::vector<float> ko((size_t) n_embd * k * n, 0.0f);
                 std::vector<uint8_t> ws;
                 for (int nt : threads_list) {
-                    json row{{"experts", E}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
-                             {"bytes", matched ? (int64_t) E * f.expert_bytes : 0}, {"matched", matched}};
+                    json row{{"experts", n_used}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
+                             {"bytes", matched ? n_used * f.expert_bytes : 0}, {"matched", matched}};
                     if (!matched) row["unmatched"] = why;
                     // kernel
                     bool kernel_ran = false;
@@ -238,7 +243,7 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                         if (with_ggml) {
                             const double ms = median(ts);
                             row["ggml_ms"] = ms;
-                            if (matched) row["ggml_gbps"] = (double) E * f.expert_bytes / ms / 1e6;
+                            if (matched) row["ggml_gbps"] = (double) n_used * f.expert_bytes / ms / 1e6;
                         }
                     }
                     if (kernel_ran) {

@@ -260,37 +260,31 @@ struct run_t {
     const char * xq = nullptr;
     size_t xq_row = 0;
     std::vector<int32_t> tok_slot;   // token -> row of xq
-    // weighted row ranges: rows of phase 1 (2 n_ff per group) and phase 3 (n_embd per group)
-    std::vector<int64_t> w1, w3;     // prefix sums of row weight per group
+    // rows of phase 1 (2 n_ff per group) and phase 3 (n_embd per group) in chunks that the threads
+    // take from a counter: threads that run slower (a hyperthread sibling busy, an interrupt) take
+    // fewer, so the phase ends when the work does (a static share waited for the slowest thread)
+    int64_t chunk1 = 16, chunk3 = 16;   // rows per chunk
+    int64_t per1 = 0, per3 = 0;         // chunks per group
+    alignas(64) std::atomic<int64_t> next1{0};
+    alignas(64) std::atomic<int64_t> next3{0};
 };
 
-// [lo, hi) of the rows of a phase given to thread ith: rows weighted by (routes + 2) of their expert
-// (a row costs its bytes once and a dot product per route), cut in equal parts of the total weight.
-void share(const std::vector<int64_t> & w, int64_t rows_per_group, int ith, int nth,
-           std::vector<std::pair<int64_t, int64_t>> & parts, const std::vector<group_t> & groups) {
-    parts.clear();
-    const int64_t total = w.back();
-    const int64_t a = total * ith / nth, b = total * (ith + 1) / nth;
-    for (size_t g = 0; g < groups.size(); ++g) {
-        const int64_t g0 = w[g], g1 = w[g + 1];
-        if (g1 <= a || g0 >= b) continue;
-        const int64_t per = (g1 - g0) / rows_per_group;   // weight of one row of this group
-        const int64_t lo = std::max<int64_t>(0, (a - g0 + per - 1) / per);
-        const int64_t hi = std::min<int64_t>(rows_per_group, (b - g0 + per - 1) / per);
-        if (hi > lo) parts.emplace_back((int64_t) g * rows_per_group + lo, (int64_t) g * rows_per_group + hi);
-    }
-}
+// Rows of about this many bytes make a chunk: a few microseconds of a thread's work, so that taking
+// a chunk (one contended atomic add) costs little beside it.
+constexpr int64_t CHUNK_BYTES = 16 * 1024;
 
-void phase_rows(run_t & r, int ith, int nth, bool down) {
+void phase_rows(run_t & r, bool down) {
     const ost_ffn & f = *r.f;
     const int64_t n_ff = f.n_ff;
-    const int64_t per = down ? f.n_embd : 2 * n_ff;
-    thread_local std::vector<std::pair<int64_t, int64_t>> parts;
-    share(down ? r.w3 : r.w1, per, ith, nth, parts, r.groups);
-    for (auto & p : parts) {
-        for (int64_t u = p.first; u < p.second; ++u) {
-            const group_t & g = r.groups[(size_t) (u / per)];
-            const int64_t row = u % per;
+    const int64_t per = down ? f.n_embd : 2 * n_ff;           // rows per group
+    const int64_t rc = down ? r.chunk3 : r.chunk1, cpg = down ? r.per3 : r.per1;
+    const int64_t total = cpg * (int64_t) r.groups.size();
+    std::atomic<int64_t> & next = down ? r.next3 : r.next1;
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < total;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+        const group_t & g = r.groups[(size_t) (c / cpg)];
+        const int64_t row0 = (c % cpg) * rc, row1 = std::min(per, row0 + rc);
+        for (int64_t row = row0; row < row1; ++row) {
             if (down) {
                 const ggml_tensor * w = f.down;
                 const auto vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
@@ -326,7 +320,7 @@ void team_fn(void * ctx, int ith, int nth) {
     team_ctx & c = *(team_ctx *) ctx;
     run_t & r = *c.r;
     const ost_ffn & f = *r.f;
-    phase_rows(r, ith, nth, false);
+    phase_rows(r, false);
     ost_team_barrier(c.team);
     // the activation of each route over its whole row, as ggml's GLU op computes it, then its
     // quantisation for the down matrix, as ggml's MUL_MAT_ID quantises each src1 row
@@ -339,7 +333,7 @@ void team_fn(void * ctx, int ith, int nth) {
         from_float(act.data(), r.actq + q * r.actq_row, f.n_ff);
     }
     ost_team_barrier(c.team);
-    phase_rows(r, ith, nth, true);
+    phase_rows(r, true);
 }
 
 }  // namespace
@@ -406,14 +400,14 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
         from_float(job.cur + (int64_t) t * job.cur_stride, (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row),
                    f.n_embd);
     }
-    // row weights: each row is read once and dotted with each route of its expert
-    r.w1.assign(r.groups.size() + 1, 0);
-    r.w3.assign(r.groups.size() + 1, 0);
-    for (size_t g = 0; g < r.groups.size(); ++g) {
-        const int64_t wr = r.groups[g].nr + 2;
-        r.w1[g + 1] = r.w1[g] + wr * 2 * f.n_ff;
-        r.w3[g + 1] = r.w3[g] + wr * f.n_embd;
-    }
+    // chunks of about CHUNK_BYTES of weight rows (gate/up rows are n_embd long, down rows n_ff)
+    const ggml_tensor * gw = f.merged ? f.up : f.gate;
+    r.chunk1 = std::max<int64_t>(1, CHUNK_BYTES / (int64_t) gw->nb[1]);
+    r.chunk3 = std::max<int64_t>(1, CHUNK_BYTES / (int64_t) f.down->nb[1]);
+    r.per1 = (2 * f.n_ff + r.chunk1 - 1) / r.chunk1;
+    r.per3 = (f.n_embd + r.chunk3 - 1) / r.chunk3;
+    r.next1.store(0, std::memory_order_relaxed);
+    r.next3.store(0, std::memory_order_relaxed);
     team_ctx c{ &r, team };
     ost_team_run(team, team_fn, &c);
     if (st) {

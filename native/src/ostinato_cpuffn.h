@@ -10,7 +10,7 @@
 // each token row quantized to the weights' vec_dot type with the same from_float, each output
 // element one vec_dot of a weight row with that row, the activation by ggml-cpu's own
 // ggml_vec_swiglu_f32 over whole rows (exported by native/patches/23), -1 ids skipped. Only the
-// order of the work differs: the experts' rows are shared out over the team by bytes, every row is
+// order of the work differs: the experts' rows are taken in chunks from a counter by the team, every row is
 // read once for all of its expert's tokens, and there are three barriers instead of ggml's
 // per-op synchronisation. Graphs it does not match (biases, scales, other activations, clamps) and
 // experts that ggml-cpu would compute with its tiled K-quant kernel (>= 8 rows of one expert) keep

@@ -187,7 +187,10 @@ bool prepare(ost_dgraph * dg, jobset_t & js) {
     size_t work = 0;
     for (auto & j : js.jobs) {
         if (!ggml_gallocr_alloc_graph(dg->galloc, j.g)) return false;
-        j.plan = ggml_graph_plan(j.g, dg->n_threads, dg->tp);
+        // with the kernel on, ggml's compute serves only the layers it does not take: on a quarter
+        // of the threads, as the OpenMP pool had (two OpenMP teams in one process with more threads
+        // than cores make libgomp cut every wait short, prefill's too: docs/engine.md, Threads)
+        j.plan = ggml_graph_plan(j.g, g_ffn_kernel ? std::max(1, dg->n_threads / 4) : dg->n_threads, dg->tp);
         work = std::max(work, j.plan.work_size);
     }
     if (dg->work.size() < work) dg->work.resize(work);
