@@ -19,7 +19,8 @@
 #   cpubench: `ostinato bench cpu-branch` on 2-layer files at real per-layer sizes (qwen3moe Q4_0 and
 #             Q8_0 at the Qwen3-30B-A3B shape, qwen35moe UD-Q4_K_XL at the Qwen3.5-35B-A3B shape): the CPU
 #             branch's own kernel against llama.cpp's CPU mul_mat_id on the same experts, 1-16 experts,
-#             1 and 4 tokens, 1 to all threads, with the host's read bandwidth -> cpu-branch-h200.{json,md}
+#             1 and 4 tokens, 1 to all threads, with the host's read bandwidth -> cpu-branch-h200.{json,md};
+#             CB_ROWS ("arch:shape:quant ...") and CB_ARGS (the grid) narrow it
 # Two GPUs (nvidia-h200-x2; issue 14), each its own device call after build (+ model for serve2/bench2):
 #   exact2:   the two-GPU exactness cases (pytest -m two_gpu, OSTINATO_TEST_GPUS=2): split, upload and
 #             decode-graph paths against stock with the same layer split -> exactness-2gpu.txt
@@ -119,14 +120,15 @@ if has model; then
 fi
 if has cpubench; then
   ms=()
-  for row in qwen3moe:qwen3-30b-a3b:q4_0 qwen3moe:qwen3-30b-a3b:q8_0 qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl; do
+  for row in ${CB_ROWS:-qwen3moe:qwen3-30b-a3b:q4_0 qwen3moe:qwen3-30b-a3b:q8_0 qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl}; do
     IFS=: read -r a shape quant <<< "$row"
     m=/tmp/cb-$a-$quant.gguf
     [ -f "$m" ] || python3 -m ostinatod.cli synth --arch "$a" --shape "$shape" --quant "$quant" --layers 2 -o "$m" 2>&1 | tail -1
     ms+=(--model "$m")
   done
-  cmd=(python3 -m ostinatod.cli bench cpu-branch "${ms[@]}" --experts 1,2,4,8,16 --tokens 1,4
-       --threads 1,4,8,12,15,16 --reps 20 --read-bw-mib 4096 --json "$OUT/cpu-branch-h200.json")
+  # CB_ARGS replaces the grid (e.g. "--experts 1,2,4,8 --tokens 1 --threads 8,15,16 --reps 20")
+  cmd=(python3 -m ostinatod.cli bench cpu-branch "${ms[@]}" ${CB_ARGS:---experts 1,2,4,8,16 --tokens 1,4
+       --threads 1,4,8,12,15,16 --reps 20} --read-bw-mib 4096 --json "$OUT/cpu-branch-h200.json")
   printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
     "${cmd[*]}" > "$OUT/cpu-branch-h200.cmd.txt"
   timeout 240 "${cmd[@]}" > "$OUT/cpu-branch-h200.md" 2> "$OUT/cpu-branch-h200.log"
