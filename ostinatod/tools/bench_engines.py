@@ -19,6 +19,9 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    ``stock-cpu``     all experts on the CPU (attention on the GPU),
    ``llama-server``  the stock llama-server binary of the same build (``ostinato build
                      --with-server``), same n_cpu_moe as stock-layers,
+   ``ik-llama-server`` (only when named) ik_llama.cpp's llama-server with its own MoE options and
+                     the same expert bytes on the GPU (:mod:`.bench_ik`; binary in
+                     ``$OSTINATO_IK_SERVER``),
    ``stock-all-gpu`` the reference limit, not a baseline at equal memory: every layer and every
                      expert on the GPU (``experts = stock``, ``n_cpu_moe = 0``), run when the model
                      fits the free GPU memory (skipped with a note otherwise; on a machine without
@@ -46,7 +49,8 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
 Figures per engine: decode ms/token (median TPOT), median TTFT after tool outputs, median prefill
 time (TTFT) by bucket of new tokens (<128, 128-511, 512-2047, >=2048), total session time (sum of
 request times), hot-route share (share of routes computed from GPU-resident experts), ratios to
-the best stock baseline per metric (``ratios_vs_best_stock``, > 1: Ostinato is faster) and to the
+the best stock baseline per metric (``ratios_vs_best_stock``, > 1: Ostinato is faster), to the
+best peer (``ratios_vs_best_peer``: every engine but Ostinato's and the limit) and to the
 limit (``ratios_vs_limit``: Ostinato / stock-all-gpu, the slowdown factor, 1 = the limit). For the
 Ostinato engine, ``step_breakdown``: the native engine's per-pass times (``cpu_branch_ms``,
 ``gpu_branch_ms``, ``upload_ms``, ``total_ms`` and any other ``*_ms`` key) as means per decode step
@@ -73,8 +77,9 @@ from typing import Any, Optional
 
 from ..residency.planner import PlanError
 from ..synth.shapes import SHAPES, SynthError
-from .bench_common import CHOICES, ENGINES, LIMIT, ONE_GPU, VARIANTS, BenchError, say, variant_settings
+from .bench_common import CHOICES, ENGINES, IK, LIMIT, ONE_GPU, VARIANTS, BenchError, say, variant_settings
 from .bench_fit import Estimator, limit_fit
+from .bench_ik import start_ik_server
 from .bench_launch import (StepRecorder, expert_stats, llama_server_binary, replay, start_daemon,
                            start_llama_server)
 from .bench_prepare import collect_dev_traces, one_gpu_plan, plan, prepare_model, select_sessions
@@ -149,9 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "layers split across them; stock engines use llama.cpp's layer split")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(CHOICES)
                     + f" ({LIMIT}: every expert on the GPU, the reference limit; run when the "
-                    f"model fits the free GPU memory; {ONE_GPU}: with --gpus N > 1, Ostinato on the "
-                    "first GPU alone at the same pool budget; " + ", ".join(VARIANTS) + ": Ostinato with "
-                    "one option changed from its default; default: the first five)")
+                    f"model fits the free GPU memory; {IK}: ik_llama.cpp's llama-server at "
+                    "stock-layers' GPU memory, its binary named by $OSTINATO_IK_SERVER; "
+                    f"{ONE_GPU}: with --gpus N > 1, Ostinato on the first GPU alone at the same "
+                    "pool budget; " + ", ".join(VARIANTS) + ": Ostinato with one option changed "
+                    "from its default; default: the first five)")
     ap.add_argument("--no-server", action="store_true", help="skip the llama-server baseline")
     ap.add_argument("--client", default="openai", choices=("openai", "anthropic"))
     ap.add_argument("--n-ctx", type=int, default=32768, help="context per slot")
@@ -258,6 +265,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                     say(notes[-1])
                     continue
                 srv = start_llama_server(binary, model, stock["n_cpu_moe"], run_dir, a)
+            elif name == IK:   # BenchError (a note) when its binary is not named
+                srv = start_ik_server(model, stock["n_cpu_moe"], run_dir, a)
             else:
                 st = {"ostinato": {"experts": "ostinato", "residency": plans[frac][1]},
                       ONE_GPU: {"experts": "ostinato",
@@ -302,6 +311,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 m["hot_route_share"] = 1.0
             else:
                 m["hot_route_share"] = 0.0 if name == "stock-cpu" else stock["hot_route_share"]
+            if name in ("llama-server", IK):
+                m["server_command"] = srv.cmd
             if name == "ostinato":
                 sweep_runs[frac] = m
                 if frac == a.budget_frac:
@@ -344,6 +355,7 @@ def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stoc
                  "limit_fit": fit},
         "engines": dict(results),
         "ratios_vs_best_stock": ratios(results),
+        "ratios_vs_best_peer": ratios(results, peers=True),
         "ratios_vs_limit": ratios_vs_limit(results),
         "notes": list(notes),
     }

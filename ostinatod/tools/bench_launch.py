@@ -25,7 +25,8 @@ from .bench_common import BenchError, say
 from .bench_report import turn_breakdown
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the OS picks it; free when this returns)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -67,7 +68,7 @@ class Server:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
                  url_file: Optional[Path] = None, url: Optional[str] = None,
                  cpus: Optional[list[int]] = None):
-        self.name, self.log_path = name, log_path
+        self.name, self.log_path, self.cmd = name, log_path, list(cmd)
         self._log = open(log_path, "ab")
         # cpus: the server process (and so every thread it makes) runs on these CPUs only
         pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
@@ -143,17 +144,24 @@ def llama_server_binary() -> Optional[Path]:
     return None
 
 
-def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
-                       a: argparse.Namespace) -> Server:
-    """Stock llama-server: all layers on the GPU except the experts of the first n_cpu_moe layers;
-    its threads and CPUs as our engine worker's (:func:`ostinatod.hardware.cpu_placement`: the
-    NUMA-local physical cores on a host with several nodes), so the comparison is at equal CPUs."""
-    port = _free_port()
+def server_placement(a: argparse.Namespace) -> tuple[int, Optional[list[int]]]:
+    """Threads and CPUs of a server engine (llama-server, ik-llama-server): those of our engine
+    worker (:func:`ostinatod.hardware.cpu_placement`: the NUMA-local physical cores on a host with
+    several nodes; ``--threads`` or the physical cores), so every engine runs at equal CPUs.
+    Returns (threads, CPUs to pin the process to, or None: unpinned)."""
     from ..settings import load_settings
 
     cpu_set = load_settings().cpu_set   # the daemons' setting (file or OSTINATO_CPU_SET)
     place = cpu_placement(cpu_set)
-    threads = a.threads or default_threads(cpu_set)
+    return a.threads or default_threads(cpu_set), place["cpus"] if place["pin"] else None
+
+
+def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
+                       a: argparse.Namespace) -> Server:
+    """Stock llama-server: all layers on the GPU except the experts of the first n_cpu_moe layers;
+    threads and CPUs of :func:`server_placement`."""
+    port = free_port()
+    threads, cpus = server_placement(a)
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-c", str(a.n_ctx * 2), "-np", "2", "-ngl", "999", "--n-cpu-moe", str(n_cpu_moe),
            "-t", str(threads), "-tb", str(threads), "--jinja", "-b", "2048", "-ub", "512",
@@ -167,7 +175,7 @@ def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
     except ImportError:
         pass
     return Server("llama-server", cmd, env, run_dir / "llama-server.log",
-                  url=f"http://127.0.0.1:{port}", cpus=place["cpus"] if place["pin"] else None)
+                  url=f"http://127.0.0.1:{port}", cpus=cpus)
 
 
 def _model_name(url: str) -> str:
