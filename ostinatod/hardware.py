@@ -400,7 +400,7 @@ def expert_engine_threads(n_threads: Optional[int], decode_threads: Optional[int
 
     Unset, the pool gets a quarter of :func:`default_threads` (at least 1) and the context the rest,
     so that the two thread teams hold no more threads than the placement has cores. Measured on the
-    16-core H200 machine (docs/benchmarks/engines-h200-16c-L48-threads.md): the former default (context
+    16-core H200 machine (docs/benchmarks/runs/2026-12-01-engines-h200-16c-L48-threads.md): the former default (context
     16, pool 15) cost every prefill ~1.8 s more at a 100% pool (TTFT after tool 1.91 s against
     0.13 s) and 0.1 s more at 45%, at the same decode speed. A set ``n_threads`` is kept for the
     context and ``decode_threads`` (setting or calibration) for the pool; the pool then defaults to

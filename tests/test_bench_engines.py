@@ -222,7 +222,8 @@ def test_plot_from_stored_json_without_sweep(tmp_path):
     baselines as lines (no engine, no GPU needed)."""
     from ostinatod.tools import bench_plot
 
-    stored = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "engines-h200-L24.json"
+    runs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "runs"
+    stored = runs / "2026-11-29-engines-h200-L24.json"
     out = tmp_path / "p.svg"
     assert bench_plot.main([str(stored), "-o", str(out)]) == 0
     text = out.read_text()

@@ -196,7 +196,7 @@ def test_placement_of_this_machine_and_the_pin(monkeypatch):
 
 def test_expert_engine_threads_leave_the_pool_its_cores(monkeypatch):
     """Unset, the decode graph's pool gets a quarter of the cores and the context the rest (no more
-    threads than cores: the 16-core H200 run in docs/benchmarks/engines-h200-16c-L48-threads.md); set
+    threads than cores: the 16-core H200 run in docs/benchmarks/runs/2026-12-01-engines-h200-16c-L48-threads.md); set
     counts are kept as given."""
     for cores, want in ((16, (12, 4)), (32, (24, 8)), (2, (2, 1)), (1, (1, 1))):
         monkeypatch.setattr(hardware, "default_threads", lambda cpu_set=None, c=cores: c)

@@ -123,7 +123,7 @@ def _gpus(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ostinato bench engines",
                                  description="Ostinato vs stock llama.cpp on one model and the same "
-                                             "held-out agent sessions (see docs/benchmarks/README.md).")
+                                             "held-out agent sessions (see docs/benchmarks/METHOD.md).")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
                     help="synthetic model shape (e.g. tiny, small, qwen3-30b-a3b)")
     ap.add_argument("--layers", type=int, help="layers of the synthetic model (default 24 for "
@@ -165,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, help="CPU threads (default: physical cores)")
     ap.add_argument("--prefill-threshold", type=int, help="Np for Ostinato (default: calibration "
                     "or 512)")
-    ap.add_argument("--name", help="result name (default engines-<shape>-L<layers>)")
-    ap.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
+    ap.add_argument("--name", help="result name (default <UTC date>-engines-<shape>-L<layers>, the "
+                    "stored runs' naming)")
+    ap.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks/runs"))
     ap.add_argument("--work-dir", type=Path, help="keep logs, traces and replay JSON here")
     ap.add_argument("--engine-mode", default="subprocess", choices=("subprocess", "inprocess"),
                     help="engine worker mode of the daemons (default: the daemon's default)")
@@ -183,6 +184,9 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     t_start = time.monotonic()
     if a.layers is None and a.shape == "qwen3-30b-a3b" and not a.model:
         a.layers = 24
+    if not a.name:   # dated once, at the start: the stored runs' naming (docs/benchmarks/runs)
+        a.name = (f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}-engines-"
+                  + (Path(a.model).stem if a.model else a.shape + (f"-L{a.layers}" if a.layers else "")))
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in CHOICES]
     if bad:
@@ -338,8 +342,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
 def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stock, results, sweep,
             sweep_runs, plans, fit, notes) -> dict[str, Any]:
     out = {
-        "name": a.name or (f"engines-{Path(a.model).stem}" if a.model
-                           else f"engines-{a.shape}" + (f"-L{a.layers}" if a.layers else "")),
+        "name": a.name,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "command": "ostinato bench engines " + " ".join(argv),

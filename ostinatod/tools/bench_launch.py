@@ -257,7 +257,7 @@ class StepRecorder:
     (:meth:`first_token`, the replay's ``on_first_token``), not before: a stats call takes the
     daemon's GIL and the engine's lock, and this process's GIL, so polling during the prefill could
     add to the measured engine's TTFT alone (the baselines are never polled; the size of that was
-    not separable from run-to-run noise on the H200, docs/benchmarks/README.md). It stops at the
+    not separable from run-to-run noise on the H200, docs/benchmarks/METHOD.md). It stops at the
     first snapshot that shows a decode step of the turn."""
 
     def __init__(self, home: Path, poll_s: float = 0.025):
