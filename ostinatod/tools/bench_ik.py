@@ -34,7 +34,8 @@ from .bench_common import IK, BenchError
 
 IK_ENV = "OSTINATO_IK_SERVER"
 IK_ARGS_ENV = "OSTINATO_IK_ARGS"
-# the sdist whose vendored ik_llama.cpp the device stage builds (scripts/ik-carry.sh downloads it)
+# the sdist whose vendored ik_llama.cpp the device stage builds (scripts/ik-carry.sh downloads it;
+# its one home)
 IK_SDIST = "ik-llama-cpp-python==0.1.5"
 # an expert weight tensor of layer L in ik_llama.cpp's names (its own --n-cpu-moe uses this pattern)
 _EXPERT_TENSOR = r"\.ffn_(up|down|gate|gate_up)_exps\.weight$"
@@ -46,8 +47,9 @@ def ik_server_binary(env: Optional[dict[str, str]] = None) -> Path:
     env = os.environ if env is None else env
     p = env.get(IK_ENV)
     if not p:
-        raise BenchError(f"binary not found: set {IK_ENV} to ik_llama.cpp's llama-server "
-                         "(scripts/device-run.sh stage ikbuild builds it); engine skipped")
+        raise BenchError(f"binary not found: set {IK_ENV} to ik_llama.cpp's llama-server (built "
+                         f"from the {IK_SDIST} sdist by scripts/device-run.sh stage ikbuild); "
+                         "engine skipped")
     path = Path(p)
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise BenchError(f"{IK_ENV}={p} is not an executable file; engine skipped")
