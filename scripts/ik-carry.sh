@@ -4,10 +4,10 @@
 # Writes .carry/ik-src.tar.xz (~6.5 MiB; the 42 MB sdist without its models, docs, web UI sources and
 # non-CUDA GPU backends, plus one build step it lacks) and .carry/ik-src.version; does nothing when
 # that version is already there.
-# Usage: bash scripts/ik-carry.sh [VERSION]   (default: the version ostinatod/tools/bench_ik.py's IK_SDIST names)
+# Usage: bash scripts/ik-carry.sh [VERSION]   (default: the version ostinatod/bench/bench_ik.py's IK_SDIST names)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
-ver=${1:-$(python3 -c 'from ostinatod.tools.bench_ik import IK_SDIST; print(IK_SDIST.split("==")[1])')}
+ver=${1:-$(python3 -c 'from ostinatod.bench.bench_ik import IK_SDIST; print(IK_SDIST.split("==")[1])')}
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
 mkdir -p .carry
 if [ -f .carry/ik-src.tar.xz ] && [ "$(cat .carry/ik-src.version 2>/dev/null)" = "$ver" ]; then

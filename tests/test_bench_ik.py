@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ostinatod.tools import bench_engines as be
-from ostinatod.tools import bench_ik, bench_report
-from ostinatod.tools.bench_common import IK, BenchError, is_peer
-from ostinatod.tools.replay import _cached_from_timings
+from ostinatod.bench import bench_engines as be
+from ostinatod.bench import bench_ik, bench_report
+from ostinatod.bench.bench_common import IK, BenchError, is_peer
+from ostinatod.bench.replay import _cached_from_timings
 
 SESSIONS = Path("/work/shared/sessions")
 

@@ -3,9 +3,9 @@
 One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics):
 
 1. writes (or reuses) a synthetic real-shape MoE model (Qwen3-30B-A3B shape, Q4_0 experts,
-   ``--layers`` 24 by default) with :func:`ostinatod.tools.synth.write_synthetic_moe`;
+   ``--layers`` 24 by default) with :func:`ostinatod.synth.writer.write_synthetic_moe`;
 2. splits the recorded sessions into development and held-out sets by task
-   (:func:`ostinatod.tools.sessions.split_sessions`);
+   (:func:`ostinatod.bench.sessions.split_sessions`);
 3. collects development routing traces by replaying a few turns of dev sessions through the
    Ostinato engine (in process, all experts cold: only the route counts matter);
 4. plans a residency set with the pool budget at ``--budget-frac`` (45%) of the expert bytes;
@@ -44,7 +44,7 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    (the baselines and the limit run once, at ``--budget-frac``);
 7. prints a table and writes ``<out-dir>/<name>.json`` and ``<name>.md`` (after every engine, so an
    interrupted run leaves what it measured), and with a sweep ``<name>.svg``
-   (:mod:`ostinatod.tools.bench_plot`, also ``ostinato bench plot X.json``).
+   (:mod:`ostinatod.bench.bench_plot`, also ``ostinato bench plot X.json``).
 
 Figures per engine: decode ms/token (median TPOT), median TTFT after tool outputs, median prefill
 time (TTFT) by bucket of new tokens (<128, 128-511, 512-2047, >=2048), total session time (sum of
@@ -381,7 +381,7 @@ def write_result(result: dict[str, Any], out_dir: Path, plot: bool = True) -> Pa
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``ostinato bench engines`` (dispatched from ostinatod/tools/bench.py)."""
+    """Entry point of ``ostinato bench engines`` (dispatched from ostinatod/bench/cli.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     try:

@@ -147,7 +147,7 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``ostinato bench plot`` (dispatched from ostinatod/tools/bench.py)."""
+    """Entry point of ``ostinato bench plot`` (dispatched from ostinatod/bench/cli.py)."""
     ap = argparse.ArgumentParser(prog="ostinato bench plot", description="Plot decode ms/token and "
                                  "TTFT after tool outputs against the pool budget from stored "
                                  "'ostinato bench engines' JSONs (SVG).")

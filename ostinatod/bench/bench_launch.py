@@ -189,7 +189,7 @@ def _model_name(url: str) -> str:
 def replay(url: str, sessions_file: Path, held: list[dict], a: argparse.Namespace, out: Path,
            on_turn=None, on_first_token=None) -> dict:
     """Replay the held-out sessions against ``url`` with the one replay client
-    (:func:`ostinatod.tools.replay.run_replay`, what ``ostinato bench replay`` runs); the result
+    (:func:`ostinatod.bench.replay.run_replay`, what ``ostinato bench replay`` runs); the result
     JSON is also written to ``out``. ``on_turn()`` runs after every turn (outside its timing),
     ``on_first_token()`` in every turn once its first token arrived (after its TTFT was taken)."""
     from .replay import run_replay

@@ -1,11 +1,11 @@
 """``ostinato bench SUBCOMMAND``: benchmarks.
 
 Subcommands (each a module with ``main(argv) -> int``):
-  replay   replay recorded agent sessions through the HTTP API (ostinatod.tools.replay)
+  replay   replay recorded agent sessions through the HTTP API (ostinatod.bench.replay)
   engines  Ostinato against stock llama.cpp on the same model and sessions
-           (ostinatod.tools.bench_engines)
-  plot     time against pool size from stored engines JSONs (ostinatod.tools.bench_plot)
-  reliability  fuzzing, crashes, slow connections (ostinatod.tools.bench_reliability)
+           (ostinatod.bench.bench_engines)
+  plot     time against pool size from stored engines JSONs (ostinatod.bench.bench_plot)
+  reliability  fuzzing, crashes, slow connections (ostinatod.bench.bench_reliability)
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from ..cli import dispatch
 
 # name -> (module, function, one-line help); add a subcommand here
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "replay": ("ostinatod.tools.replay", "main",
+    "replay": ("ostinatod.bench.replay", "main",
                "replay recorded agent sessions through the HTTP API, time each turn"),
-    "engines": ("ostinatod.tools.bench_engines", "main",
+    "engines": ("ostinatod.bench.bench_engines", "main",
                 "Ostinato vs stock llama.cpp baselines on one model and sessions"),
-    "plot": ("ostinatod.tools.bench_plot", "main",
+    "plot": ("ostinatod.bench.bench_plot", "main",
              "plot time against pool size from stored 'bench engines' JSONs (SVG)"),
-    "reliability": ("ostinatod.tools.bench_reliability", "main",
+    "reliability": ("ostinatod.bench.bench_reliability", "main",
                     "fuzz every route, crash and stop the worker, slow connections: 5xx, hangs, RSS"),
 }
 
