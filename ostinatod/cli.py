@@ -12,8 +12,8 @@ import sys
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "build": ("ostinatod.build", "main", "build/install the native engine (llama.cpp + native/)"),
-    "synth": ("ostinatod.tools.synth", "main", "write a synthetic MoE GGUF (qwen3moe, deepseek2, ...)"),
-    "bench": ("ostinatod.tools.bench", "main", "benchmarks: 'bench replay' of recorded agent sessions, "
+    "synth": ("ostinatod.synth.cli", "main", "write a synthetic MoE GGUF (qwen3moe, deepseek2, ...)"),
+    "bench": ("ostinatod.bench.cli", "main", "benchmarks: 'bench replay' of recorded agent sessions, "
               "'bench engines' Ostinato vs stock"),
     "calibrate": ("ostinatod.engine.calibrate", "main", "calibrate the cost model and Np on this machine"),
     "plan": ("ostinatod.residency.planner", "main", "plan a residency set from routing traces"),

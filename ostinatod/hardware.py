@@ -405,7 +405,7 @@ def expert_engine_threads(n_threads: Optional[int], decode_threads: Optional[int
     one). With ggml's graph compute (``kernel`` false) both teams are OpenMP teams, and libgomp cuts
     every wait short once the process holds more OpenMP threads than CPUs: the pool then gets a
     quarter of the cores and the context the rest (measured on the 16-core H200 machine,
-    docs/benchmarks/engines-h200-16c-L48-threads.md: context 16 with pool 15 cost every prefill
+    docs/benchmarks/runs/2026-12-01-engines-h200-16c-L48-threads.md: context 16 with pool 15 cost every prefill
     ~1.8 s more at a 100% pool). A set ``n_threads`` is kept for the context and ``decode_threads``
     (setting or calibration) for the pool; the pool then defaults to ``n_threads - 1``. Never raises."""
     p = default_threads(cpu_set)

@@ -152,15 +152,15 @@ class Settings(BaseSettings):
                                     "fewest routes, that a CPU branch computes while the others are "
                                     "uploaded; -1: adapted per layer. 0 (default) is off: measured on "
                                     "the H200, both versions cost more than they saved (TTFT after a "
-                                    "tool output 0.266 s against 0.201 s, docs/benchmarks/"
-                                    "engines-h200-L48-ab).")
+                                    "tool output 0.266 s against 0.201 s, docs/benchmarks/runs/"
+                                    "2026-11-30-engines-h200-L48-ab).")
     prefill_prefetch: bool = Field(True, description="Prefetch for long prefills: the next layers' "
                                    "routers applied to this layer's input predict their experts, whose "
                                    "copies then start early (prefill_prefetch_depth layers ahead). Adds "
                                    "staging regions to the pool (the planner reserves them). Measured "
                                    "on the H200 (one layer ahead): TTFT "
                                    "after a tool output 0.149 s against 0.201 s without "
-                                   "(docs/benchmarks/engines-h200-L48-ab).")
+                                   "(docs/benchmarks/runs/2026-11-30-engines-h200-L48-ab).")
     prefill_prefetch_depth: int = Field(2, ge=1, le=2, description="Layers ahead the prefill "
                                         "prefetch predicts: 1 (the next layer) or 2 (the next two; a "
                                         "layer's predicted set is the union of both predictions, and "
@@ -170,7 +170,8 @@ class Settings(BaseSettings):
                                         "tool output 0.146 s at depth 2 against 0.153 s at depth 1, "
                                         "but 127.8 against 126.4 ms per such prefill in the engine "
                                         "(3.5% more bytes copied, fewer misses): no clear winner "
-                                        "(docs/benchmarks/engines-h200-16c-L48-prefetch2-headline).")
+                                        "(docs/benchmarks/runs/"
+                                        "2026-12-01-engines-h200-16c-L48-prefetch2-headline).")
     upload_copy_2d: bool = Field(True, description="Long prefills on a GPU pool: each cold expert's "
                                  "weight matrices reach the GPU in one 2D copy rather than one copy "
                                  "per matrix (same bytes, fewer and larger transfers), where the "

@@ -1,7 +1,20 @@
 #!/usr/bin/env bash
-# GPU machine run in stages (one device call each, <= 10 min; state under /tmp stays while the machine
-# is warm). Usage: STAGES="build exact model calib" bash scripts/device-run.sh [LAYERS] [bench args...]
+# Runs the GPU machine's stages (build, exactness, model, calibration, benchmarks), one device call each.
+# Each stage fits one call (<= 10 min; state under /tmp stays while the machine is warm).
+# Usage: STAGES="build exact model calib" bash scripts/device-run.sh [LAYERS] [bench args...]
 # LAYERS defaults to 48 (the Qwen3-30B-A3B shape's own depth: the headline run of docs/benchmarks).
+# Peer engine ik_llama.cpp (issue 27; .carry/ik-src.tar.xz from `bash scripts/ik-carry.sh`):
+#   ikbuild:  its llama-server with CUDA (sm_90, static, only that target) from .carry/ik-src.tar.xz
+#             into /tmp/ik-build (-> /tmp/ik-build/bin/llama-server, never in git). The build runs in a
+#             session of its own, so it goes on between calls while the machine is warm (30 s), and the
+#             stage waits for it until the call's time is up; the next call's ikbuild waits for the same
+#             build (or restarts ninja where it stopped). ~10-15 min of 16 cores in all: two calls.
+#             IK_WAIT=0 only starts it (put ikbuild first: `IK_WAIT=0 STAGES="ikbuild build model"`
+#             overlaps it with our build and the model). No bench runs while it builds.
+#   peers:    45% pool: ostinato, stock-all-gpu, ik-llama-server (-ot at stock-layers' GPU expert bytes),
+#             llama-server, stock-layers; 2 x 8 turns (~5-6 min)
+#   peers100: the same at --budget-frac 1.0 without stock-layers (~3 min; `STAGES="peers peers100"` fits
+#             one call, the second skipping engines past the time left with a note)
 #   build:    offline install from .carry/ + CUDA build with the stock llama-server (~300 s)
 #   exact:    GPU exactness tests and the op-level tests of the patches (on failure: rerun the first
 #             failure with CUDA_LAUNCH_BLOCKING=1)
@@ -52,9 +65,13 @@ SCRIPT_ARGS="$LAYERS $*"
 STAGES=${STAGES:-build exact model calib bench}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+IK_BIN=/tmp/ik-build/bin/llama-server
+ik_building() { kill -0 "$(cat /tmp/ik-build.pid 2>/dev/null)" 2>/dev/null; }
 # bench NAME ARGS...: one `ostinato bench engines` run on /tmp/m.gguf within the time left of this call
 bench() {
   local name=$1; shift
+  if ik_building; then echo "[$(el)s] $name: not run, the ik_llama.cpp build still runs beside it (stage ikbuild)"; return; fi
+  [ -x "$IK_BIN" ] && export OSTINATO_IK_SERVER=${OSTINATO_IK_SERVER:-$IK_BIN}
   local left=$(( 590 - $(el) ))
   local cmd=(python3 -m ostinatod.cli bench engines --model /tmp/m.gguf --sessions-dir .carry/sessions
              --out-dir "$OUT" --work-dir "/tmp/bench-work-$name" --name "$name"
@@ -70,6 +87,38 @@ bench() {
   (cd "/tmp/bench-work-$name" 2>/dev/null && ls replay-*.json >/dev/null 2>&1 && tar -czf "$OUT/$name-replays.tar.gz" replay-*.json)
   echo "[$(el)s] $name done: $(ls "$OUT/$name".* 2>/dev/null | tr '\n' ' ')"
 }
+if has ikbuild; then
+  if [ ! -x "$IK_BIN" ]; then
+    src=$(ls -d /tmp/ik_llama_cpp_python-*/vendor/ik_llama.cpp 2>/dev/null | head -1)
+    if [ -z "$src" ]; then
+      tar xJf .carry/ik-src.tar.xz -C /tmp || { echo "no .carry/ik-src.tar.xz: run bash scripts/ik-carry.sh"; exit 1; }
+      src=$(ls -d /tmp/ik_llama_cpp_python-*/vendor/ik_llama.cpp | head -1)
+    fi
+    # static: its own ggml and llama, never our llama.cpp's libraries; only the CUDA FA kernels of f16/q8_0/q4_0 KV
+    [ -f /tmp/ik-build/build.ninja ] || cmake -S "$src" -B /tmp/ik-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DBUILD_SHARED_LIBS=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DGGML_NCCL=OFF \
+      -DGGML_IQK_FA_ALL_QUANTS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF > /tmp/ik-cmake.log 2>&1 \
+      || { tail -30 /tmp/ik-cmake.log | tee "$OUT/ik-cmake-tail.txt"; exit 1; }
+    if ! ik_building; then
+      echo "[$(el)s] ikbuild: ninja llama-server -j$(nproc) in /tmp/ik-build ($(grep -c . /tmp/ik-build.log 2>/dev/null || echo 0) log lines so far)"
+      setsid bash -c 'echo $$ > /tmp/ik-build.pid; exec ninja -C /tmp/ik-build -j"$(nproc)" llama-server' \
+        >> /tmp/ik-build.log 2>&1 < /dev/null &
+      sleep 2
+    fi
+    if [ "${IK_WAIT:-1}" != 0 ]; then
+      while ik_building && [ $(( 590 - $(el) )) -gt 15 ]; do sleep 5; done
+    fi
+  fi
+  if [ -x "$IK_BIN" ]; then
+    echo "[$(el)s] ikbuild: $IK_BIN ready ($(du -h "$IK_BIN" | cut -f1))"; "$IK_BIN" --version 2>&1 | tail -2
+  elif ik_building; then
+    echo "[$(el)s] ikbuild: still building, at $(grep -o '^\[[0-9]*/[0-9]*\]' /tmp/ik-build.log | tail -1);" \
+      "call STAGES=ikbuild again within 30 s (the machine stays warm and the build goes on meanwhile)"
+  else
+    grep -E "error|FAILED" /tmp/ik-build.log | head -20; tail -30 /tmp/ik-build.log > "$OUT/ik-build-tail.txt"
+    echo "[$(el)s] ikbuild: ninja stopped without the binary (log tail in ik-build-tail.txt)"; exit 1
+  fi
+fi
 if has build; then
   python3 -m pip install -q --no-index --no-build-isolation --find-links .carry/wheels -e . openai anthropic \
     > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
@@ -238,6 +287,14 @@ PY
   pidf=/tmp/serve2-work/home-serve2/run/ostinatod.pid
   [ -f $pidf ] && kill -- -"$(cat $pidf)" 2>/dev/null
   python3 -c "import json; d = json.load(open('$OUT/serve2.json')); print(json.dumps({k: d.get(k) for k in ('checks', 'ok')})); [print(g) for g in d['plan']['per_gpu']]" 2>&1 | cut -c1-400
+fi
+if has peers; then
+  bench "engines-h200-L$LAYERS-peers" --budget-frac 0.45 --sessions 2 --turns 8 \
+    --engines ostinato,stock-all-gpu,ik-llama-server,llama-server,stock-layers "$@"
+fi
+if has peers100; then
+  bench "engines-h200-L$LAYERS-peers100" --budget-frac 1.0 --sessions 2 --turns 8 \
+    --engines ostinato,stock-all-gpu,ik-llama-server,llama-server "$@"
 fi
 if has bench2; then
   bench "engines-h200x2-L$LAYERS" --gpus 2 --budget-frac 0.45 --sessions 2 --turns 6 \

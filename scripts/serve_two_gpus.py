@@ -1,11 +1,13 @@
-"""Issue 14 items 2 and 3 on the GPU machine (stage ``serve2`` of scripts/device-run.sh): plan a
+"""Serves one model over two GPUs, one of them partly taken, and records what the user sees (stage serve2).
+
+Issue 14 items 2 and 3 on the GPU machine (stage ``serve2`` of scripts/device-run.sh): plan a
 residency set over the GPUs as they are now (one of them partly taken by another process, started
 by the stage), start the daemon with it, replay a held-out session through its HTTP API, send the
 longest development request as one fresh prefill, and record what ``ostinato status``, ``/metrics``
 and the TUI show per GPU. Everything but the summary goes into one text file (the device run
 brings back few files).
 
-Reuses the benchmark's pieces (ostinatod/tools/bench_*.py): its argument defaults, session split,
+Reuses the benchmark's pieces (ostinatod/bench/bench_*.py): its argument defaults, session split,
 development traces (the Ostinato engine in this process, all experts cold), plan (the planner with
 the GPUs' free memory from NVML), daemon on loopback and replay client.
 
@@ -32,11 +34,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ostinatod.tools import bench_engines  # noqa: E402
-from ostinatod.tools.bench_common import BenchError, say  # noqa: E402
-from ostinatod.tools.bench_launch import control_metrics, replay, start_daemon  # noqa: E402
-from ostinatod.tools.bench_prepare import collect_dev_traces, plan, select_sessions  # noqa: E402
-from ostinatod.tools.sessions import WORKLOAD_OF_SESSION, assistant_turns  # noqa: E402
+from ostinatod.bench import bench_engines  # noqa: E402
+from ostinatod.bench.bench_common import BenchError, say  # noqa: E402
+from ostinatod.bench.bench_launch import control_metrics, replay, start_daemon  # noqa: E402
+from ostinatod.bench.bench_prepare import collect_dev_traces, plan, select_sessions  # noqa: E402
+from ostinatod.bench.sessions import WORKLOAD_OF_SESSION, assistant_turns  # noqa: E402
 
 OOM = re.compile(r"out of memory|cudaMalloc|CUDA error|failed to allocate|OOM|GGML_ASSERT|Traceback",
                  re.IGNORECASE)
@@ -129,7 +131,7 @@ def fresh_prefill(url: str, model: str, sess: dict, turn) -> dict[str, Any]:
     daemon): the longest prefill the plan was made for. Returns {ok, prompt_tokens, seconds, error}."""
     import openai
 
-    from ostinatod.tools.replay import to_openai, tools_openai
+    from ostinatod.bench.replay import to_openai, tools_openai
 
     cl = openai.OpenAI(base_url=url + "/v1", api_key="ostinato", timeout=600, max_retries=0)
     kw: dict[str, Any] = {}

@@ -32,7 +32,7 @@ import pytest
 # before any test module imports llama_cpp: ostinatod.engine puts libstdc++ into the global symbol
 # scope first (a CUDA build's model load crashes otherwise; see ostinatod/engine/__init__.py)
 import ostinatod.engine  # noqa: E402,F401
-from ostinatod.tools.bench_launch import terminate  # noqa: E402
+from ostinatod.bench.bench_launch import terminate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("OSTINATO_TEST_CACHE", Path.home() / ".cache" / "ostinato-test"))

@@ -1,4 +1,4 @@
-"""``ostinato bench cpu-branch`` (ostinatod/tools/bench_cpu.py): the fit of a kernel's time against the
+"""``ostinato bench cpu-branch`` (ostinatod/bench/bench_cpu.py): the fit of a kernel's time against the
 bytes it reads, the summary, and one tiny run of the real command on a synthetic model (no timing
 is asserted: speed is what the stored H200 runs in docs/benchmarks report)."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ostinatod.residency.cost import fit_cpu_bandwidth
-from ostinatod.tools import bench_cpu
+from ostinatod.bench import bench_cpu
 
 
 def test_fit_recovers_fixed_cost_and_bandwidth():

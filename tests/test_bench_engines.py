@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ostinatod.tools import bench_engines as be
-from ostinatod.tools import bench_fit, bench_launch, bench_prepare, bench_report, bench_sweep
-from ostinatod.tools.bench_common import BenchError
+from ostinatod.bench import bench_engines as be
+from ostinatod.bench import bench_fit, bench_launch, bench_prepare, bench_report, bench_sweep
+from ostinatod.bench.bench_common import BenchError
 
 SESSIONS = Path("/work/shared/sessions")
 
@@ -179,7 +179,7 @@ def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     assert "Budget sweep" in md and "| 60% |" in md
     assert (out / "tiny.svg").read_text().startswith("<svg")
     # the plot again from the stored JSON alone (no engine needed)
-    from ostinatod.tools import bench_plot
+    from ostinatod.bench import bench_plot
 
     svg = tmp_path / "again.svg"
     assert bench_plot.main([str(out / "tiny.json"), "-o", str(svg)]) == 0
@@ -220,9 +220,10 @@ def test_plan_over_two_gpus_and_gpu_env(tiny_model, tmp_path, monkeypatch):
 def test_plot_from_stored_json_without_sweep(tmp_path):
     """`ostinato bench plot` on a JSON stored before the sweep existed: one Ostinato point, the
     baselines as lines (no engine, no GPU needed)."""
-    from ostinatod.tools import bench_plot
+    from ostinatod.bench import bench_plot
 
-    stored = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "engines-h200-L24.json"
+    runs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "runs"
+    stored = runs / "2026-11-29-engines-h200-L24.json"
     out = tmp_path / "p.svg"
     assert bench_plot.main([str(stored), "-o", str(out)]) == 0
     text = out.read_text()
@@ -305,7 +306,7 @@ def test_ostinato_variants_are_valid_daemon_settings(tmp_path, monkeypatch):
     """The bench's Ostinato variants start the daemon with these settings (as OSTINATO_* variables):
     each must be a setting the daemon accepts, and differ from its default (else the A/B is void)."""
     from ostinatod.settings import Settings
-    from ostinatod.tools.bench_common import CHOICES, VARIANTS, variant_settings
+    from ostinatod.bench.bench_common import CHOICES, VARIANTS, variant_settings
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
     default = Settings()
     for name in VARIANTS:
@@ -397,7 +398,7 @@ def test_bad_options_are_one_line_errors(args, words, capsys):
 
 
 def test_plot_refuses_what_is_not_a_bench_result(tmp_path, capsys):
-    from ostinatod.tools import bench_plot
+    from ostinatod.bench import bench_plot
 
     other = tmp_path / "calibration.json"
     other.write_text(json.dumps({"decode_sweep": []}))

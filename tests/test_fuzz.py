@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("hypothesis")
 
 from ostinatod.control import client as ctl  # noqa: E402
-from ostinatod.tools import fuzz  # noqa: E402
+from ostinatod.bench import fuzz  # noqa: E402
 
 
 def _alive(d) -> None:

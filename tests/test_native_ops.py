@@ -86,7 +86,7 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
     with its tiled kernel is left to ggml (kernel false); every other row ran the kernel."""
     from ostinatod.engine import native
     from ostinatod.synth.writer import write_synthetic_moe
-    from ostinatod.tools.bench_cpu import _load
+    from ostinatod.bench.bench_cpu import _load
 
     path = write_synthetic_moe(tmp_path / "m.gguf", arch=arch, shape=shape, n_layer=2, quant=quant,
                                merged_gate_up=merged)

@@ -198,7 +198,7 @@ def test_expert_engine_threads_leave_the_pool_its_cores(monkeypatch):
     """Unset, with the CPU branch's own kernel (plain threads that sleep between decode passes) the
     context gets every core for prefill and the CPU branch every core but one; with ggml's graph
     compute (two OpenMP teams) the pool gets a quarter of the cores and the context the rest (no more
-    OpenMP threads than cores: the 16-core H200 run in docs/benchmarks/engines-h200-16c-L48-threads.md);
+    OpenMP threads than cores: the 16-core H200 run in docs/benchmarks/runs/2026-12-01-engines-h200-16c-L48-threads.md);
     set counts are kept as given."""
     for cores, want, want_kernel in ((16, (12, 4), (16, 15)), (32, (24, 8), (32, 31)), (2, (2, 1), (2, 1)),
                                      (1, (1, 1), (1, 1))):

@@ -9,7 +9,7 @@ Checked through the real control socket, /metrics and the TUI (Textual pilot):
 - a set of another model is refused with a structured error, the old set stays, serving goes on;
 - requests of workload A then B swap A's then B's planned set in before they run (automatic swap),
   reported in the log, /metrics, status and the TUI; the swap can be turned off;
-- replaying a swe session then a tau2 session (ostinatod/tools/replay.py) shows the switch in the
+- replaying a swe session then a tau2 session (ostinatod/bench/replay.py) shows the switch in the
   TUI and in /metrics, and the TUI key w switches back;
 - the background re-planner plans and swaps in an idle daemon whose traces moved;
 - a model served without the expert engine answers 409 with the reason;
@@ -186,7 +186,7 @@ def test_automatic_swap_per_workload(sw):
 def test_replay_swe_then_tau2_shows_the_switch_in_tui_and_metrics(sw, tiny_model, tmp_path):
     from test_replay import SWE, SWE_ID, TAU2, TAU2_ID
     from test_tui import _until
-    from ostinatod.tools import replay
+    from ostinatod.bench import replay
     from ostinatod.ui.tui import OstinatoTUI
 
     # start from a set of neither workload, so each session swaps its own set in

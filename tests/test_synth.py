@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ostinatod.tools import synth as synth_cli
+from ostinatod.synth import cli as synth_cli
 from ostinatod.synth import shapes, vocab, tensors, writer
 
 

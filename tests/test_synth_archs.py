@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 from ostinatod.residency.gguf_header import read_header
 from ostinatod.synth import archs, quants, shapes, vocab, writer
 from ostinatod.synth.tensors import _Ctx
-from ostinatod.tools import synth as synth_cli
+from ostinatod.synth import cli as synth_cli
 
 from test_synth import _greedy, _meta
 

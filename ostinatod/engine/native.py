@@ -331,7 +331,7 @@ def set_copy_2d(on: bool) -> None:
     gate and down matrices (a run of consecutive experts: theirs) go in one 2D copy where they sit at
     one pitch in host memory and in the pool, which llama.cpp's files and the pool layout give; off,
     one copy per matrix. The bytes are the same; the copy engine moves them faster in fewer, larger
-    transfers (docs/benchmarks/h2d-h200.json); a CPU pool copies the same rows one by one. On by
+    transfers (docs/benchmarks/runs/2026-12-01-h2d-h200.json); a CPU pool copies the same rows one by one. On by
     default; off only for measurements. Takes effect at the next copy."""
     llama_fn("ostinato_experts_set_copy_2d")(1 if on else 0)
 

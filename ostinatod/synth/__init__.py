@@ -9,5 +9,5 @@ content-dependent, skewed expert routing (the demo model of the daemon, the test
 - :mod:`.writer`: :func:`~.writer.write_synthetic_moe` (the method is in its docstring);
 - :mod:`.routing`: route counts and the routing report (``ostinato synth --report``).
 
-The command line is :mod:`ostinatod.tools.synth`.
+The command line is :mod:`ostinatod.synth.cli`.
 """

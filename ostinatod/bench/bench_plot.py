@@ -6,7 +6,7 @@ each JSON and its main run at ``plan.budget_frac``), the stock baselines and ``s
 limit) as horizontal lines. Written as a small hand-made SVG (no plotting library needed), so it
 runs anywhere from the stored JSONs::
 
-    ostinato bench plot docs/benchmarks/engines-h200-L48-sweep.json [more.json ...] [-o out.svg]
+    ostinato bench plot docs/benchmarks/runs/2026-11-30-engines-h200-L48-sweep.json [more.json ...] [-o out.svg]
 
 Several JSONs are merged: Ostinato points by budget (the first file that has a budget wins),
 each horizontal line from the first file that has that engine.
@@ -147,7 +147,7 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``ostinato bench plot`` (dispatched from ostinatod/tools/bench.py)."""
+    """Entry point of ``ostinato bench plot`` (dispatched from ostinatod/bench/cli.py)."""
     ap = argparse.ArgumentParser(prog="ostinato bench plot", description="Plot decode ms/token and "
                                  "TTFT after tool outputs against the pool budget from stored "
                                  "'ostinato bench engines' JSONs (SVG).")

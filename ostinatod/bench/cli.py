@@ -1,12 +1,12 @@
 """``ostinato bench SUBCOMMAND``: benchmarks.
 
 Subcommands (each a module with ``main(argv) -> int``):
-  replay   replay recorded agent sessions through the HTTP API (ostinatod.tools.replay)
+  replay   replay recorded agent sessions through the HTTP API (ostinatod.bench.replay)
   engines  Ostinato against stock llama.cpp on the same model and sessions
-           (ostinatod.tools.bench_engines)
-  plot     time against pool size from stored engines JSONs (ostinatod.tools.bench_plot)
-  reliability  fuzzing, crashes, slow connections (ostinatod.tools.bench_reliability)
-  cpu-branch   the CPU branch alone on a model's expert tensors (ostinatod.tools.bench_cpu)
+           (ostinatod.bench.bench_engines)
+  plot     time against pool size from stored engines JSONs (ostinatod.bench.bench_plot)
+  reliability  fuzzing, crashes, slow connections (ostinatod.bench.bench_reliability)
+  cpu-branch   the CPU branch alone on a model's expert tensors (ostinatod.bench.bench_cpu)
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from ..cli import dispatch
 
 # name -> (module, function, one-line help); add a subcommand here
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "replay": ("ostinatod.tools.replay", "main",
+    "replay": ("ostinatod.bench.replay", "main",
                "replay recorded agent sessions through the HTTP API, time each turn"),
-    "engines": ("ostinatod.tools.bench_engines", "main",
+    "engines": ("ostinatod.bench.bench_engines", "main",
                 "Ostinato vs stock llama.cpp baselines on one model and sessions"),
-    "plot": ("ostinatod.tools.bench_plot", "main",
+    "plot": ("ostinatod.bench.bench_plot", "main",
              "plot time against pool size from stored 'bench engines' JSONs (SVG)"),
-    "reliability": ("ostinatod.tools.bench_reliability", "main",
+    "reliability": ("ostinatod.bench.bench_reliability", "main",
                     "fuzz every route, crash and stop the worker, slow connections: 5xx, hangs, RSS"),
-    "cpu-branch": ("ostinatod.tools.bench_cpu", "main",
+    "cpu-branch": ("ostinatod.bench.bench_cpu", "main",
                    "the CPU branch's kernel vs llama.cpp's mul_mat_id on a model's experts, vs read bandwidth"),
 }
 

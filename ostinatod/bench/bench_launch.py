@@ -25,7 +25,8 @@ from .bench_common import BenchError, say
 from .bench_report import turn_breakdown
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the OS picks it; free when this returns)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -67,7 +68,7 @@ class Server:
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path,
                  url_file: Optional[Path] = None, url: Optional[str] = None,
                  cpus: Optional[list[int]] = None):
-        self.name, self.log_path = name, log_path
+        self.name, self.log_path, self.cmd = name, log_path, list(cmd)
         self._log = open(log_path, "ab")
         # cpus: the server process (and so every thread it makes) runs on these CPUs only
         pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
@@ -143,17 +144,24 @@ def llama_server_binary() -> Optional[Path]:
     return None
 
 
-def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
-                       a: argparse.Namespace) -> Server:
-    """Stock llama-server: all layers on the GPU except the experts of the first n_cpu_moe layers;
-    its threads and CPUs as our engine worker's (:func:`ostinatod.hardware.cpu_placement`: the
-    NUMA-local physical cores on a host with several nodes), so the comparison is at equal CPUs."""
-    port = _free_port()
+def server_placement(a: argparse.Namespace) -> tuple[int, Optional[list[int]]]:
+    """Threads and CPUs of a server engine (llama-server, ik-llama-server): those of our engine
+    worker (:func:`ostinatod.hardware.cpu_placement`: the NUMA-local physical cores on a host with
+    several nodes; ``--threads`` or the physical cores), so every engine runs at equal CPUs.
+    Returns (threads, CPUs to pin the process to, or None: unpinned)."""
     from ..settings import load_settings
 
     cpu_set = load_settings().cpu_set   # the daemons' setting (file or OSTINATO_CPU_SET)
     place = cpu_placement(cpu_set)
-    threads = a.threads or default_threads(cpu_set)
+    return a.threads or default_threads(cpu_set), place["cpus"] if place["pin"] else None
+
+
+def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
+                       a: argparse.Namespace) -> Server:
+    """Stock llama-server: all layers on the GPU except the experts of the first n_cpu_moe layers;
+    threads and CPUs of :func:`server_placement`."""
+    port = free_port()
+    threads, cpus = server_placement(a)
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-c", str(a.n_ctx * 2), "-np", "2", "-ngl", "999", "--n-cpu-moe", str(n_cpu_moe),
            "-t", str(threads), "-tb", str(threads), "--jinja", "-b", "2048", "-ub", "512",
@@ -167,7 +175,7 @@ def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
     except ImportError:
         pass
     return Server("llama-server", cmd, env, run_dir / "llama-server.log",
-                  url=f"http://127.0.0.1:{port}", cpus=place["cpus"] if place["pin"] else None)
+                  url=f"http://127.0.0.1:{port}", cpus=cpus)
 
 
 def _model_name(url: str) -> str:
@@ -181,7 +189,7 @@ def _model_name(url: str) -> str:
 def replay(url: str, sessions_file: Path, held: list[dict], a: argparse.Namespace, out: Path,
            on_turn=None, on_first_token=None) -> dict:
     """Replay the held-out sessions against ``url`` with the one replay client
-    (:func:`ostinatod.tools.replay.run_replay`, what ``ostinato bench replay`` runs); the result
+    (:func:`ostinatod.bench.replay.run_replay`, what ``ostinato bench replay`` runs); the result
     JSON is also written to ``out``. ``on_turn()`` runs after every turn (outside its timing),
     ``on_first_token()`` in every turn once its first token arrived (after its TTFT was taken)."""
     from .replay import run_replay
@@ -249,7 +257,7 @@ class StepRecorder:
     (:meth:`first_token`, the replay's ``on_first_token``), not before: a stats call takes the
     daemon's GIL and the engine's lock, and this process's GIL, so polling during the prefill could
     add to the measured engine's TTFT alone (the baselines are never polled; the size of that was
-    not separable from run-to-run noise on the H200, docs/benchmarks/README.md). It stops at the
+    not separable from run-to-run noise on the H200, docs/benchmarks/METHOD.md). It stops at the
     first snapshot that shows a decode step of the turn."""
 
     def __init__(self, home: Path, poll_s: float = 0.025):

@@ -170,7 +170,7 @@ def split_sessions(file: str | Path | Iterable[dict[str, Any]], held_out_frac: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ostinatod.tools.sessions FILE [--held-out-frac F] [--seed S]``: print the split."""
+    """``python -m ostinatod.bench.sessions FILE [--held-out-frac F] [--seed S]``: print the split."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="ostinato sessions", description="dev / held-out split by task")

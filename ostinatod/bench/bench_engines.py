@@ -3,9 +3,9 @@
 One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics):
 
 1. writes (or reuses) a synthetic real-shape MoE model (Qwen3-30B-A3B shape, Q4_0 experts,
-   ``--layers`` 24 by default) with :func:`ostinatod.tools.synth.write_synthetic_moe`;
+   ``--layers`` 24 by default) with :func:`ostinatod.synth.writer.write_synthetic_moe`;
 2. splits the recorded sessions into development and held-out sets by task
-   (:func:`ostinatod.tools.sessions.split_sessions`);
+   (:func:`ostinatod.bench.sessions.split_sessions`);
 3. collects development routing traces by replaying a few turns of dev sessions through the
    Ostinato engine (in process, all experts cold: only the route counts matter);
 4. plans a residency set with the pool budget at ``--budget-frac`` (45%) of the expert bytes;
@@ -19,6 +19,9 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    ``stock-cpu``     all experts on the CPU (attention on the GPU),
    ``llama-server``  the stock llama-server binary of the same build (``ostinato build
                      --with-server``), same n_cpu_moe as stock-layers,
+   ``ik-llama-server`` (only when named) ik_llama.cpp's llama-server with its own MoE options and
+                     the same expert bytes on the GPU (:mod:`.bench_ik`; binary in
+                     ``$OSTINATO_IK_SERVER``),
    ``stock-all-gpu`` the reference limit, not a baseline at equal memory: every layer and every
                      expert on the GPU (``experts = stock``, ``n_cpu_moe = 0``), run when the model
                      fits the free GPU memory (skipped with a note otherwise; on a machine without
@@ -42,12 +45,13 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    (the baselines and the limit run once, at ``--budget-frac``);
 7. prints a table and writes ``<out-dir>/<name>.json`` and ``<name>.md`` (after every engine, so an
    interrupted run leaves what it measured), and with a sweep ``<name>.svg``
-   (:mod:`ostinatod.tools.bench_plot`, also ``ostinato bench plot X.json``).
+   (:mod:`ostinatod.bench.bench_plot`, also ``ostinato bench plot X.json``).
 
 Figures per engine: decode ms/token (median TPOT), median TTFT after tool outputs, median prefill
 time (TTFT) by bucket of new tokens (<128, 128-511, 512-2047, >=2048), total session time (sum of
 request times), hot-route share (share of routes computed from GPU-resident experts), ratios to
-the best stock baseline per metric (``ratios_vs_best_stock``, > 1: Ostinato is faster) and to the
+the best stock baseline per metric (``ratios_vs_best_stock``, > 1: Ostinato is faster), to the
+best peer (``ratios_vs_best_peer``: every engine but Ostinato's and the limit) and to the
 limit (``ratios_vs_limit``: Ostinato / stock-all-gpu, the slowdown factor, 1 = the limit). For the
 Ostinato engine, ``step_breakdown``: the native engine's per-pass times (``cpu_branch_ms``,
 ``gpu_branch_ms``, ``upload_ms``, ``total_ms`` and any other ``*_ms`` key) as means per decode step
@@ -74,8 +78,9 @@ from typing import Any, Optional
 
 from ..residency.planner import PlanError
 from ..synth.shapes import SHAPES, SynthError
-from .bench_common import CHOICES, ENGINES, LIMIT, ONE_GPU, VARIANTS, BenchError, say, variant_settings
+from .bench_common import CHOICES, ENGINES, IK, LIMIT, ONE_GPU, VARIANTS, BenchError, say, variant_settings
 from .bench_fit import Estimator, limit_fit
+from .bench_ik import start_ik_server
 from .bench_launch import (StepRecorder, expert_stats, llama_server_binary, replay, start_daemon,
                            start_llama_server)
 from .bench_prepare import collect_dev_traces, one_gpu_plan, plan, prepare_model, select_sessions
@@ -119,7 +124,7 @@ def _gpus(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ostinato bench engines",
                                  description="Ostinato vs stock llama.cpp on one model and the same "
-                                             "held-out agent sessions (see docs/benchmarks/README.md).")
+                                             "held-out agent sessions (see docs/benchmarks/METHOD.md).")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES),
                     help="synthetic model shape (e.g. tiny, small, qwen3-30b-a3b)")
     ap.add_argument("--layers", type=int, help="layers of the synthetic model (default 24 for "
@@ -150,17 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "layers split across them; stock engines use llama.cpp's layer split")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(CHOICES)
                     + f" ({LIMIT}: every expert on the GPU, the reference limit; run when the "
-                    f"model fits the free GPU memory; {ONE_GPU}: with --gpus N > 1, Ostinato on the "
-                    "first GPU alone at the same pool budget; " + ", ".join(VARIANTS) + ": Ostinato with "
-                    "one option changed from its default; default: the first five)")
+                    f"model fits the free GPU memory; {IK}: ik_llama.cpp's llama-server at "
+                    "stock-layers' GPU memory, its binary named by $OSTINATO_IK_SERVER; "
+                    f"{ONE_GPU}: with --gpus N > 1, Ostinato on the first GPU alone at the same "
+                    "pool budget; " + ", ".join(VARIANTS) + ": Ostinato with one option changed "
+                    "from its default; default: the first five)")
     ap.add_argument("--no-server", action="store_true", help="skip the llama-server baseline")
     ap.add_argument("--client", default="openai", choices=("openai", "anthropic"))
     ap.add_argument("--n-ctx", type=int, default=32768, help="context per slot")
     ap.add_argument("--threads", type=int, help="CPU threads (default: physical cores)")
     ap.add_argument("--prefill-threshold", type=int, help="Np for Ostinato (default: calibration "
                     "or 512)")
-    ap.add_argument("--name", help="result name (default engines-<shape>-L<layers>)")
-    ap.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
+    ap.add_argument("--name", help="result name (default <UTC date>-engines-<shape>-L<layers>, the "
+                    "stored runs' naming)")
+    ap.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks/runs"))
     ap.add_argument("--work-dir", type=Path, help="keep logs, traces and replay JSON here")
     ap.add_argument("--engine-mode", default="subprocess", choices=("subprocess", "inprocess"),
                     help="engine worker mode of the daemons (default: the daemon's default)")
@@ -177,6 +185,9 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     t_start = time.monotonic()
     if a.layers is None and a.shape == "qwen3-30b-a3b" and not a.model:
         a.layers = 24
+    if not a.name:   # dated once, at the start: the stored runs' naming (docs/benchmarks/runs)
+        a.name = (f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}-engines-"
+                  + (Path(a.model).stem if a.model else a.shape + (f"-L{a.layers}" if a.layers else "")))
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in CHOICES]
     if bad:
@@ -259,6 +270,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                     say(notes[-1])
                     continue
                 srv = start_llama_server(binary, model, stock["n_cpu_moe"], run_dir, a)
+            elif name == IK:   # BenchError (a note) when its binary is not named
+                srv = start_ik_server(model, stock["n_cpu_moe"], run_dir, a)
             else:
                 st = {"ostinato": {"experts": "ostinato", "residency": plans[frac][1]},
                       ONE_GPU: {"experts": "ostinato",
@@ -303,6 +316,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 m["hot_route_share"] = 1.0
             else:
                 m["hot_route_share"] = 0.0 if name == "stock-cpu" else stock["hot_route_share"]
+            if name in ("llama-server", IK):
+                m["server_command"] = srv.cmd
             if name == "ostinato":
                 sweep_runs[frac] = m
                 if frac == a.budget_frac:
@@ -328,8 +343,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
 def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stock, results, sweep,
             sweep_runs, plans, fit, notes) -> dict[str, Any]:
     out = {
-        "name": a.name or (f"engines-{Path(a.model).stem}" if a.model
-                           else f"engines-{a.shape}" + (f"-L{a.layers}" if a.layers else "")),
+        "name": a.name,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "command": "ostinato bench engines " + " ".join(argv),
@@ -345,6 +359,7 @@ def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stoc
                  "limit_fit": fit},
         "engines": dict(results),
         "ratios_vs_best_stock": ratios(results),
+        "ratios_vs_best_peer": ratios(results, peers=True),
         "ratios_vs_limit": ratios_vs_limit(results),
         "notes": list(notes),
     }
@@ -367,7 +382,7 @@ def write_result(result: dict[str, Any], out_dir: Path, plot: bool = True) -> Pa
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``ostinato bench engines`` (dispatched from ostinatod/tools/bench.py)."""
+    """Entry point of ``ostinato bench engines`` (dispatched from ostinatod/bench/cli.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     try:

@@ -233,6 +233,16 @@ class TurnResult:
             self.new_tokens = self.prompt_tokens - (self.cached_tokens or 0)
 
 
+def _cached_from_timings(timings: Any, prompt_tokens: Optional[int]) -> Optional[int]:
+    """Cached prompt tokens from a llama.cpp server's ``timings`` (``prompt_n``: the prompt tokens
+    it prefilled), for servers whose usage has no ``prompt_tokens_details`` (ik_llama.cpp's); None
+    when either is missing."""
+    n = timings.get("prompt_n") if isinstance(timings, dict) else None
+    if not isinstance(n, int) or n < 0 or prompt_tokens is None:
+        return None
+    return max(0, prompt_tokens - n)
+
+
 def _openai_turn(client, model: str, session: dict, turn: Turn, res: TurnResult, on_first=None) -> None:
     kw: dict[str, Any] = {}
     tools = tools_openai(session.get("tools") or [])
@@ -266,6 +276,8 @@ def _openai_turn(client, model: str, session: dict, turn: Turn, res: TurnResult,
                 res.completion_tokens = u.completion_tokens
                 det = getattr(u, "prompt_tokens_details", None)
                 res.cached_tokens = getattr(det, "cached_tokens", None) if det is not None else None
+                if res.cached_tokens is None:
+                    res.cached_tokens = _cached_from_timings(getattr(chunk, "timings", None), u.prompt_tokens)
     finally:
         stream.close()
     res.finish(t0, t_first, t_last, n_stream)

@@ -2,7 +2,7 @@
 every route, a raw HTTP sender that never raises, and a runner that counts answers.
 
 Used by ``tests/test_fuzz.py`` (a few hundred requests, fast) and by ``ostinato bench
-reliability`` (``ostinatod/tools/bench_reliability.py``, thousands). ``hypothesis`` is a test
+reliability`` (``ostinatod/bench/bench_reliability.py``, thousands). ``hypothesis`` is a test
 extra (``pip install 'ostinato[test]'``); it is imported only here.
 
 A *finding* is any answer with status >= 500, a hang (no answer within the timeout) or a daemon

@@ -8,6 +8,9 @@ import time
 ENGINES = ("ostinato", "stock-all-gpu", "stock-layers", "stock-cpu", "llama-server")
 STOCK = ("stock-layers", "stock-cpu", "llama-server")  # the baselines at equal GPU memory
 LIMIT = "stock-all-gpu"  # every expert on the GPU: the reference limit, never a baseline
+# ik_llama.cpp's llama-server (a fork with fused MoE and its own CPU kernels) at the same expert
+# bytes on the GPU as stock-layers: a peer, never in the default list (its binary is built apart)
+IK = "ik-llama-server"
 # the Ostinato engine on the first GPU only, same pool budget (a fraction of the expert bytes), in
 # a run with --gpus N > 1: what N GPUs buy over one with the same model (never in the default list)
 ONE_GPU = "ostinato-1gpu"
@@ -36,7 +39,13 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-hybrid": {"upload_cpu_share": -1},
             "ostinato-pool-quarter": _quarter_pool,
             "ostinato-ggml-cpu": {"cpu_branch_kernel": False}}
-CHOICES = ENGINES + (ONE_GPU,) + tuple(VARIANTS)
+CHOICES = ENGINES + (IK, ONE_GPU) + tuple(VARIANTS)
+
+
+def is_peer(name: str) -> bool:
+    """Whether engine ``name`` is a peer: every engine but Ostinato's own (``ostinato`` and its
+    ``ostinato-*`` variants) and the limit (``ratios_vs_best_peer`` takes the best of them)."""
+    return name != LIMIT and name != "ostinato" and not name.startswith("ostinato-")
 
 
 def variant_settings(name: str) -> dict:

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-from .bench_common import LIMIT, METRICS, ONE_GPU, STOCK
+from .bench_common import LIMIT, METRICS, ONE_GPU, STOCK, is_peer
 
 BUCKETS = ((0, 128, "<128"), (128, 512, "128-511"), (512, 2048, "512-2047"), (2048, 1 << 62, ">=2048"))
 
@@ -245,19 +245,24 @@ def gpus_vs_one_gpu(engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {key: (round(one[m] / o[m], 3) if o.get(m) and one.get(m) else None) for key, m in METRICS}
 
 
-def ratios(engines: dict[str, dict[str, Any]], o: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Ostinato (``o``, default ``engines["ostinato"]``) against the best stock engine at equal
-    memory per metric (> 1: Ostinato faster); ``stock-all-gpu`` is not one of them."""
+def ratios(engines: dict[str, dict[str, Any]], o: Optional[dict[str, Any]] = None,
+           peers: bool = False) -> dict[str, Any]:
+    """Ostinato (``o``, default ``engines["ostinato"]``) against the best other engine at equal
+    memory per metric (> 1: Ostinato faster), with the name of that engine under
+    ``<metric>_best_stock``: among the stock llama.cpp engines (:data:`STOCK`), or with ``peers``
+    among every engine but Ostinato's and the limit (:func:`is_peer`: ik-llama-server too), under
+    ``<metric>_best_peer``. ``stock-all-gpu`` is never one of them."""
     o = engines.get("ostinato") or {} if o is None else o
+    among, tag = (is_peer, "best_peer") if peers else (STOCK.__contains__, "best_stock")
     out: dict[str, Any] = {}
     for key, metric in METRICS:
-        stock = {n: e.get(metric) for n, e in engines.items() if n in STOCK and e.get(metric)}
-        if not stock or not o.get(metric):
+        others = {n: e.get(metric) for n, e in engines.items() if among(n) and e.get(metric)}
+        if not others or not o.get(metric):
             out[key] = None
             continue
-        best = min(stock, key=stock.get)
-        out[key] = round(stock[best] / o[metric], 3)
-        out[f"{key}_best_stock"] = best
+        best = min(others, key=others.get)
+        out[key] = round(others[best] / o[metric], 3)
+        out[f"{key}_{tag}"] = best
     return out
 
 
@@ -332,6 +337,12 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {k} | {fmt(o.get(m), '', nd)} | "
                      + (f"{best} {fmt(eng[best].get(m), '', nd)}" if best in eng else "n/a")
                      + f" | {fmt(r.get(k), 'x')} | {fmt(le.get(m), '', nd)} | {fmt(lim.get(k), 'x')} |")
+    peer = result.get("ratios_vs_best_peer") or {}
+    if any(is_peer(n) and n not in STOCK for n in eng):   # a peer beside stock llama.cpp ran
+        lines += ["", "Against the best peer (every engine but Ostinato's and the limit; best peer / "
+                  "Ostinato, > 1: Ostinato faster): " + ", ".join(
+                      f"{k} {fmt(peer.get(k), 'x')} ({peer.get(k + '_best_peer') or 'n/a'})"
+                      for k, _ in METRICS) + "."]
     two = result.get("ratios_gpus_vs_one_gpu")
     if two:
         lines += ["", f"Ostinato on {len(result['plan']['stock'].get('gpus') or [None])} GPUs against "

@@ -9,10 +9,10 @@ import sys
 import time
 
 
-from ..synth.shapes import QUANTS, SHAPES, SynthError
-from ..synth.archs import PLANS as _PLANS
-from ..synth.writer import write_synthetic_moe
-from ..synth.routing import routing_report
+from .shapes import QUANTS, SHAPES, SynthError
+from .archs import PLANS as _PLANS
+from .writer import write_synthetic_moe
+from .routing import routing_report
 
 # --------------------------------------------------------------------------------------------
 # CLI

@@ -4,7 +4,7 @@ Starts a daemon of its own (subprocess engine worker, a fresh OSTINATO_HOME) on 
 model (or ``--model``), then, in order:
 
 1. fuzz: ``--requests`` hypothesis-generated requests over every HTTP route (bodies, headers) and
-   ``--control-requests`` over the control socket (``ostinatod/tools/fuzz.py``);
+   ``--control-requests`` over the control socket (``ostinatod/bench/fuzz.py``);
 2. concurrent greedy clients: ``--clients`` threads sending the same prompts at temperature 0;
 3. slow connections: ``--slow`` half-sent request headers held open while /health is timed;
 4. crashes: ``--kills`` times kill -9 of the worker in the middle of a stream, then one SIGSTOP
