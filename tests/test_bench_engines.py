@@ -53,8 +53,11 @@ def test_engine_metrics_buckets_and_ratios():
     assert bench_report.ratios_vs_limit(eng, {"decode_ms_per_token": 5.0})["ttft_after_tool"] is None
 
 
-def _pass(path, tokens, **ms):
-    return {"path": path, "tokens": tokens, "cold_routes": 1, "gpu_timed": False, **ms}
+def _pass(path, tokens, hot=None, **ms):
+    # 2 routes per token; all but one hot unless told (``hot``: the hot routes)
+    hot = 2 * tokens - 1 if hot is None else hot
+    return {"path": path, "tokens": tokens, "routes": 2 * tokens, "hot_routes": hot,
+            "cold_routes": 2 * tokens - hot, "gpu_timed": False, **ms}
 
 
 def test_turn_breakdown_exact_estimated_and_unknown_keys():
@@ -101,6 +104,20 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     assert "wait_ms" in s["decode_step"]["mean_ms"]
     md = "\n".join(bench_report.breakdown_md(s, "Ostinato"))
     assert "| total_ms |" in md and "| wait_ms |" in md
+    # hot share per phase: decode over the 37 steps seen (1 cold of 2 routes each), prefill over
+    # the prefill of r only (r2's were not all seen)
+    assert s["decode_step"]["hot_route_share"] == 0.5 and s["decode_step"]["routes"] == 74
+    assert s["prefill"]["hot_route_share"] == pytest.approx(599 / 600, abs=1e-4)
+    assert s["prefill"]["cold_routes_per_prefill"] == 1 and s["prefill"]["cold_routes_per_token"] == pytest.approx(0.003)
+    assert "| hot-route share | 0.500 | 0.998 | 0.998 |" in md
+    # decode hotter than prefill by more than 5 points: a warning; within 5 points: none
+    assert bench_report.phase_skew_warning(s) is None
+    hot_decode = {**s, "decode_step": {**s["decode_step"], "hot_route_share": 0.99},
+                  "prefill_after_tool": {**s["prefill_after_tool"], "hot_route_share": 0.90}}
+    w = bench_report.phase_skew_warning(hot_decode, "ostinato")
+    assert w.startswith("ostinato: decode hot-route share 0.990 is 9.0 points above the prefill after tool")
+    near = {**hot_decode, "decode_step": {**s["decode_step"], "hot_route_share": 0.94}}
+    assert bench_report.phase_skew_warning(near) is None
 
 
 def test_parse_budgets_and_estimates():
@@ -164,6 +181,10 @@ def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     assert b["turns"] == 2 and b["turns_with_stats"] == 2, b
     assert b["decode_step"]["steps"] > 0 and "total_ms" in b["decode_step"]["mean_ms"]
     assert b["prefill"]["prefills"] >= 1 and "cpu_branch_ms" in b["prefill"]["mean_ms"]
+    # per-phase hot share and cold routes, counted by the engine; the phase check ran
+    assert 0 <= b["decode_step"]["hot_route_share"] <= 1 and b["decode_step"]["routes"] > 0
+    assert 0 <= b["prefill"]["hot_route_share"] <= 1 and b["prefill"]["cold_routes_per_prefill"] is not None
+    assert isinstance(res["warnings"], list) and "| hot-route share |" in md
     assert set(b["prefill"]["mean_counts"]) == {"upload_bytes", "upload_copies", "distinct_cold_experts", "prefetch_hits",
                                                 "prefetch_misses", "prefetch_wasted"}
     # the sweep: two budgets, each with its Ostinato figures and ratios; the main one reused

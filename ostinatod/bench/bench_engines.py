@@ -84,8 +84,8 @@ from .bench_ik import start_ik_server
 from .bench_launch import (StepRecorder, expert_stats, llama_server_binary, replay, start_daemon,
                            start_llama_server)
 from .bench_prepare import collect_dev_traces, one_gpu_plan, plan, prepare_model, select_sessions
-from .bench_report import (engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown, ratios,
-                           ratios_vs_limit, replay_turns, summarize_breakdown)
+from .bench_report import (engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown, phase_skew_warning,
+                           ratios, ratios_vs_limit, replay_turns, summarize_breakdown)
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
 from .sessions import WORKLOAD_OF_SESSION, assistant_turns
 
@@ -215,6 +215,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     trace = collect_dev_traces(model, block, dev, a, run_dir, workload)
     res, res_path, stock = plan(model, trace, a, run_dir, workload)
     notes: list[str] = []
+    warnings: list[str] = []  # also in notes; a list of their own so that a reader can check for them
     plans = {a.budget_frac: (res, res_path, stock)}
     plan_sweep(model, trace, a, run_dir, workload, sweep, plans, notes)
     one = one_gpu_plan(model, trace, a, run_dir, workload, notes) if ONE_GPU in engines else None
@@ -242,7 +243,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
 
     def assemble() -> dict[str, Any]:
         out = _result(a, argv, model, block, sessions_file, dev, held, workload, res, stock,
-                      results, sweep, sweep_runs, plans, fit, notes)
+                      results, sweep, sweep_runs, plans, fit, notes + warnings)
+        out["warnings"] = list(warnings)
         if one is not None:
             r1 = one[0]
             out["plan"]["one_gpu"] = {"pool_bytes": r1["plan"]["pool_bytes_total"],
@@ -311,6 +313,10 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 m["expert_stats"] = ex
                 m["hot_route_share"] = ex.get("hot_route_share")
                 m["step_breakdown"] = summarize_breakdown(rec.rows, turns)
+                warn = phase_skew_warning(m["step_breakdown"], key)
+                if warn:
+                    warnings.append(warn)
+                    say("WARNING: " + warn)
                 (run_dir / f"steps-{key}.json").write_text(json.dumps(rec.rows, indent=1))
             elif name == LIMIT:
                 m["hot_route_share"] = 1.0

@@ -42,6 +42,50 @@ PASS_COUNT_KEYS = ("upload_bytes", "upload_copies", "distinct_cold_experts", "pr
 DECODE_MEAN_KEYS = ("cpu_branch_bytes", "cpu_branch_layers", "cpu_kernel_layers")
 
 
+ROUTE_KEYS = ("routes", "hot_routes", "cold_routes")
+
+
+def route_sums(passes: list[dict[str, Any]]) -> dict[str, int]:
+    """:data:`ROUTE_KEYS` summed over per-pass dicts (routes: one per token, MoE layer and used
+    expert; hot: computed from a pool-resident expert)."""
+    return {k: int(sum(p.get(k) or 0 for p in passes)) for k in ROUTE_KEYS}
+
+
+def phase_routes(rs: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Hot share of one phase over turn rows (``key``: "decode_routes" or "prefill_routes" of
+    :func:`turn_breakdown`). Returns ``{"hot_route_share" (None where no route was counted),
+    "routes", "cold_routes"}`` (sums)."""
+    sums = [r[key] for r in rs if r.get(key)]
+    n = sum(x["routes"] for x in sums)
+    return {"hot_route_share": round(sum(x["hot_routes"] for x in sums) / n, 4) if n else None,
+            "routes": n, "cold_routes": sum(x["cold_routes"] for x in sums)}
+
+
+# decode more than this much hotter than prefill: the model's generated tokens route unlike text
+PHASE_SKEW_WARN = 0.05
+
+
+def phase_skew_warning(b: Optional[dict[str, Any]], who: str = "ostinato") -> Optional[str]:
+    """A warning when the decode steps' hot-route share in a ``step_breakdown``
+    (:func:`summarize_breakdown`) is more than :data:`PHASE_SKEW_WARN` above the prefills' (the
+    prefills after tool outputs when there are any): then the decode figures measure a model whose
+    generated tokens route almost only to hot experts, not the CPU branch (issue 25, item 5).
+    None when it is not, or when a share is missing."""
+    if not b:
+        return None
+    d = (b.get("decode_step") or {}).get("hot_route_share")
+    pre = b.get("prefill_after_tool") or {}
+    which = "prefill after tool"
+    if pre.get("hot_route_share") is None:
+        pre, which = b.get("prefill") or {}, "prefill"
+    p = pre.get("hot_route_share")
+    if d is None or p is None or d - p <= PHASE_SKEW_WARN:
+        return None
+    return (f"{who}: decode hot-route share {d:.3f} is {100 * (d - p):.1f} points above the {which} "
+            f"share {p:.3f} (more than {100 * PHASE_SKEW_WARN:.0f}): this model's generated tokens "
+            "route unlike its prompts, so the decode figures undercount cold routes")
+
+
 def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
                    mid: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Per-turn split of the native engine's pass times between the turn's prefill passes (path
@@ -56,7 +100,9 @@ def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
     prefill as the delta minus that (``exact`` False). Keys only in the per-pass dicts (not in the
     totals) are summed over the passes seen. Returns ``{"passes", "seen", "exact",
     "decode_steps", "decode_seen", "decode_ms" (sums over the turn's steps), "decode_cold_routes"
-    (mean per step seen), "decode_means" (:data:`DECODE_MEAN_KEYS` per step seen), "prefill_passes", "prefill_paths", "prefill_tokens", "prefill_ms" (sums
+    (mean per step seen), "decode_means" (:data:`DECODE_MEAN_KEYS` per step seen), "decode_routes"
+    (:func:`route_sums` over the steps seen), "prefill_routes" (over the prefill passes, when all were
+    seen, else None), "prefill_passes", "prefill_paths", "prefill_tokens", "prefill_ms" (sums
     over the turn's prefill passes), "prefill_sums" (:data:`PASS_COUNT_KEYS` summed over them, when
     all were seen, else empty), "gpu_timed" (share of the seen passes with GPU timing)}``."""
     p0 = int(prev.get("passes") or 0)
@@ -105,6 +151,7 @@ def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
             "decode_steps": n_dec, "decode_seen": len(dec_seen), "decode_ms": dec_ms,
             "decode_cold_routes": sum(cold) / len(cold) if cold else None,
             "decode_means": means,
+            "decode_routes": route_sums(dec_seen), "prefill_routes": route_sums(pre_seen) if all_pre else None,
             "prefill_passes": n_pre, "prefill_paths": pre_paths, "prefill_tokens": pre_tokens,
             "prefill_ms": pre_ms,
             "prefill_sums": ({k: int(sum(p.get(k) or 0 for p in pre_seen)) for k in PASS_COUNT_KEYS}
@@ -116,10 +163,13 @@ def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[s
                         ) -> dict[str, Any]:
     """Means per decode step and per prefill over the turns (``rows`` from :func:`turn_breakdown`,
     aligned with ``turns`` from :func:`replay_turns`; None rows: no snapshot). Returns
-    ``{"decode_step": {"steps", "sampled_steps", "cold_routes_mean", "mean_ms": {key: ms}, "means":
-    {DECODE_MEAN_KEYS per step, "cpu_branch_gbps": bytes / cpu_branch_ms}},
-    "prefill": {"prefills", "passes", "paths", "tokens_mean", "exact_share", "mean_ms", "mean_counts"
-    (:data:`PASS_COUNT_KEYS` per prefill, over the prefills whose passes were all seen)},
+    ``{"decode_step": {"steps", "sampled_steps", "cold_routes_mean" (per step), "hot_route_share",
+    "routes", "cold_routes" (over the steps seen), "mean_ms": {key: ms}, "means": {DECODE_MEAN_KEYS
+    per step, "cpu_branch_gbps": bytes / cpu_branch_ms}}, "prefill": {"prefills",
+    "passes", "paths", "tokens_mean", "exact_share", "hot_route_share", "routes", "cold_routes",
+    "cold_routes_per_prefill", "cold_routes_per_token" (over the prefills whose passes were all
+    seen), "mean_ms", "mean_counts" (:data:`PASS_COUNT_KEYS` per
+    prefill, over the same prefills)},
     "prefill_after_tool": (the same over turns after tool outputs), "gpu_timed_share", "source"}``.
     """
     def dec(rs: list[dict]) -> dict[str, Any]:
@@ -143,7 +193,14 @@ def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[s
             means["cpu_branch_gbps"] = round(means["cpu_branch_bytes"] / mean["cpu_branch_ms"] / 1e6, 2)
         return {"steps": steps, "sampled_steps": sum(r["decode_seen"] for r in rs),
                 "cold_routes_mean": round(sum(c * n for c, n in cold) / w, 3) if w else None,
-                "mean_ms": mean, "means": means}
+                **phase_routes(rs, "decode_routes"), "mean_ms": mean, "means": means}
+
+    def _per_prefill(rs: list[dict]) -> dict[str, Any]:
+        counted = [r for r in rs if r.get("prefill_routes")]
+        ph = phase_routes(counted, "prefill_routes")
+        toks = sum(r["prefill_tokens"] or 0 for r in counted)
+        return {**ph, "cold_routes_per_prefill": round(ph["cold_routes"] / len(counted), 2) if counted else None,
+                "cold_routes_per_token": round(ph["cold_routes"] / toks, 3) if toks else None}
 
     def pre(rs: list[dict]) -> dict[str, Any]:
         rs = [r for r in rs if r["prefill_passes"] > 0]
@@ -162,7 +219,7 @@ def summarize_breakdown(rows: list[Optional[dict[str, Any]]], turns: list[dict[s
         return {"prefills": len(rs), "passes": sum(r["prefill_passes"] for r in rs), "paths": paths,
                 "tokens_mean": round(sum(toks) / len(toks), 1) if toks else None,
                 "exact_share": round(sum(1 for r in rs if r["exact"]) / len(rs), 3) if rs else None,
-                "mean_ms": mean, "mean_counts": counts}
+                **_per_prefill(rs), "mean_ms": mean, "mean_counts": counts}
 
     ok = [r for r in rows if r]
     after = [r for r, t in zip(rows, turns) if r and t.get("after") == "tool"]
@@ -309,6 +366,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"GPUs: {', '.join(g['name'] for g in result['machine']['gpus']) or 'none'}.", "",
              f"Held-out sessions: {', '.join(result['sessions']['held_out'])} "
              f"({result['sessions']['turns_per_session']} turns each).", "",
+             *[f"**Warning:** {w}\n" for w in result.get("warnings") or []],
              "| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     rows = [("decode ms/token", "decode_ms_per_token", "", 2),
             ("median TTFT after tool (s)", "ttft_after_tool_median_s", "", 3),
@@ -354,6 +412,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += _sweep_md(result)
     lines.append("")
     for n in result.get("notes", []):
+        if n in (result.get("warnings") or []):
+            continue
         lines.append(f"- {n}")
     return "\n".join(lines) + "\n"
 
@@ -379,6 +439,10 @@ def breakdown_md(b: Optional[dict[str, Any]], who: str) -> list[str]:
                    + " |")
     out.append("| cold routes / tokens | " + " | ".join(
         [fmt(d.get("cold_routes_mean"), "", 2)] + [fmt(c.get("tokens_mean"), "", 0) for _, c in cols[1:]])
+        + " |")
+    out.append("| hot-route share | " + " | ".join(fmt(c.get("hot_route_share"), "", 3) for _, c in cols) + " |")
+    out.append("| cold routes per step / per prefill | " + " | ".join(
+        [fmt(d.get("cold_routes_mean"), "", 2)] + [fmt(c.get("cold_routes_per_prefill"), "", 1) for _, c in cols[1:]])
         + " |")
     dm = d.get("means") or {}
     if dm.get("cpu_branch_bytes"):
