@@ -201,6 +201,9 @@ class InProcessEngine:
             await asyncio.to_thread(self._worker.flush_traces)
 
 
+STALL_S = 2.0  # a worker silent to pings this long is reported "stalled" (killed at worker_ping_timeout_s)
+
+
 class SubprocessEngine:
     """Supervised worker process (see module docstring).
 
@@ -256,18 +259,29 @@ class SubprocessEngine:
             self._watchdog = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
-        """Liveness: ping the worker every ``worker_ping_timeout_s / 2`` s while it is ready; one
-        without an answer for ``worker_ping_timeout_s`` (a stopped or wedged process) is killed,
-        which restarts it like a crash. The pipe reader answers pings, not the loop: a long
-        prefill step does not count as a hang."""
+        """Liveness: ping the worker every second (at most every ``worker_ping_timeout_s / 2``)
+        while it is ready. One that has not answered within :data:`STALL_S` is "stalled" (seen in
+        /health; new requests wait for it as for a restart); one without an answer for
+        ``worker_ping_timeout_s`` (a stopped or wedged process) is killed, which restarts it like
+        a crash. The pipe reader answers pings and does no request work (worker_main): a long
+        prefill step or a slow render does not count as a hang."""
         timeout = float(self.settings.worker_ping_timeout_s)
         while not self._stopping:
-            await asyncio.sleep(timeout / 2)
+            await asyncio.sleep(min(1.0, timeout / 2))
             proc = self._proc
             if self.state != "ready" or proc is None or proc.returncode is not None:
                 continue
+            ping = asyncio.ensure_future(self._call(P.Op.PING, force=True))
             try:
-                await asyncio.wait_for(self._call(P.Op.PING), timeout)
+                done, _ = await asyncio.wait({ping}, timeout=min(STALL_S, timeout))
+                if not done and proc is self._proc and self.state == "ready":
+                    log.warning("engine worker (pid %s) has not answered a ping for %.0f s: stalled",
+                                proc.pid, STALL_S)
+                    self.state = "stalled"
+                await asyncio.wait_for(ping, max(0.0, timeout - STALL_S))
+                if self.state == "stalled" and proc is self._proc:
+                    log.info("engine worker (pid %s) answers again", proc.pid)
+                    self.state = "ready"
             except asyncio.TimeoutError:
                 if proc is self._proc and proc.returncode is None and not self._stopping:
                     log.error("engine worker (pid %s) did not answer a ping within %.0f s (stopped or "
@@ -429,32 +443,51 @@ class SubprocessEngine:
         self.state = "stopped"
 
     async def generate(self, req: GenRequest) -> AsyncIterator[EngineEvent]:
-        """Stream the events of ``req`` from the worker process."""
+        """Stream the events of ``req`` from the worker process. A request the worker had given
+        no output yet when it crashed is sent again, once, to the restarted worker (waiting for
+        it up to ``RERUN_WAIT_S``); one with output ends with the ``engine_crashed`` error."""
         if self.state != "ready":
             yield _error_event("model_not_loaded", f"the engine is {self.state}", 503)
             return
         if req.id in self._streams:
             yield _error_event("invalid_request", f"request id {req.id!r} is already running", 400)
             return
-        q: asyncio.Queue[EngineEvent] = asyncio.Queue()
-        self._streams[req.id] = q
         finished = False
         try:
-            if not await self._send(P.Generate(req)):
-                self._streams.pop(req.id, None)
-                finished = True
-                yield _error_event("engine_crashed", "the engine worker is not running", 503)
-                return
-            async for ev in _until_terminal(q):
-                finished = ev.type in TERMINAL
-                yield ev
+            for attempt in (0, 1):
+                q: asyncio.Queue[EngineEvent] = asyncio.Queue()
+                self._streams[req.id] = q
+                if not await self._send(P.Generate(req)):
+                    self._streams.pop(req.id, None)
+                    finished = True
+                    yield _error_event("engine_crashed", "the engine worker is not running", 503)
+                    return
+                output = False
+                async for ev in _until_terminal(q):
+                    if (attempt == 0 and not output and ev.type == "error"
+                            and ev.data.get("code") == "engine_crashed" and not self._stopping):
+                        break  # nothing reached the client: run it again on the restarted worker
+                    output = output or ev.type == "delta"
+                    finished = ev.type in TERMINAL
+                    yield ev
+                else:
+                    return
+                log.info("request %s: the engine worker exited before its first output; running it "
+                         "again on the restarted worker", req.id)
+                try:
+                    await self.wait_ready(RERUN_WAIT_S)
+                except EngineError as e:
+                    finished = True
+                    yield _error_event("engine_crashed", f"the engine worker exited and did not come "
+                                       f"back: {e.message}", 503)
+                    return
         finally:
             self._streams.pop(req.id, None)
             if not finished:
                 await self._send(P.Cancel(req.id))
 
-    async def _call(self, op: P.Op, **kw: Any) -> Any:
-        if self.state != "ready":
+    async def _call(self, op: P.Op, force: bool = False, **kw: Any) -> Any:
+        if self.state != "ready" and not (force and self._proc is not None):
             raise EngineError("model_not_loaded", f"the engine is {self.state}", 503)
         rid = str(next(self._rid))
         fut = asyncio.get_running_loop().create_future()
@@ -494,6 +527,9 @@ class SubprocessEngine:
     async def flush_traces(self) -> None:
         """Make the worker write its pending routing counts to the trace files."""
         await self._call(P.Op.FLUSH_TRACES)
+
+
+RERUN_WAIT_S = 300.0  # a re-run request waits this long for the restarted worker
 
 
 def make_engine(settings: Settings, model_path: Optional[Path] = None):

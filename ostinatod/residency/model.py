@@ -60,6 +60,7 @@ class ModelInfo:
     dense_layer_bytes: list[int] = field(default_factory=list)
     other_bytes: int = 0
     kv_bytes_per_token: int = 0
+    n_tensors: int = 0
 
     def model_block(self) -> dict[str, Any]:
         """The shared ``model`` block of trace and residency files:
@@ -151,6 +152,8 @@ def check_model_file(path: Path | str) -> ModelInfo:
     if not info.complete:
         raise ModelFileError(f"{p} is truncated: tensor data needs {info.data_end} bytes, "
                              f"the file has {info.size_bytes}")
+    if info.n_tensors == 0:
+        raise ModelFileError(f"{p} is a vocab-only GGUF (a tokenizer, no weight tensors), not a model")
     return info
 
 
@@ -222,6 +225,7 @@ def _from_header(path: Path, hdr: GGUFHeader, size: int) -> ModelInfo:
         arch=arch, n_layer=n_layer, n_expert=n_expert,
         n_expert_used=num(f"{arch}.expert_used_count"), n_ctx_train=num(f"{arch}.context_length"),
         is_demo=bool(kvs.get("ostinato.demo")), size_bytes=size, data_end=hdr.data_end,
+        n_tensors=len(hdr.tensors),
         n_embd=n_embd, n_vocab=n_vocab, n_head=n_head,
         n_ff_exp=num(f"{arch}.expert_feed_forward_length"),
         expert_bytes=[b // n_expert if n_expert else 0 for b in exp_bytes],
