@@ -161,11 +161,16 @@ def _closed_within(s: socket.socket, seconds: float) -> bool:
         return True
 
 
-@pytest.fixture(scope="module")
-def keepalive_daemon(start_daemon, tiny_model):
+def _keepalive_daemon(start_daemon, tiny_model, keepalive_s: str):
     return start_daemon("--model", str(tiny_model), "--n-ctx", "512", "--engine-mode", "inprocess",
                         "--n-threads", "1", "--http-max-connections", "16",
-                        "--http-keepalive-timeout-s", "2", "--http-header-timeout-s", "1")
+                        "--http-keepalive-timeout-s", keepalive_s, "--http-header-timeout-s", "1")
+
+
+@pytest.fixture(scope="module")
+def keepalive_daemon(start_daemon, tiny_model):
+    """16 connections at most, 1 s for a request's headers, kept-alive connections idle 60 s."""
+    return _keepalive_daemon(start_daemon, tiny_model, "60")
 
 
 def test_idle_kept_alive_connections_make_room_for_a_new_client(keepalive_daemon):
@@ -180,8 +185,9 @@ def test_idle_kept_alive_connections_make_room_for_a_new_client(keepalive_daemon
             s.close()
 
 
-def test_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(keepalive_daemon):
-    s = _kept_alive(int(keepalive_daemon.url.rsplit(":", 1)[1]))
+def test_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(start_daemon, tiny_model):
+    d = _keepalive_daemon(start_daemon, tiny_model, "1")
+    s = _kept_alive(int(d.url.rsplit(":", 1)[1]))
     try:
         assert _closed_within(s, 6.0)
     finally:
@@ -192,9 +198,7 @@ def test_slow_second_request_on_a_kept_alive_connection_is_timed_out(keepalive_d
     s = _kept_alive(int(keepalive_daemon.url.rsplit(":", 1)[1]))
     try:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: loc")  # a second request's headers, never finished
-        t0 = time.monotonic()
-        assert _closed_within(s, 6.0)
-        assert time.monotonic() - t0 < 1.9  # the header timeout (1 s), not the keep-alive one (2 s)
+        assert _closed_within(s, 20.0)  # the header timeout (1 s), long before the keep-alive one (60 s)
     finally:
         s.close()
 
