@@ -14,6 +14,7 @@ import pytest
 
 from ostinatod.engine import limits
 from ostinatod.engine.types import EngineError
+from ostinatod.tools.bench_reliability import BAD_GGUFS, big_tool, patch_gguf
 
 
 def post(url: str, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
@@ -32,14 +33,6 @@ def health(url: str) -> dict:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         return json.loads(e.read())
-
-
-def big_tool(n_props: int) -> dict:
-    """One tool with ``n_props`` string properties (llama.cpp's grammar for it is superlinear:
-    1,000 take about 8 s on 2 cores)."""
-    props = {f"field_{i}": {"type": "string", "description": f"value {i}"} for i in range(n_props)}
-    return {"type": "function", "function": {"name": "big", "description": "many fields",
-                                             "parameters": {"type": "object", "properties": props}}}
 
 
 def chat(n: int = 4, **kw) -> dict:
@@ -205,58 +198,18 @@ def test_slow_second_request_on_a_kept_alive_connection_is_timed_out(keepalive_d
 
 # ---- item 4: a GGUF llama.cpp refuses leaves the served model, and says why ---------------------
 
-def rewrite_gguf(src, dst, arch: str | None = None, remove: tuple = (), drop_tensor: str | None = None,
-                 no_tensors: bool = False):
-    """A copy of ``src`` with another architecture name, metadata keys removed, one tensor
-    dropped or no tensors at all (gguf's own reader and writer)."""
-    import gguf
-
-    r = gguf.GGUFReader(str(src))
-    old_arch = str(r.get_field(gguf.Keys.General.ARCHITECTURE).contents())
-    w = gguf.GGUFWriter(str(dst), arch or old_arch)
-    for f in r.fields.values():
-        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF.") or f.name in remove:
-            continue
-        name = f.name.replace(f"{old_arch}.", f"{arch}.", 1) if arch and f.name.startswith(old_arch + ".") else f.name
-        vt = f.types[0]
-        w.add_key_value(name, f.contents(), vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
-    tensors = [] if no_tensors else [t for t in r.tensors if t.name != drop_tensor]
-    for t in tensors:
-        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for t in tensors:
-        w.write_tensor_data(t.data, tensor_endianess=r.endianess)
-    w.close()
-    return dst
-
-
 @pytest.fixture(scope="module")
 def load_daemon(start_daemon, tiny_model):
     return start_daemon("--model", str(tiny_model), "--n-ctx", "512", "--n-threads", "1",
                         "--engine-mode", "subprocess")
 
 
-@pytest.mark.parametrize("kind, reason", [
-    ("arch", "unknown model architecture"),
-    ("tensor", "missing tensor"),
-    ("tokenizer", "tokenizer"),
-    ("experts", "expert"),
-])
-def test_a_gguf_llama_cpp_refuses_leaves_the_served_model(load_daemon, tiny_model, tmp_path, kind, reason):
+@pytest.mark.parametrize("kind", sorted(BAD_GGUFS))
+def test_a_gguf_llama_cpp_refuses_leaves_the_served_model(load_daemon, tiny_model, tmp_path, kind):
     from ostinatod.control.client import ControlAPIError, call
 
-    bad = tmp_path / f"bad-{kind}.gguf"
-    if kind == "arch":
-        rewrite_gguf(tiny_model, bad, arch="nosucharch")
-    elif kind == "tensor":
-        rewrite_gguf(tiny_model, bad, drop_tensor="blk.0.attn_q.weight")
-    elif kind == "tokenizer":
-        rewrite_gguf(tiny_model, bad, remove=("tokenizer.ggml.model", "tokenizer.ggml.tokens",
-                                              "tokenizer.ggml.token_type", "tokenizer.ggml.merges"))
-    else:
-        rewrite_gguf(tiny_model, bad, remove=("qwen3moe.expert_count", "qwen3moe.expert_used_count"))
+    swaps, reason = BAD_GGUFS[kind]
+    bad = patch_gguf(tiny_model, tmp_path / "bad.gguf", swaps)
     with pytest.raises(ControlAPIError) as e:
         call("POST", "/models/load", {"path": str(bad)}, socket=load_daemon.control_socket)
     assert reason in str(e.value).lower(), str(e.value)
@@ -269,7 +222,7 @@ def test_a_gguf_llama_cpp_refuses_leaves_the_served_model(load_daemon, tiny_mode
 def test_a_vocab_only_gguf_is_named_as_such(load_daemon, tiny_model, tmp_path):
     from ostinatod.control.client import ControlAPIError, call
 
-    bad = rewrite_gguf(tiny_model, tmp_path / "vocab.gguf", no_tensors=True)
+    bad = patch_gguf(tiny_model, tmp_path / "vocab.gguf", no_tensors=True)
     with pytest.raises(ControlAPIError) as e:
         call("POST", "/models/load", {"path": str(bad)}, socket=load_daemon.control_socket)
     assert "vocab-only" in str(e.value)

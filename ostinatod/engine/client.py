@@ -371,6 +371,12 @@ class SubprocessEngine:
         self._replies.clear()
         if self._stopping or proc is not self._proc:
             return
+        if self.state == "loading" and not self._load_failed:
+            # died before its first "ready" (llama.cpp aborts on some files): it would again
+            self.error = EngineError("model_not_loaded", f"the engine worker exited with code {rc} while "
+                                     "loading the model (llama.cpp aborted on the file; the engine log "
+                                     "has its message)", 503)
+            self._load_failed = True
         if self._load_failed and self.state in ("loading", "restarting"):
             # the model failed to load: restarting would fail the same way
             self.state = "error"

@@ -54,7 +54,7 @@ class Loaded:
     n_slots: int
 
 
-_LOG_ERROR, _LOG_CONT = 3, 5  # ggml_log_level values
+_LOG_ERROR, _LOG_CONT = 4, 5  # ggml_log_level values (ggml.h; llama-cpp-python maps them off by one)
 _log_capture: dict[str, Any] = {"lines": None, "error": False, "cb": None}
 
 
@@ -162,7 +162,9 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
     cparams.n_batch = n_batch
     cparams.n_ubatch = min(settings.n_ubatch, n_batch)
     cparams.n_seq_max = n_slots
-    cparams.kv_unified = True  # shared prefix cells across slots (seq_cp is metadata only)
+    # shared prefix cells across slots (seq_cp is metadata only); deterministic: a stream per slot,
+    # so no slot's cells or attention span depend on the others (determinism.py)
+    cparams.kv_unified = not settings.deterministic
     threads = settings.n_threads or default_threads(getattr(settings, "cpu_set", None))
     if rt is not None and rt.batch_threads:
         threads = rt.batch_threads  # leaves the decode graph's pool its cores

@@ -432,9 +432,11 @@ class Worker:
             if not self._active:  # a request boundary: nothing is generating
                 self.switcher.auto_switch(t)
             c = choose_slot(free, t.prompt, time.monotonic())
+            if self.deterministic:  # a slot's stream holds only what it computed itself
+                c = determinism.own_slot_only(c, self.slots[c.target].tokens, t.prompt)
             target = self.slots[c.target]
             restored = 0
-            if self.pcache is not None:
+            if self.pcache is not None and not self.deterministic:
                 c, restored = use_host_cache(self.pcache, self.ctx, self.mem, t.prompt, target, c,
                                              whole=self.uncuttable)
             if c.copy_from is not None:  # share the other conversation's prefix (cells, no copy)
