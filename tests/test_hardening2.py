@@ -313,3 +313,88 @@ def test_requests_waiting_for_a_slot_survive_a_worker_crash(start_daemon, tiny_m
     codes = sorted(c for c, _ in results)
     # the 4 that had no output yet were run again; the one generating ends with the crash
     assert codes == [200, 200, 200, 200, 503], results
+
+
+# ---- item 9: smaller ones -----------------------------------------------------------------------
+
+def test_settings_mistakes_are_one_line_errors(tmp_path, monkeypatch):
+    from pydantic import ValidationError
+
+    from ostinatod.settings import Settings, SettingsError, load_settings
+
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
+    cfg = tmp_path / "config"
+    cfg.mkdir()
+    f = cfg / "settings.toml"
+    for content, said in ((b"port = 9000\nmodel = \"\xff\xfe\"\n", "not UTF-8"),
+                          (b"a = " + b"[" * 100000 + b"]" * 100000 + b"\n", "nests too deeply")):
+        f.write_bytes(content)
+        with pytest.raises(SettingsError, match=said):
+            load_settings()
+    f.unlink()
+    f.symlink_to("/dev/zero")
+    with pytest.raises(SettingsError, match="not a regular file"):
+        load_settings()
+    f.unlink()
+    for bad in ({"port": True}, {"api_key": ""}, {"n_batch": 10**9}, {"n_ubatch": 10**9}):
+        with pytest.raises(ValidationError):
+            Settings(**bad)
+
+
+def test_residency_sets_with_impossible_values_are_refused():
+    from ostinatod.residency.sets import ResidencyError, validate_residency
+
+    model = {"fingerprint": "f" * 64, "name": "m", "n_layer": 2, "n_expert": 8}
+
+    def doc(**gpu):
+        g = {"device": 0, "hot": {"0": [1, 2]}, **gpu}
+        return {"format": "ostinato-residency/1", "model": model, "workload": "coding", "gpus": [g]}
+    validate_residency(doc(), model)
+    for bad in (doc(device=-1), doc(device=True), doc(hot={"0": [True]}), doc(budget_bytes=-5),
+                doc(hot={"0": [1] * 100000})):
+        with pytest.raises(ResidencyError):
+            validate_residency(bad, model)
+
+
+def _raw(url: str, data: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(data)
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        out += chunk
+    s.close()
+    return out
+
+
+def test_malformed_http_gets_a_json_error_and_no_traceback(live_daemon):
+    out = _raw(live_daemon.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nBad Header\r\n\r\n")
+    head, _, body = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0]
+    assert b"application/json" in head and json.loads(body)["error"]["code"] == "invalid_http"
+    assert "Error handling request" not in live_daemon.log()
+
+
+def test_non_utf8_user_agent_and_bogus_encoding(live_daemon):
+    body = json.dumps(chat(1)).encode()
+    req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+           b"User-Agent: agent\xff\xfe/1.0\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()
+           + b"\r\n\r\n" + body)
+    assert b" 200 " in _raw(live_daemon.url, req).split(b"\r\n")[0]
+    assert "Logging error" not in live_daemon.log()
+    req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+           b"Content-Encoding: x-bogus\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()
+           + b"\r\n\r\n" + body)
+    head, _, answer = _raw(live_daemon.url, req).partition(b"\r\n\r\n")
+    assert b" 400 " in head.split(b"\r\n")[0] and json.loads(answer)["error"]["code"] == "invalid_encoding"
+
+
+def test_control_switch_with_a_long_workload_name_is_a_400(live_daemon):
+    from ostinatod.control.client import ControlAPIError, call
+
+    with pytest.raises(ControlAPIError) as e:
+        call("POST", "/residency/switch", {"workload": "w" * 5000}, socket=live_daemon.control_socket)
+    assert e.value.status == 400 and e.value.code == "invalid_workload"
