@@ -169,14 +169,16 @@ def _greedy(d: Daemon, clients: int, prompts: int, max_tokens: int = 8) -> dict[
             "concurrent_outputs": len(results)}
 
 
-def _slow(d: Daemon, n: int) -> dict[str, Any]:
+def _hold(d: Daemon, n: int, prime: Any) -> tuple[int, int, float]:
+    """Open ``n`` connections, ``prime(socket)`` each, and time a new client's /health while
+    they are held: (connections held, its status, its seconds)."""
     import socket
 
     socks = []
     for _ in range(n):
         try:
             s = socket.create_connection(("127.0.0.1", d.port), timeout=5)
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+            prime(s)
             socks.append(s)
         except OSError:
             break
@@ -185,7 +187,13 @@ def _slow(d: Daemon, n: int) -> dict[str, Any]:
     health_s = time.monotonic() - t0
     for s in socks:
         s.close()
-    return {"opened": len(socks), "health_status_meanwhile": code, "health_seconds": round(health_s, 3)}
+    return len(socks), code, round(health_s, 3)
+
+
+def _slow(d: Daemon, n: int) -> dict[str, Any]:
+    held, code, secs = _hold(d, n, lambda s: s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n"
+                                                        b"Host: localhost\r\nX-Slow: "))
+    return {"opened": held, "health_status_meanwhile": code, "health_seconds": secs}
 
 
 def _health_body(url: str) -> dict[str, Any]:
@@ -251,28 +259,16 @@ def _schema_stall(d: Daemon, n: int) -> dict[str, Any]:
 def _keepalive(d: Daemon, n: int) -> dict[str, Any]:
     """``n`` connections that each sent one GET /health, read the answer and stay open; then a
     new client's /health."""
-    import socket
-
-    socks = []
-    for _ in range(n):
-        try:
-            s = socket.create_connection(("127.0.0.1", d.port), timeout=5)
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
-            data = b""
-            while not data.rstrip().endswith(b"}"):
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-            socks.append(s)
-        except OSError:
-            break
-    t0 = time.monotonic()
-    code = _health(d.url, timeout=30)
-    health_s = time.monotonic() - t0
-    for s in socks:
-        s.close()
-    return {"held": len(socks), "health_status_meanwhile": code, "health_seconds": round(health_s, 3)}
+    def prime(s: Any) -> None:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        data = b""
+        while not data.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    held, code, secs = _hold(d, n, prime)
+    return {"held": held, "health_status_meanwhile": code, "health_seconds": secs}
 
 
 def _tool_rss(d: Daemon, n: int, threads: int = 4) -> dict[str, Any]:
