@@ -38,6 +38,7 @@ from .metrics import Metrics
 
 log = logging.getLogger("ostinatod.requests")
 rlog = logging.getLogger("ostinatod.residency")
+WARNED_MAX = 1000  # distinct warnings remembered by warn_once
 
 
 @dataclass
@@ -105,7 +106,8 @@ class DaemonState:
         the same tools every turn; the request records keep them all)."""
         for w in warnings:
             if w not in self.warned:
-                self.warned.add(w)
+                if len(self.warned) < WARNED_MAX:  # bounded: distinct warnings past it are logged each time
+                    self.warned.add(w)
                 log.warning("%s: %s", where, w)
 
     def admit_workload(self, name: str) -> str:
