@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
 from ..settings import Settings
+from . import limits
 from . import protocol as P
 from .types import TERMINAL, EngineError, EngineEvent, GenRequest
 
@@ -274,11 +275,20 @@ class SubprocessEngine:
             ping = asyncio.ensure_future(self._call(P.Op.PING, force=True))
             try:
                 done, _ = await asyncio.wait({ping}, timeout=min(STALL_S, timeout))
+                if not done:  # this loop may have been busy itself (a huge body): read what came
+                    done, _ = await asyncio.wait({ping}, timeout=0.2)
                 if not done and proc is self._proc and self.state == "ready":
                     log.warning("engine worker (pid %s) has not answered a ping for %.0f s: stalled",
                                 proc.pid, STALL_S)
                     self.state = "stalled"
-                await asyncio.wait_for(ping, max(0.0, timeout - STALL_S))
+                if not done:
+                    done, _ = await asyncio.wait({ping}, timeout=max(0.0, timeout - STALL_S))
+                    if not done:
+                        done, _ = await asyncio.wait({ping}, timeout=0.2)
+                if not done:
+                    ping.cancel()
+                    raise asyncio.TimeoutError
+                ping.result()
                 if self.state == "stalled" and proc is self._proc:
                     log.info("engine worker (pid %s) answers again", proc.pid)
                     self.state = "ready"
@@ -458,6 +468,11 @@ class SubprocessEngine:
         if req.id in self._streams:
             yield _error_event("invalid_request", f"request id {req.id!r} is already running", 400)
             return
+        try:
+            self._check_size(req)
+        except EngineError as e:
+            yield _error_event(e.code, e.message, e.status)
+            return
         finished = False
         try:
             for attempt in (0, 1):
@@ -508,7 +523,16 @@ class SubprocessEngine:
 
     async def count_tokens(self, req: GenRequest) -> int:
         """Tokens of the rendered prompt of ``req``. Raises EngineError."""
+        self._check_size(req)
         return int(await self._call(P.Op.COUNT_TOKENS, req=req))
+
+    def _check_size(self, req: GenRequest) -> None:
+        """Refuse text that cannot fit the context (:func:`.limits.check_text_fits`) before it is
+        sent down the pipe: decoding tens of MiB there would keep the worker's reader from
+        answering pings."""
+        n_ctx, piece = self._info.get("n_ctx"), self._info.get("max_piece_bytes")
+        if n_ctx and piece:
+            limits.check_text_fits(limits.message_text_bytes(req.messages, req.prompt), piece, n_ctx)
 
     async def info(self) -> dict[str, Any]:
         """Loaded model facts (from the worker at load time)."""

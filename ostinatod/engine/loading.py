@@ -269,7 +269,7 @@ def preserved_ids(vocab: Any, rendered: Any) -> set:
 
 
 def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templates: Any,
-                n_ctx_slot: int, expert_engine: bool, n_slots: int) -> dict[str, Any]:
+                n_ctx_slot: int, expert_engine: bool, n_slots: int, max_piece: int = 0) -> dict[str, Any]:
     """The loaded model's facts (see EngineClient.info)."""
     import llama_cpp
     tinfo = templates.info if templates else {}
@@ -281,4 +281,5 @@ def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templa
             "n_expert": g.n_expert if g else 0, "n_expert_used": g.n_expert_used if g else 0,
             "n_layer": g.n_layer if g else 0, "experts_mode": "ostinato" if expert_engine else "stock",
             "n_slots": n_slots, "supports_thinking": bool(tinfo.get("supports_thinking")),
+            "max_piece_bytes": max_piece,
             "chat_template_caps": tinfo.get("caps", {})}

@@ -152,7 +152,8 @@ class Worker:
     def info(self) -> dict[str, Any]:
         """Loaded model facts (see EngineClient.info)."""
         return loading.model_facts(self.settings, self.model_path, self.gguf, self.model,
-                                   self.templates, self.n_ctx_slot, self.rt is not None, len(self.slots))
+                                   self.templates, self.n_ctx_slot, self.rt is not None, len(self.slots),
+                                   self.max_piece_bytes)
 
     def stats(self) -> dict[str, Any]:
         """Counters, slot states and the expert runtime's stats (merged under "experts")."""
