@@ -398,3 +398,16 @@ def test_control_switch_with_a_long_workload_name_is_a_400(live_daemon):
     with pytest.raises(ControlAPIError) as e:
         call("POST", "/residency/switch", {"workload": "w" * 5000}, socket=live_daemon.control_socket)
     assert e.value.status == 400 and e.value.code == "invalid_workload"
+
+
+# ---- item 5: deterministic slots reuse only their own stream ------------------------------------
+
+def test_deterministic_slot_choice_never_copies_another_slots_prefix():
+    from ostinatod.engine.determinism import own_slot_only
+    from ostinatod.engine.slots import SlotChoice
+
+    shared = SlotChoice(target=1, n_keep=40, copy_from=0, n_copy=40)
+    own = own_slot_only(shared, own_tokens=[1, 2, 3, 9], prompt=[1, 2, 3, 4, 5])
+    assert (own.target, own.n_keep, own.copy_from, own.n_copy) == (1, 3, None, 0)
+    plain = SlotChoice(target=0, n_keep=2)
+    assert own_slot_only(plain, [1, 2], [1, 2, 3]) is plain
