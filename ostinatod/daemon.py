@@ -56,10 +56,10 @@ class Daemon:
     async def reload(self, path: Optional[Path]) -> None:
         """Replace the engine by one serving ``path`` (None: unload). Waits until loaded.
 
-        The new file is validated first (``check_model_file``: present, GGUF, complete); a bad file
-        raises EngineError and the served model stays. A file that passes but fails to load
-        raises EngineError too, leaving the daemon without a model and ``state.model_error``
-        saying why."""
+        The new file is validated first (``check_model_file``: present, GGUF, complete, not
+        vocab-only); a bad file raises EngineError and the served model stays. A file that passes
+        but that llama.cpp refuses raises EngineError too, with llama.cpp's reason; the model
+        served before is then loaded again (without one, ``state.model_error`` says why)."""
         from .engine.types import EngineError
 
         from .residency.model import ModelFileError, check_model_file
@@ -78,6 +78,7 @@ class Daemon:
                     log.error("cannot load %s: %s (the served model, if any, stays)", path, e)
                     raise EngineError(code, str(e), status) from None
             old, st.engine = st.engine, None
+            previous = (getattr(old, "model_path", None) or st.settings.model) if old is not None else None
             st.model_info = {}
             if old is not None:
                 await old.stop()
@@ -85,16 +86,24 @@ class Daemon:
                 st.model_error = None
                 log.info("model unloaded")
                 return
-            st.phase = f"loading {path.name}"
-            eng = make_engine(self.settings, path)
-            st.engine = eng
             try:
-                await eng.start()
-                await eng.wait_ready()
-                st.model_info = await eng.info()
+                await self._start_engine(path)
             except Exception as e:
                 st.phase = None
                 st.model_error = f"{path}: {getattr(e, 'message', None) or e}"
+                log.error("cannot load %s: %s", path, getattr(e, "message", None) or e)
+                if previous is not None and Path(previous) != path:
+                    log.info("loading the model served before again: %s", previous)
+                    failed, st.engine = st.engine, None
+                    if failed is not None:
+                        await failed.stop()
+                    try:
+                        await self._start_engine(Path(previous))
+                        st.phase = st.model_error = None
+                    except Exception as e2:  # noqa: BLE001 - the first error is the one to report
+                        log.error("the model served before did not load again: %s",
+                                  getattr(e2, "message", None) or e2)
+                        st.phase = None
                 raise
             st.phase = None
             st.model_error = None
@@ -107,16 +116,29 @@ class Daemon:
             log.info("model ready: %s (%s, arch %s, n_ctx %s, experts %s)%s", st.model_name, path,
                      info.get("arch"), info.get("n_ctx"), info.get("experts_mode"), demo)
 
+    async def _start_engine(self, path: Path) -> None:
+        """Make, start and wait for an engine serving ``path``; it becomes ``state.engine``.
+        Raises EngineError when it does not load (it is left in place, stopped or in "error")."""
+        st = self.state
+        st.phase = f"loading {path.name}"
+        eng = make_engine(self.settings, path)
+        st.engine = eng
+        await eng.start()
+        await eng.wait_ready()
+        st.model_info = await eng.info()
+
     async def serve(self) -> int:
         """Bind HTTP (and the control socket), load the model, serve until stopped.
         Returns the exit code: 0 after a stop, 1 when the port cannot be bound or the demo model
         cannot be prepared. A model that fails to load leaves the daemon running without one
         (``state.model_error`` says why)."""
         from .engine.types import EngineError
-        from .server.app import open_bind_refusal, start_http
+        from .server.app import cors_refusal, open_bind_refusal, start_http
 
         st = self.state
-        refusal = open_bind_refusal(self.settings.host, self.settings.api_key, self.settings.allow_open_bind)
+        s = self.settings
+        refusal = (open_bind_refusal(s.host, s.api_key, s.allow_open_bind)
+                   or cors_refusal(s.cors, s.api_key, s.allow_cors_without_key))
         if refusal:
             log.error("%s", refusal)
             print(f"ostinatod: {refusal}", file=sys.stderr)

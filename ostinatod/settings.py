@@ -35,13 +35,22 @@ class Settings(BaseSettings):
                                          "it must not be readable by group or others (chmod 600).")
     http_max_connections: int = Field(512, ge=1, description="HTTP connections open at once; more "
                                       "are closed at once (each holds a file descriptor).")
-    http_header_timeout_s: float = Field(10.0, ge=0, description="A connection whose first request "
-                                         "headers are not complete within this many seconds is "
-                                         "closed (slow or half-open clients; 0: no limit).")
+    http_header_timeout_s: float = Field(10.0, ge=0, description="A connection whose request "
+                                         "headers are not complete within this many seconds of its "
+                                         "start, or of a later request's first bytes, is closed "
+                                         "(slow or half-open clients; 0: no limit).")
     http_body_timeout_s: float = Field(60.0, gt=0, description="A request body must arrive within "
                                        "this many seconds, else 408 request_timeout.")
+    http_keepalive_timeout_s: float = Field(15.0, gt=0, description="A kept-alive connection "
+                                            "idle this many seconds after its last answer is closed "
+                                            "(clients reconnect; idle connections cannot hold the "
+                                            "connection cap).")
     cors: bool = Field(False, description="Answer CORS preflight requests and accept any Origin "
-                       "header (browser clients; combine with api_key).")
+                       "header (browser clients). Needs api_key: without one a start is refused "
+                       "(any web page could use the model) unless allow_cors_without_key.")
+    allow_cors_without_key: bool = Field(False, description="Start with cors = true and no api_key "
+                                         "(any web page the user opens can call the model and read "
+                                         "its answers).")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names accepted in the "
                                      "Host and Origin headers besides IP addresses, loopback names, "
                                      "host.docker.internal and the bound address ('*' accepts any). "
@@ -77,8 +86,8 @@ class Settings(BaseSettings):
                                         "the slot and put back when its session returns (like "
                                         "llama-server's --cache-ram). Unset: 1/8 of the RAM, at most "
                                         "8192; 0: off.")
-    n_batch: int = Field(2048, ge=32, description="Logical batch size for prefill (tokens).")
-    n_ubatch: int = Field(512, ge=32, description="Physical batch (ubatch) size for prefill (tokens).")
+    n_batch: int = Field(2048, ge=32, le=65536, description="Logical batch size for prefill (tokens).")
+    n_ubatch: int = Field(512, ge=32, le=65536, description="Physical batch (ubatch) size for prefill (tokens).")
     n_threads: Optional[int] = Field(None, ge=1, description="CPU threads for the CPU branch and "
                                      "host-side compute (default: one per CPU of cpu_set's choice).")
     cpu_set: Optional[str] = Field(None, description="CPUs of the engine worker: a Linux cpulist "
@@ -104,6 +113,18 @@ class Settings(BaseSettings):
                                 "prompt token alone, cached prefixes reused by whole chunks only. "
                                 "Costs throughput with several clients; see docs/reliability.md.")
     max_tokens_default: int = Field(4096, ge=1, description="Output tokens when a request sets none.")
+    max_schema_nodes: int = Field(8000, ge=1, description="A request's tool definitions and "
+                                  "response schema may hold at most this many JSON objects and arrays; "
+                                  "more is refused with 400 schema_too_large.")
+    max_schema_properties: int = Field(256, ge=1, description="An object in a request's tool "
+                                       "definitions or response schema may have at most this many "
+                                       "properties; more is refused with 400 schema_too_large (the "
+                                       "grammar of one object costs far more than linear in them: "
+                                       "1,000 take about 8 s).")
+    template_timeout_s: float = Field(5.0, gt=0, description="Rendering a request's chat template, "
+                                      "grammar and prompt tokens may take this many seconds; longer is "
+                                      "refused with 400 template_timeout (other requests are served "
+                                      "meanwhile).")
     temperature: float = Field(0.8, ge=0, le=2, description="Sampling temperature of requests that "
                                "set none (0: greedy).")
     top_p: float = Field(0.95, ge=0, le=1, description="Top-p (nucleus) sampling of requests that set "
@@ -186,6 +207,11 @@ class Settings(BaseSettings):
                                           "measurements (the layout with one tensor per matrix).")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
+    max_workloads: int = Field(16, ge=1, description="Workload names learnt from requests "
+                               "(x-ostinato-workload, a model's @suffix, known clients) besides "
+                               "workload_default; each gets routing traces and a residency set. "
+                               "Requests naming further ones are served as workload_default (logged "
+                               "once).")
     residency_auto_switch: bool = Field(True, description="Swap residency sets by themselves at "
                                         "request boundaries: to the planned set of a request's "
                                         "workload when it differs from the active set's, and to a "
@@ -208,6 +234,21 @@ class Settings(BaseSettings):
     recent_requests: int = Field(200, ge=1, description="Requests kept for the control API's "
                                  "recent-requests list.")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: Any) -> Any:
+        # pydantic takes true for 1 in a number field (`port = true` would bind port 1)
+        if isinstance(v, bool) and _number_types(cls.model_fields[info.field_name].annotation):
+            raise ValueError("a number is needed, not true/false")
+        return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_empty(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.strip():
+            raise ValueError("api_key is empty: set a key, or leave it unset to run without one")
+        return v
+
     @field_validator("upload_cpu_share")
     @classmethod
     def _share_or_adapted(cls, v: float) -> float:
@@ -221,8 +262,19 @@ class Settings(BaseSettings):
         return (init_settings, env_settings, _TomlSource(settings_cls))
 
 
+SETTINGS_MAX_BYTES = 1 << 20  # a settings file is a few KiB; a bigger one is a mistake
+
+
 class SettingsError(ValueError):
     """Settings that cannot be used; the message is one line naming the file, key or cause."""
+
+
+def _number_types(annotation: Any) -> tuple:
+    """The number types (int, float) an annotation admits, Optional[...] included."""
+    import typing
+
+    args = typing.get_args(annotation) or (annotation,)
+    return tuple(a for a in args if a in (int, float))
 
 
 class _TomlSource(PydanticBaseSettingsSource):
@@ -236,11 +288,20 @@ class _TomlSource(PydanticBaseSettingsSource):
         path = get_paths().settings_file
         if not path.exists():
             return {}
+        if not path.is_file():  # a device (/dev/zero) or a folder would be read forever or fail
+            raise SettingsError(f"{path}: not a regular file")
         try:
             with open(path, "rb") as f:
-                data = tomllib.load(f)
+                raw = f.read(SETTINGS_MAX_BYTES + 1)
+            if len(raw) > SETTINGS_MAX_BYTES:
+                raise SettingsError(f"{path}: larger than {SETTINGS_MAX_BYTES} bytes; not a settings file")
+            data = tomllib.loads(raw.decode("utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise SettingsError(f"{path}: not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise SettingsError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except RecursionError:
+            raise SettingsError(f"{path}: nests too deeply to be a settings file") from None
         except OSError as e:
             raise SettingsError(f"{path}: cannot be read: {e.strerror or e}") from None
         unknown = [k for k in data if k not in self.settings_cls.model_fields]

@@ -7,12 +7,26 @@ model (or ``--model``), then, in order:
    ``--control-requests`` over the control socket (``ostinatod/bench/fuzz.py``);
 2. concurrent greedy clients: ``--clients`` threads sending the same prompts at temperature 0;
 3. slow connections: ``--slow`` half-sent request headers held open while /health is timed;
-4. crashes: ``--kills`` times kill -9 of the worker in the middle of a stream, then one SIGSTOP
+4. schema stall (issue 26): ``--stalls`` requests whose tool has 3,000 properties (count_tokens
+   and chat) and one 60 MiB prompt, while a bystander sends small chats; the engine kills
+   (worker restarts) and the bystander's answers are counted;
+5. keep-alive lockout: ``--keepalive`` connections (above the cap of 512) that each sent one
+   GET and stay open, then a new client's /health;
+6. distinct tools: ``--tool-requests`` requests, each with a tool definition no other had; the
+   worker's RSS after the first tenth and at the end;
+7. bad GGUF loads: ``ostinato load`` of copies of the model that llama.cpp refuses (unknown
+   architecture, missing tensor, no tokenizer, no expert count) and of a vocab-only one; the
+   reason given, and whether the served model stayed;
+8. crashes: ``--kills`` times kill -9 of the worker in the middle of a stream, then one SIGSTOP
    of the worker; each time the seconds until /health is 200 again (recovery);
 
 and prints the figures: requests, 5xx, hangs, daemon and worker alive, RSS (daemon + worker)
 before and after, recovery times. Exit code 0 when there were no 5xx, no hangs, both processes are
-alive and RSS grew less than 10%; 1 otherwise. ``--json FILE`` writes the figures.
+alive, RSS grew less than 10% (fuzzing, and the distinct tools), the engine was never killed by
+the schema stall, the bystander and the new client were served, every bad GGUF left the model
+served, and, with ``--deterministic``, no concurrent greedy output differed from the sequential
+ones; 1 otherwise. ``--json FILE`` writes the figures. Every attack is bounded in count and time
+and goes to 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -121,13 +135,14 @@ class Daemon:
         self.out.close()
 
 
-def _greedy(d: Daemon, clients: int, prompts: int) -> dict[str, Any]:
-    """The same prompts at temperature 0: sequentially twice, then from ``clients`` threads."""
+def _greedy(d: Daemon, clients: int, prompts: int, max_tokens: int = 8) -> dict[str, Any]:
+    """The same prompts at temperature 0 (``max_tokens`` each): sequentially twice, then from
+    ``clients`` threads."""
     texts = [f"Prompt number {i}: write some code about item {i * 7}." for i in range(prompts)]
 
     def one(t: str) -> Optional[str]:
         code, body = _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": t}],
-                                                            "max_tokens": 8, "temperature": 0})
+                                                            "max_tokens": max_tokens, "temperature": 0})
         return body["choices"][0]["message"].get("content") if code == 200 else None
 
     seq1 = [one(t) for t in texts]
@@ -150,17 +165,20 @@ def _greedy(d: Daemon, clients: int, prompts: int) -> dict[str, Any]:
     return {"requests": len(results) + 2 * len(texts), "failed": failed,
             "sequential_runs_equal": sum(a == b for a, b in zip(seq1, seq2)), "prompts": len(texts),
             "concurrent_equal_to_sequential": sum(1 for i, r in results if r in (seq1[i], seq2[i])),
+            "concurrent_differing": sum(1 for i, r in results if r != seq1[i] or r != seq2[i]),
             "concurrent_outputs": len(results)}
 
 
-def _slow(d: Daemon, n: int) -> dict[str, Any]:
+def _hold(d: Daemon, n: int, prime: Any) -> tuple[int, int, float]:
+    """Open ``n`` connections, ``prime(socket)`` each, and time a new client's /health while
+    they are held: (connections held, its status, its seconds)."""
     import socket
 
     socks = []
     for _ in range(n):
         try:
             s = socket.create_connection(("127.0.0.1", d.port), timeout=5)
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")
+            prime(s)
             socks.append(s)
         except OSError:
             break
@@ -169,7 +187,181 @@ def _slow(d: Daemon, n: int) -> dict[str, Any]:
     health_s = time.monotonic() - t0
     for s in socks:
         s.close()
-    return {"opened": len(socks), "health_status_meanwhile": code, "health_seconds": round(health_s, 3)}
+    return len(socks), code, round(health_s, 3)
+
+
+def _slow(d: Daemon, n: int) -> dict[str, Any]:
+    held, code, secs = _hold(d, n, lambda s: s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n"
+                                                        b"Host: localhost\r\nX-Slow: "))
+    return {"opened": held, "health_status_meanwhile": code, "health_seconds": secs}
+
+
+def _health_body(url: str) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read() or b"{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def big_tool(n_props: int, name: str = "big") -> dict[str, Any]:
+    """An OpenAI tool whose parameters have ``n_props`` string properties."""
+    props = {f"field_{i}": {"type": "string", "description": f"value {i}"} for i in range(n_props)}
+    return {"type": "function", "function": {"name": name, "description": "many fields",
+                                             "parameters": {"type": "object", "properties": props}}}
+
+
+def _schema_stall(d: Daemon, n: int) -> dict[str, Any]:
+    """``n`` big-schema requests (count_tokens and chat alternately, one at a time) and a 60 MiB
+    prompt while a bystander thread sends small chats; worker restarts counted."""
+    restarts0 = _health_body(d.url).get("restarts", 0)
+    stop = threading.Event()
+    by: list[tuple[int, float]] = []
+
+    def bystander() -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            code, _ = _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 2}, timeout=60)
+            by.append((code, time.monotonic() - t0))
+            time.sleep(0.2)
+    th = threading.Thread(target=bystander)
+    th.start()
+    attacks: dict[str, int] = {}
+    t_attack = time.monotonic()
+    tool = big_tool(3000)
+    for i in range(n):
+        if i % 2:
+            code, _ = _post(d.url + "/v1/messages/count_tokens", {
+                "model": "claude-x", "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"name": "big", "input_schema": tool["function"]["parameters"]}]}, timeout=60)
+        else:
+            code, _ = _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                             "tools": [tool], "max_tokens": 2}, timeout=60)
+        attacks[str(code)] = attacks.get(str(code), 0) + 1
+    attack_s = time.monotonic() - t_attack
+    t0 = time.monotonic()
+    huge, _ = _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (60 << 20)}],
+                                                     "max_tokens": 2}, timeout=120)
+    huge_s = time.monotonic() - t0
+    stop.set()
+    th.join(120)
+    time.sleep(2)  # a worker killed at the end has its exit seen by then
+    restarts1 = _health_body(d.url).get("restarts", 0)
+    return {"attacks": n, "attack_statuses": attacks, "attack_seconds": round(attack_s, 2),
+            "prompt_60mib_status": huge, "prompt_60mib_seconds": round(huge_s, 2),
+            "bystander_requests": len(by), "bystander_ok": sum(1 for c, _ in by if c == 200),
+            "bystander_max_s": round(max((s for _, s in by), default=0.0), 2),
+            "engine_kills": restarts1 - restarts0}
+
+
+def _keepalive(d: Daemon, n: int) -> dict[str, Any]:
+    """``n`` connections that each sent one GET /health, read the answer and stay open; then a
+    new client's /health."""
+    def prime(s: Any) -> None:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        data = b""
+        while not data.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    held, code, secs = _hold(d, n, prime)
+    return {"held": held, "health_status_meanwhile": code, "health_seconds": secs}
+
+
+def _tool_rss(d: Daemon, n: int, threads: int = 4) -> dict[str, Any]:
+    """``n`` chat requests, each with a tool no other request had; the worker's RSS after the
+    first tenth of them (caches warm) and at the end."""
+    import psutil
+
+    worker = next(iter(_workers(d.proc.pid)), None)
+    counter = iter(range(n))
+    lock = threading.Lock()
+    codes: dict[str, int] = {}
+    mid: dict[str, int] = {}
+    t0 = time.monotonic()
+
+    def one() -> None:
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            tool = {"type": "function", "function": {
+                "name": f"tool_{i}", "description": f"does thing {i}",
+                "parameters": {"type": "object", "properties": {f"arg_{i}": {"type": "string"},
+                                                                "count": {"type": "integer"}},
+                               "required": [f"arg_{i}"]}}}
+            code, _ = _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                             "tools": [tool], "max_tokens": 1}, timeout=60)
+            with lock:
+                codes[str(code)] = codes.get(str(code), 0) + 1
+                if i == n // 10 and worker is not None:
+                    mid["rss"] = psutil.Process(worker).memory_info().rss
+    th = [threading.Thread(target=one) for _ in range(threads)]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    end = psutil.Process(worker).memory_info().rss if worker is not None else 0
+    rss0 = mid.get("rss", 0)
+    return {"requests": n, "statuses": codes, "seconds": round(time.monotonic() - t0, 1),
+            "worker_rss_after_first_tenth_bytes": rss0, "worker_rss_end_bytes": end,
+            "growth_pct": round(100.0 * (end - rss0) / rss0, 1) if rss0 else None,
+            "same_worker": worker in _workers(d.proc.pid)}
+
+
+# ways to spoil a GGUF that llama.cpp refuses (or would abort on: no expert count, refused before
+# it sees the file): byte strings of the header swapped for others of the same length (offsets stay
+# valid), with the words the refusal contains
+BAD_GGUFS: dict[str, tuple[list[tuple[bytes, bytes]], str]] = {
+    "unknown architecture": ([(b"qwen3moe", b"qwen3xyz")], "unknown model architecture"),
+    "missing tensor": ([(b"blk.0.attn_q.weight", b"blk.0.attn_x.weight")], "not found"),
+    "no tokenizer": ([(b"tokenizer.ggml.tokens", b"tokenizer.ggml.tokenx")], "tokenizer"),
+    "no expert count": ([(b"qwen3moe.expert_count", b"qwen3moe.expert_counx")], "expert_count"),
+}
+
+
+def patch_gguf(src: Path, dst: Path, swaps: list[tuple[bytes, bytes]] = (), no_tensors: bool = False) -> Path:
+    """A copy of the GGUF ``src`` at ``dst`` with byte strings swapped for others of the same
+    length (an architecture, key or tensor name), or with a tensor count of 0 (a vocab-only
+    file). Raises ValueError when a string is missing or the lengths differ."""
+    data = bytearray(Path(src).read_bytes())
+    for old, new in swaps:
+        if len(old) != len(new) or old not in data:
+            raise ValueError(f"cannot swap {old!r} for {new!r} in {src}")
+        data = data.replace(old, new)
+    if no_tensors:
+        data[8:16] = (0).to_bytes(8, "little")  # GGUF header: magic, version, n_tensors, n_kv
+    Path(dst).write_bytes(bytes(data))
+    return Path(dst)
+
+
+def _bad_ggufs(d: Daemon, model: Path) -> dict[str, Any]:
+    """Load each spoilt copy of ``model`` through the control API; what the answer said and
+    whether the model stayed served."""
+    from ..control.client import ControlAPIError, call
+
+    out: dict[str, Any] = {}
+    cases = {k: (sw, word, False) for k, (sw, word) in BAD_GGUFS.items()}
+    cases["vocab-only"] = ([], "vocab-only", True)
+    for kind, (swaps, word, no_tensors) in cases.items():
+        bad = patch_gguf(model, d.home / f"bad-{kind.replace(' ', '-')}.gguf", swaps, no_tensors)
+        t0 = time.monotonic()
+        try:
+            call("POST", "/models/load", {"path": str(bad)}, socket=Path(d.socket))
+            said = "loaded"
+        except ControlAPIError as e:
+            said = str(e)
+        h = _health_body(d.url)
+        out[kind] = {"said": said[:200], "reason_named": word in said.lower(),
+                     "model_stayed": h.get("status") == "ok" and h.get("model") == model.stem,
+                     "seconds": round(time.monotonic() - t0, 1)}
+        bad.unlink()
+    return out
 
 
 def _crashes(d: Daemon, kills: int) -> dict[str, Any]:
@@ -243,9 +435,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                        "examples_5xx": (http.server_errors + ctl.server_errors)[:5],
                        "examples_hangs": (http.hangs + ctl.hangs)[:5],
                        "examples_dropped": (http.dropped + ctl.dropped)[:5]}
-        out["greedy"] = _greedy(d, a.clients, a.prompts)
+        out["greedy"] = _greedy(d, a.clients, a.prompts, a.greedy_tokens)
         out["slow_connections"] = _slow(d, a.slow)
-        rss1 = _rss(d.proc.pid)  # before the crashes: a restarted worker starts from scratch
+        rss1 = _rss(d.proc.pid)  # before the crashes and loads: a restarted worker starts from scratch
+        out["schema_stall"] = _schema_stall(d, a.stalls)
+        out["keepalive"] = _keepalive(d, a.keepalive)
+        out["tools"] = _tool_rss(d, a.tool_requests)
+        out["bad_gguf"] = _bad_ggufs(d, model)
         out["crashes"] = _crashes(d, a.kills)
         out["rss"] = {"before_bytes": rss0, "after_bytes": rss1,
                       "growth_pct": round(100.0 * (rss1 - rss0) / rss0, 1) if rss0 else None}
@@ -254,9 +450,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     finally:
         d.stop()
     f, r = out.get("fuzz", {}), out.get("rss", {})
+    st, ka, tl, g = (out.get(k, {}) for k in ("schema_stall", "keepalive", "tools", "greedy"))
     out["ok"] = bool(f and f["http_5xx"] == 0 and f["control_5xx"] == 0 and f["http_hangs"] == 0
                      and f["control_hangs"] == 0 and all(out["alive"].values())
-                     and (r.get("growth_pct") or 0) < 10)
+                     and (r.get("growth_pct") or 0) < 10
+                     and st.get("engine_kills") == 0 and st.get("bystander_ok") == st.get("bystander_requests")
+                     and ka.get("health_status_meanwhile") == 200
+                     and (tl.get("growth_pct") or 0) < 10 and tl.get("same_worker")
+                     and all(v["reason_named"] and v["model_stayed"] for v in out.get("bad_gguf", {}).values())
+                     and (not a.deterministic or g.get("concurrent_differing") == 0))
     return out
 
 
@@ -273,6 +475,7 @@ def _tiny_model() -> Path:
 
 def report(out: dict[str, Any]) -> str:
     f, g, s, c, r, al = (out.get(k, {}) for k in ("fuzz", "greedy", "slow_connections", "crashes", "rss", "alive"))
+    st, ka, tl = (out.get(k, {}) for k in ("schema_stall", "keepalive", "tools"))
     lines = [
         f"model            {out['model']}{'  (deterministic = true)' if out.get('deterministic') else ''}",
         f"fuzzed requests  HTTP {f.get('http_requests')} ({f.get('http_5xx')} 5xx, {f.get('http_hangs')} hangs), "
@@ -282,9 +485,21 @@ def report(out: dict[str, Any]) -> str:
         f"  control        {f.get('control_by_status')}",
         f"greedy clients   {g.get('requests')} requests, {g.get('failed')} failed; sequential runs equal "
         f"{g.get('sequential_runs_equal')}/{g.get('prompts')}; concurrent equal to a sequential run "
-        f"{g.get('concurrent_equal_to_sequential')}/{g.get('concurrent_outputs')}",
+        f"{g.get('concurrent_equal_to_sequential')}/{g.get('concurrent_outputs')}, differing from a "
+        f"sequential run {g.get('concurrent_differing')}",
         f"slow connections {s.get('opened')} half-sent headers open; /health meanwhile {s.get('health_status_meanwhile')} "
         f"in {s.get('health_seconds')} s",
+        f"schema stall     {st.get('attacks')} 3,000-property requests {st.get('attack_statuses')} in "
+        f"{st.get('attack_seconds')} s, 60 MiB prompt {st.get('prompt_60mib_status')} in "
+        f"{st.get('prompt_60mib_seconds')} s; engine kills {st.get('engine_kills')}; bystander "
+        f"{st.get('bystander_ok')}/{st.get('bystander_requests')} served, slowest {st.get('bystander_max_s')} s",
+        f"keep-alive       {ka.get('held')} idle kept-alive connections held; new client /health "
+        f"{ka.get('health_status_meanwhile')} in {ka.get('health_seconds')} s",
+        f"distinct tools   {tl.get('requests')} requests {tl.get('statuses')} in {tl.get('seconds')} s; worker RSS "
+        f"{tl.get('worker_rss_after_first_tenth_bytes', 0) / 2**20:.0f} MiB after the first tenth, "
+        f"{tl.get('worker_rss_end_bytes', 0) / 2**20:.0f} MiB at the end ({tl.get('growth_pct')}%)",
+        *[f"bad GGUF         {k}: model stayed {v['model_stayed']}, reason named {v['reason_named']} "
+          f"({v['said'][:90]})" for k, v in out.get("bad_gguf", {}).items()],
         f"crashes          {c.get('kills')} kill -9 mid-stream: recovery {c.get('recovery_s')} s; SIGSTOP: "
         f"{c.get('sigstop_recovery_s')} s",
         f"RSS              {r.get('before_bytes', 0) / 2**20:.0f} MiB before, {r.get('after_bytes', 0) / 2**20:.0f} MiB "
@@ -302,8 +517,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--control-requests", type=int, default=500, help="fuzzed control-socket requests")
     ap.add_argument("--clients", type=int, default=8, help="concurrent greedy clients")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per greedy client")
+    ap.add_argument("--greedy-tokens", type=int, default=8, help="output tokens of each greedy request")
     ap.add_argument("--slow", type=int, default=600, help="half-sent request headers held open")
     ap.add_argument("--kills", type=int, default=3, help="kill -9 of the worker mid-stream")
+    ap.add_argument("--stalls", type=int, default=8, help="requests with a 3,000-property tool (schema stall)")
+    ap.add_argument("--keepalive", type=int, default=600, help="idle kept-alive connections held open")
+    ap.add_argument("--tool-requests", type=int, default=10000, help="requests with distinct tool definitions")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="engine CPU threads")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds without an answer that count as a hang")

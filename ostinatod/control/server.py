@@ -42,6 +42,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
+from ..residency.traces import valid_workload
 from ..hardware import gpu_memory
 from ..engine.types import EngineError
 from ..server.request_input import check_json_value
@@ -107,9 +108,9 @@ def _state(request: web.Request):
 # --- residency helpers ---------------------------------------------------------------------------
 
 def _workload_name(name: Any) -> str:
-    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "-_" for c in name):
-        raise ControlError(400, "invalid_workload", f"workload must be a non-empty name of letters, "
-                           f"digits, '-' or '_', got {name!r}")
+    if not valid_workload(name):  # the one rule of workload names (1-64 plain characters)
+        raise ControlError(400, "invalid_workload", "workload must be 1-64 letters, digits, '.', '_' or "
+                           f"'-', starting with a letter or digit; got {str(name)[:80]!r}")
     return name
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Optional
 
 from ..settings import Settings
+from . import limits
 from . import protocol as P
 from .types import TERMINAL, EngineError, EngineEvent, GenRequest
 
@@ -201,6 +202,9 @@ class InProcessEngine:
             await asyncio.to_thread(self._worker.flush_traces)
 
 
+STALL_S = 2.0  # a worker silent to pings this long is reported "stalled" (killed at worker_ping_timeout_s)
+
+
 class SubprocessEngine:
     """Supervised worker process (see module docstring).
 
@@ -256,18 +260,38 @@ class SubprocessEngine:
             self._watchdog = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
-        """Liveness: ping the worker every ``worker_ping_timeout_s / 2`` s while it is ready; one
-        without an answer for ``worker_ping_timeout_s`` (a stopped or wedged process) is killed,
-        which restarts it like a crash. The pipe reader answers pings, not the loop: a long
-        prefill step does not count as a hang."""
+        """Liveness: ping the worker every second (at most every ``worker_ping_timeout_s / 2``)
+        while it is ready. One that has not answered within :data:`STALL_S` is "stalled" (seen in
+        /health; new requests wait for it as for a restart); one without an answer for
+        ``worker_ping_timeout_s`` (a stopped or wedged process) is killed, which restarts it like
+        a crash. The pipe reader answers pings and does no request work (worker_main): a long
+        prefill step or a slow render does not count as a hang."""
         timeout = float(self.settings.worker_ping_timeout_s)
         while not self._stopping:
-            await asyncio.sleep(timeout / 2)
+            await asyncio.sleep(min(1.0, timeout / 2))
             proc = self._proc
             if self.state != "ready" or proc is None or proc.returncode is not None:
                 continue
+            ping = asyncio.ensure_future(self._call(P.Op.PING, force=True))
             try:
-                await asyncio.wait_for(self._call(P.Op.PING), timeout)
+                done, _ = await asyncio.wait({ping}, timeout=min(STALL_S, timeout))
+                if not done:  # this loop may have been busy itself (a huge body): read what came
+                    done, _ = await asyncio.wait({ping}, timeout=0.2)
+                if not done and proc is self._proc and self.state == "ready":
+                    log.warning("engine worker (pid %s) has not answered a ping for %.0f s: stalled",
+                                proc.pid, STALL_S)
+                    self.state = "stalled"
+                if not done:
+                    done, _ = await asyncio.wait({ping}, timeout=max(0.0, timeout - STALL_S))
+                    if not done:
+                        done, _ = await asyncio.wait({ping}, timeout=0.2)
+                if not done:
+                    ping.cancel()
+                    raise asyncio.TimeoutError
+                ping.result()
+                if self.state == "stalled" and proc is self._proc:
+                    log.info("engine worker (pid %s) answers again", proc.pid)
+                    self.state = "ready"
             except asyncio.TimeoutError:
                 if proc is self._proc and proc.returncode is None and not self._stopping:
                     log.error("engine worker (pid %s) did not answer a ping within %.0f s (stopped or "
@@ -357,6 +381,12 @@ class SubprocessEngine:
         self._replies.clear()
         if self._stopping or proc is not self._proc:
             return
+        if self.state == "loading" and not self._load_failed:
+            # died before its first "ready" (llama.cpp aborts on some files): it would again
+            self.error = EngineError("model_not_loaded", f"the engine worker exited with code {rc} while "
+                                     "loading the model (llama.cpp aborted on the file; the engine log "
+                                     "has its message)", 503)
+            self._load_failed = True
         if self._load_failed and self.state in ("loading", "restarting"):
             # the model failed to load: restarting would fail the same way
             self.state = "error"
@@ -429,32 +459,56 @@ class SubprocessEngine:
         self.state = "stopped"
 
     async def generate(self, req: GenRequest) -> AsyncIterator[EngineEvent]:
-        """Stream the events of ``req`` from the worker process."""
+        """Stream the events of ``req`` from the worker process. A request the worker had given
+        no output yet when it crashed is sent again, once, to the restarted worker (waiting for
+        it up to ``RERUN_WAIT_S``); one with output ends with the ``engine_crashed`` error."""
         if self.state != "ready":
             yield _error_event("model_not_loaded", f"the engine is {self.state}", 503)
             return
         if req.id in self._streams:
             yield _error_event("invalid_request", f"request id {req.id!r} is already running", 400)
             return
-        q: asyncio.Queue[EngineEvent] = asyncio.Queue()
-        self._streams[req.id] = q
+        try:
+            self._check_size(req)
+        except EngineError as e:
+            yield _error_event(e.code, e.message, e.status)
+            return
         finished = False
         try:
-            if not await self._send(P.Generate(req)):
-                self._streams.pop(req.id, None)
-                finished = True
-                yield _error_event("engine_crashed", "the engine worker is not running", 503)
-                return
-            async for ev in _until_terminal(q):
-                finished = ev.type in TERMINAL
-                yield ev
+            for attempt in (0, 1):
+                q: asyncio.Queue[EngineEvent] = asyncio.Queue()
+                self._streams[req.id] = q
+                if not await self._send(P.Generate(req)):
+                    self._streams.pop(req.id, None)
+                    finished = True
+                    yield _error_event("engine_crashed", "the engine worker is not running", 503)
+                    return
+                output = False
+                async for ev in _until_terminal(q):
+                    if (attempt == 0 and not output and ev.type == "error"
+                            and ev.data.get("code") == "engine_crashed" and not self._stopping):
+                        break  # nothing reached the client: run it again on the restarted worker
+                    output = output or ev.type == "delta"
+                    finished = ev.type in TERMINAL
+                    yield ev
+                else:
+                    return
+                log.info("request %s: the engine worker exited before its first output; running it "
+                         "again on the restarted worker", req.id)
+                try:
+                    await self.wait_ready(RERUN_WAIT_S)
+                except EngineError as e:
+                    finished = True
+                    yield _error_event("engine_crashed", f"the engine worker exited and did not come "
+                                       f"back: {e.message}", 503)
+                    return
         finally:
             self._streams.pop(req.id, None)
             if not finished:
                 await self._send(P.Cancel(req.id))
 
-    async def _call(self, op: P.Op, **kw: Any) -> Any:
-        if self.state != "ready":
+    async def _call(self, op: P.Op, force: bool = False, **kw: Any) -> Any:
+        if self.state != "ready" and not (force and self._proc is not None):
             raise EngineError("model_not_loaded", f"the engine is {self.state}", 503)
         rid = str(next(self._rid))
         fut = asyncio.get_running_loop().create_future()
@@ -469,7 +523,16 @@ class SubprocessEngine:
 
     async def count_tokens(self, req: GenRequest) -> int:
         """Tokens of the rendered prompt of ``req``. Raises EngineError."""
+        self._check_size(req)
         return int(await self._call(P.Op.COUNT_TOKENS, req=req))
+
+    def _check_size(self, req: GenRequest) -> None:
+        """Refuse text that cannot fit the context (:func:`.limits.check_text_fits`) before it is
+        sent down the pipe: decoding tens of MiB there would keep the worker's reader from
+        answering pings."""
+        n_ctx, piece = self._info.get("n_ctx"), self._info.get("max_piece_bytes")
+        if n_ctx and piece:
+            limits.check_text_fits(limits.message_text_bytes(req.messages, req.prompt), piece, n_ctx)
 
     async def info(self) -> dict[str, Any]:
         """Loaded model facts (from the worker at load time)."""
@@ -494,6 +557,9 @@ class SubprocessEngine:
     async def flush_traces(self) -> None:
         """Make the worker write its pending routing counts to the trace files."""
         await self._call(P.Op.FLUSH_TRACES)
+
+
+RERUN_WAIT_S = 300.0  # a re-run request waits this long for the restarted worker
 
 
 def make_engine(settings: Settings, model_path: Optional[Path] = None):

@@ -54,6 +54,62 @@ class Loaded:
     n_slots: int
 
 
+_LOG_ERROR, _LOG_CONT = 4, 5  # ggml_log_level values (ggml.h; llama-cpp-python maps them off by one)
+_log_capture: dict[str, Any] = {"lines": None, "error": False, "cb": None}
+
+
+def _capturing_callback() -> Any:
+    """A llama.cpp log callback that keeps the ERROR lines while a load is captured and passes
+    every line on to llama-cpp-python's own callback (made once; kept referenced)."""
+    import llama_cpp
+    import llama_cpp._logger as llog
+
+    if _log_capture["cb"] is None:
+        @llama_cpp.llama_log_callback
+        def cb(level: int, text: bytes, user_data: Any) -> None:
+            lines = _log_capture["lines"]
+            if level != _LOG_CONT:
+                _log_capture["error"] = level == _LOG_ERROR
+            if lines is not None and _log_capture["error"]:
+                lines.append(text.decode("utf-8", "replace"))
+            llog.llama_log_callback(level, text, user_data)
+        _log_capture["cb"] = cb
+    return _log_capture["cb"]
+
+
+def llama_reason(lines: list[str]) -> str:
+    """llama.cpp's reason for refusing a model, from its ERROR log lines: the text after
+    "error loading model: " where there is one, else the lines joined ("" without any)."""
+    text = "".join(lines)
+    for line in text.splitlines():
+        if "error loading model:" in line:
+            return line.split("error loading model:", 1)[1].strip()
+    return "; ".join(x.strip() for x in text.splitlines() if x.strip())[:500]
+
+
+def _load_weights(rt: Any, model_path: Path, mparams: Any) -> Any:
+    """llama.cpp's model (through the expert runtime when there is one). Raises EngineError
+    ("model_not_loaded") naming llama.cpp's reason when it refuses the file."""
+    import llama_cpp
+
+    lines: list[str] = []
+    llama_cpp.llama_log_set(_capturing_callback(), None)
+    _log_capture["lines"] = lines
+    try:
+        if rt is not None:
+            model = rt.load(model_path, mparams)
+        else:
+            model, _, _ = native.load_model(model_path, mparams)
+    except ExpertEngineError as e:
+        raise EngineError("model_not_loaded", f"expert runtime: {e}", 503) from e
+    finally:
+        _log_capture["lines"] = None
+    if not model:
+        reason = llama_reason(lines) or "no reason given (see the engine log)"
+        raise EngineError("model_not_loaded", f"llama.cpp refused {model_path.name}: {reason}", 503)
+    return model
+
+
 def _expert_runtime(settings: Settings, model_path: Path) -> Any:
     from .runtime import ExpertRuntime
 
@@ -94,16 +150,7 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
     n_cpu_moe = int(getattr(settings, "n_cpu_moe", 0) or 0)
     if n_cpu_moe > 0:
         mparams.tensor_buft_overrides = native.fn("ostinato_n_cpu_moe_overrides")(n_cpu_moe)
-    if rt is not None:
-        try:
-            model = rt.load(model_path, mparams)
-        except ExpertEngineError as e:
-            raise EngineError("model_not_loaded", f"expert runtime: {e}", 503) from e
-    else:
-        model, _, _ = native.load_model(model_path, mparams)
-    if not model:
-        raise EngineError("model_not_loaded", f"llama.cpp could not load {model_path} (see the "
-                          "engine log for the reason)", 503)
+    model = _load_weights(rt, model_path, mparams)
     vocab = llama_cpp.llama_model_get_vocab(model)
 
     n_ctx_train = llama_cpp.llama_model_n_ctx_train(model) or settings.n_ctx
@@ -115,7 +162,9 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
     cparams.n_batch = n_batch
     cparams.n_ubatch = min(settings.n_ubatch, n_batch)
     cparams.n_seq_max = n_slots
-    cparams.kv_unified = True  # shared prefix cells across slots (seq_cp is metadata only)
+    # shared prefix cells across slots (seq_cp is metadata only); deterministic: a stream per slot,
+    # so no slot's cells or attention span depend on the others (determinism.py)
+    cparams.kv_unified = not settings.deterministic
     threads = settings.n_threads or default_threads(getattr(settings, "cpu_set", None))
     if rt is not None and rt.batch_threads:
         threads = rt.batch_threads  # leaves the decode graph's pool its cores
@@ -198,6 +247,14 @@ def piece(vocab: Any, token: int, special: bool = False) -> bytes:
     return buf.raw[:n]
 
 
+def max_piece_bytes(vocab: Any) -> int:
+    """Bytes of the longest token text of the vocabulary, control tokens included (one pass over
+    it at load; a bound of how much text one token can stand for)."""
+    import llama_cpp
+    n = llama_cpp.llama_vocab_n_tokens(vocab)
+    return max((len(piece(vocab, t, special=True)) for t in range(n)), default=1) or 1
+
+
 def preserved_ids(vocab: Any, rendered: Any) -> set:
     """Ids of the rendered prompt's preserved special tokens (streamed as text, e.g. tool-call
     tags the chat parser needs); empty for raw prompts."""
@@ -212,7 +269,7 @@ def preserved_ids(vocab: Any, rendered: Any) -> set:
 
 
 def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templates: Any,
-                n_ctx_slot: int, expert_engine: bool, n_slots: int) -> dict[str, Any]:
+                n_ctx_slot: int, expert_engine: bool, n_slots: int, max_piece: int = 0) -> dict[str, Any]:
     """The loaded model's facts (see EngineClient.info)."""
     import llama_cpp
     tinfo = templates.info if templates else {}
@@ -224,4 +281,5 @@ def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templa
             "n_expert": g.n_expert if g else 0, "n_expert_used": g.n_expert_used if g else 0,
             "n_layer": g.n_layer if g else 0, "experts_mode": "ostinato" if expert_engine else "stock",
             "n_slots": n_slots, "supports_thinking": bool(tinfo.get("supports_thinking")),
+            "max_piece_bytes": max_piece,
             "chat_template_caps": tinfo.get("caps", {})}

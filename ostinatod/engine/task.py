@@ -42,6 +42,8 @@ class Task:
     notice_sent: bool = False  # the demo notice went out (first content)
     residency_switch: Optional[dict[str, Any]] = None  # set swapped in right before this request
     residency_skipped: Optional[str] = None  # why its workload's planned set was not swapped in
+    t_render: float = 0.0  # when its preparation thread started on it (template_timeout_s)
+    prep_error: Optional[tuple[str, str, int]] = None  # (code, message, status) if it cannot be served
 
     def done_data(self, reason: Optional[str], message: dict[str, Any], now: float) -> dict[str, Any]:
         """The ``done`` event's data: ``finish_reason``, ``message``, ``usage``, ``timings`` (s,

@@ -119,7 +119,8 @@ class EngineError(Exception):
 class EngineClient(Protocol):
     """What the HTTP front end and control API need from an engine (in-process or subprocess).
 
-    ``state`` is one of "stopped", "loading", "ready", "error", "restarting".
+    ``state`` is one of "stopped", "loading", "ready", "error", "restarting", "stalled" (a worker
+    process not answering pings, about to be restarted).
     """
 
     state: str

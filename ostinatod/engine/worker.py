@@ -21,12 +21,13 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, Optional
 
 from ..residency.model import ModelInfo
 from ..settings import Settings
-from . import determinism, loading, sampling
+from . import determinism, limits, loading, sampling
 from .protocol import Op
 from .prefix_cache import (PrefixCache, make_prefix_cache, restore_checkpoint, save_state,
                            use_host_cache)
@@ -37,6 +38,9 @@ from .text import StopScanner, merge_deltas, settle_tool_calls
 from .types import DEMO_NOTICE, EngineError, EngineEvent, EventType, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
+
+PREPARE_THREADS = 4  # requests rendered at once, off the loop (a slow one leaves the others theirs)
+_PREPARED = "prepared"  # inbox kind: a task back from its preparation thread
 
 class Worker:
     """Model + slots + generation loop (see module docstring).
@@ -66,6 +70,9 @@ class Worker:
         self.slots: list[Slot] = []
         self._inbox: "queue.Queue[tuple[Op, Any]]" = queue.Queue()
         self._waiting: list[Task] = []
+        self._preparing: list[Task] = []  # being rendered on the prepare threads (not yet waiting)
+        self._prep_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="ostinato-prepare")
+        self.max_piece_bytes = 1  # the vocabulary's longest token text (limits.check_text_fits)
         self._active: list[Task] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards counters read by stats()
@@ -99,6 +106,7 @@ class Worker:
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [Slot(i) for i in range(m.n_slots)]
         self.pcache = make_prefix_cache(self.settings)
+        self.max_piece_bytes = loading.max_piece_bytes(self.vocab)
         # recurrent or hybrid attention (qwen35moe's linear-attention layers): the memory cannot drop
         # a suffix, so prefix reuse goes through whole-state checkpoints (issue 13 item 3)
         self.uncuttable = bool(llama_cpp.llama_model_is_recurrent(self.model)
@@ -131,6 +139,8 @@ class Worker:
 
     def close(self) -> None:
         """Free the context, model and native objects (call on the loop thread or after it ended)."""
+        # a render still running on a prepare thread uses the templates and the vocabulary
+        self._prep_pool.shutdown(wait=True, cancel_futures=True)
         if self.traces is not None:
             self.traces.close()
             self.traces = None
@@ -142,7 +152,8 @@ class Worker:
     def info(self) -> dict[str, Any]:
         """Loaded model facts (see EngineClient.info)."""
         return loading.model_facts(self.settings, self.model_path, self.gguf, self.model,
-                                   self.templates, self.n_ctx_slot, self.rt is not None, len(self.slots))
+                                   self.templates, self.n_ctx_slot, self.rt is not None, len(self.slots),
+                                   self.max_piece_bytes)
 
     def stats(self) -> dict[str, Any]:
         """Counters, slot states and the expert runtime's stats (merged under "experts")."""
@@ -186,16 +197,26 @@ class Worker:
     def render(self, req: GenRequest) -> tuple[list[int], Any]:
         """Prompt tokens of ``req`` and the rendered chat prompt (None for raw prompts).
 
-        Raises EngineError("invalid_request" | "template_error").
+        Size bounds come first (:mod:`.limits`): too many schema nodes, or more text than the
+        context can hold whatever its tokenization, are refused before any rendering or
+        tokenizing. Raises EngineError("invalid_request" | "template_error" | "schema_too_large"
+        | "context_length_exceeded").
         """
+        limits.check_schema_size(req.tools, req.json_schema, self.settings.max_schema_nodes,
+                                 self.settings.max_schema_properties)
+        limits.check_text_fits(limits.message_text_bytes(req.messages, req.prompt), self.max_piece_bytes,
+                               self.n_ctx_slot)
         if req.messages is not None:
             rendered = self.templates.render(req.messages, req.tools, req.tool_choice,
                                              req.parallel_tool_calls, req.enable_thinking,
                                              req.json_schema)
-            return self.tokenize(rendered.prompt), rendered
-        if req.prompt is not None:
-            return self.tokenize(req.prompt), None
-        raise EngineError("invalid_request", "request has neither messages nor prompt")
+            text = rendered.prompt
+        elif req.prompt is not None:
+            text, rendered = req.prompt, None
+        else:
+            raise EngineError("invalid_request", "request has neither messages nor prompt")
+        limits.check_text_fits(len(text.encode("utf-8", "replace")), self.max_piece_bytes, self.n_ctx_slot)
+        return self.tokenize(text), rendered
 
     def chat_parser(self, req: GenRequest, rendered: Any) -> Any:
         """The output parser of a chat request (:func:`.chat.parser_for`)."""
@@ -203,8 +224,20 @@ class Worker:
         return chat.parser_for(self.templates, req, rendered)
 
     def count_tokens(self, req: GenRequest) -> int:
-        """Tokens of the rendered prompt of ``req``."""
-        return len(self.render(req)[0])
+        """Tokens of the rendered prompt of ``req`` (any thread but the loop's). Rendered on a
+        prepare thread within ``template_timeout_s``; raises EngineError as :meth:`render` does,
+        or ``template_timeout`` (400)."""
+        fut = self._prep_pool.submit(self.render, req)
+        try:
+            return len(fut.result(timeout=self.settings.template_timeout_s)[0])
+        except FutureTimeout:
+            raise self._timeout_error() from None
+
+    def _timeout_error(self) -> EngineError:
+        s = self.settings.template_timeout_s
+        return EngineError("template_timeout", f"rendering the request's chat template, grammar and "
+                           f"prompt took longer than {s:g} s (limit template_timeout_s = {s:g}); send "
+                           "fewer or smaller tools or a shorter prompt", 400)
 
     # ---- public request API (any thread) --------------------------------------------------------
 
@@ -260,8 +293,9 @@ class Worker:
                     self._admit()
                 if self._active:
                     self._step()
+                self._expire_preparing()
         finally:
-            for t in self._waiting + self._active:
+            for t in self._waiting + self._active + [t for t in self._preparing if not t.finished]:
                 self._fail(t, "engine_stopped", "the engine stopped", 503)
             self._waiting.clear()
             self._active.clear()
@@ -275,10 +309,15 @@ class Worker:
         while True:
             kind, val = item
             if kind is Op.GENERATE:
-                self._prepare(val)
+                self._start_prepare(val)
+            elif kind == _PREPARED:
+                self._prepared(val)
             elif kind is Op.SWITCH_RESIDENCY:
                 self.switcher.queue(*val)
             elif kind is Op.CANCEL:
+                for t in self._preparing:
+                    if t.req.id == val and not t.finished:
+                        self._finish_bookkeeping(t, cancelled=True)
                 for t in self._waiting + self._active:
                     if t.req.id == val and not t.finished:
                         t.cancelled = True
@@ -297,52 +336,89 @@ class Worker:
             self._release(t)
             self._finish_bookkeeping(t, cancelled=True)
 
-    def _prepare(self, t: Task) -> None:
-        """Render, tokenise and check a new request; queue it for a slot."""
-        req = t.req
+    def _start_prepare(self, t: Task) -> None:
+        """Hand a new request to a prepare thread (:meth:`_prepare`); the loop goes on serving."""
         with self._lock:
             self._counters["requests"] += 1
+        self._preparing.append(t)
         try:
-            if req.max_tokens is None or req.max_tokens < 1:
-                raise EngineError("invalid_request", "max_tokens must be >= 1")
-            t.prompt, t.rendered = self.render(req)
-            if not t.prompt:
-                raise EngineError("invalid_request", "the prompt is empty")
-            n_prompt = len(t.prompt)
-            if n_prompt >= self.n_ctx_slot:
-                # Anthropic's own wording (Claude Code compacts the conversation on it)
-                raise EngineError("context_length_exceeded",
-                                  f"prompt is too long: {n_prompt} tokens > {self.n_ctx_slot - 1} maximum "
-                                  f"(the context holds {self.n_ctx_slot} tokens per slot: prompt + at "
-                                  "least one output token)", 400)
-            if n_prompt + req.max_tokens > self.n_ctx_slot:
-                # agents ask for far more output than they need (Claude Code: 32000): generate up to
-                # the end of the context and finish with "length" rather than refuse the turn
-                log.info("request %s: max_tokens %d clamped to the %d tokens left in the context",
-                         req.id, req.max_tokens, self.n_ctx_slot - n_prompt)
-                req.max_tokens = self.n_ctx_slot - n_prompt
-            if req.demo and not req.ignore_eos:
-                t.demo_cap = sampling.demo_turn(req, self.vocab, self.settings)
-            stops = [] if req.ignore_eos else [s for s in (req.stop or []) if s]
-            if t.rendered is not None and not req.ignore_eos:
-                stops += [s for s in t.rendered.additional_stops if s and s not in stops]
-            t.stops = StopScanner(stops)
-            t.special_ids = loading.preserved_ids(self.vocab, t.rendered)
-            if t.rendered is not None:
-                t.parser = self.chat_parser(req, t.rendered)
-            t.sampler = sampling.make_sampler(self.model, req, t.rendered, self.settings)
+            self._prep_pool.submit(self._prepare, t)
+        except RuntimeError:  # the pool is shut down: the worker is stopping
+            self._preparing.remove(t)
+            self._fail(t, "engine_stopped", "the engine stopped", 503)
+
+    def _prepared(self, t: Task) -> None:
+        """A task back from :meth:`_prepare`: queued for a slot, or failed with its error; one
+        that was cancelled or timed out meanwhile only frees what was made for it."""
+        if t in self._preparing:
+            self._preparing.remove(t)
+        if t.finished:
+            self._release(t)
+        elif t.prep_error is not None:
+            self._release(t)
+            self._fail(t, *t.prep_error)
+        else:
+            self._waiting.append(t)
+
+    def _expire_preparing(self) -> None:
+        """Fail (400 ``template_timeout``) requests whose preparation has run longer than
+        ``template_timeout_s``; their thread's result is dropped when it comes."""
+        limit = self.settings.template_timeout_s
+        now = time.monotonic()
+        for t in self._preparing:
+            if not t.finished and t.t_render and now - t.t_render > limit:
+                e = self._timeout_error()
+                log.warning("request %s: %s", t.req.id, e.message)
+                self._fail(t, e.code, e.message, e.status)
+
+    def _prepare(self, t: Task) -> None:
+        """On a prepare thread: render, tokenise and check a new request, build its sampler and
+        parser; then hand it back to the loop (:meth:`_prepared`), with ``prep_error`` set when it
+        cannot be served."""
+        t.t_render = time.monotonic()
+        try:
+            self._prepare_task(t)
         except EngineError as e:
-            self._fail(t, e.code, e.message, e.status)
-            return
-        except Exception as e:  # noqa: BLE001 - never takes down the loop
+            t.prep_error = (e.code, e.message, e.status)
+        except Exception as e:  # noqa: BLE001 - never takes down the worker
             # the HTTP layer has validated the request's shape; what still fails here is content
             # the template or tokenizer cannot take (a message of an unforeseen shape): the
             # client's request, answered 400 (traceback at DEBUG for the rare daemon bug)
-            log.warning("request %s: cannot be prepared: %r", req.id, e)
-            log.debug("request %s: preparation traceback", req.id, exc_info=True)
-            self._fail(t, "invalid_request", f"request cannot be prepared: {e}", 400)
-            return
-        self._waiting.append(t)
+            log.warning("request %s: cannot be prepared: %r", t.req.id, e)
+            log.debug("request %s: preparation traceback", t.req.id, exc_info=True)
+            t.prep_error = ("invalid_request", f"request cannot be prepared: {e}", 400)
+        self._inbox.put((_PREPARED, t))
+
+    def _prepare_task(self, t: Task) -> None:
+        req = t.req
+        if req.max_tokens is None or req.max_tokens < 1:
+            raise EngineError("invalid_request", "max_tokens must be >= 1")
+        t.prompt, t.rendered = self.render(req)
+        if not t.prompt:
+            raise EngineError("invalid_request", "the prompt is empty")
+        n_prompt = len(t.prompt)
+        if n_prompt >= self.n_ctx_slot:
+            # Anthropic's own wording (Claude Code compacts the conversation on it)
+            raise EngineError("context_length_exceeded",
+                              f"prompt is too long: {n_prompt} tokens > {self.n_ctx_slot - 1} maximum "
+                              f"(the context holds {self.n_ctx_slot} tokens per slot: prompt + at "
+                              "least one output token)", 400)
+        if n_prompt + req.max_tokens > self.n_ctx_slot:
+            # agents ask for far more output than they need (Claude Code: 32000): generate up to
+            # the end of the context and finish with "length" rather than refuse the turn
+            log.info("request %s: max_tokens %d clamped to the %d tokens left in the context",
+                     req.id, req.max_tokens, self.n_ctx_slot - n_prompt)
+            req.max_tokens = self.n_ctx_slot - n_prompt
+        if req.demo and not req.ignore_eos:
+            t.demo_cap = sampling.demo_turn(req, self.vocab, self.settings)
+        stops = [] if req.ignore_eos else [s for s in (req.stop or []) if s]
+        if t.rendered is not None and not req.ignore_eos:
+            stops += [s for s in t.rendered.additional_stops if s and s not in stops]
+        t.stops = StopScanner(stops)
+        t.special_ids = loading.preserved_ids(self.vocab, t.rendered)
+        if t.rendered is not None:
+            t.parser = self.chat_parser(req, t.rendered)
+        t.sampler = sampling.make_sampler(self.model, req, t.rendered, self.settings)
 
     # ---- slots ----------------------------------------------------------------------------------
 
@@ -357,9 +433,11 @@ class Worker:
             if not self._active:  # a request boundary: nothing is generating
                 self.switcher.auto_switch(t)
             c = choose_slot(free, t.prompt, time.monotonic())
+            if self.deterministic:  # a slot's stream holds only what it computed itself
+                c = determinism.own_slot_only(c, self.slots[c.target].tokens, t.prompt)
             target = self.slots[c.target]
             restored = 0
-            if self.pcache is not None:
+            if self.pcache is not None and not self.deterministic:
                 c, restored = use_host_cache(self.pcache, self.ctx, self.mem, t.prompt, target, c,
                                              whole=self.uncuttable)
             if c.copy_from is not None:  # share the other conversation's prefix (cells, no copy)

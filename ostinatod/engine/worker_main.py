@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,10 @@ def main() -> int:
         return 1
     send(P.StateMsg("ready", info=worker.info()))
 
+    # the pipe reader answers pings and only hands everything else on: request work (rendering,
+    # tokens, stats, trace files) runs on these threads, so no request can delay a ping
+    calls = ThreadPoolExecutor(2, thread_name_prefix="ostinato-calls")
+
     def call(msg: P.Call) -> None:
         if msg.op is P.Op.PING:
             send(P.Reply(msg.rid, True))
@@ -72,6 +77,12 @@ def main() -> int:
                 send(P.Reply(rid, info) if err is None else P.Reply(rid, error=err))
             worker.switch_residency(Path(msg.path or ""), done, reason=str(msg.reason or "control"))
             return
+        try:
+            calls.submit(answer, msg)
+        except RuntimeError:  # shut down: the worker is stopping
+            pass
+
+    def answer(msg: P.Call) -> None:
         try:
             if msg.op is P.Op.COUNT_TOKENS:
                 result: Any = worker.count_tokens(msg.req)
@@ -104,6 +115,7 @@ def main() -> int:
     try:
         worker.run()
     finally:
+        calls.shutdown(wait=True, cancel_futures=True)
         worker.close()
     return 0
 

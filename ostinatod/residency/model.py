@@ -60,6 +60,8 @@ class ModelInfo:
     dense_layer_bytes: list[int] = field(default_factory=list)
     other_bytes: int = 0
     kv_bytes_per_token: int = 0
+    n_tensors: int = 0
+    has_expert_tensors: bool = False  # routed-expert tensors (``blk.N.ffn_*_exps``) are present
 
     def model_block(self) -> dict[str, Any]:
         """The shared ``model`` block of trace and residency files:
@@ -148,9 +150,15 @@ def check_model_file(path: Path | str) -> ModelInfo:
     except ModelFileError as e:
         raise ModelFileError(f"{p} is truncated or damaged: not a readable GGUF header "
                              f"({e.__cause__ or e})") from e
+    if info.n_tensors == 0:
+        raise ModelFileError(f"{p} is a vocab-only GGUF (a tokenizer, no weight tensors), not a model")
     if not info.complete:
         raise ModelFileError(f"{p} is truncated: tensor data needs {info.data_end} bytes, "
                              f"the file has {info.size_bytes}")
+    if info.has_expert_tensors and not 0 < info.n_expert_used <= info.n_expert:
+        # llama.cpp asserts on this (the worker would abort while loading)
+        raise ModelFileError(f"{p} has expert tensors but {info.arch}.expert_count = {info.n_expert} and "
+                             f"{info.arch}.expert_used_count = {info.n_expert_used} (needs 1 <= used <= count)")
     return info
 
 
@@ -222,6 +230,7 @@ def _from_header(path: Path, hdr: GGUFHeader, size: int) -> ModelInfo:
         arch=arch, n_layer=n_layer, n_expert=n_expert,
         n_expert_used=num(f"{arch}.expert_used_count"), n_ctx_train=num(f"{arch}.context_length"),
         is_demo=bool(kvs.get("ostinato.demo")), size_bytes=size, data_end=hdr.data_end,
+        n_tensors=len(hdr.tensors), has_expert_tensors=any(_EXPS_RE.match(t.name) for t in hdr.tensors),
         n_embd=n_embd, n_vocab=n_vocab, n_head=n_head,
         n_ff_exp=num(f"{arch}.expert_feed_forward_length"),
         expert_bytes=[b // n_expert if n_expert else 0 for b in exp_bytes],

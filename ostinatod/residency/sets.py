@@ -96,6 +96,13 @@ class ResidencySet:
         return out
 
 
+MAX_DEVICES = 64  # GPU indexes a set may name (the engine checks the devices present at load)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no index
+
+
 def validate_residency(doc: Any, model: Optional[dict[str, Any]] = None,
                        path: Optional[Path] = None) -> ResidencySet:
     """Check a residency document's structure and, if ``model`` (a :func:`model_block`) is given,
@@ -121,9 +128,16 @@ def validate_residency(doc: Any, model: Optional[dict[str, Any]] = None,
     hot: dict[int, dict[int, list[int]]] = {}
     owner: dict[int, int] = {}
     for g in gpus:
-        if not isinstance(g, dict) or not isinstance(g.get("device"), int):
+        if not isinstance(g, dict) or not _is_int(g.get("device")):
             raise ResidencyError(f"{where}each gpus entry needs an integer 'device'")
         dev = g["device"]
+        if not 0 <= dev < MAX_DEVICES:
+            raise ResidencyError(f"{where}device {dev} is not a GPU index (0..{MAX_DEVICES - 1})")
+        if dev in hot:
+            raise ResidencyError(f"{where}device {dev} is listed twice")
+        budget = g.get("budget_bytes")
+        if budget is not None and (not _is_int(budget) or budget < 0):
+            raise ResidencyError(f"{where}gpus[device={dev}].budget_bytes must be a byte count >= 0")
         h = g.get("hot", {})
         if not isinstance(h, dict):
             raise ResidencyError(f"{where}gpus[device={dev}].hot must be an object")
@@ -138,11 +152,15 @@ def validate_residency(doc: Any, model: Optional[dict[str, Any]] = None,
             if layer in owner and owner[layer] != dev:
                 raise ResidencyError(f"{where}layer {layer} is on GPUs {owner[layer]} and {dev}")
             owner[layer] = dev
-            if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
+            if not isinstance(ids, list) or not all(_is_int(x) for x in ids):
                 raise ResidencyError(f"{where}hot[{k}] must be a list of expert ids")
             if n_expert and any(not 0 <= x < n_expert for x in ids):
                 raise ResidencyError(f"{where}hot[{k}] has an expert id outside 0..{n_expert - 1}")
+            if any(x < 0 for x in ids):
+                raise ResidencyError(f"{where}hot[{k}] has a negative expert id")
             per[layer] = sorted(set(ids))
+            if len(per[layer]) != len(ids):
+                raise ResidencyError(f"{where}hot[{k}] lists an expert id more than once")
         hot[dev] = per
     return ResidencySet(path=path, model=m, workload=str(doc.get("workload", "")), hot=hot, raw=doc)
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from pydantic import ValidationError
 
 from . import anthropic_api, openai_api, responses_api
@@ -239,28 +240,48 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
 
 
 class _ConnectionGuard(asyncio.Protocol):
-    """Wraps aiohttp's protocol of one connection: closes it when its first request's headers have
-    not arrived within ``header_timeout`` seconds (slow or half-open clients). At most ``cap``
-    connections are open at once: at the cap a new connection closes the oldest one that has not
-    sent a whole request yet, or is refused when all of them have (a file descriptor each)."""
+    """Wraps aiohttp's protocol of one connection: closes it when a request's headers have not
+    arrived within ``header_timeout`` seconds of the connection's start or of the first bytes of
+    a later request (slow or half-open clients; aiohttp's keep-alive timeout closes connections
+    idle between requests). At most ``cap`` connections are open at once: at the cap a new
+    connection closes the oldest idle kept-alive one (served, now waiting for nothing), else the
+    oldest that has not sent a whole request yet, or is refused when every one is busy with a
+    request (a file descriptor each)."""
 
     open_now = 0
     # connections whose first request is not complete yet, oldest first (evicted at the cap)
     waiting: "dict[_ConnectionGuard, None]" = {}
+    # every counted connection, oldest first (idle kept-alive ones are evicted first at the cap)
+    opened: "dict[_ConnectionGuard, None]" = {}
 
     def __init__(self, inner: asyncio.Protocol, cap: int, header_timeout: float):
         self.inner, self.cap, self.header_timeout = inner, cap, header_timeout
         self.transport: asyncio.BaseTransport | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.armed_at = 0  # requests complete when the header timer was armed
         self.counted = False
+
+    def _requests(self) -> int:
+        return getattr(self.inner, "_request_count", 0)
+
+    def _idle_kept_alive(self) -> bool:
+        """Served at least one request and handling none now (aiohttp waits for the next)."""
+        return (self._requests() > 0 and not getattr(self.inner, "_request_in_progress", True)
+                and not getattr(self.inner, "_messages", None))
+
+    def _victim(self) -> "_ConnectionGuard | None":
+        for c in _ConnectionGuard.opened:
+            if c._idle_kept_alive():
+                return c
+        return next(iter(_ConnectionGuard.waiting), None)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        if _ConnectionGuard.open_now >= self.cap and _ConnectionGuard.waiting:
-            # at the cap: the oldest connection still sending its first headers makes room
-            oldest = next(iter(_ConnectionGuard.waiting))
-            log.info("connection cap %d reached: closing the oldest connection without a request", self.cap)
-            oldest._drop()
+        victim = self._victim() if _ConnectionGuard.open_now >= self.cap else None
+        if victim is not None:
+            log.info("connection cap %d reached: closing the oldest %s", self.cap,
+                     "idle kept-alive connection" if victim._requests() else "connection without a request")
+            victim._drop()
         if _ConnectionGuard.open_now >= self.cap:
             log.warning("connection refused: %d connections open (cap %d)", _ConnectionGuard.open_now, self.cap)
             transport.close()
@@ -268,31 +289,42 @@ class _ConnectionGuard(asyncio.Protocol):
         _ConnectionGuard.open_now += 1
         self.counted = True
         _ConnectionGuard.waiting[self] = None
-        if self.header_timeout > 0:
-            self.timer = asyncio.get_running_loop().call_later(self.header_timeout, self._expire)
+        _ConnectionGuard.opened[self] = None
+        self._arm()
         self.inner.connection_made(transport)
+
+    def _arm(self) -> None:
+        """The next request's headers must be complete within ``header_timeout`` from now."""
+        if self.header_timeout > 0 and self.timer is None:
+            self.armed_at = self._requests()
+            self.timer = asyncio.get_running_loop().call_later(self.header_timeout, self._expire)
 
     def _expire(self) -> None:
         self.timer = None
-        if getattr(self.inner, "_request_count", 1) == 0 and self.transport is not None:
+        if self._requests() == self.armed_at and self.transport is not None:
             log.info("connection closed: no complete request headers within %.0f s", self.header_timeout)
             self._drop()
 
     def _drop(self) -> None:
-        """Close a connection that has not sent a whole request: counted as gone at once."""
+        """Close the connection: counted as gone at once."""
         transport = self.transport
         self.connection_lost(None)
         if transport is not None:
             transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        if self.counted:
-            self.inner.data_received(data)  # type: ignore[attr-defined]
-            if getattr(self.inner, "_request_count", 0) > 0:
-                _ConnectionGuard.waiting.pop(self, None)
-                if self.timer is not None:
-                    self.timer.cancel()
-                    self.timer = None
+        if not self.counted:
+            return
+        idle, before = self._idle_kept_alive(), self._requests()
+        self.inner.data_received(data)  # type: ignore[attr-defined]
+        n = self._requests()
+        if n > 0:
+            _ConnectionGuard.waiting.pop(self, None)
+        if self.timer is not None and n > self.armed_at:  # the headers it waited for are complete
+            self.timer.cancel()
+            self.timer = None
+        elif idle and n == before:  # the first bytes of a later request on a kept-alive connection
+            self._arm()
 
     def eof_received(self) -> bool | None:
         return self.inner.eof_received() if self.counted else None
@@ -302,6 +334,7 @@ class _ConnectionGuard(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
         _ConnectionGuard.waiting.pop(self, None)
+        _ConnectionGuard.opened.pop(self, None)
         if self.counted:
             self.counted = False
             _ConnectionGuard.open_now -= 1
@@ -314,6 +347,30 @@ class _ConnectionGuard(asyncio.Protocol):
         self.inner.resume_writing()
 
 
+class _JsonErrorsHandler(RequestHandler):
+    """aiohttp's protocol of one connection, answering the errors it makes itself (malformed
+    HTTP: bad request line, headers or chunking) with the protocol's JSON error body and one log
+    line, instead of text/plain and a traceback."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        text = " ".join(str(message or exc or "bad request").split())  # one line
+        log.info("malformed HTTP request -> %d: %s", status, text)
+        if request.writer.output_size > 0:  # an answer has started: the connection is broken
+            raise ConnectionError("response already started, cannot send the error")
+        try:
+            path = request.path
+        except Exception:  # noqa: BLE001 - the request line itself may be what is malformed
+            path = "/"
+        resp = error_response(path, ApiError(status, "invalid_http", f"Malformed HTTP request: {text}"))
+        resp.force_close()
+        return resp
+
+
 class _GuardedSite(web.TCPSite):
     """A TCPSite whose connections go through :class:`_ConnectionGuard`."""
 
@@ -324,7 +381,8 @@ class _GuardedSite(web.TCPSite):
         st = self._runner.app["state"]  # type: ignore[union-attr]
         cap, timeout = st.settings.http_max_connections, st.settings.http_header_timeout_s
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _ConnectionGuard(server(), cap, timeout), self._host, self._port,
+            lambda: _ConnectionGuard(_JsonErrorsHandler(server, loop=server._loop, **server._kwargs), cap,
+                                     timeout), self._host, self._port,
             backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
 
 
@@ -379,14 +437,27 @@ def open_bind_refusal(host: str, api_key: str | None, allow_open_bind: bool) -> 
             "(--allow-open-bind) to start anyway; host 127.0.0.1 is the default")
 
 
+def cors_refusal(cors: bool, api_key: str | None, allow_cors_without_key: bool) -> str | None:
+    """Why the HTTP API must not start with ``cors`` on (None when it may): without an api_key any
+    web page the user opens could call the model and read its answers, unless
+    allow_cors_without_key."""
+    if not cors or api_key or allow_cors_without_key:
+        return None
+    return ("refusing to start with cors = true and no api_key: any web page you open could call the "
+            "model and read its answers. Set api_key (settings.toml, OSTINATO_API_KEY), or "
+            "allow_cors_without_key = true to start anyway")
+
+
 async def start_http(state: DaemonState, host: str | None = None, port: int | None = None) -> web.AppRunner:
     """Bind the app on ``host:port`` (settings by default; port 0 = free port). Sets
     ``state.http_url`` to the bound address and returns the runner (``await runner.cleanup()``).
 
     Connections are guarded (:class:`_ConnectionGuard`): settings ``http_max_connections`` and
-    ``http_header_timeout_s``; bodies must arrive within ``http_body_timeout_s`` (read_json)."""
+    ``http_header_timeout_s``; bodies must arrive within ``http_body_timeout_s`` (read_json); an
+    idle kept-alive connection is closed after ``http_keepalive_timeout_s``."""
     s = state.settings
-    runner = web.AppRunner(make_app(state), access_log=None, handler_cancellation=False)
+    runner = web.AppRunner(make_app(state), access_log=None, handler_cancellation=False,
+                           keepalive_timeout=s.http_keepalive_timeout_s)
     await runner.setup()
 
     host = host or state.settings.host

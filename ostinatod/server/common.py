@@ -77,9 +77,18 @@ def neutralize_messages(messages: list[dict[str, Any]]) -> None:
                     part["text"] = neutralize_text(part["text"])
 
 
+def printable_header(value: str) -> str:
+    """A header value as text that can be logged and stored: bytes that were not UTF-8 (aiohttp
+    keeps them as surrogate escapes) become U+FFFD."""
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate that escapes no byte
+        return value.encode("utf-8", "replace").decode("utf-8")
+
+
 def detect_client(request: web.Request) -> tuple[Optional[str], Optional[str]]:
     """(client name, implied workload) from the User-Agent; (product token, None) if unknown."""
-    ua = request.headers.get("User-Agent", "")
+    ua = printable_header(request.headers.get("User-Agent", ""))
     low = ua.lower()
     for needle, name, workload in _CLIENTS:
         if needle in low:
@@ -134,8 +143,8 @@ def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool 
 
 def request_workload(state: DaemonState, request: web.Request, suffix_workload: Optional[str],
                      client_workload: Optional[str]) -> str:
-    """Workload: header ``x-ostinato-workload`` > model suffix > known client > default.
-    Raises ApiError 400 ``invalid_workload`` for a name that is not a plain file name
+    """Workload: header ``x-ostinato-workload`` > model suffix > known client > default, within
+    the cap of workload names (:meth:`DaemonState.admit_workload`). Raises ApiError 400 ``invalid_workload`` for a name that is not a plain file name
     (``residency.traces.valid_workload``: letters, digits, ``.``, ``_``, ``-``, no ``..``)."""
     header = request.headers.get(WORKLOAD_HEADER)
     for given, where in ((header, WORKLOAD_HEADER), (suffix_workload, "model")):
@@ -143,7 +152,7 @@ def request_workload(state: DaemonState, request: web.Request, suffix_workload: 
             raise ApiError(400, "invalid_workload", f"Invalid workload name {given!r} (in {where}): use "
                            "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.",
                            param=where)
-    return header or suffix_workload or client_workload or state.settings.workload_default
+    return state.admit_workload(header or suffix_workload or client_workload or state.settings.workload_default)
 
 
 def fill_common(state: DaemonState, request: web.Request, req: GenRequest, requested_model: Optional[str],
@@ -182,7 +191,7 @@ async def ensure_engine(state: DaemonState) -> Any:
     eng = state.engine
     if eng is None:
         raise ApiError(503, "model_not_loaded", "No model is loaded.")
-    if eng.state in ("loading", "restarting"):
+    if eng.state in ("loading", "restarting", "stalled"):
         try:
             await eng.wait_ready(timeout=600)
         except (EngineError, asyncio.TimeoutError) as e:

@@ -19,6 +19,9 @@ from .errors import ApiError
 # bodies would reach recursion limits of the parser, the worker pipe or the chat template).
 MAX_JSON_DEPTH = 64
 
+# Content-Encoding values aiohttp decodes (one value only; "": none given)
+DECODED_ENCODINGS = ("", "identity", "gzip", "deflate", "br", "zstd")
+
 # True while a request is being read and turned into a GenRequest (set by the HTTP middleware,
 # cleared by ensure_engine): an unexpected ValueError/TypeError/... then is the client's mistake
 # (a body of a shape no check foresaw) and answers 400, never 500.
@@ -54,6 +57,10 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     """Parse the body as a JSON object. Raises ApiError 400: ``invalid_json`` (not JSON, NaN or
     Infinity, nested deeper than MAX_JSON_DEPTH, not an object), ``invalid_encoding`` (a body that
     cannot be decoded: bad Content-Encoding, invalid UTF-8 or lone surrogates)."""
+    enc = request.headers.get("Content-Encoding", "")
+    if enc.lower() not in DECODED_ENCODINGS:  # aiohttp would pass the body on undecoded
+        raise ApiError(400, "invalid_encoding", f"Content-Encoding {enc!r} is not supported "
+                       f"(one of {', '.join(e for e in DECODED_ENCODINGS if e)}, or none).")
     try:
         state = request.app["state"]
         raw = await asyncio.wait_for(request.read(), state.settings.http_body_timeout_s)

@@ -38,6 +38,7 @@ from .metrics import Metrics
 
 log = logging.getLogger("ostinatod.requests")
 rlog = logging.getLogger("ostinatod.residency")
+WARNED_MAX = 1000  # distinct warnings remembered by warn_once
 
 
 @dataclass
@@ -71,6 +72,7 @@ class DaemonState:
     # why the last model load failed (None after a successful load): /health, status, the TUI
     model_error: Optional[str] = None
     warned: set = field(default_factory=set)  # warnings logged once (see warn_once)
+    workloads: set = field(default_factory=set)  # workload names learnt from requests (admit_workload)
 
     def __post_init__(self) -> None:
         if self.recent is None:
@@ -104,8 +106,25 @@ class DaemonState:
         the same tools every turn; the request records keep them all)."""
         for w in warnings:
             if w not in self.warned:
-                self.warned.add(w)
+                if len(self.warned) < WARNED_MAX:  # bounded: distinct warnings past it are logged each time
+                    self.warned.add(w)
                 log.warning("%s: %s", where, w)
+
+    def admit_workload(self, name: str) -> str:
+        """The workload a request naming ``name`` is served as: ``name`` when it is the default or
+        one of the first ``max_workloads`` names learnt from requests (each gets a trace file
+        and, later, a residency set), else the default (``workload_default``; logged once per
+        daemon)."""
+        default = self.settings.workload_default
+        if name == default or name in self.workloads:
+            return name
+        if len(self.workloads) < self.settings.max_workloads:
+            self.workloads.add(name)
+            return name
+        self.warn_once([f"more than {self.settings.max_workloads} workload names (max_workloads): "
+                        f"requests naming new ones are served as the default workload {default!r}"],
+                       f"workload {name!r}")
+        return default
 
     # --- request records ----------------------------------------------------------------------
     def begin_request(self, rid: str, protocol: str, model: Optional[str], client: Optional[str],
