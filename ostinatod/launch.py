@@ -1,5 +1,6 @@
-"""``ostinato launch claude|opencode|openhands|codex [--config-only] [--write] [-- ARGS]``: start an
-agent pointed at the running daemon (like ``ollama launch``).
+"""``ostinato launch claude|opencode|openhands|openhands-sdk|codex|mini [--config-only] [--write] [-- ARGS]``:
+start an agent pointed at the running daemon (like ``ollama launch``). Before it starts, the URL the
+agent will call is checked: when nothing answers there, launch says so and what to do, and exits 1.
 
 URL, model, context size and API key come from the running daemon (control API ``GET
 /connection``), else from the settings. By default the agent is started (``exec``) with the
@@ -19,6 +20,10 @@ previous file is saved once as ``<file>.bak``). Facts in ../shared/CLIENTS.md:
   ``http://host.docker.internal:PORT/v1`` in an env file for ``docker run --env-file`` (needs the
   daemon reachable from the docker bridge: ``host`` opened, with an ``api_key``); max input tokens
   = the served context.
+* OpenHands SDK: the same variables for the user's program given after ``--``
+  (``LLM.load_from_env()`` reads them).
+* mini-swe-agent (LiteLLM): ``MSWEA_MODEL_NAME=openai/<model>``, ``OPENAI_API_BASE``, its set-up
+  wizard (``MSWEA_CONFIGURED``) and cost tracking (``MSWEA_COST_TRACKING``) off.
 * Codex: a ``model_providers.ostinato`` entry with ``wire_api = "responses"`` and
   ``model_context_window`` -> ``~/.codex/config.toml`` (merged with tomlkit, comments kept); started
   with the same as ``-c`` overrides.
@@ -37,7 +42,7 @@ from typing import Any, Optional
 
 from .settings import Settings, load_settings
 
-AGENTS = ("claude", "opencode", "openhands", "codex")
+AGENTS = ("claude", "opencode", "openhands", "openhands-sdk", "codex", "mini")
 PROVIDER = "ostinato"
 # Any token works when the daemon has no api_key; clients refuse to start without one.
 PLACEHOLDER_KEY = "ostinato-local"
@@ -101,6 +106,14 @@ def openhands_env(url: str, model: str, key: str, n_ctx: int, docker: bool = Fal
             "LLM_MAX_INPUT_TOKENS": str(n_ctx), "LLM_MAX_OUTPUT_TOKENS": str(min(32768, n_ctx // 2))}
 
 
+def mini_env(url: str, model: str, key: str) -> dict[str, str]:
+    """mini-swe-agent (LiteLLM) environment: the model as ``openai/<model>`` on our base URL, its
+    first-run set-up wizard and its cost tracking (no price for a local model) switched off."""
+    return {"MSWEA_CONFIGURED": "true", "MSWEA_MODEL_NAME": f"openai/{model}",
+            "MSWEA_COST_TRACKING": "ignore_errors", "OPENAI_API_BASE": f"{url}/v1",
+            "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": key}
+
+
 def codex_provider(url: str, key_env: Optional[str]) -> dict[str, Any]:
     """Codex ``[model_providers.ostinato]`` table (Responses API only)."""
     p = {"name": "Ostinato (local)", "base_url": f"{url}/v1", "wire_api": "responses"}
@@ -124,6 +137,8 @@ def config_path(agent: str, docker: bool = False) -> Path:
     if agent == "codex":
         return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml"
     from .paths import get_paths
+    if agent == "mini":
+        return get_paths().config / "mini-swe-agent.env"
     return get_paths().config / ("openhands-docker.env" if docker else "openhands.env")
 
 
@@ -184,10 +199,11 @@ def write_config(agent: str, facts: dict[str, Any], key: str, key_env: Optional[
             doc[k] = v
         text = tomlkit.dumps(doc)
     else:
-        text = "".join(f"{k}={v}\n" for k, v in openhands_env(url, model, key, facts["n_ctx"], docker).items())
+        env = mini_env(url, model, key) if agent == "mini" else openhands_env(url, model, key, facts["n_ctx"], docker)
+        text = "".join(f"{k}={v}\n" for k, v in env.items())
     _backup(path)
     path.write_text(text)
-    if agent in ("claude", "openhands"):
+    if agent in ("claude", "openhands", "openhands-sdk", "mini"):
         path.chmod(0o600)  # carries the token
     return path
 
@@ -217,9 +233,13 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
         doc["model_providers"] = t
         extra = f"# and export {key_env}=<your api_key>\n" if key_env else ""
         return f"# Codex (Responses API): {dest} (--write merges this)\n{tomlkit.dumps(doc)}{extra}"
+    if agent == "mini":
+        return ("# mini-swe-agent (LiteLLM): set these, then run `mini`\n" +
+                "".join(f"export {k}={shlex.quote(v)}\n" for k, v in mini_env(url, model, key).items()))
     env = openhands_env(url, model, key, facts["n_ctx"], docker)
     if not docker:
-        return ("# OpenHands SDK / CLI on this machine (LiteLLM): set these, then run `openhands`\n" +
+        return ("# OpenHands CLI (`openhands`) or SDK on this machine (LiteLLM): set these; in SDK code\n"
+                "# `LLM.load_from_env()` reads them (or: ostinato launch openhands-sdk -- python agent.py)\n" +
                 "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) +
                 "# (OpenHands in Docker: `ostinato launch openhands --docker --config-only`)\n")
     lines = [f"# OpenHands runs in Docker: it reaches the daemon at host.docker.internal:{_port(url)}."]
@@ -237,9 +257,11 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
     return "\n".join(lines) + "\n"
 
 
-BINARIES = {"claude": "claude", "opencode": "opencode", "codex": "codex", "openhands": "openhands"}
+BINARIES = {"claude": "claude", "opencode": "opencode", "codex": "codex", "openhands": "openhands",
+            "mini": "mini"}  # openhands-sdk runs the command given after --
 INSTALL = {"claude": "npm install -g @anthropic-ai/claude-code", "opencode": "npm install -g opencode-ai",
-           "codex": "npm install -g @openai/codex", "openhands": "uv tool install openhands"}
+           "codex": "npm install -g @openai/codex", "openhands": "uv tool install openhands",
+           "mini": "pip install mini-swe-agent", "openhands-sdk": "pip install openhands-sdk"}
 
 
 def agent_command(agent: str, facts: dict[str, Any], key: str, args: list[str],
@@ -275,9 +297,32 @@ def agent_command(agent: str, facts: dict[str, Any], key: str, args: list[str],
                    *(f"{k}={v}" for k, v in codex_context(n_ctx).items())]:
             argv += ["-c", kv]
         env["OSTINATO_API_KEY"] = key
+    elif agent == "mini":
+        env.update(mini_env(url, model, key))
     else:
         env.update(openhands_env(url, model, key, n_ctx))
     return argv + list(args), env, notes
+
+
+def agent_url(agent: str, facts: dict[str, Any], env: dict[str, str]) -> str:
+    """The base URL the started agent will call: the daemon's, or for Claude Code an
+    ``ANTHROPIC_BASE_URL`` of the user's that :func:`agent_command` kept."""
+    return env.get("ANTHROPIC_BASE_URL", facts["url"]) if agent == "claude" else facts["url"]
+
+
+def unreachable(url: str, timeout: float = 3.0) -> Optional[str]:
+    """Why nothing answers HTTP at ``url`` (None when something does: any status counts, an
+    HTTP error is an answer)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return str(getattr(e, "reason", None) or e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -318,15 +363,32 @@ def main(argv: list[str] | None = None) -> int:
     if a.config_only or a.docker:
         print(render(a.agent, facts, key, key_env, settings, a.docker), end="")
         return 0
-    exe = shutil.which(BINARIES[a.agent])
+    if a.agent == "openhands-sdk":  # the user's own program: `-- python agent.py`
+        if not passed:
+            print("ostinato launch openhands-sdk: give the command to run after --, e.g. "
+                  "`ostinato launch openhands-sdk -- python agent.py` (its LLM.load_from_env() "
+                  "reads the LLM_* variables set here)", file=sys.stderr)
+            return 2
+        what, passed = passed[0], passed[1:]
+    else:
+        what = BINARIES[a.agent]
+    exe = shutil.which(what)
     if exe is None:
-        print(f"ostinato launch: `{BINARIES[a.agent]}` is not on PATH; install it ({INSTALL[a.agent]}) "
+        print(f"ostinato launch: `{what}` is not on PATH; install it ({INSTALL[a.agent]}) "
               f"or see `ostinato launch {a.agent} --config-only`", file=sys.stderr)
         return 127
     cmd, env, notes = agent_command(a.agent, facts, key, passed, dict(os.environ), exe)
     for n in notes:
         print(f"# {n}", file=sys.stderr)
-    print(f"# starting {a.agent} on {facts['url']} (model {facts['model']}, context {facts['n_ctx']} tokens)",
+    url = agent_url(a.agent, facts, env)
+    why = unreachable(url)
+    if why is not None:
+        fix = (f"unset ANTHROPIC_BASE_URL (the daemon is at {facts['url']}) or point it at a server that runs"
+               if url != facts["url"] else "start the daemon (`ostinatod start`) or give its address with --url")
+        print(f"ostinato launch: nothing answers at {url} ({why}), so {a.agent} would wait there; "
+              f"{fix}", file=sys.stderr)
+        return 1
+    print(f"# starting {a.agent} on {url} (model {facts['model']}, context {facts['n_ctx']} tokens)",
           file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
