@@ -51,6 +51,10 @@ from .snapshots import _ctl, expert_view, metrics_snapshot
 log = logging.getLogger("ostinatod.control")
 
 STATE_KEY = web.AppKey("state", object)
+# set when the control server shuts down: open /events streams end at once (a TUI attached must
+# not hold the daemon's exit until aiohttp's shutdown timeout)
+STOPPING_KEY = web.AppKey("stopping", asyncio.Event)
+CONTROL_SHUTDOWN_S = 5.0  # what is still open this long after the shutdown began is closed
 
 
 class ControlError(Exception):
@@ -360,7 +364,11 @@ async def h_events(request: web.Request) -> web.StreamResponse:
             n += 1
             if count is not None and n >= count:
                 break
-            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(request.app[STOPPING_KEY].wait(), interval)
+                break  # the daemon is shutting down: end the stream
+            except asyncio.TimeoutError:
+                pass
     except (ConnectionResetError, asyncio.CancelledError):
         pass
     return resp
@@ -379,6 +387,11 @@ def make_app(state) -> web.Application:
     """The control API as an aiohttp application bound to ``state`` (a DaemonState)."""
     app = web.Application(middlewares=[_errors])
     app[STATE_KEY] = state
+    app[STOPPING_KEY] = asyncio.Event()
+
+    async def _stopping(_app):
+        _app[STOPPING_KEY].set()
+    app.on_shutdown.append(_stopping)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     return app
@@ -432,7 +445,7 @@ async def start_control_server(state, path: Optional[Path] = None, replan: bool 
         async def _profile(_app):
             asyncio.get_running_loop().run_in_executor(None, _first_start_profile, state.paths.hardware_profile)
         app.on_startup.append(_profile)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=CONTROL_SHUTDOWN_S)
     await runner.setup()
     old = os.umask(0o177)  # no window where the socket is reachable by others
     try:
