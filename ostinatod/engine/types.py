@@ -53,6 +53,11 @@ class GenRequest:
     # demo_end_bias) and the answer starts with DEMO_NOTICE
     demo: bool = False
 
+    def says_demo_notice(self) -> bool:
+        """True when the answer starts with :data:`DEMO_NOTICE`: served by the demo model and not
+        a JSON answer (``json_schema``), whose content must stay JSON."""
+        return self.demo and self.json_schema is None
+
 
 DEMO_NOTICE = "[Ostinato demo model: random weights, the words that follow mean nothing] "
 

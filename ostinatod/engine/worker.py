@@ -305,6 +305,8 @@ class Worker:
         try:
             if req.max_tokens is None or req.max_tokens < 1:
                 raise EngineError("invalid_request", "max_tokens must be >= 1")
+            if req.demo and not req.ignore_eos:
+                sampling.demo_choice(req)
             t.prompt, t.rendered = self.render(req)
             if not t.prompt:
                 raise EngineError("invalid_request", "the prompt is empty")
@@ -541,12 +543,12 @@ class Worker:
         res = t.parser.feed(text, final=final)
         if res.diffs:
             self._emit_delta(t, merge_deltas(res.diffs))
-        if final and res.parse_error:
-            log.info("request %s: output did not match the %s format, kept as text (%s)", t.req.id,
-                     t.rendered.format_name if t.rendered else "?", res.parse_error[:200])
+        if final and res.parse_error:  # the model's raw output: at debug level only
+            log.debug("request %s: output did not match the %s format, the rest kept as text (%s)",
+                      t.req.id, t.rendered.format_name if t.rendered else "?", res.parse_error[:200])
 
     def _emit_delta(self, t: Task, d: dict[str, Any]) -> None:
-        if t.req.demo and not t.notice_sent:  # the demo model says what it is in its first words
+        if t.req.says_demo_notice() and not t.notice_sent:  # the demo model says what it is first
             d = dict(d, content=DEMO_NOTICE + (d.get("content") or ""))
             t.notice_sent = True
         self._emit(t, EventType.DELTA, d)
@@ -572,7 +574,7 @@ class Worker:
         else:
             self._stream(t, final=True)
             message = {"role": "assistant", "content": t.text.text}
-        if t.req.demo:
+        if t.req.says_demo_notice():
             if not t.notice_sent:
                 self._emit_delta(t, {})
             message = dict(message, content=DEMO_NOTICE + (message.get("content") or ""))
