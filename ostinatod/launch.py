@@ -46,14 +46,16 @@ AGENTS = ("claude", "opencode", "openhands", "openhands-sdk", "codex", "mini")
 PROVIDER = "ostinato"
 # Any token works when the daemon has no api_key; clients refuse to start without one.
 PLACEHOLDER_KEY = "ostinato-local"
+# Claude Code treats a smaller CLAUDE_CODE_AUTO_COMPACT_WINDOW as this (2.1.332: "the 100k minimum")
+CLAUDE_MIN_COMPACT_WINDOW = 100_000
 
 
 def _daemon_facts(settings: Settings) -> dict[str, Any]:
-    """``{"url", "model", "n_ctx", "api_key", "running"}`` from the running daemon, else from
-    settings."""
+    """``{"url", "model", "n_ctx", "n_ctx_reason", "api_key", "running"}`` from the running daemon,
+    else from settings (``n_ctx_reason``: why the daemon serves less than its n_ctx setting)."""
     url = f"http://127.0.0.1:{settings.port}"
     model = settings.model_alias or (Path(settings.model).stem if settings.model else "ostinato-demo-random-weights")
-    n_ctx, key = settings.n_ctx, settings.api_key
+    n_ctx, key, reason = settings.n_ctx, settings.api_key, None
     running = False
     try:
         from .control.client import call
@@ -62,11 +64,12 @@ def _daemon_facts(settings: Settings) -> dict[str, Any]:
         url = (c.get("http_url") or url).rstrip("/")
         model = c.get("model") or model
         n_ctx = c.get("n_ctx") or n_ctx
+        reason = c.get("n_ctx_reason")
         key = c.get("api_key") or key  # the daemon's key, however it was given (flag, env, file)
     except Exception:  # no daemon: settings are the truth
         pass
     return {"url": url.replace("://0.0.0.0:", "://127.0.0.1:"), "model": model, "n_ctx": int(n_ctx),
-            "api_key": key, "running": running}
+            "n_ctx_reason": reason, "api_key": key, "running": running}
 
 
 def _port(url: str) -> str:
@@ -89,6 +92,21 @@ def claude_env(url: str, model: str, key: str, n_ctx: int) -> dict[str, str]:
         "API_TIMEOUT_MS": "3000000",  # a cold 64K prefill on CPU takes minutes
         "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(n_ctx),
     }
+
+
+def claude_context_note(n_ctx: int, reason: Optional[str] = None) -> Optional[str]:
+    """Why Claude Code cannot compact in time on a context of ``n_ctx`` tokens per slot (None when it
+    can): it compacts at no less than :data:`CLAUDE_MIN_COMPACT_WINDOW` tokens, so a smaller slot
+    overflows first and the session ends on "prompt is too long". ``reason``: the daemon's reason
+    for serving less than its setting."""
+    if n_ctx >= CLAUDE_MIN_COMPACT_WINDOW:
+        return None
+    why = f" because {reason}" if reason else " (the n_ctx setting)"
+    return (f"WARNING: the daemon serves {n_ctx} tokens per slot{why}; Claude Code compacts its "
+            f"conversation only past {CLAUDE_MIN_COMPACT_WINDOW} tokens (a smaller "
+            "CLAUDE_CODE_AUTO_COMPACT_WINDOW counts as that), so a long session will be refused "
+            f"with 'prompt is too long' before it compacts. Serve n_ctx >= {CLAUDE_MIN_COMPACT_WINDOW} "
+            "(settings n_ctx; fewer n_slots need less memory) and restart the daemon")
 
 
 def opencode_provider(url: str, model: str, key: str, n_ctx: int) -> dict[str, Any]:
@@ -357,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     if not facts["running"]:
         print("# (no daemon answered; values from the settings. Start it with `ostinatod start`)",
               file=sys.stderr)
+    short = claude_context_note(facts["n_ctx"], facts["n_ctx_reason"]) if a.agent == "claude" else None
+    if short:
+        print(f"# {short}", file=sys.stderr)
     if a.write:
         path = write_config(a.agent, facts, key, key_env, a.docker)
         print(f"# wrote {path}", file=sys.stderr)

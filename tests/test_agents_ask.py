@@ -250,7 +250,7 @@ def _launch(daemon, tmp_path, agent: str, args: list[str], **env: str):
     bin_dir.mkdir(exist_ok=True)
     for name in ("claude", "mini"):
         exe = bin_dir / name
-        exe.write_text("#!/bin/sh\nenv | grep -E '^(ANTHROPIC_BASE_URL|MSWEA_|OPENAI_API_BASE)=' | sort\n")
+        exe.write_text("#!/bin/sh\nenv | grep -E '^(ANTHROPIC_BASE_URL|MSWEA_|OPENAI_API_BASE|CLAUDE_CODE_AUTO_COMPACT_WINDOW)=' | sort\n")
         exe.chmod(0o755)
     e = {k: v for k, v in daemon.env.items() if k != "ANTHROPIC_BASE_URL"}
     e.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", HOME=str(tmp_path), PYTHONPATH=child_pythonpath(),
@@ -312,3 +312,32 @@ def test_models_report_the_served_context(live_daemon):
     with urllib.request.urlopen(live_daemon.url + "/v1/models", timeout=30) as r:
         entry = json.loads(r.read())["data"][0]
     assert entry["context_length"] == entry["max_model_len"] == LIVE_N_CTX
+
+
+# --- 13 and 7. the default context is what agents assume; less only for memory, said plainly --------
+
+def _context_length(daemon) -> int:
+    with urllib.request.urlopen(daemon.url + "/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["context_length"]
+
+
+def test_default_context_is_what_agents_assume(start_daemon, tiny_model, tmp_path):
+    d = start_daemon("--model", str(tiny_model), "--engine-mode", "inprocess", "--n-threads", "1")
+    assert _context_length(d) == 131072  # the tiny model's training context; memory is plenty
+    r = _launch(d, tmp_path, "claude", [])
+    assert r.returncode == 0 and "CLAUDE_CODE_AUTO_COMPACT_WINDOW=131072\n" in r.stdout, r.stderr
+    assert "WARNING" not in r.stderr
+
+
+def test_context_lowered_for_memory_is_logged_and_launch_says_why(start_daemon, tiny_model, tmp_path):
+    # a prefix-cache budget larger than the RAM leaves the KV cache no host memory: the floor is served
+    from ostinatod.engine.context_fit import MIN_FIT_CONTEXT
+    d = start_daemon("--model", str(tiny_model), "--engine-mode", "inprocess", "--n-threads", "1",
+                     "--cache-ram-mb", str(1 << 30))
+    assert _context_length(d) == MIN_FIT_CONTEXT
+    assert re.search(rf"context: serving {MIN_FIT_CONTEXT} tokens per slot, not the 131072 asked: .*host memory",
+                     d.log())
+    r = _launch(d, tmp_path, "claude", [])
+    assert r.returncode == 0, r.stderr
+    assert f"serves {MIN_FIT_CONTEXT} tokens per slot because the KV cache" in r.stderr
+    assert "Claude Code compacts its conversation only past 100000 tokens" in r.stderr

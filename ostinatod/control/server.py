@@ -321,11 +321,13 @@ async def h_metrics(request: web.Request) -> web.Response:
 async def h_connection(request: web.Request) -> web.Response:
     """GET /connection: how a local agent reaches the HTTP API -- ``{"http_url" (for local
     clients: 127.0.0.1 when bound to 0.0.0.0), "bind_address", "model" (the served id), "n_ctx"
-    (context per slot, None before a model is loaded), "api_key" (None when unset), "random_weights"}``.
+    (context per slot, None before a model is loaded), "n_ctx_reason" (why it is below the n_ctx
+    setting: memory; None when it is not), "api_key" (None when unset), "random_weights"}``.
     The key is in it because ``ostinato launch`` hands it to the agent; the socket is 0600."""
     st = _state(request)
     return web.json_response({"http_url": st.http_url, "bind_address": st.bind_address,
                               "model": st.model_name, "n_ctx": st.model_info.get("n_ctx"),
+                              "n_ctx_reason": st.model_info.get("n_ctx_reason"),
                               "api_key": st.settings.api_key,
                               "random_weights": bool(st.model_info.get("is_demo"))})
 

@@ -145,8 +145,9 @@ class EngineClient(Protocol):
         """Tokens of the rendered prompt of ``req`` (chat template applied)."""
 
     async def info(self) -> dict[str, Any]:
-        """Loaded model: {"name", "path", "arch", "n_ctx", "n_ctx_train", "n_params", "is_demo",
-        "n_expert", "n_expert_used", "n_layer", "experts_mode", ...}."""
+        """Loaded model: {"name", "path", "arch", "n_ctx" (served per slot), "n_ctx_reason" (why it is
+        below the setting), "n_ctx_train", "n_params", "is_demo", "n_expert", "n_expert_used",
+        "n_layer", "experts_mode", ...}."""
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters: slots, requests, tokens, expert-path counts and hot-route share."""

@@ -58,6 +58,7 @@ class Worker:
         self.traces = None  # TraceRecorder of the expert runtime's per-request route counts
         self.gguf: Optional[ModelInfo] = None
         self.n_ctx_slot = 0
+        self.n_ctx_reason: Optional[str] = None  # why n_ctx_slot is below the setting (memory)
         self.n_batch = settings.n_batch
         self.n_prefill_step = max(1, min(settings.n_batch, settings.n_ubatch))  # prompt tokens per step
         self.deterministic = settings.deterministic
@@ -91,6 +92,7 @@ class Worker:
         m = loading.load_model(self.settings, self.model_path)
         self.gguf, self.model, self.ctx, self.mem, self.vocab = m.gguf, m.model, m.ctx, m.mem, m.vocab
         self.rt, self.templates, self.n_ctx_slot = m.rt, m.templates, m.n_ctx_slot
+        self.n_ctx_reason = m.n_ctx_reason
         if self.rt is not None:
             from ..residency.traces import TraceRecorder  # routing traces per model and workload
             self.traces = TraceRecorder(self.rt.model)
@@ -142,7 +144,8 @@ class Worker:
     def info(self) -> dict[str, Any]:
         """Loaded model facts (see EngineClient.info)."""
         return loading.model_facts(self.settings, self.model_path, self.gguf, self.model,
-                                   self.templates, self.n_ctx_slot, self.rt is not None, len(self.slots))
+                                   self.templates, self.n_ctx_slot, self.rt is not None, len(self.slots),
+                                   self.n_ctx_reason)
 
     def stats(self) -> dict[str, Any]:
         """Counters, slot states and the expert runtime's stats (merged under "experts")."""
