@@ -250,7 +250,7 @@ def _launch(daemon, tmp_path, agent: str, args: list[str], **env: str):
     bin_dir.mkdir(exist_ok=True)
     for name in ("claude", "mini"):
         exe = bin_dir / name
-        exe.write_text("#!/bin/sh\nenv | grep -E '^(ANTHROPIC_BASE_URL|MSWEA_|OPENAI_API_BASE|CLAUDE_CODE_AUTO_COMPACT_WINDOW)=' | sort\n")
+        exe.write_text("#!/bin/sh\nenv | grep -E '^(ANTHROPIC_BASE_URL|MSWEA_[A-Z_]+|OPENAI_API_BASE|CLAUDE_CODE_AUTO_COMPACT_WINDOW)=' | sort\n")
         exe.chmod(0o755)
     e = {k: v for k, v in daemon.env.items() if k != "ANTHROPIC_BASE_URL"}
     e.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", HOME=str(tmp_path), PYTHONPATH=child_pythonpath(),
