@@ -8,7 +8,8 @@ Steps (DESIGN.md, "The native engine"):
    ``native/src`` copied to ``ostinato_native/`` and added to the top CMakeLists.txt;
 3. sync the staged tree into a persistent tree, rewriting only files whose bytes changed, and build
    it with a persistent CMake build dir so that a rebuild after a patch edit is incremental;
-4. install the wheel into the running Python and stamp it with the build key.
+4. install the wheel into the running Python and stamp it with the build key; keep the demo model's
+   tokenizer vocabulary with the installed package (``<sys.prefix>/share/ostinato/vocab/``).
 
 The build key hashes the version, the flavour (cpu/cuda), the CMake arguments and every file under
 native/. An install whose stamp matches the key does nothing; a cached wheel with that key is
@@ -34,7 +35,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .paths import get_paths
+from .paths import get_paths, install_data_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 STAMP_NAME = "ostinato_build.json"
@@ -163,6 +164,34 @@ def keep_vocab(pristine: Path) -> Path:
     return dest
 
 
+def install_vocab() -> Path | None:
+    """Keep the demo model's tokenizer vocabulary (and its parsed cache) with the installed package,
+    ``<sys.prefix>/share/ostinato/vocab/``, readable by every user, so that a daemon started by
+    another user or with another HOME can write the demo model (issue 29). The source is what
+    :func:`ostinatod.synth.vocab.find_vocab` finds for this user. Returns the installed file, or
+    None (logged on stderr) when there is no source or the prefix is not writable: the build
+    still succeeds, only this user's data dir then has the vocabulary."""
+    from .synth.shapes import SynthError, VOCAB_NAME
+    from .synth.vocab import find_vocab
+
+    dest = install_data_dir() / "vocab"
+    if (dest / VOCAB_NAME).is_file():
+        return dest / VOCAB_NAME
+    try:
+        src = find_vocab()
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in (src, src.with_name(src.stem + ".tokenizer.json")):
+            if f.is_file():  # copy2 keeps the mtime that the parsed cache's key holds
+                tmp = dest / f"{f.name}.{os.getpid()}"
+                shutil.copy2(f, tmp)
+                tmp.replace(dest / f.name)
+    except (SynthError, OSError) as e:
+        print(f"[build] warning: the tokenizer vocabulary is not kept with the package ({dest}): "
+              f"{e}", file=sys.stderr, flush=True)
+        return None
+    return dest / VOCAB_NAME
+
+
 def stage_tree(pristine: Path, native: Path, dest: Path) -> None:
     """Write pristine + patches + our sources into ``dest`` (a fresh directory)."""
     shutil.copytree(pristine, dest, symlinks=True, ignore=shutil.ignore_patterns(".complete"))
@@ -212,6 +241,7 @@ def build(sdist: str | None = None, force: bool = False, with_server: bool = Fal
     key = build_key(native, flavour, args)
     stamp = installed_stamp()
     if not force and stamp and stamp.get("key") == key:
+        install_vocab()
         if not quiet:
             print(f"[build] native engine up to date ({flavour}, key {key})", flush=True)
         return stamp
@@ -261,6 +291,7 @@ def build(sdist: str | None = None, force: bool = False, with_server: bool = Fal
     if spec is None or not spec.submodule_search_locations:
         raise BuildError("llama_cpp is not importable after install")
     (Path(list(spec.submodule_search_locations)[0]) / STAMP_NAME).write_text(json.dumps(new_stamp))
+    install_vocab()
     print(f"[build] native engine ready ({flavour}, key {key})", flush=True)
     return new_stamp
 

@@ -1,5 +1,6 @@
-"""``ostinato launch claude|opencode|openhands|codex [--config-only] [--write] [-- ARGS]``: start an
-agent pointed at the running daemon (like ``ollama launch``).
+"""``ostinato launch claude|opencode|openhands|openhands-sdk|codex|mini [--config-only] [--write] [-- ARGS]``:
+start an agent pointed at the running daemon (like ``ollama launch``). Before it starts, the URL the
+agent will call is checked: when nothing answers there, launch says so and what to do, and exits 1.
 
 URL, model, context size and API key come from the running daemon (control API ``GET
 /connection``), else from the settings. By default the agent is started (``exec``) with the
@@ -19,6 +20,10 @@ previous file is saved once as ``<file>.bak``). Facts in ../shared/CLIENTS.md:
   ``http://host.docker.internal:PORT/v1`` in an env file for ``docker run --env-file`` (needs the
   daemon reachable from the docker bridge: ``host`` opened, with an ``api_key``); max input tokens
   = the served context.
+* OpenHands SDK: the same variables for the user's program given after ``--``
+  (``LLM.load_from_env()`` reads them).
+* mini-swe-agent (LiteLLM): ``MSWEA_MODEL_NAME=openai/<model>``, ``OPENAI_API_BASE``, its set-up
+  wizard (``MSWEA_CONFIGURED``) and cost tracking (``MSWEA_COST_TRACKING``) off.
 * Codex: a ``model_providers.ostinato`` entry with ``wire_api = "responses"`` and
   ``model_context_window`` -> ``~/.codex/config.toml`` (merged with tomlkit, comments kept); started
   with the same as ``-c`` overrides.
@@ -37,18 +42,20 @@ from typing import Any, Optional
 
 from .settings import Settings, load_settings
 
-AGENTS = ("claude", "opencode", "openhands", "codex")
+AGENTS = ("claude", "opencode", "openhands", "openhands-sdk", "codex", "mini")
 PROVIDER = "ostinato"
 # Any token works when the daemon has no api_key; clients refuse to start without one.
 PLACEHOLDER_KEY = "ostinato-local"
+# Claude Code treats a smaller CLAUDE_CODE_AUTO_COMPACT_WINDOW as this (2.1.332: "the 100k minimum")
+CLAUDE_MIN_COMPACT_WINDOW = 100_000
 
 
 def _daemon_facts(settings: Settings) -> dict[str, Any]:
-    """``{"url", "model", "n_ctx", "api_key", "running"}`` from the running daemon, else from
-    settings."""
+    """``{"url", "model", "n_ctx", "n_ctx_reason", "api_key", "running"}`` from the running daemon,
+    else from settings (``n_ctx_reason``: why the daemon serves less than its n_ctx setting)."""
     url = f"http://127.0.0.1:{settings.port}"
     model = settings.model_alias or (Path(settings.model).stem if settings.model else "ostinato-demo-random-weights")
-    n_ctx, key = settings.n_ctx, settings.api_key
+    n_ctx, key, reason = settings.n_ctx, settings.api_key, None
     running = False
     try:
         from .control.client import call
@@ -57,11 +64,12 @@ def _daemon_facts(settings: Settings) -> dict[str, Any]:
         url = (c.get("http_url") or url).rstrip("/")
         model = c.get("model") or model
         n_ctx = c.get("n_ctx") or n_ctx
+        reason = c.get("n_ctx_reason")
         key = c.get("api_key") or key  # the daemon's key, however it was given (flag, env, file)
     except Exception:  # no daemon: settings are the truth
         pass
     return {"url": url.replace("://0.0.0.0:", "://127.0.0.1:"), "model": model, "n_ctx": int(n_ctx),
-            "api_key": key, "running": running}
+            "n_ctx_reason": reason, "api_key": key, "running": running}
 
 
 def _port(url: str) -> str:
@@ -86,6 +94,21 @@ def claude_env(url: str, model: str, key: str, n_ctx: int) -> dict[str, str]:
     }
 
 
+def claude_context_note(n_ctx: int, reason: Optional[str] = None) -> Optional[str]:
+    """Why Claude Code cannot compact in time on a context of ``n_ctx`` tokens per slot (None when it
+    can): it compacts at no less than :data:`CLAUDE_MIN_COMPACT_WINDOW` tokens, so a smaller slot
+    overflows first and the session ends on "prompt is too long". ``reason``: the daemon's reason
+    for serving less than its setting."""
+    if n_ctx >= CLAUDE_MIN_COMPACT_WINDOW:
+        return None
+    why = f" because {reason}" if reason else " (the n_ctx setting)"
+    return (f"WARNING: the daemon serves {n_ctx} tokens per slot{why}; Claude Code compacts its "
+            f"conversation only past {CLAUDE_MIN_COMPACT_WINDOW} tokens (a smaller "
+            "CLAUDE_CODE_AUTO_COMPACT_WINDOW counts as that), so a long session will be refused "
+            f"with 'prompt is too long' before it compacts. Serve n_ctx >= {CLAUDE_MIN_COMPACT_WINDOW} "
+            "(settings n_ctx; fewer n_slots need less memory) and restart the daemon")
+
+
 def opencode_provider(url: str, model: str, key: str, n_ctx: int) -> dict[str, Any]:
     """OpenCode provider block (``provider.ostinato``)."""
     return {"npm": "@ai-sdk/openai-compatible", "name": "Ostinato (local)",
@@ -99,6 +122,14 @@ def openhands_env(url: str, model: str, key: str, n_ctx: int, docker: bool = Fal
     base = f"http://host.docker.internal:{_port(url)}/v1" if docker else f"{url}/v1"
     return {"LLM_MODEL": f"openai/{model}", "LLM_BASE_URL": base, "LLM_API_KEY": key,
             "LLM_MAX_INPUT_TOKENS": str(n_ctx), "LLM_MAX_OUTPUT_TOKENS": str(min(32768, n_ctx // 2))}
+
+
+def mini_env(url: str, model: str, key: str) -> dict[str, str]:
+    """mini-swe-agent (LiteLLM) environment: the model as ``openai/<model>`` on our base URL, its
+    first-run set-up wizard and its cost tracking (no price for a local model) switched off."""
+    return {"MSWEA_CONFIGURED": "true", "MSWEA_MODEL_NAME": f"openai/{model}",
+            "MSWEA_COST_TRACKING": "ignore_errors", "OPENAI_API_BASE": f"{url}/v1",
+            "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": key}
 
 
 def codex_provider(url: str, key_env: Optional[str]) -> dict[str, Any]:
@@ -124,6 +155,8 @@ def config_path(agent: str, docker: bool = False) -> Path:
     if agent == "codex":
         return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml"
     from .paths import get_paths
+    if agent == "mini":
+        return get_paths().config / "mini-swe-agent.env"
     return get_paths().config / ("openhands-docker.env" if docker else "openhands.env")
 
 
@@ -184,10 +217,11 @@ def write_config(agent: str, facts: dict[str, Any], key: str, key_env: Optional[
             doc[k] = v
         text = tomlkit.dumps(doc)
     else:
-        text = "".join(f"{k}={v}\n" for k, v in openhands_env(url, model, key, facts["n_ctx"], docker).items())
+        env = mini_env(url, model, key) if agent == "mini" else openhands_env(url, model, key, facts["n_ctx"], docker)
+        text = "".join(f"{k}={v}\n" for k, v in env.items())
     _backup(path)
     path.write_text(text)
-    if agent in ("claude", "openhands"):
+    if agent in ("claude", "openhands", "openhands-sdk", "mini"):
         path.chmod(0o600)  # carries the token
     return path
 
@@ -217,9 +251,13 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
         doc["model_providers"] = t
         extra = f"# and export {key_env}=<your api_key>\n" if key_env else ""
         return f"# Codex (Responses API): {dest} (--write merges this)\n{tomlkit.dumps(doc)}{extra}"
+    if agent == "mini":
+        return ("# mini-swe-agent (LiteLLM): set these, then run `mini`\n" +
+                "".join(f"export {k}={shlex.quote(v)}\n" for k, v in mini_env(url, model, key).items()))
     env = openhands_env(url, model, key, facts["n_ctx"], docker)
     if not docker:
-        return ("# OpenHands SDK / CLI on this machine (LiteLLM): set these, then run `openhands`\n" +
+        return ("# OpenHands CLI (`openhands`) or SDK on this machine (LiteLLM): set these; in SDK code\n"
+                "# `LLM.load_from_env()` reads them (or: ostinato launch openhands-sdk -- python agent.py)\n" +
                 "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) +
                 "# (OpenHands in Docker: `ostinato launch openhands --docker --config-only`)\n")
     lines = [f"# OpenHands runs in Docker: it reaches the daemon at host.docker.internal:{_port(url)}."]
@@ -237,9 +275,11 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
     return "\n".join(lines) + "\n"
 
 
-BINARIES = {"claude": "claude", "opencode": "opencode", "codex": "codex", "openhands": "openhands"}
+BINARIES = {"claude": "claude", "opencode": "opencode", "codex": "codex", "openhands": "openhands",
+            "mini": "mini"}  # openhands-sdk runs the command given after --
 INSTALL = {"claude": "npm install -g @anthropic-ai/claude-code", "opencode": "npm install -g opencode-ai",
-           "codex": "npm install -g @openai/codex", "openhands": "uv tool install openhands"}
+           "codex": "npm install -g @openai/codex", "openhands": "uv tool install openhands",
+           "mini": "pip install mini-swe-agent", "openhands-sdk": "pip install openhands-sdk"}
 
 
 def agent_command(agent: str, facts: dict[str, Any], key: str, args: list[str],
@@ -275,9 +315,32 @@ def agent_command(agent: str, facts: dict[str, Any], key: str, args: list[str],
                    *(f"{k}={v}" for k, v in codex_context(n_ctx).items())]:
             argv += ["-c", kv]
         env["OSTINATO_API_KEY"] = key
+    elif agent == "mini":
+        env.update(mini_env(url, model, key))
     else:
         env.update(openhands_env(url, model, key, n_ctx))
     return argv + list(args), env, notes
+
+
+def agent_url(agent: str, facts: dict[str, Any], env: dict[str, str]) -> str:
+    """The base URL the started agent will call: the daemon's, or for Claude Code an
+    ``ANTHROPIC_BASE_URL`` of the user's that :func:`agent_command` kept."""
+    return env.get("ANTHROPIC_BASE_URL", facts["url"]) if agent == "claude" else facts["url"]
+
+
+def unreachable(url: str, timeout: float = 3.0) -> Optional[str]:
+    """Why nothing answers HTTP at ``url`` (None when something does: any status counts, an
+    HTTP error is an answer)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return str(getattr(e, "reason", None) or e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,21 +375,41 @@ def main(argv: list[str] | None = None) -> int:
     if not facts["running"]:
         print("# (no daemon answered; values from the settings. Start it with `ostinatod start`)",
               file=sys.stderr)
+    short = claude_context_note(facts["n_ctx"], facts["n_ctx_reason"]) if a.agent == "claude" else None
+    if short:
+        print(f"# {short}", file=sys.stderr)
     if a.write:
         path = write_config(a.agent, facts, key, key_env, a.docker)
         print(f"# wrote {path}", file=sys.stderr)
     if a.config_only or a.docker:
         print(render(a.agent, facts, key, key_env, settings, a.docker), end="")
         return 0
-    exe = shutil.which(BINARIES[a.agent])
+    if a.agent == "openhands-sdk":  # the user's own program: `-- python agent.py`
+        if not passed:
+            print("ostinato launch openhands-sdk: give the command to run after --, e.g. "
+                  "`ostinato launch openhands-sdk -- python agent.py` (its LLM.load_from_env() "
+                  "reads the LLM_* variables set here)", file=sys.stderr)
+            return 2
+        what, passed = passed[0], passed[1:]
+    else:
+        what = BINARIES[a.agent]
+    exe = shutil.which(what)
     if exe is None:
-        print(f"ostinato launch: `{BINARIES[a.agent]}` is not on PATH; install it ({INSTALL[a.agent]}) "
+        print(f"ostinato launch: `{what}` is not on PATH; install it ({INSTALL[a.agent]}) "
               f"or see `ostinato launch {a.agent} --config-only`", file=sys.stderr)
         return 127
     cmd, env, notes = agent_command(a.agent, facts, key, passed, dict(os.environ), exe)
     for n in notes:
         print(f"# {n}", file=sys.stderr)
-    print(f"# starting {a.agent} on {facts['url']} (model {facts['model']}, context {facts['n_ctx']} tokens)",
+    url = agent_url(a.agent, facts, env)
+    why = unreachable(url)
+    if why is not None:
+        fix = (f"unset ANTHROPIC_BASE_URL (the daemon is at {facts['url']}) or point it at a server that runs"
+               if url != facts["url"] else "start the daemon (`ostinatod start`) or give its address with --url")
+        print(f"ostinato launch: nothing answers at {url} ({why}), so {a.agent} would wait there; "
+              f"{fix}", file=sys.stderr)
+        return 1
+    print(f"# starting {a.agent} on {url} (model {facts['model']}, context {facts['n_ctx']} tokens)",
           file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

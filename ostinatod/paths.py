@@ -7,11 +7,14 @@ Layout (DESIGN.md, "Data and paths"):
   runtime -> pid file, control socket (mode 0600)
 
 ``OSTINATO_HOME=/some/dir`` puts all four under that directory (config/, data/, state/, run/).
+What every user of one installation shares (the demo model's tokenizer vocabulary) lives beside
+the installed package instead: :func:`install_data_dir`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,3 +117,10 @@ def trace_file(fingerprint: str, workload: str, data_dir: Path | None = None) ->
     """``<data>/traces/<fingerprint>/<workload>.json`` (the workload name is not checked here)."""
     base = Path(data_dir) if data_dir else get_paths().data
     return base / "traces" / str(fingerprint) / f"{workload}.json"
+
+
+def install_data_dir() -> Path:
+    """``<sys.prefix>/share/ostinato``: files ``ostinato build`` keeps with the installed package
+    (the virtual environment install.sh made), so that a daemon started by another user or with
+    another HOME / ``OSTINATO_HOME`` finds them. Not created here; may be read-only."""
+    return Path(sys.prefix) / "share" / APP

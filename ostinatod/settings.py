@@ -77,8 +77,11 @@ class Settings(BaseSettings):
                                  "words (random weights almost never choose it). 0: none.")
 
     # --- engine ---------------------------------------------------------------------------
-    n_ctx: int = Field(65536, ge=256, description="Context length per slot in tokens (agents need "
-                       ">= 64K; clamped to the model's training context).")
+    n_ctx: int = Field(131072, ge=256, description="Context length per slot in tokens. The default is "
+                       "what agents assume when not told (128K-131K; Claude Code's compact window is at "
+                       "least 100K). Clamped to the model's training context, and lowered (logged, "
+                       "reported by /v1/models) when the KV cache of n_slots such contexts does not fit "
+                       "in the memory the model and its expert pool leave.")
     n_slots: int = Field(2, ge=1, le=16, description="KV sequences kept at once. The main agent "
                          "session and its side requests (titles, subagents) each keep their prefix.")
     cache_ram_mb: Optional[int] = Field(None, ge=0, description="Host-memory prefix cache (MiB): a "

@@ -8,7 +8,7 @@
                  ``live_daemon.env`` (environment that points CLIs such as ``ostinato status`` at it),
                  ``live_daemon.log()``, ``live_daemon.worker_pids()``, ``live_daemon.wait_healthy()``.
 ``start_daemon`` function to start further daemons with other flags (closed at session end).
-``demo_daemon``  session-scoped daemon started without a model (serves the demo model; 64K context).
+``demo_daemon``  session-scoped daemon started without a model (serves the demo model; default context).
 ``npm_cli(package, bin, folder)`` an agent CLI installed with npm into the test cache (Claude Code,
                  OpenCode, Codex); ``run_launch(daemon, agent, exe, env, args)`` runs
                  ``ostinato launch AGENT -- ARGS`` against a daemon with a fresh HOME.
@@ -254,8 +254,8 @@ def demo_daemon(tiny_model, tmp_path_factory) -> Iterator[LiveDaemon]:
     models = home / "data" / "models"
     models.mkdir(parents=True)
     shutil.copyfile(tiny_model, models / "ostinato-demo-tiny.gguf")
-    d = launch_daemon(home, "--demo-shape", "tiny", "--n-ctx", "65536", "--n-slots", "2", "--n-threads", "2",
-                      "--engine-mode", "subprocess")
+    d = launch_daemon(home, "--demo-shape", "tiny", "--n-slots", "2", "--n-threads", "2",
+                      "--engine-mode", "subprocess")  # the default context (131072: what agents assume)
     yield d
     d.stop()
 

@@ -152,3 +152,24 @@ def test_grammar_sampler_compiles(templates):
     assert s
     llama_cpp.llama_sampler_free(s)
     assert grammar_sampler(model, t.render([{"role": "user", "content": "hi"}])) is None
+
+
+@pytest.mark.parametrize("broken", [
+    '\n<tool_call>\n{"name":\n\n"get_weather", "arguments": {"city": "Par',  # a second call begun
+    '\n<tool_call>\n{"name": "get_weather" oops }\n</tool_call>',  # markup that never parses
+])
+def test_unparsable_output_keeps_its_calls_and_drops_markers(templates, broken):
+    """Issue 29, item 3: the calls that parse stay calls, the rest is text without the format's
+    markers (fed token by token, as the worker does)."""
+    from ostinatod.engine.text import settle_tool_calls
+    from ostinatod.engine.chat import openai_message
+    p = _parser(templates)
+    text = CALL + broken
+    for i in range(1, len(text)):
+        p.feed(text[:i])
+    res = p.feed(text, final=True)
+    msg, finish = settle_tool_calls(openai_message(res.message), "stop")
+    assert finish == "tool_calls"
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"]
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert "<tool_call>" not in (msg.get("content") or "") and "</tool_call>" not in (msg.get("content") or "")

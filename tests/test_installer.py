@@ -76,3 +76,32 @@ def test_install_without_user_session_writes_and_explains(xdg):
     lines.clear()
     assert installer.uninstall(out=lines.append) == 0
     assert lines == ["nothing installed"]
+
+
+def test_demo_model_vocabulary_is_kept_with_the_installed_package(tmp_path):
+    """Issue 29 item 12: after ``ostinato build``'s vocabulary step in an environment, a user with
+    another HOME and OSTINATO_HOME (a service, sudo) writes the demo model from the copy kept in
+    ``<sys.prefix>/share/ostinato``. The environment is a fresh venv (its own sys.prefix) that sees
+    this one's packages through PYTHONPATH."""
+    import os
+    import site
+
+    from conftest import child_pythonpath
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    pp = os.pathsep.join([child_pythonpath(), *site.getsitepackages()])
+    keep = {k: v for k, v in os.environ.items() if k not in ("OSTINATO_VOCAB", "XDG_DATA_HOME")}
+    # the install step, as this user (whose data dir has the vocabulary from the lead's build)
+    r = subprocess.run([py, "-c", "from ostinatod.build import install_vocab; print(install_vocab())"],
+                       env=dict(keep, PYTHONPATH=pp), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().startswith(str(venv)), (r.stdout, r.stderr)
+    other = tmp_path / "other-user"
+    other.mkdir()
+    env = dict(keep, PYTHONPATH=pp, HOME=str(other), OSTINATO_HOME=str(other / "ostinato"))
+    code = ("from ostinatod.demo import ensure_demo_model; from ostinatod.paths import get_paths; "
+            "from ostinatod.settings import load_settings; "
+            "print(ensure_demo_model(load_settings(demo_shape='tiny'), get_paths()))")
+    r = subprocess.run([py, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=str(other))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert Path(r.stdout.strip()).is_file() and r.stdout.strip().startswith(str(other))

@@ -53,7 +53,7 @@ def test_opencode_provider(env, capsys, monkeypatch):
     p = data["provider"]["ostinato"]
     assert p["npm"] == "@ai-sdk/openai-compatible"
     assert p["options"] == {"baseURL": "http://127.0.0.1:8385/v1", "apiKey": "s3cret"}
-    assert p["models"]["qwen3-30b"]["limit"]["context"] == 65536
+    assert p["models"]["qwen3-30b"]["limit"]["context"] == 131072  # no daemon: the n_ctx setting's default
     assert data["model"] == data["small_model"] == "ostinato/qwen3-30b"
     assert data["provider"]["other"] == {"npm": "x"} and data["theme"] == "t"
 
@@ -118,7 +118,7 @@ def test_facts_come_from_the_running_daemon(env, capsys):
         assert launch.main(["opencode", "--config-only"]) == 0
         body = json.loads(capsys.readouterr().out.split("\n", 1)[1])
         assert launch.main(["claude", "--config-only"]) == 0
-        claude = capsys.readouterr().out
+        claude, claude_err = capsys.readouterr()
         assert launch.main(["codex", "--config-only"]) == 0
         codex = tomllib.loads(capsys.readouterr().out.split("\n", 1)[1].split("# and export")[0])
         assert launch.main(["openhands", "--config-only"]) == 0
@@ -133,6 +133,9 @@ def test_facts_come_from_the_running_daemon(env, capsys):
     # the served context, told to every agent
     assert p["models"]["served-model"]["limit"]["context"] == 32768
     assert "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=32768\n" in claude
+    # below Claude Code's 100K compact minimum: said plainly (issue 29 item 7)
+    assert "serves 32768 tokens per slot (the n_ctx setting)" in claude_err
+    assert "compacts its conversation only past 100000 tokens" in claude_err
     assert codex["model_context_window"] == 32768 and codex["model_auto_compact_token_limit"] == 29491
     assert codex["model_providers"]["ostinato"]["env_key"] == "OSTINATO_API_KEY"
     assert "export LLM_MAX_INPUT_TOKENS=32768\n" in openhands

@@ -263,3 +263,12 @@ def test_cli_writes_residency_file(tmp_path, monkeypatch, capsys):
     # No traces for another workload: a clear error, exit code 1.
     assert planner.main(["--model", str(model), "--workload", "service", "--budget-frac", "0.5"]) == 1
     assert "no routing traces" in capsys.readouterr().err
+
+
+def test_no_gpu_memory_names_the_settings_of_residency_plan():
+    """Issue 29, item 11: `ostinato residency plan` takes its budget from the settings, so the
+    error names them (not only `ostinato plan`'s flags)."""
+    shape = _shape()
+    dev = _trace(shape, _zipf_counts(8, 16, seed=0))
+    with pytest.raises(PlanError, match="expert_budget_frac"):
+        plan_residency(shape, dev, workload="coding", gpus=[GpuSpec(0)])

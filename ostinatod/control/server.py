@@ -52,6 +52,10 @@ from .snapshots import _ctl, expert_view, metrics_snapshot
 log = logging.getLogger("ostinatod.control")
 
 STATE_KEY = web.AppKey("state", object)
+# set when the control server shuts down: open /events streams end at once (a TUI attached must
+# not hold the daemon's exit until aiohttp's shutdown timeout)
+STOPPING_KEY = web.AppKey("stopping", asyncio.Event)
+CONTROL_SHUTDOWN_S = 5.0  # what is still open this long after the shutdown began is closed
 
 
 class ControlError(Exception):
@@ -318,11 +322,13 @@ async def h_metrics(request: web.Request) -> web.Response:
 async def h_connection(request: web.Request) -> web.Response:
     """GET /connection: how a local agent reaches the HTTP API -- ``{"http_url" (for local
     clients: 127.0.0.1 when bound to 0.0.0.0), "bind_address", "model" (the served id), "n_ctx"
-    (context per slot, None before a model is loaded), "api_key" (None when unset), "random_weights"}``.
+    (context per slot, None before a model is loaded), "n_ctx_reason" (why it is below the n_ctx
+    setting: memory; None when it is not), "api_key" (None when unset), "random_weights"}``.
     The key is in it because ``ostinato launch`` hands it to the agent; the socket is 0600."""
     st = _state(request)
     return web.json_response({"http_url": st.http_url, "bind_address": st.bind_address,
                               "model": st.model_name, "n_ctx": st.model_info.get("n_ctx"),
+                              "n_ctx_reason": st.model_info.get("n_ctx_reason"),
                               "api_key": st.settings.api_key,
                               "random_weights": bool(st.model_info.get("is_demo"))})
 
@@ -361,7 +367,11 @@ async def h_events(request: web.Request) -> web.StreamResponse:
             n += 1
             if count is not None and n >= count:
                 break
-            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(request.app[STOPPING_KEY].wait(), interval)
+                break  # the daemon is shutting down: end the stream
+            except asyncio.TimeoutError:
+                pass
     except (ConnectionResetError, asyncio.CancelledError):
         pass
     return resp
@@ -380,6 +390,11 @@ def make_app(state) -> web.Application:
     """The control API as an aiohttp application bound to ``state`` (a DaemonState)."""
     app = web.Application(middlewares=[_errors])
     app[STATE_KEY] = state
+    app[STOPPING_KEY] = asyncio.Event()
+
+    async def _stopping(_app):
+        _app[STOPPING_KEY].set()
+    app.on_shutdown.append(_stopping)
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
     return app
@@ -433,7 +448,7 @@ async def start_control_server(state, path: Optional[Path] = None, replan: bool 
         async def _profile(_app):
             asyncio.get_running_loop().run_in_executor(None, _first_start_profile, state.paths.hardware_profile)
         app.on_startup.append(_profile)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=CONTROL_SHUTDOWN_S)
     await runner.setup()
     old = os.umask(0o177)  # no window where the socket is reachable by others
     try:

@@ -29,6 +29,8 @@ class RenderedPrompt:
 
     ``raw`` is the shim's JSON result, needed to build the grammar sampler and the parser.
     ``grammar_lazy`` grammars only constrain output after one of ``grammar_triggers`` appears.
+    ``sampler_raw``, when set, is the apply result the sampler takes instead of ``raw`` (a forced
+    tool call: :func:`forced_call_result`).
     """
 
     prompt: str
@@ -40,6 +42,7 @@ class RenderedPrompt:
     generation_prompt: str
     supports_thinking: bool
     raw: str = field(repr=False)
+    sampler_raw: Optional[str] = field(default=None, repr=False)
 
     @classmethod
     def from_result(cls, res: dict[str, Any]) -> "RenderedPrompt":
@@ -93,8 +96,10 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 fnc = (tc or {}).get("function") or {}
                 if not isinstance(fnc.get("name"), str):
                     raise EngineError("invalid_request", f"messages[{i}] has a tool call without a name")
-                args = fnc.get("arguments", "{}")
-                if not isinstance(args, str):
+                args = fnc.get("arguments")
+                if args is None or (isinstance(args, str) and not args.strip()):
+                    args = "{}"  # a call without arguments ("" from some clients), as the Responses API reads it
+                elif not isinstance(args, str):
                     args = json.dumps(args)
                 call = {"type": "function", "function": {"name": fnc["name"], "arguments": args}}
                 if tc.get("id"):
@@ -106,6 +111,56 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 n[key] = m[key]
         out.append(n)
     return out
+
+
+def normalize_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI function tools in the shape common/chat accepts: the ``type`` wrapper added, a ``null``
+    description or parameters left out (real clients send them; common/chat refuses nulls)."""
+    out = []
+    for t in tools:
+        t = t if "type" in t else {"type": "function", "function": t}
+        fn = t.get("function")
+        if isinstance(fn, dict) and any(fn.get(k, 0) is None for k in ("description", "parameters")):
+            t = dict(t, function={k: v for k, v in fn.items() if v is not None})
+        out.append(t)
+    return out
+
+
+# The root that common/chat gives a lazy call grammar of the Hermes/Qwen-style formats: one call
+# block or several ("tool-calls ::= (tool-call? space)+"), whatever parallel_tool_calls says.
+_LAZY_CALL_ROOT = "root ::= tool-call | tool-calls"
+
+
+def call_root(grammar: str, parallel: bool) -> str:
+    """``grammar`` (a lazy call grammar) with its root made exactly one call block, or with
+    ``parallel`` one or more (never none). Grammars of another shape are returned unchanged."""
+    lines = grammar.splitlines()
+    if _LAZY_CALL_ROOT not in lines or not any(ln.startswith("tool-call ::=") for ln in lines):
+        return grammar
+    root = "root ::= tool-call" + (" (space tool-call)*" if parallel else "")
+    return "\n".join(root if ln == _LAZY_CALL_ROOT else ln for ln in lines) + "\n"
+
+
+def forced_call_result(auto: dict[str, Any], parallel: bool = True) -> Optional[dict[str, Any]]:
+    """The sampler's apply result for a forced tool call ("required" or a named tool), made from the
+    "auto" result of the same request, or None when the format has no lazy call grammar.
+
+    common/chat's "required" grammar lets free text come before the call (``content until the
+    call marker``), so a model that never writes the marker writes prose until ``max_tokens``. Its
+    lazy "auto" grammar is rooted at the call rules themselves (the marker first); applied from the
+    first output token (not lazy, no triggers, no generation prompt to replay: that grammar does
+    not start with it), the answer is a call and nothing before it."""
+    if not auto.get("grammar") or not auto.get("grammar_lazy"):
+        return None
+    return dict(auto, grammar=call_root(auto["grammar"], parallel), grammar_lazy=False,
+                grammar_triggers=[], generation_prompt="")
+
+
+def thinking_left_open(res: dict[str, Any]) -> bool:
+    """True when the rendered generation prompt ends inside an opened reasoning block (the model's
+    answer starts as reasoning, so a call cannot come first)."""
+    tag = (res.get("thinking_start_tag") or "").strip()
+    return bool(tag) and (res.get("generation_prompt") or "").rstrip().endswith(tag)
 
 
 _INCOMPLETE_SCHEMA = "JSON schema conversion was incomplete: "
@@ -217,9 +272,24 @@ class ChatTemplates(_NativeHandle):
                                "add_generation_prompt": add_generation_prompt,
                                "enable_thinking": True if enable_thinking is None else bool(enable_thinking)}
         if tools:
-            req["tools"] = [t if "type" in t else {"type": "function", "function": t} for t in tools]
+            req["tools"] = normalize_tools(tools)
         if json_schema is not None:
             req["json_schema"] = json_schema
+        res = self._apply(req, json_schema)
+        if choice != "required" or json_schema is not None:
+            if res.get("grammar_lazy") and not parallel_tool_calls:  # at most one call
+                res["grammar"] = call_root(res["grammar"], False)
+            return RenderedPrompt.from_result(res)
+        if thinking_left_open(res):  # a forced call comes first: no reasoning block before it
+            req["enable_thinking"] = False
+            res = self._apply(req, None)
+        forced = forced_call_result(self._apply(dict(req, tool_choice="auto"), None), bool(parallel_tool_calls))
+        out = RenderedPrompt.from_result(res)
+        out.sampler_raw = json.dumps(forced) if forced is not None else None
+        return out
+
+    def _apply(self, req: dict[str, Any], json_schema: Optional[dict[str, Any]]) -> dict[str, Any]:
+        """The shim's apply result of one request dict. Raises EngineError."""
         if self._h is None:
             raise EngineError("model_not_loaded", "chat templates are closed", 503)
         if json_schema is not None:
@@ -232,7 +302,7 @@ class ChatTemplates(_NativeHandle):
             err = res["error"]
             # rendering fails on what the request holds (tools, messages): the client's input
             raise EngineError(err.get("type", "template_error"), err.get("message", "template error"), 400)
-        return RenderedPrompt.from_result(res)
+        return res
 
 
 def grammar_sampler(model_ptr: int, rendered: RenderedPrompt) -> Any:
@@ -265,15 +335,34 @@ def trigger_spacing(rendered: Optional[RenderedPrompt]) -> list[tuple[str, str]]
     ``("<tool_call>", "\\n")`` for Hermes/Qwen: llama.cpp's parser expects the trigger as written,
     the model family's own servers (vLLM's hermes parser, older llama-server) accept the marker
     followed by any whitespace or none."""
-    if rendered is None:
-        return []
     out = []
-    for trig in json.loads(rendered.raw).get("grammar_triggers") or []:
-        v = trig.get("value") if isinstance(trig, dict) and trig.get("type") == "word" else None
-        if isinstance(v, str) and v.strip() and v != v.rstrip():
+    for v in trigger_words(rendered):
+        if v.strip() and v != v.rstrip():
             marker = v.rstrip()
             out.append((marker, v[len(marker):]))
     return out
+
+
+def format_markers(rendered: Optional[RenderedPrompt]) -> list[str]:
+    """The markup strings of the rendered format that are never text: its preserved tokens and
+    trigger words (``<tool_call>``, ``</tool_call>``, ...), longest first; the reasoning tags are
+    left alone (reasoning is parsed apart from calls)."""
+    if rendered is None:
+        return []
+    res = json.loads(rendered.raw)
+    keep = {(res.get("thinking_start_tag") or "").strip()} | {t.strip() for t in res.get("thinking_end_tags") or []}
+    words = [w.strip() for w in trigger_words(rendered)]
+    found = {m for m in list(rendered.preserved_tokens) + words if m and m.strip() and m.strip() not in keep}
+    return sorted(found, key=len, reverse=True)
+
+
+def trigger_words(rendered: Optional[RenderedPrompt]) -> list[str]:
+    """The word triggers of the rendered format's call grammar (the text that opens a call, e.g.
+    ``"<tool_call>\\n"``), as written."""
+    if rendered is None:
+        return []
+    return [t["value"] for t in json.loads(rendered.raw).get("grammar_triggers") or []
+            if isinstance(t, dict) and t.get("type") == "word" and isinstance(t.get("value"), str)]
 
 
 def respace_triggers(text: str, spaced: list[tuple[str, str]]) -> str:
@@ -312,13 +401,20 @@ class ChatParser(_NativeHandle):
             raise EngineError("template_error", native.last_error() or "chat parser init failed", 500)
         self._h = h
         self._spaced = trigger_spacing(rendered)
+        self._markers = format_markers(rendered)
+        self._openers = [w.strip() for w in trigger_words(rendered) if w.strip()]
         self.message: dict[str, Any] = {"role": "assistant", "content": "", "reasoning_content": "",
                                         "tool_calls": []}
         self._sent: set[int] = set()  # tool call indexes whose id/name were emitted
 
     def feed(self, text_so_far: str, final: bool = False) -> ParseResult:
         """Parse ``text_so_far``; returns the message and the diffs as engine ``delta`` payloads
-        (``{"content"}``, ``{"reasoning"}``, ``{"tool_calls": [{"index", "id", "name", "arguments"}]}``)."""
+        (``{"content"}``, ``{"reasoning"}``, ``{"tool_calls": [{"index", "id", "name", "arguments"}]}``).
+
+        A final text that does not match the format (``parse_error`` set) keeps what parsed: the
+        calls before the broken markup stay calls, a call begun there keeps its name and the
+        arguments so far (:func:`.text.settle_tool_calls` turns it into ``name(arguments)`` text),
+        and the format's markers are taken out of the content (:meth:`_salvage`)."""
         text_so_far = respace_triggers(text_so_far, self._spaced)
         res = native.take_json(self._feed(self._h, text_so_far.encode("utf-8", errors="replace"),
                                           0 if final else 1))
@@ -328,6 +424,8 @@ class ChatParser(_NativeHandle):
                             "tool_calls": []}
             return ParseResult(self.message, [], res["error"].get("message"))
         self.message = res["msg"]
+        if final and res.get("parse_error"):
+            self.message = self._salvage(text_so_far)
         calls = self.message.get("tool_calls", [])
         deltas: list[dict[str, Any]] = []
 
@@ -360,6 +458,34 @@ class ChatParser(_NativeHandle):
                 if j not in self._sent and calls[j]["name"]:
                     header(j, "")
         return ParseResult(self.message, deltas, res.get("parse_error"))
+
+    def _salvage(self, text: str) -> dict[str, Any]:
+        """The message of a final ``text`` that does not parse: the longest part before one of
+        the format's call markers that parses (its calls and content), then the rest as text
+        without the format's markers (preserved tokens and trigger words, e.g. ``<tool_call>``)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": "", "reasoning_content": "", "tool_calls": []}
+        cut = 0
+        starts = sorted({i for m in self._openers for i in _find_all(text, m)}, reverse=True)
+        for k in starts:
+            res = native.take_json(self._feed(self._h, text[:k].encode("utf-8", errors="replace"), 0))
+            if "error" not in res and not res.get("parse_error"):
+                msg, cut = dict(res["msg"]), k
+                break
+        rest = text[cut:]
+        for marker in self._markers:
+            rest = rest.replace(marker, "")
+        content = msg.get("content") or ""
+        msg["content"] = (content + ("\n" if content and rest.strip() else "") + rest.strip()).strip()
+        return msg
+
+
+def _find_all(text: str, sub: str) -> list[int]:
+    """Every index where ``sub`` starts in ``text``."""
+    out, i = [], text.find(sub)
+    while i >= 0:
+        out.append(i)
+        i = text.find(sub, i + 1)
+    return out
 
 
 def openai_message(msg: dict[str, Any]) -> dict[str, Any]:

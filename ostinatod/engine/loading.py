@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ..hardware import default_threads
 from ..residency.model import ModelFileError, ModelInfo, check_model_file
 from ..residency.sets import ResidencyError
 from ..settings import Settings
 from . import native
+from .context_fit import ContextFit, fit_context
 from .native import ExpertEngineError
 from .types import EngineError
 
@@ -41,7 +42,8 @@ def inspect_gguf(path: Path) -> ModelInfo:
 class Loaded:
     """What :func:`load_model` made: llama.cpp's ``model``, ``ctx``, ``mem`` and ``vocab``, the
     expert runtime ``rt`` (None: stock placement), the ``templates``, the file's ``gguf``
-    description, the context per slot ``n_ctx_slot`` and the ``n_slots``."""
+    description, the context per slot ``n_ctx_slot`` and the ``n_slots``; ``n_ctx_reason`` says why
+    the context is below the ``n_ctx`` setting for lack of memory (None: it is not)."""
 
     gguf: ModelInfo
     model: Any
@@ -52,6 +54,7 @@ class Loaded:
     templates: Any
     n_ctx_slot: int
     n_slots: int
+    n_ctx_reason: Optional[str] = None
 
 
 _LOG_ERROR, _LOG_CONT = 4, 5  # ggml_log_level values (ggml.h; llama-cpp-python maps them off by one)
@@ -126,6 +129,33 @@ def _expert_runtime(settings: Settings, model_path: Path) -> Any:
         return None
 
 
+def served_context(settings: Settings, gguf: ModelInfo, n_ctx_train: int, n_slots: int, *,
+                   on_gpu: bool) -> ContextFit:
+    """The context per slot to serve (:func:`.context_fit.fit_context`), measured after the model
+    load: the KV cache goes where the layers went, so the memory is the GPUs' free memory (NVML,
+    summed over the GPUs: the layers and their KV are split over them) when ``on_gpu``, else the
+    host's available memory. Kept free: one ubatch's compute buffers
+    (:func:`..residency.planner.estimate_gpu_need`'s figure) and the planner's margin, and on the
+    host also the prefix cache's budget. NVML missing on a GPU build: the setting is served as is."""
+    from ..residency.planner import DEFAULT_MARGIN_MB, estimate_gpu_need
+
+    reserve = (estimate_gpu_need(gguf, [], 0, n_ubatch=min(settings.n_ubatch, settings.n_batch),
+                                 last=True)["compute"] + DEFAULT_MARGIN_MB * (1 << 20))
+    if on_gpu:
+        from ..hardware import probe_gpus
+        gpus = probe_gpus()
+        free = sum(int(g["memory_free_bytes"]) for g in gpus) if gpus else None
+        where = "GPU memory"
+    else:
+        import psutil
+
+        from .prefix_cache import prefix_cache_budget
+        free = int(psutil.virtual_memory().available)
+        reserve += prefix_cache_budget(settings)
+        where = "host memory"
+    return fit_context(settings.n_ctx, n_ctx_train, n_slots, gguf.kv_bytes_per_token, free, reserve, where)
+
+
 def load_model(settings: Settings, model_path: Path) -> Loaded:
     """Validate and load the model, create the context and the chat templates.
 
@@ -153,9 +183,13 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
     model = _load_weights(rt, model_path, mparams)
     vocab = llama_cpp.llama_model_get_vocab(model)
 
-    n_ctx_train = llama_cpp.llama_model_n_ctx_train(model) or settings.n_ctx
-    n_ctx_slot = max(64, min(settings.n_ctx, n_ctx_train))
     n_slots = settings.n_slots
+    fit = served_context(settings, gguf, llama_cpp.llama_model_n_ctx_train(model), n_slots,
+                         on_gpu=native.has_gpu() and mparams.n_gpu_layers > 0)
+    if fit.reason:
+        log.warning("context: serving %d tokens per slot, not the %d asked: %s (set n_ctx or n_slots "
+                    "lower to choose, or free memory)", fit.n_ctx, fit.asked, fit.reason)
+    n_ctx_slot = max(64, fit.n_ctx)
     n_batch = settings.n_batch
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = n_ctx_slot * n_slots
@@ -198,7 +232,8 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
         log.warning("the served model is a generated demo model with RANDOM weights: its output is "
                     "meaningless (set 'model' to a real GGUF)")
     return Loaded(gguf=gguf, model=model, ctx=ctx, mem=llama_cpp.llama_get_memory(ctx), vocab=vocab,
-                  rt=rt, templates=templates, n_ctx_slot=n_ctx_slot, n_slots=n_slots)
+                  rt=rt, templates=templates, n_ctx_slot=n_ctx_slot, n_slots=n_slots,
+                  n_ctx_reason=fit.reason)
 
 
 def free_model(templates: Any, rt: Any, batch: Any, ctx: Any, model: Any) -> None:
@@ -269,12 +304,15 @@ def preserved_ids(vocab: Any, rendered: Any) -> set:
 
 
 def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templates: Any,
-                n_ctx_slot: int, expert_engine: bool, n_slots: int, max_piece: int = 0) -> dict[str, Any]:
-    """The loaded model's facts (see EngineClient.info)."""
+                n_ctx_slot: int, expert_engine: bool, n_slots: int, max_piece: int = 0,
+                n_ctx_reason: Optional[str] = None) -> dict[str, Any]:
+    """The loaded model's facts (see EngineClient.info); ``n_ctx_reason``: why the context per slot
+    is below the setting (:class:`Loaded`)."""
     import llama_cpp
     tinfo = templates.info if templates else {}
     return {"name": settings.model_alias or model_path.stem, "path": str(model_path),
             "arch": (g.arch or "unknown") if g else None, "n_ctx": n_ctx_slot,
+            "n_ctx_reason": n_ctx_reason,
             "n_ctx_train": llama_cpp.llama_model_n_ctx_train(model) if model else None,
             "n_params": llama_cpp.llama_model_n_params(model) if model else None,
             "size_bytes": g.size_bytes if g else None, "is_demo": bool(g and g.is_demo),

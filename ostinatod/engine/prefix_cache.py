@@ -117,13 +117,20 @@ class PrefixCache:
                 "dropped": self.dropped}
 
 
-def make_prefix_cache(settings: Any) -> Optional[PrefixCache]:
-    """The cache of ``settings.cache_ram_mb`` (None: 1/8 of the RAM, at most 8 GiB; 0: none)."""
+def prefix_cache_budget(settings: Any) -> int:
+    """Bytes the host-memory prefix cache may hold: ``settings.cache_ram_mb`` MiB (None: 1/8 of the
+    RAM, at most 8 GiB; 0: no cache)."""
     mb = settings.cache_ram_mb
     if mb is None:
         import psutil
         mb = min(8192, psutil.virtual_memory().total // 8 // 2 ** 20)
-    return PrefixCache(int(mb) * 2 ** 20) if mb else None
+    return int(mb) * 2 ** 20
+
+
+def make_prefix_cache(settings: Any) -> Optional[PrefixCache]:
+    """The cache of :func:`prefix_cache_budget` bytes (None when that is 0)."""
+    budget = prefix_cache_budget(settings)
+    return PrefixCache(budget) if budget else None
 
 
 def use_host_cache(pc: PrefixCache, ctx: Any, mem: Any, prompt: Sequence[int], target: Slot,

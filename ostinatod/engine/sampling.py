@@ -35,7 +35,7 @@ def make_sampler(model: Any, req: GenRequest, rendered: Any, settings: Settings)
     """A ``common_sampler *`` for ``req`` (grammar of the rendered prompt, penalties-free chain, EOG
     ban under ignore_eos). Raises EngineError("invalid_request") if e.g. the grammar does not
     compile. Free it with :func:`free_sampler`."""
-    raw = rendered.raw.encode() if rendered is not None else None
+    raw = (rendered.sampler_raw or rendered.raw).encode() if rendered is not None else None
     smpl = native.fn("ostinato_sampler_new")(int(model), json.dumps(sampler_params(req, settings)).encode(),
                                              raw)
     if not smpl:
@@ -52,12 +52,42 @@ def sample(smpl: Any, ctx: Any, idx: int) -> int:
     return native.fn("ostinato_sampler_sample")(smpl, ctx, idx)
 
 
+# The demo model's cap on a turn that makes a tool call (the call is grammar-driven and ends by
+# itself; a call cut here ends as "length", never as a finished turn).
+DEMO_CALL_MAX_TOKENS = 512
+
+
+def demo_choice(req: GenRequest) -> None:
+    """The generated demo model's tool turn, set on ``req`` before it is rendered: with tools offered
+    (``tool_choice`` unset or "auto") it makes one call when the conversation does not end in a tool
+    result, and ends its turn in text when it does, so a new user sees an agent's loop complete
+    (random weights would never write a call marker). A client's "required", named or "none"
+    choice is kept; a forced call is one call."""
+    if not req.tools or not req.messages or req.tool_choice not in (None, "auto"):
+        if req.tools and req.tool_choice not in (None, "auto", "none"):
+            req.parallel_tool_calls = False
+        return
+    after_result = isinstance(req.messages[-1], dict) and req.messages[-1].get("role") == "tool"
+    req.tool_choice = "none" if after_result else "required"
+    req.parallel_tool_calls = False
+
+
 def demo_turn(req: GenRequest, vocab: Any, settings: Settings) -> Optional[int]:
     """Make the generated demo model end its turn (random weights never choose end-of-turn): a bias
     on the end-of-turn token (``demo_end_bias``; a client's own bias on it wins) and ``max_tokens``
     capped at ``demo_max_tokens``. Returns the cap when it applies (the answer then ends as a
-    finished turn), else None."""
+    finished turn), else None. A forced call (:func:`demo_choice`) is not capped that way: its
+    strings get a bias on the closing quote (so random weights end them) and the cap is
+    :data:`DEMO_CALL_MAX_TOKENS`, reached only as "length"."""
     import llama_cpp
+    from . import loading
+    if req.tools and req.tool_choice not in (None, "auto", "none"):
+        quote = loading.tokenize(vocab, '"', add_special=False)
+        if len(quote) == 1 and settings.demo_end_bias:
+            req.logit_bias = dict(req.logit_bias or {})
+            req.logit_bias.setdefault(quote[0], settings.demo_end_bias)
+        req.max_tokens = min(req.max_tokens, DEMO_CALL_MAX_TOKENS)
+        return None
     if settings.demo_end_bias:
         eot = llama_cpp.llama_vocab_eot(vocab)
         eot = eot if eot >= 0 else llama_cpp.llama_vocab_eos(vocab)

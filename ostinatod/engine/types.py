@@ -53,6 +53,11 @@ class GenRequest:
     # demo_end_bias) and the answer starts with DEMO_NOTICE
     demo: bool = False
 
+    def says_demo_notice(self) -> bool:
+        """True when the answer starts with :data:`DEMO_NOTICE`: served by the demo model and not
+        a JSON answer (``json_schema``), whose content must stay JSON."""
+        return self.demo and self.json_schema is None
+
 
 DEMO_NOTICE = "[Ostinato demo model: random weights, the words that follow mean nothing] "
 
@@ -141,8 +146,9 @@ class EngineClient(Protocol):
         """Tokens of the rendered prompt of ``req`` (chat template applied)."""
 
     async def info(self) -> dict[str, Any]:
-        """Loaded model: {"name", "path", "arch", "n_ctx", "n_ctx_train", "n_params", "is_demo",
-        "n_expert", "n_expert_used", "n_layer", "experts_mode", ...}."""
+        """Loaded model: {"name", "path", "arch", "n_ctx" (served per slot), "n_ctx_reason" (why it is
+        below the setting), "n_ctx_train", "n_params", "is_demo", "n_expert", "n_expert_used",
+        "n_layer", "experts_mode", ...}."""
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters: slots, requests, tokens, expert-path counts and hot-route share."""

@@ -62,6 +62,7 @@ class Worker:
         self.traces = None  # TraceRecorder of the expert runtime's per-request route counts
         self.gguf: Optional[ModelInfo] = None
         self.n_ctx_slot = 0
+        self.n_ctx_reason: Optional[str] = None  # why n_ctx_slot is below the setting (memory)
         self.n_batch = settings.n_batch
         self.n_prefill_step = max(1, min(settings.n_batch, settings.n_ubatch))  # prompt tokens per step
         self.deterministic = settings.deterministic
@@ -98,6 +99,7 @@ class Worker:
         m = loading.load_model(self.settings, self.model_path)
         self.gguf, self.model, self.ctx, self.mem, self.vocab = m.gguf, m.model, m.ctx, m.mem, m.vocab
         self.rt, self.templates, self.n_ctx_slot = m.rt, m.templates, m.n_ctx_slot
+        self.n_ctx_reason = m.n_ctx_reason
         if self.rt is not None:
             from ..residency.traces import TraceRecorder  # routing traces per model and workload
             self.traces = TraceRecorder(self.rt.model)
@@ -153,7 +155,7 @@ class Worker:
         """Loaded model facts (see EngineClient.info)."""
         return loading.model_facts(self.settings, self.model_path, self.gguf, self.model,
                                    self.templates, self.n_ctx_slot, self.rt is not None, len(self.slots),
-                                   self.max_piece_bytes)
+                                   self.max_piece_bytes, self.n_ctx_reason)
 
     def stats(self) -> dict[str, Any]:
         """Counters, slot states and the expert runtime's stats (merged under "experts")."""
@@ -393,6 +395,8 @@ class Worker:
         req = t.req
         if req.max_tokens is None or req.max_tokens < 1:
             raise EngineError("invalid_request", "max_tokens must be >= 1")
+        if req.demo and not req.ignore_eos:
+            sampling.demo_choice(req)
         t.prompt, t.rendered = self.render(req)
         if not t.prompt:
             raise EngineError("invalid_request", "the prompt is empty")
@@ -619,12 +623,12 @@ class Worker:
         res = t.parser.feed(text, final=final)
         if res.diffs:
             self._emit_delta(t, merge_deltas(res.diffs))
-        if final and res.parse_error:
-            log.info("request %s: output did not match the %s format, kept as text (%s)", t.req.id,
-                     t.rendered.format_name if t.rendered else "?", res.parse_error[:200])
+        if final and res.parse_error:  # the model's raw output: at debug level only
+            log.debug("request %s: output did not match the %s format, the rest kept as text (%s)",
+                      t.req.id, t.rendered.format_name if t.rendered else "?", res.parse_error[:200])
 
     def _emit_delta(self, t: Task, d: dict[str, Any]) -> None:
-        if t.req.demo and not t.notice_sent:  # the demo model says what it is in its first words
+        if t.req.says_demo_notice() and not t.notice_sent:  # the demo model says what it is first
             d = dict(d, content=DEMO_NOTICE + (d.get("content") or ""))
             t.notice_sent = True
         self._emit(t, EventType.DELTA, d)
@@ -650,7 +654,7 @@ class Worker:
         else:
             self._stream(t, final=True)
             message = {"role": "assistant", "content": t.text.text}
-        if t.req.demo:
+        if t.req.says_demo_notice():
             if not t.notice_sent:
                 self._emit_delta(t, {})
             message = dict(message, content=DEMO_NOTICE + (message.get("content") or ""))

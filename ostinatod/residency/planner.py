@@ -268,7 +268,10 @@ def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
                     f"margin without any expert pool, {g.free_bytes / MiB:.0f} MiB are free")
             budget = cap if budget is None else min(budget, cap)
         if budget is None:
-            raise PlanError("no GPU memory information: give --budget-frac or --budget-mb")
+            raise PlanError("no GPU memory information: give the pool a budget (ostinato plan: "
+                            "--budget-frac or --budget-mb; the daemon and 'ostinato residency plan': "
+                            "the settings expert_budget_frac or expert_budget_mb, e.g. "
+                            "OSTINATO_EXPERT_BUDGET_FRAC=0.45)")
         hot, used = fill_pool(counts, shape.expert_bytes, layers, max(0, budget))
         out_gpus.append({"device": g.device, "layers": list(layers), "budget_bytes": int(budget),
                          "hot": {str(l): es for l, es in hot.items()}})

@@ -171,7 +171,7 @@ def convert_tools(tools: Optional[list[dict[str, Any]]], messages: Optional[list
                 loaded = loaded_tool_names(messages or [])
             if t["name"] not in loaded:
                 continue
-        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
                                                      "parameters": t["input_schema"]}})
     return out or None
 

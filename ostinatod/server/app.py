@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from . import anthropic_api, openai_api, responses_api
 from .request_input import INPUT_PHASE
-from .errors import ApiError, error_response
+from .errors import ApiError, error_response, is_anthropic_path
 from .metrics import CONTENT_TYPE
 from .state import DaemonState
 
@@ -120,17 +120,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
                                "Bearer KEY' or 'x-api-key: KEY').")
         return await handler(request)
     except ApiError as e:
-        state.metrics.http_errors.labels(_protocol(request.path), e.code).inc()
-        if e.status >= 500 or e.code not in ("model_not_found",):
-            log.info("%s %s -> %d %s: %s", request.method, request.path, e.status, e.code, e.message)
-        return error_response(request.path, e)
+        return _refused(state, request, e)
     except web.HTTPRequestEntityTooLarge as e:
-        return error_response(request.path, ApiError(413, "request_too_large", e.text or "Request too large"))
-    except web.HTTPMethodNotAllowed as e:
-        return error_response(request.path, ApiError(405, "method_not_allowed",
-                                                     f"{request.method} is not allowed on {request.path}"))
+        return _refused(state, request, ApiError(413, "request_too_large", e.text or "Request too large"))
+    except web.HTTPMethodNotAllowed:
+        return _refused(state, request, ApiError(405, "method_not_allowed",
+                                                 f"{request.method} is not allowed on {request.path}"))
     except web.HTTPNotFound:
-        return error_response(request.path, ApiError(404, "not_found", f"No route {request.path}"))
+        return _refused(state, request, ApiError(404, "not_found", f"No route {request.path}: the API is "
+                                                 f"under /v1 (OpenAI base URL {state.http_url or ''}/v1, "
+                                                 f"Anthropic base URL {state.http_url or ''})"))
     except web.HTTPException:
         raise
     except (ConnectionResetError, ConnectionError):
@@ -148,6 +147,14 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response(request.path, ApiError(500, "internal_error", f"Internal error: {e!r}"))
 
 
+def _refused(state: DaemonState, request: web.Request, e: ApiError) -> web.Response:
+    """The error answer of a refused request: one log line with its reason, counted in /metrics
+    (``ostinato_http_errors`` by protocol and code), then the protocol's error body."""
+    state.metrics.http_errors.labels(_protocol(request.path), e.code).inc()
+    log.info("%s %s -> %d %s: %s", request.method, request.path, e.status, e.code, e.message)
+    return error_response(request.path, e)
+
+
 def _input_error(e: BaseException) -> ApiError:
     """ApiError 400 for an exception raised by a malformed request body (see _INPUT_ERRORS)."""
     if isinstance(e, ValidationError):
@@ -162,7 +169,7 @@ def _input_error(e: BaseException) -> ApiError:
 
 
 def _protocol(path: str) -> str:
-    if path.startswith("/v1/messages"):
+    if is_anthropic_path(path):
         return "anthropic"
     if path.startswith("/v1/responses"):
         return "responses"
@@ -236,6 +243,9 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
     # ANTHROPIC_BASE_URL ending in /v1 (the client appends /v1/messages itself): served, with a hint
     r.add_post("/v1/v1/messages", _doubled_v1(anthropic_api.messages))
     r.add_post("/v1/v1/messages/count_tokens", _doubled_v1(anthropic_api.count_tokens))
+    # a client that appends only /messages to a base URL without /v1: served, with a hint
+    r.add_post("/messages", _doubled_v1(anthropic_api.messages, _NO_V1_HINT))
+    r.add_post("/messages/count_tokens", _doubled_v1(anthropic_api.count_tokens, _NO_V1_HINT))
     return app
 
 
@@ -404,14 +414,18 @@ def raise_fd_limit(want: int = 65536) -> int:
     return soft
 
 
-def _doubled_v1(handler: Handler) -> Handler:
-    """``handler`` for a path with a doubled ``/v1`` (a base URL that ends in /v1); logs the fix
-    once per daemon."""
+_DOUBLED_V1_HINT = ("the client's base URL ends in /v1; served anyway, but drop /v1 from "
+                    "ANTHROPIC_BASE_URL (Anthropic clients append /v1/messages themselves)")
+_NO_V1_HINT = ("the client posts to /messages (its base URL lacks /v1); served anyway, but give it "
+               "the base URL ending in /v1 if it appends only /messages")
+
+
+def _doubled_v1(handler: Handler, hint: str = _DOUBLED_V1_HINT) -> Handler:
+    """``handler`` for a path off the Anthropic client's usual ``/v1/messages`` (a doubled
+    ``/v1``, or none); logs ``hint``, the fix, once per daemon."""
     async def served(request: web.Request) -> web.StreamResponse:
         state: DaemonState = request.app["state"]
-        state.warn_once(["the client's base URL ends in /v1; served anyway, but drop /v1 from "
-                         "ANTHROPIC_BASE_URL (Anthropic clients append /v1/messages themselves)"],
-                        f"request to {request.path}")
+        state.warn_once([hint], f"request to {request.path}")
         return await handler(request)
     return served
 

@@ -53,6 +53,9 @@ _SYSTEM_MARKERS: list[tuple[str, str]] = [
     ("mswea_bash_command", "mini-swe-agent"),  # mini-swe-agent's command block
     ("mini-swe-agent", "mini-swe-agent"),
     ("SWE-agent", "swe-agent"),
+    # mini-swe-agent 2.x: a generic system prompt; its task template (first user message) ends
+    # every run with this command
+    ("COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "mini-swe-agent"),
 ]
 SYSTEM_MARKER_CHARS = 4000
 _GENERIC_CLIENTS = ("openai-python", "litellm", None)
@@ -97,18 +100,22 @@ def detect_client(request: web.Request) -> tuple[Optional[str], Optional[str]]:
 
 
 def client_from_system_prompt(messages: Optional[list[dict[str, Any]]]) -> Optional[str]:
-    """The agent whose system prompt starts ``messages`` (:data:`_SYSTEM_MARKERS`), or None."""
-    for m in messages or []:
-        if m.get("role") not in ("system", "developer"):
+    """The agent whose system prompt starts ``messages`` (:data:`_SYSTEM_MARKERS`), or None. When
+    the first system message has no marker, the first user message (an agent's task template) is
+    looked at too."""
+    for m in (messages or [])[:2]:
+        role = m.get("role")
+        if role not in ("system", "developer", "user"):
             return None
         c = m.get("content")
         text = c if isinstance(c, str) else "".join(
             p.get("text", "") for p in c or [] if isinstance(p, dict) and isinstance(p.get("text"), str))
-        head = text[:SYSTEM_MARKER_CHARS]
+        head = text if role == "user" else text[:SYSTEM_MARKER_CHARS]  # the task text comes first
         for marker, name in _SYSTEM_MARKERS:
             if marker in head:
                 return name
-        return None
+        if role == "user":
+            return None
     return None
 
 

@@ -48,8 +48,9 @@ def anthropic_error_body(err: ApiError) -> dict[str, Any]:
 
 
 def is_anthropic_path(path: str) -> bool:
-    """True for the Anthropic Messages routes."""
-    return path.startswith("/v1/messages")
+    """True for the Anthropic Messages routes (``/v1/messages``, ``/v1/v1/messages``,
+    ``/messages`` and their ``count_tokens``)."""
+    return path.startswith(("/v1/messages", "/v1/v1/messages", "/messages"))
 
 
 def error_response(path: str, err: ApiError) -> web.Response:

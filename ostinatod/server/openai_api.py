@@ -37,7 +37,7 @@ class _Base(BaseModel):
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
-    n: int = Field(1, ge=1, le=1)
+    n: Optional[int] = Field(1, ge=1, le=1)  # null: the default (clients send it)
     ignore_eos: bool = False
     logit_bias: Optional[dict[str, float]] = None
 
@@ -76,7 +76,9 @@ def json_schema_of(fmt: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     if not fmt or fmt.get("type") in (None, "text"):
         return None
     if fmt.get("type") == "json_object":
-        return {"type": "object"}
+        # llama-server's form {"type": "json_object", "schema": {...}}: the schema is enforced
+        schema = fmt.get("schema")
+        return schema if isinstance(schema, dict) else {"type": "object"}
     if fmt.get("type") == "json_schema":
         js = fmt.get("json_schema") or {}
         schema = js.get("schema", fmt.get("schema"))
@@ -162,7 +164,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    """GET /v1/models: the served model; ``random_weights`` true for the generated demo model."""
+    """GET /v1/models: the served model; ``random_weights`` true for the generated demo model;
+    ``context_length`` / ``max_model_len`` (and ``meta.n_ctx``, llama-server's) the served
+    context per slot in tokens."""
     state: DaemonState = request.app["state"]
     info = state.model_info
     entry = {"id": state.model_name, "object": "model", "created": int(state.started_at),
@@ -171,6 +175,8 @@ async def models(request: web.Request) -> web.Response:
              "meta": {k: info.get(k) for k in ("path", "arch", "n_ctx", "n_ctx_train", "n_params",
                                                "n_layer", "n_expert", "n_expert_used", "experts_mode")
                       if info.get(k) is not None}}
+    if info.get("n_ctx"):  # the served context per slot, under the names clients read
+        entry["context_length"] = entry["max_model_len"] = int(info["n_ctx"])  # LM Studio / vLLM
     if info.get("is_demo"):
         entry["description"] = "Generated demo MoE model with RANDOM WEIGHTS: output is gibberish."
     return web.json_response({"object": "list", "data": [entry]})

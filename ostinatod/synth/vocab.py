@@ -11,7 +11,7 @@ import numpy as np
 
 import gguf
 
-from ..paths import get_paths
+from ..paths import get_paths, install_data_dir
 from .shapes import (ADDED_TOKENS, COARSE_OF, IDENT, LLAMA_CPP_PYTHON_VERSION, MISC, NAME, NUMBER,
                      SYNTAX, SynthError, VOCAB_NAME, WORD)
 
@@ -33,6 +33,7 @@ def vocab_candidates() -> list[Path]:
             data_dirs.append(get_paths().data)
         finally:
             os.environ["OSTINATO_HOME"] = saved
+    cands.append(install_data_dir() / "vocab" / VOCAB_NAME)
     for d in data_dirs:
         cands.append(d / "native" / "vocab" / VOCAB_NAME)
         cands.append(d / "native" / "src" / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor"
@@ -43,8 +44,10 @@ def vocab_candidates() -> list[Path]:
 def find_vocab() -> Path:
     """Path of the qwen2 tokenizer vocabulary GGUF.
 
-    Order: ``OSTINATO_VOCAB``, ``<data>/native/vocab/`` (kept by ``ostinato build``), the extracted
-    sdist under ``<data>/native/src/`` (also for the default data dir when ``OSTINATO_HOME`` is set).
+    Order: ``OSTINATO_VOCAB``, ``<sys.prefix>/share/ostinato/vocab/`` (kept with the installed
+    package by ``ostinato build``, whichever user starts the daemon), ``<data>/native/vocab/``, the
+    extracted sdist under ``<data>/native/src/`` (also for the default data dir when
+    ``OSTINATO_HOME`` is set).
     Raises SynthError naming the places tried.
     """
     cands = vocab_candidates()
