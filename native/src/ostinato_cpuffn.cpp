@@ -58,6 +58,12 @@ bool tiled_possible(const ost_ffn & f) {
     return tiled_type(f.up->type) || (f.gate && tiled_type(f.gate->type)) || tiled_type(f.down->type);
 }
 
+// GGML_CPU_TILED_MM_FORCE=1 (ggml's test switch) makes ggml tile an expert whatever its row count
+int tiled_min_rows() {
+    const char * force = getenv("GGML_CPU_TILED_MM_FORCE");
+    return force && atoi(force) == 1 ? 1 : TILED_MIN_ROWS;
+}
+
 }  // namespace
 
 bool ost_ffn_match(const ggml_tensor * out, const ggml_tensor * ids, const ggml_tensor * cur, ost_ffn & f,
@@ -358,12 +364,13 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
         return true;
     }
     const bool tiled = tiled_possible(f);
+    const int min_rows = tiled_min_rows();
     int32_t at = 0;
     thread_local std::vector<int32_t> start;
     start.assign((size_t) f.n_expert, -1);
     for (int32_t e = 0; e < f.n_expert; ++e) {
         if (!count[(size_t) e]) continue;
-        if (tiled && count[(size_t) e] >= TILED_MIN_ROWS) return false;
+        if (tiled && count[(size_t) e] >= min_rows) return false;
         r.groups.push_back(group_t{ e, at, count[(size_t) e] });
         start[(size_t) e] = at;
         at += count[(size_t) e];

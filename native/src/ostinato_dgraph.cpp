@@ -75,9 +75,9 @@ struct ost_dgraph {
     int n_threads = 1;
     ost_team * team = nullptr;          // the CPU branch's own kernel runs on it (spins during a pass)
     std::vector<uint8_t> ffn_ws;
-    std::string fast_note;
-    std::vector<int64_t> wait_seen;     // per layer: the last pass whose join wait was collected              // why the last graph built did not match the kernel, if so
-    int64_t n_fast = 0, n_graph = 0;    // CPU-branch layer computes by the kernel / by ggml
+    std::string fast_note;              // why a CPU-branch graph did not match the kernel (the last one)
+    std::vector<int64_t> wait_seen;     // per layer: the last pass whose join wait was collected
+    std::atomic<int64_t> n_fast{0}, n_graph{0};   // CPU-branch layer computes by the kernel / by ggml (read by info)
 
     // worker
     std::thread worker;
@@ -346,8 +346,8 @@ void ost_dg_info(const ost_dgraph * dg, int & n_threads, int64_t & mailbox_bytes
 }
 
 void ost_dg_kernel_info(const ost_dgraph * dg, int64_t & n_fast, int64_t & n_graph, std::string & note) {
-    n_fast = dg ? dg->n_fast : 0;
-    n_graph = dg ? dg->n_graph : 0;
+    n_fast = dg ? dg->n_fast.load() : 0;
+    n_graph = dg ? dg->n_graph.load() : 0;
     note = dg ? dg->fast_note : std::string();
 }
 

@@ -65,8 +65,9 @@ bool           ost_dg_pass_begin(ost_dgraph * dg, ggml_context * graph_ctx);
 bool           ost_dg_pass_end(ost_dgraph * dg, std::string & err);
 // CPU-branch time of the passes so far (ms) and the number of layers that had cold routes.
 void           ost_dg_info(const ost_dgraph * dg, int & n_threads, int64_t & mailbox_bytes);
-// Layer computes of the CPU branch by its own kernel / by ggml so far, and why the last graph built
-// did not match the kernel (empty if it did).
+// Layer computes of the CPU branch by its own kernel / by ggml so far, and why a CPU-branch graph
+// built did not match the kernel (the last such; empty if every one did). The note is read between
+// passes (graph builds happen on the context's thread).
 void           ost_dg_kernel_info(const ost_dgraph * dg, int64_t & n_fast, int64_t & n_graph, std::string & note);
 // Time the GPU's join ops waited for the CPU branch (ms), summed over the layers of the passes
 // completed since the last call (a pass still running on the GPU is counted at a later call).
