@@ -14,7 +14,7 @@ import pytest
 
 from ostinatod.engine import limits
 from ostinatod.engine.types import EngineError
-from ostinatod.tools.bench_reliability import BAD_GGUFS, big_tool, patch_gguf
+from ostinatod.bench.bench_reliability import BAD_GGUFS, big_tool, patch_gguf
 
 
 def post(url: str, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
