@@ -75,8 +75,10 @@ def test_launch_starts_claude_on_the_demo_model(claude_cli, demo_daemon):
     from ostinatod.engine.types import DEMO_NOTICE
 
     exe, env = claude_cli
+    # room for the demo's schema-valid call to one of Claude Code's tools (at most
+    # DEMO_CALL_MAX_TOKENS; with 64 a long call was cut and Claude Code stopped on "length")
     r = run_launch(demo_daemon, "claude", exe, env, ["-p", "say hi", "--max-turns", "3"],
-                   DISABLE_AUTOUPDATER="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="64", MAX_THINKING_TOKENS="0",
+                   DISABLE_AUTOUPDATER="1", CLAUDE_CODE_MAX_OUTPUT_TOKENS="512", MAX_THINKING_TOKENS="0",
                    ANTHROPIC_API_KEY="a-real-anthropic-key-not-for-ostinato")
     log = demo_daemon.log()
     assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}\nlog:\n{log[-3000:]}"

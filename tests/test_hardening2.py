@@ -371,11 +371,14 @@ def _raw(url: str, data: bytes) -> bytes:
 
 
 def test_malformed_http_gets_a_json_error_and_no_traceback(live_daemon):
+    before = len(live_daemon.log())   # the shared daemon's log holds earlier tests' requests too
     out = _raw(live_daemon.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nBad Header\r\n\r\n")
     head, _, body = out.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0]
     assert b"application/json" in head and json.loads(body)["error"]["code"] == "invalid_http"
-    assert "Error handling request" not in live_daemon.log()
+    time.sleep(0.2)   # the log line is written after the answer
+    mine = live_daemon.log()[before:]
+    assert "malformed HTTP request -> 400" in mine and "Error handling request" not in mine
 
 
 def test_non_utf8_user_agent_and_bogus_encoding(live_daemon):

@@ -55,6 +55,9 @@ def sample(smpl: Any, ctx: Any, idx: int) -> int:
 # The demo model's cap on a turn that makes a tool call (the call is grammar-driven and ends by
 # itself; a call cut here ends as "length", never as a finished turn).
 DEMO_CALL_MAX_TOKENS = 512
+# bias on a JSON answer's closers with the demo model: the end-of-turn bias alone left random strings
+# open for 200 tokens in 1 of 3 tries (tests/test_agents_ask.py::test_demo_json_mode_is_json)
+DEMO_JSON_CLOSE_BIAS = 20.0
 
 
 def demo_choice(req: GenRequest) -> None:
@@ -76,18 +79,26 @@ def demo_turn(req: GenRequest, vocab: Any, settings: Settings) -> Optional[int]:
     """Make the generated demo model end its turn (random weights never choose end-of-turn): a bias
     on the end-of-turn token (``demo_end_bias``; a client's own bias on it wins) and ``max_tokens``
     capped at ``demo_max_tokens``. Returns the cap when it applies (the answer then ends as a
-    finished turn), else None. A forced call (:func:`demo_choice`) is not capped that way: its
-    strings get a bias on the closing quote (so random weights end them) and the cap is
+    finished turn), else None. A forced call (:func:`demo_choice`) and a JSON answer
+    (``response_format``) are not capped that way: their strings get a bias on the closing quote (so
+    random weights end them; a JSON answer keeps the end-of-turn bias too) and the cap is
     :data:`DEMO_CALL_MAX_TOKENS`, reached only as "length"."""
     import llama_cpp
     from . import loading
-    if req.tools and req.tool_choice not in (None, "auto", "none"):
-        quote = loading.tokenize(vocab, '"', add_special=False)
-        if len(quote) == 1 and settings.demo_end_bias:
-            req.logit_bias = dict(req.logit_bias or {})
-            req.logit_bias.setdefault(quote[0], settings.demo_end_bias)
+    forced = bool(req.tools) and req.tool_choice not in (None, "auto", "none")
+    json_answer = req.json_schema is not None
+    if forced or json_answer:
+        # a JSON answer's objects and arrays get the bias on their closers too: random weights
+        # would otherwise add members until the cap
+        bias = max(settings.demo_end_bias, DEMO_JSON_CLOSE_BIAS) if json_answer else settings.demo_end_bias
+        for closer in ('"', "}", "]") if json_answer else ('"',):
+            tok = loading.tokenize(vocab, closer, add_special=False)
+            if len(tok) == 1 and settings.demo_end_bias:
+                req.logit_bias = dict(req.logit_bias or {})
+                req.logit_bias.setdefault(tok[0], bias)
         req.max_tokens = min(req.max_tokens, DEMO_CALL_MAX_TOKENS)
-        return None
+        if forced:
+            return None
     if settings.demo_end_bias:
         eot = llama_cpp.llama_vocab_eot(vocab)
         eot = eot if eot >= 0 else llama_cpp.llama_vocab_eos(vocab)
@@ -95,7 +106,8 @@ def demo_turn(req: GenRequest, vocab: Any, settings: Settings) -> Optional[int]:
             bias = dict(req.logit_bias or {})
             bias.setdefault(eot, settings.demo_end_bias)
             req.logit_bias = bias
-    if settings.demo_max_tokens and settings.demo_max_tokens < req.max_tokens:
+    # a JSON answer is not cut at the demo's cap (its grammar ends it; the cut would not be JSON)
+    if settings.demo_max_tokens and settings.demo_max_tokens < req.max_tokens and not json_answer:
         req.max_tokens = settings.demo_max_tokens
         return req.max_tokens
     return None
