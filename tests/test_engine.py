@@ -175,6 +175,8 @@ def test_json_schema_grammar_constrains_output(loop, engine):
 
 
 def test_concurrent_requests_in_two_slots(loop, engine):
+    # requests are prepared on prepare threads (issue 26), which may finish in another order than
+    # they came: which two run first is not fixed, but both slots serve
     async def go():
         async def one(i):
             return [e async for e in engine.generate(req(messages=[{"role": "user", "content": f"Job {i}"}],
@@ -183,7 +185,7 @@ def test_concurrent_requests_in_two_slots(loop, engine):
     results = loop.run_until_complete(go())
     for ev in results:
         assert done_of(ev)["usage"]["completion_tokens"] == 12
-    assert len({ev[0].data["slot"] for ev in results[:2]}) == 2
+    assert len({ev[0].data["slot"] for ev in results}) == 2
 
 
 def test_cancel_stops_generation(loop, engine):
