@@ -207,19 +207,27 @@ def stage_tree(pristine: Path, native: Path, dest: Path) -> None:
 
 
 def sync_tree(src: Path, dst: Path) -> int:
-    """Make ``dst`` equal to ``src``, rewriting only changed files (keeps mtimes for incremental
-    builds). Returns the number of files written."""
+    """Make ``dst`` equal to ``src``, rewriting only changed files: unchanged files keep their mtimes
+    and a rewritten one gets the time of the sync, never the source's (an edit made while an earlier
+    build compiled the old text is older than that object, and make/ninja would keep the object).
+    Returns the number of files written."""
     written = 0
     dst.mkdir(parents=True, exist_ok=True)
     src_files = {p.relative_to(src) for p in src.rglob("*") if p.is_file() or p.is_symlink()}
     for rel in sorted(src_files):
         s, d = src / rel, dst / rel
-        if d.is_file() and not d.is_symlink() and filecmp.cmp(s, d, shallow=False):
+        if s.is_symlink() and d.is_symlink() and os.readlink(s) == os.readlink(d):
+            continue
+        if not s.is_symlink() and d.is_file() and not d.is_symlink() and filecmp.cmp(s, d, shallow=False):
             continue
         d.parent.mkdir(parents=True, exist_ok=True)
         if d.exists() or d.is_symlink():
             d.unlink()
-        shutil.copy2(s, d, follow_symlinks=False)
+        if s.is_symlink():
+            os.symlink(os.readlink(s), d)
+        else:
+            shutil.copyfile(s, d)
+            shutil.copymode(s, d)
         written += 1
     for p in sorted(dst.rglob("*"), reverse=True):
         rel = p.relative_to(dst)

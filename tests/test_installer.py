@@ -105,3 +105,32 @@ def test_demo_model_vocabulary_is_kept_with_the_installed_package(tmp_path):
     r = subprocess.run([py, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=str(other))
     assert r.returncode == 0, r.stderr[-3000:]
     assert Path(r.stdout.strip()).is_file() and r.stdout.strip().startswith(str(other))
+
+
+def test_native_tree_sync_rewrites_changed_files_with_the_sync_time(tmp_path):
+    # an edit made while an earlier build compiled the old text is older than that object: the
+    # build tree's copy must be newer than the object, or ninja keeps the stale one
+    import os
+    import time
+
+    from ostinatod.build import sync_tree
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x.cpp").write_text("old")
+    (src / "y.cpp").write_text("same")
+    (src / "link").symlink_to("y.cpp")
+    assert sync_tree(src, dst) == 3
+    assert (dst / "link").is_symlink() and os.readlink(dst / "link") == "y.cpp"
+    edited = time.time() - 100
+    (src / "a" / "x.cpp").write_text("new")
+    os.utime(src / "a" / "x.cpp", (edited, edited))   # edited before the object below
+    obj = time.time() - 50
+    os.utime(dst / "y.cpp", (obj - 10, obj - 10))
+    before = time.time()
+    assert sync_tree(src, dst) == 1
+    assert (dst / "a" / "x.cpp").read_text() == "new"
+    assert (dst / "a" / "x.cpp").stat().st_mtime >= before - 1 > obj   # newer than the object
+    assert (dst / "y.cpp").stat().st_mtime == pytest.approx(obj - 10)   # unchanged: mtime kept
+    (src / "y.cpp").unlink()
+    sync_tree(src, dst)
+    assert not (dst / "y.cpp").exists()
