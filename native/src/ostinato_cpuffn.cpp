@@ -4,6 +4,7 @@
 #include "ggml-cpu.h"
 
 #include <algorithm>
+#include <climits>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -50,12 +51,6 @@ bool tiled_type(ggml_type t) {
         default:
             return false;
     }
-}
-
-bool tiled_possible(const ost_ffn & f) {
-    const char * off = getenv("GGML_CPU_TILED_MM");
-    if (off && atoi(off) == 0) return false;
-    return tiled_type(f.up->type) || (f.gate && tiled_type(f.gate->type)) || tiled_type(f.down->type);
 }
 
 // GGML_CPU_TILED_MM_FORCE=1 (ggml's test switch) makes ggml tile an expert whatever its row count
@@ -266,6 +261,10 @@ struct run_t {
     const char * xq = nullptr;
     size_t xq_row = 0;
     std::vector<int32_t> tok_slot;   // token -> row of xq
+    ggml_type xt = GGML_TYPE_F32;    // the input rows' vec_dot type
+    bool xq_done = false;            // the input rows were quantised by prepare
+    int64_t n_routes = 0;
+    std::vector<int32_t> count, start;   // per expert: routes, next route's place
     // rows of phase 1 (2 n_ff per group) and phase 3 (n_embd per group) in chunks that the threads
     // take from a counter: threads that run slower (a hyperthread sibling busy, an interrupt) take
     // fewer, so the phase ends when the work does (a static share waited for the slowest thread)
@@ -317,17 +316,30 @@ void phase_rows(run_t & r, bool down) {
     }
 }
 
-struct team_ctx {
-    run_t * r;
-    ost_team * team;
-};
-
-void team_fn(void * ctx, int ith, int nth) {
-    team_ctx & c = *(team_ctx *) ctx;
-    run_t & r = *c.r;
+// Phases of one run on nth threads (ith of them): the input rows quantised (when not done by
+// prepare), the gate/up rows, the activations, the down rows; `barrier` waits for all nth.
+template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier barrier) {
     const ost_ffn & f = *r.f;
+    const ost_ffn_job & job = *r.job;
+    if (job.zero_unrouted) {
+        // rows of routes this branch does not compute are exact zeros (the op's output is added as x + 0)
+        for (int64_t i = ith; i < (int64_t) job.n * job.k; i += nth) {
+            const int32_t e = job.ids[i];
+            if (e < 0 || e >= f.n_expert) memset(job.out + i * f.n_embd, 0, (size_t) f.n_embd * sizeof(float));
+        }
+    }
+    if (!r.xq_done) {
+        // each token's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float)
+        const auto from_float = ggml_get_type_traits_cpu(r.xt)->from_float;
+        for (int32_t t = ith; t < job.n; t += nth) {
+            if (r.tok_slot[(size_t) t] < 0) continue;
+            from_float(job.cur + (int64_t) t * job.cur_stride,
+                       (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), f.n_embd);
+        }
+        barrier();
+    }
     phase_rows(r, false);
-    ost_team_barrier(c.team);
+    barrier();
     // the activation of each route over its whole row, as ggml's GLU op computes it, then its
     // quantisation for the down matrix, as ggml's MUL_MAT_ID quantises each src1 row
     const auto from_float = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(f.down->type)->vec_dot_type)->from_float;
@@ -338,42 +350,51 @@ void team_fn(void * ctx, int ith, int nth) {
         ggml_cpu_vec_swiglu_f32((int) f.n_ff, act.data(), gq, gq + f.n_ff);
         from_float(act.data(), r.actq + q * r.actq_row, f.n_ff);
     }
-    ost_team_barrier(c.team);
+    barrier();
     phase_rows(r, true);
 }
 
-}  // namespace
+struct team_ctx {
+    run_t * r;
+    ost_team * team;
+};
 
-bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> & ws, ost_ffn_stats * st) {
+void team_fn(void * ctx, int ith, int nth) {
+    team_ctx & c = *(team_ctx *) ctx;
+    run_phases(*c.r, ith, nth, [&] { ost_team_barrier(c.team); });
+}
+
+// Groups the job's routes by expert and lays out the scratch; false (nothing to compute: n_routes
+// 0 sets *empty) when an expert has as many routes as ggml's tiled kernel takes and !job.force.
+bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int nth, bool * empty) {
     const ost_ffn & f = *job.f;
-    static thread_local run_t r;
     r.f = &f;
     r.job = &job;
     r.groups.clear();
     r.routes.clear();
+    *empty = false;
     // group the routes by expert (ascending), tokens in order within an expert
-    thread_local std::vector<int32_t> count;
-    count.assign((size_t) f.n_expert, 0);
+    r.count.assign((size_t) f.n_expert, 0);
     int64_t n_routes = 0;
     for (int64_t i = 0; i < (int64_t) job.n * job.k; ++i) {
         const int32_t e = job.ids[i];
-        if (e >= 0 && e < f.n_expert) { count[(size_t) e]++; n_routes++; }
+        if (e >= 0 && e < f.n_expert) { r.count[(size_t) e]++; n_routes++; }
     }
+    r.n_routes = n_routes;
     if (n_routes == 0) {
-        if (st) *st = ost_ffn_stats{};
+        *empty = true;
         return true;
     }
-    const bool tiled = tiled_possible(f);
-    const int min_rows = tiled_min_rows();
+    const int32_t min_rows = job.force ? INT32_MAX
+                                       : ost_ffn_tiled_rows(f.up->type, f.gate ? f.gate->type : f.up->type, f.down->type);
     int32_t at = 0;
-    thread_local std::vector<int32_t> start;
-    start.assign((size_t) f.n_expert, -1);
+    r.start.assign((size_t) f.n_expert, -1);
     for (int32_t e = 0; e < f.n_expert; ++e) {
-        if (!count[(size_t) e]) continue;
-        if (tiled && count[(size_t) e] >= min_rows) return false;
-        r.groups.push_back(group_t{ e, at, count[(size_t) e] });
-        start[(size_t) e] = at;
-        at += count[(size_t) e];
+        if (!r.count[(size_t) e]) continue;
+        if (r.count[(size_t) e] >= min_rows) return false;
+        r.groups.push_back(group_t{ e, at, r.count[(size_t) e] });
+        r.start[(size_t) e] = at;
+        at += r.count[(size_t) e];
     }
     r.routes.resize((size_t) n_routes);
     r.tok_slot.assign((size_t) job.n, -1);
@@ -382,14 +403,14 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
         for (int32_t j = 0; j < job.k; ++j) {
             const int32_t e = job.ids[(int64_t) t * job.k + j];
             if (e < 0 || e >= f.n_expert) continue;
-            r.routes[(size_t) start[(size_t) e]++] = route_t{ t, j };
+            r.routes[(size_t) r.start[(size_t) e]++] = route_t{ t, j };
             if (r.tok_slot[(size_t) t] < 0) r.tok_slot[(size_t) t] = n_tok++;
         }
     }
     // scratch: quantised input rows, gate/up rows, quantised activation rows
-    const ggml_type xt = ggml_get_type_traits_cpu(f.up->type)->vec_dot_type;
+    r.xt = ggml_get_type_traits_cpu(f.up->type)->vec_dot_type;
     const ggml_type at_t = ggml_get_type_traits_cpu(f.down->type)->vec_dot_type;
-    r.xq_row = ggml_row_size(xt, f.n_embd);
+    r.xq_row = ggml_row_size(r.xt, f.n_embd);
     r.actq_row = ggml_row_size(at_t, f.n_ff);
     auto pad = [](size_t x) { return (x + 63) & ~size_t(63); };
     const size_t o_gu = pad((size_t) n_tok * r.xq_row);
@@ -400,12 +421,15 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
     r.xq = base;
     r.gu = (float *) (base + o_gu);
     r.actq = base + o_act;
-    // each token's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float)
-    const auto from_float = ggml_get_type_traits_cpu(xt)->from_float;
-    for (int32_t t = 0; t < job.n; ++t) {
-        if (r.tok_slot[(size_t) t] < 0) continue;
-        from_float(job.cur + (int64_t) t * job.cur_stride, (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row),
-                   f.n_embd);
+    // one token (a decode step) is quantised here; more are spread over the threads
+    r.xq_done = n_tok == 1 || nth == 1;
+    if (r.xq_done) {
+        const auto from_float = ggml_get_type_traits_cpu(r.xt)->from_float;
+        for (int32_t t = 0; t < job.n; ++t) {
+            if (r.tok_slot[(size_t) t] < 0) continue;
+            from_float(job.cur + (int64_t) t * job.cur_stride,
+                       (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), f.n_embd);
+        }
     }
     // chunks of about CHUNK_BYTES of weight rows (gate/up rows are n_embd long, down rows n_ff)
     const ggml_tensor * gw = f.merged ? f.up : f.gate;
@@ -415,12 +439,81 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
     r.per3 = (f.n_embd + r.chunk3 - 1) / r.chunk3;
     r.next1.store(0, std::memory_order_relaxed);
     r.next3.store(0, std::memory_order_relaxed);
-    team_ctx c{ &r, team };
-    ost_team_run(team, team_fn, &c);
-    if (st) {
-        st->experts = (int64_t) r.groups.size();
-        st->routes = n_routes;
-        st->bytes = (int64_t) r.groups.size() * f.expert_bytes;
-    }
     return true;
+}
+
+void fill_stats(const run_t & r, bool empty, ost_ffn_stats * st) {
+    if (!st) return;
+    *st = ost_ffn_stats{};
+    if (empty) return;
+    st->experts = (int64_t) r.groups.size();
+    st->routes = r.n_routes;
+    st->bytes = (int64_t) r.groups.size() * r.f->expert_bytes;
+}
+
+}  // namespace
+
+bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> & ws, ost_ffn_stats * st) {
+    static thread_local run_t r;
+    bool empty = false;
+    if (!prepare(r, job, ws, ost_team_size(team), &empty)) return false;
+    if (!empty) {
+        team_ctx c{ &r, team };
+        ost_team_run(team, team_fn, &c);
+    } else if (job.zero_unrouted) {
+        memset(job.out, 0, (size_t) job.n * job.k * job.f->n_embd * sizeof(float));
+    }
+    fill_stats(r, empty, st);
+    return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// inside a ggml CPU op: the op's own threads are the team
+
+struct ost_ffn_shared {
+    run_t r;
+    std::vector<uint8_t> ws;
+    bool ok = false, empty = false;
+    ost_ffn_stats st;
+    alignas(64) std::atomic<int> arrived{0};
+    alignas(64) std::atomic<uint64_t> phase{0};
+};
+
+ost_ffn_shared * ost_ffn_shared_new() { return new ost_ffn_shared(); }
+void ost_ffn_shared_free(ost_ffn_shared * s) { delete s; }
+
+namespace {
+
+void shared_barrier(ost_ffn_shared * s, int nth) {
+    if (nth == 1) return;
+    const uint64_t ph = s->phase.load(std::memory_order_acquire);
+    if (s->arrived.fetch_add(1, std::memory_order_acq_rel) == nth - 1) {
+        s->arrived.store(0, std::memory_order_relaxed);
+        s->phase.fetch_add(1, std::memory_order_acq_rel);
+    } else {
+        spin_until([&] { return s->phase.load(std::memory_order_acquire) != ph; });
+    }
+}
+
+}  // namespace
+
+bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st) {
+    if (ith == 0) {
+        s->ok = prepare(s->r, job, s->ws, nth, &s->empty);
+        if (s->ok && s->empty && job.zero_unrouted) {
+            memset(job.out, 0, (size_t) job.n * job.k * job.f->n_embd * sizeof(float));
+        }
+    }
+    shared_barrier(s, nth);
+    if (s->ok && !s->empty) run_phases(s->r, ith, nth, [&] { shared_barrier(s, nth); });
+    // the run's state is read by every thread until here; the next run's prepare waits for all
+    shared_barrier(s, nth);
+    if (ith == 0) fill_stats(s->r, s->empty, st);
+    return s->ok;
+}
+
+int32_t ost_ffn_tiled_rows(ggml_type up, ggml_type gate, ggml_type down) {
+    const char * off = getenv("GGML_CPU_TILED_MM");
+    if (off && atoi(off) == 0) return INT32_MAX;
+    return tiled_type(up) || tiled_type(gate) || tiled_type(down) ? tiled_min_rows() : INT32_MAX;
 }

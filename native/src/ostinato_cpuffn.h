@@ -62,6 +62,8 @@ struct ost_ffn_job {
     int64_t cur_stride = 0;
     float * out = nullptr;
     int k = 0, n = 0;
+    bool zero_unrouted = false;   // also write 0 into the rows at a negative id
+    bool force = false;           // compute experts with >= 8 routes of a tiled type too (not ggml's tiled arithmetic)
 };
 
 struct ost_ffn_stats {
@@ -74,3 +76,16 @@ struct ost_ffn_stats {
 // would compute with its tiled kernel for that many (bitwise equality could not be promised): the
 // caller then runs ggml's graph. `team` may be null (the caller alone).
 bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> & ws, ost_ffn_stats * st);
+
+// The same kernel inside a ggml CPU op whose own threads are the team (the prefill's CPU share,
+// native/src/ostinato_paths.cpp): every one of the op's nth threads calls ost_ffn_run_shared with its
+// ith and the same job and state; thread 0 groups the routes, all compute; returns when all are done.
+// One state serves one op at a time (a state per layer). Stats are written by ith 0.
+struct ost_ffn_shared;
+ost_ffn_shared * ost_ffn_shared_new();
+void             ost_ffn_shared_free(ost_ffn_shared * s);
+bool             ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st);
+// Routes of one expert from which ggml-cpu computes these expert types with its tiled kernel
+// (other arithmetic than vec_dot): 8, or 1 with GGML_CPU_TILED_MM_FORCE=1; INT32_MAX for types it
+// does not tile or with GGML_CPU_TILED_MM=0.
+int32_t          ost_ffn_tiled_rows(ggml_type up, ggml_type gate, ggml_type down);

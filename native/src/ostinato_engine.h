@@ -234,6 +234,9 @@ inline bool op_ud_hybrid(void * ud) { return ((intptr_t) ud & 2) != 0; }
 extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
 extern double g_upload_cpu_share;   // hybrid upload passes: fixed CPU share 0..1, or -1 (adapted)
 extern int g_hybrid_rows;           // hybrid upload passes: most tokens the CPU branch takes
+// hybrid upload passes' cost-model split (ostinato_experts_set_cpu_split): off while a bandwidth is 0
+extern double g_split_alpha_us, g_split_cpu_gbps, g_split_h2d_gbps;
+inline bool split_on() { return g_split_cpu_gbps > 0 && g_split_h2d_gbps > 0; }
 extern int g_prefetch;              // prefetch depth for upload passes with views, 0..2 (next pool build)
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its

@@ -20,6 +20,10 @@
 // ostinato_dgraph.cpp (shared state: ostinato_engine.h).
 
 #include "ostinato_engine.h"
+#include "ostinato_cpuffn.h"
+#include "ostinato_split.h"
+
+#include <memory>
 
 using namespace ost;
 
@@ -48,6 +52,7 @@ bool g_copy_2d = true;        // upload path: an expert's matrices in one 2D cop
 bool g_whole_slots = false;   // pools built with whole-expert slots (read at each pool build)
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
+double g_split_alpha_us = 0, g_split_cpu_gbps = 0, g_split_h2d_gbps = 0;
 int g_prefetch = 0;               // prefetch depth for upload passes with views (depth + 1 staging regions)
 
 int64_t now_us() {
@@ -120,7 +125,71 @@ ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il,
 
 int ostinato_moe_hybrid(void) {
     std::lock_guard<std::mutex> lock(g_mu);
-    return g_upload_cpu_share != 0 ? 1 : 0;
+    return g_upload_cpu_share != 0 || split_on() ? 1 : 0;
+}
+
+namespace {
+
+// One per layer, for the life of the process: the CPU share's matched FFN (the model's tensors,
+// rewritten at every graph build) and the kernel's shared run state (ostinato_cpuffn.h)
+struct cpu_share_t {
+    int il = -1;
+    ost_ffn f;
+    ost_ffn_shared * run = nullptr;
+};
+std::vector<std::unique_ptr<cpu_share_t>> g_cpu_share;   // [layer], guarded by g_mu
+
+// The hybrid pass's CPU branch by the CPU branch's own kernel, on the op's threads (all of the
+// context's: n_tasks = GGML_N_TASKS_MAX). Sources: cur [n_embd, 1, M], ids [k, M], then the weights
+// (so that the scheduler orders and places the op).
+void cpu_share_op(ggml_tensor * dst, int ith, int nth, void * ud) {
+    auto * cs = (cpu_share_t *) ud;
+    const ggml_tensor * cur = dst->src[0];
+    const ggml_tensor * ids = dst->src[1];
+    ost_ffn_job job;
+    job.f = &cs->f;
+    job.ids = (const int32_t *) ids->data;
+    job.k = (int) ids->ne[0];
+    job.n = (int) ids->ne[1];
+    job.cur = (const float *) cur->data;
+    job.cur_stride = (int64_t) (cur->nb[2] / sizeof(float));
+    job.out = (float *) dst->data;
+    job.zero_unrouted = true;
+    // the upload op leaves experts ggml would tile to the uploads, so this is ggml's arithmetic
+    job.force = true;
+    ost_ffn_stats st;
+    ost_ffn_run_shared(cs->run, job, ith, nth, &st);
+    if (ith != 0 || st.experts == 0) return;
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || !e->in_pass) return;
+    e->cur.cpu_bytes += st.bytes;
+    e->cur.cpu_layers++;
+    e->cur.cpu_kernel_layers++;
+}
+
+}  // namespace
+
+ggml_tensor * ostinato_moe_cpu_share(ggml_context * ctx, ggml_tensor * out, ggml_tensor * ids, ggml_tensor * cur, int il) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_ffn_kernel || il < 0) return out;
+    ost_ffn f;
+    std::string why;
+    if (!ost_ffn_match(out, ids, cur, f, why)) return out;
+    if ((int) g_cpu_share.size() <= il) g_cpu_share.resize((size_t) il + 1);
+    auto & cs = g_cpu_share[(size_t) il];
+    if (!cs) {
+        cs = std::make_unique<cpu_share_t>();
+        cs->il = il;
+        cs->run = ost_ffn_shared_new();
+    }
+    cs->f = f;
+    ggml_tensor * args[5] = { cur, ids, const_cast<ggml_tensor *>(f.down), const_cast<ggml_tensor *>(f.up),
+                              const_cast<ggml_tensor *>(f.gate) };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_F32, out->ne[0], out->ne[1], out->ne[2], out->ne[3], args,
+                                     f.gate ? 5 : 4, cpu_share_op, GGML_N_TASKS_MAX, cs.get());
+    ggml_format_name(t, "ostinato_cpu_share-%d", il);
+    return t;
 }
 
 namespace {
@@ -700,7 +769,7 @@ int ostinato_experts_set_copy_2d(int on) {
 int ostinato_experts_set_upload_cpu_share(double share) {
     if (!(share >= 0 && share <= 1) && share != -1) return -1;
     std::lock_guard<std::mutex> lock(g_mu);
-    if ((g_upload_cpu_share != 0) != (share != 0)) g_graph_dirty = true;   // the graph has a CPU branch or not
+    if ((g_upload_cpu_share != 0 || split_on()) != (share != 0 || split_on())) g_graph_dirty = true;   // the graph has a CPU branch or not
     g_upload_cpu_share = share;
     return 0;
 }
@@ -711,6 +780,30 @@ int ostinato_experts_set_hybrid_rows(int rows) {
     if (rows != g_hybrid_rows) g_graph_dirty = true;   // the CPU branch's shape is in the graph
     g_hybrid_rows = rows;
     return 0;
+}
+
+int ostinato_experts_set_cpu_split(double alpha_us, double cpu_gbps, double h2d_gbps) {
+    if (!std::isfinite(alpha_us) || !std::isfinite(cpu_gbps) || !std::isfinite(h2d_gbps) || alpha_us < 0 ||
+        cpu_gbps < 0 || h2d_gbps < 0 || ((cpu_gbps > 0) != (h2d_gbps > 0))) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(g_mu);
+    const bool was = split_on();
+    g_split_alpha_us = alpha_us;
+    g_split_cpu_gbps = cpu_gbps;
+    g_split_h2d_gbps = h2d_gbps;
+    if (was != split_on() && g_upload_cpu_share == 0) g_graph_dirty = true;   // the graph has a CPU branch or not
+    return 0;
+}
+
+int ostinato_hybrid_split(const int32_t * routes, int m, int n_upload, double alpha_us, double beta_us,
+                          double upload_us) {
+    if (!routes || m < 0) return 0;
+    ost_split_cost c;
+    c.alpha_us = alpha_us;
+    c.beta_us = beta_us;
+    c.upload_us = upload_us;
+    return ost_split_experts(routes, m, n_upload, c);
 }
 
 int ostinato_experts_set_prefetch(int depth) {

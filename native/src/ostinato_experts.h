@@ -74,6 +74,11 @@ ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int i
                                   bool hybrid = false);
 // 1 when upload passes with views are built hybrid (a CPU share other than 0 is set), else 0.
 int ostinato_moe_hybrid(void);
+// A hybrid pass's CPU branch `out` (the expert FFN graph over `cur` [n_embd, 1, M] and `ids` [k, M],
+// -1 where another part computes the route) as one CPU op that computes it with the CPU branch's own
+// kernel on the op's threads (ostinato_cpuffn.h; exact zeros at the -1 ids, as ggml-cpu writes).
+// Returns `out` itself where the kernel is off or the graph is of another shape (biases, scales).
+ggml_tensor * ostinato_moe_cpu_share(ggml_context * ctx, ggml_tensor * out, ggml_tensor * ids, ggml_tensor * cur, int il);
 // Hybrid upload pass (views and hybrid): the upload op returns I32 [k*n + k*M + 2*M] (n tokens, M =
 // min(n, ostinato_experts_set_hybrid_rows)): the staged routes' ids [k, n] (cold and uploaded -> slot - stage0,
 // else -1); the CPU branch's ids [k, M] over M gathered tokens (cold experts computed on the CPU ->
@@ -223,6 +228,17 @@ OSTINATO_API int          ostinato_experts_set_whole_slots(int on);
 OSTINATO_API int          ostinato_experts_set_upload_cpu_share(double share);
 // Most tokens a hybrid pass's CPU branch takes (1..4096; default 64); -1 (refused) otherwise.
 OSTINATO_API int          ostinato_experts_set_hybrid_rows(int rows);
+// The cost-model split of hybrid upload passes (issue 25 item 3; used while the share above is 0):
+// per layer, the CPU branch takes the cold experts with the fewest routes while its time
+// alpha_us + routes * expert bytes / cpu_gbps stays under the uploads' time of the rest (expert
+// bytes / h2d_gbps each), see ostinato_split.h. cpu_gbps and h2d_gbps in 1e9 bytes/s (from the
+// calibration); 0, 0, 0 (default) turns it off (no CPU branch in upload passes). -1 (refused) for
+// negative or non-finite values, or only one of the bandwidths.
+OSTINATO_API int          ostinato_experts_set_cpu_split(double alpha_us, double cpu_gbps, double h2d_gbps);
+// The split rule alone (ostinato_split.h) for tests: routes[0..m) ascending, n_upload experts to
+// upload without a CPU share; returns how many of the first experts the CPU takes.
+OSTINATO_API int          ostinato_hybrid_split(const int32_t * routes, int m, int n_upload, double alpha_us,
+                                                double beta_us, double upload_us);
 // Prefetch depth for upload passes with pool views: 0 (off, default), 1 (each layer predicts the next
 // one) or 2 (each layer predicts the next two; a layer's staged set is the union of both predictions).
 // The pool then has depth + 1 staging regions (layer il stages in region il % (depth + 1), so that the

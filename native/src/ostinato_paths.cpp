@@ -1,6 +1,8 @@
 // Expert engine: the CPU custom ops of the split and upload paths (route, upload, timing marker),
 // route counting and the stats JSON. See ostinato_engine.h.
 #include "ostinato_engine.h"
+#include "ostinato_cpuffn.h"
+#include "ostinato_split.h"
 
 namespace ost {
 
@@ -374,6 +376,17 @@ void join_copies(engine_t * e, int il) {
     }
 }
 
+// Routes of one expert from which ggml-cpu would compute layer il's experts with its tiled kernel
+// (INT32_MAX: never); the CPU branch's own kernel takes fewer, so that its result is ggml's.
+int32_t cpu_route_cap(const engine_t * e, int il) {
+    const auto & ml = e->model->layers[il];
+    const ggml_tensor * up = ml.ffn_gate_up_exps ? ml.ffn_gate_up_exps : ml.ffn_up_exps;
+    const ggml_tensor * gate = ml.ffn_gate_exps ? ml.ffn_gate_exps : up;
+    const ggml_tensor * down = ml.ffn_down_exps;
+    if (!up || !gate || !down) return INT32_MAX;
+    return ost_ffn_tiled_rows(up->type, gate->type, down->type);
+}
+
 // Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
 // cold expert of the pass once from host memory into the staging slots of the pool (ascending expert
 // ids into ascending slots, so runs of consecutive cold experts go in one copy; asynchronous on the
@@ -382,9 +395,10 @@ void join_copies(engine_t * e, int il) {
 // views it indexes the staging view (cold -> slot - stage0, hot -> -1), and the hot routes, launched
 // before this op in graph order, compute while the copies run.
 //
-// A hybrid upload op (dst I32 [k*n + k*M + 2*M], layout in ostinato_experts.h) leaves the distinct
-// cold experts with the fewest routes (a share, see upload_share, touching at most M tokens) to a CPU
-// branch over those M tokens only and uploads the others. The copies are not joined here: the CPU
+// A hybrid upload op (dst I32 [k*n + k*M + 2*M], layout in ostinato_experts.h) leaves distinct cold
+// experts with the fewest routes (as many as the cost model's split gives, or a share, see
+// upload_share; touching at most M tokens) to a CPU branch over those M tokens only and uploads the
+// others. The copies are not joined here: the CPU
 // branch runs while they do, and upload_join_op joins them before the staged routes run. The hot
 // routes run over the hot view, launched before this op in graph order, so the GPU computes them
 // meanwhile.
@@ -439,26 +453,50 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) tokens[c[i]]++;
     std::vector<uint8_t> on_cpu(e->n_expert, 0);
     if (hybrid) {
-        // the CPU takes the share of distinct cold experts with the fewest routes (cheap there,
-        // while each upload costs a whole expert's bytes), as long as their tokens fit its M rows
+        // the CPU takes cold experts with the fewest routes (cheap there, while each upload costs a
+        // whole expert's bytes): a share of them (fixed or adapted, for measurements) or as many as
+        // the cost model says end no later than the uploads of the rest (ostinato_split.h); not one
+        // a prefetch is bringing over already, only ones whose tokens fit its M rows, and, where the
+        // CPU branch's own kernel computes them, fewer routes than ggml-cpu would tile (its arithmetic)
         std::vector<int> cold;
         for (int x = 0; x < e->n_expert; ++x) if (tokens[x] > 0) cold.push_back(x);
         std::stable_sort(cold.begin(), cold.end(), [&](int a, int b) { return tokens[a] < tokens[b]; });
-        const size_t n_cpu = (size_t) std::lround(upload_share(e, upload_backend != nullptr) * (double) cold.size());
+        const bool by_share = g_upload_cpu_share != 0;
+        const size_t n_share = by_share ? (size_t) std::lround(upload_share(e, upload_backend != nullptr) * (double) cold.size())
+                                        : cold.size();
+        const int32_t cap = g_ffn_kernel ? cpu_route_cap(e, il) : INT32_MAX;
         std::vector<std::vector<int32_t>> toks_of(e->n_expert);   // tokens routed to each cold expert
         for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) toks_of[c[i]].push_back((int32_t) (i / k));
+        // the experts the CPU could take, in the order it takes them
+        std::vector<int> cand;
+        std::vector<int32_t> cand_routes;
         int64_t m = 0;
-        size_t taken = 0;
+        int n_upload = 0;
         for (int x : cold) {
-            if (taken >= n_cpu) break;
             if (e->pf_slot[il][x] >= 0) continue;   // a prefetch is bringing it over already
+            n_upload++;
+            if (cand.size() >= n_share || tokens[x] >= cap) continue;
             int64_t add = 0;
             for (int32_t t : toks_of[x]) add += !tok_in[t];
             if (m + add > m_rows) continue;
             for (int32_t t : toks_of[x]) tok_in[t] = 1;
             m += add;
-            on_cpu[x] = 1;
-            taken++;
+            cand.push_back(x);
+            cand_routes.push_back(tokens[x]);
+        }
+        size_t take = cand.size();
+        if (!by_share) {
+            const double bytes = (double) e->expert_bytes[il];
+            ost_split_cost sc;
+            sc.alpha_us = g_split_alpha_us;
+            sc.beta_us = bytes / (g_split_cpu_gbps * 1e3);
+            sc.upload_us = bytes / (g_split_h2d_gbps * 1e3);
+            take = (size_t) ost_split_experts(cand_routes.data(), (int) cand.size(), n_upload, sc);
+        }
+        std::fill(tok_in.begin(), tok_in.end(), 0);
+        for (size_t i = 0; i < take; ++i) {
+            for (int32_t t : toks_of[cand[i]]) tok_in[t] = 1;
+            on_cpu[cand[i]] = 1;
         }
         cpu_rows(on_cpu);
     }

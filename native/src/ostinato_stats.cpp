@@ -80,7 +80,12 @@ const char * ostinato_experts_info(void) {
                             {"upload_cpu_share", upload_share(&e, std::any_of(e.pools.begin(), e.pools.end(),
                                                      [](const pool_t & p) { return p.upload_backend != nullptr; }))},
                             {"upload_cpu_share_adapted", g_upload_cpu_share < 0},
-                            {"hybrid_rows", g_hybrid_rows}, {"prefetch", e.prefetch}, {"copy_2d", g_copy_2d},
+                            {"hybrid_rows", g_hybrid_rows},
+                            {"cpu_split", split_on() && g_upload_cpu_share == 0
+                                              ? json{{"alpha_us", g_split_alpha_us}, {"cpu_gbps", g_split_cpu_gbps},
+                                                     {"h2d_gbps", g_split_h2d_gbps}}
+                                              : json(nullptr)},
+                            {"prefetch", e.prefetch}, {"copy_2d", g_copy_2d},
                             {"whole_slots", std::any_of(e.classes.begin(), e.classes.end(),
                                                         [](const size_class_t & c) { return c.whole_slots; })}};
         j["notes"] = e.notes;
