@@ -174,10 +174,16 @@ class Settings(BaseSettings):
     upload_cpu_share: float = Field(0.0, ge=-1.0, le=1.0, description="Hybrid upload passes: the "
                                     "share (0..1) of a long prefill's cold experts, those with the "
                                     "fewest routes, that a CPU branch computes while the others are "
-                                    "uploaded; -1: adapted per layer. 0 (default) is off: measured on "
-                                    "the H200, both versions cost more than they saved (TTFT after a "
-                                    "tool output 0.266 s against 0.201 s, docs/benchmarks/runs/"
-                                    "2026-11-30-engines-h200-L48-ab).")
+                                    "uploaded; -1: adapted per layer. 0 (default): the cost model's "
+                                    "split (prefill_cpu_split) decides instead. Measurements only.")
+    prefill_cpu_split: bool = Field(True, description="The prefill after a tool output uses the CPU "
+                                    "as a second path: per layer, the cold experts with the fewest "
+                                    "routes are computed by the CPU branch's own kernel while the others "
+                                    "are uploaded, as many as the cost model (the calibration's CPU-branch "
+                                    "bandwidth and pinned host->GPU bandwidth) says finish no later than "
+                                    "those uploads. Needs a calibration (ostinato calibrate) and a pool "
+                                    "on a GPU; false uploads every cold expert. A non-zero "
+                                    "upload_cpu_share replaces it (measurements).")
     prefill_prefetch: bool = Field(True, description="Prefetch for long prefills: the next layers' "
                                    "routers applied to this layer's input predict their experts, whose "
                                    "copies then start early (prefill_prefetch_depth layers ahead). Adds "

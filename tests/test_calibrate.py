@@ -173,6 +173,48 @@ def test_decode_graph_choice_setting_then_calibration_then_auto(tmp_path, monkey
     assert calibration.decode_graph_choice(None) is None   # not measured (CPU build): auto
 
 
+BW_ROWS = [{"threads": 1, "alpha_us": 9.0, "bw_gbps": 5.0}, {"threads": 4, "alpha_us": 21.0, "bw_gbps": 30.0},
+           {"threads": 15, "alpha_us": 25.7, "bw_gbps": 38.7}, {"threads": 16, "alpha_us": 27.0, "bw_gbps": 39.0}]
+
+
+def test_cpu_split_params_take_the_prefill_thread_count_row():
+    # the row of the prefill's threads, else the most threads below, else the fewest above
+    p = cost.cpu_split_params(BW_ROWS, 16, 55.0)
+    assert p == {"alpha_us": 27.0, "cpu_gbps": 39.0, "h2d_gbps": 55.0, "threads": 16}
+    assert cost.cpu_split_params(BW_ROWS, 8, 55.0)["threads"] == 4
+    assert cost.cpu_split_params(BW_ROWS[2:], 2, 55.0)["threads"] == 15
+    # nothing to split with: no pinned bandwidth, no usable row (bw inf from a flat fit, missing)
+    assert cost.cpu_split_params(BW_ROWS, 16, None) is None
+    assert cost.cpu_split_params(BW_ROWS, 16, 0.0) is None
+    assert cost.cpu_split_params([{"threads": 4, "alpha_us": 3.0, "bw_gbps": float("inf")}], 4, 55.0) is None
+    assert cost.cpu_split_params([{"threads": 4, "bw_gbps": 30.0}], 4, 55.0) is None
+    assert cost.cpu_split_params([], 4, 55.0) is None
+    # a negative fitted alpha (noise) is a zero fixed cost, not a CPU branch that saves time
+    assert cost.cpu_split_params([{"threads": 4, "alpha_us": -3.0, "bw_gbps": 30.0}], 4, 55.0)["alpha_us"] == 0.0
+
+
+def test_cpu_split_choice_setting_then_calibration(tmp_path):
+    prof = tmp_path / "hw.json"
+
+    class Off:
+        prefill_cpu_split = False
+
+    assert calibration.cpu_split_choice(None, 16, prof) == (None, "not calibrated")
+    calibration.store_calibration({"format": calibration.CALIBRATION_FORMAT, "np_tokens": 128,
+                                   "h2d_pinned_gbps": 55.0, "cpu_branch_bandwidth": BW_ROWS}, prof)
+    params, source = calibration.cpu_split_choice(None, 16, prof)
+    assert source == "calibration" and params["cpu_gbps"] == 39.0 and params["h2d_gbps"] == 55.0
+    assert calibration.cpu_split_choice(Off(), 16, prof) == (None, "settings")
+    # a calibration without the CPU-branch rows (older, or a CPU build) gives no split
+    calibration.store_calibration({"format": calibration.CALIBRATION_FORMAT, "np_tokens": 128,
+                                   "h2d_pinned_gbps": 55.0}, prof)
+    assert calibration.cpu_split_choice(None, 16, prof) == (None, "not calibrated")
+    data = json.loads(prof.read_text())
+    data["calibration"].update(cpu_branch_bandwidth=BW_ROWS, stale=True)
+    prof.write_text(json.dumps(data))
+    assert calibration.cpu_split_choice(None, 16, prof) == (None, "not calibrated")
+
+
 def test_run_calibration_without_model_never_raises(tmp_path, monkeypatch):
     monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
     monkeypatch.delenv("OSTINATO_MODEL", raising=False)

@@ -431,6 +431,60 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
         assert 0 < p["upload_bytes"] < base["upload_bytes"]
 
 
+@pytest.mark.parametrize("cpu_gbps, kernel", [(10.0, True), (10.0, False), (1e-6, True)])
+def test_cost_model_split_matches_stock(moe, stock, cpu_gbps, kernel):
+    """The prefill's CPU share from the cost model (issue 25 item 3, native/src/ostinato_split.h):
+    per layer the CPU branch takes the cold experts with the fewest routes while its time
+    alpha + routes x bytes / cpu_gbps stays under the uploads of the rest (bytes / h2d_gbps each).
+    With a CPU branch as fast per route as an upload per expert it takes some, computed by its own
+    kernel on the context's threads (a CPU op of the pass; gpt-oss's biased experts keep ggml's
+    graph, as do all with the kernel off); a CPU a million times slower takes none. Tokens identical
+    to stock; on the CPU logits bitwise equal to the whole-class upload pass."""
+    r = ost_runner(moe)
+    _switch(half_hot(moe))
+    native.set_prefill_threshold(8)
+    native.set_decode_graph(False)
+    r.all_logits = True
+    split = {"alpha_us": 0.0, "cpu_gbps": cpu_gbps, "h2d_gbps": 10.0}
+    try:
+        native.set_views(False)
+        native.llama_fn("ostinato_experts_reset_stats")()
+        base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), 1)
+        base = _stats()["last_passes"][0]
+        native.set_views(True)
+        native.set_upload_cpu_share(0.0)
+        native.set_cpu_kernel(kernel)
+        native.set_cpu_split(split)
+        native.llama_fn("ostinato_experts_reset_stats")()
+        toks, logits = r.generate(_prompt(PROMPT_LEN), 1)
+        p = _stats()["last_passes"][0]
+        info = native.experts_json("ostinato_experts_info")
+    finally:
+        r.all_logits = False
+        native.set_cpu_split(None)
+        native.set_cpu_kernel(True)
+        native.set_decode_graph(None)
+        native.set_prefill_threshold(512)
+    ref_toks, ref_logits = stock[PROMPT_LEN]
+    d = float(np.max(np.abs(logits[0] - ref_logits[0])))
+    print(f"\n[exactness] {moe[1]['arch']} cost-model split (CPU {cpu_gbps} GB/s, kernel {kernel}): max|dlogit| "
+          f"{d:.3g}; upload bytes {p['upload_bytes']} of {base['upload_bytes']}, CPU kernel layers "
+          f"{p['cpu_kernel_layers']}, {p['cpu_branch_bytes']} bytes")
+    assert toks == ref_toks[:1] == base_toks and d <= TOL
+    if not GPU:
+        assert np.array_equal(logits, base_logits)
+    assert p["path"] == base["path"] == "upload" and p["pool_views"]
+    assert info["prefill"]["cpu_split"] == {k: v for k, v in split.items()}
+    if cpu_gbps < 1:
+        assert p["upload_bytes"] == base["upload_bytes"] and p["cpu_kernel_layers"] == 0
+        return
+    assert 0 < p["upload_bytes"] < base["upload_bytes"]
+    if kernel and moe[1]["arch"] != "gpt-oss":
+        assert p["cpu_kernel_layers"] > 0 and p["cpu_branch_bytes"] > 0
+    else:
+        assert p["cpu_kernel_layers"] == 0
+
+
 def _without_and_with_graph(r, with_counts=0):
     """Generates the test prompt without, then with the decode graph (max 32 tokens); returns
     (tokens, logits) of both and the stats of the run with the graph. Leaves the graph on auto."""

@@ -261,10 +261,10 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
     return out
 
 
-def cpu_branch_bandwidth(w: Any) -> list[dict[str, Any]]:
+def cpu_branch_bandwidth(w: Any, counts: Optional[Sequence[int]] = None) -> list[dict[str, Any]]:
     """The CPU branch's own kernel alone on the served model's experts (its first MoE layer, as the
     engine holds them in host memory), decode-like: 1 token, 1-8 cold experts, per thread count (1, a
-    quarter, half, all but one and all of the cores). Per count: the fixed cost and bandwidth of
+    quarter, half, all but one and all of the cores; or ``counts``). Per count: the fixed cost and bandwidth of
     ``ms = alpha + bytes / bw`` (:func:`ostinatod.residency.cost.fit_cpu_bandwidth`, paper Sec. 3.2)
     and the host's read bandwidth at that count, measured in the same call
     (``native.cpu_branch_bench``). Returns [{"threads", "alpha_us", "bw_gbps", "host_read_gbps"}];
@@ -274,7 +274,7 @@ def cpu_branch_bandwidth(w: Any) -> list[dict[str, Any]]:
     from ..residency.cost import fit_cpu_bandwidth
 
     p = int(w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None)))
-    counts = sorted({1, max(1, p // 4), max(1, p // 2), max(1, p - 1), p})
+    counts = sorted({int(c) for c in counts} if counts else {1, max(1, p // 4), max(1, p // 2), max(1, p - 1), p})
     try:
         res = native.cpu_branch_bench(w.model, {"experts": [1, 2, 4, 8], "tokens": [1], "threads": counts,
                                                 "reps": 8, "ggml": False, "read_bw_bytes": 512 << 20})

@@ -23,7 +23,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 c_void_p = ctypes.c_void_p
 c_char_p = ctypes.c_char_p
@@ -179,6 +179,9 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_resident_path": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_upload_cpu_share": ([ctypes.c_double], ctypes.c_int),
     "ostinato_experts_set_hybrid_rows": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_cpu_split": ([ctypes.c_double, ctypes.c_double, ctypes.c_double], ctypes.c_int),
+    "ostinato_hybrid_split": ([ctypes.POINTER(ctypes.c_int32), ctypes.c_int, ctypes.c_int, ctypes.c_double,
+                               ctypes.c_double, ctypes.c_double], ctypes.c_int),
     "ostinato_experts_set_prefetch": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
@@ -375,6 +378,29 @@ def set_hybrid_rows(rows: int) -> None:
     would not fit is uploaded instead). Raises ValueError outside 1..4096. Next graph build."""
     if llama_fn("ostinato_experts_set_hybrid_rows")(int(rows)) != 0:
         raise ValueError(f"hybrid rows must be within 1..4096, got {rows}")
+
+
+def set_cpu_split(split: Optional[dict[str, float]]) -> None:
+    """The cost-model split of upload passes between the CPU branch and the uploads (issue 25 item
+    3, docs/engine.md "The prefill's CPU share"): ``split`` = {"alpha_us", "cpu_gbps", "h2d_gbps"}
+    (the CPU branch's fixed cost per layer and bandwidth at the prefill's thread count, the pinned
+    host->GPU bandwidth; :func:`ostinatod.residency.cost.cpu_split_params`), or None (off: upload
+    passes without a CPU branch). A fixed or adapted :func:`set_upload_cpu_share` other than 0 takes
+    precedence. Next graph build. Raises ValueError for negative or non-finite values."""
+    a, c, h = (0.0, 0.0, 0.0) if split is None else (float(split["alpha_us"]), float(split["cpu_gbps"]),
+                                                   float(split["h2d_gbps"]))
+    if llama_fn("ostinato_experts_set_cpu_split")(a, c, h) != 0:
+        raise ValueError(f"CPU split needs alpha >= 0 and both bandwidths > 0, got {split}")
+
+
+def hybrid_split(routes: Sequence[int], n_upload: int, alpha_us: float, beta_us: float,
+                 upload_us: float) -> int:
+    """The split rule alone (native ``ost_split_experts``, for tests): of cold experts with
+    ``routes`` (ascending, the order the CPU takes them), how many the CPU branch takes so that
+    max(alpha + beta * their routes, upload_us * (n_upload - taken)) is least (us)."""
+    arr = (ctypes.c_int32 * max(1, len(routes)))(*[int(r) for r in routes])
+    return int(llama_fn("ostinato_hybrid_split")(arr, len(routes), int(n_upload), float(alpha_us),
+                                                 float(beta_us), float(upload_us)))
 
 
 def set_prefetch(depth: int | bool) -> None:

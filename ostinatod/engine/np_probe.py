@@ -10,6 +10,7 @@ on the served model and pool in about a second (Prop. 3.2: they cross once).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Sequence
 
@@ -18,6 +19,8 @@ import numpy as np
 from ..residency.calibration import DEFAULT_NP
 from ..residency.cost import CalibrationError, PrefillPoint, measured_switch_point
 from . import native
+
+log = logging.getLogger("ostinatod.engine")
 
 
 class Passes:
@@ -108,4 +111,19 @@ def probe_np(w: Any, sizes: Sequence[int] = PROBE_SIZES) -> dict[str, Any]:
         native.llama_fn("ostinato_experts_reset_stats")()   # the totals and the per-request counters
     measured = measured_switch_point(points)
     return {"np_tokens": int(measured) if measured is not None else DEFAULT_NP,
-            "points": [vars(p) for p in points], "seconds": round(time.monotonic() - t0, 3)}
+            "points": [vars(p) for p in points], "cpu_branch_bandwidth": _cpu_branch(w),
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _cpu_branch(w: Any) -> list[dict[str, Any]]:
+    """The CPU branch's kernel at the prefill's thread count on this model's experts
+    (:func:`.calibrate.cpu_branch_bandwidth`): what the prefill's CPU/upload split needs
+    (:func:`..residency.calibration.cpu_split_choice`). [] when it cannot be measured (logged)."""
+    from ..hardware import default_threads
+    from .calibrate import cpu_branch_bandwidth
+    threads = w.rt.batch_threads or w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None))
+    try:
+        return cpu_branch_bandwidth(w, counts=[int(threads)])
+    except Exception as e:  # noqa: BLE001 - Np is still worth serving with
+        log.warning("experts: CPU-branch bandwidth not measured at load: %s", e)
+        return []

@@ -31,7 +31,8 @@ from .native import ExpertEngineError
 from .placement import experts_config, full_layer_devices, tensor_split_for
 
 from ..paths import residency_file
-from ..residency.calibration import DEFAULT_NP, decode_choices, decode_graph_choice, prefill_threshold_choice
+from ..residency.calibration import (DEFAULT_NP, cpu_split_choice, decode_choices, decode_graph_choice,
+                                     prefill_threshold_choice)
 from ..residency.planner import prefetch_depth_setting, prefetch_room
 from ..residency.sets import ResidencySet, model_block, read_residency
 
@@ -95,6 +96,9 @@ class ExpertRuntime:
         # room for) and the depth the current set's pool was built with, set by prepare
         self.prefetch = 0
         self.prefetch_applied = 0
+        # the prefill's CPU/upload split (residency.cost.cpu_split_params) and where it came from
+        self.cpu_split: Optional[dict[str, float]] = None
+        self.cpu_split_source = "no GPU pool"
         # (one-token, batch) threads of the context, set by the loader; follows_graph: the loader
         # gave one-token steps 1 thread for the decode graph (follow_decode_graph keeps it true)
         self.context_threads: Optional[tuple[int, int]] = None
@@ -184,8 +188,28 @@ class ExpertRuntime:
         rt.decode_graph = graph
         rt.prefetch = rt_prefetch
         rt.prefetch_applied = applied
+        rt.apply_cpu_split(settings)
         rt.load_config = config
         return rt
+
+    def apply_cpu_split(self, settings: Any) -> None:
+        """Set the prefill's CPU/upload split (:func:`..residency.calibration.cpu_split_choice` at the
+        context's prefill thread count) in the native engine and in :attr:`cpu_split`; on a GPU pool
+        only (on a CPU pool an "upload" is a memcpy). A non-zero ``upload_cpu_share`` replaces it.
+        Called at the load and after the load probe measured the CPU branch."""
+        split, source = None, "no GPU pool"
+        if getattr(settings, "upload_cpu_share", 0.0):
+            source = "upload_cpu_share"
+        elif self.device >= 0 and native.has_gpu():
+            threads = self.batch_threads or getattr(settings, "n_threads", None) or \
+                default_threads(getattr(settings, "cpu_set", None))
+            split, source = cpu_split_choice(settings, int(threads), model_fingerprint=self.model.get("fingerprint"))
+        native.set_cpu_split(split)
+        self.cpu_split, self.cpu_split_source = split, source
+        if split:
+            log.info("experts: prefill CPU share by the cost model (%s): %.1f us + routes x bytes / %.1f GB/s "
+                     "(%d threads) against uploads at %.1f GB/s", source, split["alpha_us"], split["cpu_gbps"],
+                     split["threads"], split["h2d_gbps"])
 
     def context_decode_threads(self, threads: int, n_gpu_layers: int, graph: Optional[bool] = None) -> int:
         """Threads of the llama context for one-token steps (``cparams.n_threads``; prefill keeps
@@ -299,6 +323,7 @@ class ExpertRuntime:
         d = native.experts_json("ostinato_experts_stats", 1 if with_counts else 0)
         d["prefill_threshold"] = self.prefill_threshold
         d["prefill_threshold_source"] = self.prefill_threshold_source
+        d["prefill_cpu_split"] = {"params": self.cpu_split, "source": self.cpu_split_source}
         return d
 
     def take_request_stats(self) -> dict[str, Any]:

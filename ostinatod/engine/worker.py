@@ -137,6 +137,7 @@ class Worker:
             store_prefill_probe(res, self.rt.model)
         except OSError as e:
             log.warning("experts: the measured Np was not stored in the hardware profile: %s", e)
+        self.rt.apply_cpu_split(self.settings)   # from the probe's CPU-branch bandwidth
         return res["np_tokens"]
 
     def close(self) -> None:

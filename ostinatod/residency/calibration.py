@@ -63,8 +63,8 @@ def prefill_threshold_choice(settings: Any = None, path: Optional[Path] = None,
 
 def store_prefill_probe(probe: dict[str, Any], model: dict[str, Any], path: Optional[Path] = None
                         ) -> Optional[Path]:
-    """Store a load probe's Np (:func:`ostinatod.engine.np_probe.probe_np`: ``{"np_tokens",
-    "points", "seconds"}``) as the calibration record of kind :data:`PROBE_KIND` for ``model``
+    """Store a load probe's Np and CPU-branch bandwidth (:func:`ostinatod.engine.np_probe.probe_np`:
+    ``{"np_tokens", "points", "seconds", "cpu_branch_bandwidth"}``) as the calibration record of kind :data:`PROBE_KIND` for ``model``
     (``{"fingerprint", "name"}``). A full calibration that is not stale is never replaced (it may have
     been written since the probe started): then nothing is written and None is returned."""
     if _is_full(load_calibration(path)):
@@ -73,6 +73,7 @@ def store_prefill_probe(probe: dict[str, Any], model: dict[str, Any], path: Opti
 
     rec = {"format": CALIBRATION_FORMAT, "source": SOURCE, "kind": PROBE_KIND, "gpu_terms": True,
            "np_tokens": int(probe["np_tokens"]), "prefill": {"points": probe.get("points", [])},
+           "cpu_branch_bandwidth": probe.get("cpu_branch_bandwidth") or [],
            "model": {k: model.get(k) for k in ("fingerprint", "name")},
            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "seconds": probe.get("seconds"),
@@ -136,6 +137,30 @@ def decode_graph_choice(settings: Any = None) -> Optional[bool]:
         if not cal.get("stale") and cal.get("decode_graph") is not None:
             choice = bool(cal["decode_graph"])
     return choice
+
+
+def cpu_split_choice(settings: Any, threads: int, path: Optional[Path] = None,
+                     model_fingerprint: Optional[str] = None) -> tuple[Optional[dict[str, float]], str]:
+    """The prefill's CPU/upload split to serve with (:func:`ostinatod.residency.cost.cpu_split_params`)
+    and why: (None, "settings") when ``prefill_cpu_split`` is false; else from a full calibration
+    that is not stale (``"calibration"``), or from a load probe of this model (``"probe"``; any model
+    when ``model_fingerprint`` is None) that measured the CPU branch: its ``cpu_branch_bandwidth`` at
+    ``threads`` and its ``h2d_pinned_gbps`` or the profile's measured pinned bandwidth; else
+    (None, "not calibrated")."""
+    from .cost import cpu_split_params
+    if settings is not None and not getattr(settings, "prefill_cpu_split", True):
+        return None, "settings"
+    cal = load_calibration(path)
+    if _is_full(cal):
+        source = "calibration"
+    elif isinstance(cal, dict) and cal.get("kind") == PROBE_KIND and not cal.get("stale") and \
+            (model_fingerprint is None or (cal.get("model") or {}).get("fingerprint") == model_fingerprint):
+        source = "probe"
+    else:
+        return None, "not calibrated"
+    h2d = cal.get("h2d_pinned_gbps") or h2d_from_profile(path)
+    params = cpu_split_params(cal.get("cpu_branch_bandwidth") or [], int(threads), h2d)
+    return params, (source if params else "not calibrated")
 
 
 def h2d_from_profile(path: Optional[Path] = None) -> Optional[float]:

@@ -18,6 +18,7 @@ Pure numpy (unit-tested with synthetic measurements); the measurement through th
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
 
@@ -113,6 +114,31 @@ def fit_cpu_bandwidth(rows: Sequence[dict[str, Any]]) -> Optional[dict[str, floa
     slope = float(coef[1])   # ms per byte
     return {"alpha_us": float(coef[0]) * 1e3, "bw_gbps": (1.0 / slope / 1e6) if slope > 0 else float("inf"),
             "rmse_us": rmse * 1e3, "points": len(pts)}
+
+
+def cpu_split_params(bandwidth: Sequence[dict[str, Any]], threads: int,
+                     h2d_gbps: Optional[float]) -> Optional[dict[str, float]]:
+    """Parameters of the prefill's CPU/upload split (native ``ostinato_experts_set_cpu_split``, rule
+    in native/src/ostinato_split.h: per layer the CPU branch takes the cold experts with the fewest
+    routes while alpha + routes x expert bytes / cpu_gbps stays under the uploads of the rest at
+    expert bytes / h2d_gbps each; paper Sec. 3.2's C(r) = alpha + beta r).
+
+    ``bandwidth``: the calibration's ``cpu_branch_bandwidth`` rows ({"threads", "alpha_us",
+    "bw_gbps"}, :func:`fit_cpu_bandwidth` per thread count); ``threads``: the prefill's thread count
+    (the context's), whose row is used, else the row of the most threads below it, else the fewest
+    above; ``h2d_gbps``: pinned host->GPU bandwidth (GB/s). Returns {"alpha_us", "cpu_gbps",
+    "h2d_gbps", "threads"} (``threads``: the row's), or None without a usable row or bandwidth."""
+    if not h2d_gbps or not (float(h2d_gbps) > 0) or not math.isfinite(float(h2d_gbps)):
+        return None
+    rows = [r for r in bandwidth or () if isinstance(r, dict) and r.get("threads")
+            and isinstance(r.get("bw_gbps"), (int, float)) and 0 < r["bw_gbps"] < float("inf")
+            and isinstance(r.get("alpha_us"), (int, float))]
+    if not rows:
+        return None
+    below = [r for r in rows if int(r["threads"]) <= threads]
+    row = max(below, key=lambda r: int(r["threads"])) if below else min(rows, key=lambda r: int(r["threads"]))
+    return {"alpha_us": max(0.0, float(row["alpha_us"])), "cpu_gbps": float(row["bw_gbps"]),
+            "h2d_gbps": float(h2d_gbps), "threads": int(row["threads"])}
 
 
 @dataclass
