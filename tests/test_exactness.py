@@ -378,14 +378,11 @@ def test_pool_views_match_stock_and_the_whole_class(moe, stock, np_tokens, force
     assert st["upload_bytes"] == base["upload_bytes"]   # the same cold experts are staged
 
 
-@pytest.mark.parametrize("share, rows", [(0.0, 64), (0.5, 64), (1.0, 64), (1.0, 6), (None, 64)])
-def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
-    """Hybrid upload pass (pool views): a fixed share of the distinct cold experts, those with the
-    fewest routes, is computed by a CPU branch while the others are uploaded. Tokens identical to
-    stock; on the CPU logits bitwise equal to the whole-class upload pass (None: the adapted share); the uploaded bytes shrink
-    with the share (all cold experts uploaded at 0, none at 1 when the CPU branch's rows hold every
-    token) and the CPU branch works at > 0. With 6 rows for a 24-token pass the CPU branch takes only
-    experts whose tokens fit (the rest is uploaded) and pads its rows with other tokens."""
+def _upload_pass_and_whole_class(moe, hybrid, undo):
+    """One 24-token upload pass (Np 8, no decode graph, half the experts hot) over the whole class
+    (no pool views), then the same with pool views after ``hybrid()`` set up the hybrid pass
+    (``undo()`` reverts it). Returns (base tokens, base logits, base pass stats, tokens, logits,
+    pass stats, info)."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
     native.set_prefill_threshold(8)
@@ -397,18 +394,36 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
         base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), 1)
         base = _stats()["last_passes"][0]
         native.set_views(True)
-        native.set_upload_cpu_share(share)
-        native.set_hybrid_rows(rows)
+        hybrid()
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), 1)
         p = _stats()["last_passes"][0]
         info = native.experts_json("ostinato_experts_info")
     finally:
         r.all_logits = False
-        native.set_hybrid_rows(64)
-        native.set_upload_cpu_share(0.0)
+        undo()
         native.set_decode_graph(None)
         native.set_prefill_threshold(512)
+    return base_toks, base_logits, base, toks, logits, p, info
+
+
+@pytest.mark.parametrize("share, rows", [(0.0, 64), (0.5, 64), (1.0, 64), (1.0, 6), (None, 64)])
+def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
+    """Hybrid upload pass (pool views): a fixed share of the distinct cold experts, those with the
+    fewest routes, is computed by a CPU branch while the others are uploaded. Tokens identical to
+    stock; on the CPU logits bitwise equal to the whole-class upload pass (None: the adapted share); the uploaded bytes shrink
+    with the share (all cold experts uploaded at 0, none at 1 when the CPU branch's rows hold every
+    token) and the CPU branch works at > 0. With 6 rows for a 24-token pass the CPU branch takes only
+    experts whose tokens fit (the rest is uploaded) and pads its rows with other tokens."""
+    def hybrid():
+        native.set_upload_cpu_share(share)
+        native.set_hybrid_rows(rows)
+
+    def undo():
+        native.set_hybrid_rows(64)
+        native.set_upload_cpu_share(0.0)
+
+    base_toks, base_logits, base, toks, logits, p, info = _upload_pass_and_whole_class(moe, hybrid, undo)
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d = float(np.max(np.abs(logits[0] - ref_logits[0])))
     print(f"\n[exactness] {moe[1]['arch']} hybrid upload, CPU share {share}, {rows} rows: max|dlogit| {d:.3g}; upload "
@@ -440,31 +455,18 @@ def test_cost_model_split_matches_stock(moe, stock, cpu_gbps, kernel):
     kernel on the context's threads (a CPU op of the pass; gpt-oss's biased experts keep ggml's
     graph, as do all with the kernel off); a CPU a million times slower takes none. Tokens identical
     to stock; on the CPU logits bitwise equal to the whole-class upload pass."""
-    r = ost_runner(moe)
-    _switch(half_hot(moe))
-    native.set_prefill_threshold(8)
-    native.set_decode_graph(False)
-    r.all_logits = True
     split = {"alpha_us": 0.0, "cpu_gbps": cpu_gbps, "h2d_gbps": 10.0}
-    try:
-        native.set_views(False)
-        native.llama_fn("ostinato_experts_reset_stats")()
-        base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), 1)
-        base = _stats()["last_passes"][0]
-        native.set_views(True)
+
+    def hybrid():
         native.set_upload_cpu_share(0.0)
         native.set_cpu_kernel(kernel)
         native.set_cpu_split(split)
-        native.llama_fn("ostinato_experts_reset_stats")()
-        toks, logits = r.generate(_prompt(PROMPT_LEN), 1)
-        p = _stats()["last_passes"][0]
-        info = native.experts_json("ostinato_experts_info")
-    finally:
-        r.all_logits = False
+
+    def undo():
         native.set_cpu_split(None)
         native.set_cpu_kernel(True)
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+
+    base_toks, base_logits, base, toks, logits, p, info = _upload_pass_and_whole_class(moe, hybrid, undo)
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d = float(np.max(np.abs(logits[0] - ref_logits[0])))
     print(f"\n[exactness] {moe[1]['arch']} cost-model split (CPU {cpu_gbps} GB/s, kernel {kernel}): max|dlogit| "
