@@ -680,18 +680,23 @@ def test_borrowed_decode_slots_change_where_not_what(moe, graph):
 
 
 def _every_path_matches(r, ref_toks):
-    """Greedy tokens of runner ``r`` equal ``ref_toks`` on the split path, the upload path (Np 8) and
-    the decode graph, with both branches doing work in each; restores Np and the graph setting."""
+    """Greedy tokens of runner ``r`` equal ``ref_toks`` on the split path, the upload path (Np 8),
+    the upload path with the cost model's CPU share (its CPU part on the CPU branch's kernel where
+    the graph matches) and the decode graph, with both branches doing work in each; restores Np,
+    the split and the graph setting."""
+    split = {"alpha_us": 0.0, "cpu_gbps": 10.0, "h2d_gbps": 10.0}
     try:
-        for np_tokens, graph in ((512, None), (8, None), (512, True)):
+        for np_tokens, graph, cpu_split in ((512, None, None), (8, None, None), (8, None, split), (512, True, None)):
             native.set_prefill_threshold(np_tokens)
             native.set_decode_graph(graph)
+            native.set_cpu_split(cpu_split)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
-            assert toks == ref_toks, (np_tokens, graph)
+            assert toks == ref_toks, (np_tokens, graph, cpu_split)
             assert 0 < st["hot_routes"] < st["routes"], st   # both branches did work
     finally:
+        native.set_cpu_split(None)
         native.set_decode_graph(None)
         native.set_prefill_threshold(512)
 
