@@ -193,26 +193,38 @@ def test_cpu_split_params_take_the_prefill_thread_count_row():
     assert cost.cpu_split_params([{"threads": 4, "alpha_us": -3.0, "bw_gbps": 30.0}], 4, 55.0)["alpha_us"] == 0.0
 
 
-def test_cpu_split_choice_setting_then_calibration(tmp_path):
+def test_cpu_split_inputs_setting_then_calibration_then_probe(tmp_path):
     prof = tmp_path / "hw.json"
 
     class Off:
         prefill_cpu_split = False
 
-    assert calibration.cpu_split_choice(None, 16, prof) == (None, "not calibrated")
+    assert calibration.cpu_split_inputs(None, prof) == ([], None, "not calibrated")
     calibration.store_calibration({"format": calibration.CALIBRATION_FORMAT, "np_tokens": 128,
                                    "h2d_pinned_gbps": 55.0, "cpu_branch_bandwidth": BW_ROWS}, prof)
-    params, source = calibration.cpu_split_choice(None, 16, prof)
-    assert source == "calibration" and params["cpu_gbps"] == 39.0 and params["h2d_gbps"] == 55.0
-    assert calibration.cpu_split_choice(Off(), 16, prof) == (None, "settings")
-    # a calibration without the CPU-branch rows (older, or a CPU build) gives no split
-    calibration.store_calibration({"format": calibration.CALIBRATION_FORMAT, "np_tokens": 128,
-                                   "h2d_pinned_gbps": 55.0}, prof)
-    assert calibration.cpu_split_choice(None, 16, prof) == (None, "not calibrated")
+    assert calibration.cpu_split_inputs(None, prof) == (BW_ROWS, 55.0, "calibration")
+    assert cost.cpu_split_params(BW_ROWS, 16, 55.0)["cpu_gbps"] == 39.0
+    assert calibration.cpu_split_inputs(Off(), prof) == ([], None, "settings")
     data = json.loads(prof.read_text())
-    data["calibration"].update(cpu_branch_bandwidth=BW_ROWS, stale=True)
+    data["calibration"]["stale"] = True
     prof.write_text(json.dumps(data))
-    assert calibration.cpu_split_choice(None, 16, prof) == (None, "not calibrated")
+    assert calibration.cpu_split_inputs(None, prof) == ([], None, "not calibrated")
+    # a load probe of this model that measured the CPU branch (no pinned figure of its own: the
+    # profile's measured bandwidth)
+    data["bandwidth"] = {"h2d_pinned": [{"device": 0, "gbps": 52.0}]}
+    data["calibration"] = {"format": calibration.CALIBRATION_FORMAT, "kind": calibration.PROBE_KIND,
+                           "np_tokens": 16, "model": {"fingerprint": "abc"}, "cpu_branch_bandwidth": BW_ROWS[:1]}
+    prof.write_text(json.dumps(data))
+    assert calibration.cpu_split_inputs(None, prof, "abc") == (BW_ROWS[:1], 52.0, "probe")
+    assert calibration.cpu_split_inputs(None, prof, "other") == ([], None, "not calibrated")
+
+
+def test_load_probe_record_keeps_the_cpu_branch_rows(tmp_path):
+    prof = tmp_path / "hw.json"
+    calibration.store_prefill_probe({"np_tokens": 16, "points": [], "seconds": 1.0, "cpu_branch_bandwidth": BW_ROWS},
+                                    {"fingerprint": "abc", "name": "m"}, prof)
+    rec = json.loads(prof.read_text())["calibration"]
+    assert rec["kind"] == calibration.PROBE_KIND and rec["cpu_branch_bandwidth"] == BW_ROWS
 
 
 def test_run_calibration_without_model_never_raises(tmp_path, monkeypatch):
@@ -326,3 +338,35 @@ def test_np_probe_on_the_engine_cpu(tiny_model, tmp_path, monkeypatch):
         assert stored["kind"] == calibration.PROBE_KIND and stored["model"]["fingerprint"] == block["fingerprint"]
     finally:
         w.close()
+
+
+def test_runtime_serves_the_split_of_the_probe_on_a_gpu_pool_only(tmp_path, monkeypatch):
+    # the runtime's choice at load: the probe's CPU-branch row at the prefill's thread count, set in
+    # the native engine (info()["prefill"]["cpu_split"] needs a loaded engine; the native setter is
+    # real). has_gpu is forced only to reach the GPU-pool branch on this CPU machine.
+    from ostinatod.engine import native
+    from ostinatod.engine.runtime import ExpertRuntime
+    from ostinatod.settings import Settings
+
+    monkeypatch.setenv("OSTINATO_HOME", str(tmp_path))
+    calibration.store_prefill_probe({"np_tokens": 16, "points": [], "cpu_branch_bandwidth": BW_ROWS},
+                                    {"fingerprint": "fp1", "name": "m"})
+    data = json.loads(calibration.get_paths().hardware_profile.read_text())
+    data["bandwidth"] = {"h2d_pinned": [{"device": 0, "gbps": 55.0}]}
+    calibration.get_paths().hardware_profile.write_text(json.dumps(data))
+    rt = ExpertRuntime(tmp_path / "m.gguf", {"fingerprint": "fp1"}, None, 16, 0)
+    rt.batch_threads = 8   # no row of 8: the row of the most threads below (4)
+    try:
+        monkeypatch.setattr(native, "has_gpu", lambda: True)
+        rt.apply_cpu_split(Settings())
+        assert rt.cpu_split_source == "probe"
+        assert rt.cpu_split == {"alpha_us": 21.0, "cpu_gbps": 30.0, "h2d_gbps": 55.0, "threads": 4}
+        rt.apply_cpu_split(Settings(prefill_cpu_split=False))
+        assert (rt.cpu_split, rt.cpu_split_source) == (None, "settings")
+        rt.apply_cpu_split(Settings(upload_cpu_share=0.5))
+        assert (rt.cpu_split, rt.cpu_split_source) == (None, "upload_cpu_share")
+        monkeypatch.setattr(native, "has_gpu", lambda: False)
+        rt.apply_cpu_split(Settings())
+        assert (rt.cpu_split, rt.cpu_split_source) == (None, "no GPU pool")
+    finally:
+        native.set_cpu_split(None)

@@ -37,7 +37,7 @@ import numpy as np
 from ..paths import get_paths
 from ..residency.calibration import CALIBRATION_FORMAT, h2d_from_profile, store_calibration
 from ..residency.cost import CalibrationError, PrefillPoint, solve_calibration
-from .np_probe import Passes
+from .np_probe import Passes, cpu_branch_bandwidth
 
 log = logging.getLogger(__name__)
 
@@ -258,36 +258,6 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
         native.set_cpu_threads(w.rt.pool_threads or max(1, p - 1))
         w.rt.set_overlap(True)
         llama_cpp.llama_set_n_threads(w.ctx, *(w.rt.context_threads or (p, p)))
-    return out
-
-
-def cpu_branch_bandwidth(w: Any, counts: Optional[Sequence[int]] = None) -> list[dict[str, Any]]:
-    """The CPU branch's own kernel alone on the served model's experts (its first MoE layer, as the
-    engine holds them in host memory), decode-like: 1 token, 1-8 cold experts, per thread count (1, a
-    quarter, half, all but one and all of the cores; or ``counts``). Per count: the fixed cost and bandwidth of
-    ``ms = alpha + bytes / bw`` (:func:`ostinatod.residency.cost.fit_cpu_bandwidth`, paper Sec. 3.2)
-    and the host's read bandwidth at that count, measured in the same call
-    (``native.cpu_branch_bench``). Returns [{"threads", "alpha_us", "bw_gbps", "host_read_gbps"}];
-    [] when the engine cannot run it (logged)."""
-    from . import native
-    from ..hardware import default_threads
-    from ..residency.cost import fit_cpu_bandwidth
-
-    p = int(w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None)))
-    counts = sorted({int(c) for c in counts} if counts else {1, max(1, p // 4), max(1, p // 2), max(1, p - 1), p})
-    try:
-        res = native.cpu_branch_bench(w.model, {"experts": [1, 2, 4, 8], "tokens": [1], "threads": counts,
-                                                "reps": 8, "ggml": False, "read_bw_bytes": 512 << 20})
-    except native.ExpertEngineError as e:
-        log.warning("calibration: CPU-branch bandwidth not measured: %s", e)
-        return []
-    read = {int(b["threads"]): float(b["gbps"]) for b in res.get("read_bw", [])}
-    out = []
-    for t in counts:
-        f = fit_cpu_bandwidth([r for r in res["rows"] if int(r["threads"]) == t])
-        if f:
-            out.append({"threads": t, "alpha_us": round(f["alpha_us"], 2), "bw_gbps": round(f["bw_gbps"], 2),
-                        "host_read_gbps": round(read[t], 2) if t in read else None})
     return out
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ..residency.calibration import DEFAULT_NP
-from ..residency.cost import CalibrationError, PrefillPoint, measured_switch_point
+from ..residency.cost import CalibrationError, PrefillPoint, fit_cpu_bandwidth, measured_switch_point
 from . import native
 
 log = logging.getLogger("ostinatod.engine")
@@ -117,13 +117,40 @@ def probe_np(w: Any, sizes: Sequence[int] = PROBE_SIZES) -> dict[str, Any]:
 
 def _cpu_branch(w: Any) -> list[dict[str, Any]]:
     """The CPU branch's kernel at the prefill's thread count on this model's experts
-    (:func:`.calibrate.cpu_branch_bandwidth`): what the prefill's CPU/upload split needs
-    (:func:`..residency.calibration.cpu_split_choice`). [] when it cannot be measured (logged)."""
+    (:func:`cpu_branch_bandwidth`): what the prefill's CPU/upload split needs
+    (:func:`..residency.calibration.cpu_split_inputs`). [] when it cannot be measured (logged)."""
     from ..hardware import default_threads
-    from .calibrate import cpu_branch_bandwidth
     threads = w.rt.batch_threads or w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None))
     try:
         return cpu_branch_bandwidth(w, counts=[int(threads)])
     except Exception as e:  # noqa: BLE001 - Np is still worth serving with
         log.warning("experts: CPU-branch bandwidth not measured at load: %s", e)
         return []
+
+
+def cpu_branch_bandwidth(w: Any, counts: Optional[Sequence[int]] = None) -> list[dict[str, Any]]:
+    """The CPU branch's own kernel alone on the served model's experts (its first MoE layer, as the
+    engine holds them in host memory), decode-like: 1 token, 1-8 cold experts, per thread count (1, a
+    quarter, half, all but one and all of the cores; or ``counts``). Per count: the fixed cost and bandwidth of
+    ``ms = alpha + bytes / bw`` (:func:`ostinatod.residency.cost.fit_cpu_bandwidth`, paper Sec. 3.2)
+    and the host's read bandwidth at that count, measured in the same call
+    (``native.cpu_branch_bench``). Returns [{"threads", "alpha_us", "bw_gbps", "host_read_gbps"}];
+    [] when the engine cannot run it (logged)."""
+    from ..hardware import default_threads
+
+    p = int(w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None)))
+    counts = sorted({int(c) for c in counts} if counts else {1, max(1, p // 4), max(1, p // 2), max(1, p - 1), p})
+    try:
+        res = native.cpu_branch_bench(w.model, {"experts": [1, 2, 4, 8], "tokens": [1], "threads": counts,
+                                                "reps": 8, "ggml": False, "read_bw_bytes": 512 << 20})
+    except native.ExpertEngineError as e:
+        log.warning("CPU-branch bandwidth not measured: %s", e)
+        return []
+    read = {int(b["threads"]): float(b["gbps"]) for b in res.get("read_bw", [])}
+    out = []
+    for t in counts:
+        f = fit_cpu_bandwidth([r for r in res["rows"] if int(r["threads"]) == t])
+        if f:
+            out.append({"threads": t, "alpha_us": round(f["alpha_us"], 2), "bw_gbps": round(f["bw_gbps"], 2),
+                        "host_read_gbps": round(read[t], 2) if t in read else None})
+    return out

@@ -31,8 +31,9 @@ from .native import ExpertEngineError
 from .placement import experts_config, full_layer_devices, tensor_split_for
 
 from ..paths import residency_file
-from ..residency.calibration import (DEFAULT_NP, cpu_split_choice, decode_choices, decode_graph_choice,
+from ..residency.calibration import (DEFAULT_NP, cpu_split_inputs, decode_choices, decode_graph_choice,
                                      prefill_threshold_choice)
+from ..residency.cost import cpu_split_params
 from ..residency.planner import prefetch_depth_setting, prefetch_room
 from ..residency.sets import ResidencySet, model_block, read_residency
 
@@ -193,17 +194,21 @@ class ExpertRuntime:
         return rt
 
     def apply_cpu_split(self, settings: Any) -> None:
-        """Set the prefill's CPU/upload split (:func:`..residency.calibration.cpu_split_choice` at the
-        context's prefill thread count) in the native engine and in :attr:`cpu_split`; on a GPU pool
-        only (on a CPU pool an "upload" is a memcpy). A non-zero ``upload_cpu_share`` replaces it.
-        Called at the load and after the load probe measured the CPU branch."""
+        """Set the prefill's CPU/upload split (:func:`..residency.cost.cpu_split_params` of
+        :func:`..residency.calibration.cpu_split_inputs` at the context's prefill thread count) in the
+        native engine and in :attr:`cpu_split`; on a GPU pool only (on a CPU pool an "upload" is a
+        memcpy). A non-zero ``upload_cpu_share`` replaces it. Called at the load and after the load
+        probe measured the CPU branch."""
         split, source = None, "no GPU pool"
         if getattr(settings, "upload_cpu_share", 0.0):
             source = "upload_cpu_share"
         elif self.device >= 0 and native.has_gpu():
             threads = self.batch_threads or getattr(settings, "n_threads", None) or \
                 default_threads(getattr(settings, "cpu_set", None))
-            split, source = cpu_split_choice(settings, int(threads), model_fingerprint=self.model.get("fingerprint"))
+            rows, h2d, source = cpu_split_inputs(settings, model_fingerprint=self.model.get("fingerprint"))
+            split = cpu_split_params(rows, int(threads), h2d) if rows else None
+            if split is None and source in ("calibration", "probe"):
+                source = "not calibrated"
         native.set_cpu_split(split)
         self.cpu_split, self.cpu_split_source = split, source
         if split:

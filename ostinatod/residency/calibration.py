@@ -139,17 +139,17 @@ def decode_graph_choice(settings: Any = None) -> Optional[bool]:
     return choice
 
 
-def cpu_split_choice(settings: Any, threads: int, path: Optional[Path] = None,
-                     model_fingerprint: Optional[str] = None) -> tuple[Optional[dict[str, float]], str]:
-    """The prefill's CPU/upload split to serve with (:func:`ostinatod.residency.cost.cpu_split_params`)
-    and why: (None, "settings") when ``prefill_cpu_split`` is false; else from a full calibration
-    that is not stale (``"calibration"``), or from a load probe of this model (``"probe"``; any model
-    when ``model_fingerprint`` is None) that measured the CPU branch: its ``cpu_branch_bandwidth`` at
-    ``threads`` and its ``h2d_pinned_gbps`` or the profile's measured pinned bandwidth; else
-    (None, "not calibrated")."""
-    from .cost import cpu_split_params
+def cpu_split_inputs(settings: Any, path: Optional[Path] = None, model_fingerprint: Optional[str] = None
+                     ) -> tuple[list[dict[str, Any]], Optional[float], str]:
+    """What the prefill's CPU/upload split is made from
+    (:func:`ostinatod.residency.cost.cpu_split_params`) and where it came from: ``(rows, h2d_gbps,
+    source)`` with the record's ``cpu_branch_bandwidth`` rows and its ``h2d_pinned_gbps`` (else the
+    profile's measured pinned bandwidth), from a full calibration that is not stale
+    (``"calibration"``) or a load probe of this model (``"probe"``; any model when
+    ``model_fingerprint`` is None); ``([], None, "settings")`` when ``prefill_cpu_split`` is false,
+    ``([], None, "not calibrated")`` without such a record."""
     if settings is not None and not getattr(settings, "prefill_cpu_split", True):
-        return None, "settings"
+        return [], None, "settings"
     cal = load_calibration(path)
     if _is_full(cal):
         source = "calibration"
@@ -157,10 +157,8 @@ def cpu_split_choice(settings: Any, threads: int, path: Optional[Path] = None,
             (model_fingerprint is None or (cal.get("model") or {}).get("fingerprint") == model_fingerprint):
         source = "probe"
     else:
-        return None, "not calibrated"
-    h2d = cal.get("h2d_pinned_gbps") or h2d_from_profile(path)
-    params = cpu_split_params(cal.get("cpu_branch_bandwidth") or [], int(threads), h2d)
-    return params, (source if params else "not calibrated")
+        return [], None, "not calibrated"
+    return list(cal.get("cpu_branch_bandwidth") or []), cal.get("h2d_pinned_gbps") or h2d_from_profile(path), source
 
 
 def h2d_from_profile(path: Optional[Path] = None) -> Optional[float]:
