@@ -1149,15 +1149,17 @@ def test_layer_device_config_errors():
         native.check_experts_config(placement.experts_config({0: [1]}, layer_device={0: -2}))
 
 
-def _prefetch_runs(path, hot, share=0.0):
+def _prefetch_runs(path, hot, share=0.0, split=None, depths=(0, 1, 2)):
     """{depth: (tokens, all logits, first pass's stats, info)} of the prompt generated at prefetch
-    depths 0, 1 and 2 (upload path: Np 8, no decode graph, the hybrid CPU share ``share``)."""
+    ``depths`` (upload path: Np 8, no decode graph, the hybrid CPU share ``share`` or the cost
+    model's ``split``)."""
     runs = {}
-    for depth in (0, 1, 2):
+    for depth in depths:
         native.set_prefetch(depth)
         r = Runner(path, hot=hot, prefill_threshold=8)
         native.set_decode_graph(False)
         native.set_upload_cpu_share(share)
+        native.set_cpu_split(split)
         r.all_logits = True
         try:
             native.llama_fn("ostinato_experts_reset_stats")()
@@ -1167,6 +1169,7 @@ def _prefetch_runs(path, hot, share=0.0):
             native.set_prefetch(0)
             native.set_decode_graph(None)
             native.set_upload_cpu_share(0.0)
+            native.set_cpu_split(None)
             r.close()
     return runs
 
@@ -1231,6 +1234,41 @@ def test_prefetch_matches_stock(arch, share):
         # the extra bytes are the extra wasted experts (all of one size here)
         assert ((p2["upload_bytes"] - base["upload_bytes"]) * p1["prefetch_wasted"]
                 == (p1["upload_bytes"] - base["upload_bytes"]) * p2["prefetch_wasted"])
+
+
+def test_prefetch_leaves_the_cost_models_share_to_the_cpu():
+    """With the cost model's split a prefetch does not copy the predicted experts the split would
+    give the CPU branch (fewest predicted routes first), and the upload op counts the prefetched
+    experts as the layer's copies: on the small shape at depths 1 and 2 fewer bytes cross than with
+    the prefetch alone, the CPU branch's kernel computes a share in every upload pass, tokens are
+    stock's and logits bitwise those without prefetch or split (CPU)."""
+    from ostinatod.synth.writer import synthetic_model
+
+    from conftest import CACHE
+    drop_ost()
+    path = synthetic_model(CACHE, arch="qwen3moe", shape="small")
+    m = model_block(path)
+    rng = np.random.default_rng(1)
+    hot = {il: sorted(rng.choice(m["n_expert"], m["n_expert"] // 2, replace=False).tolist())
+           for il in range(m["n_layer"])}
+    ref = Runner(path)
+    try:
+        ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), 4)
+    finally:
+        ref.close()
+    plain = _prefetch_runs(path, hot)
+    split = _prefetch_runs(path, hot, split={"alpha_us": 0.0, "cpu_gbps": 10.0, "h2d_gbps": 10.0}, depths=(1, 2))
+    for depth in (1, 2):
+        toks, logits, p, _ = split[depth]
+        q = plain[depth][2]
+        print(f"\n[exactness] small prefetch depth {depth} with the cost model's split: upload bytes "
+              f"{p['upload_bytes']} (prefetch alone {q['upload_bytes']}), hits {p['prefetch_hits']}, "
+              f"CPU kernel layers {p['cpu_kernel_layers']}")
+        assert toks == ref_toks == plain[0][0]
+        if not GPU:
+            assert np.array_equal(logits, plain[0][1])
+        assert p["path"] == "upload" and p["pool_views"]
+        assert p["upload_bytes"] < q["upload_bytes"] and p["cpu_kernel_layers"] > 0 and p["prefetch_hits"] > 0
 
 
 def test_prefetch_two_ahead_over_an_all_resident_layer():

@@ -498,14 +498,15 @@ void shared_barrier(ost_ffn_shared * s, int nth) {
 }  // namespace
 
 bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st) {
-    if (ith == 0) {
-        s->ok = prepare(s->r, job, s->ws, nth, &s->empty);
-        if (s->ok && s->empty && job.zero_unrouted) {
-            memset(job.out, 0, (size_t) job.n * job.k * job.f->n_embd * sizeof(float));
-        }
-    }
+    if (ith == 0) s->ok = prepare(s->r, job, s->ws, nth, &s->empty);
     shared_barrier(s, nth);
-    if (s->ok && !s->empty) run_phases(s->r, ith, nth, [&] { shared_barrier(s, nth); });
+    if (s->ok && s->empty && job.zero_unrouted) {
+        // no route of this branch: every row is 0, written by all threads
+        const size_t row = (size_t) job.f->n_embd * sizeof(float);
+        for (int64_t i = ith; i < (int64_t) job.n * job.k; i += nth) memset(job.out + i * job.f->n_embd, 0, row);
+    } else if (s->ok && !s->empty) {
+        run_phases(s->r, ith, nth, [&] { shared_barrier(s, nth); });
+    }
     // the run's state is read by every thread until here; the next run's prepare waits for all
     shared_barrier(s, nth);
     if (ith == 0) fill_stats(s->r, s->empty, st);

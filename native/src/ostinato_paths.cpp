@@ -317,6 +317,72 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
     }
 }
 
+// Routes of one expert from which ggml-cpu would compute layer il's experts with its tiled kernel
+// (INT32_MAX: never); the CPU branch's own kernel takes fewer, so that its result is ggml's.
+int32_t cpu_route_cap(const engine_t * e, int il) {
+    const auto & ml = e->model->layers[il];
+    const ggml_tensor * up = ml.ffn_gate_up_exps ? ml.ffn_gate_up_exps : ml.ffn_up_exps;
+    const ggml_tensor * gate = ml.ffn_gate_exps ? ml.ffn_gate_exps : up;
+    const ggml_tensor * down = ml.ffn_down_exps;
+    if (!up || !gate || !down) return INT32_MAX;
+    return ost_ffn_tiled_rows(up->type, gate->type, down->type);
+}
+
+// The cost model's split of layer il (ostinato_split.h) over `cand` (the experts the CPU may take,
+// in the order it takes them) with `routes` per expert and n_upload experts to copy without a CPU
+// share: how many of cand the CPU takes. Caller holds g_mu.
+size_t split_take(const engine_t * e, int il, const std::vector<int> & cand, const std::vector<int32_t> & routes,
+                  int n_upload) {
+    std::vector<int32_t> r(cand.size());
+    for (size_t i = 0; i < cand.size(); ++i) r[i] = routes[(size_t) cand[i]];
+    const double bytes = (double) e->expert_bytes[il];
+    ost_split_cost sc;
+    sc.alpha_us = g_split_alpha_us;
+    sc.beta_us = bytes / (g_split_cpu_gbps * 1e3);
+    sc.upload_us = bytes / (g_split_h2d_gbps * 1e3);
+    return (size_t) ost_split_experts(r.data(), (int) r.size(), n_upload, sc);
+}
+
+// A prefetch for a layer whose upload pass gives the CPU a share by the cost model: the predicted
+// experts the split would leave to the CPU branch (the fewest predicted routes first, within its M
+// rows by predicted tokens and the tiled-kernel cap) are not copied (`want` cleared), so that the
+// copies the layers share the link for carry only what the GPU computes. The upload op decides
+// again with the real routes, counting this layer's prefetched experts as its uploads. Caller
+// holds g_mu.
+void leave_to_cpu(const engine_t * e, int il, const ggml_tensor * pred, const std::vector<int32_t> & routes,
+                  std::vector<uint8_t> & want) {
+    const int32_t cap = g_ffn_kernel ? cpu_route_cap(e, il) : INT32_MAX;
+    const int64_t m_rows = std::min<int64_t>(pred->ne[1], g_hybrid_rows);
+    std::vector<int> order;
+    int n_upload = 0;
+    for (int x = 0; x < e->n_expert; ++x) {
+        if (!routes[(size_t) x]) continue;
+        n_upload++;   // predicted cold: copied by this prefetch, an earlier one or the upload op
+        if (want[(size_t) x] && routes[(size_t) x] < cap) order.push_back(x);
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return routes[(size_t) a] < routes[(size_t) b]; });
+    std::vector<std::vector<int32_t>> toks_of((size_t) e->n_expert);   // predicted tokens per candidate
+    for (int64_t t = 0; t < pred->ne[1]; ++t) {
+        for (int64_t j = 0; j < pred->ne[0]; ++j) {
+            const int32_t x = *(const int32_t *) ((const char *) pred->data + t * pred->nb[1] + j * pred->nb[0]);
+            if (x >= 0 && x < e->n_expert && want[(size_t) x]) toks_of[(size_t) x].push_back((int32_t) t);
+        }
+    }
+    std::vector<uint8_t> tok_in((size_t) pred->ne[1], 0);
+    std::vector<int> cand;
+    int64_t m = 0;
+    for (int x : order) {
+        int64_t add = 0;
+        for (int32_t t : toks_of[(size_t) x]) add += !tok_in[(size_t) t];
+        if (m + add > m_rows) continue;
+        for (int32_t t : toks_of[(size_t) x]) tok_in[(size_t) t] = 1;
+        m += add;
+        cand.push_back(x);
+    }
+    const size_t take = split_take(e, il, cand, routes, n_upload);
+    for (size_t i = 0; i < take; ++i) want[(size_t) cand[i]] = 0;
+}
+
 // Prefetch op (CPU, n_tasks = 1; see ostinato_moe_prefetch): reads a prediction for layer il (pred
 // [k, n], possibly a strided view), starts the copies of its cold experts that no earlier prediction
 // of this pass brought into the next free slots of il's staging region (ascending expert ids), on the
@@ -336,12 +402,17 @@ void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const auto & ol = e->layers[il];
     auto & pf = e->pf_slot[il];
     std::vector<uint8_t> want(e->n_expert, 0);
+    std::vector<int32_t> routes(e->n_expert, 0);   // predicted routes per cold expert
     for (int64_t t = 0; t < pred->ne[1]; ++t) {
         for (int64_t j = 0; j < pred->ne[0]; ++j) {
             const int32_t x = *(const int32_t *) ((const char *) pred->data + t * pred->nb[1] + j * pred->nb[0]);
-            if (x >= 0 && x < e->n_expert && e->slot[il][x] < 0 && pf[x] < 0) want[x] = 1;
+            if (x >= 0 && x < e->n_expert && e->slot[il][x] < 0) {
+                routes[x]++;
+                if (pf[x] < 0) want[x] = 1;
+            }
         }
     }
+    if (split_on() && g_upload_cpu_share == 0) leave_to_cpu(e, il, pred, routes, want);
     int used = 0;   // slots of the region taken by earlier predictions for il
     for (int x = 0; x < e->n_expert; ++x) if (pf[x] >= 0) used = std::max(used, pf[x] - ol.view_stage0 + 1);
     std::vector<int32_t> slot(e->n_expert, -1);
@@ -374,17 +445,6 @@ void join_copies(engine_t * e, int il) {
         if (p.pf_event[il]) ggml_backend_event_synchronize(p.pf_event[il]);
         e->pf_pending[il] = 0;
     }
-}
-
-// Routes of one expert from which ggml-cpu would compute layer il's experts with its tiled kernel
-// (INT32_MAX: never); the CPU branch's own kernel takes fewer, so that its result is ggml's.
-int32_t cpu_route_cap(const engine_t * e, int il) {
-    const auto & ml = e->model->layers[il];
-    const ggml_tensor * up = ml.ffn_gate_up_exps ? ml.ffn_gate_up_exps : ml.ffn_up_exps;
-    const ggml_tensor * gate = ml.ffn_gate_exps ? ml.ffn_gate_exps : up;
-    const ggml_tensor * down = ml.ffn_down_exps;
-    if (!up || !gate || !down) return INT32_MAX;
-    return ost_ffn_tiled_rows(up->type, gate->type, down->type);
 }
 
 // Custom CPU op of the upload path (Section 3.3, n_tasks = 1): for layer il, copies each distinct
@@ -469,12 +529,11 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) toks_of[c[i]].push_back((int32_t) (i / k));
         // the experts the CPU could take, in the order it takes them
         std::vector<int> cand;
-        std::vector<int32_t> cand_routes;
         int64_t m = 0;
         int n_upload = 0;
         for (int x : cold) {
+            n_upload++;   // the layer's copies: a prefetch's count as much as the upload op's own
             if (e->pf_slot[il][x] >= 0) continue;   // a prefetch is bringing it over already
-            n_upload++;
             if (cand.size() >= n_share || tokens[x] >= cap) continue;
             int64_t add = 0;
             for (int32_t t : toks_of[x]) add += !tok_in[t];
@@ -482,17 +541,8 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
             for (int32_t t : toks_of[x]) tok_in[t] = 1;
             m += add;
             cand.push_back(x);
-            cand_routes.push_back(tokens[x]);
         }
-        size_t take = cand.size();
-        if (!by_share) {
-            const double bytes = (double) e->expert_bytes[il];
-            ost_split_cost sc;
-            sc.alpha_us = g_split_alpha_us;
-            sc.beta_us = bytes / (g_split_cpu_gbps * 1e3);
-            sc.upload_us = bytes / (g_split_h2d_gbps * 1e3);
-            take = (size_t) ost_split_experts(cand_routes.data(), (int) cand.size(), n_upload, sc);
-        }
+        const size_t take = by_share ? cand.size() : split_take(e, il, cand, tokens, n_upload);
         std::fill(tok_in.begin(), tok_in.end(), 0);
         for (size_t i = 0; i < take; ++i) {
             for (int32_t t : toks_of[cand[i]]) tok_in[t] = 1;
