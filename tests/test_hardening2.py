@@ -419,3 +419,24 @@ def test_deterministic_slot_choice_never_copies_another_slots_prefix():
     assert (own.target, own.n_keep, own.copy_from, own.n_copy) == (1, 3, None, 0)
     plain = SlotChoice(target=0, n_keep=2)
     assert own_slot_only(plain, [1, 2], [1, 2, 3]) is plain
+
+
+# ---- item 9: logprobs ---------------------------------------------------------------------------
+
+def test_log_softmax_pick_is_the_log_softmax_and_its_top_tokens():
+    import math
+
+    import numpy as np
+
+    from ostinatod.engine.logprobs import log_softmax_pick
+
+    x = np.array([1.0, 3.0, -np.inf, 3.0, 0.5], dtype=np.float32)
+    lse = math.log(sum(math.exp(v) for v in (1.0, 3.0, 3.0, 0.5)))
+    lp, top = log_softmax_pick(x, 4, 3)
+    assert abs(lp - (0.5 - lse)) < 1e-12
+    assert [i for i, _ in top] == [1, 3, 0]  # ties: the lower id first
+    assert abs(top[0][1] - (3.0 - lse)) < 1e-12
+    assert log_softmax_pick(x, 2, 0) == (-math.inf, [])  # a banned token; no alternatives asked
+    big = np.full(150000, -30.0, dtype=np.float32)
+    big[7] = 0.0
+    assert log_softmax_pick(big, 7, 1)[1][0][0] == 7
