@@ -42,6 +42,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
+from ..files import WriteFailed
 from ..residency.traces import valid_workload
 from ..hardware import gpu_memory
 from ..engine.types import EngineError
@@ -254,7 +255,8 @@ async def h_residency(request: web.Request) -> web.Response:
 
 async def h_plan(request: web.Request) -> web.Response:
     """POST /residency/plan {"workload"}: flush the engine's pending routing counts, then
-    plan_for_model() in a worker thread; 404 without traces. The new set takes effect at the next
+    plan_for_model() in a worker thread; 404 without traces, 507 ``disk_full`` / ``write_failed``
+    when the set cannot be written (naming the path and the errno). The new set takes effect at the next
     request of that workload (automatic swap) or on POST /residency/switch."""
     st = _state(request)
     body = await _body(request)
@@ -266,6 +268,8 @@ async def h_plan(request: web.Request) -> web.Response:
     except ValueError as e:  # PlanError / TraceError: missing traces, budget too small, ...
         code = "no_traces" if "no routing traces" in str(e) else "plan_failed"
         raise ControlError(404 if code == "no_traces" else 400, code, str(e))
+    except WriteFailed as e:  # disk full, read-only, ...: the earlier set stays, no temp file left
+        raise ControlError(507, "disk_full" if e.no_space else "write_failed", str(e)) from None
     out = {"ok": True, "workload": workload, "path": str(path),
            "seconds": round(secs, 3),
            "expected_hot_route_share": (res.get("plan") or {}).get("expected_hot_route_share")}
