@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -458,10 +459,11 @@ def test_write_atomic_failure_names_the_path_and_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
-def _full_tmpfs_wrap(mount_at: Path, seed: Path) -> tuple[str, ...]:
-    """A wrap for :func:`conftest.launch_daemon`: in a user and mount namespace of its own (no
-    root needed), a 16 KiB tmpfs at ``mount_at`` holding a copy of ``seed`` and filled up, then the
-    daemon. Skips the test where such namespaces are not allowed."""
+def _full_tmpfs_wrap(mount_at: Path, seed: Optional[Path] = None) -> tuple[str, ...]:
+    """A command prefix that runs the command given after it (``exec``) in a user and mount
+    namespace of its own (no root needed) where ``mount_at`` is a 16 KiB tmpfs holding a copy of
+    ``seed`` (if any) and filled up: a real full disk. Skips the test where such namespaces are
+    not allowed."""
     import shutil
     import subprocess
 
@@ -472,10 +474,26 @@ def _full_tmpfs_wrap(mount_at: Path, seed: Path) -> tuple[str, ...]:
                            capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.strip()}")
-    script = (f'set -e; mount -t tmpfs -o size=16k tmpfs "{mount_at}"; '
-              f'cp "{seed}" "{mount_at}/{seed.name}"; '
+    copy = f'cp "{seed}" "{mount_at}/{seed.name}"; ' if seed else ""
+    script = (f'set -e; mount -t tmpfs -o size=16k tmpfs "{mount_at}"; {copy}'
               f'dd if=/dev/zero of="{mount_at}/filler" bs=1024 count=64 2>/dev/null || true; exec "$@"')
     return ("unshare", "-r", "-m", "sh", "-c", script, "sh")
+
+
+def test_ostinatod_start_on_a_full_disk_says_why(tmp_path, tiny_model):
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    r = subprocess.run([*_full_tmpfs_wrap(home), sys.executable, "-m", "ostinatod.daemon_cli", "start",
+                        "--port", "0", "--model", str(tiny_model), "--wait", "60"],
+                       capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "OSTINATOD_DETACHED"}
+                       | {"OSTINATO_HOME": str(home)})
+    assert r.returncode == 1, r.stdout + r.stderr
+    # the child's reason comes through start's pipe (its log file could not be written: "OS")
+    assert "No space left on device (ENOSPC)" in r.stderr and f"cannot write {home}" in r.stderr, r.stderr
 
 
 def test_residency_plan_on_a_full_disk_is_a_clear_error_and_keeps_the_earlier_set(tmp_path, tiny_model):
