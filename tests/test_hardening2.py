@@ -4,6 +4,7 @@ others out. Real HTTP on loopback against live daemons (subprocess engine worker
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -529,3 +530,20 @@ def test_residency_plan_on_a_full_disk_is_a_clear_error_and_keeps_the_earlier_se
         assert health(d.url)["status"] == "ok"
     finally:
         d.stop()
+
+
+# ---- item 9: residency sets naming a GPU that is not there --------------------------------------
+
+def test_a_set_naming_a_missing_gpu_is_refused_naming_the_gpus_there():
+    from ostinatod.engine import native
+    from ostinatod.engine.placement import check_devices
+    from ostinatod.residency.sets import ResidencyError
+
+    check_devices([0, 1], 2)
+    for devices, n_gpus, said in (([7], 1, "names GPU 7, but this machine has 1 GPU (GPU 0)"),
+                                  ([0, 2, 3], 2, "names GPU 2, 3, but this machine has 2 GPUs (GPUs 0..1)")):
+        with pytest.raises(ResidencyError, match=re.escape(said)):
+            check_devices(devices, n_gpus, "x.json: ")
+    check_devices([7], 0)  # a CPU build: every pool is a CPU buffer (CI's several-GPU runs)
+    if not native.has_gpu():  # the count the engine checks against, read from llama.cpp's backends
+        assert native.gpu_count() == 0
