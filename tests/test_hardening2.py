@@ -389,6 +389,53 @@ def test_malformed_http_gets_a_json_error_and_no_traceback(live_daemon):
     assert "malformed HTTP request -> 400" in mine and "Error handling request" not in mine
 
 
+def _unix_raw(path: Path, data: bytes) -> bytes:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(str(path))
+    s.sendall(data)
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    s.close()
+    return out
+
+
+def _json_400(answer: bytes) -> dict:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b" 400 " in head.split(b"\r\n")[0] and b"application/json" in head, answer[:300]
+    return json.loads(body)
+
+
+def test_bad_header_bytes_and_bad_gzip_bodies_are_json_400s_logged_in_one_line(live_daemon):
+    import gzip
+
+    body = json.dumps(chat(1)).encode()
+
+    def post(path: bytes, extra: bytes, data: bytes) -> bytes:
+        return (b"POST " + path + b" HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" + extra
+                + b"Connection: close\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    before = len(live_daemon.log())
+    gz = gzip.compress(body)
+    for extra, data, code in ((b"X-Trace: a\x01b\r\n", body, "invalid_http"),
+                              (b"Content-Encoding: gzip\r\n", body, "invalid_encoding"),   # not gzip
+                              (b"Content-Encoding: gzip\r\n", gz + b"junk", "invalid_encoding"),
+                              (b"Content-Encoding: deflate\r\n", b"\x00" * 64, "invalid_encoding")):
+        err = _json_400(_raw(live_daemon.url, post(b"/v1/chat/completions", extra, data)))
+        assert err["error"]["code"] == code and "\n" not in err["error"]["message"], err
+    # the control socket: its own JSON error shape, not aiohttp's text/plain
+    sock = live_daemon.control_socket
+    err = _json_400(_unix_raw(sock, b"GET /status HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"))
+    assert err["error"]["code"] == "invalid_http"
+    err = _json_400(_unix_raw(sock, post(b"/residency/switch", b"Content-Encoding: gzip\r\n", b'{"workload": "x"}')))
+    assert err["error"]["code"] == "invalid_encoding"
+    time.sleep(0.3)   # the log lines are written after the answers
+    mine = live_daemon.log()[before:]
+    for noise in ("Traceback", "Error handling request", "Unhandled exception"):
+        assert noise not in mine, mine
+    assert mine.count("-> 400") >= 5, mine  # one line each (the control API logs no body errors)
+
+
 def test_non_utf8_user_agent_and_bogus_encoding(live_daemon):
     body = json.dumps(chat(1)).encode()
     req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
