@@ -152,6 +152,10 @@ class StartReport(logging.Handler):
         super().__init__(logging.ERROR)
         self.fd: Optional[int] = fd
         self.setFormatter(logging.Formatter("%(message)s"))
+        try:  # never blocks the daemon: a full pipe (start still waiting) ends the report
+            os.set_blocking(fd, False)
+        except OSError:
+            self.fd = None
 
     @classmethod
     def from_env(cls) -> Optional["StartReport"]:

@@ -51,4 +51,3 @@ def entry(token: int, logprob: float, top: list[tuple[int, float]],
     out = _one(piece(token), logprob)
     out["top_logprobs"] = [_one(piece(i), lp) for i, lp in top]
     return out
-
