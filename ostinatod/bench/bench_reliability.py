@@ -455,7 +455,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     st, ka, tl, g = (out.get(k, {}) for k in ("schema_stall", "keepalive", "tools", "greedy"))
     out["ok"] = bool(f and f["http_5xx"] == 0 and f["control_5xx"] == 0 and f["http_hangs"] == 0
                      and f["control_hangs"] == 0 and all(out["alive"].values())
-                     and out["log"]["tracebacks"] == 0
+                     and out["log"]["traceback_lines"] == 0
                      and (r.get("growth_pct") or 0) < 10
                      and st.get("engine_kills") == 0 and st.get("bystander_ok") == st.get("bystander_requests")
                      and ka.get("health_status_meanwhile") == 200
@@ -470,8 +470,9 @@ _NOISE = ("Traceback (most recent call last)", "Error handling request", "Unhand
 
 
 def _log_noise(state: Path) -> dict[str, Any]:
-    """Tracebacks in the daemon's log and stdio under ``state``: ``{"tracebacks": n, "lines": the
-    first three lines that start one}``."""
+    """Traceback lines in the daemon's log and stdio under ``state`` (a Python traceback's first
+    line and aiohttp's error line before it each count): ``{"traceback_lines": n, "lines": the
+    first three}``."""
     hits: list[str] = []
     for name in ("ostinatod.log", "stdio.log"):
         try:
@@ -479,7 +480,7 @@ def _log_noise(state: Path) -> dict[str, Any]:
         except OSError:
             continue
         hits += [line for line in text.splitlines() if any(n in line for n in _NOISE)]
-    return {"tracebacks": len(hits), "lines": hits[:3]}
+    return {"traceback_lines": len(hits), "lines": hits[:3]}
 
 
 def _tiny_model() -> Path:
@@ -525,7 +526,7 @@ def report(out: dict[str, Any]) -> str:
         f"RSS              {r.get('before_bytes', 0) / 2**20:.0f} MiB before, {r.get('after_bytes', 0) / 2**20:.0f} MiB "
         f"after ({r.get('growth_pct')}%)",
         f"alive            daemon {al.get('daemon')}, worker {al.get('worker')}, healthy {al.get('healthy')}",
-        f"log              {out.get('log', {}).get('tracebacks')} tracebacks in the daemon's log and stdio",
+        f"log              {out.get('log', {}).get('traceback_lines')} traceback lines in the daemon's log and stdio",
         f"result           {'OK' if out.get('ok') else 'FAILED'}",
     ]
     return "\n".join(lines)
