@@ -13,13 +13,13 @@ Files (ostinatod.paths): ``<runtime>/ostinatod.pid`` (the pid), ``<runtime>/osti
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .files import write_atomic, write_json_atomic
 from .paths import Paths, get_paths
 from .settings import Settings
 
@@ -159,7 +159,12 @@ class Daemon:
             self._runners.append(await start_control_server(st, self.paths.control_socket))
         except OSError as e:
             log.error("control socket %s: %s", self.paths.control_socket, e)
-        self._write_runtime_files()
+        try:
+            self._write_runtime_files()
+        except OSError as e:  # a full disk: one line naming the file (start reports it too)
+            log.error("cannot start: %s", e)
+            await self._shutdown()
+            return 1
         log.info("ostinatod %s listening on %s (pid %d)%s", _version(), st.bind_address, os.getpid(),
                  "" if st.http_url.endswith(st.bind_address) else f"; local clients use {st.http_url}")
         if not self.settings.api_key and not st.http_url.endswith(st.bind_address):
@@ -201,12 +206,10 @@ class Daemon:
 
     def _write_runtime_files(self) -> None:
         p = self.paths
-        p.pid_file.write_text(f"{os.getpid()}\n")
+        write_atomic(p.pid_file, f"{os.getpid()}\n")
         info = {"pid": os.getpid(), "http_url": self.state.http_url, "log_file": str(p.log_file),
                 "control_socket": str(p.control_socket)}
-        tmp = p.runtime / "ostinatod.json.tmp"
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, p.runtime / "ostinatod.json")
+        write_json_atomic(p.runtime / "ostinatod.json", info)
 
     async def _shutdown(self) -> None:
         log.info("shutting down")

@@ -41,6 +41,8 @@ log = logging.getLogger("ostinatod")
 SECRET_SETTINGS = ("api_key",)
 
 DETACHED_ENV = "OSTINATOD_DETACHED"  # set by `start` for its child: log only to the log file
+# set by `start` for its child: a pipe's write end for the child's errors (StartReport)
+START_FD_ENV = "OSTINATOD_START_FD"
 
 
 # --- settings as flags ------------------------------------------------------------------------
@@ -140,6 +142,56 @@ def setup_logging(settings: Settings, paths: Paths) -> None:
         root.addHandler(sh)
 
 
+class StartReport(logging.Handler):
+    """The ERROR lines of a ``run`` child, also written to the pipe ``start`` reads (fd
+    :data:`START_FD_ENV`): ``start`` can say why its child exited even when the log file cannot
+    be written (a full disk left a truncated traceback there, "OS"). Once ``start`` has returned
+    (the pipe is closed) the handler goes quiet."""
+
+    def __init__(self, fd: int):
+        super().__init__(logging.ERROR)
+        self.fd: Optional[int] = fd
+        self.setFormatter(logging.Formatter("%(message)s"))
+        try:  # never blocks the daemon: a full pipe (start still waiting) ends the report
+            os.set_blocking(fd, False)
+        except OSError:
+            self.fd = None
+
+    @classmethod
+    def from_env(cls) -> Optional["StartReport"]:
+        """The handler of the fd ``start`` passed, or None (not started by ``start``)."""
+        try:
+            return cls(int(os.environ[START_FD_ENV]))
+        except (KeyError, ValueError):
+            return None
+
+    def say(self, line: str) -> None:
+        """Write one line to the pipe (nothing once it is closed)."""
+        if self.fd is None:
+            return
+        try:
+            os.write(self.fd, (line.rstrip("\n") + "\n").encode("utf-8", "replace"))
+        except OSError:  # start has returned; the log file is the place from now on
+            self.fd = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.say(self.format(record))
+
+
+def _read_start_report(fd: int) -> str:
+    """What the child wrote to the start pipe (non-blocking: a grandchild may hold it open)."""
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out.decode("utf-8", "replace").strip()
+
+
 def private_file(path: Path) -> None:
     """Create ``path`` if missing and make it readable by its owner only (0600): logs name models,
     clients and errors."""
@@ -199,8 +251,18 @@ def _tail(path: Path, n: int = 30) -> str:
 def cmd_run(ns: argparse.Namespace) -> int:
     """Foreground daemon."""
     settings = settings_from_args(ns)
-    paths = get_paths().ensure()
-    setup_logging(settings, paths)
+    report = StartReport.from_env()
+    try:
+        paths = get_paths().ensure()
+        setup_logging(settings, paths)
+    except OSError as e:  # no log file yet: stderr (and start's pipe)
+        msg = f"cannot set up the state and log files: {e}"
+        print(f"ostinatod: {msg}", file=sys.stderr)
+        if report is not None:
+            report.say(msg)
+        return 1
+    if report is not None:
+        logging.getLogger().addHandler(report)
     pid = _running_pid(paths)
     if pid is not None and pid != os.getpid():
         log.error("ostinatod is already running (pid %d); 'ostinatod stop' first", pid)
@@ -220,29 +282,52 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_start(ns: argparse.Namespace) -> int:
-    """Start `run` detached, wait until /health answers 200 (or print the log tail)."""
-    paths = get_paths().ensure()
+    """Start `run` detached, wait until /health answers 200 (or print why not: the child's error
+    lines through a pipe, :class:`StartReport`, and the log tail)."""
     settings_from_args(ns)  # validate flags before forking
+    try:
+        paths = get_paths().ensure()
+    except OSError as e:
+        print(f"ostinatod cannot start: {e}", file=sys.stderr)
+        return 1
     pid = _running_pid(paths)
     if pid is not None:
         print(f"ostinatod is already running (pid {pid}) at {_runtime_info(paths).get('http_url')}")
         return 0
-    for f in (paths.runtime / "ostinatod.json",):
-        f.unlink(missing_ok=True)
     log_file = paths.log_file
-    start_offset = log_file.stat().st_size if log_file.exists() else 0
-    env = dict(os.environ, **{DETACHED_ENV: "1"})
-    private_file(log_file)
-    with open(log_file, "ab") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "ostinatod.daemon_cli", "run", *_flags_of(ns)],
-                                stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
-                                start_new_session=True, close_fds=True)
+    r, w = os.pipe()
+    try:
+        (paths.runtime / "ostinatod.json").unlink(missing_ok=True)
+        start_offset = log_file.stat().st_size if log_file.exists() else 0
+        env = dict(os.environ, **{DETACHED_ENV: "1", START_FD_ENV: str(w)})
+        private_file(log_file)
+        with open(log_file, "ab") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "ostinatod.daemon_cli", "run", *_flags_of(ns)],
+                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
+                                    start_new_session=True, close_fds=True, pass_fds=(w,))
+    except OSError as e:
+        os.close(r)
+        print(f"ostinatod cannot start: {e}", file=sys.stderr)
+        return 1
+    finally:
+        os.close(w)
+    os.set_blocking(r, False)
+    try:
+        return _wait_started(ns, proc, paths, log_file, start_offset, r)
+    finally:
+        os.close(r)
+
+
+def _wait_started(ns: argparse.Namespace, proc: subprocess.Popen, paths: Paths, log_file: Path,
+                  start_offset: int, report_fd: int) -> int:
     deadline = time.monotonic() + ns.wait
     url = None
     while time.monotonic() < deadline:
         rc = proc.poll()
         if rc is not None:
-            print(f"ostinatod failed to start (exit code {rc}). Log ({log_file}):", file=sys.stderr)
+            reason = _read_start_report(report_fd)
+            print(f"ostinatod failed to start (exit code {rc})" + (f": {reason}" if reason else "")
+                  + f"\nLog ({log_file}):", file=sys.stderr)
             print(_new_log(log_file, start_offset), file=sys.stderr)
             return 1
         url = url or _runtime_info(paths).get("http_url")

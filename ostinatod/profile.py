@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .files import write_json_atomic
 from .hardware import GIB, collect_profile
 from .paths import get_paths
 from .residency.calibration import PROBE_KIND
@@ -46,13 +46,6 @@ def load_profile(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
     except (OSError, json.JSONDecodeError) as e:
         log.warning("hardware profile %s unreadable (%s); it will be rewritten", path, e)
         return None
-
-
-def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _recalibrate(path: Path) -> bool:
@@ -89,7 +82,7 @@ def update_profile(path: Optional[Path] = None, measure: bool = True, recalibrat
         new["calibration"] = old["calibration"]
         if changed and isinstance(new["calibration"], dict):
             new["calibration"]["stale"] = True
-    _write_json_atomic(path, new)
+    write_json_atomic(path, new, indent=2)
     if changed and recalibrate and _recalibrate(path):
         new = load_profile(path) or new
     new["changed"] = changed

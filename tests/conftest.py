@@ -101,14 +101,17 @@ class LiveDaemon:
         terminate(self.proc)
 
 
-def launch_daemon(home: Path, *flags: str, wait: bool = True, timeout: float = 180) -> LiveDaemon:
+def launch_daemon(home: Path, *flags: str, wait: bool = True, timeout: float = 180,
+                  wrap: tuple[str, ...] = ()) -> LiveDaemon:
     """Start ``ostinatod run --port 0 FLAGS`` with OSTINATO_HOME=home; wait until it serves
-    (``wait``) or only until it has bound its port (``wait=False``, the process may also exit)."""
+    (``wait``) or only until it has bound its port (``wait=False``, the process may also exit).
+    ``wrap``: a command that runs the daemon's command line (given as its last arguments) with
+    ``exec``, e.g. in a mount namespace of its own."""
     home.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OSTINATO_HOME=str(home), OSTINATOD_DETACHED="1")
     (home / "state").mkdir(parents=True, exist_ok=True)
     out = open(home / "state" / "stdio.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "ostinatod.daemon_cli", "run", "--port", "0", *flags],
+    proc = subprocess.Popen([*wrap, sys.executable, "-m", "ostinatod.daemon_cli", "run", "--port", "0", *flags],
                             env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=str(ROOT))
     info = home / "run" / "ostinatod.json"
     deadline = time.monotonic() + timeout

@@ -4,11 +4,14 @@ others out. Real HTTP on loopback against live daemons (subprocess engine worker
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -386,6 +389,53 @@ def test_malformed_http_gets_a_json_error_and_no_traceback(live_daemon):
     assert "malformed HTTP request -> 400" in mine and "Error handling request" not in mine
 
 
+def _unix_raw(path: Path, data: bytes) -> bytes:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(str(path))
+    s.sendall(data)
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    s.close()
+    return out
+
+
+def _json_400(answer: bytes) -> dict:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b" 400 " in head.split(b"\r\n")[0] and b"application/json" in head, answer[:300]
+    return json.loads(body)
+
+
+def test_bad_header_bytes_and_bad_gzip_bodies_are_json_400s_logged_in_one_line(live_daemon):
+    import gzip
+
+    body = json.dumps(chat(1)).encode()
+
+    def post(path: bytes, extra: bytes, data: bytes) -> bytes:
+        return (b"POST " + path + b" HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n" + extra
+                + b"Connection: close\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    before = len(live_daemon.log())
+    gz = gzip.compress(body)
+    for extra, data, code in ((b"X-Trace: a\x01b\r\n", body, "invalid_http"),
+                              (b"Content-Encoding: gzip\r\n", body, "invalid_encoding"),   # not gzip
+                              (b"Content-Encoding: gzip\r\n", gz + b"junk", "invalid_encoding"),
+                              (b"Content-Encoding: deflate\r\n", b"\x00" * 64, "invalid_encoding")):
+        err = _json_400(_raw(live_daemon.url, post(b"/v1/chat/completions", extra, data)))
+        assert err["error"]["code"] == code and "\n" not in err["error"]["message"], err
+    # the control socket: its own JSON error shape, not aiohttp's text/plain
+    sock = live_daemon.control_socket
+    err = _json_400(_unix_raw(sock, b"GET /status HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"))
+    assert err["error"]["code"] == "invalid_http"
+    err = _json_400(_unix_raw(sock, post(b"/residency/switch", b"Content-Encoding: gzip\r\n", b'{"workload": "x"}')))
+    assert err["error"]["code"] == "invalid_encoding"
+    time.sleep(0.3)   # the log lines are written after the answers
+    mine = live_daemon.log()[before:]
+    for noise in ("Traceback", "Error handling request", "Unhandled exception"):
+        assert noise not in mine, mine
+    assert mine.count("-> 400") >= 5, mine  # one line each (the control API logs no body errors)
+
+
 def test_non_utf8_user_agent_and_bogus_encoding(live_daemon):
     body = json.dumps(chat(1)).encode()
     req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
@@ -419,3 +469,128 @@ def test_deterministic_slot_choice_never_copies_another_slots_prefix():
     assert (own.target, own.n_keep, own.copy_from, own.n_copy) == (1, 3, None, 0)
     plain = SlotChoice(target=0, n_keep=2)
     assert own_slot_only(plain, [1, 2], [1, 2, 3]) is plain
+
+
+# ---- item 9: logprobs ---------------------------------------------------------------------------
+
+def test_log_softmax_pick_is_the_log_softmax_and_its_top_tokens():
+    import math
+
+    import numpy as np
+
+    from ostinatod.engine.logprobs import log_softmax_pick
+
+    x = np.array([1.0, 3.0, -np.inf, 3.0, 0.5], dtype=np.float32)
+    lse = math.log(sum(math.exp(v) for v in (1.0, 3.0, 3.0, 0.5)))
+    lp, top = log_softmax_pick(x, 4, 3)
+    assert abs(lp - (0.5 - lse)) < 1e-12
+    assert [i for i, _ in top] == [1, 3, 0]  # ties: the lower id first
+    assert abs(top[0][1] - (3.0 - lse)) < 1e-12
+    assert log_softmax_pick(x, 2, 0) == (-math.inf, [])  # a banned token; no alternatives asked
+    big = np.full(150000, -30.0, dtype=np.float32)
+    big[7] = 0.0
+    assert log_softmax_pick(big, 7, 1)[1][0][0] == 7
+
+
+# ---- item 9: a full disk -------------------------------------------------------------------------
+
+def test_write_atomic_failure_names_the_path_and_leaves_nothing(tmp_path):
+    import errno
+
+    from ostinatod.files import WriteFailed, write_json_atomic
+
+    (tmp_path / "f").write_text("a file, not a directory")
+    with pytest.raises(WriteFailed) as e:
+        write_json_atomic(tmp_path / "f" / "set.json", {"a": 1})
+    assert str(tmp_path / "f" / "set.json") in str(e.value) and not e.value.no_space
+    assert errno.errorcode[e.value.errno] in str(e.value)  # EEXIST: the parent is a file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def _full_tmpfs_wrap(mount_at: Path, seed: Optional[Path] = None) -> tuple[str, ...]:
+    """A command prefix that runs the command given after it (``exec``) in a user and mount
+    namespace of its own (no root needed) where ``mount_at`` is a 16 KiB tmpfs holding a copy of
+    ``seed`` (if any) and filled up: a real full disk. Skips the test where such namespaces are
+    not allowed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) here")
+    mount_at.mkdir(parents=True, exist_ok=True)
+    probe = subprocess.run(["unshare", "-r", "-m", "sh", "-c", f'mount -t tmpfs -o size=16k tmpfs "{mount_at}"'],
+                           capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.strip()}")
+    copy = f'cp "{seed}" "{mount_at}/{seed.name}"; ' if seed else ""
+    script = (f'set -e; mount -t tmpfs -o size=16k tmpfs "{mount_at}"; {copy}'
+              f'dd if=/dev/zero of="{mount_at}/filler" bs=1024 count=64 2>/dev/null || true; exec "$@"')
+    return ("unshare", "-r", "-m", "sh", "-c", script, "sh")
+
+
+def test_ostinatod_start_on_a_full_disk_says_why(tmp_path, tiny_model):
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    r = subprocess.run([*_full_tmpfs_wrap(home), sys.executable, "-m", "ostinatod.daemon_cli", "start",
+                        "--port", "0", "--model", str(tiny_model), "--wait", "60"],
+                       capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "OSTINATOD_DETACHED"}
+                       | {"OSTINATO_HOME": str(home)})
+    assert r.returncode == 1, r.stdout + r.stderr
+    # the child's reason comes through start's pipe (its log file could not be written: "OS")
+    assert "No space left on device (ENOSPC)" in r.stderr and f"cannot write {home}" in r.stderr, r.stderr
+
+
+def test_residency_plan_on_a_full_disk_is_a_clear_error_and_keeps_the_earlier_set(tmp_path, tiny_model):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import launch_daemon
+    from ostinatod.control.client import ControlAPIError, call
+    from ostinatod.paths import residency_file
+    from ostinatod.residency.sets import make_residency, model_block, write_residency
+
+    home = tmp_path / "home"
+    set_path = residency_file(model_block(tiny_model)["fingerprint"], "coding", home / "data")
+    seed = write_residency(make_residency(model_block(tiny_model), {0: [1, 2]}), tmp_path / "coding.json")
+    d = launch_daemon(home, "--model", str(tiny_model), "--n-ctx", "512", "--n-threads", "1",
+                      "--engine-mode", "inprocess", "--expert-budget-frac", "0.5",
+                      wrap=_full_tmpfs_wrap(set_path.parent, seed))
+    try:
+        for _ in range(2):  # routing traces to plan from (their directory is on the ordinary disk)
+            assert post(d.url, "/v1/chat/completions", chat(2))[0] == 200
+        with pytest.raises(ControlAPIError) as e:
+            call("POST", "/residency/plan", {}, socket=d.control_socket)
+        assert e.value.status == 507 and e.value.code == "disk_full", e.value
+        assert str(set_path) in e.value.message and "ENOSPC" in e.value.message
+        r = subprocess.run([sys.executable, "-m", "ostinatod.cli", "residency", "plan"], capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, OSTINATO_HOME=str(home)))
+        assert r.returncode == 1 and "ENOSPC" in r.stderr and str(set_path) in r.stderr, r.stderr
+        # the daemon's view of the full tmpfs (its mount namespace): the earlier set, no temp file
+        inside = Path(f"/proc/{d.pid}/root{set_path.parent}")
+        assert sorted(p.name for p in inside.iterdir()) == ["coding.json", "filler"]
+        assert (inside / "coding.json").read_bytes() == seed.read_bytes()
+        assert health(d.url)["status"] == "ok"
+    finally:
+        d.stop()
+
+
+# ---- item 9: residency sets naming a GPU that is not there --------------------------------------
+
+def test_a_set_naming_a_missing_gpu_is_refused_naming_the_gpus_there():
+    from ostinatod.engine import native
+    from ostinatod.engine.placement import check_devices
+    from ostinatod.residency.sets import ResidencyError
+
+    check_devices([0, 1], 2)
+    for devices, n_gpus, said in (([7], 1, "names GPU 7, but this machine has 1 GPU (GPU 0)"),
+                                  ([0, 2, 3], 2, "names GPU 2, 3, but this machine has 2 GPUs (GPUs 0..1)")):
+        with pytest.raises(ResidencyError, match=re.escape(said)):
+            check_devices(devices, n_gpus, "x.json: ")
+    check_devices([7], 0)  # a CPU build: every pool is a CPU buffer (CI's several-GPU runs)
+    if not native.has_gpu():  # the count the engine checks against, read from llama.cpp's backends
+        assert native.gpu_count() == 0

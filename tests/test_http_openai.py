@@ -129,6 +129,74 @@ def test_completions_endpoint(client, model):
     assert pieces[-1].choices[0].finish_reason == "length"
 
 
+def _check_entries(entries, n_top: int) -> None:
+    """Each entry a token's natural-log probability with its ``n_top`` alternatives, most likely
+    first; greedy output (temperature 0, no bias or grammar) is the first alternative."""
+    import math
+    for e in entries:
+        assert e.logprob <= 0 and bytes(e.bytes).decode("utf-8", "replace") == e.token
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == n_top and tops == sorted(tops, reverse=True)
+        assert sum(math.exp(t) for t in tops) <= 1 + 1e-9
+        if n_top:
+            assert e.top_logprobs[0].token == e.token and abs(tops[0] - e.logprob) < 1e-9
+
+
+def test_chat_logprobs_with_top_alternatives(client, model):
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens > 0  # one per generated token (not the end token)
+    _check_entries(entries, 3)
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == r.choices[0].message.content
+    plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0,
+                                           logprobs=True)
+    _check_entries(plain.choices[0].logprobs.content, 0)
+    without = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0)
+    assert without.choices[0].logprobs is None
+
+
+def test_chat_stream_logprobs_arrive_with_the_chunks(client, model):
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=8,
+        temperature=0, logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True}))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    usage = [c.usage for c in chunks if c.usage][0]
+    assert len(entries) == usage.completion_tokens > 0
+    _check_entries(entries, 2)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == text
+    # a content chunk carries the entries of its own tokens (not all of them at the end)
+    with_both = [c for c in chunks if c.choices and c.choices[0].delta.content and c.choices[0].logprobs]
+    assert len(with_both) >= 2
+
+
+def test_logprobs_bounds_are_400s(client, model):
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=msgs, max_tokens=1, **extra)
+        assert "top_logprobs" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="hi", max_tokens=1, logprobs=6)
+
+
+def test_completions_logprobs_legacy_shape(client, model):
+    r = client.completions.create(model=model, prompt="def main():", max_tokens=5, temperature=0,
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(t) <= 2 for t in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    pieces = list(client.completions.create(model=model, prompt="def main():", max_tokens=5,
+                                            temperature=0, logprobs=1, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    streamed = [t for p in pieces if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens]
+    assert len(streamed) == 5
+
+
 def test_model_workload_suffix_accepted(client, model, live_daemon):
     r = client.chat.completions.create(model=model + "@support", messages=[{"role": "user", "content": "x"}],
                                        max_tokens=1)

@@ -21,7 +21,8 @@ model (or ``--model``), then, in order:
    of the worker; each time the seconds until /health is 200 again (recovery);
 
 and prints the figures: requests, 5xx, hangs, daemon and worker alive, RSS (daemon + worker)
-before and after, recovery times. Exit code 0 when there were no 5xx, no hangs, both processes are
+before and after, recovery times, and the tracebacks in the daemon's log and stdio (malformed HTTP
+must be one line each). Exit code 0 when there were no 5xx, no hangs, no traceback, both processes are
 alive, RSS grew less than 10% (fuzzing, and the distinct tools), the engine was never killed by
 the schema stall, the bystander and the new client were served, every bad GGUF left the model
 served, and, with ``--deterministic``, no concurrent greedy output differed from the sequential
@@ -449,10 +450,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         "healthy": _wait_healthy(d.url, 120) != float("inf")}
     finally:
         d.stop()
+        out["log"] = _log_noise(d.home / "state")
     f, r = out.get("fuzz", {}), out.get("rss", {})
     st, ka, tl, g = (out.get(k, {}) for k in ("schema_stall", "keepalive", "tools", "greedy"))
     out["ok"] = bool(f and f["http_5xx"] == 0 and f["control_5xx"] == 0 and f["http_hangs"] == 0
                      and f["control_hangs"] == 0 and all(out["alive"].values())
+                     and out["log"]["traceback_lines"] == 0
                      and (r.get("growth_pct") or 0) < 10
                      and st.get("engine_kills") == 0 and st.get("bystander_ok") == st.get("bystander_requests")
                      and ka.get("health_status_meanwhile") == 200
@@ -460,6 +463,24 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                      and all(v["reason_named"] and v["model_stayed"] for v in out.get("bad_gguf", {}).values())
                      and (not a.deterministic or g.get("concurrent_differing") == 0))
     return out
+
+
+# what a traceback in the daemon's output starts with (Python's, and aiohttp's two error lines)
+_NOISE = ("Traceback (most recent call last)", "Error handling request", "Unhandled exception")
+
+
+def _log_noise(state: Path) -> dict[str, Any]:
+    """Traceback lines in the daemon's log and stdio under ``state`` (a Python traceback's first
+    line and aiohttp's error line before it each count): ``{"traceback_lines": n, "lines": the
+    first three}``."""
+    hits: list[str] = []
+    for name in ("ostinatod.log", "stdio.log"):
+        try:
+            text = (state / name).read_text(errors="replace")
+        except OSError:
+            continue
+        hits += [line for line in text.splitlines() if any(n in line for n in _NOISE)]
+    return {"traceback_lines": len(hits), "lines": hits[:3]}
 
 
 def _tiny_model() -> Path:
@@ -505,6 +526,7 @@ def report(out: dict[str, Any]) -> str:
         f"RSS              {r.get('before_bytes', 0) / 2**20:.0f} MiB before, {r.get('after_bytes', 0) / 2**20:.0f} MiB "
         f"after ({r.get('growth_pct')}%)",
         f"alive            daemon {al.get('daemon')}, worker {al.get('worker')}, healthy {al.get('healthy')}",
+        f"log              {out.get('log', {}).get('traceback_lines')} traceback lines in the daemon's log and stdio",
         f"result           {'OK' if out.get('ok') else 'FAILED'}",
     ]
     return "\n".join(lines)

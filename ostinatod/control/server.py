@@ -42,11 +42,13 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
+from ..files import WriteFailed
 from ..residency.traces import valid_workload
 from ..hardware import gpu_memory
 from ..engine.types import EngineError
 from ..server.request_input import check_json_value
 from ..server.errors import ApiError
+from ..server.http_errors import JsonErrorsHandler, JsonErrorsUnixSite, one_line
 from .snapshots import _ctl, expert_view, metrics_snapshot
 
 log = logging.getLogger("ostinatod.control")
@@ -93,7 +95,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ControlError(400, "invalid_json", f"request body is not valid JSON: {e}")
     except RequestPayloadError as e:  # a Content-Encoding the body does not have, a cut body
-        raise ControlError(400, "invalid_encoding", f"request body cannot be read: {str(e).strip()}") from None
+        raise ControlError(400, "invalid_encoding", f"request body cannot be read: {one_line(e)}") from None
     except RecursionError:
         raise ControlError(400, "invalid_json", "request body nests too deeply") from None
     if not isinstance(data, dict):
@@ -254,7 +256,8 @@ async def h_residency(request: web.Request) -> web.Response:
 
 async def h_plan(request: web.Request) -> web.Response:
     """POST /residency/plan {"workload"}: flush the engine's pending routing counts, then
-    plan_for_model() in a worker thread; 404 without traces. The new set takes effect at the next
+    plan_for_model() in a worker thread; 404 without traces, 507 ``disk_full`` / ``write_failed``
+    when the set cannot be written (naming the path and the errno). The new set takes effect at the next
     request of that workload (automatic swap) or on POST /residency/switch."""
     st = _state(request)
     body = await _body(request)
@@ -266,6 +269,8 @@ async def h_plan(request: web.Request) -> web.Response:
     except ValueError as e:  # PlanError / TraceError: missing traces, budget too small, ...
         code = "no_traces" if "no routing traces" in str(e) else "plan_failed"
         raise ControlError(404 if code == "no_traces" else 400, code, str(e))
+    except WriteFailed as e:  # disk full, read-only, ...: the earlier set stays, no temp file left
+        raise ControlError(507, "disk_full" if e.no_space else "write_failed", str(e)) from None
     out = {"ok": True, "workload": workload, "path": str(path),
            "seconds": round(secs, 3),
            "expected_hot_route_share": (res.get("plan") or {}).get("expected_hot_route_share")}
@@ -414,6 +419,15 @@ def _first_start_profile(path: Path) -> None:
         log.warning("hardware profile not recorded: %s: %s", type(e).__name__, e)
 
 
+class _ControlErrorsHandler(JsonErrorsHandler):
+    """The control socket's connections: malformed HTTP answered ``{"error": {"code", "message"}}``."""
+
+    __slots__ = ()
+
+    def error_body(self, path: str, status: int, text: str) -> web.Response:
+        return _err(ControlError(status, "invalid_http", f"malformed HTTP request: {text}"))
+
+
 async def start_control_server(state, path: Optional[Path] = None, replan: bool = True,
                                profile: bool = True) -> web.AppRunner:
     """Serve the control API on the Unix socket ``path`` (default ``state.paths.control_socket``).
@@ -452,7 +466,7 @@ async def start_control_server(state, path: Optional[Path] = None, replan: bool 
     await runner.setup()
     old = os.umask(0o177)  # no window where the socket is reachable by others
     try:
-        await web.UnixSite(runner, str(path)).start()
+        await JsonErrorsUnixSite(runner, str(path), _ControlErrorsHandler).start()
     finally:
         os.umask(old)
     os.chmod(path, 0o600)

@@ -447,6 +447,22 @@ def cpu_branch_bench(model: Any, args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def gpu_count() -> int:
+    """GPU devices llama.cpp's backends see, counted as the expert engine counts a set's device
+    indexes (``pool_device`` in native/src/ostinato_pool.cpp); 0 on CPU builds or without llama_cpp."""
+    try:
+        from llama_cpp import llama_cpp as _ll
+        lib_ = _ll._lib
+        count, get, typ = lib_.ggml_backend_dev_count, lib_.ggml_backend_dev_get, lib_.ggml_backend_dev_type
+    except (ImportError, AttributeError):
+        return 0
+    count.argtypes, count.restype = [], ctypes.c_size_t
+    get.argtypes, get.restype = [ctypes.c_size_t], ctypes.c_void_p
+    typ.argtypes, typ.restype = [ctypes.c_void_p], ctypes.c_int
+    gpu = 1  # GGML_BACKEND_DEVICE_TYPE_GPU (ggml-backend.h: CPU 0, GPU 1, IGPU 2, ACCEL 3)
+    return sum(1 for i in range(count()) if typ(get(i)) == gpu)
+
+
 def has_gpu() -> bool:
     """Whether the installed llama.cpp can offload to a GPU (False on CPU builds or without it)."""
     try:

@@ -31,6 +31,19 @@ def experts_config(hot: dict[int, list[int]], *, device: int = -1, prefill_thres
     return cfg
 
 
+def check_devices(devices: list[int], n_gpus: int, where: str = "") -> None:
+    """Refuse a residency set naming a GPU this machine does not have: ``devices`` (the set's GPU
+    indexes, :attr:`ResidencySet.devices`) must be below ``n_gpus``, the GPUs llama.cpp sees
+    (:func:`ostinatod.engine.native.gpu_count`; counted as the native engine counts them). With no
+    GPU (a CPU build, ``n_gpus`` 0) every pool is a CPU buffer and any index is accepted: that is
+    how CI runs the several-GPU code. Raises ResidencyError naming the GPUs that exist."""
+    missing = [d for d in devices if d >= n_gpus] if n_gpus > 0 else []
+    if missing:
+        have = "GPU 0" if n_gpus == 1 else f"GPUs 0..{n_gpus - 1}"
+        raise ResidencyError(f"{where}the residency set names GPU {', '.join(map(str, missing))}, but this "
+                             f"machine has {n_gpus} GPU{'s' if n_gpus > 1 else ''} ({have})")
+
+
 def full_layer_devices(res: ResidencySet, n_layer: int) -> list[int]:
     """GPU index of each layer 0..n_layer-1 for a residency set (from its ``gpus`` entries).
 

@@ -28,7 +28,7 @@ from typing import Any, Optional
 from ..hardware import default_threads, expert_engine_threads
 from . import native
 from .native import ExpertEngineError
-from .placement import experts_config, full_layer_devices, tensor_split_for
+from .placement import check_devices, experts_config, full_layer_devices, tensor_split_for
 
 from ..paths import residency_file
 from ..residency.calibration import (DEFAULT_NP, cpu_split_inputs, decode_choices, decode_graph_choice,
@@ -140,6 +140,8 @@ class ExpertRuntime:
             cand = residency_file(model["fingerprint"], wl)
             res_path = cand if cand.exists() else None
         residency = read_residency(Path(res_path), model) if res_path else None
+        if residency is not None:
+            check_devices(residency.devices, native.gpu_count(), f"{res_path}: ")
         hot = residency.hot_all() if residency else {}
         device = min(residency.hot) if residency and residency.hot else 0
         # a CPU-only build has no GPU device: the pool then lives in a CPU buffer
@@ -379,6 +381,7 @@ class ExpertRuntime:
         t0 = time.perf_counter()
         if res is None:
             res = read_residency(Path(residency_path), self.model)
+        check_devices(res.devices, native.gpu_count(), f"{residency_path}: ")
         hot = res.hot_all()
         layer_dev = None
         if self.layer_device or len(res.devices) > 1:

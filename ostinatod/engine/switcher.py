@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from . import native
 from .native import ExpertEngineError
+from .placement import check_devices
 from ..paths import residency_file
 from ..residency.sets import ResidencyError, ResidencySet, read_residency
 from .runtime import SUPPORTED_ARCHS
@@ -146,7 +148,9 @@ class ResidencySwitcher:
         if self.w.rt is None:
             return None, EngineError("residency_unavailable", self.no_engine_reason(), 409)
         try:
-            return read_residency(Path(path), self.w.rt.model), None
+            res = read_residency(Path(path), self.w.rt.model)
+            check_devices(res.devices, native.gpu_count(), f"{path}: ")
+            return res, None
         except ResidencyError as e:
             return None, EngineError("residency_refused", f"{e} (the previous set stays active)", 400)
 

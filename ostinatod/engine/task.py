@@ -44,6 +44,8 @@ class Task:
     residency_skipped: Optional[str] = None  # why its workload's planned set was not swapped in
     t_render: float = 0.0  # when its preparation thread started on it (template_timeout_s)
     prep_error: Optional[tuple[str, str, int]] = None  # (code, message, status) if it cannot be served
+    logprobs: list = field(default_factory=list)  # entries of the generated tokens (req.logprobs)
+    logprobs_sent: int = 0  # of them, how many went out with a delta
 
     def done_data(self, reason: Optional[str], message: dict[str, Any], now: float) -> dict[str, Any]:
         """The ``done`` event's data: ``finish_reason``, ``message``, ``usage``, ``timings`` (s,
@@ -59,4 +61,5 @@ class Task:
                         "decode_s": (self.t_last - self.t_first) if self.t_first else None,
                         "total_s": now - self.t_arrival, "queue_s": self.t_prefill_start - self.t_arrival},
             "text": self.text.text, "slot": self.slot.id if self.slot else None,
+            **({"logprobs": self.logprobs} if self.req.logprobs is not None else {}),
         }

@@ -44,6 +44,9 @@ class GenRequest:
     enable_thinking: Optional[bool] = None
     json_schema: Optional[dict[str, Any]] = None  # response_format json_schema, if any
     logit_bias: Optional[dict[int, float]] = None  # token id -> bias added to its logit (OpenAI logit_bias)
+    # None: no log-probabilities; n >= 0: each output token's, with its n most likely alternatives
+    # (OpenAI logprobs/top_logprobs; :mod:`.logprobs`)
+    logprobs: Optional[int] = None
     workload: Optional[str] = None
     client: Optional[str] = None  # e.g. "claude-code", "openai-python": for stats and workload
     model: Optional[str] = None  # the name the client asked for (echoed back)
@@ -66,8 +69,11 @@ class EventType(str, Enum):
 
     - ``start`` once: {"prompt_tokens", "cached_tokens"} after the prompt is tokenised and matched
     - ``delta`` 0..n: {"content": str, "reasoning": str, "tool_calls": [ToolCallDelta]} (any subset)
+      and, when the request asked for ``logprobs``, "logprobs": the entries of the tokens generated
+      since the previous delta (:mod:`.logprobs`)
     - ``done`` once at the end: {"finish_reason", "message", "usage", "timings"} and, when a
-      client's stop string ended the output, "stop_sequence" (that string)
+      client's stop string ended the output, "stop_sequence" (that string); with ``logprobs``,
+      "logprobs": the entries of every generated token
     - ``error`` instead of ``done`` on failure: {"code", "message", "status"}
 
     ``ping`` is never sent by an engine: the HTTP front end makes it while it waits (heartbeat).

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from ..residency.model import ModelInfo
 from ..settings import Settings
-from . import determinism, limits, loading, sampling
+from . import determinism, limits, loading, logprobs, sampling
 from .protocol import Op
 from .prefix_cache import (PrefixCache, make_prefix_cache, restore_checkpoint, save_state,
                            use_host_cache)
@@ -74,6 +74,7 @@ class Worker:
         self._preparing: list[Task] = []  # being rendered on the prepare threads (not yet waiting)
         self._prep_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="ostinato-prepare")
         self.max_piece_bytes = 1  # the vocabulary's longest token text (limits.check_text_fits)
+        self.n_vocab = 0  # logits per row
         self._active: list[Task] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards counters read by stats()
@@ -109,6 +110,7 @@ class Worker:
         self.slots = [Slot(i) for i in range(m.n_slots)]
         self.pcache = make_prefix_cache(self.settings)
         self.max_piece_bytes = loading.max_piece_bytes(self.vocab)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         # recurrent or hybrid attention (qwen35moe's linear-attention layers): the memory cannot drop
         # a suffix, so prefix reuse goes through whole-state checkpoints (issue 13 item 3)
         self.uncuttable = bool(llama_cpp.llama_model_is_recurrent(self.model)
@@ -567,7 +569,7 @@ class Worker:
                 from . import native
                 self._end(t, None, error=("sampling_failed", native.last_error() or "sampling failed"))
                 continue
-            self._on_token(t, tok)
+            self._on_token(t, tok, idx)
         for t in [t for t in self._active if t.finished]:
             self._active.remove(t)
 
@@ -581,7 +583,16 @@ class Worker:
 
     # ---- tokens out -----------------------------------------------------------------------------
 
-    def _on_token(self, t: Task, tok: int) -> None:
+    def _logprob_entry(self, t: Task, tok: int, idx: int) -> dict[str, Any]:
+        """The log-probability entry of ``tok``, sampled from batch row ``idx`` (:mod:`.logprobs`;
+        the sampler copies the logits, they are still the model's)."""
+        import llama_cpp
+        import numpy as np
+        row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+        lp, top = logprobs.log_softmax_pick(row, tok, t.req.logprobs or 0)
+        return logprobs.entry(tok, lp, top, lambda i: self.piece(i, special=True))
+
+    def _on_token(self, t: Task, tok: int, idx: int) -> None:
         import llama_cpp
         now = time.monotonic()
         if t.n_gen == 0:
@@ -594,6 +605,8 @@ class Worker:
         t.n_gen += 1
         with self._lock:
             self._counters["generated_tokens"] += 1
+        if req.logprobs is not None:
+            t.logprobs.append(self._logprob_entry(t, tok, idx))
         t.text.add(self.piece(tok, special=tok in t.special_ids))
         if t.stops:
             cut = t.stops.find(t.text.text)  # new text only
@@ -632,6 +645,9 @@ class Worker:
         if t.req.says_demo_notice() and not t.notice_sent:  # the demo model says what it is first
             d = dict(d, content=DEMO_NOTICE + (d.get("content") or ""))
             t.notice_sent = True
+        if len(t.logprobs) > t.logprobs_sent:
+            d = dict(d, logprobs=t.logprobs[t.logprobs_sent:])
+            t.logprobs_sent = len(t.logprobs)
         self._emit(t, EventType.DELTA, d)
 
     def _end(self, t: Task, reason: Optional[str], error: Optional[tuple[str, str]] = None) -> None:

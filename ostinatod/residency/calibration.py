@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Optional
 
+from ..files import write_json_atomic
 from ..paths import get_paths
 
 log = logging.getLogger("ostinatod.calibrate")
@@ -105,10 +105,7 @@ def store_calibration(cal: dict[str, Any], path: Optional[Path] = None) -> Path:
         except Exception as e:  # noqa: BLE001 - the calibration is still worth storing
             log.warning("hardware probe for the profile failed: %s", e)
     prof["calibration"] = cal
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(prof, indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, prof, indent=1)
 
 
 def decode_choices(settings: Any = None) -> tuple[bool, Optional[int]]:

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..files import write_json_atomic
 from .model import ModelFileError, describe_model, require_arch
 
 RESIDENCY_FORMAT = "ostinato-residency/1"
@@ -190,12 +189,8 @@ def make_residency(model: dict[str, Any], hot: dict[int, list[int]], *, workload
 
 
 def write_residency(doc: dict[str, Any], path: Path) -> Path:
-    """Validate (structure only) and write a residency document atomically; returns the path."""
+    """Validate (structure only) and write a residency document atomically; returns the path.
+    Raises ResidencyError (invalid) or :class:`ostinatod.files.WriteFailed` (disk full, ...: the
+    earlier set stays, no temp file is left)."""
     validate_residency(doc)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".res-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, doc, indent=1)

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 
+from ..files import write_json_atomic
 from ..paths import trace_file
 
 log = logging.getLogger(__name__)
@@ -167,22 +167,7 @@ class Trace:
 
     def save(self, path: Path) -> None:
         """Write atomically (temp file in the same directory, then ``os.replace``)."""
-        _atomic_write_json(Path(path), self.to_json())
-
-
-def _atomic_write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        write_json_atomic(Path(path), self.to_json())
 
 
 @contextmanager

@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 from pydantic import ValidationError
 
 from . import anthropic_api, openai_api, responses_api
 from .request_input import INPUT_PHASE
 from .errors import ApiError, error_response, is_anthropic_path
+from .http_errors import JsonErrorsHandler
 from .metrics import CONTENT_TYPE
 from .state import DaemonState
 
@@ -357,28 +357,13 @@ class _ConnectionGuard(asyncio.Protocol):
         self.inner.resume_writing()
 
 
-class _JsonErrorsHandler(RequestHandler):
-    """aiohttp's protocol of one connection, answering the errors it makes itself (malformed
-    HTTP: bad request line, headers or chunking) with the protocol's JSON error body and one log
-    line, instead of text/plain and a traceback."""
+class _JsonErrorsHandler(JsonErrorsHandler):
+    """The HTTP API's connections: malformed HTTP answered in the protocol's JSON error shape."""
 
     __slots__ = ()
 
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        if status >= 500:
-            return super().handle_error(request, status, exc, message)
-        text = " ".join(str(message or exc or "bad request").split())  # one line
-        log.info("malformed HTTP request -> %d: %s", status, text)
-        if request.writer.output_size > 0:  # an answer has started: the connection is broken
-            raise ConnectionError("response already started, cannot send the error")
-        try:
-            path = request.path
-        except Exception:  # noqa: BLE001 - the request line itself may be what is malformed
-            path = "/"
-        resp = error_response(path, ApiError(status, "invalid_http", f"Malformed HTTP request: {text}"))
-        resp.force_close()
-        return resp
+    def error_body(self, path: str, status: int, text: str) -> web.Response:
+        return error_response(path, ApiError(status, "invalid_http", f"Malformed HTTP request: {text}"))
 
 
 class _GuardedSite(web.TCPSite):

@@ -3,7 +3,8 @@
 Follows the OpenAI wire format (platform.openai.com/docs/api-reference/chat). Extensions accepted
 as extra body fields, as llama-server does: ``top_k``, ``min_p``, ``ignore_eos`` (the replay
 benchmark), ``chat_template_kwargs.enable_thinking``. Reasoning text streams as
-``delta.reasoning_content``.
+``delta.reasoning_content``. ``logprobs`` / ``top_logprobs`` (chat) and ``logprobs`` (legacy
+completions) are computed by the engine from the model's logits (:mod:`..engine.logprobs`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
 from ..engine.types import GenRequest
 from .common import Generation, apply_logit_bias, fill_common, open_generation, respond
 from .request_input import read_json, validate
@@ -46,6 +48,8 @@ class ChatBody(_Base):
     """Validated subset of a chat completion request."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_CHAT)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any], None] = None
     parallel_tool_calls: bool = True
@@ -58,6 +62,8 @@ class CompletionBody(_Base):
     """Validated subset of a legacy completion request."""
 
     prompt: Union[str, list[str]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LEGACY)  # alternatives per token
+    echo: bool = False
 
 
 def _sampling(state: DaemonState, b: _Base, req: GenRequest) -> None:
@@ -116,9 +122,12 @@ def chat_request(state: DaemonState, request: web.Request, b: ChatBody) -> GenRe
                            "user, assistant or tool", param=f"messages.{i}.role")
     msgs = [dict(m, role="system") if m["role"] == "developer" else dict(m) for m in b.messages]
     check_tools(b.tools, b.tool_choice)
+    if b.top_logprobs is not None and not b.logprobs:  # OpenAI's rule
+        raise ApiError(400, "invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
     req = GenRequest(id=new_id("chatcmpl-"), messages=msgs, tools=b.tools or None,
                      tool_choice=b.tool_choice, parallel_tool_calls=b.parallel_tool_calls,
-                     json_schema=json_schema_of(b.response_format))
+                     json_schema=json_schema_of(b.response_format),
+                     logprobs=(b.top_logprobs or 0) if b.logprobs else None)
     _sampling(state, b, req)
     ctk = b.chat_template_kwargs or {}
     if "enable_thinking" in ctk:
@@ -152,7 +161,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if len(prompt) != 1:
             raise ApiError(400, "invalid_request", "Only one prompt per request is supported.", param="prompt")
         prompt = prompt[0]
-    req = GenRequest(id=new_id("cmpl-"), prompt=prompt)
+    if b.echo:  # the prompt's own logprobs would need a prompt pass with logits on every row
+        raise ApiError(400, "invalid_request", "echo is not supported", param="echo")
+    req = GenRequest(id=new_id("cmpl-"), prompt=prompt, logprobs=b.logprobs)
     _sampling(state, b, req)
     fill_common(state, request, req, b.model)
     gen = await Generation.open(state, req, "openai_completions")

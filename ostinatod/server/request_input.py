@@ -14,6 +14,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import BaseModel, ValidationError
 
 from .errors import ApiError
+from .http_errors import one_line
 
 # Deepest JSON nesting accepted in a request body (agents' tool schemas stay far below it; deeper
 # bodies would reach recursion limits of the parser, the worker pipe or the chat template).
@@ -68,7 +69,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise ApiError(408, "request_timeout", "The request body did not arrive within "
                        f"{state.settings.http_body_timeout_s:.0f} s.") from None
     except RequestPayloadError as e:
-        raise ApiError(400, "invalid_encoding", f"Request body cannot be read: {str(e).strip()}") from None
+        raise ApiError(400, "invalid_encoding", f"Request body cannot be read: {one_line(e)}") from None
     try:
         body = json.loads(raw, parse_constant=no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -28,6 +28,28 @@ def error_payload(data: dict[str, Any]) -> dict[str, Any]:
                       "code": data.get("code", "engine_error"), "param": None}}
 
 
+def chat_logprobs(entries: Optional[list[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+    """A chat choice's ``logprobs`` object of the engine's entries (:mod:`...engine.logprobs`);
+    None when the request did not ask for them."""
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
+def legacy_logprobs(entries: Optional[list[dict[str, Any]]], offset: int = 0) -> Optional[dict[str, Any]]:
+    """Legacy completions' ``logprobs`` object of the engine's entries: ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (one ``{token: logprob}`` per token) and ``text_offset``
+    (each token's character offset in the generated text, counted from ``offset``); None when
+    the request did not ask for them."""
+    if entries is None:
+        return None
+    offsets, at = [], offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
 def chat_message(done: dict[str, Any], ids: IdFactory = new_id) -> dict[str, Any]:
     """The assistant message of a chat completion (content, reasoning_content, tool_calls)."""
     m, _ = final_message(done)
@@ -55,7 +77,8 @@ def chat_completion(rid: str, model: Optional[str], created: int, done: dict[str
         finish = "tool_calls"
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": "ostinato",
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "message": msg, "finish_reason": finish,
+                         "logprobs": chat_logprobs(done.get("logprobs"))}],
             "usage": usage(u)}
 
 
@@ -65,7 +88,7 @@ def text_completion(rid: str, model: Optional[str], created: int, done: dict[str
     text = (done.get("message") or {}).get("content") or done.get("text") or ""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": done.get("finish_reason") or "stop",
-                         "logprobs": None}], "usage": usage(u)}
+                         "logprobs": legacy_logprobs(done.get("logprobs"))}], "usage": usage(u)}
 
 
 class _Stream:
@@ -77,6 +100,15 @@ class _Stream:
 
     def __init__(self, rid: str, model: Optional[str], created: int, include_usage: bool):
         self.rid, self.model, self.created, self.include_usage = rid, model, created, include_usage
+        self.lp_pending: Optional[list[dict[str, Any]]] = None  # logprob entries not yet sent
+        self.lp_sent = 0
+
+    def _take_logprobs(self) -> Optional[list[dict[str, Any]]]:
+        """The logprob entries for the next chunk (all received and not yet sent; None: the
+        request asked for none)."""
+        out, self.lp_pending = self.lp_pending, ([] if self.lp_pending is not None else None)
+        self.lp_sent += len(out or [])
+        return out
 
     def start(self) -> list[Frame]:
         return []
@@ -92,8 +124,12 @@ class _Stream:
         if ev.type == "ping":
             return [PING_COMMENT]
         if ev.type == "delta":
+            if "logprobs" in ev.data:
+                self.lp_pending = (self.lp_pending or []) + ev.data["logprobs"]
             return self._delta(ev.data)
         if ev.type == "done":
+            if "logprobs" in ev.data:  # the done event's list is whole: what no delta carried
+                self.lp_pending = ev.data["logprobs"][self.lp_sent:]
             out = self._finish(ev.data)
             if self.include_usage:
                 out.append(Frame({"id": self.rid, "object": self.object, "created": self.created,
@@ -124,7 +160,7 @@ class ChatStream(_Stream):
         c: dict[str, Any] = {"id": self.rid, "object": self.object, "created": self.created,
                              "model": self.model, "system_fingerprint": "ostinato",
                              "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                          "logprobs": None}]}
+                                          "logprobs": chat_logprobs(self._take_logprobs() or None)}]}
         if self.include_usage:
             c["usage"] = None
         return Frame(c)
@@ -166,9 +202,16 @@ class CompletionStream(_Stream):
 
     object = "text_completion"
 
+    def __init__(self, rid: str, model: Optional[str], created: int, include_usage: bool):
+        super().__init__(rid, model, created, include_usage)
+        self.n_chars = 0  # characters of the tokens whose logprobs went out (text_offset)
+
     def _chunk(self, text: str, finish: Optional[str] = None) -> Frame:
+        entries = self._take_logprobs() or None
+        lp = legacy_logprobs(entries, self.n_chars)
+        self.n_chars += sum(len(e["token"]) for e in entries or [])
         return Frame({"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
-                      "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
+                      "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}]})
 
     def _delta(self, d: dict[str, Any]) -> list[Frame]:
         return [self._chunk(d["content"])] if d.get("content") else []

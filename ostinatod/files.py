@@ -1,0 +1,64 @@
+"""Writing a file whole or not at all (temp file in the same directory, then ``os.replace``).
+
+The one home of the daemon's atomic writes of small files (residency sets, routing traces, the
+hardware profile): a failed write (disk full, quota, read-only file system) leaves the earlier file
+as it was and no temp file behind, and is raised as :class:`WriteFailed` naming the path and the
+errno.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class WriteFailed(OSError):
+    """A file could not be written (an ``OSError`` with the same errno). ``path`` is the file
+    that was to be written; ``no_space`` is true for a full disk or quota (ENOSPC, EDQUOT)."""
+
+    def __init__(self, path: Path, cause: OSError):
+        code = errno.errorcode.get(cause.errno, "") if cause.errno is not None else ""
+        reason = cause.strerror or str(cause) or type(cause).__name__
+        super().__init__(cause.errno, f"cannot write {path}: {reason}" + (f" ({code})" if code else ""))
+        self.path = Path(path)
+        self.no_space = cause.errno in _NO_SPACE
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def write_atomic(path: Path, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` atomically: readers see the old file or the new one, never part
+    of one. Creates the parent directories. Returns ``path``; raises :class:`WriteFailed` (the
+    old file untouched, the temp file removed)."""
+    path = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        raise WriteFailed(path, e) from e
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return path
+
+
+def write_json_atomic(path: Path, doc: Any, indent: int | None = None) -> Path:
+    """``doc`` as JSON (``indent``: pretty; None: compact), written by :func:`write_atomic`."""
+    sep = None if indent is not None else (",", ":")
+    return write_atomic(path, json.dumps(doc, indent=indent, separators=sep) + ("\n" if indent else ""))
