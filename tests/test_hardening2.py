@@ -450,6 +450,27 @@ def test_non_utf8_user_agent_and_bogus_encoding(live_daemon):
     assert b" 400 " in head.split(b"\r\n")[0] and json.loads(answer)["error"]["code"] == "invalid_encoding"
 
 
+def test_every_documented_content_encoding_is_decoded(live_daemon):
+    # docs/api.md lists gzip, deflate, br, zstd and identity as decoded request bodies
+    import gzip
+    import zlib
+
+    import brotli
+    try:
+        from compression import zstd
+    except ImportError:
+        from backports import zstd
+    body = json.dumps(chat(1)).encode()
+    for enc, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)), ("br", brotli.compress(body)),
+                      ("zstd", zstd.compress(body)), ("identity", body)):
+        req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+               b"Content-Encoding: " + enc.encode() + b"\r\nConnection: close\r\nContent-Length: "
+               + str(len(data)).encode() + b"\r\n\r\n" + data)
+        head, _, answer = _raw(live_daemon.url, req).partition(b"\r\n\r\n")
+        assert b" 200 " in head.split(b"\r\n")[0], (enc, head, answer[:300])
+        assert json.loads(answer)["choices"][0]["message"], enc
+
+
 def test_control_switch_with_a_long_workload_name_is_a_400(live_daemon):
     from ostinatod.control.client import ControlAPIError, call
 
