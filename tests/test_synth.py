@@ -152,6 +152,34 @@ def test_routing_is_skewed_and_content_dependent():
         assert share(counts[1], hot_code) < share(counts[0], hot_code) - 0.1
 
 
+def test_copy_layer_by_architecture():
+    q35 = shapes.SHAPES["qwen3.5-35b-a3b"]
+    assert tensors.copy_layer("qwen3moe", shapes.SHAPES["small"]) == 0
+    assert tensors.copy_layer("glm4moe", shapes.SHAPES["glm-4.5-air"]) == 0
+    assert tensors.copy_layer("qwen35moe", q35) == 3  # the first full-attention layer
+    assert tensors.copy_layer("qwen35moe", shapes.Shape(**{**q35.__dict__, "n_layer": 2})) is None
+    assert tensors.copy_layer("deepseek4", shapes.SHAPES["deepseek-v4-flash"]) is None
+
+
+def test_copy_head_output_reads_the_copied_token():
+    """The copy subspace: no embedding, class direction or router weight in it; the output matrix
+    only in it, and its argmax on the copy head's write of token j is j (small shape, head_dim 32:
+    the narrowest copy of the shapes that write files for the bench)."""
+    cx = _ctx(0, "small")
+    d, n = cx.shape.n_embd, cx.n_copy
+    assert n == 64 and cx.copy_at == 0
+    emb = tensors._embedding(cx)
+    assert not emb[:, d - n:].any() and not cx.C[:, d - n:].any()
+    assert not tensors._router(cx, 1)[:, d - n:].any()
+    copies = cx._emb_v @ tensors._copy_out_rows(cx).T  # (n_vocab, n): head 0's write per token
+    out = tensors._copy_output(cx)
+    assert not out[:, :d - n].any()
+    ids = np.random.default_rng(1).integers(0, cx.n_vocab, 400)
+    assert np.mean((copies[ids] @ out[:, d - n:].T).argmax(axis=1) == ids) > 0.97
+    # the copy is about as large as the embedding (copy_gain 1)
+    assert np.linalg.norm(copies[ids], axis=1).mean() / np.sqrt(d) == pytest.approx(1.0, abs=0.15)
+
+
 def test_quant_blocks_are_valid():
     import gguf
 

@@ -37,12 +37,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", action="store_true", help="--report: count routes with the real "
                     "engine (native expert counters) instead of a numpy forward of the routers")
     ap.add_argument("--max-chars", type=int, default=2_000_000, help="--report: text per side")
+    ap.add_argument("--decode", type=int, default=0, metavar="N", help="--report --engine: generate N "
+                    "greedy tokens after each 2048-token window and report the held-out share per phase "
+                    "(prefill, decode)")
     args = ap.parse_args(argv)
     if args.report:
         if not args.sessions:
             ap.error("--report needs --sessions FILE.jsonl [FILE.jsonl]")
-        print(json.dumps(routing_report(args.report, args.sessions, max_chars=args.max_chars,
-                                        engine=args.engine), indent=1))
+        if args.decode and not args.engine:
+            ap.error("--decode needs --engine")
+        try:
+            rep = routing_report(args.report, args.sessions, max_chars=args.max_chars, engine=args.engine,
+                                 decode=args.decode)
+        except SynthError as e:
+            print(f"ostinato synth: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps(rep, indent=1))
         return 0
     if not args.output:
         ap.error("-o/--output is required")

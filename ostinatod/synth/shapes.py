@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as QT
 
 
-SYNTH_FORMAT = "ostinato-synth/1"
+SYNTH_FORMAT = "ostinato-synth/2"  # 2: the copy head
 VOCAB_NAME = "ggml-vocab-qwen2.gguf"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
@@ -176,7 +176,11 @@ class Routing:
     (syntax~ident, word~name, number~misc); unrelated classes rank independently;
     ``strength``: A, the weight of the preference in the router logit (None: by expert count);
     ``spread``: B, the per-token noise in the router logit;
-    ``branch_scale``: attention/expert output size relative to the residual, for the whole depth.
+    ``branch_scale``: attention/expert output size relative to the residual, for the whole depth;
+    ``copy_dims``: width of the copy subspace (at most a quarter of the hidden size), ``copy_gain``:
+    size of the copy relative to the embedding, ``copy_sharpness``: the std of the copy head's
+    attention scores (see :mod:`ostinatod.synth.tensors`, "the copy head"): what makes a decode
+    step route like a prompt token.
     """
 
     class_energy: float = 0.5
@@ -184,6 +188,9 @@ class Routing:
     strength: float | None = None
     spread: float = 1.0
     branch_scale: float = 0.5
+    copy_dims: int = 256
+    copy_gain: float = 1.0
+    copy_sharpness: float = 12.0
 
     def strength_for(self, n_expert: int) -> float:
         # tuned by simulation on the class mix of ../shared/sessions/swe.jsonl so that the top 44 %
