@@ -180,6 +180,33 @@ def test_copy_head_output_reads_the_copied_token():
     assert np.linalg.norm(copies[ids], axis=1).mean() / np.sqrt(d) == pytest.approx(1.0, abs=0.15)
 
 
+SESSIONS = Path("/work/shared/sessions")
+
+
+@pytest.mark.slow
+def test_decode_steps_route_like_prompt_tokens_through_the_engine(tmp_path: Path):
+    """Through the real engine (native route counters, CPU): greedy tokens after a prompt are
+    mostly copies of the prompt's tokens (without the copy head a random model repeats a fixed
+    walk of tokens), and held-out decode steps route to the development hot set within a few
+    points of held-out prefill tokens (issue 25, item 5)."""
+    from ostinatod.engine import native
+    from ostinatod.synth import routing
+
+    if not native.experts_available():
+        pytest.skip("native expert engine not built")
+    path = writer.write_synthetic_moe(tmp_path / "ci.gguf", arch="qwen3moe", shape="ci")
+    prompt = b"def load(path):\n    with open(path) as f:\n        return json.load(f)\n" \
+             b"The file holds the user's orders, one per line.<|im_end|>\n<|im_start|>assistant\n"
+    prompt_ids = set(routing.tokenize(path, prompt.decode()).tolist())
+    out = _greedy(path, prompt, 24)
+    assert np.mean([t in prompt_ids for t in out]) > 0.6 and len(set(out)) >= 6, out
+    rep = routing.routing_report(path, [SESSIONS / "swe.jsonl"], engine=True, decode=16, window=512,
+                                 max_chars=12000)
+    ph = rep["files"]["swe"]["per_phase"]
+    assert rep["files"]["swe"]["decode_routes"]["held_out"] > 0
+    assert abs(ph["decode"] - ph["prefill"]) < 0.06, ph
+
+
 def test_quant_blocks_are_valid():
     import gguf
 
