@@ -183,6 +183,17 @@ def test_copy_head_output_reads_the_copied_token():
 SESSIONS = Path("/work/shared/sessions")
 
 
+def test_hot_sets_and_shares():
+    from ostinatod.synth.routing import hot_sets, share_on
+
+    dev = {0: np.array([9, 1, 5, 0]), 3: np.array([0, 0, 2, 7])}
+    hot = hot_sets(dev, 0.5)
+    assert [h.tolist() for h in hot.values()] == [[0, 2], [2, 3]]
+    held = {0: np.array([1, 1, 1, 1]), 3: np.array([0, 4, 0, 0])}
+    assert share_on(held, hot) == pytest.approx((0.5 + 0.0) / 2)
+    assert share_on({}, hot) is None
+
+
 @pytest.mark.slow
 def test_decode_steps_route_like_prompt_tokens_through_the_engine(tmp_path: Path):
     """Through the real engine (native route counters, CPU): greedy tokens after a prompt are

@@ -98,8 +98,8 @@ def engine_phase_counts(model_path: str | os.PathLike, token_ids: np.ndarray, wi
     ``token_ids`` in independent windows of ``window`` tokens (the KV cache is cleared between
     windows); with ``decode`` each window ends with the chat template's generation prompt
     (``<|im_end|>\n<|im_start|>assistant\n``, as every turn of a session does) and after its
-    prefill ``decode`` tokens are generated greedily, one decode step each, as a reply would. The counts are the engine's per (layer, expert) prefill and
-    decode route counters. Unlike :func:`router_counts` this includes what attention and earlier
+    prefill ``decode`` tokens are generated greedily, one decode step each, as a reply would.
+    The counts are the engine's per (layer, expert) prefill and decode route counters. Unlike :func:`router_counts` this includes what attention and earlier
     layers add to the residual stream. Raises SynthError when the native expert engine is not
     built or llama.cpp fails.
     """
@@ -152,13 +152,6 @@ def engine_phase_counts(model_path: str | os.PathLike, token_ids: np.ndarray, wi
         c = np.asarray(st[f"counts_{phase}"], dtype=np.int64)
         out[phase] = {il: c[il] for il in range(c.shape[0]) if c[il].sum() > 0}
     return out
-
-
-def engine_router_counts(model_path: str | os.PathLike, token_ids: np.ndarray, window: int = 2048,
-                         n_threads: int | None = None) -> dict[int, np.ndarray]:
-    """Prefill route counts per MoE layer, {layer: (n_expert,) int64}, as the real engine routes
-    them (:func:`engine_phase_counts` without decode steps)."""
-    return engine_phase_counts(model_path, token_ids, window, 0, n_threads)["prefill"]
 
 
 def hot_sets(counts: dict[int, np.ndarray], hot_frac: float) -> dict[int, np.ndarray]:
