@@ -196,7 +196,7 @@ def routing_report(model_path: str | os.PathLike, session_files: list[str | os.P
     the planner sees them), and ``per_phase`` gives the held-out share of each phase. Returns a
     JSON-able dict.
     """
-    from ..tools.sessions import split_sessions
+    from ..bench.sessions import split_sessions
 
     if decode and not engine:
         raise SynthError("decode steps are counted by the engine only (engine=True)")
