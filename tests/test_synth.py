@@ -111,9 +111,9 @@ def test_deterministic_from_seed(tiny_model: Path, tmp_path: Path):
     assert a.shape == (8, 64) and not np.allclose(a, b)
 
 
-def _ctx(seed: int, shape: str = "tiny") -> "tensors._Ctx":
+def _ctx(seed: int, shape: str = "tiny", **routing) -> "tensors._Ctx":
     tok = vocab.load_tokenizer()
-    return tensors._Ctx(arch="qwen3moe", shape=shapes.SHAPES[shape], routing=shapes.Routing(), seed=seed,
+    return tensors._Ctx(arch="qwen3moe", shape=shapes.SHAPES[shape], routing=shapes.Routing(**routing), seed=seed,
                       qexp=shapes.QUANTS["q8_0"], qmat=shapes.QUANTS["q8_0"],
                       classes=np.asarray(tok["classes"], dtype=np.int8), n_vocab=len(tok["tokens"]))
 
@@ -161,11 +161,18 @@ def test_copy_layer_by_architecture():
     assert tensors.copy_layer("deepseek4", shapes.SHAPES["deepseek-v4-flash"]) is None
 
 
+def test_copy_head_only_on_the_real_shapes_by_default():
+    # the test and demo files keep the walk their grammar-constrained answers were written for
+    assert not any(shapes.copy_head_by_default(s) for s in ("tiny", "ci", "small"))
+    assert all(shapes.copy_head_by_default(s) for s in shapes.ARCH_SHAPES)
+    assert _ctx(0, "small").copy_at is None and _ctx(0, "small", copy_head=True).copy_at == 0
+
+
 def test_copy_head_output_reads_the_copied_token():
     """The copy subspace: no embedding, class direction or router weight in it; the output matrix
     only in it, and its argmax on the copy head's write of token j is j (small shape, head_dim 32:
     the narrowest copy of the shapes that write files for the bench)."""
-    cx = _ctx(0, "small")
+    cx = _ctx(0, "small", copy_head=True)
     d, n = cx.shape.n_embd, cx.n_copy
     assert n == 64 and cx.copy_at == 0
     emb = tensors._embedding(cx)
@@ -205,7 +212,8 @@ def test_decode_steps_route_like_prompt_tokens_through_the_engine(tmp_path: Path
 
     if not native.experts_available():
         pytest.skip("native expert engine not built")
-    path = writer.write_synthetic_moe(tmp_path / "ci.gguf", arch="qwen3moe", shape="ci")
+    path = writer.write_synthetic_moe(tmp_path / "ci.gguf", arch="qwen3moe", shape="ci",
+                                      routing=shapes.Routing(copy_head=True))
     prompt = b"def load(path):\n    with open(path) as f:\n        return json.load(f)\n" \
              b"The file holds the user's orders, one per line.<|im_end|>\n<|im_start|>assistant\n"
     prompt_ids = set(routing.tokenize(path, prompt.decode()).tolist())

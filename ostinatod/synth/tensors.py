@@ -124,7 +124,7 @@ class _Ctx:
 
     def __post_init__(self):
         d = self.shape.n_embd
-        self.copy_at = copy_layer(self.arch, self.shape)
+        self.copy_at = copy_layer(self.arch, self.shape) if self.routing.copy_head else None
         if self.copy_at is not None:
             self.n_copy = min(self.routing.copy_dims, d // 4)
         rng = _rng(self.seed, "class_directions")

@@ -44,7 +44,7 @@ from gguf import GGMLQuantizationType as QT
 
 from .quants import RECIPES
 from .shapes import (ARCH_SHAPES, MERGED_GATE_UP_ARCHS, QUANTS, Routing, SHAPES, SYNTH_FORMAT, SynthError,
-                     TOKEN_ENDOFTEXT, TOKEN_IM_END)
+                     TOKEN_ENDOFTEXT, TOKEN_IM_END, copy_head_by_default)
 from .vocab import load_tokenizer, named_tokens
 from .archs import PLANS as _PLANS
 from .tensors import _BLOCK, _Ctx, _rng, quant_nbytes
@@ -90,6 +90,8 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     if shp.n_layer < 1:
         raise SynthError("n_layer must be >= 1")
     routing = routing or Routing()
+    if routing.copy_head is None:
+        routing = replace(routing, copy_head=copy_head_by_default(shape))
     path = Path(path)
     t0 = time.time()
     tok = load_tokenizer(vocab)
