@@ -221,7 +221,7 @@ def _tid2eid(cx: _Ctx, il: int) -> np.ndarray:
     the hash layers are as skewed and content-dependent as the learned ones."""
     s, r = cx.shape, cx.routing
     E, k = s.n_expert, s.n_expert_used
-    A = r.strength_for(E)
+    A = r.strength_for(E, k)
     rng = _rng(cx.seed, f"blk.{il}.ffn_gate_tid2eid")
     out = np.empty((cx.n_vocab, k), dtype=np.int32)
     step = 8192

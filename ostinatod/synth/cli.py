@@ -9,7 +9,8 @@ import sys
 import time
 
 
-from .shapes import QUANTS, SHAPES, SynthError
+from .shapes import QUANTS, SHAPES, Routing, SynthError
+from .skew import DEFAULT_SKEW
 from .archs import PLANS as _PLANS
 from .writer import write_synthetic_moe
 from .routing import routing_report
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merged-gate-up", action="store_true", help="write ffn_gate_up_exps (one merged "
                     "tensor) instead of ffn_gate_exps + ffn_up_exps (deepseek2, qwen35moe)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skew", type=float, metavar="S", help="routing skew: the held-out share of the "
+                    "development top-44%% experts, as the engine counts it (0.5-0.99; default: the "
+                    f"expert-count rule, made for {DEFAULT_SKEW}); mapped to a router strength by a "
+                    "calibrated table (docs/synthetic-models.md)")
     ap.add_argument("-o", "--output", help="output .gguf path")
     ap.add_argument("--report", metavar="MODEL.gguf", help="instead of writing: print the routing "
                     "skew of an existing synthetic model on --sessions files (JSON)")
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p = write_synthetic_moe(args.output, arch=args.arch, shape=args.shape, n_layer=args.layers,
                                 quant=args.quant, seed=args.seed, progress=True,
-                                merged_gate_up=args.merged_gate_up)
+                                merged_gate_up=args.merged_gate_up,
+                                routing=Routing(skew=args.skew) if args.skew is not None else None)
     except SynthError as e:
         print(f"ostinato synth: {e}", file=sys.stderr)
         return 2

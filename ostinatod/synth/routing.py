@@ -99,8 +99,10 @@ def engine_phase_counts(model_path: str | os.PathLike, token_ids: np.ndarray, wi
     windows); with ``decode`` each window ends with the chat template's generation prompt
     (``<|im_end|>\n<|im_start|>assistant\n``, as every turn of a session does) and after its
     prefill ``decode`` tokens are generated greedily, one decode step each, as a reply would.
-    The counts are the engine's per (layer, expert) prefill and decode route counters. Unlike :func:`router_counts` this includes what attention and earlier
-    layers add to the residual stream. Raises SynthError when the native expert engine is not
+    The counts are the engine's per (layer, expert) prefill and decode route counters, without
+    the last MoE layer (llama.cpp computes it only for the rows that give logits). Unlike
+    :func:`router_counts` this includes what attention and earlier layers add to the residual
+    stream. Raises SynthError when the native expert engine is not
     built or llama.cpp fails.
     """
     import llama_cpp as L
@@ -151,6 +153,15 @@ def engine_phase_counts(model_path: str | os.PathLike, token_ids: np.ndarray, wi
     for phase in ("prefill", "decode"):
         c = np.asarray(st[f"counts_{phase}"], dtype=np.int64)
         out[phase] = {il: c[il] for il in range(c.shape[0]) if c[il].sum() > 0}
+    # llama.cpp runs the last layer only on the rows that give logits (the last token of a
+    # batch), so its prefill counts are a few tokens, not the prompt: that layer is left out of
+    # both phases
+    last = max(out["prefill"], default=None)
+    for phase in out:
+        out[phase].pop(last, None)
+    if not out["prefill"]:
+        raise SynthError("route counts need a model with at least two MoE layers (llama.cpp "
+                         "computes the last one only for the rows that give logits)")
     return out
 
 
@@ -245,3 +256,48 @@ def routing_report(model_path: str | os.PathLike, session_files: list[str | os.P
                         f"{a}_routes_on_own_hot_set": share_on(counts_all[a], hot[a]),
                         f"{b}_routes_on_own_hot_set": share_on(counts_all[b], hot[b])}
     return rep
+
+
+def designed_shares(shape: str, strengths: list[float], session_file: str | os.PathLike,
+                    n_layer: int | None = None, hot_frac: float = 0.44, seed: int = 0,
+                    max_chars: int = 200_000, copy_head: bool = True) -> dict[float, float]:
+    """Held-out share on the development top-``hot_frac`` experts, mean over the layers, for each
+    router strength A of ``strengths``: a numpy forward of the writer's own embedding and routers
+    (qwen3moe layout of ``shape``, ``n_layer`` layers, softmax top-k; no file is written), what
+    :func:`router_counts` computes on a written file. It leaves out what attention and the copy
+    head add to the residual; the engine's counts on cut files stay within a few points of it
+    (docs/synthetic-models.md, "Skew as a knob"). Text: ``max_chars`` per side of the task-grouped
+    split of ``session_file``, tokenized with the qwen2 vocabulary. Returns {A: share}."""
+    from dataclasses import replace
+
+    from ..bench.sessions import split_sessions
+    from .shapes import QUANTS, SHAPES, Routing
+    from .tensors import _Ctx, _embedding, _router
+    from .vocab import find_vocab, load_tokenizer
+
+    shp = SHAPES[shape] if n_layer is None else replace(SHAPES[shape], n_layer=int(n_layer))
+    dev, held = split_sessions(session_file, seed=seed)
+    ids = [tokenize(find_vocab(), "\n".join(_session_text(s) for s in ss)[:max_chars]) for ss in (dev, held)]
+    uniq, inv = np.unique(np.concatenate(ids), return_inverse=True)
+    inv_dev, inv_held = inv[:len(ids[0])], inv[len(ids[0]):]
+    tok = load_tokenizer()
+
+    def ctx(a: float) -> _Ctx:
+        return _Ctx(arch="qwen3moe", shape=shp, routing=Routing(strength=a, copy_head=copy_head), seed=seed,
+                    qexp=QUANTS["q8_0"], qmat=QUANTS["q8_0"], classes=np.asarray(tok["classes"], dtype=np.int8),
+                    n_vocab=len(tok["tokens"]))
+
+    x = _embedding(ctx(1.0))[uniq].astype(np.float64)
+    x /= np.sqrt((x ** 2).mean(axis=1, keepdims=True))
+    k, out = shp.n_expert_used, {}
+    for a in strengths:
+        cx, dev_c, held_c = ctx(a), {}, {}
+        for il in range(shp.n_layer):
+            logits = x @ _router(cx, il).T
+            top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+            per_tok = np.zeros((len(uniq), shp.n_expert), dtype=np.int64)
+            np.put_along_axis(per_tok, top, 1, axis=1)
+            dev_c[il] = np.bincount(inv_dev, minlength=len(uniq)) @ per_tok
+            held_c[il] = np.bincount(inv_held, minlength=len(uniq)) @ per_tok
+        out[a] = share_on(held_c, hot_sets(dev_c, hot_frac))
+    return out

@@ -174,7 +174,10 @@ class Routing:
     ``class_energy``: rho, share of an embedding's energy along its class direction;
     ``related_corr``: correlation of the per-layer expert rankings of related fine classes
     (syntax~ident, word~name, number~misc); unrelated classes rank independently;
-    ``strength``: A, the weight of the preference in the router logit (None: by expert count);
+    ``strength``: A, the weight of the preference in the router logit (None: from ``skew``);
+    ``skew``: the held-out share of the dev top-44% experts the routers are made for (A from
+    :func:`ostinatod.synth.skew.strength_for_skew`; None: made for 0.84 where calibrated,
+    :meth:`strength_for`);
     ``spread``: B, the per-token noise in the router logit;
     ``branch_scale``: attention/expert output size relative to the residual, for the whole depth;
     ``copy_dims``: width of the copy subspace (at most a quarter of the hidden size), ``copy_gain``:
@@ -187,6 +190,7 @@ class Routing:
     class_energy: float = 0.5
     related_corr: float = 0.5
     strength: float | None = None
+    skew: float | None = None
     spread: float = 1.0
     branch_scale: float = 0.5
     copy_dims: int = 256
@@ -194,13 +198,17 @@ class Routing:
     copy_sharpness: float = 12.0
     copy_head: bool | None = None
 
-    def strength_for(self, n_expert: int) -> float:
-        # tuned so that the top 44 % of experts take ~84-86 % of held-out routes on
-        # ../shared/sessions/swe.jsonl, counted by the engine: 32 experts A=1.56 (0.85), 128
-        # experts A=0.73 (A=0.9 gave 0.90 on the qwen3-30b-a3b shape; docs/synthetic-models.md)
+    def strength_for(self, n_expert: int, n_expert_used: int) -> float:
+        """A for a model of ``n_expert`` experts, ``n_expert_used`` per token: ``strength``, else
+        the calibrated A of ``skew``, else :func:`ostinatod.synth.skew.default_strength`. Raises
+        SynthError for a skew the routers cannot make."""
+        from .skew import default_strength, strength_for_skew
+
         if self.strength is not None:
             return self.strength
-        return min(2.5, 0.73 * (128.0 / max(n_expert, 2)) ** 0.55)
+        if self.skew is not None:
+            return strength_for_skew(self.skew, n_expert, n_expert_used)
+        return default_strength(n_expert, n_expert_used)
 
 
 def copy_head_by_default(shape: str) -> bool:
