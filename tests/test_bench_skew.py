@@ -53,7 +53,7 @@ def test_synth_skew_writes_its_router_strength(tmp_path: Path, capsys):
 
 def test_parse_skews_and_the_command_of_one_skew():
     assert parse_skews("0.92,0.6, 0.84,0.6") == [0.6, 0.84, 0.92]
-    for bad in ("0.3", "x", "1.2,0.8", ","):
+    for bad in ("0.3", "x", "1.2,0.8"):
         with pytest.raises(BenchError):
             parse_skews(bad)
     assert skew_tag(0.6) == "skew60" and skew_tag(0.925) == "skew92"
@@ -63,8 +63,9 @@ def test_parse_skews_and_the_command_of_one_skew():
 
 
 @pytest.mark.parametrize("extra, words", [(["--model", "m.gguf"], "cannot take --model"),
-                                          (["--budget-sweep", "0.3,0.6"], "one sweep per run")])
-def test_skew_sweep_refuses_a_given_model_or_a_budget_sweep(extra, words, capsys):
+                                          (["--budget-sweep", "0.3,0.6"], "one sweep per run"),
+                                          (["--skew-sweep", ","], "no skew given")])
+def test_skew_sweep_refuses_a_given_model_a_budget_sweep_or_no_skew(extra, words, capsys):
     assert be.main(["--skew-sweep", "0.6,0.9", "--no-server"] + extra) == 1
     assert words in capsys.readouterr().err
 

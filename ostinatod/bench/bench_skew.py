@@ -18,22 +18,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..synth.skew import SKEW_RANGE
-from .bench_common import LIMIT, METRICS, BenchError, is_peer, say
+from .bench_common import LIMIT, METRICS, BenchError, is_peer, parse_list, say
 from .bench_report import fmt, machine_info
 
 
 def parse_skews(text: Optional[str]) -> list[float]:
     """``"0.6,0.84"`` -> [0.6, 0.84] (sorted, unique); BenchError outside :data:`SKEW_RANGE`."""
-    if not text:
-        return []
-    try:
-        xs = sorted({round(float(x), 4) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise BenchError(f"--skew-sweep: not a comma list of shares: {text!r}") from None
     lo, hi = SKEW_RANGE
-    if not xs or any(not lo <= x <= hi for x in xs):
-        raise BenchError(f"--skew-sweep: shares must be in [{lo}, {hi}], got {text!r}")
-    return xs
+    return parse_list(text, "--skew-sweep", "shares", lambda x: lo <= x <= hi, f"[{lo}, {hi}]")
 
 
 def skew_tag(skew: float) -> str:
@@ -93,6 +85,8 @@ def run_skew_sweep(a: argparse.Namespace, argv: list[str], skews: list[float],
         raise BenchError("--skew-sweep writes one synthetic file per skew: it cannot take --model")
     if a.budget_sweep:
         raise BenchError("--skew-sweep and --budget-sweep: one sweep per run")
+    if not skews:
+        raise BenchError("--skew-sweep: no skew given")
     name = a.name or (f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}-engines-{a.shape}"
                       + (f"-L{a.layers}" if a.layers else "") + "-skew-sweep")
     rows = []
