@@ -64,9 +64,10 @@ def test_parse_skews_and_the_command_of_one_skew():
 
 @pytest.mark.parametrize("extra, words", [(["--model", "m.gguf"], "cannot take --model"),
                                           (["--budget-sweep", "0.3,0.6"], "one sweep per run"),
-                                          (["--skew-sweep", ","], "no skew given")])
-def test_skew_sweep_refuses_a_given_model_a_budget_sweep_or_no_skew(extra, words, capsys):
-    assert be.main(["--skew-sweep", "0.6,0.9", "--no-server"] + extra) == 1
+                                          (["--skew-sweep", ","], "no skew given"),
+                                          (["--skew-sweep", "0.6,0.9"], "below what these routers make")])
+def test_skew_sweep_refuses_what_it_cannot_run(extra, words, capsys):
+    assert be.main(["--skew-sweep", "0.8,0.9", "--no-server"] + extra) == 1
     assert words in capsys.readouterr().err
 
 

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "held-out share of the development top-44%% experts its routers are made for "
                     "(default: the writer's, 0.84; see ostinato synth --skew)")
     ap.add_argument("--skew-sweep", metavar="S1,S2,...", help="run the whole benchmark once per skew "
-                    "(e.g. 0.6,0.72,0.84,0.92), each on its own synthetic file of the same shape; "
+                    "(e.g. 0.78,0.84,0.88,0.92), each on its own synthetic file of the same shape; "
                     "writes <name>-skewNN.json per skew and <name>.json, .md, .svg: time against skew "
                     f"for ostinato, the best peer and {LIMIT}")
     ap.add_argument("--time-limit", type=float, metavar="S", help="skip (with a note) every engine "
@@ -203,6 +203,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
         engines.remove("llama-server")
     if "ostinato" not in engines:
         raise BenchError("the engine list must include ostinato")
+    if a.model and a.skew is not None:
+        raise BenchError("--skew makes the routers of a synthetic model: it cannot take --model")
     sweep = parse_budgets(a.budget_sweep)
     run_dir = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ostinato-bench-"))
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,8 @@ import datetime as _dt
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..synth.skew import SKEW_RANGE
+from ..synth.shapes import SHAPES
+from ..synth.skew import SKEW_RANGE, strength_for_skew
 from .bench_common import LIMIT, METRICS, BenchError, is_peer, parse_list, say
 from .bench_report import fmt, machine_info
 
@@ -63,6 +64,7 @@ def sweep_row(skew: float, result: dict[str, Any]) -> dict[str, Any]:
     o = eng.get("ostinato") or {}
     b = o.get("step_breakdown") or {}
     row: dict[str, Any] = {"skew": skew, "result": result.get("name"), "model_file": result["model"]["file"],
+                           "n_layer": result["model"]["n_layer"],
                            "router_strength": result["model"].get("router_strength"),
                            "hot_route_share": o.get("hot_route_share"),
                            "hot_route_share_decode": (b.get("decode_step") or {}).get("hot_route_share"),
@@ -80,13 +82,17 @@ def run_skew_sweep(a: argparse.Namespace, argv: list[str], skews: list[float],
                    write_one: Callable[[dict[str, Any]], Path]) -> dict[str, Any]:
     """Run ``run_one`` (a whole bench run) once per skew on its own synthetic file, writing each
     result with ``write_one``; returns the sweep's result. Raises BenchError with ``--model``
-    (the sweep writes its files) or ``--budget-sweep``."""
+    (the sweep writes its files), ``--budget-sweep`` or no skew, SynthError (before any run) for
+    a skew the shape's routers cannot make."""
     if a.model:
         raise BenchError("--skew-sweep writes one synthetic file per skew: it cannot take --model")
     if a.budget_sweep:
         raise BenchError("--skew-sweep and --budget-sweep: one sweep per run")
     if not skews:
         raise BenchError("--skew-sweep: no skew given")
+    shp = SHAPES[a.shape]
+    for s in skews:  # a skew the routers cannot make stops the sweep before its first run
+        strength_for_skew(s, shp.n_expert, shp.n_expert_used)
     name = a.name or (f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}-engines-{a.shape}"
                       + (f"-L{a.layers}" if a.layers else "") + "-skew-sweep")
     rows = []
@@ -99,7 +105,7 @@ def run_skew_sweep(a: argparse.Namespace, argv: list[str], skews: list[float],
         rows.append(sweep_row(s, res))
     return {"name": name, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_info(), "command": "ostinato bench engines " + " ".join(argv),
-            "skew_sweep": {"skews": skews, "shape": a.shape, "layers": a.layers, "quant": a.quant,
+            "skew_sweep": {"skews": skews, "shape": a.shape, "quant": a.quant,
                            "budget_frac": a.budget_frac, "rows": rows}}
 
 
@@ -107,7 +113,7 @@ def skew_markdown(sweep: dict[str, Any]) -> str:
     """The sweep's table (one row per skew)."""
     sw = sweep["skew_sweep"]
     lines = [f"# {sweep['name']}", "", f"Command: `{sweep['command']}`", "",
-             f"Synthetic qwen3moe files of shape {sw['shape']} ({sw['layers'] or 'all'} layers, {sw['quant']}), "
+             f"Synthetic qwen3moe files of shape {sw['shape']} ({sw['rows'][0]['n_layer']} layers, {sw['quant']}), "
              f"one per skew; pool budget {sw['budget_frac']:.0%}. Skew: the held-out share of the development "
              "top-44% experts the routers are made for; hot share: what the Ostinato engine measured on its "
              "pool (decode steps / prefills). Times: Ostinato / the best peer (its name) / the limit "

@@ -102,8 +102,8 @@ def engine_phase_counts(model_path: str | os.PathLike, token_ids: np.ndarray, wi
     The counts are the engine's per (layer, expert) prefill and decode route counters, without
     the last MoE layer (llama.cpp computes it only for the rows that give logits). Unlike
     :func:`router_counts` this includes what attention and earlier layers add to the residual
-    stream. Raises SynthError when the native expert engine is not
-    built or llama.cpp fails.
+    stream. Raises SynthError when the native expert engine is not built, llama.cpp fails or the
+    model has a single MoE layer.
     """
     import llama_cpp as L
 
