@@ -201,6 +201,16 @@ def test_hot_sets_and_shares():
     assert share_on({}, hot) is None
 
 
+def test_designed_shares_grow_with_the_router_strength():
+    """The numpy forward the skew table is made with (no file written): the class preference
+    adds skew on top of what the tokens alone give (A = 0)."""
+    from ostinatod.synth.routing import designed_shares
+
+    got = designed_shares("small", [0.0, 1.0, 2.5], SESSIONS / "swe.jsonl", n_layer=4, max_chars=20000,
+                          copy_head=False)
+    assert 0.44 < got[0.0] < got[1.0] < got[2.5] < 1.0, got
+
+
 @pytest.mark.slow
 def test_decode_steps_route_like_prompt_tokens_through_the_engine(tmp_path: Path):
     """Through the real engine (native route counters, CPU): greedy tokens after a prompt are
