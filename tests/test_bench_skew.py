@@ -16,7 +16,8 @@ from ostinatod.bench.bench_common import BenchError
 from ostinatod.bench.bench_skew import parse_skews, skew_tag, sub_argv
 from ostinatod.synth import cli as synth_cli
 from ostinatod.synth.shapes import Routing, SynthError
-from ostinatod.synth.skew import CALIBRATION, DEFAULT_SKEW, default_strength, skew_floor, strength_for_skew
+from ostinatod.synth.skew import (CALIBRATION, DEFAULT_SKEW, default_strength, router_strength, skew_floor,
+                                  strength_for_skew)
 
 SESSIONS = Path("/work/shared/sessions")
 
@@ -37,8 +38,8 @@ def test_strength_grows_with_skew_and_refuses_what_the_routers_cannot_make():
     assert default_strength(128, 8) == pytest.approx(strength_for_skew(DEFAULT_SKEW, 128, 8))
     assert default_strength(256, 8) == 0.0 and skew_floor(256, 8) > DEFAULT_SKEW
     assert default_strength(8, 2) == 2.5 and default_strength(32, 4) == pytest.approx(1.565, abs=1e-3)
-    assert Routing(skew=0.9, strength=2.0).strength_for(128, 8) == 2.0  # an explicit A wins
-    assert Routing(skew=0.9).strength_for(128, 8) == pytest.approx(strength_for_skew(0.9, 128, 8))
+    assert router_strength(Routing(skew=0.9, strength=2.0), 128, 8) == 2.0  # an explicit A wins
+    assert router_strength(Routing(skew=0.9), 128, 8) == pytest.approx(strength_for_skew(0.9, 128, 8))
 
 
 def test_synth_skew_writes_its_router_strength(tmp_path: Path, capsys):

@@ -233,7 +233,10 @@ def test_decode_steps_route_like_prompt_tokens_through_the_engine(tmp_path: Path
                                  max_chars=12000)
     ph = rep["files"]["swe"]["per_phase"]
     assert rep["files"]["swe"]["decode_routes"]["held_out"] > 0
-    assert abs(ph["decode"] - ph["prefill"]) < 0.06, ph
+    # the bench's bound: decode no more than 5 points hotter than prefill (issue 25 item 5); and not
+    # far colder (the copies are of context tokens). The last layer is not counted (llama.cpp
+    # computes it for the logits rows only), so 3 of the ci shape's 4 layers with 8 experts each
+    assert ph["prefill"] - 0.10 < ph["decode"] < ph["prefill"] + 0.05, ph
 
 
 def test_quant_blocks_are_valid():

@@ -78,6 +78,7 @@ from typing import Any, Optional
 
 from ..residency.planner import PlanError
 from ..synth.shapes import SHAPES, Routing, SynthError
+from ..synth.skew import router_strength
 from .bench_common import CHOICES, ENGINES, IK, LIMIT, ONE_GPU, VARIANTS, BenchError, say, variant_settings
 from .bench_fit import Estimator, limit_fit
 from .bench_ik import start_ik_server
@@ -366,7 +367,7 @@ def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stoc
         "model": {**block, "file": model.name, "shape": None if a.model else a.shape,
                   "quant": None if a.model else a.quant,
                   "skew": None if a.model else a.skew, "router_strength": None if a.model else
-                  round(Routing(skew=a.skew).strength_for(block["n_expert"], block["n_expert_used"]), 4),
+                  round(router_strength(Routing(skew=a.skew), block["n_expert"], block["n_expert_used"]), 4),
                   "bytes": model.stat().st_size},
         "sessions": {"file": str(sessions_file), "dev": [s["id"] for s in dev],
                      "held_out": [s["id"] for s in held], "turns_per_session": a.turns,

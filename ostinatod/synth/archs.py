@@ -20,6 +20,7 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 
 from .shapes import Shape
+from .skew import router_strength
 from .tensors import (_PLANS as _BASE_PLANS, _Ctx, _T, _attn_gqa, _dense_ffn, _gauss, _kv_dims,
                       _kv_experts, _ones, _output_tensors, _probs_bias, _rng, _routed_experts,
                       _router, _shared_experts, _token_embd, qk_norm_weight)
@@ -221,7 +222,7 @@ def _tid2eid(cx: _Ctx, il: int) -> np.ndarray:
     the hash layers are as skewed and content-dependent as the learned ones."""
     s, r = cx.shape, cx.routing
     E, k = s.n_expert, s.n_expert_used
-    A = r.strength_for(E, k)
+    A = router_strength(r, E, k)
     rng = _rng(cx.seed, f"blk.{il}.ffn_gate_tid2eid")
     out = np.empty((cx.n_vocab, k), dtype=np.int32)
     step = 8192

@@ -177,7 +177,7 @@ class Routing:
     ``strength``: A, the weight of the preference in the router logit (None: from ``skew``);
     ``skew``: the held-out share of the dev top-44% experts the routers are made for (A from
     :func:`ostinatod.synth.skew.strength_for_skew`; None: made for 0.84 where calibrated,
-    :meth:`strength_for`);
+    :func:`ostinatod.synth.skew.router_strength`);
     ``spread``: B, the per-token noise in the router logit;
     ``branch_scale``: attention/expert output size relative to the residual, for the whole depth;
     ``copy_dims``: width of the copy subspace (at most a quarter of the hidden size), ``copy_gain``:
@@ -197,18 +197,6 @@ class Routing:
     copy_gain: float = 1.0
     copy_sharpness: float = 12.0
     copy_head: bool | None = None
-
-    def strength_for(self, n_expert: int, n_expert_used: int) -> float:
-        """A for a model of ``n_expert`` experts, ``n_expert_used`` per token: ``strength``, else
-        the calibrated A of ``skew``, else :func:`ostinatod.synth.skew.default_strength`. Raises
-        SynthError for a skew the routers cannot make."""
-        from .skew import default_strength, strength_for_skew
-
-        if self.strength is not None:
-            return self.strength
-        if self.skew is not None:
-            return strength_for_skew(self.skew, n_expert, n_expert_used)
-        return default_strength(n_expert, n_expert_used)
 
 
 def copy_head_by_default(shape: str) -> bool:

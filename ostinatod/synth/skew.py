@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from .shapes import SynthError
+from .shapes import Routing, SynthError
 
 # the paper's real model: the 44% of experts that development sessions route to most get 84% of
 # held-out routes
@@ -74,3 +74,14 @@ def default_strength(n_expert: int, n_expert_used: int) -> float:
     if (n_expert, n_expert_used) in CALIBRATION:
         return strength_for_skew(max(DEFAULT_SKEW, skew_floor(n_expert, n_expert_used)), n_expert, n_expert_used)
     return min(2.5, 0.73 * (128.0 / max(n_expert, 2)) ** 0.55)
+
+
+def router_strength(routing: Routing, n_expert: int, n_expert_used: int) -> float:
+    """A of ``routing`` for a model of ``n_expert`` experts, ``n_expert_used`` per token: its
+    ``strength``, else the calibrated A of its ``skew``, else :func:`default_strength`. Raises
+    SynthError for a skew the routers cannot make."""
+    if routing.strength is not None:
+        return routing.strength
+    if routing.skew is not None:
+        return strength_for_skew(routing.skew, n_expert, n_expert_used)
+    return default_strength(n_expert, n_expert_used)

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QT
 
 from .quants import LAYOUTS, QUANTIZABLE, RECIPES, Recipe, fit, nbytes, random_blocks, tensor_type
 from .shapes import FINE_NAMES, IDENT, MISC, NAME, NUMBER, Routing, SYNTAX, Shape, SynthError, WORD
+from .skew import router_strength
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,7 +289,7 @@ def _copy_output(cx: _Ctx) -> np.ndarray:
 def _router(cx: _Ctx, il: int) -> np.ndarray:
     """ffn_gate_inp of layer il, numpy (n_expert, n_embd) f32: logits = A * P + B * z."""
     d, rho, r = cx.shape.n_embd, cx.routing.class_energy, cx.routing
-    A, B = r.strength_for(cx.shape.n_expert, cx.shape.n_expert_used), r.spread
+    A, B = router_strength(r, cx.shape.n_expert, cx.shape.n_expert_used), r.spread
     g = A / math.sqrt(d * rho)          # x_hat . C[c] = sqrt(d * rho)
     s = B / math.sqrt(1 - rho)          # x_hat noise part has norm sqrt(d (1 - rho))
     rng = _rng(cx.seed, f"blk.{il}.ffn_gate_inp")

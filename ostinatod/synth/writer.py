@@ -46,6 +46,7 @@ from .quants import RECIPES
 from .shapes import (ARCH_SHAPES, MERGED_GATE_UP_ARCHS, QUANTS, Routing, SHAPES, SYNTH_FORMAT, SynthError,
                      TOKEN_ENDOFTEXT, TOKEN_IM_END, copy_head_by_default)
 from .vocab import load_tokenizer, named_tokens
+from .skew import router_strength
 from .archs import PLANS as _PLANS
 from .tensors import _BLOCK, _Ctx, _rng, quant_nbytes
 
@@ -93,7 +94,7 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     routing = routing or Routing()
     if routing.copy_head is None:
         routing = replace(routing, copy_head=copy_head_by_default(shape))
-    strength = routing.strength_for(shp.n_expert, shp.n_expert_used)  # SynthError for a skew out of range, before writing
+    strength = router_strength(routing, shp.n_expert, shp.n_expert_used)  # SynthError for a skew out of range, before writing
     path = Path(path)
     t0 = time.time()
     tok = load_tokenizer(vocab)
