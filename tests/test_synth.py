@@ -111,9 +111,9 @@ def test_deterministic_from_seed(tiny_model: Path, tmp_path: Path):
     assert a.shape == (8, 64) and not np.allclose(a, b)
 
 
-def _ctx(seed: int, shape: str = "tiny") -> "tensors._Ctx":
+def _ctx(seed: int, shape: str = "tiny", **routing) -> "tensors._Ctx":
     tok = vocab.load_tokenizer()
-    return tensors._Ctx(arch="qwen3moe", shape=shapes.SHAPES[shape], routing=shapes.Routing(), seed=seed,
+    return tensors._Ctx(arch="qwen3moe", shape=shapes.SHAPES[shape], routing=shapes.Routing(**routing), seed=seed,
                       qexp=shapes.QUANTS["q8_0"], qmat=shapes.QUANTS["q8_0"],
                       classes=np.asarray(tok["classes"], dtype=np.int8), n_vocab=len(tok["tokens"]))
 
@@ -150,6 +150,93 @@ def test_routing_is_skewed_and_content_dependent():
         # prose routes land much less on the code hot set than code routes do
         share = lambda c, hot: c[sorted(hot)].sum() / c.sum()  # noqa: E731
         assert share(counts[1], hot_code) < share(counts[0], hot_code) - 0.1
+
+
+def test_copy_layer_by_architecture():
+    q35 = shapes.SHAPES["qwen3.5-35b-a3b"]
+    assert tensors.copy_layer("qwen3moe", shapes.SHAPES["small"]) == 0
+    assert tensors.copy_layer("glm4moe", shapes.SHAPES["glm-4.5-air"]) == 0
+    assert tensors.copy_layer("qwen35moe", q35) == 3  # the first full-attention layer
+    assert tensors.copy_layer("qwen35moe", shapes.Shape(**{**q35.__dict__, "n_layer": 2})) is None
+    assert tensors.copy_layer("deepseek4", shapes.SHAPES["deepseek-v4-flash"]) is None
+
+
+def test_copy_head_only_on_the_real_shapes_by_default():
+    # the test and demo files keep the walk their grammar-constrained answers were written for
+    assert not any(shapes.copy_head_by_default(s) for s in ("tiny", "ci", "small"))
+    assert all(shapes.copy_head_by_default(s) for s in shapes.ARCH_SHAPES)
+    assert _ctx(0, "small").copy_at is None and _ctx(0, "small", copy_head=True).copy_at == 0
+
+
+def test_copy_head_output_reads_the_copied_token():
+    """The copy subspace: no embedding, class direction or router weight in it; the output matrix
+    only in it, and its argmax on the copy head's write of token j is j (small shape, head_dim 32:
+    the narrowest copy of the shapes that write files for the bench)."""
+    cx = _ctx(0, "small", copy_head=True)
+    d, n = cx.shape.n_embd, cx.n_copy
+    assert n == 64 and cx.copy_at == 0
+    emb = tensors._embedding(cx)
+    assert not emb[:, d - n:].any() and not cx.C[:, d - n:].any()
+    assert not tensors._router(cx, 1)[:, d - n:].any()
+    copies = cx._emb_v @ tensors._copy_out_rows(cx).T  # (n_vocab, n): head 0's write per token
+    out = tensors._copy_output(cx)
+    assert not out[:, :d - n].any()
+    ids = np.random.default_rng(1).integers(0, cx.n_vocab, 400)
+    assert np.mean((copies[ids] @ out[:, d - n:].T).argmax(axis=1) == ids) > 0.97
+    # the copy is about as large as the embedding (copy_gain 1)
+    assert np.linalg.norm(copies[ids], axis=1).mean() / np.sqrt(d) == pytest.approx(1.0, abs=0.15)
+
+
+SESSIONS = Path("/work/shared/sessions")
+
+
+def test_hot_sets_and_shares():
+    from ostinatod.synth.routing import hot_sets, share_on
+
+    dev = {0: np.array([9, 1, 5, 0]), 3: np.array([0, 0, 2, 7])}
+    hot = hot_sets(dev, 0.5)
+    assert [h.tolist() for h in hot.values()] == [[0, 2], [2, 3]]
+    held = {0: np.array([1, 1, 1, 1]), 3: np.array([0, 4, 0, 0])}
+    assert share_on(held, hot) == pytest.approx((0.5 + 0.0) / 2)
+    assert share_on({}, hot) is None
+
+
+def test_designed_shares_grow_with_the_router_strength():
+    """The numpy forward the skew table is made with (no file written): the class preference
+    adds skew on top of what the tokens alone give (A = 0)."""
+    from ostinatod.synth.routing import designed_shares
+
+    got = designed_shares("small", [0.0, 1.0, 2.5], SESSIONS / "swe.jsonl", n_layer=4, max_chars=20000,
+                          copy_head=False)
+    assert 0.44 < got[0.0] < got[1.0] < got[2.5] < 1.0, got
+
+
+@pytest.mark.slow
+def test_decode_steps_route_like_prompt_tokens_through_the_engine(tmp_path: Path):
+    """Through the real engine (native route counters, CPU): greedy tokens after a prompt are
+    mostly copies of the prompt's tokens (without the copy head a random model repeats a fixed
+    walk of tokens), and held-out decode steps route to the development hot set within a few
+    points of held-out prefill tokens (issue 25, item 5)."""
+    from ostinatod.engine import native
+    from ostinatod.synth import routing
+
+    if not native.experts_available():
+        pytest.skip("native expert engine not built")
+    path = writer.write_synthetic_moe(tmp_path / "ci.gguf", arch="qwen3moe", shape="ci",
+                                      routing=shapes.Routing(copy_head=True))
+    prompt = b"def load(path):\n    with open(path) as f:\n        return json.load(f)\n" \
+             b"The file holds the user's orders, one per line.<|im_end|>\n<|im_start|>assistant\n"
+    prompt_ids = set(routing.tokenize(path, prompt.decode()).tolist())
+    out = _greedy(path, prompt, 24)
+    assert np.mean([t in prompt_ids for t in out]) > 0.6 and len(set(out)) >= 6, out
+    rep = routing.routing_report(path, [SESSIONS / "swe.jsonl"], engine=True, decode=16, window=512,
+                                 max_chars=12000)
+    ph = rep["files"]["swe"]["per_phase"]
+    assert rep["files"]["swe"]["decode_routes"]["held_out"] > 0
+    # the bench's bound: decode no more than 5 points hotter than prefill (issue 25 item 5); and not
+    # far colder (the copies are of context tokens). The last layer is not counted (llama.cpp
+    # computes it for the logits rows only), so 3 of the ci shape's 4 layers with 8 experts each
+    assert ph["prefill"] - 0.10 < ph["decode"] < ph["prefill"] + 0.05, ph
 
 
 def test_quant_blocks_are_valid():

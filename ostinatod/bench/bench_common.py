@@ -62,6 +62,21 @@ class BenchError(RuntimeError):
     """The benchmark cannot continue (missing model writer, engine failed to start, ...)."""
 
 
+def parse_list(text: str | None, option: str, what: str, ok, bounds: str) -> list[float]:
+    """``"0.85,0.25, 0.45"`` -> [0.25, 0.45, 0.85] (sorted, unique; None or "" -> []) for the
+    option ``option``; BenchError naming ``what`` (e.g. "fractions") when an item is not a number
+    or ``ok(x)`` is false (``bounds`` says the allowed range)."""
+    if not text:
+        return []
+    try:
+        xs = sorted({round(float(x), 4) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise BenchError(f"{option}: not a comma list of {what}: {text!r}") from None
+    if any(not ok(x) for x in xs):
+        raise BenchError(f"{option}: {what} must be in {bounds}, got {text!r}")
+    return xs
+
+
 def say(msg: str) -> None:
     """Progress line with elapsed seconds (stdout, flushed: the lead watches it live)."""
     print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)

@@ -79,7 +79,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..residency.planner import PlanError
-from ..synth.shapes import SHAPES, SynthError
+from ..synth.shapes import SHAPES, Routing, SynthError
+from ..synth.skew import router_strength
 from .bench_common import CHOICES, ENGINES, IK, LIMIT, ONE_GPU, VARIANTS, BenchError, say, variant_settings
 from .bench_fit import Estimator, limit_fit
 from .bench_ik import start_ik_server
@@ -149,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "each of these pool budgets (e.g. 0.25,0.45,0.65,0.85); the baselines and "
                     f"{LIMIT} run once, at --budget-frac; writes a 'sweep' block, a table and "
                     "<name>.svg")
+    ap.add_argument("--skew", type=float, metavar="S", help="routing skew of the synthetic model: the "
+                    "held-out share of the development top-44%% experts its routers are made for "
+                    "(default: the writer's, 0.84; see ostinato synth --skew)")
+    ap.add_argument("--skew-sweep", metavar="S1,S2,...", help="run the whole benchmark once per skew "
+                    "(e.g. 0.78,0.84,0.88,0.92), each on its own synthetic file of the same shape; "
+                    "writes <name>-skewNN.json per skew and <name>.json, .md, .svg: time against skew "
+                    f"for ostinato, the best peer and {LIMIT}")
     ap.add_argument("--time-limit", type=float, metavar="S", help="skip (with a note) every engine "
                     "run whose estimate would end past S seconds from the start (the JSON is "
                     "written after every engine either way)")
@@ -198,6 +206,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
         engines.remove("llama-server")
     if "ostinato" not in engines:
         raise BenchError("the engine list must include ostinato")
+    if a.model and a.skew is not None:
+        raise BenchError("--skew makes the routers of a synthetic model: it cannot take --model")
     sweep = parse_budgets(a.budget_sweep)
     run_dir = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="ostinato-bench-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -358,6 +368,8 @@ def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stoc
         # --model: the file's own name says its shape and quant (the synthetic model's defaults do not)
         "model": {**block, "file": model.name, "shape": None if a.model else a.shape,
                   "quant": None if a.model else a.quant,
+                  "skew": None if a.model else a.skew, "router_strength": None if a.model else
+                  round(router_strength(Routing(skew=a.skew), block["n_expert"], block["n_expert_used"]), 4),
                   "bytes": model.stat().st_size},
         "sessions": {"file": str(sessions_file), "dev": [s["id"] for s in dev],
                      "held_out": [s["id"] for s in held], "turns_per_session": a.turns,
@@ -393,6 +405,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``ostinato bench engines`` (dispatched from ostinatod/bench/cli.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
+    if a.skew_sweep:
+        return _main_skew_sweep(a, argv)
     try:
         result = run(a, argv, on_progress=lambda r: write_result(r, a.out_dir, plot=False))
     except (BenchError, PlanError, SynthError) as e:
@@ -404,6 +418,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         + (f" and {jpath.with_suffix('.svg')}" if result.get("sweep") else ""))
     missing = [n for n in ("ostinato",) if n not in result["engines"]]
     return 1 if missing else 0
+
+
+def _main_skew_sweep(a: argparse.Namespace, argv: list[str]) -> int:
+    """``--skew-sweep``: :func:`.bench_skew.run_skew_sweep` with this module's run and writer."""
+    from .bench_plot import write_skew_plot
+    from .bench_skew import parse_skews, run_skew_sweep, skew_markdown, sub_argv
+
+    def one(sub: argparse.Namespace) -> dict[str, Any]:
+        sub_args = sub_argv(argv, sub.skew, sub.name)
+        return run(sub, sub_args, on_progress=lambda r: write_result(r, a.out_dir, plot=False))
+
+    try:
+        sweep = run_skew_sweep(a, argv, parse_skews(a.skew_sweep), one, lambda r: write_result(r, a.out_dir))
+    except (BenchError, PlanError, SynthError) as e:
+        print(f"ostinato bench engines: {e}", file=sys.stderr)
+        return 1
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    jpath = a.out_dir / f"{sweep['name']}.json"
+    jpath.write_text(json.dumps(sweep, indent=1))
+    jpath.with_suffix(".md").write_text(skew_markdown(sweep))
+    write_skew_plot(sweep, jpath.with_suffix(".svg"))
+    print(skew_markdown(sweep))
+    say(f"written {jpath}, {jpath.with_suffix('.md')} and {jpath.with_suffix('.svg')}")
+    rows = sweep["skew_sweep"]["rows"]
+    return 0 if all(r["decode"]["ostinato"] is not None for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -65,6 +65,34 @@ def _nice_max(v: float) -> float:
     return 10 * e
 
 
+def _frame(out: list[str], x0: float, y0: float, PW: float, PH: float, ymax: float,
+           xticks: list[tuple[float, str]], xlabel: str, ylabel: str) -> None:
+    """A panel's box, y grid with ticks (0..ymax), x ticks at (position, text), axis labels."""
+    out.append(f'<rect x="{x0}" y="{y0}" width="{PW}" height="{PH}" fill="none" stroke="#444"/>')
+    for i in range(6):
+        v = ymax * i / 5
+        y = y0 + PH - v / ymax * PH
+        out.append(f'<line x1="{x0}" x2="{x0 + PW}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end">{v:g}</text>')
+    for x, text in xticks:
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0 + PH}" y2="{y0 + PH + 5}" stroke="#444"/>')
+        out.append(f'<text x="{x:.1f}" y="{y0 + PH + 18}" text-anchor="middle">{html.escape(text)}</text>')
+    out.append(f'<text x="{x0 + PW / 2}" y="{y0 + PH + 38}" text-anchor="middle">{html.escape(xlabel)}</text>')
+    out.append(f'<text x="{x0 - 50}" y="{y0 + PH / 2}" text-anchor="middle" '
+               f'transform="rotate(-90 {x0 - 50} {y0 + PH / 2})">{html.escape(ylabel)}</text>')
+
+
+def _legend(out: list[str], items: list[tuple[str, str, str]], x: float, y: float, W: float) -> None:
+    """Legend entries (text, colour, dash attribute) from (x, y), wrapped at width W."""
+    x_start = x
+    for text, c, dash in items:
+        if x > x_start and x + 40 + 7 * len(text) > W:
+            x, y = x_start, y + 20
+        out.append(f'<line x1="{x}" x2="{x + 24}" y1="{y}" y2="{y}" stroke="{c}" stroke-width="2"{dash}/>')
+        out.append(f'<text x="{x + 30}" y="{y + 4}">{html.escape(text)}</text>')
+        x += 40 + 7 * len(text)
+
+
 def svg(results: list[dict[str, Any]]) -> str:
     """The plot as an SVG document (two panels side by side, legend below)."""
     points, lines, title = collect(results)
@@ -85,18 +113,8 @@ def svg(results: list[dict[str, Any]]) -> str:
         def Y(v: float) -> float:
             return y0 + PH - v / ymax * PH
 
-        out.append(f'<rect x="{x0}" y="{y0}" width="{PW}" height="{PH}" fill="none" stroke="#444"/>')
-        for i in range(6):  # y grid and ticks
-            v = ymax * i / 5
-            out.append(f'<line x1="{x0}" x2="{x0 + PW}" y1="{Y(v):.1f}" y2="{Y(v):.1f}" stroke="#ddd"/>')
-            out.append(f'<text x="{x0 - 6}" y="{Y(v) + 4:.1f}" text-anchor="end">{v:g}</text>')
-        for f in (0, 0.25, 0.5, 0.75, 1.0):
-            out.append(f'<line x1="{X(f):.1f}" x2="{X(f):.1f}" y1="{y0 + PH}" y2="{y0 + PH + 5}" stroke="#444"/>')
-            out.append(f'<text x="{X(f):.1f}" y="{y0 + PH + 18}" text-anchor="middle">{f:.0%}</text>')
-        out.append(f'<text x="{x0 + PW / 2}" y="{y0 + PH + 38}" text-anchor="middle">pool budget '
-                   '(fraction of expert bytes; pool size at the points)</text>')
-        out.append(f'<text x="{x0 - 50}" y="{y0 + PH / 2}" text-anchor="middle" '
-                   f'transform="rotate(-90 {x0 - 50} {y0 + PH / 2})">{html.escape(label)}</text>')
+        _frame(out, x0, y0, PW, PH, ymax, [(X(f), f"{f:.0%}") for f in (0, 0.25, 0.5, 0.75, 1.0)],
+               "pool budget (fraction of expert bytes; pool size at the points)", label)
         for n, e in lines.items():  # horizontal lines: baselines and the limit
             v = e.get(key)
             if not isinstance(v, (int, float)):
@@ -124,18 +142,67 @@ def svg(results: list[dict[str, Any]]) -> str:
         (n + (" (limit: every expert on the GPU)" if n == "stock-all-gpu" else " (once)"),
          COLORS.get(n, "#7f7f7f"), "" if n == "stock-all-gpu" else ' stroke-dasharray="6 4"')
         for n in lines]
-    x = ML
-    for text, c, dash in items:
-        if x > ML and x + 40 + 7 * len(text) > W:  # wrap the legend
-            x, ly = ML, ly + 20
-        out.append(f'<line x1="{x}" x2="{x + 24}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"{dash}/>')
-        out.append(f'<text x="{x + 30}" y="{ly + 4}">{html.escape(text)}</text>')
-        x += 40 + 7 * len(text)
+    _legend(out, items, ML, ly, W)
     if not points:
         out.append(f'<text x="{W / 2}" y="{MT + PH / 2}" text-anchor="middle">no Ostinato run in '
                    'these results</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+SKEW_SERIES = (("ostinato", "ostinato", OSTINATO_COLOR, ""),
+               ("best_peer", "best peer", COLORS["llama-server"], ' stroke-dasharray="6 4"'),
+               ("limit", "stock-all-gpu (limit: every expert on the GPU)", COLORS["stock-all-gpu"], ""))
+
+
+def skew_svg(sweep: dict[str, Any]) -> str:
+    """Time against routing skew from an ``--skew-sweep`` result (:mod:`.bench_skew`): the panels of
+    :data:`PANELS`, one line each for Ostinato, the best peer and the limit over the skews."""
+    rows = sorted(sweep["skew_sweep"]["rows"], key=lambda r: r["skew"])
+    W, H, PW, PH, ML, MT = 1000, 450, 380, 300, 70, 50
+    xs = [r["skew"] for r in rows]
+    lo, hi = (min(xs) - 0.02, max(xs) + 0.02) if xs else (0.5, 1.0)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+           'font-family="sans-serif" font-size="12">', f'<rect width="{W}" height="{H}" fill="white"/>',
+           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15">{html.escape(sweep["name"])}: time '
+           'against routing skew</text>']
+    keys = {m: k for k, m in (("decode", "decode_ms_per_token"), ("ttft_after_tool", "ttft_after_tool_median_s"))}
+    for pi, (metric, label) in enumerate(PANELS):
+        x0, y0 = ML + pi * (PW + 110), MT
+        cells = [r[keys[metric]] for r in rows]
+        vals = [c[s] for c in cells for s, *_ in SKEW_SERIES if isinstance(c.get(s), (int, float))]
+        ymax = _nice_max(max(vals) * 1.08 if vals else 1.0)
+
+        def X(v: float) -> float:
+            return x0 + (v - lo) / (hi - lo) * PW
+
+        def Y(v: float) -> float:
+            return y0 + PH - v / ymax * PH
+
+        _frame(out, x0, y0, PW, PH, ymax, [(X(v), f"{v:.2f}") for v in xs],
+               "skew (held-out share of the dev top-44% experts)", label)
+        for s, _, c, dash in SKEW_SERIES:
+            pts = [(r["skew"], cell[s]) for r, cell in zip(rows, cells) if isinstance(cell.get(s), (int, float))]
+            if len(pts) > 1:
+                out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2"{dash} points="'
+                           + " ".join(f"{X(x):.1f},{Y(v):.1f}" for x, v in pts) + '"/>')
+            for x, v in pts:
+                out.append(f'<circle cx="{X(x):.1f}" cy="{Y(v):.1f}" r="3.5" fill="{c}"/>')
+                out.append(f'<text x="{X(x):.1f}" y="{Y(v) - 7:.1f}" text-anchor="middle" fill="{c}" '
+                           f'font-size="10">{v:.3g}</text>')
+    peers = sorted({r["decode"].get("best_peer_engine") for r in rows} - {None})
+    _legend(out, [(n + (f" ({', '.join(peers)})" if s == "best_peer" and peers else ""), c, dash)
+                  for s, n, c, dash in SKEW_SERIES], ML, MT + PH + 62, W)
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def write_skew_plot(sweep: dict[str, Any], path: Path) -> Path:
+    """Write :func:`skew_svg` of ``sweep`` to ``path``; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(skew_svg(sweep))
+    return path
 
 
 def write_plot(results: list[dict[str, Any]], path: Path) -> Path:

@@ -17,24 +17,30 @@ from .sessions import assistant_turns
 
 
 def prepare_model(a: argparse.Namespace) -> Path:
-    """The model to benchmark: ``--model``, or a synthetic one written once into the models dir."""
+    """The model to benchmark: ``--model``, or a synthetic one written once into the models dir
+    (routers made for ``--skew`` when given). Raises BenchError, SynthError."""
     if a.model:
         if not Path(a.model).is_file():
             raise BenchError(f"model not found: {a.model}")
         return Path(a.model).resolve()
+    from ..synth.shapes import SYNTH_FORMAT, Routing
     from ..synth.writer import write_synthetic_moe
 
     d = get_paths().models_dir
     d.mkdir(parents=True, exist_ok=True)
     layers = f"-L{a.layers}" if a.layers else ""
-    path = d / f"bench-qwen3moe-{a.shape}{layers}-{a.quant}-s{a.seed}.gguf"
+    skew = getattr(a, "skew", None)
+    tag = (f"-skew{round(skew * 100):02d}" if skew is not None else "") + f"-v{SYNTH_FORMAT.rsplit('/', 1)[-1]}"
+    # the writer's format version in the name: a file of an older writer is not reused
+    path = d / f"bench-qwen3moe-{a.shape}{layers}-{a.quant}-s{a.seed}{tag}.gguf"
     if path.exists():
         say(f"model: reusing {path} ({path.stat().st_size / 2**30:.2f} GiB)")
         return path
     say(f"model: writing {path.name} (qwen3moe, shape {a.shape}, layers {a.layers or 'default'}, "
-        f"{a.quant} experts)")
+        f"{a.quant} experts" + (f", routing skew {skew}" if skew is not None else "") + ")")
     write_synthetic_moe(path, arch="qwen3moe", shape=a.shape, n_layer=a.layers, quant=a.quant,
-                        seed=a.seed, progress=a.verbose)
+                        seed=a.seed, progress=a.verbose,
+                        routing=Routing(skew=skew) if skew is not None else None)
     say(f"model: written, {path.stat().st_size / 2**30:.2f} GiB")
     return path
 

@@ -6,22 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from .bench_common import LIMIT, BenchError, say
+from .bench_common import LIMIT, parse_list, say
 from .bench_prepare import plan
 from .bench_report import ratios, ratios_vs_limit
 
 
 def parse_budgets(text: Optional[str]) -> list[float]:
     """``"0.25,0.45"`` -> [0.25, 0.45] (sorted, unique); BenchError outside (0, 1]."""
-    if not text:
-        return []
-    try:
-        xs = sorted({round(float(x), 4) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise BenchError(f"--budget-sweep: not a comma list of fractions: {text!r}") from None
-    if any(not 0 < x <= 1 for x in xs):
-        raise BenchError(f"--budget-sweep: fractions must be in (0, 1], got {text!r}")
-    return xs
+    return parse_list(text, "--budget-sweep", "fractions", lambda x: 0 < x <= 1, "(0, 1]")
 
 
 def sweep_tag(frac: float) -> str:

@@ -20,9 +20,10 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 
 from .shapes import Shape
+from .skew import router_strength
 from .tensors import (_PLANS as _BASE_PLANS, _Ctx, _T, _attn_gqa, _dense_ffn, _gauss, _kv_dims,
                       _kv_experts, _ones, _output_tensors, _probs_bias, _rng, _routed_experts,
-                      _router, _shared_experts, _token_embd)
+                      _router, _shared_experts, _token_embd, qk_norm_weight)
 
 
 def _norm(name: str, n: int) -> _T:
@@ -111,7 +112,8 @@ def _plan_minimax_m2(cx: _Ctx) -> list[_T]:
     for il in range(s.n_layer):
         p = f"blk.{il}."
         ts += [_norm(p + "attn_norm", d), *_attn_gqa(cx, p, il),
-               _norm(p + "attn_q_norm", s.n_head * hd), _norm(p + "attn_k_norm", s.n_head_kv * hd),
+               _T(p + "attn_q_norm.weight", (s.n_head * hd,), QT.F32, qk_norm_weight(cx, il, s.n_head * hd)),
+               _T(p + "attn_k_norm.weight", (s.n_head_kv * hd,), QT.F32, qk_norm_weight(cx, il, s.n_head_kv * hd)),
                _norm(p + "ffn_norm", d), _router_t(cx, p, il), *_routed_experts(cx, p, E, F, d, il),
                _probs_b(cx, p, il)]
     return ts + _output_tensors(cx, d)
@@ -154,7 +156,8 @@ def _plan_qwen35moe(cx: _Ctx) -> list[_T]:
         ts += [_norm(p + "attn_norm", d), _norm(p + "post_attention_norm", d)]
         if not _is_recurrent(s, il):
             ts += [*_attn_gqa(cx, p, il, q_rows=2 * s.n_head * hd),
-                   _norm(p + "attn_q_norm", hd), _norm(p + "attn_k_norm", hd)]
+                   _T(p + "attn_q_norm.weight", (hd,), QT.F32, qk_norm_weight(cx, il, hd)),
+                   _T(p + "attn_k_norm.weight", (hd,), QT.F32, qk_norm_weight(cx, il, hd))]
         else:
             nv = s.ssm_dt_rank
             ts += [cx.mat(p + "attn_qkv", (conv_dim, d), d ** -0.5, "attn_qkv", il),
@@ -219,7 +222,7 @@ def _tid2eid(cx: _Ctx, il: int) -> np.ndarray:
     the hash layers are as skewed and content-dependent as the learned ones."""
     s, r = cx.shape, cx.routing
     E, k = s.n_expert, s.n_expert_used
-    A = r.strength_for(E)
+    A = router_strength(r, E, k)
     rng = _rng(cx.seed, f"blk.{il}.ffn_gate_tid2eid")
     out = np.empty((cx.n_vocab, k), dtype=np.int32)
     step = 8192

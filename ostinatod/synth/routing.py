@@ -11,7 +11,10 @@ import numpy as np
 
 import gguf
 
-from .shapes import SynthError
+from .shapes import TOKEN_IM_END, TOKEN_IM_START, SynthError
+
+# qwen2 vocabulary ids of "\n" and "assistant" (the generation prompt "<|im_start|>assistant\n")
+_NEWLINE, _ASSISTANT = (198,), (77091,)
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,15 +89,21 @@ def router_counts(model_path: str | os.PathLike, token_ids: np.ndarray) -> dict[
     return out
 
 
-def engine_router_counts(model_path: str | os.PathLike, token_ids: np.ndarray, window: int = 2048,
-                         n_threads: int | None = None) -> dict[int, np.ndarray]:
-    """Route counts per MoE layer, {layer: (n_expert,) int64}, as the real engine routes them.
+def engine_phase_counts(model_path: str | os.PathLike, token_ids: np.ndarray, window: int = 2048,
+                        decode: int = 0, n_threads: int | None = None) -> dict[str, dict[int, np.ndarray]]:
+    """Route counts per phase and MoE layer, ``{"prefill": {layer: (n_expert,) int64}, "decode":
+    {...}}``, as the real engine routes them.
 
     Runs the model (llama.cpp with Ostinato's native expert engine, all experts cold, CPU) over
     ``token_ids`` in independent windows of ``window`` tokens (the KV cache is cleared between
-    windows) and reads the engine's per (layer, expert) prefill route counters. Unlike
+    windows); with ``decode`` each window ends with the chat template's generation prompt
+    (``<|im_end|>\n<|im_start|>assistant\n``, as every turn of a session does) and after its
+    prefill ``decode`` tokens are generated greedily, one decode step each, as a reply would.
+    The counts are the engine's per (layer, expert) prefill and decode route counters, without
+    the last MoE layer (llama.cpp computes it only for the rows that give logits). Unlike
     :func:`router_counts` this includes what attention and earlier layers add to the residual
-    stream. Raises SynthError when the native expert engine is not built.
+    stream. Raises SynthError when the native expert engine is not built, llama.cpp fails or the
+    model has a single MoE layer.
     """
     import llama_cpp as L
 
@@ -112,26 +121,65 @@ def engine_router_counts(model_path: str | os.PathLike, token_ids: np.ndarray, w
         raise SynthError(f"llama.cpp could not load {model_path}")
     try:
         cp = L.llama_context_default_params()
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = window
+        cp.n_ctx = window + decode
+        cp.n_batch = cp.n_ubatch = window
         cp.n_threads = cp.n_threads_batch = n_threads or max(1, (os.cpu_count() or 2))
         ctx = L.llama_init_from_model(model, cp)
         if not ctx:
             raise SynthError("llama.cpp could not create a context")
+        n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
         native.experts_json("ostinato_experts_take_request_stats")  # reset
         ids = np.asarray(token_ids, dtype=np.int32)
         mem = L.llama_get_memory(ctx)
-        for i in range(0, len(ids), window):
-            chunk = ids[i:i + window]
+        # a reply starts after the chat template's generation prompt, the same in every turn
+        reply = np.asarray([TOKEN_IM_END, *_NEWLINE, TOKEN_IM_START, *_ASSISTANT, *_NEWLINE], dtype=np.int32)
+        step = window - len(reply) if decode else window
+        for i in range(0, len(ids), step):
+            chunk = np.concatenate([ids[i:i + step], reply]) if decode else ids[i:i + step]
             buf = (L.llama_token * len(chunk))(*chunk.tolist())
             if L.llama_decode(ctx, L.llama_batch_get_one(buf, len(chunk))) != 0:
                 raise SynthError("llama_decode failed")
+            for _ in range(decode):
+                logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+                one = (L.llama_token * 1)(int(np.argmax(logits)))
+                if L.llama_decode(ctx, L.llama_batch_get_one(one, 1)) != 0:
+                    raise SynthError("llama_decode failed (decode step)")
             L.llama_memory_clear(mem, True)
         st = native.experts_json("ostinato_experts_take_request_stats")
         L.llama_free(ctx)
     finally:
         L.llama_model_free(model)
-    counts = np.asarray(st["counts_prefill"], dtype=np.int64) + np.asarray(st["counts_decode"], dtype=np.int64)
-    return {il: counts[il] for il in range(counts.shape[0]) if counts[il].sum() > 0}
+    out = {}
+    for phase in ("prefill", "decode"):
+        c = np.asarray(st[f"counts_{phase}"], dtype=np.int64)
+        out[phase] = {il: c[il] for il in range(c.shape[0]) if c[il].sum() > 0}
+    # llama.cpp runs the last layer only on the rows that give logits (the last token of a
+    # batch), so its prefill counts are a few tokens, not the prompt: that layer is left out of
+    # both phases
+    last = max(out["prefill"], default=None)
+    for phase in out:
+        out[phase].pop(last, None)
+    if not out["prefill"]:
+        raise SynthError("route counts need a model with at least two MoE layers (llama.cpp "
+                         "computes the last one only for the rows that give logits)")
+    return out
+
+
+def hot_sets(counts: dict[int, np.ndarray], hot_frac: float) -> dict[int, np.ndarray]:
+    """Per layer, the ``hot_frac`` most-routed experts of ``counts`` (at least one; ties by
+    expert index), as sorted index arrays."""
+    out = {}
+    for il, c in counts.items():
+        n_hot = max(1, round(hot_frac * len(c)))
+        out[il] = np.sort(np.argsort(-c, kind="stable")[:n_hot])
+    return out
+
+
+def share_on(counts: dict[int, np.ndarray], hot: dict[int, np.ndarray]) -> float | None:
+    """Mean over the layers of ``hot`` of the share of ``counts``' routes that land on the hot
+    experts (the Ostinato paper's Sec. 2 statistic); None when no layer has a route."""
+    xs = [counts[il][hot[il]].sum() / counts[il].sum() for il in hot if il in counts and counts[il].sum() > 0]
+    return float(np.mean(xs)) if xs else None
 
 
 def _session_text(s: dict) -> str:
@@ -145,7 +193,7 @@ def _session_text(s: dict) -> str:
 
 def routing_report(model_path: str | os.PathLike, session_files: list[str | os.PathLike],
                    hot_frac: float = 0.44, seed: int = 0, max_chars: int = 2_000_000,
-                   engine: bool = False) -> dict:
+                   engine: bool = False, decode: int = 0, window: int = 2048) -> dict:
     """Skew and workload dependence of the synthetic routing on recorded sessions.
 
     Per sessions file: the ``hot_frac`` most-routed experts of each MoE layer on the development
@@ -153,45 +201,103 @@ def routing_report(model_path: str | os.PathLike, session_files: list[str | os.P
     receive (the Ostinato paper's Sec. 2 statistic); across files: the Jaccard overlap of their hot
     sets and the share of each file's routes that land on the other file's hot set. Text is capped
     at ``max_chars`` per side. ``engine``: count routes with the real engine
-    (:func:`engine_router_counts`) instead of the numpy router forward. Returns a JSON-able dict.
+    (:func:`engine_phase_counts`, windows of ``window`` tokens) instead of the numpy router
+    forward; ``decode`` (engine only): greedy tokens generated after each window, counted as
+    decode steps. Then the hot set is that of all the development routes (prefill and decode, as
+    the planner sees them), and ``per_phase`` gives the held-out share of each phase. Returns a
+    JSON-able dict.
     """
-    from .sessions import split_sessions
+    from ..bench.sessions import split_sessions
 
+    if decode and not engine:
+        raise SynthError("decode steps are counted by the engine only (engine=True)")
     rep: dict = {"model": str(model_path), "hot_frac": hot_frac, "max_chars": max_chars,
                  "counts_from": "engine" if engine else "numpy router forward", "files": {}}
-    count = engine_router_counts if engine else router_counts
-    hot: dict[str, dict[int, set]] = {}
+    if engine:
+        rep.update(window=window, decode_per_window=decode)
+    hot: dict[str, dict[int, np.ndarray]] = {}
     counts_all: dict[str, dict[int, np.ndarray]] = {}
     for f in session_files:
         name = Path(f).stem
         dev, held = split_sessions(f, seed=seed)
-        c = {}
+        c: dict = {}
         for side, ss in (("dev", dev), ("held_out", held)):
             text = "\n".join(_session_text(s) for s in ss)[:max_chars]
             ids = tokenize(model_path, text)
-            c[side] = count(model_path, ids)
+            c[side] = (engine_phase_counts(model_path, ids, window, decode) if engine
+                       else {"prefill": router_counts(model_path, ids), "decode": {}})
             c[side + "_tokens"] = int(len(ids))
-        layers = sorted(c["dev"])
-        n_exp = len(c["dev"][layers[0]])
-        n_hot = max(1, round(hot_frac * n_exp))
-        hot[name] = {il: set(np.argsort(-c["dev"][il], kind="stable")[:n_hot].tolist()) for il in layers}
-        shares = [c["held_out"][il][sorted(hot[name][il])].sum() / max(1, c["held_out"][il].sum()) for il in layers]
-        dev_shares = [np.sort(c["dev"][il])[::-1][:n_hot].sum() / max(1, c["dev"][il].sum()) for il in layers]
-        counts_all[name] = {il: c["dev"][il] + c["held_out"][il] for il in layers}
+            c[side + "_decode_routes"] = int(sum(v.sum() for v in c[side]["decode"].values()))
+        dev_all = {il: v + c["dev"]["decode"].get(il, 0) for il, v in c["dev"]["prefill"].items()}
+        layers = sorted(dev_all)
+        n_exp = len(dev_all[layers[0]])
+        hot[name] = hot_sets(dev_all, hot_frac)
+        held_all = {il: v + c["held_out"]["decode"].get(il, 0) for il, v in c["held_out"]["prefill"].items()}
+        shares = [held_all[il][hot[name][il]].sum() / max(1, held_all[il].sum()) for il in layers]
+        dev_shares = [np.sort(dev_all[il])[::-1][:len(hot[name][il])].sum() / max(1, dev_all[il].sum()) for il in layers]
+        counts_all[name] = {il: dev_all[il] + held_all[il] for il in layers}
         rep["files"][name] = {"dev_sessions": len(dev), "held_out_sessions": len(held),
                               "dev_tokens": c["dev_tokens"], "held_out_tokens": c["held_out_tokens"],
-                              "n_expert": n_exp, "hot_experts_per_layer": n_hot,
+                              "n_expert": n_exp, "hot_experts_per_layer": len(hot[name][layers[0]]),
                               "held_out_share_on_dev_hot_set": float(np.mean(shares)),
                               "dev_share_on_own_hot_set": float(np.mean(dev_shares)),
                               "per_layer_held_out_share": [round(float(x), 4) for x in shares]}
+        if decode:
+            rep["files"][name]["per_phase"] = {ph: share_on(c["held_out"][ph], hot[name]) for ph in ("prefill", "decode")}
+            rep["files"][name]["decode_routes"] = {side: c[side + "_decode_routes"] for side in ("dev", "held_out")}
     names = list(hot)
     if len(names) >= 2:
         a, b = names[:2]
         layers = sorted(hot[a])
-        jac = [len(hot[a][il] & hot[b][il]) / len(hot[a][il] | hot[b][il]) for il in layers]
-        cross = lambda x, y: float(np.mean([counts_all[x][il][sorted(hot[y][il])].sum() /  # noqa: E731
-                                            max(1, counts_all[x][il].sum()) for il in layers]))
+        jac = [len(set(hot[a][il]) & set(hot[b][il])) / len(set(hot[a][il]) | set(hot[b][il])) for il in layers]
         rep["cross"] = {"pair": [a, b], "hot_set_jaccard": float(np.mean(jac)),
-                        f"{a}_routes_on_{b}_hot_set": cross(a, b), f"{b}_routes_on_{a}_hot_set": cross(b, a),
-                        f"{a}_routes_on_own_hot_set": cross(a, a), f"{b}_routes_on_own_hot_set": cross(b, b)}
+                        f"{a}_routes_on_{b}_hot_set": share_on(counts_all[a], hot[b]),
+                        f"{b}_routes_on_{a}_hot_set": share_on(counts_all[b], hot[a]),
+                        f"{a}_routes_on_own_hot_set": share_on(counts_all[a], hot[a]),
+                        f"{b}_routes_on_own_hot_set": share_on(counts_all[b], hot[b])}
     return rep
+
+
+def designed_shares(shape: str, strengths: list[float], session_file: str | os.PathLike,
+                    n_layer: int | None = None, hot_frac: float = 0.44, seed: int = 0,
+                    max_chars: int = 200_000, copy_head: bool = True) -> dict[float, float]:
+    """Held-out share on the development top-``hot_frac`` experts, mean over the layers, for each
+    router strength A of ``strengths``: a numpy forward of the writer's own embedding and routers
+    (qwen3moe layout of ``shape``, ``n_layer`` layers, softmax top-k; no file is written), what
+    :func:`router_counts` computes on a written file. It leaves out what attention and the copy
+    head add to the residual; the engine's counts on cut files stay within a few points of it
+    (docs/synthetic-models.md, "Skew as a knob"). Text: ``max_chars`` per side of the task-grouped
+    split of ``session_file``, tokenized with the qwen2 vocabulary. Returns {A: share}."""
+    from dataclasses import replace
+
+    from ..bench.sessions import split_sessions
+    from .shapes import QUANTS, SHAPES, Routing
+    from .tensors import _Ctx, _embedding, _router
+    from .vocab import find_vocab, load_tokenizer
+
+    shp = SHAPES[shape] if n_layer is None else replace(SHAPES[shape], n_layer=int(n_layer))
+    dev, held = split_sessions(session_file, seed=seed)
+    ids = [tokenize(find_vocab(), "\n".join(_session_text(s) for s in ss)[:max_chars]) for ss in (dev, held)]
+    uniq, inv = np.unique(np.concatenate(ids), return_inverse=True)
+    inv_dev, inv_held = inv[:len(ids[0])], inv[len(ids[0]):]
+    tok = load_tokenizer()
+
+    def ctx(a: float) -> _Ctx:
+        return _Ctx(arch="qwen3moe", shape=shp, routing=Routing(strength=a, copy_head=copy_head), seed=seed,
+                    qexp=QUANTS["q8_0"], qmat=QUANTS["q8_0"], classes=np.asarray(tok["classes"], dtype=np.int8),
+                    n_vocab=len(tok["tokens"]))
+
+    x = _embedding(ctx(1.0))[uniq].astype(np.float64)
+    x /= np.sqrt((x ** 2).mean(axis=1, keepdims=True))
+    k, out = shp.n_expert_used, {}
+    for a in strengths:
+        cx, dev_c, held_c = ctx(a), {}, {}
+        for il in range(shp.n_layer):
+            logits = x @ _router(cx, il).T
+            top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+            per_tok = np.zeros((len(uniq), shp.n_expert), dtype=np.int64)
+            np.put_along_axis(per_tok, top, 1, axis=1)
+            dev_c[il] = np.bincount(inv_dev, minlength=len(uniq)) @ per_tok
+            held_c[il] = np.bincount(inv_held, minlength=len(uniq)) @ per_tok
+        out[a] = share_on(held_c, hot_sets(dev_c, hot_frac))
+    return out

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as QT
 
 
-SYNTH_FORMAT = "ostinato-synth/1"
+SYNTH_FORMAT = "ostinato-synth/3"  # 2: the copy head (old branch files), 3: only on the real-model shapes
 VOCAB_NAME = "ggml-vocab-qwen2.gguf"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
@@ -174,20 +174,38 @@ class Routing:
     ``class_energy``: rho, share of an embedding's energy along its class direction;
     ``related_corr``: correlation of the per-layer expert rankings of related fine classes
     (syntax~ident, word~name, number~misc); unrelated classes rank independently;
-    ``strength``: A, the weight of the preference in the router logit (None: by expert count);
+    ``strength``: A, the weight of the preference in the router logit (None: from ``skew``);
+    ``skew``: the held-out share of the dev top-44% experts the routers are made for (A from
+    :func:`ostinatod.synth.skew.strength_for_skew`; None: made for 0.84 where calibrated,
+    :func:`ostinatod.synth.skew.router_strength`);
     ``spread``: B, the per-token noise in the router logit;
-    ``branch_scale``: attention/expert output size relative to the residual, for the whole depth.
+    ``branch_scale``: attention/expert output size relative to the residual, for the whole depth;
+    ``copy_dims``: width of the copy subspace (at most a quarter of the hidden size), ``copy_gain``:
+    size of the copy relative to the embedding, ``copy_sharpness``: the std of the copy head's
+    attention scores (see :mod:`ostinatod.synth.tensors`, "the copy head"): what makes a decode
+    step route like a prompt token; ``copy_head``: whether the file has one (None: by shape,
+    :func:`copy_head_by_default`).
     """
 
     class_energy: float = 0.5
     related_corr: float = 0.5
     strength: float | None = None
+    skew: float | None = None
     spread: float = 1.0
     branch_scale: float = 0.5
+    copy_dims: int = 256
+    copy_gain: float = 1.0
+    copy_sharpness: float = 12.0
+    copy_head: bool | None = None
 
-    def strength_for(self, n_expert: int) -> float:
-        # tuned by simulation on the class mix of ../shared/sessions/swe.jsonl so that the top 44 %
-        # of experts take ~84 % of the routes (32 experts: A=1.6, 128 experts: A=0.9)
-        if self.strength is not None:
-            return self.strength
-        return min(2.5, 0.9 * (128.0 / max(n_expert, 2)) ** 0.4)
+
+def copy_head_by_default(shape: str) -> bool:
+    """Whether a file of ``shape`` (a key of :data:`SHAPES`) gets the copy head when
+    ``Routing.copy_head`` is None: the real-model shapes (the bench's files) do; the test and demo
+    shapes (tiny, ci, small) do not. A copy head makes a greedy token a copy of a context token,
+    so under a grammar it fills the free parts (whitespace, a reasoning block the grammar lets
+    open) with copies of the context; a ``<think>`` block opened that way never closes (the
+    closing tag is not in the context) and the answer runs to its token cap. The API tests and
+    the demo depend on grammar-constrained greedy answers that end, which a random model without
+    the copy head gives (docs/synthetic-models.md, "The copy head")."""
+    return shape in ARCH_SHAPES

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QT
 
 from .quants import LAYOUTS, QUANTIZABLE, RECIPES, Recipe, fit, nbytes, random_blocks, tensor_type
 from .shapes import FINE_NAMES, IDENT, MISC, NAME, NUMBER, Routing, SYNTAX, Shape, SynthError, WORD
+from .skew import router_strength
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,13 +119,20 @@ class _Ctx:
     merged: bool = False          # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
     C: np.ndarray = field(default=None)  # (n_class, d) class directions
     prefs: np.ndarray = field(default=None)  # (n_layer, n_class, n_expert)
+    copy_at: int | None = None  # layer of the copy head (None: no copy head)
+    n_copy: int = 0             # copy subspace: the last n_copy hidden dims
+    _emb_v: np.ndarray | None = None  # (n_vocab, head_dim): embedding x the copy head's values
 
     def __post_init__(self):
         d = self.shape.n_embd
+        self.copy_at = copy_layer(self.arch, self.shape) if self.routing.copy_head else None
+        if self.copy_at is not None:
+            self.n_copy = min(self.routing.copy_dims, d // 4)
         rng = _rng(self.seed, "class_directions")
         nc = len(FINE_NAMES)
-        q, _ = np.linalg.qr(rng.standard_normal((d, nc)))
-        self.C = q.T.astype(np.float64)  # orthonormal rows, one per fine class
+        q, _ = np.linalg.qr(rng.standard_normal((d - self.n_copy, nc)))
+        self.C = np.zeros((nc, d))
+        self.C[:, :d - self.n_copy] = q.T  # orthonormal rows, one per fine class, none in the copy dims
         L, E = self.shape.n_layer, self.shape.n_expert
         self.prefs = np.empty((L, nc, E))
         rc = self.routing.related_corr
@@ -142,8 +150,12 @@ class _Ctx:
         return self.routing.branch_scale / math.sqrt(self.shape.n_layer) / math.sqrt(fan_in)
 
     def qt(self, role: str, il: int, row: int) -> QT:
-        """Type of a matrix of ``role`` in layer ``il`` whose rows have ``row`` values."""
+        """Type of a matrix of ``role`` in layer ``il`` whose rows have ``row`` values (the copy
+        head's attention and, with a copy head, the output: the writer's float type, since the
+        output is computed from the copy head's weights)."""
         s = self.shape
+        if self.copy_at is not None and (role == "output" or (il == self.copy_at and role.startswith("attn"))):
+            return fit(self.qmat, row)
         if self.recipe is None:
             rec = Recipe("uniform", 0, self.qexp, self.qmat)
         else:
@@ -168,27 +180,125 @@ class _Ctx:
 
 
 def _embedding(cx: _Ctx) -> np.ndarray:
-    d, rho = cx.shape.n_embd, cx.routing.class_energy
+    """token_embd, numpy (n_vocab, n_embd) f32, zero in the copy dims. With a copy head it also
+    keeps ``cx._emb_v``, the embedding times the copy head's value rows (for the output)."""
+    d, rho, dn = cx.shape.n_embd, cx.routing.class_energy, cx.shape.n_embd - cx.n_copy
     rng = _rng(cx.seed, "token_embd")
-    out = np.empty((cx.n_vocab, d), dtype=np.float32)
+    out = np.zeros((cx.n_vocab, d), dtype=np.float32)
     step = 16384
     for i in range(0, cx.n_vocab, step):
         cls = cx.classes[i:i + step]
-        noise = rng.standard_normal((len(cls), d))
+        noise = rng.standard_normal((len(cls), dn))
         noise /= np.linalg.norm(noise, axis=1, keepdims=True)
-        out[i:i + step] = math.sqrt(d) * (math.sqrt(rho) * cx.C[cls] + math.sqrt(1 - rho) * noise)
+        out[i:i + step] = math.sqrt(d) * math.sqrt(rho) * cx.C[cls]
+        out[i:i + step, :dn] += math.sqrt(d) * math.sqrt(1 - rho) * noise
+    if cx.copy_at is not None:
+        cx._emb_v = out @ _copy_value(cx).T
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the copy head
+#
+# A random-weight model's greedy tokens are a fixed function of the previous token: every turn's
+# reply walks the same few tokens, whose routes the planner learns from the development turns,
+# so decode steps route almost only to hot experts (issue 25, item 5). The copy head makes a
+# generated token a copy of a token of its own context instead: one attention head (the first
+# full-attention layer) with sharp scores (std ``copy_sharpness``) picks a context position
+# from the current token and the relative positions, and writes that token's values into the
+# last ``n_copy`` hidden dims (the copy subspace), which no embedding, class direction or router
+# row uses; the output matrix reads only those dims (row v = the copy of token v), so the argmax
+# is the copied token. Decode steps then route like the prompt's tokens: skewed as much, workload
+# dependent, different in every turn. It is a function of the weights alone (no position or
+# engine state), the same on every engine path; being one layer, it is the same at every depth.
+
+COPY_ARCHS = ("qwen3moe", "glm4moe", "minimax-m2", "qwen35moe")
+
+
+def copy_layer(arch: str, s: Shape) -> int | None:
+    """Layer of the copy head: the first full-attention layer of an architecture in
+    :data:`COPY_ARCHS` (qwen35moe: the first of every ``full_attn_interval``), else None."""
+    if arch not in COPY_ARCHS:
+        return None
+    if arch == "qwen35moe":
+        return next((il for il in range(s.n_layer) if (il + 1) % s.full_attn_interval == 0), None)
+    return 0
+
+
+def _copy_value(cx: _Ctx) -> np.ndarray:
+    """Value rows of the copy head (KV head 0), float32 (head_dim, n_embd): the first rows of the
+    copy layer's attn_v as :func:`_attn_gqa` draws them."""
+    s = cx.shape
+    name = f"blk.{cx.copy_at}.attn_v"
+    a = _rng(cx.seed, name).standard_normal((s.n_head_kv * s.head_dim, s.n_embd), dtype=np.float32)
+    return a[:s.head_dim] * np.float32(s.n_embd ** -0.5)
+
+
+def _copy_out_rows(cx: _Ctx) -> np.ndarray:
+    """The copy head's output block, float32 (n_copy, head_dim): head 0's columns of the copy
+    layer's attn_output in the copy dims, sized so that the copy is ``copy_gain`` times the
+    embedding (qwen35moe: x 2 for its sigmoid output gate, 0.5 on head 0)."""
+    s, g = cx.shape, cx.routing.copy_gain
+    std = g * math.sqrt(s.n_embd / (s.head_dim * cx.n_copy)) * (2.0 if cx.arch == "qwen35moe" else 1.0)
+    return _rng(cx.seed, "copy_head.out").standard_normal((cx.n_copy, s.head_dim), dtype=np.float32) * np.float32(std)
+
+
+def _copy_attn(cx: _Ctx, name: str, shape: tuple[int, ...], std: float, role: str, gate: bool) -> Callable[[], np.ndarray]:
+    """Maker of a copy-layer attention matrix: q and k scaled for sharp scores (q with ``gate``:
+    qwen35moe's per-head [q, gate] rows, head 0's gate rows zero), attn_output with head 0 writing
+    only the copy dims and the other heads only the rest."""
+    s, qt, sharp = cx.shape, cx.qt(role, cx.copy_at, shape[-1]), math.sqrt(cx.routing.copy_sharpness)
+
+    def make():
+        a = _rng(cx.seed, name).standard_normal(shape, dtype=np.float32) * np.float32(std)
+        if role in ("attn_q", "attn_k"):
+            a *= np.float32(sharp)
+            if gate:
+                a[s.head_dim:2 * s.head_dim] = 0.0
+        elif role == "attn_o":
+            dn, hd = s.n_embd - cx.n_copy, s.head_dim
+            a[dn:] = 0.0
+            a[:dn, :hd] = 0.0
+            a[dn:, :hd] = _copy_out_rows(cx)
+        return float_tensor(a, qt)
+    return make
+
+
+def qk_norm_weight(cx: _Ctx, il: int, n: int) -> Callable[[], np.ndarray]:
+    """Weight of a q or k RMS norm (``n`` values) of layer ``il``: ones, sqrt(copy_sharpness) on
+    the copy layer (the norm undoes the scaled q/k matrices)."""
+    v = math.sqrt(cx.routing.copy_sharpness) if il == cx.copy_at else 1.0
+    return lambda: np.full((n,), v, dtype=np.float32)
+
+
+def _copy_output(cx: _Ctx) -> np.ndarray:
+    """output.weight with a copy head, numpy (n_vocab, n_embd) f32: row v is the copy of token v
+    (its embedding through the copy head's values and output block) in the copy dims, zero
+    elsewhere, scaled so that logits are a few units."""
+    d = cx.shape.n_embd
+    if cx._emb_v is None:
+        _embedding(cx)
+    rows = cx._emb_v @ _copy_out_rows(cx).T
+    rows *= np.float32(8.0 / math.sqrt(d)) / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-6)
+    out = np.zeros((cx.n_vocab, d), dtype=np.float32)
+    out[:, d - cx.n_copy:] = rows
+    cx._emb_v = None
     return out
 
 
 def _router(cx: _Ctx, il: int) -> np.ndarray:
     """ffn_gate_inp of layer il, numpy (n_expert, n_embd) f32: logits = A * P + B * z."""
     d, rho, r = cx.shape.n_embd, cx.routing.class_energy, cx.routing
-    A, B = r.strength_for(cx.shape.n_expert), r.spread
+    A, B = router_strength(r, cx.shape.n_expert, cx.shape.n_expert_used), r.spread
     g = A / math.sqrt(d * rho)          # x_hat . C[c] = sqrt(d * rho)
     s = B / math.sqrt(1 - rho)          # x_hat noise part has norm sqrt(d (1 - rho))
     rng = _rng(cx.seed, f"blk.{il}.ffn_gate_inp")
     R = rng.standard_normal((cx.shape.n_expert, d)) / math.sqrt(d)
+    R[:, d - cx.n_copy:] = 0.0  # routers ignore the copy dims
     W = g * cx.prefs[il].T @ cx.C + s * R
+    if cx.copy_at is not None and il >= cx.copy_at:
+        # the copy doubles the residual's energy: the RMS norm shrinks the router input by this
+        W *= math.sqrt(1 + cx.routing.copy_gain ** 2)
     return W.astype(np.float32)
 
 
@@ -240,6 +350,10 @@ def _token_embd(cx: "_Ctx") -> "_T":
 
 def _output_tensors(cx: "_Ctx", d: int, qm=None) -> list:
     """Final norm and output projection."""
+    if cx.copy_at is not None:
+        qt = cx.qt("output", -1, d)
+        return [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
+                _T("output.weight", (cx.n_vocab, d), qt, lambda: float_tensor(_copy_output(cx), qt))]
     return [_T("output_norm.weight", (d,), QT.F32, _ones((d,))),
             cx.mat("output", (cx.n_vocab, d), 3.0 / math.sqrt(d), "output")]
 
@@ -248,10 +362,15 @@ def _attn_gqa(cx: _Ctx, p: str, il: int, q_rows: int | None = None) -> list[_T]:
     """q, k, v, output of a GQA attention (``q_rows``: rows of attn_q, default n_head * head_dim)."""
     s = cx.shape
     d, hd = s.n_embd, s.head_dim
-    return [cx.mat(p + "attn_q", (q_rows or s.n_head * hd, d), d ** -0.5, "attn_q", il),
-            cx.mat(p + "attn_k", (s.n_head_kv * hd, d), d ** -0.5, "attn_k", il),
-            cx.mat(p + "attn_v", (s.n_head_kv * hd, d), d ** -0.5, "attn_v", il),
-            cx.mat(p + "attn_output", (d, s.n_head * hd), cx.out_std(s.n_head * hd), "attn_o", il)]
+    shapes = {"attn_q": ((q_rows or s.n_head * hd, d), d ** -0.5), "attn_k": ((s.n_head_kv * hd, d), d ** -0.5),
+              "attn_v": ((s.n_head_kv * hd, d), d ** -0.5),
+              "attn_o": ((d, s.n_head * hd), cx.out_std(s.n_head * hd))}
+    names = {"attn_q": "attn_q", "attn_k": "attn_k", "attn_v": "attn_v", "attn_o": "attn_output"}
+    if il == cx.copy_at:
+        return [_T(p + names[r] + ".weight", shp, cx.qt(r, il, shp[-1]),
+                   _copy_attn(cx, p + names[r], shp, std, r, gate=q_rows is not None))
+                for r, (shp, std) in shapes.items()]
+    return [cx.mat(p + names[r], shp, std, r, il) for r, (shp, std) in shapes.items()]
 
 
 def _plan_qwen3moe(cx: _Ctx) -> list[_T]:
@@ -263,8 +382,8 @@ def _plan_qwen3moe(cx: _Ctx) -> list[_T]:
         ts += [
             _T(p + "attn_norm.weight", (d,), QT.F32, _ones((d,))),
             *_attn_gqa(cx, p, il),
-            _T(p + "attn_q_norm.weight", (hd,), QT.F32, _ones((hd,))),
-            _T(p + "attn_k_norm.weight", (hd,), QT.F32, _ones((hd,))),
+            _T(p + "attn_q_norm.weight", (hd,), QT.F32, qk_norm_weight(cx, il, hd)),
+            _T(p + "attn_k_norm.weight", (hd,), QT.F32, qk_norm_weight(cx, il, hd)),
             _T(p + "ffn_norm.weight", (d,), QT.F32, _ones((d,))),
             _T(p + "ffn_gate_inp.weight", (E, d), QT.F32, (lambda il=il: _router(cx, il))),
             *_routed_experts(cx, p, E, F, d, il),

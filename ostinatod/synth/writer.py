@@ -44,8 +44,9 @@ from gguf import GGMLQuantizationType as QT
 
 from .quants import RECIPES
 from .shapes import (ARCH_SHAPES, MERGED_GATE_UP_ARCHS, QUANTS, Routing, SHAPES, SYNTH_FORMAT, SynthError,
-                     TOKEN_ENDOFTEXT, TOKEN_IM_END)
+                     TOKEN_ENDOFTEXT, TOKEN_IM_END, copy_head_by_default)
 from .vocab import load_tokenizer, named_tokens
+from .skew import router_strength
 from .archs import PLANS as _PLANS
 from .tensors import _BLOCK, _Ctx, _rng, quant_nbytes
 
@@ -68,7 +69,8 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     "iq4_xs" | "ud-q4_k_xl" mix types per tensor and layer like the published files (norms and
     routers f32 always); ``merged_gate_up``: one ``ffn_gate_up_exps`` tensor per layer instead of
     gate and up (archs in :data:`MERGED_GATE_UP_ARCHS`); ``seed``: all weights are a
-    deterministic function of it. The file is written to
+    deterministic function of it; ``routing``: the routing knobs (default :class:`Routing`; its
+    ``skew`` sets the router strength, :mod:`.skew`). The file is written to
     ``path + '.part'`` and renamed at the end, so a reader never sees half a model.
 
     Raises SynthError for unknown arch/shape/quant or a missing vocabulary.
@@ -90,6 +92,9 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     if shp.n_layer < 1:
         raise SynthError("n_layer must be >= 1")
     routing = routing or Routing()
+    if routing.copy_head is None:
+        routing = replace(routing, copy_head=copy_head_by_default(shape))
+    strength = router_strength(routing, shp.n_expert, shp.n_expert_used)  # SynthError for a skew out of range, before writing
     path = Path(path)
     t0 = time.time()
     tok = load_tokenizer(vocab)
@@ -136,6 +141,7 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     if merged_gate_up:
         w.add_bool("ostinato.synth.merged_gate_up", True)
     w.add_string("ostinato.synth.routing", json.dumps(asdict(routing), sort_keys=True))
+    w.add_float32("ostinato.synth.router_strength", strength)
 
     for t in plan:
         nb = quant_nbytes(t.shape, t.qtype)
