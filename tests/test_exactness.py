@@ -1236,19 +1236,16 @@ def test_prefetch_matches_stock(arch, share):
                 == (p1["upload_bytes"] - base["upload_bytes"]) * p2["prefetch_wasted"])
 
 
-def test_prefetch_leaves_the_cost_models_share_to_the_cpu():
-    """With the cost model's split a prefetch does not copy the predicted experts the split would
-    give the CPU branch (fewest predicted routes first), and the upload op counts the prefetched
-    experts as the layer's copies: on the small shape at depths 1 and 2 fewer bytes cross than with
-    the prefetch alone, the CPU branch's kernel computes a share in every upload pass, tokens are
-    stock's and logits bitwise those without prefetch or split (CPU)."""
+def _small_half_hot(seed):
+    """(path, model block, hot, stock's 4 greedy tokens) of the small qwen3moe shape with a random half of every
+    layer's experts hot (``seed``)."""
     from ostinatod.synth.writer import synthetic_model
 
     from conftest import CACHE
     drop_ost()
     path = synthetic_model(CACHE, arch="qwen3moe", shape="small")
     m = model_block(path)
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     hot = {il: sorted(rng.choice(m["n_expert"], m["n_expert"] // 2, replace=False).tolist())
            for il in range(m["n_layer"])}
     ref = Runner(path)
@@ -1256,6 +1253,16 @@ def test_prefetch_leaves_the_cost_models_share_to_the_cpu():
         ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), 4)
     finally:
         ref.close()
+    return path, m, hot, ref_toks
+
+
+def test_prefetch_leaves_the_cost_models_share_to_the_cpu():
+    """With the cost model's split a prefetch does not copy the predicted experts the split would
+    give the CPU branch (fewest predicted routes first), and the upload op counts the prefetched
+    experts as the layer's copies: on the small shape at depths 1 and 2 fewer bytes cross than with
+    the prefetch alone, the CPU branch's kernel computes a share in every upload pass, tokens are
+    stock's and logits bitwise those without prefetch or split (CPU)."""
+    path, _, hot, ref_toks = _small_half_hot(seed=1)
     plain = _prefetch_runs(path, hot)
     split = _prefetch_runs(path, hot, split={"alpha_us": 0.0, "cpu_gbps": 10.0, "h2d_gbps": 10.0}, depths=(1, 2))
     for depth in (1, 2):
@@ -1277,21 +1284,8 @@ def test_prefetch_two_ahead_over_an_all_resident_layer():
     predicted from layer 1, two ahead; the route op of layer 1 then takes only the second prediction.
     Tokens stock's and logits bitwise equal to no prefetch (CPU); depth 2 stages predicted experts
     for more layers than depth 1 (more needed experts counted as hits or misses)."""
-    from ostinatod.synth.writer import synthetic_model
-
-    from conftest import CACHE
-    drop_ost()
-    path = synthetic_model(CACHE, arch="qwen3moe", shape="small")
-    m = model_block(path)
-    rng = np.random.default_rng(2)
-    hot = {il: sorted(rng.choice(m["n_expert"], m["n_expert"] // 2, replace=False).tolist())
-           for il in range(m["n_layer"])}
+    path, m, hot, ref_toks = _small_half_hot(seed=2)
     hot[2] = list(range(m["n_expert"]))
-    ref = Runner(path)
-    try:
-        ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), 4)
-    finally:
-        ref.close()
     runs = _prefetch_runs(path, hot)
     needed = {d: runs[d][2]["prefetch_hits"] + runs[d][2]["prefetch_misses"] for d in (1, 2)}
     print(f"\n[exactness] small prefetch over an all-resident layer: needed experts counted at depth 1 "
