@@ -132,6 +132,23 @@ template <class Done> inline void spin_until(Done done) {
     }
 }
 
+// Barrier of n threads that spin (then yield) while they wait; reusable at once (the last to arrive
+// resets the count before it releases the others).
+struct spin_barrier {
+    alignas(64) std::atomic<int> arrived{0};
+    alignas(64) std::atomic<uint64_t> phase{0};
+    void wait(int n) {
+        if (n <= 1) return;
+        const uint64_t ph = phase.load(std::memory_order_acquire);
+        if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+            arrived.store(0, std::memory_order_relaxed);
+            phase.fetch_add(1, std::memory_order_acq_rel);
+        } else {
+            spin_until([&] { return phase.load(std::memory_order_acquire) != ph; });
+        }
+    }
+};
+
 }  // namespace
 
 struct ost_team {
@@ -144,9 +161,7 @@ struct ost_team {
     std::atomic<bool> quit{false};
     void (*fn)(void *, int, int) = nullptr;
     void * ctx = nullptr;
-    // barrier
-    alignas(64) std::atomic<int> arrived{0};
-    alignas(64) std::atomic<uint64_t> phase{0};
+    spin_barrier barrier;
 };
 
 namespace {
@@ -205,14 +220,7 @@ void ost_team_set_active(ost_team * t, bool active) {
 }
 
 void ost_team_barrier(ost_team * t) {
-    if (!t || t->n == 1) return;
-    const uint64_t ph = t->phase.load(std::memory_order_acquire);
-    if (t->arrived.fetch_add(1, std::memory_order_acq_rel) == t->n - 1) {
-        t->arrived.store(0, std::memory_order_relaxed);
-        t->phase.fetch_add(1, std::memory_order_acq_rel);
-    } else {
-        spin_until([&] { return t->phase.load(std::memory_order_acquire) != ph; });
-    }
+    if (t) t->barrier.wait(t->n);
 }
 
 void ost_team_run(ost_team * t, void (*fn)(void *, int, int), void * ctx) {
@@ -316,18 +324,22 @@ void phase_rows(run_t & r, bool down) {
     }
 }
 
+// Rows of routes the job does not compute are exact zeros (the op's output is added as x + 0):
+// thread ith of nth writes every nth of them.
+void zero_unrouted_rows(const ost_ffn_job & job, int ith, int nth) {
+    const int64_t n_embd = job.f->n_embd, n_expert = job.f->n_expert;
+    for (int64_t i = ith; i < (int64_t) job.n * job.k; i += nth) {
+        const int32_t e = job.ids[i];
+        if (e < 0 || e >= n_expert) memset(job.out + i * n_embd, 0, (size_t) n_embd * sizeof(float));
+    }
+}
+
 // Phases of one run on nth threads (ith of them): the input rows quantised (when not done by
 // prepare), the gate/up rows, the activations, the down rows; `barrier` waits for all nth.
 template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier barrier) {
     const ost_ffn & f = *r.f;
     const ost_ffn_job & job = *r.job;
-    if (job.zero_unrouted) {
-        // rows of routes this branch does not compute are exact zeros (the op's output is added as x + 0)
-        for (int64_t i = ith; i < (int64_t) job.n * job.k; i += nth) {
-            const int32_t e = job.ids[i];
-            if (e < 0 || e >= f.n_expert) memset(job.out + i * f.n_embd, 0, (size_t) f.n_embd * sizeof(float));
-        }
-    }
+    if (job.zero_unrouted) zero_unrouted_rows(job, ith, nth);
     if (!r.xq_done) {
         // each token's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float)
         const auto from_float = ggml_get_type_traits_cpu(r.xt)->from_float;
@@ -461,7 +473,7 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
         team_ctx c{ &r, team };
         ost_team_run(team, team_fn, &c);
     } else if (job.zero_unrouted) {
-        memset(job.out, 0, (size_t) job.n * job.k * job.f->n_embd * sizeof(float));
+        zero_unrouted_rows(job, 0, 1);
     }
     fill_stats(r, empty, st);
     return true;
@@ -474,41 +486,21 @@ struct ost_ffn_shared {
     run_t r;
     std::vector<uint8_t> ws;
     bool ok = false, empty = false;
-    ost_ffn_stats st;
-    alignas(64) std::atomic<int> arrived{0};
-    alignas(64) std::atomic<uint64_t> phase{0};
+    spin_barrier barrier;
 };
 
 ost_ffn_shared * ost_ffn_shared_new() { return new ost_ffn_shared(); }
-void ost_ffn_shared_free(ost_ffn_shared * s) { delete s; }
-
-namespace {
-
-void shared_barrier(ost_ffn_shared * s, int nth) {
-    if (nth == 1) return;
-    const uint64_t ph = s->phase.load(std::memory_order_acquire);
-    if (s->arrived.fetch_add(1, std::memory_order_acq_rel) == nth - 1) {
-        s->arrived.store(0, std::memory_order_relaxed);
-        s->phase.fetch_add(1, std::memory_order_acq_rel);
-    } else {
-        spin_until([&] { return s->phase.load(std::memory_order_acquire) != ph; });
-    }
-}
-
-}  // namespace
 
 bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st) {
     if (ith == 0) s->ok = prepare(s->r, job, s->ws, nth, &s->empty);
-    shared_barrier(s, nth);
+    s->barrier.wait(nth);
     if (s->ok && s->empty && job.zero_unrouted) {
-        // no route of this branch: every row is 0, written by all threads
-        const size_t row = (size_t) job.f->n_embd * sizeof(float);
-        for (int64_t i = ith; i < (int64_t) job.n * job.k; i += nth) memset(job.out + i * job.f->n_embd, 0, row);
+        zero_unrouted_rows(job, ith, nth);   // no route of this branch: every row is 0
     } else if (s->ok && !s->empty) {
-        run_phases(s->r, ith, nth, [&] { shared_barrier(s, nth); });
+        run_phases(s->r, ith, nth, [&] { s->barrier.wait(nth); });
     }
     // the run's state is read by every thread until here; the next run's prepare waits for all
-    shared_barrier(s, nth);
+    s->barrier.wait(nth);
     if (ith == 0) fill_stats(s->r, s->empty, st);
     return s->ok;
 }

@@ -82,8 +82,7 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
 // ith and the same job and state; thread 0 groups the routes, all compute; returns when all are done.
 // One state serves one op at a time (a state per layer). Stats are written by ith 0.
 struct ost_ffn_shared;
-ost_ffn_shared * ost_ffn_shared_new();
-void             ost_ffn_shared_free(ost_ffn_shared * s);
+ost_ffn_shared * ost_ffn_shared_new();   // lives as long as the process (one per layer)
 bool             ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st);
 // Routes of one expert from which ggml-cpu computes these expert types with its tiled kernel
 // (other arithmetic than vec_dot): 8, or 1 with GGML_CPU_TILED_MM_FORCE=1; INT32_MAX for types it

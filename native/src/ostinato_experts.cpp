@@ -133,7 +133,6 @@ namespace {
 // One per layer, for the life of the process: the CPU share's matched FFN (the model's tensors,
 // rewritten at every graph build) and the kernel's shared run state (ostinato_cpuffn.h)
 struct cpu_share_t {
-    int il = -1;
     ost_ffn f;
     ost_ffn_shared * run = nullptr;
 };
@@ -180,7 +179,6 @@ ggml_tensor * ostinato_moe_cpu_share(ggml_context * ctx, ggml_tensor * out, ggml
     auto & cs = g_cpu_share[(size_t) il];
     if (!cs) {
         cs = std::make_unique<cpu_share_t>();
-        cs->il = il;
         cs->run = ost_ffn_shared_new();
     }
     cs->f = f;

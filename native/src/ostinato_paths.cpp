@@ -343,6 +343,38 @@ size_t split_take(const engine_t * e, int il, const std::vector<int> & cand, con
     return (size_t) ost_split_experts(r.data(), (int) r.size(), n_upload, sc);
 }
 
+// The cold experts the CPU branch may take, in the order it takes them: ascending routes, those
+// `eligible` says may go to the CPU, fewer routes than `cap` (ggml-cpu's tiled kernel, see
+// cpu_route_cap), at most `limit`, each only if its tokens (`toks_of`) still fit the M = m_rows rows
+// of the CPU part together with those taken before it.
+template <class Eligible>
+std::vector<int> cpu_candidates(const std::vector<int32_t> & routes, const std::vector<std::vector<int32_t>> & toks_of,
+                                int64_t n_tok, int64_t m_rows, int32_t cap, size_t limit, Eligible eligible) {
+    std::vector<int> order;
+    for (int x = 0; x < (int) routes.size(); ++x) {
+        if (routes[(size_t) x] > 0 && routes[(size_t) x] < cap && eligible(x)) order.push_back(x);
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return routes[(size_t) a] < routes[(size_t) b]; });
+    std::vector<uint8_t> tok_in((size_t) n_tok, 0);
+    std::vector<int> cand;
+    int64_t m = 0;
+    for (int x : order) {
+        if (cand.size() >= limit) break;
+        int64_t add = 0;
+        for (int32_t t : toks_of[(size_t) x]) add += !tok_in[(size_t) t];
+        if (m + add > m_rows) continue;
+        for (int32_t t : toks_of[(size_t) x]) tok_in[(size_t) t] = 1;
+        m += add;
+        cand.push_back(x);
+    }
+    return cand;
+}
+
+// Cold experts of a pass (routes > 0): with a prefetch, the layer's copies whoever makes them.
+int count_cold(const std::vector<int32_t> & routes) {
+    return (int) std::count_if(routes.begin(), routes.end(), [](int32_t r) { return r > 0; });
+}
+
 // A prefetch for a layer whose upload pass gives the CPU a share by the cost model: the predicted
 // experts the split would leave to the CPU branch (the fewest predicted routes first, within its M
 // rows by predicted tokens and the tiled-kernel cap) are not copied (`want` cleared), so that the
@@ -351,35 +383,17 @@ size_t split_take(const engine_t * e, int il, const std::vector<int> & cand, con
 // holds g_mu.
 void leave_to_cpu(const engine_t * e, int il, const ggml_tensor * pred, const std::vector<int32_t> & routes,
                   std::vector<uint8_t> & want) {
-    const int32_t cap = g_ffn_kernel ? cpu_route_cap(e, il) : INT32_MAX;
-    const int64_t m_rows = std::min<int64_t>(pred->ne[1], g_hybrid_rows);
-    std::vector<int> order;
-    int n_upload = 0;
-    for (int x = 0; x < e->n_expert; ++x) {
-        if (!routes[(size_t) x]) continue;
-        n_upload++;   // predicted cold: copied by this prefetch, an earlier one or the upload op
-        if (want[(size_t) x] && routes[(size_t) x] < cap) order.push_back(x);
-    }
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return routes[(size_t) a] < routes[(size_t) b]; });
-    std::vector<std::vector<int32_t>> toks_of((size_t) e->n_expert);   // predicted tokens per candidate
+    std::vector<std::vector<int32_t>> toks_of((size_t) e->n_expert);   // predicted tokens per wanted expert
     for (int64_t t = 0; t < pred->ne[1]; ++t) {
         for (int64_t j = 0; j < pred->ne[0]; ++j) {
             const int32_t x = *(const int32_t *) ((const char *) pred->data + t * pred->nb[1] + j * pred->nb[0]);
             if (x >= 0 && x < e->n_expert && want[(size_t) x]) toks_of[(size_t) x].push_back((int32_t) t);
         }
     }
-    std::vector<uint8_t> tok_in((size_t) pred->ne[1], 0);
-    std::vector<int> cand;
-    int64_t m = 0;
-    for (int x : order) {
-        int64_t add = 0;
-        for (int32_t t : toks_of[(size_t) x]) add += !tok_in[(size_t) t];
-        if (m + add > m_rows) continue;
-        for (int32_t t : toks_of[(size_t) x]) tok_in[(size_t) t] = 1;
-        m += add;
-        cand.push_back(x);
-    }
-    const size_t take = split_take(e, il, cand, routes, n_upload);
+    const std::vector<int> cand = cpu_candidates(routes, toks_of, pred->ne[1], std::min<int64_t>(pred->ne[1], g_hybrid_rows),
+                                                 g_ffn_kernel ? cpu_route_cap(e, il) : INT32_MAX, SIZE_MAX,
+                                                 [&](int x) { return want[(size_t) x] != 0; });
+    const size_t take = split_take(e, il, cand, routes, count_cold(routes));
     for (size_t i = 0; i < take; ++i) want[(size_t) cand[i]] = 0;
 }
 
@@ -518,32 +532,16 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         // the cost model says end no later than the uploads of the rest (ostinato_split.h); not one
         // a prefetch is bringing over already, only ones whose tokens fit its M rows, and, where the
         // CPU branch's own kernel computes them, fewer routes than ggml-cpu would tile (its arithmetic)
-        std::vector<int> cold;
-        for (int x = 0; x < e->n_expert; ++x) if (tokens[x] > 0) cold.push_back(x);
-        std::stable_sort(cold.begin(), cold.end(), [&](int a, int b) { return tokens[a] < tokens[b]; });
         const bool by_share = g_upload_cpu_share != 0;
-        const size_t n_share = by_share ? (size_t) std::lround(upload_share(e, upload_backend != nullptr) * (double) cold.size())
-                                        : cold.size();
-        const int32_t cap = g_ffn_kernel ? cpu_route_cap(e, il) : INT32_MAX;
+        const int n_cold = count_cold(tokens);   // the layer's copies: a prefetch's count as much as the upload op's own
+        const size_t limit = by_share ? (size_t) std::lround(upload_share(e, upload_backend != nullptr) * (double) n_cold)
+                                      : SIZE_MAX;
         std::vector<std::vector<int32_t>> toks_of(e->n_expert);   // tokens routed to each cold expert
         for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) toks_of[c[i]].push_back((int32_t) (i / k));
-        // the experts the CPU could take, in the order it takes them
-        std::vector<int> cand;
-        int64_t m = 0;
-        int n_upload = 0;
-        for (int x : cold) {
-            n_upload++;   // the layer's copies: a prefetch's count as much as the upload op's own
-            if (e->pf_slot[il][x] >= 0) continue;   // a prefetch is bringing it over already
-            if (cand.size() >= n_share || tokens[x] >= cap) continue;
-            int64_t add = 0;
-            for (int32_t t : toks_of[x]) add += !tok_in[t];
-            if (m + add > m_rows) continue;
-            for (int32_t t : toks_of[x]) tok_in[t] = 1;
-            m += add;
-            cand.push_back(x);
-        }
-        const size_t take = by_share ? cand.size() : split_take(e, il, cand, tokens, n_upload);
-        std::fill(tok_in.begin(), tok_in.end(), 0);
+        // not one a prefetch is bringing over already
+        const std::vector<int> cand = cpu_candidates(tokens, toks_of, n, m_rows, g_ffn_kernel ? cpu_route_cap(e, il) : INT32_MAX,
+                                                     limit, [&](int x) { return e->pf_slot[il][x] < 0; });
+        const size_t take = by_share ? cand.size() : split_take(e, il, cand, tokens, n_cold);
         for (size_t i = 0; i < take; ++i) {
             for (int32_t t : toks_of[cand[i]]) tok_in[t] = 1;
             on_cpu[cand[i]] = 1;
