@@ -176,14 +176,15 @@ class Settings(BaseSettings):
                                     "fewest routes, that a CPU branch computes while the others are "
                                     "uploaded; -1: adapted per layer. 0 (default): the cost model's "
                                     "split (prefill_cpu_split) decides instead. Measurements only.")
-    prefill_cpu_split: bool = Field(True, description="The prefill after a tool output uses the CPU "
-                                    "as a second path: per layer, the cold experts with the fewest "
-                                    "routes are computed by the CPU branch's own kernel while the others "
-                                    "are uploaded, as many as the cost model (the calibration's CPU-branch "
-                                    "bandwidth and pinned host->GPU bandwidth) says finish no later than "
-                                    "those uploads. Needs a calibration (ostinato calibrate) and a pool "
-                                    "on a GPU; false uploads every cold expert. A non-zero "
-                                    "upload_cpu_share replaces it (measurements).")
+    prefill_cpu_split: bool = Field(False, description="Experimental (off: slower and not stable on "
+                                    "the H200 runs, docs/engine.md \"The prefill's CPU share\"): the "
+                                    "prefill after a tool output uses the CPU as a second path: per layer, "
+                                    "the cold experts with the fewest routes are computed by the CPU "
+                                    "branch's own kernel while the others are uploaded, as many as the cost "
+                                    "model (the calibration's CPU-branch bandwidth and pinned host->GPU "
+                                    "bandwidth) says finish no later than those uploads. Needs a calibration "
+                                    "or load probe and a pool on a GPU; false (default) uploads every cold "
+                                    "expert. A non-zero upload_cpu_share replaces it (measurements).")
     prefill_prefetch: bool = Field(True, description="Prefetch for long prefills: the next layers' "
                                    "routers applied to this layer's input predict their experts, whose "
                                    "copies then start early (prefill_prefetch_depth layers ahead). Adds "

@@ -358,15 +358,18 @@ def test_runtime_serves_the_split_of_the_probe_on_a_gpu_pool_only(tmp_path, monk
     rt.batch_threads = 8   # no row of 8: the row of the most threads below (4)
     try:
         monkeypatch.setattr(native, "has_gpu", lambda: True)
+        # off by default (slower on the H200, docs/engine.md): the probe's row is not used
         rt.apply_cpu_split(Settings())
+        assert (rt.cpu_split, rt.cpu_split_source) == (None, "settings")
+        rt.apply_cpu_split(Settings(prefill_cpu_split=True))
         assert rt.cpu_split_source == "probe"
         assert rt.cpu_split == {"alpha_us": 21.0, "cpu_gbps": 30.0, "h2d_gbps": 55.0, "threads": 4}
         rt.apply_cpu_split(Settings(prefill_cpu_split=False))
         assert (rt.cpu_split, rt.cpu_split_source) == (None, "settings")
-        rt.apply_cpu_split(Settings(upload_cpu_share=0.5))
+        rt.apply_cpu_split(Settings(prefill_cpu_split=True, upload_cpu_share=0.5))
         assert (rt.cpu_split, rt.cpu_split_source) == (None, "upload_cpu_share")
         monkeypatch.setattr(native, "has_gpu", lambda: False)
-        rt.apply_cpu_split(Settings())
+        rt.apply_cpu_split(Settings(prefill_cpu_split=True))
         assert (rt.cpu_split, rt.cpu_split_source) == (None, "no GPU pool")
     finally:
         native.set_cpu_split(None)

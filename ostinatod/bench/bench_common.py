@@ -37,7 +37,7 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-copy1d": {"upload_copy_2d": False},
             "ostinato-class-slots": {"pool_whole_expert_slots": False},
             "ostinato-hybrid": {"upload_cpu_share": -1},
-            "ostinato-no-cpu-split": {"prefill_cpu_split": False},
+            "ostinato-cpu-split": {"prefill_cpu_split": True},
             "ostinato-pool-quarter": _quarter_pool,
             "ostinato-ggml-cpu": {"cpu_branch_kernel": False}}
 CHOICES = ENGINES + (IK, ONE_GPU) + tuple(VARIANTS)
