@@ -168,6 +168,14 @@ class Settings(BaseSettings):
                                     "while a pass runs; bitwise what ggml computes) instead of ggml's "
                                     "graph compute. Off only for measurements (docs/engine.md, "
                                     "\"CPU branch kernel\").")
+    cpu_branch_prefetch_rows: int = Field(0, ge=0, le=64, description="The CPU branch kernel "
+                                          "prefetches the weight row this many rows ahead of the one it "
+                                          "computes (software prefetch; 0: off, the hardware prefetcher "
+                                          "alone). Changes when bytes are fetched, never what is computed. "
+                                          "Not yet measured on the GPU machine: `ostinato bench cpu-branch "
+                                          "--prefetch-rows 0,2,4` and the bench variant "
+                                          "ostinato-cpu-prefetch compare (docs/engine.md, \"CPU branch "
+                                          "kernel\").")
     decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
                                 "upload path's staging slots hold the cold experts the CPU branch "
                                 "computed most lately; handed back before each long prefill.")

@@ -53,8 +53,30 @@ def test_cpu_branch_bench_command_runs_and_checks_bitwise(tmp_path, capsys):
     assert "host read bandwidth: 1 threads" in text and "| alpha us |" in text
 
 
+def test_cpu_branch_bench_runs_the_kernel_at_each_prefetch_distance_bitwise(tmp_path):
+    # the software prefetch moves fetches only: every distance's rows are llama.cpp's bit for bit,
+    # each distance gets its own fit, and the engine's own setting is back afterwards
+    from ostinatod.engine import native
+
+    out = tmp_path / "cpu.json"
+    rc = bench_cpu.main(["--quants", "q4_0", "--experts", "1,3", "--tokens", "1,3", "--threads", "2",
+                         "--prefetch-rows", "0,1,3", "--reps", "2", "--read-bw-mib", "4", "--flush-mib", "4",
+                         "--work-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"][0]
+    assert sorted({r["prefetch_rows"] for r in res["rows"]}) == [0, 1, 3]
+    assert len(res["rows"]) == 2 * 2 * 3 and all(r["bitwise_equal"] for r in res["rows"])
+    assert sorted({(f["tokens"], f["prefetch_rows"]) for f in res["fits"]}) == \
+        [(n, pf) for n in (1, 3) for pf in (0, 1, 3)]
+    # ggml timed once per shape and thread count, at the first distance
+    assert all(("ggml_ms" in r) == (r["prefetch_rows"] == 0) for r in res["rows"])
+    assert native.llama_fn("ostinato_experts_set_cpu_prefetch")(0) == 0   # the previous: 0 again, not 3
+    with pytest.raises(ValueError):
+        native.set_cpu_prefetch(65)
+
+
 @pytest.mark.parametrize("argv", [["--threads", "0"], ["--experts", "x"], ["--model", "/nonexistent.gguf"],
-                                  ["--reps", "0"]])
+                                  ["--reps", "0"], ["--prefetch-rows", "-1"], ["--prefetch-rows", "65"]])
 def test_cpu_branch_bench_refuses_bad_arguments(argv, capsys):
     try:
         rc = bench_cpu.main(argv)

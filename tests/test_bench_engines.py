@@ -5,6 +5,7 @@ asserted)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -118,6 +119,27 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     assert w.startswith("ostinato: decode hot-route share 0.990 is 9.0 points above the prefill after tool")
     near = {**hot_decode, "decode_step": {**s["decode_step"], "hot_route_share": 0.94}}
     assert bench_report.phase_skew_warning(near) is None
+
+
+def test_decode_path_warning_names_steps_outside_the_graph_and_the_kernel():
+    ok = {"paths": {"decode": 671}, "decode_graph_steps": 671,
+          "decode_graph": {"mode": "auto", "broken": False, "failed": False, "active": True,
+                           "cpu_kernel": {"on": True, "layers_kernel": 40, "layers_ggml": 0}}}
+    assert bench_report.decode_path_warning(ok) is None
+    # a CPU build: no graph, no step in it
+    assert bench_report.decode_path_warning({"paths": {"decode": 9}, "decode_graph_steps": 0,
+                                             "decode_graph": {"mode": "auto", "broken": False,
+                                                              "failed": False}}) is None
+    assert bench_report.decode_path_warning({"error": "control API: refused"}) is None
+    # what the run with the unexplained 54 ms decode could not say: which path its steps took
+    bad = {"paths": {"decode": 671}, "decode_graph_steps": 12,
+           "decode_graph": {"mode": "auto", "broken": True, "failed": False, "active": True,
+                            "cpu_kernel": {"on": True, "layers_kernel": 0, "layers_ggml": 40,
+                                           "unmatched": "ids not contiguous I32"}}}
+    w = bench_report.decode_path_warning(bad, "ostinato-x")
+    assert w == ("ostinato-x: a lost wait turned the decode graph off; 659 of 671 decode steps ran outside the "
+                 "decode graph; 40 layers' CPU branch on ggml's compute (ids not contiguous I32): its decode "
+                 "figures are not the kernel's")
 
 
 def test_parse_budgets_and_estimates():
@@ -430,3 +452,69 @@ def test_plot_refuses_what_is_not_a_bench_result(tmp_path, capsys):
     assert bench_plot.main([str(text), "-o", str(tmp_path / "b.svg")]) == 1
     assert "x.md: not a readable JSON" in capsys.readouterr().err
     assert not (tmp_path / "a.svg").exists() and not (tmp_path / "b.svg").exists()
+
+
+def test_crash_lines_find_aborts_and_the_daemons_crash_lines_only():
+    from ostinatod.bench.bench_common import crash_lines
+
+    log = "\n".join([
+        "llama_model_load: loaded meta data with 40 key-value pairs",
+        "2026-12-01 INFO ostinatod.engine: engine worker (pid 7) has not answered a ping for 5 s: stalled",
+        "2026-12-01 INFO ostinatod.engine: engine worker (pid 7) answers again",
+        "/src/ggml/src/ggml-cuda/ggml-cuda.cu:90: CUDA error",
+        "  current device: 0, in function ggml_cuda_op at ggml-cuda.cu:1234",
+        "/src/native/ostinato_paths.cpp:570: GGML_ASSERT(used <= ol.n_stage) failed",
+        "/src/native/ostinato_paths.cpp:570: GGML_ASSERT(used <= ol.n_stage) failed",
+        "2026-12-01 ERROR ostinatod.engine: engine worker exited with code -6 (1 crash in 120 s); restarting in 0.2 s",
+    ])
+    assert crash_lines(log) == [
+        "/src/ggml/src/ggml-cuda/ggml-cuda.cu:90: CUDA error",
+        "/src/native/ostinato_paths.cpp:570: GGML_ASSERT(used <= ol.n_stage) failed",
+        "2026-12-01 ERROR ostinatod.engine: engine worker exited with code -6 (1 crash in 120 s); restarting in 0.2 s"]
+    assert crash_lines(log, limit=1) == ["/src/ggml/src/ggml-cuda/ggml-cuda.cu:90: CUDA error"]
+    assert crash_lines("INFO ostinatod: model ready\nINFO requests: status=ok\n") == []
+
+
+def test_watch_stops_a_server_whose_log_shows_a_crash_and_one_past_the_deadline(tmp_path):
+    # real processes: one prints an abort line and then hangs (as a wedged engine would), one only
+    # hangs; the watch stops the first for its log line and the second at its deadline
+    import sys
+    import time as _time
+
+    from ostinatod.bench.bench_launch import Server
+
+    code = "import sys, time; print('x.cpp:1: GGML_ASSERT(n > 0) failed', flush=True); time.sleep(120)"
+    # an earlier run's crash in the same log is not this server's
+    (tmp_path / "ok.log").write_text("old.cpp:9: GGML_ASSERT(old) failed\n")
+    srv = Server("crashy", [sys.executable, "-c", code], dict(os.environ), tmp_path / "crashy.log")
+    w = srv.watch(None, poll_s=0.1)
+    try:
+        t0 = _time.monotonic()
+        while srv.proc.poll() is None and _time.monotonic() - t0 < 30:
+            _time.sleep(0.1)
+        assert srv.proc.poll() is not None
+        assert w.reason == "crashy crashed: x.cpp:1: GGML_ASSERT(n > 0) failed"
+    finally:
+        w.stop()
+        srv.stop()
+    srv = Server("slow", [sys.executable, "-c", "import time; time.sleep(120)"], dict(os.environ),
+                 tmp_path / "slow.log")
+    w = srv.watch(_time.monotonic() + 0.5, poll_s=0.1)
+    try:
+        t0 = _time.monotonic()
+        while srv.proc.poll() is None and _time.monotonic() - t0 < 30:
+            _time.sleep(0.1)
+        assert srv.proc.poll() is not None and "time limit" in (w.reason or "")
+    finally:
+        w.stop()
+        srv.stop()
+    # a healthy server is left running when the watch ends
+    srv = Server("ok", [sys.executable, "-c", "import time; time.sleep(120)"], dict(os.environ),
+                 tmp_path / "ok.log")
+    w = srv.watch(None, poll_s=0.1)
+    try:
+        _time.sleep(0.5)
+        w.stop()
+        assert w.reason is None and srv.proc.poll() is None
+    finally:
+        srv.stop()

@@ -112,6 +112,11 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         const auto tokens_list = a.value("tokens", std::vector<int>{1});
         const auto threads_list = a.value("threads", std::vector<int>{1});
         const bool with_ggml = a.value("ggml", true);
+        // the kernel's software prefetch distance in rows (ost_ffn_set_prefetch_rows), per row of the grid
+        const auto prefetch_list = a.value("prefetch_rows", std::vector<int>{ost_ffn_prefetch_rows()});
+        if (prefetch_list.empty()) throw std::runtime_error("prefetch_rows must not be empty");
+        const int prefetch_was = ost_ffn_prefetch_rows();
+        struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
         const int64_t bw_bytes = a.value("read_bw_bytes", (int64_t) 256 << 20);
         // read before every timed run, so that the experts come from memory as in a decode step
         // (whose cold experts differ layer by layer), not from a cache warmed by the run before
@@ -200,8 +205,12 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 const bool matched = ost_ffn_match(o, ids_t, cur, f, why);
                 std::vector<float> ko((size_t) n_embd * k * n, 0.0f);
                 std::vector<uint8_t> ws;
-                for (int nt : threads_list) {
+                for (int pfr : prefetch_list) for (int nt : threads_list) {
+                    ost_ffn_set_prefetch_rows(pfr);
+                    // ggml is timed once per shape and thread count (the prefetch is the kernel's only)
+                    const bool time_ggml = with_ggml && pfr == prefetch_list.front();
                     json row{{"experts", n_used}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
+                             {"prefetch_rows", pfr},
                              {"bytes", matched ? n_used * f.expert_bytes : 0}, {"matched", matched}};
                     if (!matched) row["unmatched"] = why;
                     // kernel
@@ -229,18 +238,18 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                             row["kernel_gbps"] = st.bytes / ms / 1e6;
                         }
                     }
-                    if (with_ggml || kernel_ran) {
+                    if (time_ggml || kernel_ran) {
                         ggml_cplan plan = ggml_graph_plan(g, nt, nullptr);
                         std::vector<uint8_t> work(plan.work_size + 64);
                         plan.work_data = work.data();
                         std::vector<double> ts;
-                        for (int r = 0; r < (with_ggml ? reps + 2 : 1); ++r) {
+                        for (int r = 0; r < (time_ggml ? reps + 2 : 1); ++r) {
                             flush();
                             const double t0 = now_ms();
                             ggml_graph_compute(g, &plan);
                             if (r >= 2) ts.push_back(now_ms() - t0);
                         }
-                        if (with_ggml) {
+                        if (time_ggml) {
                             const double ms = median(ts);
                             row["ggml_ms"] = ms;
                             if (matched) row["ggml_gbps"] = (double) n_used * f.expert_bytes / ms / 1e6;

@@ -286,6 +286,23 @@ struct run_t {
 // a chunk (one contended atomic add) costs little beside it.
 constexpr int64_t CHUNK_BYTES = 16 * 1024;
 
+std::atomic<int> g_prefetch_rows{0};
+
+// Weight row `row` of group g in phase 1 (gate rows then up rows, or the merged tensor's) or 3
+// (down): its bytes.
+const char * weight_row(const ost_ffn & f, const group_t & g, int64_t row, bool down, size_t * nb) {
+    const ggml_tensor * w = down ? f.down : f.merged ? f.up : (row < f.n_ff ? f.gate : f.up);
+    const int64_t wrow = down || f.merged || row < f.n_ff ? row : row - f.n_ff;
+    *nb = (size_t) w->nb[1];
+    return (const char *) w->data + g.e * w->nb[2] + wrow * w->nb[1];
+}
+
+void prefetch_row(const ost_ffn & f, const group_t & g, int64_t row, bool down) {
+    size_t nb = 0;
+    const char * p = weight_row(f, g, row, down, &nb);
+    for (size_t o = 0; o < nb; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 void phase_rows(run_t & r, bool down) {
     const ost_ffn & f = *r.f;
     const int64_t n_ff = f.n_ff;
@@ -293,11 +310,14 @@ void phase_rows(run_t & r, bool down) {
     const int64_t rc = down ? r.chunk3 : r.chunk1, cpg = down ? r.per3 : r.per1;
     const int64_t total = cpg * (int64_t) r.groups.size();
     std::atomic<int64_t> & next = down ? r.next3 : r.next1;
+    const int64_t pf = g_prefetch_rows.load(std::memory_order_relaxed);
     for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < total;
          c = next.fetch_add(1, std::memory_order_relaxed)) {
         const group_t & g = r.groups[(size_t) (c / cpg)];
         const int64_t row0 = (c % cpg) * rc, row1 = std::min(per, row0 + rc);
+        for (int64_t row = row0; row < std::min(row1, row0 + pf); ++row) prefetch_row(f, g, row, down);
         for (int64_t row = row0; row < row1; ++row) {
+            if (pf > 0 && row + pf < row1) prefetch_row(f, g, row + pf, down);
             if (down) {
                 const ggml_tensor * w = f.down;
                 const auto vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
@@ -504,6 +524,9 @@ bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, in
     if (ith == 0) fill_stats(s->r, s->empty, st);
     return s->ok;
 }
+
+int ost_ffn_set_prefetch_rows(int rows) { return g_prefetch_rows.exchange(std::max(0, rows)); }
+int ost_ffn_prefetch_rows() { return g_prefetch_rows.load(); }
 
 int32_t ost_ffn_tiled_rows(ggml_type up, ggml_type gate, ggml_type down) {
     const char * off = getenv("GGML_CPU_TILED_MM");

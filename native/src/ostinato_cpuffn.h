@@ -84,6 +84,13 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
 struct ost_ffn_shared;
 ost_ffn_shared * ost_ffn_shared_new();   // lives as long as the process (one per layer)
 bool             ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st);
+// Software prefetch in the kernel's row loop (process-wide, read at each chunk): while a thread
+// computes weight row r of its chunk it prefetches row r + rows (and the chunk's first rows when it
+// takes the chunk), so that its reads do not wait for the hardware prefetcher, which starts again at
+// every 4 KiB page and every chunk (chunks of one expert go to different threads). 0 = off. Changes
+// which bytes are fetched when, never what is computed. Returns the previous value.
+int ost_ffn_set_prefetch_rows(int rows);
+int ost_ffn_prefetch_rows();
 // Routes of one expert from which ggml-cpu computes these expert types with its tiled kernel
 // (other arithmetic than vec_dot): 8, or 1 with GGML_CPU_TILED_MM_FORCE=1; INT32_MAX for types it
 // does not tile or with GGML_CPU_TILED_MM=0.

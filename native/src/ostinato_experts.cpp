@@ -825,6 +825,11 @@ int ostinato_experts_set_cpu_kernel(int on) {
     return 0;
 }
 
+int ostinato_experts_set_cpu_prefetch(int rows) {
+    if (rows < 0 || rows > 64) return -1;
+    return ost_ffn_set_prefetch_rows(rows);
+}
+
 int ostinato_experts_set_cpu_threads(int n) {
     if (n < 0) return -1;
     std::lock_guard<std::mutex> lock(g_mu);

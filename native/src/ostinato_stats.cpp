@@ -1,6 +1,7 @@
 // Expert engine: the JSON of the C API's info and stats calls (pool layout, decode graph, borrowed
 // slots, per-pass and cumulative route counts). See ostinato_experts.h and ostinato_engine.h.
 #include "ostinato_engine.h"
+#include "ostinato_cpuffn.h"
 
 using namespace ost;
 
@@ -11,6 +12,27 @@ std::string g_out_info, g_out_stats, g_out_req;   // each call's string lives un
 const char * keep(std::string & slot, const json & j) {
     slot = j.dump();
     return slot.c_str();
+}
+
+// The decode graph's state (mode, whether a lost wait broke it or its creation failed, its CPU
+// branch's threads and kernel layers): in info and in stats, so that a run's figures say which
+// path its decode steps took. Caller holds g_mu.
+json decode_graph_json() {
+    json d = json{{"mode", g_dgraph < 0 ? "auto" : g_dgraph ? "on" : "off"}, {"max_tokens", g_dgraph_max},
+                  {"broken", g_dgraph_broken}, {"failed", g_eng && g_eng->dg_failed}};
+    if (g_eng && g_eng->dg) {
+        int nt = 0; int64_t mb = 0;
+        ost_dg_info(g_eng->dg, nt, mb);
+        d["active"] = true;
+        d["cpu_threads"] = nt;
+        d["mailbox_bytes"] = mb;
+        int64_t nf = 0, ng = 0; std::string note;
+        ost_dg_kernel_info(g_eng->dg, nf, ng, note);
+        d["cpu_kernel"] = json{{"on", g_ffn_kernel}, {"layers_kernel", nf}, {"layers_ggml", ng},
+                               {"prefetch_rows", ost_ffn_prefetch_rows()}};
+        if (!note.empty()) d["cpu_kernel"]["unmatched"] = note;
+    }
+    return d;
 }
 
 }  // namespace
@@ -25,19 +47,7 @@ const char * ostinato_experts_info(void) {
     j["force_path"] = g_force == FORCE_AUTO ? "auto" : g_force == FORCE_SPLIT ? "split" : "upload";
     j["timing"] = g_timing;
     j["overlap"] = g_overlap;
-    j["decode_graph"] = json{{"mode", g_dgraph < 0 ? "auto" : g_dgraph ? "on" : "off"}, {"max_tokens", g_dgraph_max},
-                             {"broken", g_dgraph_broken}, {"failed", g_eng && g_eng->dg_failed}};
-    if (g_eng && g_eng->dg) {
-        int nt = 0; int64_t mb = 0;
-        ost_dg_info(g_eng->dg, nt, mb);
-        j["decode_graph"]["active"] = true;
-        j["decode_graph"]["cpu_threads"] = nt;
-        j["decode_graph"]["mailbox_bytes"] = mb;
-        int64_t nf = 0, ng = 0; std::string note;
-        ost_dg_kernel_info(g_eng->dg, nf, ng, note);
-        j["decode_graph"]["cpu_kernel"] = json{{"on", g_ffn_kernel}, {"layers_kernel", nf}, {"layers_ggml", ng}};
-        if (!note.empty()) j["decode_graph"]["cpu_kernel"]["unmatched"] = note;
-    }
+    j["decode_graph"] = decode_graph_json();
     if (g_eng) {
         const engine_t & e = *g_eng;
         j["pool_device"] = e.pool_device;
@@ -107,6 +117,7 @@ const char * ostinato_experts_stats(int with_counts) {
                              {"hot_route_share", p.routes ? double(p.hot_routes) / double(p.routes) : 0.0}});
     }
     j["pools"] = pools;
+    j["decode_graph"] = decode_graph_json();
     json last = json::array();
     for (auto & p : g_eng->last) last.push_back(pass_json(p));
     j["last_passes"] = last;

@@ -39,7 +39,8 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-hybrid": {"upload_cpu_share": -1},
             "ostinato-cpu-split": {"prefill_cpu_split": True},
             "ostinato-pool-quarter": _quarter_pool,
-            "ostinato-ggml-cpu": {"cpu_branch_kernel": False}}
+            "ostinato-ggml-cpu": {"cpu_branch_kernel": False},
+            "ostinato-cpu-prefetch": {"cpu_branch_prefetch_rows": 2}}
 CHOICES = ENGINES + (IK, ONE_GPU) + tuple(VARIANTS)
 
 
@@ -53,6 +54,30 @@ def variant_settings(name: str) -> dict:
     """The daemon settings of the bench variant ``name`` on this machine (KeyError if unknown)."""
     opts = VARIANTS[name]
     return dict(opts() if callable(opts) else opts)
+# lines of a server's log that say its engine died or aborted (ggml's and CUDA's aborts, a signal,
+# the daemon's own line for a crashed or killed engine worker)
+CRASH_MARKERS = ("GGML_ASSERT", "GGML_ABORT", "ggml_abort", "CUDA error", "fatal error", "Segmentation fault",
+                 "Fatal Python error", "Aborted", "core dumped", "terminate called", "engine worker exited",
+                 "did not answer a ping", "did not answer a liveness ping")
+
+
+def crash_lines(text: str, limit: int = 6) -> list[str]:
+    """The first ``limit`` distinct lines of a server log ``text`` that carry a
+    :data:`CRASH_MARKERS` marker (stripped, each cut to 300 characters), in log order; [] when the
+    log shows no crash (the daemon's "has not answered a ping ... stalled" warning for a slow worker
+    is not one; its line for the kill that follows is)."""
+    out: list[str] = []
+    for line in text.splitlines():
+        s = line.strip()
+        if not s or s[:300] in out:
+            continue
+        if any(m in s for m in CRASH_MARKERS):
+            out.append(s[:300])
+            if len(out) >= limit:
+                break
+    return out
+
+
 METRICS = (("decode", "decode_ms_per_token"), ("ttft_after_tool", "ttft_after_tool_median_s"),
            ("session_total", "session_total_s"))
 _T0 = time.monotonic()

@@ -6,9 +6,11 @@ the CPU branch's own kernel (native/src/ostinato_cpuffn.cpp) and llama.cpp's own
 graph compute the same routes from the same inputs; their outputs are compared bit for bit. In the
 same run the host's read bandwidth is measured per thread count. Reported per row: GB/s of expert
 bytes read (each distinct expert once) for both, the kernel's share of the read bandwidth, and per
-(model, tokens, threads) a fit of the kernel's time against the bytes read, ``t = alpha + bytes /
-bw`` (paper Sec. 3.2: C(r) = alpha + beta r with beta = expert bytes / bw): alpha is the fixed cost
-of one layer's CPU branch, bw its effective bandwidth. See docs/engine.md, "CPU branch kernel".
+(model, tokens, threads, prefetch) a fit of the kernel's time against the bytes read, ``t = alpha +
+bytes / bw`` (paper Sec. 3.2: C(r) = alpha + beta r with beta = expert bytes / bw): alpha is the
+fixed cost of one layer's CPU branch, bw its effective bandwidth. ``--prefetch-rows 0,2`` runs the
+kernel at each software-prefetch distance (setting ``cpu_branch_prefetch_rows``) in the same call.
+See docs/engine.md, "CPU branch kernel".
 """
 
 from __future__ import annotations
@@ -23,13 +25,20 @@ from typing import Any, Sequence
 from .bench_common import BenchError, say
 
 
-def _ints(s: str) -> list[int]:
+def _ints(s: str, least: int = 1) -> list[int]:
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {s!r}") from None
-    if not out or any(v < 1 for v in out):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    if not out or any(v < least for v in out):
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got {s!r}")
+    return out
+
+
+def _rows(s: str) -> list[int]:
+    out = _ints(s, least=0)
+    if any(v > 64 for v in out):
+        raise argparse.ArgumentTypeError(f"prefetch distances are 0..64 rows, got {s!r}")
     return out
 
 
@@ -46,11 +55,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     from ..residency.cost import fit_cpu_bandwidth
 
     fits = []
-    keys = sorted({(int(r["tokens"]), int(r["threads"])) for r in result.get("rows", [])})
-    for n, t in keys:
-        f = fit_cpu_bandwidth([r for r in result["rows"] if r["tokens"] == n and r["threads"] == t])
+    keys = sorted({(int(r["tokens"]), int(r["threads"]), int(r.get("prefetch_rows", 0)))
+                   for r in result.get("rows", [])})
+    for n, t, pf in keys:
+        f = fit_cpu_bandwidth([r for r in result["rows"] if r["tokens"] == n and r["threads"] == t
+                               and int(r.get("prefetch_rows", 0)) == pf])
         if f:
-            f.update(tokens=n, threads=t, host_read_gbps=bw.get(t))
+            f.update(tokens=n, threads=t, prefetch_rows=pf, host_read_gbps=bw.get(t))
             fits.append(f)
     result["fits"] = fits
     return result
@@ -98,8 +109,8 @@ def run(models: Sequence[Path], args: dict[str, Any]) -> list[dict[str, Any]]:
 
 def table(results: Sequence[dict[str, Any]]) -> str:
     """Markdown tables of the results (rows, then the fits)."""
-    lines = ["| model | types | E | n | T | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | types | E | n | T | pf | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         name = Path(res["model"]).name
         types = f"{res['type_up']}/{res['type_down']}"
@@ -108,15 +119,17 @@ def table(results: Sequence[dict[str, Any]]) -> str:
                 v = r.get(key)
                 return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
             lines.append(f"| {name} | {types} | {r['experts']} | {r['tokens']} | {r['threads']} | "
-                         f"{r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
+                         f"{r.get('prefetch_rows', 0)} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
                          f"{f('kernel_share_of_read_bw', '.0%')} | {f('ggml_ms', '.3f')} | {f('ggml_gbps', '.1f')} | "
                          f"{f('speedup_vs_ggml', '.2f')} | {r.get('bitwise_equal', '–')} |")
-    lines += ["", "| model | n | T | alpha us | bw GB/s | host read GB/s | bw / read |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | n | T | pf | alpha us | bw GB/s | host read GB/s | bw / read |",
+              "|---|---|---|---|---|---|---|---|"]
     for res in results:
         for fit in res.get("fits", []):
             host = fit.get("host_read_gbps")
             share = f"{fit['bw_gbps'] / host:.0%}" if host else "–"
-            lines.append(f"| {Path(res['model']).name} | {fit['tokens']} | {fit['threads']} | {fit['alpha_us']:.1f} | "
+            lines.append(f"| {Path(res['model']).name} | {fit['tokens']} | {fit['threads']} | "
+                         f"{fit.get('prefetch_rows', 0)} | {fit['alpha_us']:.1f} | "
                          f"{fit['bw_gbps']:.1f} | {host or 0:.1f} | {share} |")
     bw = results[0].get("read_bw", []) if results else []
     if bw:
@@ -141,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=_ints, default=[1], help="tokens per pass (1: decode)")
     ap.add_argument("--threads", type=_ints, default=None, help="thread counts (default: 1, half and "
                     "all of the engine's cores)")
+    ap.add_argument("--prefetch-rows", type=_rows, default=None, help="the kernel's software prefetch "
+                    "distances in weight rows to run, e.g. 0,2,4 (default: the engine's, 0 = off)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--read-bw-mib", type=int, default=1024, help="buffer of the host read-bandwidth test")
     ap.add_argument("--flush-mib", type=int, default=256, help="memory read before every timed run, so "
@@ -178,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         args = {"layer": a.layer, "experts": a.experts, "tokens": a.tokens, "threads": threads,
                 "reps": a.reps, "ggml": not a.no_ggml, "read_bw_bytes": a.read_bw_mib << 20,
                 "flush_bytes": a.flush_mib << 20}
+        if a.prefetch_rows:
+            args["prefetch_rows"] = a.prefetch_rows
         results = run(models, args)
     except (BenchError, Exception) as e:   # a native refusal, a file llama.cpp will not load
         from ..engine.native import ExpertEngineError

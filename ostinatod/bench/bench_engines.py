@@ -30,19 +30,21 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
                      alone (CUDA_VISIBLE_DEVICES=0) with a one-GPU plan at the same ``--budget-frac``:
                      the same model on one GPU in the same run; ``ratios_gpus_vs_one_gpu`` compares;
    ``ostinato-no-prefetch``, ``ostinato-prefetch1``, ``ostinato-copy1d``, ``ostinato-class-slots``,
-   ``ostinato-hybrid``, ``ostinato-cpu-split``, ``ostinato-pool-quarter``, ``ostinato-ggml-cpu``
-                     (only when named) the Ostinato engine with the same plan and prefill prefetch off /
+   ``ostinato-hybrid``, ``ostinato-cpu-split``, ``ostinato-pool-quarter``, ``ostinato-ggml-cpu``,
+   ``ostinato-cpu-prefetch`` (only when named) the Ostinato engine with the same plan and prefill prefetch off /
                      one layer deep / one upload copy per expert matrix instead of one 2D copy per
                      expert / the pool layout with one tensor per matrix (whole-expert slots off)
                      / the hybrid upload pass with its adapted CPU share / the cost model's CPU
                      share of a long prefill's cold experts (off by default) / the decode graph's
                      CPU-branch pool on a quarter of the cores and the context's threads on the rest
                      / the decode graph's CPU branch on ggml's graph compute instead of its own kernel
+                     / its kernel with a software prefetch two weight rows ahead
                      (settings ``prefill_prefetch = false``, ``prefill_prefetch_depth = 1``,
                      ``upload_copy_2d = false``,
                      ``pool_whole_expert_slots = false``, ``upload_cpu_share = -1``,
                      ``prefill_cpu_split = true``, ``decode_threads`` +
-                     ``n_threads``, ``cpu_branch_kernel = false``): an A/B in one run;
+                     ``n_threads``, ``cpu_branch_kernel = false``, ``cpu_branch_prefetch_rows = 2``):
+                     an A/B in one run;
 6. with ``--budget-sweep F1,F2,...`` also runs the Ostinato engine at each of those pool budgets
    (the baselines and the limit run once, at ``--budget-frac``);
 7. prints a table and writes ``<out-dir>/<name>.json`` and ``<name>.md`` (after every engine, so an
@@ -87,8 +89,8 @@ from .bench_ik import start_ik_server
 from .bench_launch import (StepRecorder, expert_stats, llama_server_binary, replay, start_daemon,
                            start_llama_server)
 from .bench_prepare import collect_dev_traces, one_gpu_plan, plan, prepare_model, select_sessions
-from .bench_report import (engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown, phase_skew_warning,
-                           ratios, ratios_vs_limit, replay_turns, summarize_breakdown)
+from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown,
+                           phase_skew_warning, ratios, ratios_vs_limit, replay_turns, summarize_breakdown)
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
 from .sessions import WORKLOAD_OF_SESSION, assistant_turns
 
@@ -309,13 +311,20 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 rec = StepRecorder(run_dir / f"home-{key}")
                 rec.start()
             t1 = time.monotonic()
+            # a crashed or wedged engine is stopped (and named in the notes) instead of holding
+            # the replay until its per-request timeout; so is one still replaying at the time limit
+            watch = srv.watch(t_start + a.time_limit if a.time_limit else None,
+                              (run_dir / f"home-{key}" / "state" / "ostinatod.log",))
             try:
                 data = replay(url, held_file, held, a, run_dir / f"replay-{key}.json",
                               on_turn=rec.turn if rec else None,
                               on_first_token=rec.first_token if rec else None)
             finally:
+                watch.stop()
                 if rec is not None:
                     rec.stop()
+            if watch.reason:
+                raise BenchError(f"{watch.reason} (no figures of this engine; log {srv.log_path})")
             est.add(name, time.monotonic() - t1, load_s)
             turns = replay_turns(data)
             m = engine_metrics(turns)
@@ -325,10 +334,10 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 m["expert_stats"] = ex
                 m["hot_route_share"] = ex.get("hot_route_share")
                 m["step_breakdown"] = summarize_breakdown(rec.rows, turns)
-                warn = phase_skew_warning(m["step_breakdown"], key)
-                if warn:
-                    warnings.append(warn)
-                    say("WARNING: " + warn)
+                for warn in (phase_skew_warning(m["step_breakdown"], key), decode_path_warning(ex, key)):
+                    if warn:
+                        warnings.append(warn)
+                        say("WARNING: " + warn)
                 (run_dir / f"steps-{key}.json").write_text(json.dumps(rec.rows, indent=1))
             elif name == LIMIT:
                 m["hot_route_share"] = 1.0

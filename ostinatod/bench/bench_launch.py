@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from ..hardware import cpu_placement, default_threads
 from ..paths import get_paths
-from .bench_common import BenchError, say
+from .bench_common import BenchError, crash_lines, say
 from .bench_report import turn_breakdown
 
 
@@ -69,6 +69,8 @@ class Server:
                  url_file: Optional[Path] = None, url: Optional[str] = None,
                  cpus: Optional[list[int]] = None):
         self.name, self.log_path, self.cmd = name, log_path, list(cmd)
+        # where this process's output starts in a log an earlier run in the same work dir appended to
+        self.log_start = log_path.stat().st_size if log_path.exists() else 0
         self._log = open(log_path, "ab")
         # cpus: the server process (and so every thread it makes) runs on these CPUs only
         pre = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
@@ -92,6 +94,31 @@ class Server:
             time.sleep(0.3)
         raise BenchError(f"{self.name} not ready after {timeout:.0f} s; log {self.log_path}:\n{self.tail()}")
 
+    def crash(self, extra_logs: tuple[Path, ...] = (), since: Optional[dict[Path, int]] = None) -> Optional[str]:
+        """Why this server cannot be measured any more, or None: it exited (with its code), or its
+        log (and ``extra_logs``, e.g. the daemon's own log file) shows an engine crash
+        (:func:`.bench_common.crash_lines`, joined with " | ") past the byte offsets ``since``
+        (per path; a log appended to by an earlier run in the same work dir is read from there)."""
+        if self.proc.poll() is not None:
+            return f"{self.name} exited with {self.proc.returncode}"
+        text = ""
+        for p in (self.log_path, *extra_logs):
+            try:
+                with open(p, "rb") as f:
+                    f.seek((since or {}).get(p, 0))
+                    text += f.read().decode(errors="replace") + "\n"
+            except OSError:
+                pass
+        lines = crash_lines(text)
+        return f"{self.name} crashed: " + " | ".join(lines) if lines else None
+
+    def watch(self, deadline: Optional[float], extra_logs: tuple[Path, ...] = (),
+              poll_s: float = 1.0) -> "Watch":
+        """Start a :class:`Watch` of this server: stops it at the first crash (:meth:`crash`) or at
+        ``deadline`` (time.monotonic(); None: none), so that a replay against it ends with errors
+        instead of waiting on a dead or wedged engine."""
+        return Watch(self, deadline, extra_logs, poll_s)
+
     def tail(self, n: int = 3000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-n:]
@@ -101,6 +128,39 @@ class Server:
     def stop(self) -> None:
         terminate(self.proc, group=True)
         self._log.close()
+
+
+class Watch:
+    """A thread that stops ``server`` (:meth:`Server.stop`) when :meth:`Server.crash` gives a reason
+    or ``deadline`` (time.monotonic()) passes; :attr:`reason` says which (None while neither).
+    :meth:`stop` ends the watch (the server keeps running)."""
+
+    def __init__(self, server: Server, deadline: Optional[float], extra_logs: tuple[Path, ...] = (),
+                 poll_s: float = 1.0):
+        self.server, self.deadline, self.extra_logs = server, deadline, extra_logs
+        self.reason: Optional[str] = None
+        # the server's output since it started; what the other logs gain from now on
+        self.since = {p: (p.stat().st_size if p.exists() else 0) for p in extra_logs}
+        self.since[server.log_path] = server.log_start
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(poll_s,), daemon=True,
+                                        name=f"watch-{server.name}")
+        self._thread.start()
+
+    def _run(self, poll_s: float) -> None:
+        while not self._done.wait(poll_s):
+            why = self.server.crash(self.extra_logs, self.since)
+            if why is None and self.deadline is not None and time.monotonic() > self.deadline:
+                why = f"{self.server.name} stopped at the run's time limit while replaying"
+            if why is not None:
+                self.reason = why
+                say(f"engine {self.server.name}: {why}; stopping it")
+                terminate(self.server.proc, grace=5, group=True)
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(10)
 
 
 def gpu_env(a: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
@@ -246,7 +306,8 @@ def expert_stats(home: Path) -> dict[str, Any]:
             "paths": ex.get("paths") or eng.get("paths"), "routes": ex.get("routes", eng.get("routes")),
             "cold_routes": ex.get("cold_routes", eng.get("cold_routes")),
             "upload_bytes": eng.get("upload_bytes"), "prefill_threshold": eng.get("prefill_threshold"),
-            "prefill": eng.get("prefill")}
+            "prefill": eng.get("prefill"), "decode_graph": eng.get("decode_graph"),
+            "decode_graph_steps": eng.get("decode_graph_steps")}
 
 
 class StepRecorder:

@@ -86,6 +86,33 @@ def phase_skew_warning(b: Optional[dict[str, Any]], who: str = "ostinato") -> Op
             "route unlike its prompts, so the decode figures undercount cold routes")
 
 
+def decode_path_warning(ex: Optional[dict[str, Any]], who: str = "ostinato") -> Optional[str]:
+    """A warning when an Ostinato engine's decode steps did not all take the path its figures are
+    read as (the decode graph with the CPU branch's own kernel), from its :func:`.bench_launch.expert_stats`
+    ``ex``: the graph broken by a lost wait or failed at creation, one-token passes
+    (``paths["decode"]``) outside it (``decode_graph_steps``), or layers whose CPU branch fell back
+    to ggml's graph compute with the kernel on. None when all is as expected, when the run has no
+    decode graph (a CPU build: ``decode_graph`` never active and no step in it) or no stats."""
+    if not ex or not isinstance(ex.get("decode_graph"), dict):
+        return None
+    dg, problems = ex["decode_graph"], []
+    steps = int((ex.get("paths") or {}).get("decode") or 0)
+    in_graph = int(ex.get("decode_graph_steps") or 0)
+    if not dg.get("active") and not in_graph and not dg.get("broken") and not dg.get("failed"):
+        return None
+    if dg.get("broken"):
+        problems.append("a lost wait turned the decode graph off")
+    if dg.get("failed"):
+        problems.append("the decode graph could not be created")
+    if steps and in_graph < steps:
+        problems.append(f"{steps - in_graph} of {steps} decode steps ran outside the decode graph")
+    k = dg.get("cpu_kernel") or {}
+    if k.get("on") and k.get("layers_ggml"):
+        problems.append(f"{k['layers_ggml']} layers' CPU branch on ggml's compute"
+                        + (f" ({k['unmatched']})" if k.get("unmatched") else ""))
+    return f"{who}: " + "; ".join(problems) + ": its decode figures are not the kernel's" if problems else None
+
+
 def turn_breakdown(prev: dict[str, Any], cur: dict[str, Any],
                    mid: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Per-turn split of the native engine's pass times between the turn's prefill passes (path

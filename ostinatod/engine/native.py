@@ -171,6 +171,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_decode_graph": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_kernel": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_cpu_prefetch": ([ctypes.c_int], ctypes.c_int),
     "ostinato_cpu_branch_bench": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
@@ -427,6 +428,14 @@ def set_cpu_kernel(on: bool) -> None:
     ``cpu_branch_kernel``) or on ggml's graph compute (False; measurements). The native default is on.
     Takes effect at the next graph build (a change marks the cached graphs stale)."""
     llama_fn("ostinato_experts_set_cpu_kernel")(1 if on else 0)
+
+
+def set_cpu_prefetch(rows: int) -> None:
+    """The CPU branch kernel's software prefetch distance in weight rows (0: off, the native
+    default; setting ``cpu_branch_prefetch_rows``): while a thread computes row r of its chunk it
+    prefetches row r + ``rows``. Process-wide, read at every chunk. Raises ValueError outside 0..64."""
+    if llama_fn("ostinato_experts_set_cpu_prefetch")(int(rows)) < 0:
+        raise ValueError(f"CPU branch prefetch rows must be 0..64, got {rows}")
 
 
 def cpu_branch_bench(model: Any, args: dict[str, Any]) -> dict[str, Any]:
