@@ -85,12 +85,18 @@ class Paths:
         return self
 
 
+def home_paths(home: Path) -> Paths:
+    """The directories under one ``OSTINATO_HOME`` (the daemon's layout there; the bench reads the
+    files of the daemons it starts through it)."""
+    h = Path(home).expanduser().resolve()
+    return Paths(h / "config", h / "data", h / "state", h / "run")
+
+
 def get_paths() -> Paths:
     """Resolve the directories from ``OSTINATO_HOME`` or platformdirs (user scope)."""
     home = os.environ.get("OSTINATO_HOME")
     if home:
-        h = Path(home).expanduser().resolve()
-        return Paths(h / "config", h / "data", h / "state", h / "run")
+        return home_paths(Path(home))
     with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset
         warnings.simplefilter("ignore")
         runtime = platformdirs.user_runtime_dir(APP)

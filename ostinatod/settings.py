@@ -185,7 +185,7 @@ class Settings(BaseSettings):
                                     "uploaded; -1: adapted per layer. 0 (default): the cost model's "
                                     "split (prefill_cpu_split) decides instead. Measurements only.")
     prefill_cpu_split: bool = Field(False, description="Experimental (off: slower and not stable on "
-                                    "the H200 runs, docs/engine.md \"The prefill's CPU share\"): the "
+                                    "the H200 runs, docs/engine.md \"Pool views and the hybrid upload pass\"): the "
                                     "prefill after a tool output uses the CPU as a second path: per layer, "
                                     "the cold experts with the fewest routes are computed by the CPU "
                                     "branch's own kernel while the others are uploaded, as many as the cost "

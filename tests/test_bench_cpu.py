@@ -68,8 +68,9 @@ def test_cpu_branch_bench_runs_the_kernel_at_each_prefetch_distance_bitwise(tmp_
     assert len(res["rows"]) == 2 * 2 * 3 and all(r["bitwise_equal"] for r in res["rows"])
     assert sorted({(f["tokens"], f["prefetch_rows"]) for f in res["fits"]}) == \
         [(n, pf) for n in (1, 3) for pf in (0, 1, 3)]
-    # ggml timed once per shape and thread count, at the first distance
+    # ggml timed once per shape and thread count, at the first distance; every distance compared with it
     assert all(("ggml_ms" in r) == (r["prefetch_rows"] == 0) for r in res["rows"])
+    assert all(r["speedup_vs_ggml"] > 0 for r in res["rows"])
     assert native.llama_fn("ostinato_experts_set_cpu_prefetch")(0) == 0   # the previous: 0 again, not 3
     with pytest.raises(ValueError):
         native.set_cpu_prefetch(65)

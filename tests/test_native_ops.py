@@ -75,6 +75,7 @@ def test_gpu_backend_2d_copy_moves_rows_at_two_pitches_and_refuses_the_rest():
 @pytest.mark.parametrize("arch,shape,quant,merged", [
     ("qwen3moe", "tiny", "q8_0", False),
     ("qwen3moe", "tiny", "q4_0", False),
+    ("qwen35moe", "ci", "q4_0", True),
     ("qwen3moe", "ci", "q4_k_m", False),
     ("qwen35moe", "ci", "ud-q4_k_xl", True),
 ])
@@ -103,8 +104,9 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
     assert res["merged_gate_up"] is merged
     # Q4_0 rows take the kernel's own dot product where ggml-cpu runs its AVX2 path (x86 with AVX2,
     # FMA, F16C: this machine and CI), so the bitwise checks below cover it; other types ggml's
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    avx2 = all(f" {x}" in flags for x in ("avx2", "fma", "f16c"))
+    # (ggml-cpu's compile-time flags, as llama.cpp reports them, decide: "AVX2 = 1 | F16C = 1 | FMA = 1")
+    info = llama_cpp.llama_print_system_info().decode()
+    avx2 = all(f"{x} = 1" in info for x in ("AVX2", "F16C", "FMA"))
     want = "q4_0_dot" if quant == "q4_0" and avx2 else "vec_dot"
     assert (res["dot_up"], res["dot_down"]) == (want, want), res
     rows = res["rows"]

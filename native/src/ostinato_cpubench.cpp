@@ -115,6 +115,11 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         // the kernel's software prefetch distance in rows (ost_ffn_set_prefetch_rows), per row of the grid
         const auto prefetch_list = a.value("prefetch_rows", std::vector<int>{ost_ffn_prefetch_rows()});
         if (prefetch_list.empty()) throw std::runtime_error("prefetch_rows must not be empty");
+        for (int v : prefetch_list) {
+            if (v < 0 || v > OST_PREFETCH_ROWS_MAX) {
+                throw std::runtime_error("prefetch_rows must be 0.." + std::to_string(OST_PREFETCH_ROWS_MAX) + ", got " + std::to_string(v));
+            }
+        }
         const int prefetch_was = ost_ffn_prefetch_rows();
         struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
         const int64_t bw_bytes = a.value("read_bw_bytes", (int64_t) 256 << 20);

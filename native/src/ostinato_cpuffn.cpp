@@ -257,7 +257,8 @@ namespace {
 // sum(q * y) - 8 * sum(y): the same integers (an int16 pair of maddubs is at most 2 * 15 * 128, it
 // cannot saturate), with -8 * sum(y) per lane computed once per activation row (no sign
 // instructions, no offset per block). The float operations are ggml's, in ggml's order, so every
-// row is bitwise vec_dot's; used only where ggml-cpu itself runs that AVX2 path (built with AVX2,
+// row is bitwise vec_dot's for finite activations (a NaN input quantises to -128, where ggml's sign
+// trick wraps and this does not: garbage either way); used only where ggml-cpu itself runs that AVX2 path (built with AVX2,
 // FMA and F16C: ggml_cpu_has_*). On one core of the development machine (AMD EPYC, AVX2; vec_dot
 // compute-bound at ~6 GB/s) 1.2x vec_dot's rows per second in cache. Four rows per pass over the
 // activation were 1.4x in cache but 0.6x streaming from memory (four interleaved streams defeat
@@ -301,7 +302,8 @@ OST_AVX2 float q4_0_dot(const void * w, int64_t nb, const void * yrow, const int
     __m256 acc = _mm256_setzero_ps();
     for (int64_t ib = 0; ib < nb; ++ib) {
         const __m128i t = _mm_loadu_si128((const __m128i *) x[ib].qs);
-        const __m256i xu = _mm256_and_si256(m4, _mm256_set_m128i(_mm_srli_epi16(t, 4), t));
+        // ggml's MM256_SET_M128I form (gcc 7 lacks _mm256_set_m128i)
+        const __m256i xu = _mm256_and_si256(m4, _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1));
         const __m256i qy = _mm256_loadu_si256((const __m256i *) y[ib].qs);
         const __m256i lanes = _mm256_add_epi32(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(xu, qy)),
                                                _mm256_loadu_si256((const __m256i *) (neg8 + 8 * ib)));
@@ -381,7 +383,9 @@ const char * weight_row(const ost_ffn & f, const group_t & g, int64_t row, bool 
 void prefetch_row(const ost_ffn & f, const group_t & g, int64_t row, bool down) {
     size_t nb = 0;
     const char * p = weight_row(f, g, row, down, &nb);
-    for (size_t o = 0; o < nb; o += 64) __builtin_prefetch(p + o, 0, 3);
+    // every cache line the row touches (rows need not start on a line)
+    const char * line = (const char *) ((uintptr_t) p & ~(uintptr_t) 63);
+    for (; line < p + nb; line += 64) __builtin_prefetch(line, 0, 3);
 }
 
 void phase_rows(run_t & r, bool down) {

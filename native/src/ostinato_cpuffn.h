@@ -84,11 +84,12 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
 struct ost_ffn_shared;
 ost_ffn_shared * ost_ffn_shared_new();   // lives as long as the process (one per layer)
 bool             ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st);
-// Software prefetch in the kernel's row loop (process-wide, read at each chunk): while a thread
+// Software prefetch in the kernel's row loop (process-wide, read once per phase of a run): while a thread
 // computes weight row r of its chunk it prefetches row r + rows (and the chunk's first rows when it
 // takes the chunk), so that its reads do not wait for the hardware prefetcher, which starts again at
 // every 4 KiB page and every chunk (chunks of one expert go to different threads). 0 = off. Changes
 // which bytes are fetched when, never what is computed. Returns the previous value.
+constexpr int OST_PREFETCH_ROWS_MAX = 64;   // the largest distance (the C API and the bench refuse more)
 int ost_ffn_set_prefetch_rows(int rows);
 int ost_ffn_prefetch_rows();
 // The dot product the kernel uses for rows of weight type `w` against `vt` activations over `n`

@@ -826,7 +826,7 @@ int ostinato_experts_set_cpu_kernel(int on) {
 }
 
 int ostinato_experts_set_cpu_prefetch(int rows) {
-    if (rows < 0 || rows > 64) return -1;
+    if (rows < 0 || rows > OST_PREFETCH_ROWS_MAX) return -1;
     return ost_ffn_set_prefetch_rows(rows);
 }
 

@@ -254,9 +254,9 @@ OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);
 // The decode graph's CPU branch on its own kernel (1, default: ostinato_cpuffn.h) or on ggml's graph
 // compute (0; for measurements). Takes effect at the next graph.
 OSTINATO_API int          ostinato_experts_set_cpu_kernel(int on);
-// The CPU branch kernel's software prefetch distance in weight rows (0 = off, at most 64; read at
-// every chunk a thread takes): docs/engine.md "CPU branch kernel". Returns the previous distance, or
-// -1 out of range (nothing changed).
+// The CPU branch kernel's software prefetch distance in weight rows (0 = off, at most
+// OST_PREFETCH_ROWS_MAX = 64; read once per phase of a run): docs/engine.md "CPU branch kernel".
+// Returns the previous distance, or -1 out of range (nothing changed).
 OSTINATO_API int          ostinato_experts_set_cpu_prefetch(int rows);
 // The CPU branch alone on `model`'s expert tensors (loaded in host memory, not repacked): its own
 // kernel against llama.cpp's CPU MUL_MAT_ID graph on the same inputs, bit for bit, and the host's

@@ -3,6 +3,7 @@ error and the progress line."""
 
 from __future__ import annotations
 
+import re
 import time
 
 ENGINES = ("ostinato", "stock-all-gpu", "stock-layers", "stock-cpu", "llama-server")
@@ -54,24 +55,29 @@ def variant_settings(name: str) -> dict:
     """The daemon settings of the bench variant ``name`` on this machine (KeyError if unknown)."""
     opts = VARIANTS[name]
     return dict(opts() if callable(opts) else opts)
-# lines of a server's log that say its engine died or aborted (ggml's and CUDA's aborts, a signal,
-# the daemon's own line for a crashed or killed engine worker)
-CRASH_MARKERS = ("GGML_ASSERT", "GGML_ABORT", "ggml_abort", "CUDA error", "fatal error", "Segmentation fault",
-                 "Fatal Python error", "Aborted", "core dumped", "terminate called", "engine worker exited",
-                 "did not answer a ping", "did not answer a liveness ping")
+# lines of a server's log that say its engine died or aborted: raw output of native code (ggml's
+# and CUDA's aborts, a C++ terminate, Python's fatal error) and, among the daemon's own log lines,
+# only those for a crashed or killed engine worker (a daemon line could quote a request or model
+# output, so it is never matched for the native markers)
+NATIVE_CRASH_MARKERS = ("GGML_ASSERT", "GGML_ABORT", "ggml_abort", "CUDA error", ": fatal error",
+                        "Fatal Python error", "terminate called")
+DAEMON_CRASH_MARKERS = ("engine worker exited", "did not answer a ping")
+_DAEMON_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")   # the daemon's log format
 
 
 def crash_lines(text: str, limit: int = 6) -> list[str]:
-    """The first ``limit`` distinct lines of a server log ``text`` that carry a
-    :data:`CRASH_MARKERS` marker (stripped, each cut to 300 characters), in log order; [] when the
-    log shows no crash (the daemon's "has not answered a ping ... stalled" warning for a slow worker
-    is not one; its line for the kill that follows is)."""
+    """The first ``limit`` distinct lines of a server log ``text`` that say an engine crashed, in
+    log order, each stripped and cut to 300 characters: a daemon log line (timestamped) with a
+    :data:`DAEMON_CRASH_MARKERS` marker, any other line with a :data:`NATIVE_CRASH_MARKERS` one.
+    [] when the log shows no crash (the daemon's "stalled" warning for a slow worker is not one; its
+    line for the kill that follows is)."""
     out: list[str] = []
     for line in text.splitlines():
         s = line.strip()
         if not s or s[:300] in out:
             continue
-        if any(m in s for m in CRASH_MARKERS):
+        markers = DAEMON_CRASH_MARKERS if _DAEMON_LINE.match(s) else NATIVE_CRASH_MARKERS
+        if any(m in s for m in markers):
             out.append(s[:300])
             if len(out) >= limit:
                 break

@@ -94,6 +94,9 @@ from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
 from .sessions import WORKLOAD_OF_SESSION, assistant_turns
 
+# seconds past --time-limit before an engine still replaying is stopped (its last turn may end)
+DEADLINE_GRACE_S = 15.0
+
 WORKLOAD_OF_FILE = WORKLOAD_OF_SESSION  # keyed by file stem: swe.jsonl, tau2.jsonl
 
 
@@ -313,8 +316,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
             t1 = time.monotonic()
             # a crashed or wedged engine is stopped (and named in the notes) instead of holding
             # the replay until its per-request timeout; so is one still replaying at the time limit
-            watch = srv.watch(t_start + a.time_limit if a.time_limit else None,
-                              (run_dir / f"home-{key}" / "state" / "ostinatod.log",))
+            watch = srv.watch(t_start + a.time_limit + DEADLINE_GRACE_S if a.time_limit else None)
             try:
                 data = replay(url, held_file, held, a, run_dir / f"replay-{key}.json",
                               on_turn=rec.turn if rec else None,
@@ -323,8 +325,10 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 watch.stop()
                 if rec is not None:
                     rec.stop()
-            if watch.reason:
+            if watch.crashed:
                 raise BenchError(f"{watch.reason} (no figures of this engine; log {srv.log_path})")
+            if watch.reason:   # the time limit: its finished turns count, the rest are errors
+                notes.append(f"{key}: {watch.reason}; its figures are those of the turns it finished")
             est.add(name, time.monotonic() - t1, load_s)
             turns = replay_turns(data)
             m = engine_metrics(turns)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..hardware import cpu_placement, default_threads
-from ..paths import get_paths
+from ..paths import get_paths, home_paths
 from .bench_common import BenchError, crash_lines, say
 from .bench_report import turn_breakdown
 
@@ -77,6 +77,8 @@ class Server:
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pre)
         self.url_file, self.url = url_file, url
+        # other logs of this server that can show its engine's crash (the daemon's own log file)
+        self.extra_logs: tuple[Path, ...] = ()
 
     def wait_ready(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -94,30 +96,11 @@ class Server:
             time.sleep(0.3)
         raise BenchError(f"{self.name} not ready after {timeout:.0f} s; log {self.log_path}:\n{self.tail()}")
 
-    def crash(self, extra_logs: tuple[Path, ...] = (), since: Optional[dict[Path, int]] = None) -> Optional[str]:
-        """Why this server cannot be measured any more, or None: it exited (with its code), or its
-        log (and ``extra_logs``, e.g. the daemon's own log file) shows an engine crash
-        (:func:`.bench_common.crash_lines`, joined with " | ") past the byte offsets ``since``
-        (per path; a log appended to by an earlier run in the same work dir is read from there)."""
-        if self.proc.poll() is not None:
-            return f"{self.name} exited with {self.proc.returncode}"
-        text = ""
-        for p in (self.log_path, *extra_logs):
-            try:
-                with open(p, "rb") as f:
-                    f.seek((since or {}).get(p, 0))
-                    text += f.read().decode(errors="replace") + "\n"
-            except OSError:
-                pass
-        lines = crash_lines(text)
-        return f"{self.name} crashed: " + " | ".join(lines) if lines else None
-
-    def watch(self, deadline: Optional[float], extra_logs: tuple[Path, ...] = (),
-              poll_s: float = 1.0) -> "Watch":
-        """Start a :class:`Watch` of this server: stops it at the first crash (:meth:`crash`) or at
-        ``deadline`` (time.monotonic(); None: none), so that a replay against it ends with errors
-        instead of waiting on a dead or wedged engine."""
-        return Watch(self, deadline, extra_logs, poll_s)
+    def watch(self, deadline: Optional[float], poll_s: float = 1.0) -> "Watch":
+        """Start a :class:`Watch` of this server (its log and :attr:`extra_logs`): stops it at the
+        first engine crash they show, at its exit or at ``deadline`` (time.monotonic(); None: none), so that a replay against it
+        ends with errors instead of waiting on a dead or wedged engine."""
+        return Watch(self, deadline, poll_s)
 
     def tail(self, n: int = 3000) -> str:
         try:
@@ -131,25 +114,52 @@ class Server:
 
 
 class Watch:
-    """A thread that stops ``server`` (:meth:`Server.stop`) when :meth:`Server.crash` gives a reason
-    or ``deadline`` (time.monotonic()) passes; :attr:`reason` says which (None while neither).
-    :meth:`stop` ends the watch (the server keeps running)."""
+    """A thread that stops ``server`` (:meth:`Server.stop`'s signals) when its logs (its own output
+    since it started and what its :attr:`Server.extra_logs` gain from now on, read as they grow)
+    show an engine crash (:func:`.bench_common.crash_lines`), when it exits, or when ``deadline``
+    (time.monotonic()) passes; :attr:`reason` says why (None while none), :attr:`crashed` whether
+    it was a crash or an exit (not the deadline). :meth:`stop` ends the watch (the server keeps
+    running)."""
 
-    def __init__(self, server: Server, deadline: Optional[float], extra_logs: tuple[Path, ...] = (),
-                 poll_s: float = 1.0):
-        self.server, self.deadline, self.extra_logs = server, deadline, extra_logs
+    def __init__(self, server: Server, deadline: Optional[float], poll_s: float = 1.0):
+        self.server, self.deadline = server, deadline
         self.reason: Optional[str] = None
-        # the server's output since it started; what the other logs gain from now on
-        self.since = {p: (p.stat().st_size if p.exists() else 0) for p in extra_logs}
-        self.since[server.log_path] = server.log_start
+        self.crashed = False
+        self._lines: list[str] = []
+        self._pos = {p: (p.stat().st_size if p.exists() else 0) for p in server.extra_logs}
+        self._pos[server.log_path] = server.log_start
+        self._rest = {p: b"" for p in self._pos}   # a line not complete yet, per log
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(poll_s,), daemon=True,
                                         name=f"watch-{server.name}")
         self._thread.start()
 
+    def _new_lines(self) -> list[str]:
+        out = []
+        for p, pos in self._pos.items():
+            try:
+                with open(p, "rb") as f:
+                    f.seek(pos)
+                    data = f.read()
+            except OSError:
+                continue
+            self._pos[p] = pos + len(data)
+            data = self._rest[p] + data
+            cut = data.rfind(b"\n") + 1
+            self._rest[p] = data[cut:]
+            out += data[:cut].decode(errors="replace").splitlines()
+        return out
+
     def _run(self, poll_s: float) -> None:
         while not self._done.wait(poll_s):
-            why = self.server.crash(self.extra_logs, self.since)
+            why = None
+            if self.server.proc.poll() is not None:
+                why = f"{self.server.name} exited with {self.server.proc.returncode}"
+            else:
+                self._lines += crash_lines("\n".join(self._new_lines()))
+                if self._lines:
+                    why = f"{self.server.name} crashed: " + " | ".join(self._lines[:6])
+            self.crashed = why is not None
             if why is None and self.deadline is not None and time.monotonic() > self.deadline:
                 why = f"{self.server.name} stopped at the run's time limit while replaying"
             if why is not None:
@@ -192,7 +202,10 @@ def start_daemon(name: str, model: Path, settings: dict[str, Any], run_dir: Path
         if v is not None:
             env[f"OSTINATO_{k.upper()}"] = str(v)
     cmd = [sys.executable, "-m", "ostinatod.daemon_cli", "run", "--port", "0", "--host", "127.0.0.1"]
-    return Server(name, cmd, env, run_dir / f"{name}.log", url_file=home / "run" / "ostinatod.json")
+    paths = home_paths(home)
+    srv = Server(name, cmd, env, run_dir / f"{name}.log", url_file=paths.runtime / "ostinatod.json")
+    srv.extra_logs = (paths.log_file,)   # the daemon's log: its line for a crashed engine worker
+    return srv
 
 
 def llama_server_binary() -> Optional[Path]:

@@ -433,7 +433,8 @@ def set_cpu_kernel(on: bool) -> None:
 def set_cpu_prefetch(rows: int) -> None:
     """The CPU branch kernel's software prefetch distance in weight rows (0: off, the native
     default; setting ``cpu_branch_prefetch_rows``): while a thread computes row r of its chunk it
-    prefetches row r + ``rows``. Process-wide, read at every chunk. Raises ValueError outside 0..64."""
+    prefetches row r + ``rows``. Process-wide, read once per phase of a run. Raises ValueError
+    outside 0..64 (the engine's OST_PREFETCH_ROWS_MAX)."""
     if llama_fn("ostinato_experts_set_cpu_prefetch")(int(rows)) < 0:
         raise ValueError(f"CPU branch prefetch rows must be 0..64, got {rows}")
 

@@ -145,7 +145,7 @@ def cpu_split_inputs(settings: Any, path: Optional[Path] = None, model_fingerpri
     (``"calibration"``) or a load probe of this model (``"probe"``; any model when
     ``model_fingerprint`` is None); ``([], None, "settings")`` when ``prefill_cpu_split`` is false,
     ``([], None, "not calibrated")`` without such a record."""
-    if settings is not None and not getattr(settings, "prefill_cpu_split", True):
+    if settings is not None and not settings.prefill_cpu_split:
         return [], None, "settings"
     cal = load_calibration(path)
     if _is_full(cal):
