@@ -258,8 +258,8 @@ namespace {
 // cannot saturate), with -8 * sum(y) per lane computed once per activation row (no sign
 // instructions, no offset per block). The float operations are ggml's, in ggml's order, so every
 // row is bitwise vec_dot's for finite activations (a NaN input quantises to -128, where ggml's sign
-// trick wraps and this does not: garbage either way); used only where ggml-cpu itself runs that AVX2 path (built with AVX2,
-// FMA and F16C: ggml_cpu_has_*). On one core of the development machine (AMD EPYC, AVX2; vec_dot
+// trick wraps and this does not: garbage either way); used only where ggml-cpu itself runs that
+// AVX2 path (built with AVX2, FMA and F16C: ggml_cpu_has_*). On one core of the development machine (AMD EPYC, AVX2; vec_dot
 // compute-bound at ~6 GB/s) 1.2x vec_dot's rows per second in cache. Four rows per pass over the
 // activation were 1.4x in cache but 0.6x streaming from memory (four interleaved streams defeat
 // the hardware prefetcher), so rows are computed one at a time.

@@ -98,8 +98,9 @@ class Server:
 
     def watch(self, deadline: Optional[float], poll_s: float = 1.0) -> "Watch":
         """Start a :class:`Watch` of this server (its log and :attr:`extra_logs`): stops it at the
-        first engine crash they show, at its exit or at ``deadline`` (time.monotonic(); None: none), so that a replay against it
-        ends with errors instead of waiting on a dead or wedged engine."""
+        first engine crash they show, at its exit or at ``deadline`` (time.monotonic(); None:
+        none), so that a replay against it ends with errors instead of waiting on a dead or wedged
+        engine."""
         return Watch(self, deadline, poll_s)
 
     def tail(self, n: int = 3000) -> str:
