@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-from pathlib import Path
 
 import pytest
 
@@ -102,13 +101,6 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
     finally:
         llama_cpp.llama_model_free(model)
     assert res["merged_gate_up"] is merged
-    # Q4_0 rows take the kernel's own dot product where ggml-cpu runs its AVX2 path (x86 with AVX2,
-    # FMA, F16C: this machine and CI), so the bitwise checks below cover it; other types ggml's
-    # (ggml-cpu's compile-time flags, as llama.cpp reports them, decide: "AVX2 = 1 | F16C = 1 | FMA = 1")
-    info = llama_cpp.llama_print_system_info().decode()
-    avx2 = all(f"{x} = 1" in info for x in ("AVX2", "F16C", "FMA"))
-    want = "q4_0_dot" if quant == "q4_0" and avx2 else "vec_dot"
-    assert (res["dot_up"], res["dot_down"]) == (want, want), res
     rows = res["rows"]
     assert len(rows) == 3 * 3 * 2 and all(r["matched"] for r in rows)
     tiled = res["type_up"].startswith(("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq")) or \

@@ -145,11 +145,6 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         out["merged_gate_up"] = L.ffn_gate_up_exps != nullptr;
         out["type_up"] = ggml_type_name((L.ffn_gate_up_exps ? L.ffn_gate_up_exps : L.ffn_up_exps)->type);
         out["type_down"] = ggml_type_name(down->type);
-        {   // the kernel's dot product for each matrix (ost_ffn_dot_name)
-            const ggml_tensor * upw = L.ffn_gate_up_exps ? L.ffn_gate_up_exps : L.ffn_up_exps;
-            out["dot_up"] = ost_ffn_dot_name(upw->type, ggml_get_type_traits_cpu(upw->type)->vec_dot_type, upw->ne[0]);
-            out["dot_down"] = ost_ffn_dot_name(down->type, ggml_get_type_traits_cpu(down->type)->vec_dot_type, down->ne[0]);
-        }
 
         // the host's read bandwidth, per thread count, over a buffer larger than the caches
         json bw = json::array();

@@ -248,83 +248,6 @@ void ost_team_run(ost_team * t, void (*fn)(void *, int, int), void * ctx) {
 
 namespace {
 
-// ---------------------------------------------------------------------------------------------
-// Q4_0 weights x Q8_0 activations, fewer instructions per block than vec_dot (x86)
-//
-// ggml-cpu's ggml_vec_dot_q4_0_q8_0 (arch/x86/quants.c, its AVX2 path) per 32-weight block: int32
-// lanes of four products (q - 8) * y, converted to float, acc = fma(fp16(d_x) * fp16(d_y), lanes,
-// acc); at the end hsum_float_8(acc). Here the lanes come from the unsigned nibbles as
-// sum(q * y) - 8 * sum(y): the same integers (an int16 pair of maddubs is at most 2 * 15 * 128, it
-// cannot saturate), with -8 * sum(y) per lane computed once per activation row (no sign
-// instructions, no offset per block). The float operations are ggml's, in ggml's order, so every
-// row is bitwise vec_dot's for finite activations (a NaN input quantises to -128, where ggml's sign
-// trick wraps and this does not: garbage either way); used only where ggml-cpu itself runs that
-// AVX2 path (built with AVX2, FMA and F16C: ggml_cpu_has_*). On one core of the development machine (AMD EPYC, AVX2; vec_dot
-// compute-bound at ~6 GB/s) 1.2x vec_dot's rows per second in cache. Four rows per pass over the
-// activation were 1.4x in cache but 0.6x streaming from memory (four interleaved streams defeat
-// the hardware prefetcher), so rows are computed one at a time.
-
-struct q4_0_blk { uint16_t d; uint8_t qs[16]; };
-struct q8_0_blk { uint16_t d; int8_t qs[32]; };
-static_assert(sizeof(q4_0_blk) == 18 && sizeof(q8_0_blk) == 34, "ggml's Q4_0 / Q8_0 block layouts");
-
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-#define OST_Q4_DOT 1
-#define OST_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-// Per block of a Q8_0 activation row: -8 x the sum of each int32 lane's four values, and fp32(d).
-OST_AVX2 void q8_0_lane_sums(const void * row, int64_t nb, int32_t * neg8, float * d) {
-    const q8_0_blk * y = (const q8_0_blk *) row;
-    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
-    for (int64_t ib = 0; ib < nb; ++ib) {
-        const __m256i qy = _mm256_loadu_si256((const __m256i *) y[ib].qs);
-        const __m256i sum = _mm256_madd_epi16(ones16, _mm256_maddubs_epi16(ones8, qy));
-        _mm256_storeu_si256((__m256i *) (neg8 + 8 * ib), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 3)));
-        d[ib] = _cvtsh_ss(y[ib].d);
-    }
-}
-
-// ggml's hsum_float_8, the same additions in the same order
-OST_AVX2 inline float hsum_f8(const __m256 x) {
-    __m128 res = _mm256_extractf128_ps(x, 1);
-    res = _mm_add_ps(res, _mm256_castps256_ps128(x));
-    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
-    res = _mm_add_ss(res, _mm_movehdup_ps(res));
-    return _mm_cvtss_f32(res);
-}
-
-// vec_dot of one Q4_0 weight row (nb blocks at w) with a Q8_0 activation row y, whose lane sums
-// and scales q8_0_lane_sums gave
-OST_AVX2 float q4_0_dot(const void * w, int64_t nb, const void * yrow, const int32_t * neg8, const float * yd) {
-    const q4_0_blk * x = (const q4_0_blk *) w;
-    const q8_0_blk * y = (const q8_0_blk *) yrow;
-    const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t ib = 0; ib < nb; ++ib) {
-        const __m128i t = _mm_loadu_si128((const __m128i *) x[ib].qs);
-        // ggml's MM256_SET_M128I form (gcc 7 lacks _mm256_set_m128i)
-        const __m256i xu = _mm256_and_si256(m4, _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1));
-        const __m256i qy = _mm256_loadu_si256((const __m256i *) y[ib].qs);
-        const __m256i lanes = _mm256_add_epi32(_mm256_madd_epi16(ones, _mm256_maddubs_epi16(xu, qy)),
-                                               _mm256_loadu_si256((const __m256i *) (neg8 + 8 * ib)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(x[ib].d) * yd[ib]), _mm256_cvtepi32_ps(lanes), acc);
-    }
-    return hsum_f8(acc);
-}
-#endif
-
-// Whether rows of weight type `w` with `vt` activations over `n` columns take q4_0_dot: ggml-cpu
-// itself on its AVX2 path for them (else its other paths' arithmetic would differ).
-bool q4_dot_ok(ggml_type w, ggml_type vt, int64_t n) {
-#ifdef OST_Q4_DOT
-    static const bool cpu = ggml_cpu_has_avx2() && ggml_cpu_has_fma() && ggml_cpu_has_f16c();
-    return cpu && w == GGML_TYPE_Q4_0 && vt == GGML_TYPE_Q8_0 && n % 32 == 0;
-#else
-    (void) w; (void) vt; (void) n;
-    return false;
-#endif
-}
-
 struct route_t { int32_t t, j; };
 
 struct group_t {
@@ -350,12 +273,6 @@ struct run_t {
     bool xq_done = false;            // the input rows were quantised by prepare
     int64_t n_routes = 0;
     std::vector<int32_t> count, start;   // per expert: routes, next route's place
-    // Q4_0 rows (q4_0_dot) in phase 1 / phase 3, with per activation row its lane sums and scales
-    // (q8_0_lane_sums): per token slot (phase 1) and per route (phase 3), nb blocks each
-    bool q4_1 = false, q4_3 = false;
-    int64_t nb1 = 0, nb3 = 0;
-    int32_t * ls1 = nullptr, * ls3 = nullptr;
-    float * d1 = nullptr, * d3 = nullptr;
     // rows of phase 1 (2 n_ff per group) and phase 3 (n_embd per group) in chunks that the threads
     // take from a counter: threads that run slower (a hyperthread sibling busy, an interrupt) take
     // fewer, so the phase ends when the work does (a static share waited for the slowest thread)
@@ -371,21 +288,20 @@ constexpr int64_t CHUNK_BYTES = 16 * 1024;
 
 std::atomic<int> g_prefetch_rows{0};
 
-// Weight row `row` of group g in phase 1 (gate rows then up rows, or the merged tensor's) or 3
-// (down): its bytes.
-const char * weight_row(const ost_ffn & f, const group_t & g, int64_t row, bool down, size_t * nb) {
-    const ggml_tensor * w = down ? f.down : f.merged ? f.up : (row < f.n_ff ? f.gate : f.up);
+// Weight row `row` of group g in phase 1 (rows [0, n_ff): gate, [n_ff, 2 n_ff): up; merged: the
+// tensor's own row order, gate first) or 3 (down): its bytes, and in *w its tensor.
+const char * weight_row(const ost_ffn & f, const group_t & g, int64_t row, bool down, const ggml_tensor ** w) {
+    *w = down ? f.down : f.merged ? f.up : (row < f.n_ff ? f.gate : f.up);
     const int64_t wrow = down || f.merged || row < f.n_ff ? row : row - f.n_ff;
-    *nb = (size_t) w->nb[1];
-    return (const char *) w->data + g.e * w->nb[2] + wrow * w->nb[1];
+    return (const char *) (*w)->data + g.e * (*w)->nb[2] + wrow * (*w)->nb[1];
 }
 
 void prefetch_row(const ost_ffn & f, const group_t & g, int64_t row, bool down) {
-    size_t nb = 0;
-    const char * p = weight_row(f, g, row, down, &nb);
+    const ggml_tensor * w = nullptr;
+    const char * p = weight_row(f, g, row, down, &w);
     // every cache line the row touches (rows need not start on a line)
     const char * line = (const char *) ((uintptr_t) p & ~(uintptr_t) 63);
-    for (; line < p + nb; line += 64) __builtin_prefetch(line, 0, 3);
+    for (; line < p + w->nb[1]; line += 64) __builtin_prefetch(line, 0, 3);
 }
 
 void phase_rows(run_t & r, bool down) {
@@ -403,40 +319,17 @@ void phase_rows(run_t & r, bool down) {
         for (int64_t row = row0; row < std::min(row1, row0 + pf); ++row) prefetch_row(f, g, row, down);
         for (int64_t row = row0; row < row1; ++row) {
             if (pf > 0 && row + pf < row1) prefetch_row(f, g, row + pf, down);
-            if (down) {
-                const ggml_tensor * w = f.down;
-                const auto vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
-                const char * wr = (const char *) w->data + g.e * w->nb[2] + row * w->nb[1];
-                for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
-                    const route_t & rt = r.routes[(size_t) q];
-                    float * dst = r.job->out + ((int64_t) rt.t * r.job->k + rt.j) * f.n_embd + row;
-#ifdef OST_Q4_DOT
-                    if (r.q4_3) {
-                        *dst = q4_0_dot(wr, r.nb3, r.actq + (size_t) q * r.actq_row, r.ls3 + (size_t) q * 8 * r.nb3,
-                                        r.d3 + (size_t) q * r.nb3);
-                        continue;
-                    }
-#endif
-                    vec_dot((int) n_ff, dst, 0, wr, 0, r.actq + (size_t) q * r.actq_row, 0, 1);
-                }
-            } else {
-                // rows [0, n_ff): gate, [n_ff, 2 n_ff): up (merged: the tensor's own row order, gate first)
-                const bool is_gate = row < n_ff;
-                const ggml_tensor * w = f.merged ? f.up : (is_gate ? f.gate : f.up);
-                const int64_t wrow = f.merged ? row : (is_gate ? row : row - n_ff);
-                const auto vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
-                const char * wr = (const char *) w->data + g.e * w->nb[2] + wrow * w->nb[1];
-                for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
-                    const route_t & rt = r.routes[(size_t) q];
-                    const size_t slot = (size_t) r.tok_slot[(size_t) rt.t];
-                    const char * x = r.xq + slot * r.xq_row;
-#ifdef OST_Q4_DOT
-                    if (r.q4_1) {
-                        r.gu[(size_t) q * 2 * n_ff + row] = q4_0_dot(wr, r.nb1, x, r.ls1 + slot * 8 * r.nb1, r.d1 + slot * r.nb1);
-                        continue;
-                    }
-#endif
-                    vec_dot((int) f.n_embd, r.gu + (size_t) q * 2 * n_ff + row, 0, wr, 0, x, 0, 1);
+            const ggml_tensor * w = nullptr;
+            const char * wr = weight_row(f, g, row, down, &w);
+            const auto vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
+            for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
+                const route_t & rt = r.routes[(size_t) q];
+                if (down) {
+                    vec_dot((int) n_ff, r.job->out + ((int64_t) rt.t * r.job->k + rt.j) * f.n_embd + row, 0, wr, 0,
+                            r.actq + (size_t) q * r.actq_row, 0, 1);
+                } else {
+                    vec_dot((int) f.n_embd, r.gu + (size_t) q * 2 * n_ff + row, 0, wr, 0,
+                            r.xq + (size_t) r.tok_slot[(size_t) rt.t] * r.xq_row, 0, 1);
                 }
             }
         }
@@ -453,15 +346,6 @@ void zero_unrouted_rows(const ost_ffn_job & job, int ith, int nth) {
     }
 }
 
-// The lane sums of token slot `slot`'s quantised input row, when phase 1 takes Q4_0 rows.
-void lane_sums_1(run_t & r, size_t slot) {
-#ifdef OST_Q4_DOT
-    if (r.q4_1) q8_0_lane_sums(r.xq + slot * r.xq_row, r.nb1, r.ls1 + slot * 8 * r.nb1, r.d1 + slot * r.nb1);
-#else
-    (void) r; (void) slot;
-#endif
-}
-
 // Phases of one run on nth threads (ith of them): the input rows quantised (when not done by
 // prepare), the gate/up rows, the activations, the down rows; `barrier` waits for all nth.
 template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier barrier) {
@@ -475,7 +359,6 @@ template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier ba
             if (r.tok_slot[(size_t) t] < 0) continue;
             from_float(job.cur + (int64_t) t * job.cur_stride,
                        (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), f.n_embd);
-            lane_sums_1(r, (size_t) r.tok_slot[(size_t) t]);
         }
         barrier();
     }
@@ -490,9 +373,6 @@ template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier ba
         const float * gq = r.gu + q * 2 * f.n_ff;
         ggml_cpu_vec_swiglu_f32((int) f.n_ff, act.data(), gq, gq + f.n_ff);
         from_float(act.data(), r.actq + q * r.actq_row, f.n_ff);
-#ifdef OST_Q4_DOT
-        if (r.q4_3) q8_0_lane_sums(r.actq + q * r.actq_row, r.nb3, r.ls3 + q * 8 * r.nb3, r.d3 + q * r.nb3);
-#endif
     }
     barrier();
     phase_rows(r, true);
@@ -556,27 +436,15 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
     const ggml_type at_t = ggml_get_type_traits_cpu(f.down->type)->vec_dot_type;
     r.xq_row = ggml_row_size(r.xt, f.n_embd);
     r.actq_row = ggml_row_size(at_t, f.n_ff);
-    r.q4_1 = q4_dot_ok(f.up->type, r.xt, f.n_embd) && (!f.gate || f.gate->type == f.up->type);
-    r.q4_3 = q4_dot_ok(f.down->type, at_t, f.n_ff);
-    r.nb1 = r.q4_1 ? f.n_embd / 32 : 0;
-    r.nb3 = r.q4_3 ? f.n_ff / 32 : 0;
     auto pad = [](size_t x) { return (x + 63) & ~size_t(63); };
     const size_t o_gu = pad((size_t) n_tok * r.xq_row);
     const size_t o_act = o_gu + pad((size_t) n_routes * 2 * f.n_ff * sizeof(float));
-    const size_t o_ls1 = o_act + pad((size_t) n_routes * r.actq_row);
-    const size_t o_d1 = o_ls1 + pad((size_t) n_tok * 8 * r.nb1 * sizeof(int32_t));
-    const size_t o_ls3 = o_d1 + pad((size_t) n_tok * r.nb1 * sizeof(float));
-    const size_t o_d3 = o_ls3 + pad((size_t) n_routes * 8 * r.nb3 * sizeof(int32_t));
-    const size_t size = o_d3 + pad((size_t) n_routes * r.nb3 * sizeof(float)) + 64;
+    const size_t size = o_act + pad((size_t) n_routes * r.actq_row) + 64;
     if (ws.size() < size) ws.resize(size);
     char * base = (char *) (((uintptr_t) ws.data() + 63) & ~uintptr_t(63));
     r.xq = base;
     r.gu = (float *) (base + o_gu);
     r.actq = base + o_act;
-    r.ls1 = (int32_t *) (base + o_ls1);
-    r.d1 = (float *) (base + o_d1);
-    r.ls3 = (int32_t *) (base + o_ls3);
-    r.d3 = (float *) (base + o_d3);
     // one token (a decode step) is quantised here; more are spread over the threads
     r.xq_done = n_tok == 1 || nth == 1;
     if (r.xq_done) {
@@ -585,7 +453,6 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
             if (r.tok_slot[(size_t) t] < 0) continue;
             from_float(job.cur + (int64_t) t * job.cur_stride,
                        (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), f.n_embd);
-            lane_sums_1(r, (size_t) r.tok_slot[(size_t) t]);
         }
     }
     // chunks of about CHUNK_BYTES of weight rows (gate/up rows are n_embd long, down rows n_ff)
@@ -648,10 +515,6 @@ bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, in
     s->barrier.wait(nth);
     if (ith == 0) fill_stats(s->r, s->empty, st);
     return s->ok;
-}
-
-const char * ost_ffn_dot_name(ggml_type w, ggml_type vt, int64_t n) {
-    return q4_dot_ok(w, vt, n) ? "q4_0_dot" : "vec_dot";
 }
 
 int ost_ffn_set_prefetch_rows(int rows) { return g_prefetch_rows.exchange(std::max(0, rows)); }

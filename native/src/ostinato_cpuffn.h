@@ -92,10 +92,6 @@ bool             ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job,
 constexpr int OST_PREFETCH_ROWS_MAX = 64;   // the largest distance (the C API and the bench refuse more)
 int ost_ffn_set_prefetch_rows(int rows);
 int ost_ffn_prefetch_rows();
-// The dot product the kernel uses for rows of weight type `w` against `vt` activations over `n`
-// columns: "q4_0_dot" (Q4_0 on x86 where ggml-cpu runs its AVX2 path: fewer instructions per
-// block, bitwise vec_dot's) or "vec_dot" (ggml-cpu's own).
-const char * ost_ffn_dot_name(ggml_type w, ggml_type vt, int64_t n);
 // Routes of one expert from which ggml-cpu computes these expert types with its tiled kernel
 // (other arithmetic than vec_dot): 8, or 1 with GGML_CPU_TILED_MM_FORCE=1; INT32_MAX for types it
 // does not tile or with GGML_CPU_TILED_MM=0.

@@ -55,6 +55,13 @@ def variant_settings(name: str) -> dict:
     """The daemon settings of the bench variant ``name`` on this machine (KeyError if unknown)."""
     opts = VARIANTS[name]
     return dict(opts() if callable(opts) else opts)
+
+
+def skew_tag(skew: float) -> str:
+    """The file-name tag of a routing skew: 0.84 -> "skew84"."""
+    return f"skew{round(skew * 100):02d}"
+
+
 # lines of a server's log that say its engine died or aborted: raw output of native code (ggml's
 # and CUDA's aborts, a C++ terminate, Python's fatal error) and, among the daemon's own log lines,
 # only those for a crashed or killed engine worker (a daemon line could quote a request or model

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..paths import get_paths
-from .bench_common import BenchError, say
+from .bench_common import BenchError, say, skew_tag
 from .sessions import assistant_turns
 
 
@@ -30,7 +30,7 @@ def prepare_model(a: argparse.Namespace) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     layers = f"-L{a.layers}" if a.layers else ""
     skew = getattr(a, "skew", None)
-    tag = (f"-skew{round(skew * 100):02d}" if skew is not None else "") + f"-v{SYNTH_FORMAT.rsplit('/', 1)[-1]}"
+    tag = (f"-{skew_tag(skew)}" if skew is not None else "") + f"-v{SYNTH_FORMAT.rsplit('/', 1)[-1]}"
     # the writer's format version in the name: a file of an older writer is not reused
     path = d / f"bench-qwen3moe-{a.shape}{layers}-{a.quant}-s{a.seed}{tag}.gguf"
     if path.exists():

@@ -330,6 +330,15 @@ def gpus_vs_one_gpu(engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {key: (round(one[m] / o[m], 3) if o.get(m) and one.get(m) else None) for key, m in METRICS}
 
 
+def best_of(engines: dict[str, dict[str, Any]], metric: str, among=is_peer) -> tuple[Optional[str], Optional[float]]:
+    """(name, value) of the engine ``among(name)`` accepts with the lowest ``metric``, or (None, None)."""
+    vals = {n: e.get(metric) for n, e in engines.items() if among(n) and e.get(metric)}
+    if not vals:
+        return None, None
+    n = min(vals, key=vals.get)
+    return n, vals[n]
+
+
 def ratios(engines: dict[str, dict[str, Any]], o: Optional[dict[str, Any]] = None,
            peers: bool = False) -> dict[str, Any]:
     """Ostinato (``o``, default ``engines["ostinato"]``) against the best other engine at equal
@@ -341,12 +350,11 @@ def ratios(engines: dict[str, dict[str, Any]], o: Optional[dict[str, Any]] = Non
     among, tag = (is_peer, "best_peer") if peers else (STOCK.__contains__, "best_stock")
     out: dict[str, Any] = {}
     for key, metric in METRICS:
-        others = {n: e.get(metric) for n, e in engines.items() if among(n) and e.get(metric)}
-        if not others or not o.get(metric):
+        best, v = best_of(engines, metric, among)
+        if best is None or not o.get(metric):
             out[key] = None
             continue
-        best = min(others, key=others.get)
-        out[key] = round(others[best] / o[metric], 3)
+        out[key] = round(v / o[metric], 3)
         out[f"{key}_{tag}"] = best
     return out
 

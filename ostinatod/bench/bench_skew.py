@@ -19,18 +19,14 @@ from typing import Any, Callable, Optional
 
 from ..synth.shapes import SHAPES
 from ..synth.skew import SKEW_RANGE, strength_for_skew
-from .bench_common import LIMIT, METRICS, BenchError, is_peer, parse_list, say
-from .bench_report import fmt, machine_info
+from .bench_common import LIMIT, METRICS, BenchError, parse_list, say, skew_tag
+from .bench_report import best_of, fmt, machine_info
 
 
 def parse_skews(text: Optional[str]) -> list[float]:
     """``"0.6,0.84"`` -> [0.6, 0.84] (sorted, unique); BenchError outside :data:`SKEW_RANGE`."""
     lo, hi = SKEW_RANGE
     return parse_list(text, "--skew-sweep", "shares", lambda x: lo <= x <= hi, f"[{lo}, {hi}]")
-
-
-def skew_tag(skew: float) -> str:
-    return f"skew{round(skew * 100):02d}"
 
 
 def sub_argv(argv: list[str], skew: float, name: str) -> list[str]:
@@ -49,15 +45,6 @@ def sub_argv(argv: list[str], skew: float, name: str) -> list[str]:
     return out + ["--skew", f"{skew:g}", "--name", name]
 
 
-def best_peer(engines: dict[str, dict[str, Any]], metric: str) -> tuple[Optional[str], Optional[float]]:
-    """(name, value) of the peer with the lowest ``metric`` (:func:`is_peer`), or (None, None)."""
-    vals = {n: e.get(metric) for n, e in engines.items() if is_peer(n) and e.get(metric)}
-    if not vals:
-        return None, None
-    n = min(vals, key=vals.get)
-    return n, vals[n]
-
-
 def sweep_row(skew: float, result: dict[str, Any]) -> dict[str, Any]:
     """One skew's row of the sweep from its ``bench engines`` result."""
     eng = result.get("engines") or {}
@@ -71,7 +58,7 @@ def sweep_row(skew: float, result: dict[str, Any]) -> dict[str, Any]:
                            "hot_route_share_prefill": (b.get("prefill") or {}).get("hot_route_share"),
                            "warnings": list(result.get("warnings") or [])}
     for key, metric in METRICS:
-        peer, pv = best_peer(eng, metric)
+        peer, pv = best_of(eng, metric)
         row[key] = {"ostinato": o.get(metric), "best_peer": pv, "best_peer_engine": peer,
                     "limit": (eng.get(LIMIT) or {}).get(metric)}
     return row

@@ -228,19 +228,19 @@ def routing_report(model_path: str | os.PathLike, session_files: list[str | os.P
                        else {"prefill": router_counts(model_path, ids), "decode": {}})
             c[side + "_tokens"] = int(len(ids))
             c[side + "_decode_routes"] = int(sum(v.sum() for v in c[side]["decode"].values()))
-        dev_all = {il: v + c["dev"]["decode"].get(il, 0) for il, v in c["dev"]["prefill"].items()}
+        # both phases' routes, as the planner counts them
+        dev_all, held_all = ({il: v + c[side]["decode"].get(il, 0) for il, v in c[side]["prefill"].items()}
+                             for side in ("dev", "held_out"))
         layers = sorted(dev_all)
         n_exp = len(dev_all[layers[0]])
         hot[name] = hot_sets(dev_all, hot_frac)
-        held_all = {il: v + c["held_out"]["decode"].get(il, 0) for il, v in c["held_out"]["prefill"].items()}
         shares = [held_all[il][hot[name][il]].sum() / max(1, held_all[il].sum()) for il in layers]
-        dev_shares = [np.sort(dev_all[il])[::-1][:len(hot[name][il])].sum() / max(1, dev_all[il].sum()) for il in layers]
         counts_all[name] = {il: dev_all[il] + held_all[il] for il in layers}
         rep["files"][name] = {"dev_sessions": len(dev), "held_out_sessions": len(held),
                               "dev_tokens": c["dev_tokens"], "held_out_tokens": c["held_out_tokens"],
                               "n_expert": n_exp, "hot_experts_per_layer": len(hot[name][layers[0]]),
                               "held_out_share_on_dev_hot_set": float(np.mean(shares)),
-                              "dev_share_on_own_hot_set": float(np.mean(dev_shares)),
+                              "dev_share_on_own_hot_set": share_on(dev_all, hot[name]),
                               "per_layer_held_out_share": [round(float(x), 4) for x in shares]}
         if decode:
             rep["files"][name]["per_phase"] = {ph: share_on(c["held_out"][ph], hot[name]) for ph in ("prefill", "decode")}
