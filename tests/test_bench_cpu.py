@@ -76,8 +76,38 @@ def test_cpu_branch_bench_runs_the_kernel_at_each_prefetch_distance_bitwise(tmp_
         native.set_cpu_prefetch(65)
 
 
+def test_cpu_branch_bench_reads_each_memory_kind_bitwise_and_times_the_phases(tmp_path, capsys):
+    # the same experts from the model's memory, a 4 KiB-page copy and a huge-page copy: outputs are
+    # llama.cpp's bit for bit from each, each kind gets its read bandwidth, its page sizes and its
+    # own fit, ggml is timed once (on the model's memory), and every kernel row says where its time
+    # went, phase by phase, within the run's total
+    out = tmp_path / "cpu.json"
+    rc = bench_cpu.main(["--quants", "q4_0", "--experts", "1,3", "--tokens", "1,3", "--threads", "1,2",
+                         "--memory", "model,anon,huge", "--reps", "2", "--read-bw-mib", "4", "--flush-mib", "4",
+                         "--work-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"][0]
+    assert [m["memory"] for m in res["memories"]] == ["model", "anon", "huge"]
+    assert all(len(m["read_bw"]) == 2 and all(b["gbps"] > 0 for b in m["read_bw"]) for m in res["memories"])
+    assert all(m["info"]["smaps"]["Rss_kib"] > 0 for m in res["memories"])
+    assert res["memories"][0]["info"]["smaps"]["mapping"].endswith(".gguf")   # the model's own map
+    assert res["memories"][1]["info"]["smaps"]["mapping"] == "[anonymous]"
+    assert len(res["rows"]) == 3 * 2 * 2 * 2 and all(r["bitwise_equal"] for r in res["rows"])
+    assert all(("ggml_ms" in r) == (r["memory"] == "model") for r in res["rows"])
+    assert sorted({f["memory"] for f in res["fits"]}) == ["anon", "huge", "model"]
+    for r in res["rows"]:
+        ph = r["phases_us"]
+        assert ph["gate_up"] > 0 and ph["down"] > 0 and min(ph.values()) >= 0
+        assert ph["prepare"] + ph["quant"] + ph["gate_up"] + ph["act"] + ph["down"] <= ph["total"] * 1.01 + 1
+        assert (ph["wake"] == 0) == (r["threads"] == 1)
+        assert (ph["quant"] > 0) == (r["tokens"] > 1 and r["threads"] > 1)   # one token: quantised by prepare
+    text = capsys.readouterr().out
+    assert "where the kernel's time went" in text and "| huge |" in text
+
+
 @pytest.mark.parametrize("argv", [["--threads", "0"], ["--experts", "x"], ["--model", "/nonexistent.gguf"],
-                                  ["--reps", "0"], ["--prefetch-rows", "-1"], ["--prefetch-rows", "65"]])
+                                  ["--reps", "0"], ["--prefetch-rows", "-1"], ["--prefetch-rows", "65"],
+                                  ["--memory", "model-collapse,model"], ["--memory", "disk"]])
 def test_cpu_branch_bench_refuses_bad_arguments(argv, capsys):
     try:
         rc = bench_cpu.main(argv)

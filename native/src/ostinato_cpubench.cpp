@@ -13,12 +13,22 @@
 #endif
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25   // Linux 6.1 (older headers lack it; older kernels answer EINVAL)
+#endif
 
 namespace {
 
@@ -83,6 +93,132 @@ ggml_tensor * build_ffn(ggml_context * ctx, const llama_layer & L, ggml_tensor *
 
 std::string g_bench_out;
 
+// The page sizes behind [p, p + n): from /proc/self/smaps, the mapping that holds p (its kernel page
+// size, and how much of it is mapped by huge pages: anonymous, shmem or file THPs). Empty off Linux.
+json smaps_of(const void * p) {
+    json out = json::object();
+#if defined(__linux__)
+    std::ifstream f("/proc/self/smaps");
+    std::string line;
+    bool in = false;
+    const uintptr_t a = (uintptr_t) p;
+    while (std::getline(f, line)) {
+        const std::string first = line.substr(0, line.find(' '));
+        if (first.empty()) continue;
+        if (first.back() != ':') {
+            // a mapping's header: "lo-hi perms offset dev inode [path]"
+            if (in) break;
+            const size_t dash = first.find('-');
+            if (dash == std::string::npos) continue;
+            const uintptr_t lo = std::stoull(first.substr(0, dash), nullptr, 16);
+            const uintptr_t hi = std::stoull(first.substr(dash + 1), nullptr, 16);
+            in = a >= lo && a < hi;
+            if (in) {
+                out["mapping_bytes"] = (int64_t) (hi - lo);
+                const size_t slash = line.find('/');
+                out["mapping"] = slash == std::string::npos ? std::string("[anonymous]") : line.substr(slash);
+            }
+            continue;
+        }
+        if (!in) continue;
+        const std::string key = first.substr(0, first.size() - 1);
+        if (key == "VmFlags") {
+            out["vm_flags"] = line.substr(first.size() + 1);
+        } else {
+            for (const char * k : {"Rss", "AnonHugePages", "ShmemPmdMapped", "FilePmdMapped", "KernelPageSize", "MMUPageSize"}) {
+                if (key == k) out[key + "_kib"] = std::atoll(line.c_str() + first.size());
+            }
+        }
+    }
+#else
+    (void) p;
+#endif
+    return out;
+}
+
+// The layer's expert tensors (gate/up or gate_up, down), each with its bytes
+struct expert_mem {
+    std::string kind;                    // "model", "anon" (4 KiB pages), "huge" (THPs), "model-collapse"
+    std::vector<const ggml_tensor *> src;
+    std::vector<ggml_tensor> shadow;     // copies of the tensors with data in this memory
+    void * base = nullptr;               // the private copy (anon, huge)
+    size_t bytes = 0;
+    json info = json::object();
+    ~expert_mem() {
+#if defined(__linux__)
+        if (base) munmap(base, bytes);
+#endif
+    }
+};
+
+// Puts the layer's experts in memory of `kind`: the model's own ("model"); a private anonymous copy
+// with 4 KiB pages ("anon", MADV_NOHUGEPAGE) or with transparent huge pages ("huge": MADV_HUGEPAGE
+// before the first touch, then MADV_COLLAPSE); or the model's own after asking the kernel to map it
+// with huge pages ("model-collapse": MADV_HUGEPAGE + MADV_COLLAPSE on the page-aligned ranges; for a
+// file mapping this needs CONFIG_READ_ONLY_THP_FOR_FS or a filesystem with large folios, and it stays
+// so for the rest of the process). What the kernel did is in `info` (errno, smaps).
+void place(expert_mem & m, const std::vector<const ggml_tensor *> & ts, const std::string & kind) {
+    m.kind = kind;
+    m.src = ts;
+    m.shadow.clear();
+    for (const ggml_tensor * t : ts) m.shadow.push_back(*t);
+    if (kind == "model") {
+        m.info["smaps"] = smaps_of(ts[0]->data);
+        return;
+    }
+#if defined(__linux__)
+    const size_t huge = (size_t) 2 << 20;
+    if (kind == "model-collapse") {
+        json rc = json::array();
+        for (const ggml_tensor * t : ts) {
+            const uintptr_t lo = (uintptr_t) t->data & ~(uintptr_t) (huge - 1);
+            const uintptr_t hi = ((uintptr_t) t->data + ggml_nbytes(t) + huge - 1) & ~(uintptr_t) (huge - 1);
+            const int a = madvise((void *) lo, hi - lo, MADV_HUGEPAGE);
+            const int ea = a ? errno : 0;
+            const int b = madvise((void *) lo, hi - lo, MADV_COLLAPSE);
+            const int eb = b ? errno : 0;
+            rc.push_back(json{{"hugepage", ea ? strerror(ea) : "ok"}, {"collapse", eb ? strerror(eb) : "ok"}});
+        }
+        m.info["madvise"] = rc;
+        m.info["smaps"] = smaps_of(ts[0]->data);
+        return;
+    }
+    size_t total = 0;
+    std::vector<size_t> off;
+    for (const ggml_tensor * t : ts) {
+        off.push_back(total);
+        total += (ggml_nbytes(t) + huge - 1) & ~(huge - 1);   // each tensor on a 2 MiB boundary
+    }
+    m.bytes = total + huge;
+    void * p = mmap(nullptr, m.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error(std::string("mmap of the expert copy: ") + strerror(errno));
+    m.base = p;
+    char * b = (char *) (((uintptr_t) p + huge - 1) & ~(uintptr_t) (huge - 1));
+    const int adv = madvise(b, total, kind == "huge" ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+    m.info["madvise"] = adv ? strerror(errno) : "ok";
+    for (size_t i = 0; i < ts.size(); ++i) {
+        std::memcpy(b + off[i], ts[i]->data, ggml_nbytes(ts[i]));
+        m.shadow[i].data = b + off[i];
+    }
+    if (kind == "huge") {
+        const int c = madvise(b, total, MADV_COLLAPSE);
+        m.info["collapse"] = c ? strerror(errno) : "ok";
+    }
+    m.info["smaps"] = smaps_of(b);
+#else
+    throw std::runtime_error("memory kind " + kind + " needs Linux");
+#endif
+}
+
+// The tensor of `m` in place of model tensor `t` (itself when not one of the layer's)
+const ggml_tensor * in_mem(const expert_mem & m, const ggml_tensor * t) {
+    const ggml_tensor * s = t && t->view_src ? t->view_src : t;
+    for (size_t i = 0; i < m.src.size(); ++i) {
+        if (m.src[i] == s || m.src[i] == t) return &m.shadow[i];
+    }
+    return t;
+}
+
 }  // namespace
 
 extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * model, const char * args_json) {
@@ -122,6 +258,19 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         }
         const int prefetch_was = ost_ffn_prefetch_rows();
         struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
+        // where the experts are read from, per row of the grid (place()); "model-collapse" changes the
+        // model's mapping for the rest of the process, so it may only come last
+        const auto memory_list = a.value("memory", std::vector<std::string>{"model"});
+        if (memory_list.empty()) throw std::runtime_error("memory must not be empty");
+        for (size_t i = 0; i < memory_list.size(); ++i) {
+            const std::string & m = memory_list[i];
+            if (m != "model" && m != "anon" && m != "huge" && m != "model-collapse") {
+                throw std::runtime_error("memory kinds are model, anon, huge, model-collapse; got " + m);
+            }
+            if (m == "model-collapse" && i + 1 != memory_list.size()) throw std::runtime_error("model-collapse must be the last memory kind");
+        }
+        // the kernel's phases timed in every run (ost_ffn_stats)
+        struct timing_t { bool was; ~timing_t() { ost_ffn_set_phase_timing(was); } } timing{ost_ffn_set_phase_timing(true)};
         const int64_t bw_bytes = a.value("read_bw_bytes", (int64_t) 256 << 20);
         // read before every timed run, so that the experts come from memory as in a decode step
         // (whose cold experts differ layer by layer), not from a cache warmed by the run before
@@ -171,6 +320,41 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         out["read_bw"] = bw;
 
         json rows = json::array();
+        json memories = json::array();
+        std::vector<const ggml_tensor *> layer_ts;
+        for (const ggml_tensor * t : {L.ffn_gate_up_exps, L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps}) {
+            if (t) layer_ts.push_back(t);
+        }
+        for (size_t mi = 0; mi < memory_list.size(); ++mi) {
+        expert_mem mem;
+        place(mem, layer_ts, memory_list[mi]);
+        // the host's read bandwidth over these tensors, per thread count (after a flush, as the kernel)
+        json mem_bw = json::array();
+        for (int nt : threads_list) {
+            ost_team * team = ost_team_new(nt);
+            ost_team_set_active(team, true);
+            std::vector<uint64_t> sums((size_t) nt);
+            std::vector<double> ts;
+            int64_t bytes = 0;
+            for (int r = 0; r < std::max(3, reps / 2); ++r) {
+                double ms = 0;
+                bytes = 0;
+                for (const ggml_tensor & t : mem.shadow) {
+                    const uint8_t * lo = (const uint8_t *) (((uintptr_t) t.data + 63) & ~uintptr_t(63));
+                    read_ctx rc{ lo, (size_t) ggml_nbytes(&t) - (size_t) (lo - (const uint8_t *) t.data), &sums };
+                    flush();
+                    const double t0 = now_ms();
+                    ost_team_run(team, read_fn, &rc);
+                    ms += now_ms() - t0;
+                    bytes += (int64_t) rc.n;
+                }
+                ts.push_back(ms);
+            }
+            ost_team_free(team);
+            const double ms = median(ts);
+            mem_bw.push_back(json{{"threads", nt}, {"ms", ms}, {"gbps", bytes / ms / 1e6}});
+        }
+        memories.push_back(json{{"memory", mem.kind}, {"read_bw", mem_bw}, {"info", mem.info}});
         for (int n_exp : experts_list) {
             const int E = (int) std::min<int64_t>(std::max(1, n_exp), n_expert);
             for (int n : tokens_list) {
@@ -192,11 +376,11 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 uint32_t s = 12345u + (uint32_t) (E * 131 + n);
                 for (auto & v : x) { s = s * 1664525u + 1013904223u; v = ((s >> 8) / 8388608.0f) - 1.0f; }
 
-                // ggml's graph over the same tensors
-                const size_t mem = ggml_tensor_overhead() * 32 + ggml_graph_overhead() +
+                // ggml's graph over the same tensors (the model's own memory)
+                const size_t mem_sz = ggml_tensor_overhead() * 32 + ggml_graph_overhead() +
                                    (size_t) n * k * (3 * 2 * (size_t) std::max<int64_t>(n_embd, down->ne[0]) + n_embd) * 4 +
                                    (size_t) n * (n_embd * 4 + k * 4) + (1 << 20);
-                ggml_init_params ip = { mem, nullptr, false };
+                ggml_init_params ip = { mem_sz, nullptr, false };
                 ggml_context * ctx = ggml_init(ip);
                 ggml_tensor * cur = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_embd, 1, n);
                 ggml_tensor * ids_t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, n);
@@ -208,14 +392,18 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 ost_ffn f;
                 std::string why;
                 const bool matched = ost_ffn_match(o, ids_t, cur, f, why);
+                // the kernel reads the experts from this row's memory
+                f.up = in_mem(mem, f.up);
+                f.gate = f.gate ? in_mem(mem, f.gate) : nullptr;
+                f.down = in_mem(mem, f.down);
                 std::vector<float> ko((size_t) n_embd * k * n, 0.0f);
                 std::vector<uint8_t> ws;
                 for (int pfr : prefetch_list) for (int nt : threads_list) {
                     ost_ffn_set_prefetch_rows(pfr);
-                    // ggml is timed once per shape and thread count (the prefetch is the kernel's only)
-                    const bool time_ggml = with_ggml && pfr == prefetch_list.front();
+                    // ggml is timed once per shape and thread count (the prefetch and the memory are the kernel's)
+                    const bool time_ggml = with_ggml && pfr == prefetch_list.front() && mi == 0;
                     json row{{"experts", n_used}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
-                             {"prefetch_rows", pfr},
+                             {"prefetch_rows", pfr}, {"memory", mem.kind},
                              {"bytes", matched ? n_used * f.expert_bytes : 0}, {"matched", matched}};
                     if (!matched) row["unmatched"] = why;
                     // kernel
@@ -227,13 +415,14 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                         job.f = &f; job.ids = ids.data(); job.cur = x.data(); job.cur_stride = n_embd;
                         job.out = ko.data(); job.k = k; job.n = n;
                         std::vector<double> ts;
+                        std::vector<ost_ffn_stats> sts;
                         ost_ffn_stats st;
                         kernel_ran = true;
                         for (int r = 0; r < reps + 2 && kernel_ran; ++r) {
                             flush();
                             const double t0 = now_ms();
                             kernel_ran = ost_ffn_run(team, job, ws, &st);
-                            if (r >= 2) ts.push_back(now_ms() - t0);
+                            if (r >= 2) { ts.push_back(now_ms() - t0); sts.push_back(st); }
                         }
                         ost_team_free(team);
                         row["kernel"] = kernel_ran;   // false: an expert ggml-cpu would tile (>= 8 routes)
@@ -241,6 +430,22 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                             const double ms = median(ts);
                             row["kernel_ms"] = ms;
                             row["kernel_gbps"] = st.bytes / ms / 1e6;
+                            // median per phase over the runs (us): where the time goes
+                            json ph = json::object();
+                            auto med = [&](int64_t ost_ffn_stats::*fld) {
+                                std::vector<double> v;
+                                for (const auto & x : sts) v.push_back((double) (x.*fld) / 1e3);
+                                return median(v);
+                            };
+                            ph["prepare"] = med(&ost_ffn_stats::prepare_ns);
+                            ph["wake"] = med(&ost_ffn_stats::wake_ns);
+                            ph["quant"] = med(&ost_ffn_stats::quant_ns);
+                            ph["gate_up"] = med(&ost_ffn_stats::gate_up_ns);
+                            ph["act"] = med(&ost_ffn_stats::act_ns);
+                            ph["down"] = med(&ost_ffn_stats::down_ns);
+                            ph["idle"] = med(&ost_ffn_stats::idle_ns);
+                            ph["total"] = med(&ost_ffn_stats::total_ns);
+                            row["phases_us"] = ph;
                         }
                     }
                     if (time_ggml || kernel_ran) {
@@ -279,6 +484,8 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 ggml_free(ctx);
             }
         }
+        }
+        out["memories"] = memories;
         out["rows"] = rows;
         out["expert_bytes"] = (int64_t) (down->nb[2] + (L.ffn_gate_up_exps ? L.ffn_gate_up_exps->nb[2] :
                                                         L.ffn_up_exps->nb[2] + (L.ffn_gate_exps ? L.ffn_gate_exps->nb[2] : 0)));

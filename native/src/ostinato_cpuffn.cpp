@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <climits>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -280,7 +281,22 @@ struct run_t {
     int64_t per1 = 0, per3 = 0;         // chunks per group
     alignas(64) std::atomic<int64_t> next1{0};
     alignas(64) std::atomic<int64_t> next3{0};
+    // phase timing (g_phase_timing): the launch, per thread its start and its arrival at the
+    // barrier after each phase (PH_* rows of nth), thread 0's leaving of each barrier
+    bool timing = false;
+    int nth = 1;
+    int64_t t_launch = 0;
+    std::vector<int64_t> t_start, t_arrive, t_leave;
 };
+
+enum { PH_QUANT, PH_GATE_UP, PH_ACT, PH_DOWN, PH_N };
+
+std::atomic<bool> g_phase_timing{false};
+
+int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 // Rows of about this many bytes make a chunk: a few microseconds of a thread's work, so that taking
 // a chunk (one contended atomic add) costs little beside it.
@@ -348,9 +364,17 @@ void zero_unrouted_rows(const ost_ffn_job & job, int ith, int nth) {
 
 // Phases of one run on nth threads (ith of them): the input rows quantised (when not done by
 // prepare), the gate/up rows, the activations, the down rows; `barrier` waits for all nth.
-template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier barrier) {
+template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier barrier0) {
     const ost_ffn & f = *r.f;
     const ost_ffn_job & job = *r.job;
+    const bool timing = r.timing && nth == r.nth;
+    if (timing) r.t_start[(size_t) ith] = now_ns();
+    // the barrier after phase ph, timed when asked
+    auto barrier = [&](int ph) {
+        if (timing) r.t_arrive[(size_t) ph * nth + ith] = now_ns();
+        barrier0();
+        if (timing && ith == 0) r.t_leave[(size_t) ph] = now_ns();
+    };
     if (job.zero_unrouted) zero_unrouted_rows(job, ith, nth);
     if (!r.xq_done) {
         // each token's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float)
@@ -360,10 +384,10 @@ template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier ba
             from_float(job.cur + (int64_t) t * job.cur_stride,
                        (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), f.n_embd);
         }
-        barrier();
+        barrier(PH_QUANT);
     }
     phase_rows(r, false);
-    barrier();
+    barrier(PH_GATE_UP);
     // the activation of each route over its whole row, as ggml's GLU op computes it, then its
     // quantisation for the down matrix, as ggml's MUL_MAT_ID quantises each src1 row
     const auto from_float = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(f.down->type)->vec_dot_type)->from_float;
@@ -374,8 +398,10 @@ template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier ba
         ggml_cpu_vec_swiglu_f32((int) f.n_ff, act.data(), gq, gq + f.n_ff);
         from_float(act.data(), r.actq + q * r.actq_row, f.n_ff);
     }
-    barrier();
+    barrier(PH_ACT);
     phase_rows(r, true);
+    // the run's last barrier is the caller's (ost_team_run's, or the shared state's)
+    if (timing) r.t_arrive[(size_t) PH_DOWN * nth + ith] = now_ns();
 }
 
 struct team_ctx {
@@ -475,19 +501,54 @@ void fill_stats(const run_t & r, bool empty, ost_ffn_stats * st) {
     st->bytes = (int64_t) r.groups.size() * r.f->expert_bytes;
 }
 
+// Where a timed run's time went (ost_ffn_stats' phase fields): each phase from its start (the
+// launch, or thread 0 leaving the barrier before it) to the last thread's arrival at its barrier.
+void fill_timing(const run_t & r, int64_t t0, int64_t t_end, ost_ffn_stats * st) {
+    if (!st || !r.timing) return;
+    const int nth = r.nth;
+    st->prepare_ns = r.t_launch - t0;
+    st->total_ns = t_end - t0;
+    int64_t wake = 0;
+    for (int i = 1; i < nth; ++i) wake += r.t_start[(size_t) i] - r.t_launch;
+    st->wake_ns = nth > 1 ? wake / (nth - 1) : 0;
+    int64_t begin = r.t_start[0], idle = 0;
+    int64_t * span[PH_N] = { &st->quant_ns, &st->gate_up_ns, &st->act_ns, &st->down_ns };
+    for (int ph = r.xq_done ? PH_GATE_UP : PH_QUANT; ph < PH_N; ++ph) {
+        const int64_t * a = r.t_arrive.data() + (size_t) ph * nth;
+        const int64_t last = *std::max_element(a, a + nth);
+        *span[ph] = last - begin;
+        int64_t w = 0;
+        for (int i = 0; i < nth; ++i) w += last - a[i];
+        idle += w / nth;
+        if (ph < PH_DOWN) begin = r.t_leave[(size_t) ph];
+    }
+    st->idle_ns = idle;
+}
+
 }  // namespace
 
 bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> & ws, ost_ffn_stats * st) {
     static thread_local run_t r;
+    const int64_t t0 = g_phase_timing.load(std::memory_order_relaxed) ? now_ns() : 0;
     bool empty = false;
+    r.timing = false;
     if (!prepare(r, job, ws, ost_team_size(team), &empty)) return false;
     if (!empty) {
+        r.nth = ost_team_size(team);
+        r.timing = t0 != 0;
+        if (r.timing) {
+            r.t_start.assign((size_t) r.nth, 0);
+            r.t_arrive.assign((size_t) PH_N * r.nth, 0);
+            r.t_leave.assign(PH_N, 0);
+            r.t_launch = now_ns();
+        }
         team_ctx c{ &r, team };
         ost_team_run(team, team_fn, &c);
     } else if (job.zero_unrouted) {
         zero_unrouted_rows(job, 0, 1);
     }
     fill_stats(r, empty, st);
+    if (!empty) fill_timing(r, t0, r.timing ? now_ns() : 0, st);
     return true;
 }
 
@@ -504,7 +565,10 @@ struct ost_ffn_shared {
 ost_ffn_shared * ost_ffn_shared_new() { return new ost_ffn_shared(); }
 
 bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st) {
-    if (ith == 0) s->ok = prepare(s->r, job, s->ws, nth, &s->empty);
+    if (ith == 0) {
+        s->r.timing = false;   // phase timing is ost_ffn_run's only
+        s->ok = prepare(s->r, job, s->ws, nth, &s->empty);
+    }
     s->barrier.wait(nth);
     if (s->ok && s->empty && job.zero_unrouted) {
         zero_unrouted_rows(job, ith, nth);   // no route of this branch: every row is 0
@@ -518,6 +582,7 @@ bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, in
 }
 
 int ost_ffn_set_prefetch_rows(int rows) { return g_prefetch_rows.exchange(std::max(0, rows)); }
+bool ost_ffn_set_phase_timing(bool on) { return g_phase_timing.exchange(on); }
 int ost_ffn_prefetch_rows() { return g_prefetch_rows.load(); }
 
 int32_t ost_ffn_tiled_rows(ggml_type up, ggml_type gate, ggml_type down) {

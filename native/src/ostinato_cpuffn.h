@@ -70,7 +70,17 @@ struct ost_ffn_stats {
     int64_t experts = 0;     // distinct experts computed
     int64_t routes = 0;      // routes computed
     int64_t bytes = 0;       // weight bytes read (each distinct expert once)
+    // where a run's time went (ns; filled only while ost_ffn_set_phase_timing(true), ost_ffn_run):
+    // the caller's grouping and scratch layout; the team's start (mean over its other threads of
+    // their first step after the launch); the input rows' quantisation, the gate/up rows, the
+    // activations, the down rows (each from its start to the last thread's arrival at its barrier);
+    // the mean time a thread waited at those barriers; the whole run
+    int64_t prepare_ns = 0, wake_ns = 0, quant_ns = 0, gate_up_ns = 0, act_ns = 0, down_ns = 0, idle_ns = 0,
+            total_ns = 0;
 };
+// Phase timing of ost_ffn_run (off by default; for `ostinato bench cpu-branch`): a few clock reads
+// per thread and phase. Returns the previous value.
+bool ost_ffn_set_phase_timing(bool on);
 
 // False (nothing computed) when an expert of the job has >= 8 routes and a weight type that ggml-cpu
 // would compute with its tiled kernel for that many (bitwise equality could not be promised): the

@@ -9,8 +9,12 @@ bytes read (each distinct expert once) for both, the kernel's share of the read 
 (model, tokens, threads, prefetch) a fit of the kernel's time against the bytes read, ``t = alpha +
 bytes / bw`` (paper Sec. 3.2: C(r) = alpha + beta r with beta = expert bytes / bw): alpha is the
 fixed cost of one layer's CPU branch, bw its effective bandwidth. ``--prefetch-rows 0,2`` runs the
-kernel at each software-prefetch distance (setting ``cpu_branch_prefetch_rows``) in the same call.
-See docs/engine.md, "CPU branch kernel".
+kernel at each software-prefetch distance (setting ``cpu_branch_prefetch_rows``) in the same call;
+``--memory model,anon,huge`` reads the experts from the model's own memory, from a private copy with
+4 KiB pages and from one with transparent huge pages (``model-collapse``, last: the model's own map
+after MADV_COLLAPSE), with the host's read bandwidth over each. Every kernel row also says where its
+time went (``phases_us``: grouping, the team's start, the input's quantisation, gate/up rows,
+activations, down rows, barrier waits). See docs/engine.md, "CPU branch kernel".
 """
 
 from __future__ import annotations
@@ -55,13 +59,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     from ..residency.cost import fit_cpu_bandwidth
 
     fits = []
-    keys = sorted({(int(r["tokens"]), int(r["threads"]), int(r.get("prefetch_rows", 0)))
+    keys = sorted({(int(r["tokens"]), int(r["threads"]), int(r.get("prefetch_rows", 0)), r.get("memory", "model"))
                    for r in result.get("rows", [])})
-    for n, t, pf in keys:
+    for n, t, pf, mem in keys:
         f = fit_cpu_bandwidth([r for r in result["rows"] if r["tokens"] == n and r["threads"] == t
-                               and int(r.get("prefetch_rows", 0)) == pf])
+                               and int(r.get("prefetch_rows", 0)) == pf and r.get("memory", "model") == mem])
         if f:
-            f.update(tokens=n, threads=t, prefetch_rows=pf, host_read_gbps=bw.get(t))
+            f.update(tokens=n, threads=t, prefetch_rows=pf, memory=mem, host_read_gbps=bw.get(t))
             fits.append(f)
     result["fits"] = fits
     return result
@@ -107,10 +111,14 @@ def run(models: Sequence[Path], args: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+PHASES = ("prepare", "wake", "quant", "gate_up", "act", "down", "idle")
+
+
 def table(results: Sequence[dict[str, Any]]) -> str:
-    """Markdown tables of the results (rows, then the fits)."""
-    lines = ["| model | types | E | n | T | pf | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """Markdown tables of the results (rows, then the fits, where the kernel's time went, and the
+    memory kinds' read bandwidth and page sizes)."""
+    lines = ["| model | types | E | n | T | pf | mem | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         name = Path(res["model"]).name
         types = f"{res['type_up']}/{res['type_down']}"
@@ -119,18 +127,40 @@ def table(results: Sequence[dict[str, Any]]) -> str:
                 v = r.get(key)
                 return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
             lines.append(f"| {name} | {types} | {r['experts']} | {r['tokens']} | {r['threads']} | "
-                         f"{r.get('prefetch_rows', 0)} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
+                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
                          f"{f('kernel_share_of_read_bw', '.0%')} | {f('ggml_ms', '.3f')} | {f('ggml_gbps', '.1f')} | "
                          f"{f('speedup_vs_ggml', '.2f')} | {r.get('bitwise_equal', '–')} |")
-    lines += ["", "| model | n | T | pf | alpha us | bw GB/s | host read GB/s | bw / read |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | n | T | pf | mem | alpha us | bw GB/s | host read GB/s | bw / read |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for fit in res.get("fits", []):
             host = fit.get("host_read_gbps")
             share = f"{fit['bw_gbps'] / host:.0%}" if host else "–"
             lines.append(f"| {Path(res['model']).name} | {fit['tokens']} | {fit['threads']} | "
-                         f"{fit.get('prefetch_rows', 0)} | {fit['alpha_us']:.1f} | "
+                         f"{fit.get('prefetch_rows', 0)} | {fit.get('memory', 'model')} | {fit['alpha_us']:.1f} | "
                          f"{fit['bw_gbps']:.1f} | {host or 0:.1f} | {share} |")
+    timed = [(res, r) for res in results for r in res["rows"] if r.get("phases_us")]
+    if timed:
+        lines += ["", "where the kernel's time went (us, medians; phases end when the last thread arrives)", "",
+                  "| model | E | n | T | pf | mem | " + " | ".join(PHASES) + " | total |",
+                  "|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 1)]
+        for res, r in timed:
+            ph = r["phases_us"]
+            lines.append(f"| {Path(res['model']).name} | {r['experts']} | {r['tokens']} | {r['threads']} | "
+                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | "
+                         + " | ".join(f"{ph.get(k, 0):.1f}" for k in PHASES) + f" | {ph.get('total', 0):.1f} |")
+    mems = [(res, m) for res in results for m in res.get("memories", [])]
+    if mems:
+        lines += ["", "| model | mem | read GB/s per threads | page sizes (smaps) | kernel's answer |", "|---|---|---|---|---|"]
+        for res, m in mems:
+            info = m.get("info") or {}
+            sm = info.get("smaps") or {}
+            huge = sum(int(sm.get(k, 0)) for k in ("AnonHugePages_kib", "ShmemPmdMapped_kib", "FilePmdMapped_kib"))
+            pages = f"{huge / 1024:.0f} of {int(sm.get('Rss_kib', 0)) / 1024:.0f} MiB huge" if sm else "–"
+            answer = {k: v for k, v in info.items() if k != "smaps"}
+            lines.append(f"| {Path(res['model']).name} | {m['memory']} | "
+                         + ", ".join(f"{b['threads']}: {b['gbps']:.1f}" for b in m.get("read_bw", []))
+                         + f" | {pages} | {json.dumps(answer) if answer else '–'} |")
     bw = results[0].get("read_bw", []) if results else []
     if bw:
         lines += ["", "host read bandwidth: " + ", ".join(f"{b['threads']} threads {b['gbps']:.1f} GB/s" for b in bw)]
@@ -156,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                     "all of the engine's cores)")
     ap.add_argument("--prefetch-rows", type=_rows, default=None, help="the kernel's software prefetch "
                     "distances in weight rows to run, e.g. 0,2,4 (default: the engine's, 0 = off)")
+    ap.add_argument("--memory", default="model", help="where the kernel reads the experts from, in "
+                    "order: model (the model's own memory), anon (a private copy, 4 KiB pages), huge (a "
+                    "private copy, transparent huge pages), model-collapse (last: the model's own map "
+                    "after MADV_COLLAPSE)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--read-bw-mib", type=int, default=1024, help="buffer of the host read-bandwidth test")
     ap.add_argument("--flush-mib", type=int, default=256, help="memory read before every timed run, so "
@@ -166,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.reps < 1 or a.read_bw_mib < 0 or a.flush_mib < 0:
         ap.error("--reps must be >= 1, --read-bw-mib and --flush-mib >= 0")
+    memory = [m for m in a.memory.split(",") if m]
+    kinds = ("model", "anon", "huge", "model-collapse")
+    if not memory or any(m not in kinds for m in memory) or "model-collapse" in memory[:-1]:
+        ap.error(f"--memory takes {', '.join(kinds)} (model-collapse only last), got {a.memory!r}")
     p = default_threads()
     threads = a.threads or sorted({1, max(1, p // 2), p})
     models = list(a.model)
@@ -195,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 "flush_bytes": a.flush_mib << 20}
         if a.prefetch_rows:
             args["prefetch_rows"] = a.prefetch_rows
+        if memory != ["model"]:
+            args["memory"] = memory
         results = run(models, args)
     except (BenchError, Exception) as e:   # a native refusal, a file llama.cpp will not load
         from ..engine.native import ExpertEngineError
