@@ -168,6 +168,11 @@ class Settings(BaseSettings):
                                     "while a pass runs; bitwise what ggml computes) instead of ggml's "
                                     "graph compute. Off only for measurements (docs/engine.md, "
                                     "\"CPU branch kernel\").")
+    decode_hoist: bool = Field(True, description="Decode graph: what does not depend on a layer's "
+                               "CPU branch (a shared expert, the gate of the next layer's attention "
+                               "inputs) is computed on the GPU before the layer's join instead of after "
+                               "it, while the CPU branch runs. Changes the order only; off only for "
+                               "measurements (docs/engine.md, \"Decode graph\").")
     cpu_branch_prefetch_rows: int = Field(0, ge=0, le=64, description="The CPU branch kernel "
                                           "prefetches the weight row this many rows ahead of the one it "
                                           "computes (software prefetch; 0: off, the hardware prefetcher "
@@ -176,6 +181,14 @@ class Settings(BaseSettings):
                                           "--prefetch-rows 0,2,4` and the bench variant "
                                           "ostinato-cpu-prefetch compare (docs/engine.md, \"CPU branch "
                                           "kernel\").")
+    host_expert_pages: Literal["as-loaded", "collapse", "copy"] = Field("as-loaded", description="Where "
+                                  "the routed experts' host copies live, which the CPU branch reads: "
+                                  "'as-loaded' (the GGUF's memory map, 4 KiB pages), 'collapse' (the same "
+                                  "map, the kernel asked to back it with huge pages; a file map needs "
+                                  "kernel support, else a note in the engine's info), 'copy' (copied at "
+                                  "load into anonymous memory with transparent huge pages: about the "
+                                  "experts' bytes more RAM while the page cache keeps the file). "
+                                  "Measurements first (docs/engine.md, \"CPU branch kernel\").")
     decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
                                 "upload path's staging slots hold the cold experts the CPU branch "
                                 "computed most lately; handed back before each long prefill.")

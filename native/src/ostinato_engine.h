@@ -33,6 +33,9 @@ namespace ost {
 
 enum force_path_t { FORCE_AUTO = 0, FORCE_SPLIT = 1, FORCE_UPLOAD = 2 };
 
+// config "host_pages": as loaded, collapse, copy (host_pages_t)
+enum { HOST_PAGES_AS_LOADED = 0, HOST_PAGES_COLLAPSE = 1, HOST_PAGES_COPY = 2 };
+
 struct config_t {
     bool set = false;
     std::map<int, std::vector<int>> hot;   // layer -> hot expert ids
@@ -40,6 +43,7 @@ struct config_t {
     std::map<int, int> layer_device;       // layer -> GPU index (several GPUs); absent layer: `device`
     int64_t np = 512;                      // prefill threshold Np (tokens)
     int force = FORCE_AUTO;
+    int host_pages = HOST_PAGES_AS_LOADED; // where the routed experts' host copies live (host_pages_t)
 };
 
 struct size_class_t {
@@ -203,15 +207,32 @@ struct pinned_t {
     std::string note;
 };
 
+// The routed experts' host copies, per model, once (before pinning; config "host_pages"): as loaded
+// (the GGUF's mmap, 4 KiB pages of the page cache), the same mapping asked to be mapped by huge
+// pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE; a file mapping needs kernel support), or copied into
+// private anonymous memory backed by transparent huge pages, the tensors' data pointed there. Huge
+// pages let the CPU branch's reads run without a TLB miss per 4 KiB (docs/engine.md, "CPU branch
+// kernel", where the time goes).
+struct host_pages_t {
+    const llama_model * model = nullptr;
+    int mode = HOST_PAGES_AS_LOADED;
+    void * base = nullptr;      // the copy (HOST_PAGES_COPY)
+    size_t bytes = 0;           // its size, or the bytes asked to collapse
+    int64_t huge_bytes = 0;     // of them mapped by huge pages (/proc/self/smaps), -1 unknown
+    std::string note;           // what the kernel refused, if anything
+};
+
 // guarded by g_mu
 extern std::mutex g_mu;
 extern pinned_t g_pin;
+extern host_pages_t g_host_pages;
 extern int64_t    g_np;           // run-time: prefill threshold Np and forced path (kept across loads)
 extern int        g_force;
 extern engine_t * g_eng;
 extern std::string g_err;
 extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views, g_resident, g_copy_2d,
-            g_whole_slots;
+            g_whole_slots, g_hoist;
+extern int  g_hoisted;
 
 // op_params slot and value with which a mul_mat_id is marked as holding negative ids (patch 21 reads
 // them in the CUDA backend; ggml's own use of a mul_mat_id's op_params ends at index 2 + GGML_MAX_SRC)
@@ -279,8 +300,18 @@ double upload_share(const engine_t * e, bool has_stream);
 void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void count_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void flush_counts(engine_t * e);
+}  // namespace ost
+
+// Decode graph: nodes that do not depend on a layer's join op computed before it (ost_dg_hoist; on by
+// default, read at each graph build). Returns the previous value. (Declared here, not in
+// ostinato_experts.h, whose change would rebuild llama.cpp's files.)
+extern "C" OSTINATO_API int ostinato_experts_set_hoist(int on);
+
+namespace ost {
+
 // ostinato_pool.cpp
 void unpin(pinned_t & p);
+void free_host_pages(host_pages_t & h);
 bool build_engine(llama_model * model, const config_t & cfg, std::string & err);
 void borrow_release(engine_t * e);
 void borrow_step(engine_t * e);

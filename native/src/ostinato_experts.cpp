@@ -31,6 +31,7 @@ namespace ost {
 
 std::mutex g_mu;
 pinned_t g_pin;
+host_pages_t g_host_pages;
 // the placement of the model load running on this thread (ostinato_model_load), else null: the
 // config travels with the load call, as tensor_buft_overrides do, not through a global
 thread_local const config_t * t_load_cfg = nullptr;
@@ -50,6 +51,8 @@ bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_
 bool g_resident = true;       // all-resident layers take the stock computation over their resident tensors
 bool g_copy_2d = true;        // upload path: an expert's matrices in one 2D copy where the layout allows
 bool g_whole_slots = false;   // pools built with whole-expert slots (read at each pool build)
+bool g_hoist = true;          // decode graph: nodes independent of a join computed before it (ost_dg_hoist)
+int g_hoisted = -1;           // nodes the last graph build moved (-1: no decode-graph build yet)
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
 double g_split_alpha_us = 0, g_split_cpu_gbps = 0, g_split_h2d_gbps = 0;
@@ -419,6 +422,8 @@ void ostinato_graph_build_end(ggml_context * graph_ctx, ggml_cgraph * gf) {
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
     if (!e) return;
+    // the GPU computes what does not wait for a layer's CPU branch while it runs (Sec. 3.4 overlap)
+    if (e->dg) g_hoisted = g_hoist ? ost_dg_hoist(gf) : 0;
     auto it = e->built.find(graph_ctx);
     if (it == e->built.end()) return;
     built_t & b = it->second;
@@ -596,6 +601,11 @@ bool parse_config(const char * js, config_t & c, std::string & err) {
         else if (f == "split") c.force = FORCE_SPLIT;
         else if (f == "upload") c.force = FORCE_UPLOAD;
         else throw std::runtime_error("force_path must be auto, split or upload");
+        const std::string hp = j.value("host_pages", std::string("as-loaded"));
+        if (hp == "as-loaded") c.host_pages = HOST_PAGES_AS_LOADED;
+        else if (hp == "collapse") c.host_pages = HOST_PAGES_COLLAPSE;
+        else if (hp == "copy") c.host_pages = HOST_PAGES_COPY;
+        else throw std::runtime_error("host_pages must be as-loaded, collapse or copy");
         return true;
     } catch (const std::exception & ex) {
         err = std::string("bad expert config: ") + ex.what();
@@ -630,6 +640,7 @@ void ostinato_on_model_free(llama_model * model) {
         g_eng = nullptr;
     }
     if (g_pin.model == model) unpin(g_pin);
+    if (g_host_pages.model == model) free_host_pages(g_host_pages);   // after unpinning: the copy was pinned
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -823,6 +834,14 @@ int ostinato_experts_set_cpu_kernel(int on) {
     if (g_ffn_kernel != (on != 0)) g_graph_dirty = true;   // the CPU-branch jobs are matched at graph build
     g_ffn_kernel = on != 0;
     return 0;
+}
+
+int ostinato_experts_set_hoist(int on) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const int was = g_hoist ? 1 : 0;
+    if (g_hoist != (on != 0)) g_graph_dirty = true;   // the order is made at graph build
+    g_hoist = on != 0;
+    return was;
 }
 
 int ostinato_experts_set_cpu_prefetch(int rows) {

@@ -153,7 +153,8 @@ class ExpertRuntime:
             layer_dev = full_layer_devices(residency, int(model["n_layer"]))
         np_tokens, np_source = _default_np(settings, model.get("fingerprint"))
         config = experts_config(hot, device=dev, prefill_threshold=np_tokens,
-                                layer_device=dict(enumerate(layer_dev)) if layer_dev else None)
+                                layer_device=dict(enumerate(layer_dev)) if layer_dev else None,
+                                host_pages=getattr(settings, "host_expert_pages", "as-loaded"))
         native.check_experts_config(config)
         overlap, decode_threads = decode_choices(settings)
         native.set_overlap(overlap)
@@ -161,6 +162,7 @@ class ExpertRuntime:
         native.set_decode_graph(graph)
         native.set_borrow(getattr(settings, "decode_borrow", True))
         native.set_cpu_kernel(getattr(settings, "cpu_branch_kernel", True))
+        native.set_hoist(getattr(settings, "decode_hoist", True))
         native.set_cpu_prefetch(getattr(settings, "cpu_branch_prefetch_rows", 0))
         native.set_copy_2d(getattr(settings, "upload_copy_2d", True))
         native.set_whole_slots(getattr(settings, "pool_whole_expert_slots", True))
