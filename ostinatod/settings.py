@@ -168,11 +168,6 @@ class Settings(BaseSettings):
                                     "while a pass runs; bitwise what ggml computes) instead of ggml's "
                                     "graph compute. Off only for measurements (docs/engine.md, "
                                     "\"CPU branch kernel\").")
-    decode_hoist: bool = Field(True, description="Decode graph: what does not depend on a layer's "
-                               "CPU branch (a shared expert, the gate of the next layer's attention "
-                               "inputs) is computed on the GPU before the layer's join instead of after "
-                               "it, while the CPU branch runs. Changes the order only; off only for "
-                               "measurements (docs/engine.md, \"Decode graph\").")
     cpu_branch_prefetch_rows: int = Field(0, ge=0, le=64, description="The CPU branch kernel "
                                           "prefetches the weight row this many rows ahead of the one it "
                                           "computes (software prefetch; 0: off, the hardware prefetcher "
@@ -188,7 +183,9 @@ class Settings(BaseSettings):
                                   "kernel support, else a note in the engine's info), 'copy' (copied at "
                                   "load into anonymous memory with transparent huge pages: about the "
                                   "experts' bytes more RAM while the page cache keeps the file). "
-                                  "Measurements first (docs/engine.md, \"CPU branch kernel\").")
+                                  "No gain on the H200 host, whose ext4 maps the file with huge "
+                                  "folios already; `ostinato bench cpu-branch --memory model,huge` "
+                                  "tells for a host (docs/engine.md, \"CPU branch kernel\").")
     decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
                                 "upload path's staging slots hold the cold experts the CPU branch "
                                 "computed most lately; handed back before each long prefill.")

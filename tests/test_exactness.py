@@ -703,64 +703,6 @@ def _every_path_matches(r, ref_toks):
         native.set_prefill_threshold(512)
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "deepseek2"])
-def test_decode_graph_computes_the_shared_expert_before_the_join(arch):
-    """Setting decode_hoist (ost_dg_hoist): in a decode step through the decode graph, every layer's
-    shared expert is computed before the layer's join op (the GPU does it while the CPU branch
-    runs), and after it with the hoist off; the stats count the nodes moved, and greedy tokens are
-    stock's either way."""
-    import ctypes
-
-    from ostinatod.residency.gguf_header import read_header
-    from ostinatod.synth.writer import synthetic_model
-
-    from conftest import CACHE
-    libdir = Path(llama_cpp.__file__).parent / "lib"
-    ggml = ctypes.CDLL(str(libdir / "libggml-base.so"))
-    ggml.ggml_get_name.argtypes, ggml.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
-    drop_ost()
-    path = synthetic_model(CACHE, arch=arch, shape="tiny")
-    m = model_block(path)
-    layers = sorted({int(t.name.split(".")[1]) for t in read_header(path).tensors
-                     if t.name.endswith("ffn_down_exps.weight")})
-    ref = Runner(path)
-    try:
-        ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), N_NEW)
-    finally:
-        ref.close()
-    seen: list = []
-
-    def cb(t, ask, _ud):
-        if ask:
-            seen.append(ggml.ggml_get_name(t).decode())
-        return False
-
-    r = Runner(path, hot=half_hot((path, m, layers), seed=7), cb_eval=llama_cpp.ggml_backend_sched_eval_callback(cb))
-    was = native.set_hoist(True)
-    try:
-        native.set_decode_graph(True)
-        for hoist in (True, False):
-            native.set_hoist(hoist)
-            toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
-            assert toks == ref_toks, hoist
-            seen.clear()
-            r._decode([1000], PROMPT_LEN + N_NEW)   # one decode step
-            dg = _stats()["decode_graph"]
-            order = {name: i for i, name in enumerate(seen)}
-            joins = [il for il in layers if f"ostdev:join-{il}" in order]
-            assert joins, seen   # the step ran through the decode graph with cold routes
-            for il in joins:
-                shexp = [i for name, i in order.items() if "shexp" in name and name.endswith(f"-{il}")]
-                assert shexp, (il, seen)
-                before = max(shexp) < order[f"ostdev:join-{il}"]
-                assert before == hoist, (hoist, il, [n for n in seen if n.endswith(f"-{il}")])
-            assert (dg["hoisted_nodes"] > 0) == hoist and dg["hoist"] == hoist, dg
-    finally:
-        native.set_hoist(was)
-        native.set_decode_graph(None)
-        r.close()
-
-
 @pytest.mark.parametrize("host_pages", ["copy", "collapse"])
 def test_host_expert_pages_change_where_not_what(moe, stock, host_pages):
     """Setting host_expert_pages: the routed experts' host copies moved at load into private memory

@@ -13,7 +13,6 @@
 #include <map>
 #include <mutex>
 #include <thread>
-#include <unordered_set>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -340,82 +339,6 @@ void ost_dg_free(ost_dgraph * dg) {
 }
 
 int ost_dg_max_tokens(const ost_dgraph * dg) { return dg ? dg->cfg.max_tokens : 0; }
-
-namespace {
-
-bool is_dg_join(const ggml_tensor * t) {
-    return t->op == GGML_OP_CUSTOM && std::strncmp(t->name, OSTINATO_OP_PREFIX "join-", sizeof(OSTINATO_OP_PREFIX "join-") - 1) == 0;
-}
-
-// ops that only give another view of their source's memory (they neither read nor write data)
-bool is_view_op(const ggml_tensor * t) {
-    return t->op == GGML_OP_VIEW || t->op == GGML_OP_RESHAPE || t->op == GGML_OP_PERMUTE || t->op == GGML_OP_TRANSPOSE ||
-           t->op == GGML_OP_NONE;
-}
-
-const ggml_tensor * base_of(const ggml_tensor * t) {
-    while (t && t->view_src) t = t->view_src;
-    return t;
-}
-
-}  // namespace
-
-int ost_dg_hoist(ggml_cgraph * gf) {
-    const int n = ggml_graph_n_nodes(gf);
-    ggml_tensor ** nodes = ggml_graph_nodes(gf);
-    int moved = 0;
-    std::vector<ggml_tensor *> before, after;
-    std::unordered_set<const ggml_tensor *> tainted, written;
-    for (int i = 0; i < n; ++i) {
-        if (!is_dg_join(nodes[i])) continue;
-        int end = i + 1;
-        while (end < n && !is_dg_join(nodes[end])) ++end;
-        // [i, end): the join, then everything up to the next join; a node is tainted when it reads
-        // the join's result (through any chain of the segment's nodes)
-        tainted.clear();
-        written.clear();
-        before.clear();
-        after.clear();
-        tainted.insert(nodes[i]);
-        after.push_back(nodes[i]);
-        for (int j = i + 1; j < end; ++j) {
-            ggml_tensor * t = nodes[j];
-            bool dep = t->view_src && tainted.count(t->view_src);
-            for (int s = 0; s < GGML_MAX_SRC && !dep; ++s) dep = t->src[s] && tainted.count(t->src[s]);
-            if (dep) {
-                tainted.insert(t);
-                after.push_back(t);
-                // a dependent node that writes into memory it did not make (in place, a cache row)
-                if (!is_view_op(t) && t->view_src) written.insert(base_of(t));
-            } else {
-                before.push_back(t);
-            }
-        }
-        if (before.empty()) { i = end - 1; continue; }
-        // moving a node past another must not change what either reads: a moved node may not read
-        // memory a dependent node writes in place, nor write in place memory a dependent node uses
-        bool hazard = false;
-        std::unordered_set<const ggml_tensor *> used;
-        for (const ggml_tensor * t : after) {
-            used.insert(base_of(t));
-            for (int s = 0; s < GGML_MAX_SRC; ++s) if (t->src[s]) used.insert(base_of(t->src[s]));
-        }
-        for (const ggml_tensor * t : before) {
-            if (is_view_op(t)) continue;
-            if (t->view_src && used.count(base_of(t))) { hazard = true; break; }
-            for (int s = 0; s < GGML_MAX_SRC && !hazard; ++s) hazard = t->src[s] && written.count(base_of(t->src[s]));
-            if (hazard) break;
-        }
-        if (!hazard) {
-            int w = i;
-            for (ggml_tensor * t : before) nodes[w++] = t;
-            for (ggml_tensor * t : after) nodes[w++] = t;
-            moved += (int) before.size();
-        }
-        i = end - 1;
-    }
-    return moved;
-}
 
 void ost_dg_info(const ost_dgraph * dg, int & n_threads, int64_t & mailbox_bytes) {
     n_threads = dg ? dg->n_threads : 0;

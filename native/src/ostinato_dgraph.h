@@ -75,10 +75,3 @@ double         ost_dg_collect_wait(ost_dgraph * dg);
 // The CPU branch's own kernel on (default) or off (ggml's graph compute for every layer; for
 // measurements). Read when a graph is built.
 extern bool    g_ffn_kernel;
-// Moves the nodes that do not depend on a layer's join op from after it to before it (their order
-// kept; the join's dependents keep theirs), so that the GPU computes them while it would otherwise
-// wait for the CPU branch: a shared expert (qwen35moe, glm4moe, deepseek) and whatever of the next
-// layer does not read this layer's output. Changes the order only, never what a node computes; a
-// segment where a moved node would read memory a dependent node writes in place is left as built.
-// Call before the graph is allocated. Returns the nodes moved.
-int            ost_dg_hoist(ggml_cgraph * gf);

@@ -231,8 +231,7 @@ extern int        g_force;
 extern engine_t * g_eng;
 extern std::string g_err;
 extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views, g_resident, g_copy_2d,
-            g_whole_slots, g_hoist;
-extern int  g_hoisted;
+            g_whole_slots;
 
 // op_params slot and value with which a mul_mat_id is marked as holding negative ids (patch 21 reads
 // them in the CUDA backend; ggml's own use of a mul_mat_id's op_params ends at index 2 + GGML_MAX_SRC)
@@ -300,15 +299,6 @@ double upload_share(const engine_t * e, bool has_stream);
 void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void count_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void flush_counts(engine_t * e);
-}  // namespace ost
-
-// Decode graph: nodes that do not depend on a layer's join op computed before it (ost_dg_hoist; on by
-// default, read at each graph build). Returns the previous value. (Declared here, not in
-// ostinato_experts.h, whose change would rebuild llama.cpp's files.)
-extern "C" OSTINATO_API int ostinato_experts_set_hoist(int on);
-
-namespace ost {
-
 // ostinato_pool.cpp
 void unpin(pinned_t & p);
 void free_host_pages(host_pages_t & h);

@@ -51,8 +51,6 @@ bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_
 bool g_resident = true;       // all-resident layers take the stock computation over their resident tensors
 bool g_copy_2d = true;        // upload path: an expert's matrices in one 2D copy where the layout allows
 bool g_whole_slots = false;   // pools built with whole-expert slots (read at each pool build)
-bool g_hoist = true;          // decode graph: nodes independent of a join computed before it (ost_dg_hoist)
-int g_hoisted = -1;           // nodes the last graph build moved (-1: no decode-graph build yet)
 double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
 double g_split_alpha_us = 0, g_split_cpu_gbps = 0, g_split_h2d_gbps = 0;
@@ -422,8 +420,6 @@ void ostinato_graph_build_end(ggml_context * graph_ctx, ggml_cgraph * gf) {
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
     if (!e) return;
-    // the GPU computes what does not wait for a layer's CPU branch while it runs (Sec. 3.4 overlap)
-    if (e->dg) g_hoisted = g_hoist ? ost_dg_hoist(gf) : 0;
     auto it = e->built.find(graph_ctx);
     if (it == e->built.end()) return;
     built_t & b = it->second;
@@ -834,14 +830,6 @@ int ostinato_experts_set_cpu_kernel(int on) {
     if (g_ffn_kernel != (on != 0)) g_graph_dirty = true;   // the CPU-branch jobs are matched at graph build
     g_ffn_kernel = on != 0;
     return 0;
-}
-
-int ostinato_experts_set_hoist(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    const int was = g_hoist ? 1 : 0;
-    if (g_hoist != (on != 0)) g_graph_dirty = true;   // the order is made at graph build
-    g_hoist = on != 0;
-    return was;
 }
 
 int ostinato_experts_set_cpu_prefetch(int rows) {

@@ -28,8 +28,7 @@ json host_pages_json() {
 // path its decode steps took. Caller holds g_mu.
 json decode_graph_json() {
     json d = json{{"mode", g_dgraph < 0 ? "auto" : g_dgraph ? "on" : "off"}, {"max_tokens", g_dgraph_max},
-                  {"broken", g_dgraph_broken}, {"failed", g_eng && g_eng->dg_failed},
-                  {"hoist", g_hoist}, {"hoisted_nodes", g_hoisted}};
+                  {"broken", g_dgraph_broken}, {"failed", g_eng && g_eng->dg_failed}};
     if (g_eng && g_eng->dg) {
         int nt = 0; int64_t mb = 0;
         ost_dg_info(g_eng->dg, nt, mb);

@@ -43,7 +43,6 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-ggml-cpu": {"cpu_branch_kernel": False},
             "ostinato-cpu-prefetch": {"cpu_branch_prefetch_rows": 2},
             "ostinato-host-copy": {"host_expert_pages": "copy"},
-            "ostinato-no-hoist": {"decode_hoist": False},
             "ostinato-host-collapse": {"host_expert_pages": "collapse"}}
 CHOICES = ENGINES + (IK, ONE_GPU) + tuple(VARIANTS)
 

@@ -172,7 +172,6 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_kernel": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_prefetch": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_hoist": ([ctypes.c_int], ctypes.c_int),
     "ostinato_cpu_branch_bench": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
@@ -422,15 +421,6 @@ def set_cpu_threads(n: int) -> None:
     """Threads of the decode graph's CPU-branch pool (0: the physical cores). A change takes effect at
     the next forward pass (the pool is made anew then); call it between passes."""
     llama_fn("ostinato_experts_set_cpu_threads")(max(0, int(n)))
-
-
-def set_hoist(on: bool) -> bool:
-    """Decode graph: the nodes that do not depend on a layer's join op (a shared expert, parts of
-    the next layer) computed before it, while the CPU branch runs (True, the native default and the
-    runtime's from the setting ``decode_hoist``), or left after it as built (False; measurements).
-    Order only, never what a node computes. Takes effect at the next graph build; returns the
-    previous value."""
-    return bool(llama_fn("ostinato_experts_set_hoist")(1 if on else 0))
 
 
 def set_cpu_kernel(on: bool) -> None:
