@@ -176,16 +176,6 @@ class Settings(BaseSettings):
                                           "--prefetch-rows 0,2,4` and the bench variant "
                                           "ostinato-cpu-prefetch compare (docs/engine.md, \"CPU branch "
                                           "kernel\").")
-    host_expert_pages: Literal["as-loaded", "collapse", "copy"] = Field("as-loaded", description="Where "
-                                  "the routed experts' host copies live, which the CPU branch reads: "
-                                  "'as-loaded' (the GGUF's memory map, 4 KiB pages), 'collapse' (the same "
-                                  "map, the kernel asked to back it with huge pages; a file map needs "
-                                  "kernel support, else a note in the engine's info), 'copy' (copied at "
-                                  "load into anonymous memory with transparent huge pages: about the "
-                                  "experts' bytes more RAM while the page cache keeps the file). "
-                                  "No gain on the H200 host, whose ext4 maps the file with huge "
-                                  "folios already; `ostinato bench cpu-branch --memory model,huge` "
-                                  "tells for a host (docs/engine.md, \"CPU branch kernel\").")
     decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
                                 "upload path's staging slots hold the cold experts the CPU branch "
                                 "computed most lately; handed back before each long prefill.")

@@ -83,20 +83,18 @@ class Runner:
     """Loads the model with the low-level API and generates greedily; returns tokens and logits."""
 
     def __init__(self, path, hot=None, prefill_threshold=512, force="auto", all_logits=False, rt=None,
-                 tensor_split=None, cb_eval=None, host_pages="as-loaded"):
+                 tensor_split=None, cb_eval=None):
         # all_logits: every token is an output, so llama.cpp does not prune the last layer to the
         # output rows and every MoE layer sees every token of the pass
         # rt: an ExpertRuntime from prepare() (it configured the loader; the runner loads and attaches)
         # tensor_split (GPU, stock reference): llama.cpp's layer split with these weights
         # cb_eval: a llama_cpp.ggml_backend_sched_eval_callback, called for every node in compute order
-        # host_pages: where the host experts live (setting host_expert_pages)
         self.all_logits = all_logits
         llama_cpp.llama_backend_init()
         cfg = None  # the placement passed with the load (None: stock)
         if rt is None and hot is not None:
             cfg = placement.experts_config(hot, device=0 if GPU else -1,
-                                           prefill_threshold=prefill_threshold, force_path=force,
-                                           host_pages=host_pages)
+                                           prefill_threshold=prefill_threshold, force_path=force)
         mp = llama_cpp.llama_model_default_params()
         # stock reference: everything in host memory; with a config the patched loader keeps the
         # routed experts in host memory and (GPU) puts the pool and the dense layers on the GPU
@@ -701,34 +699,6 @@ def _every_path_matches(r, ref_toks):
         native.set_cpu_split(None)
         native.set_decode_graph(None)
         native.set_prefill_threshold(512)
-
-
-@pytest.mark.parametrize("host_pages", ["copy", "collapse"])
-def test_host_expert_pages_change_where_not_what(moe, stock, host_pages):
-    """Setting host_expert_pages: the routed experts' host copies moved at load into private memory
-    with huge pages ("copy": the tensors then point there and the loader's pages are dropped) or
-    their map asked for huge pages ("collapse": the kernel may refuse, said in a note). The engine's
-    info says which, and every path, the decode graph too, gives stock's greedy tokens; a residency
-    switch keeps the copy."""
-    from ostinatod.residency.gguf_header import read_header
-
-    drop_ost()
-    r = Runner(moe[0], hot=half_hot(moe), prefill_threshold=512, host_pages=host_pages)
-    try:
-        hp = native.experts_json("ostinato_experts_info")["host_pages"]
-        assert hp["mode"] == host_pages, hp
-        experts = sum(t.n_bytes for t in read_header(moe[0]).tensors if "_exps." in t.name)
-        if host_pages == "copy":
-            # the copy holds every expert byte; only a refused collapse (huge pages at fault time
-            # stand in for it) may leave a note
-            assert hp["bytes"] >= experts and "COLLAPSE" in hp.get("note", "MADV_COLLAPSE"), hp
-        _every_path_matches(r, stock[PROMPT_LEN][0])
-        _switch(half_hot(moe, seed=5))
-        assert native.experts_json("ostinato_experts_info")["host_pages"] == hp
-        toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
-        assert toks == stock[PROMPT_LEN][0]
-    finally:
-        r.close()
 
 
 def merge_gate_up(src, dst):

@@ -281,8 +281,8 @@ struct run_t {
     int64_t per1 = 0, per3 = 0;         // chunks per group
     alignas(64) std::atomic<int64_t> next1{0};
     alignas(64) std::atomic<int64_t> next3{0};
-    // phase timing (g_phase_timing): the launch, per thread its start and its arrival at the
-    // barrier after each phase (PH_* rows of nth), thread 0's leaving of each barrier
+    // phase timing (g_phase_timing): the launch, per thread its start, its arrival at the barrier
+    // after each phase and its leaving of it (PH_* rows of nth)
     bool timing = false;
     int nth = 1;
     int64_t t_launch = 0;
@@ -373,7 +373,7 @@ template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier ba
     auto barrier = [&](int ph) {
         if (timing) r.t_arrive[(size_t) ph * nth + ith] = now_ns();
         barrier0();
-        if (timing && ith == 0) r.t_leave[(size_t) ph] = now_ns();
+        if (timing) r.t_leave[(size_t) ph * nth + ith] = now_ns();
     };
     if (job.zero_unrouted) zero_unrouted_rows(job, ith, nth);
     if (!r.xq_done) {
@@ -501,8 +501,9 @@ void fill_stats(const run_t & r, bool empty, ost_ffn_stats * st) {
     st->bytes = (int64_t) r.groups.size() * r.f->expert_bytes;
 }
 
-// Where a timed run's time went (ost_ffn_stats' phase fields): each phase from its start (the
-// launch, or thread 0 leaving the barrier before it) to the last thread's arrival at its barrier.
+// Where a timed run's time went (ost_ffn_stats' phase fields): each phase from its start (thread 0's
+// start, or the first thread to leave the barrier before it: the barrier's release, whichever thread
+// the scheduler runs first) to the last thread's arrival at its barrier.
 void fill_timing(const run_t & r, int64_t t0, int64_t t_end, ost_ffn_stats * st) {
     if (!st || !r.timing) return;
     const int nth = r.nth;
@@ -520,7 +521,10 @@ void fill_timing(const run_t & r, int64_t t0, int64_t t_end, ost_ffn_stats * st)
         int64_t w = 0;
         for (int i = 0; i < nth; ++i) w += last - a[i];
         idle += w / nth;
-        if (ph < PH_DOWN) begin = r.t_leave[(size_t) ph];
+        if (ph < PH_DOWN) {
+            const int64_t * l = r.t_leave.data() + (size_t) ph * nth;
+            begin = *std::min_element(l, l + nth);
+        }
     }
     st->idle_ns = idle;
 }
@@ -539,7 +543,7 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
         if (r.timing) {
             r.t_start.assign((size_t) r.nth, 0);
             r.t_arrive.assign((size_t) PH_N * r.nth, 0);
-            r.t_leave.assign(PH_N, 0);
+            r.t_leave.assign((size_t) PH_N * r.nth, 0);
             r.t_launch = now_ns();
         }
         team_ctx c{ &r, team };

@@ -33,9 +33,6 @@ namespace ost {
 
 enum force_path_t { FORCE_AUTO = 0, FORCE_SPLIT = 1, FORCE_UPLOAD = 2 };
 
-// config "host_pages": as loaded, collapse, copy (host_pages_t)
-enum { HOST_PAGES_AS_LOADED = 0, HOST_PAGES_COLLAPSE = 1, HOST_PAGES_COPY = 2 };
-
 struct config_t {
     bool set = false;
     std::map<int, std::vector<int>> hot;   // layer -> hot expert ids
@@ -43,7 +40,6 @@ struct config_t {
     std::map<int, int> layer_device;       // layer -> GPU index (several GPUs); absent layer: `device`
     int64_t np = 512;                      // prefill threshold Np (tokens)
     int force = FORCE_AUTO;
-    int host_pages = HOST_PAGES_AS_LOADED; // where the routed experts' host copies live (host_pages_t)
 };
 
 struct size_class_t {
@@ -207,25 +203,9 @@ struct pinned_t {
     std::string note;
 };
 
-// The routed experts' host copies, per model, once (before pinning; config "host_pages"): as loaded
-// (the GGUF's mmap, 4 KiB pages of the page cache), the same mapping asked to be mapped by huge
-// pages (madvise MADV_HUGEPAGE + MADV_COLLAPSE; a file mapping needs kernel support), or copied into
-// private anonymous memory backed by transparent huge pages, the tensors' data pointed there. Huge
-// pages let the CPU branch's reads run without a TLB miss per 4 KiB (docs/engine.md, "CPU branch
-// kernel", where the time goes).
-struct host_pages_t {
-    const llama_model * model = nullptr;
-    int mode = HOST_PAGES_AS_LOADED;
-    void * base = nullptr;      // the copy (HOST_PAGES_COPY)
-    size_t bytes = 0;           // its size, or the bytes asked to collapse
-    int64_t huge_bytes = 0;     // of them mapped by huge pages (/proc/self/smaps), -1 unknown
-    std::string note;           // what the kernel refused, if anything
-};
-
 // guarded by g_mu
 extern std::mutex g_mu;
 extern pinned_t g_pin;
-extern host_pages_t g_host_pages;
 extern int64_t    g_np;           // run-time: prefill threshold Np and forced path (kept across loads)
 extern int        g_force;
 extern engine_t * g_eng;
@@ -301,7 +281,6 @@ void count_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void flush_counts(engine_t * e);
 // ostinato_pool.cpp
 void unpin(pinned_t & p);
-void free_host_pages(host_pages_t & h);
 bool build_engine(llama_model * model, const config_t & cfg, std::string & err);
 void borrow_release(engine_t * e);
 void borrow_step(engine_t * e);

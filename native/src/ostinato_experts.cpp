@@ -31,7 +31,6 @@ namespace ost {
 
 std::mutex g_mu;
 pinned_t g_pin;
-host_pages_t g_host_pages;
 // the placement of the model load running on this thread (ostinato_model_load), else null: the
 // config travels with the load call, as tensor_buft_overrides do, not through a global
 thread_local const config_t * t_load_cfg = nullptr;
@@ -597,11 +596,6 @@ bool parse_config(const char * js, config_t & c, std::string & err) {
         else if (f == "split") c.force = FORCE_SPLIT;
         else if (f == "upload") c.force = FORCE_UPLOAD;
         else throw std::runtime_error("force_path must be auto, split or upload");
-        const std::string hp = j.value("host_pages", std::string("as-loaded"));
-        if (hp == "as-loaded") c.host_pages = HOST_PAGES_AS_LOADED;
-        else if (hp == "collapse") c.host_pages = HOST_PAGES_COLLAPSE;
-        else if (hp == "copy") c.host_pages = HOST_PAGES_COPY;
-        else throw std::runtime_error("host_pages must be as-loaded, collapse or copy");
         return true;
     } catch (const std::exception & ex) {
         err = std::string("bad expert config: ") + ex.what();
@@ -636,7 +630,6 @@ void ostinato_on_model_free(llama_model * model) {
         g_eng = nullptr;
     }
     if (g_pin.model == model) unpin(g_pin);
-    if (g_host_pages.model == model) free_host_pages(g_host_pages);   // after unpinning: the copy was pinned
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,16 +2,6 @@
 // the several-GPU check and borrowed decode slots. See ostinato_engine.h.
 #include "ostinato_engine.h"
 
-#include <cerrno>
-#include <fstream>
-#include <thread>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-#ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25   // Linux 6.1 (older headers lack it; older kernels answer EINVAL)
-#endif
-
 namespace ost {
 
 namespace {
@@ -77,142 +67,6 @@ void unpin(pinned_t & p) {
     p = pinned_t();
 }
 
-// The routed-expert tensors of a model that sit in host memory (incl. their biases), pageable ones only
-// (a CUDA_Host buffer is already pinned memory the loader allocated).
-static std::vector<ggml_tensor *> host_expert_tensors(llama_model * model) {
-    std::vector<ggml_tensor *> out;
-    for (auto & L : model->layers) {
-        for (ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps,
-                                L.ffn_up_exps_b, L.ffn_gate_exps_b, L.ffn_down_exps_b, L.ffn_gate_up_exps_b}) {
-            if (!t || !t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data) continue;
-            if (std::strstr(ggml_backend_buffer_name(t->buffer), "CUDA_Host")) continue;
-            out.push_back(t);
-        }
-    }
-    return out;
-}
-
-// Bytes of [lo, hi) mapped by huge pages, summed over the mappings of /proc/self/smaps it overlaps
-// (AnonHugePages + ShmemPmdMapped + FilePmdMapped of each, scaled by the overlap); -1 off Linux.
-static int64_t huge_mapped_bytes(uintptr_t lo, uintptr_t hi) {
-#if defined(__linux__)
-    std::ifstream f("/proc/self/smaps");
-    std::string line;
-    int64_t total = 0;
-    uintptr_t a = 0, b = 0;
-    bool in = false;
-    while (std::getline(f, line)) {
-        const std::string first = line.substr(0, line.find(' '));
-        if (first.empty()) continue;
-        if (first.back() != ':') {
-            const size_t dash = first.find('-');
-            if (dash == std::string::npos) { in = false; continue; }
-            a = std::stoull(first.substr(0, dash), nullptr, 16);
-            b = std::stoull(first.substr(dash + 1), nullptr, 16);
-            in = a < hi && b > lo;
-            continue;
-        }
-        if (!in) continue;
-        for (const char * k : {"AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"}) {
-            if (line.compare(0, std::strlen(k), k) == 0) {
-                const double kib = std::atof(line.c_str() + std::strlen(k));
-                const double share = (double) (std::min(b, hi) - std::max(a, lo)) / (double) (b - a);
-                total += (int64_t) (kib * 1024.0 * share);
-            }
-        }
-    }
-    return total;
-#else
-    (void) lo; (void) hi;
-    return -1;
-#endif
-}
-
-void free_host_pages(host_pages_t & h) {
-#if defined(__linux__)
-    if (h.base) munmap(h.base, h.bytes);
-#endif
-    h = host_pages_t();
-}
-
-// Puts the routed experts' host copies of `model` where `mode` says (host_pages_t), once per model,
-// before they are pinned and before the pool is filled from them. Never fails: what the kernel
-// refused goes into the note and the experts stay as loaded.
-static void place_host_experts(llama_model * model, int mode) {
-    if (g_host_pages.model == model) return;
-    free_host_pages(g_host_pages);
-    g_host_pages.model = model;
-    g_host_pages.mode = mode;
-    if (mode == HOST_PAGES_AS_LOADED) return;
-#if defined(__linux__)
-    const std::vector<ggml_tensor *> ts = host_expert_tensors(model);
-    if (ts.empty()) return;
-    const uintptr_t huge = (uintptr_t) 2 << 20;
-    const int64_t t0 = now_us();
-    if (mode == HOST_PAGES_COLLAPSE) {
-        int64_t asked = 0, huge_bytes = 0;
-        std::string refused;
-        for (ggml_tensor * t : ts) {
-            // the huge pages wholly inside the tensor (its neighbours' pages are not touched)
-            const uintptr_t lo = ((uintptr_t) t->data + huge - 1) & ~(huge - 1);
-            const uintptr_t hi = ((uintptr_t) t->data + ggml_nbytes(t)) & ~(huge - 1);
-            if (hi <= lo) continue;
-            asked += (int64_t) (hi - lo);
-            if (madvise((void *) lo, hi - lo, MADV_HUGEPAGE) != 0 && refused.empty()) refused = std::string("MADV_HUGEPAGE: ") + strerror(errno);
-            if (madvise((void *) lo, hi - lo, MADV_COLLAPSE) != 0 && refused.empty()) refused = std::string("MADV_COLLAPSE: ") + strerror(errno);
-            huge_bytes += std::max<int64_t>(0, huge_mapped_bytes(lo, hi));
-        }
-        g_host_pages.bytes = (size_t) asked;
-        g_host_pages.huge_bytes = huge_bytes;
-        if (!refused.empty()) g_host_pages.note = "the kernel refused huge pages for the mapped experts (" + refused + ")";
-    } else {
-        // one private anonymous region, each tensor at a 64-byte boundary, huge pages asked before
-        // the first touch; copied by a few threads (page faults and copies of ~all expert bytes)
-        std::vector<size_t> off;
-        size_t total = 0;
-        for (ggml_tensor * t : ts) { off.push_back(total); total += (ggml_nbytes(t) + 63) & ~(size_t) 63; }
-        const size_t bytes = ((total + huge - 1) & ~(size_t) (huge - 1)) + huge;
-        void * p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-        if (p == MAP_FAILED) {
-            g_host_pages.note = std::string("no memory for the experts' copy (mmap: ") + strerror(errno) + "): they stay as loaded";
-            LLAMA_LOG_WARN("ostinato: %s\n", g_host_pages.note.c_str());
-            return;
-        }
-        char * b = (char *) (((uintptr_t) p + huge - 1) & ~(huge - 1));
-        if (madvise(b, total, MADV_HUGEPAGE) != 0) g_host_pages.note = std::string("MADV_HUGEPAGE: ") + strerror(errno);
-        const int nt = std::max(1, std::min(8, (int) std::thread::hardware_concurrency() / 2));
-        std::vector<std::thread> th;
-        for (int i = 0; i < nt; ++i) {
-            th.emplace_back([&, i] {
-                for (size_t j = (size_t) i; j < ts.size(); j += (size_t) nt) std::memcpy(b + off[j], ts[j]->data, ggml_nbytes(ts[j]));
-            });
-        }
-        for (auto & x : th) x.join();
-        const int c = madvise(b, total, MADV_COLLAPSE);   // what the faults did not get as huge pages
-        for (size_t j = 0; j < ts.size(); ++j) {
-            // the loader's pages are no longer read: drop them from this process (the page cache keeps
-            // the file's pages, reclaimable)
-            const uintptr_t lo = ((uintptr_t) ts[j]->data + 4095) & ~(uintptr_t) 4095;
-            const uintptr_t hi = ((uintptr_t) ts[j]->data + ggml_nbytes(ts[j])) & ~(uintptr_t) 4095;
-            ts[j]->data = b + off[j];
-            if (hi > lo) madvise((void *) lo, hi - lo, MADV_DONTNEED);
-        }
-        g_host_pages.base = p;
-        g_host_pages.bytes = bytes;
-        g_host_pages.huge_bytes = huge_mapped_bytes((uintptr_t) b, (uintptr_t) b + total);
-        if (c != 0 && g_host_pages.huge_bytes < (int64_t) total / 2) {
-            g_host_pages.note = std::string("MADV_COLLAPSE: ") + strerror(errno);
-        }
-    }
-    LLAMA_LOG_INFO("ostinato: host experts %s: %.1f MiB, %.1f MiB of them in huge pages, %.1f ms%s%s\n",
-                   mode == HOST_PAGES_COPY ? "copied into anonymous memory" : "asked for huge pages",
-                   g_host_pages.bytes / 1048576.0, g_host_pages.huge_bytes / 1048576.0, (now_us() - t0) / 1000.0,
-                   g_host_pages.note.empty() ? "" : ": ", g_host_pages.note.c_str());
-#else
-    g_host_pages.note = "huge pages for the host experts need Linux";
-#endif
-}
-
 // Pins the routed-expert tensors of `model` (all of them: a residency switch changes which are cold).
 // Ranges are page-aligned and merged within one buffer (gaps under 64 MiB are pinned too) to keep
 // the calls few.
@@ -224,16 +78,14 @@ void pin_experts(llama_model * model, ggml_backend_dev_t dev) {
     struct range_t { const void * buf; uintptr_t a, b; };
     std::vector<range_t> r;
     for (const auto & L : model->layers) {
-        for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps}) {
-            if (t && t->buffer && std::strstr(ggml_backend_buffer_name(t->buffer), "CUDA_Host")) g_pin.already_pinned = true;
+        // the expert biases too: a copy that spans the end of a pinned range into pageable memory
+        // fails (cudaMemcpyAsync: invalid argument), which aborted gpt-oss's upload path
+        for (const ggml_tensor * t : {L.ffn_up_exps, L.ffn_gate_exps, L.ffn_down_exps, L.ffn_gate_up_exps,
+                                      L.ffn_up_exps_b, L.ffn_gate_exps_b, L.ffn_down_exps_b, L.ffn_gate_up_exps_b}) {
+            if (!t || !t->buffer || !ggml_backend_buffer_is_host(t->buffer) || !t->data) continue;
+            if (std::strstr(ggml_backend_buffer_name(t->buffer), "CUDA_Host")) { g_pin.already_pinned = true; continue; }
+            r.push_back({t->buffer, (uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t)});
         }
-    }
-    // the expert biases too: a copy that spans the end of a pinned range into pageable memory
-    // fails (cudaMemcpyAsync: invalid argument), which aborted gpt-oss's upload path
-    for (const ggml_tensor * t : host_expert_tensors(model)) {
-        // copied experts (HOST_PAGES_COPY) are ranged by their region, not by the loader's buffer
-        const void * buf = g_host_pages.model == model && g_host_pages.base ? g_host_pages.base : (const void *) t->buffer;
-        r.push_back({buf, (uintptr_t) t->data, (uintptr_t) t->data + ggml_nbytes(t)});
     }
     if (r.empty()) return;
     const uintptr_t page = 4096, gap = 64u << 20;
@@ -605,7 +457,6 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         for (auto & p : e->pools) {
             if (ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) { pin_dev = p.dev; break; }
         }
-        place_host_experts(model, cfg.host_pages);
         pin_experts(model, pin_dev);
     }
 

@@ -14,15 +14,6 @@ const char * keep(std::string & slot, const json & j) {
     return slot.c_str();
 }
 
-// Where the model's host experts live (host_pages_t): in info and in stats. Caller holds g_mu.
-json host_pages_json() {
-    static const char * modes[] = { "as-loaded", "collapse", "copy" };
-    json hp = {{"mode", modes[g_host_pages.mode]}, {"bytes", (int64_t) g_host_pages.bytes},
-               {"huge_bytes", g_host_pages.huge_bytes}};
-    if (!g_host_pages.note.empty()) hp["note"] = g_host_pages.note;
-    return hp;
-}
-
 // The decode graph's state (mode, whether a lost wait broke it or its creation failed, its CPU
 // branch's threads and kernel layers): in info and in stats, so that a run's figures say which
 // path its decode steps took. Caller holds g_mu.
@@ -65,7 +56,6 @@ const char * ostinato_experts_info(void) {
         j["host_pinned"] = g_pin.model == e.model && (g_pin.already_pinned || g_pin.bytes > 0);
         j["pinned_bytes"] = g_pin.model == e.model ? g_pin.bytes : 0;
         if (g_pin.model == e.model && !g_pin.note.empty()) j["pin_note"] = g_pin.note;
-        if (g_host_pages.model == e.model) j["host_pages"] = host_pages_json();
         j["hot_experts"] = e.n_hot;
         j["n_layer"] = e.n_layer; j["n_expert"] = e.n_expert; j["n_expert_used"] = e.k;
         json cls = json::array();
@@ -128,7 +118,6 @@ const char * ostinato_experts_stats(int with_counts) {
     }
     j["pools"] = pools;
     j["decode_graph"] = decode_graph_json();
-    if (g_eng && g_host_pages.model == g_eng->model) j["host_pages"] = host_pages_json();
     json last = json::array();
     for (auto & p : g_eng->last) last.push_back(pass_json(p));
     j["last_passes"] = last;

@@ -41,9 +41,7 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-cpu-split": {"prefill_cpu_split": True},
             "ostinato-pool-quarter": _quarter_pool,
             "ostinato-ggml-cpu": {"cpu_branch_kernel": False},
-            "ostinato-cpu-prefetch": {"cpu_branch_prefetch_rows": 2},
-            "ostinato-host-copy": {"host_expert_pages": "copy"},
-            "ostinato-host-collapse": {"host_expert_pages": "collapse"}}
+            "ostinato-cpu-prefetch": {"cpu_branch_prefetch_rows": 2}}
 CHOICES = ENGINES + (IK, ONE_GPU) + tuple(VARIANTS)
 
 

@@ -12,8 +12,8 @@ from ..residency.sets import ResidencyError, ResidencySet
 
 
 def experts_config(hot: dict[int, list[int]], *, device: int = -1, prefill_threshold: int = 512,
-                   force_path: str = "auto", layer_device: Optional[dict[int, int]] = None,
-                   host_pages: str = "as-loaded") -> dict[str, Any]:
+                   force_path: str = "auto", layer_device: Optional[dict[int, int]] = None
+                   ) -> dict[str, Any]:
     """The expert engine's placement for a model load (:func:`ostinatod.engine.native.load_model`)
     or a swap (:func:`ostinatod.engine.native.experts_switch`), as the native engine reads it.
 
@@ -21,17 +21,13 @@ def experts_config(hot: dict[int, list[int]], *, device: int = -1, prefill_thres
     CPU-only builds). ``layer_device`` (several GPUs): {layer: GPU index}; one pool per GPU in use,
     layers not named go to ``device``. Empty/None: one pool on ``device`` (the one-GPU config). On a
     GPU build the load then fails unless each layer's dense weights sit on its GPU (see
-    :func:`tensor_split_for`); on a CPU build every pool is a CPU buffer. ``host_pages`` (setting
-    ``host_expert_pages``): where the experts' host copies live, read at the model's load only
-    (as-loaded, collapse, copy; the native engine refuses others).
+    :func:`tensor_split_for`); on a CPU build every pool is a CPU buffer.
     """
     cfg: dict[str, Any] = {"hot": {str(k): list(map(int, v)) for k, v in hot.items()},
                            "device": int(device), "prefill_threshold": int(prefill_threshold),
                            "force_path": force_path}
     if layer_device:  # absent for a one-GPU config: the native engine then takes today's path
         cfg["layer_device"] = {str(k): int(v) for k, v in sorted(layer_device.items())}
-    if host_pages != "as-loaded":
-        cfg["host_pages"] = host_pages
     return cfg
 
 

@@ -153,8 +153,7 @@ class ExpertRuntime:
             layer_dev = full_layer_devices(residency, int(model["n_layer"]))
         np_tokens, np_source = _default_np(settings, model.get("fingerprint"))
         config = experts_config(hot, device=dev, prefill_threshold=np_tokens,
-                                layer_device=dict(enumerate(layer_dev)) if layer_dev else None,
-                                host_pages=getattr(settings, "host_expert_pages", "as-loaded"))
+                                layer_device=dict(enumerate(layer_dev)) if layer_dev else None)
         native.check_experts_config(config)
         overlap, decode_threads = decode_choices(settings)
         native.set_overlap(overlap)
