@@ -19,7 +19,6 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -138,7 +137,7 @@ json smaps_of(const void * p) {
 
 // The layer's expert tensors (gate/up or gate_up, down), each with its bytes
 struct expert_mem {
-    std::string kind;                    // "model", "anon" (4 KiB pages), "huge" (THPs), "model-collapse"
+    std::string kind;                    // "model", "anon" (4 KiB pages), "huge" (THPs)
     std::vector<const ggml_tensor *> src;
     std::vector<ggml_tensor> shadow;     // copies of the tensors with data in this memory
     void * base = nullptr;               // the private copy (anon, huge)
@@ -151,12 +150,10 @@ struct expert_mem {
     }
 };
 
-// Puts the layer's experts in memory of `kind`: the model's own ("model"); a private anonymous copy
-// with 4 KiB pages ("anon", MADV_NOHUGEPAGE) or with transparent huge pages ("huge": MADV_HUGEPAGE
-// before the first touch, then MADV_COLLAPSE); or the model's own after asking the kernel to map it
-// with huge pages ("model-collapse": MADV_HUGEPAGE + MADV_COLLAPSE on the page-aligned ranges; for a
-// file mapping this needs CONFIG_READ_ONLY_THP_FOR_FS or a filesystem with large folios, and it stays
-// so for the rest of the process). What the kernel did is in `info` (errno, smaps).
+// Puts the layer's experts in memory of `kind`: the model's own ("model"), or a private anonymous
+// copy with 4 KiB pages ("anon", MADV_NOHUGEPAGE) or with transparent huge pages ("huge":
+// MADV_HUGEPAGE before the first touch, then MADV_COLLAPSE). What the kernel did is in `info`
+// (madvise's answers, the mapping's smaps).
 void place(expert_mem & m, const std::vector<const ggml_tensor *> & ts, const std::string & kind) {
     m.kind = kind;
     m.src = ts;
@@ -168,21 +165,6 @@ void place(expert_mem & m, const std::vector<const ggml_tensor *> & ts, const st
     }
 #if defined(__linux__)
     const size_t huge = (size_t) 2 << 20;
-    if (kind == "model-collapse") {
-        json rc = json::array();
-        for (const ggml_tensor * t : ts) {
-            const uintptr_t lo = (uintptr_t) t->data & ~(uintptr_t) (huge - 1);
-            const uintptr_t hi = ((uintptr_t) t->data + ggml_nbytes(t) + huge - 1) & ~(uintptr_t) (huge - 1);
-            const int a = madvise((void *) lo, hi - lo, MADV_HUGEPAGE);
-            const int ea = a ? errno : 0;
-            const int b = madvise((void *) lo, hi - lo, MADV_COLLAPSE);
-            const int eb = b ? errno : 0;
-            rc.push_back(json{{"hugepage", ea ? strerror(ea) : "ok"}, {"collapse", eb ? strerror(eb) : "ok"}});
-        }
-        m.info["madvise"] = rc;
-        m.info["smaps"] = smaps_of(ts[0]->data);
-        return;
-    }
     size_t total = 0;
     std::vector<size_t> off;
     for (const ggml_tensor * t : ts) {
@@ -258,16 +240,11 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         }
         const int prefetch_was = ost_ffn_prefetch_rows();
         struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
-        // where the experts are read from, per row of the grid (place()); "model-collapse" changes the
-        // model's mapping for the rest of the process, so it may only come last
+        // where the kernel reads the experts from, per row of the grid (place())
         const auto memory_list = a.value("memory", std::vector<std::string>{"model"});
         if (memory_list.empty()) throw std::runtime_error("memory must not be empty");
-        for (size_t i = 0; i < memory_list.size(); ++i) {
-            const std::string & m = memory_list[i];
-            if (m != "model" && m != "anon" && m != "huge" && m != "model-collapse") {
-                throw std::runtime_error("memory kinds are model, anon, huge, model-collapse; got " + m);
-            }
-            if (m == "model-collapse" && i + 1 != memory_list.size()) throw std::runtime_error("model-collapse must be the last memory kind");
+        for (const std::string & m : memory_list) {
+            if (m != "model" && m != "anon" && m != "huge") throw std::runtime_error("memory kinds are model, anon, huge; got " + m);
         }
         // the kernel's phases timed in every run (ost_ffn_stats)
         struct timing_t { bool was; ~timing_t() { ost_ffn_set_phase_timing(was); } } timing{ost_ffn_set_phase_timing(true)};

@@ -11,8 +11,8 @@ bytes / bw`` (paper Sec. 3.2: C(r) = alpha + beta r with beta = expert bytes / b
 fixed cost of one layer's CPU branch, bw its effective bandwidth. ``--prefetch-rows 0,2`` runs the
 kernel at each software-prefetch distance (setting ``cpu_branch_prefetch_rows``) in the same call;
 ``--memory model,anon,huge`` reads the experts from the model's own memory, from a private copy with
-4 KiB pages and from one with transparent huge pages (``model-collapse``, last: the model's own map
-after MADV_COLLAPSE), with the host's read bandwidth over each. Every kernel row also says where its
+4 KiB pages and from one with transparent huge pages, with the host's read bandwidth and the page
+sizes (``/proc/self/smaps``) of each. Every kernel row also says where its
 time went (``phases_us``: grouping, the team's start, the input's quantisation, gate/up rows,
 activations, down rows, barrier waits). See docs/engine.md, "CPU branch kernel".
 """
@@ -186,10 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                     "all of the engine's cores)")
     ap.add_argument("--prefetch-rows", type=_rows, default=None, help="the kernel's software prefetch "
                     "distances in weight rows to run, e.g. 0,2,4 (default: the engine's, 0 = off)")
-    ap.add_argument("--memory", default="model", help="where the kernel reads the experts from, in "
-                    "order: model (the model's own memory), anon (a private copy, 4 KiB pages), huge (a "
-                    "private copy, transparent huge pages), model-collapse (last: the model's own map "
-                    "after MADV_COLLAPSE)")
+    ap.add_argument("--memory", default="model", help="where the kernel reads the experts from: model "
+                    "(the model's own memory), anon (a private copy, 4 KiB pages), huge (a private copy, "
+                    "transparent huge pages); comma-separated, each a row of the grid")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--read-bw-mib", type=int, default=1024, help="buffer of the host read-bandwidth test")
     ap.add_argument("--flush-mib", type=int, default=256, help="memory read before every timed run, so "
@@ -201,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.reps < 1 or a.read_bw_mib < 0 or a.flush_mib < 0:
         ap.error("--reps must be >= 1, --read-bw-mib and --flush-mib >= 0")
     memory = [m for m in a.memory.split(",") if m]
-    kinds = ("model", "anon", "huge", "model-collapse")
-    if not memory or any(m not in kinds for m in memory) or "model-collapse" in memory[:-1]:
-        ap.error(f"--memory takes {', '.join(kinds)} (model-collapse only last), got {a.memory!r}")
+    kinds = ("model", "anon", "huge")
+    if not memory or any(m not in kinds for m in memory):
+        ap.error(f"--memory takes {', '.join(kinds)}, got {a.memory!r}")
     p = default_threads()
     threads = a.threads or sorted({1, max(1, p // 2), p})
     models = list(a.model)
