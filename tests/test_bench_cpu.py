@@ -81,6 +81,18 @@ def test_cpu_branch_bench_runs_the_kernel_at_each_prefetch_distance_bitwise(tmp_
         native.set_cpu_prefetch(65)
 
 
+def test_cpu_branch_bench_runs_the_kernel_at_each_spin_count_bitwise(tmp_path):
+    # how long a waiting team thread spins before it yields changes when threads run, never what
+    # they compute: every spin count's rows are llama.cpp's bit for bit, each gets its own fit, and
+    # ggml is timed at the first only
+    rc, res = _bench_q4_0(tmp_path, "--experts", "1,3", "--tokens", "1,3", "--threads", "2", "--spins", "0,100000")
+    assert rc == 0
+    assert sorted({r["spins"] for r in res["rows"]}) == [0, 100000]
+    assert len(res["rows"]) == 2 * 2 * 2 and all(r["bitwise_equal"] for r in res["rows"])
+    assert all(("ggml_ms" in r) == (r["spins"] == 0) for r in res["rows"])
+    assert sorted({(f["tokens"], f["spins"]) for f in res["fits"]}) == [(n, sp) for n in (1, 3) for sp in (0, 100000)]
+
+
 def test_cpu_branch_bench_reads_each_memory_kind_bitwise_and_times_the_phases(tmp_path, capsys):
     # the same experts from the model's memory, a 4 KiB-page copy and a huge-page copy: outputs are
     # llama.cpp's bit for bit from each, each kind gets its read bandwidth, its page sizes and its
@@ -99,7 +111,9 @@ def test_cpu_branch_bench_reads_each_memory_kind_bitwise_and_times_the_phases(tm
     for r in res["rows"]:
         ph = r["phases_us"]
         assert ph["gate_up"] > 0 and ph["down"] > 0 and min(ph.values()) >= 0
-        assert ph["prepare"] + ph["quant"] + ph["gate_up"] + ph["act"] + ph["down"] <= ph["total"] * 1.01 + 1
+        # each run's phases lie within its total, so each phase's median within the total's (their
+        # sum need not: medians of different runs)
+        assert max(ph["prepare"], ph["quant"], ph["gate_up"], ph["act"], ph["down"]) <= ph["total"]
         assert (ph["wake"] == 0) == (r["threads"] == 1)
         assert (ph["quant"] > 0) == (r["tokens"] > 1 and r["threads"] > 1)   # one token: quantised by prepare
     text = capsys.readouterr().out

@@ -238,6 +238,11 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 throw std::runtime_error("prefetch_rows must be 0.." + std::to_string(OST_PREFETCH_ROWS_MAX) + ", got " + std::to_string(v));
             }
         }
+        // pauses before a waiting team thread yields, per row of the grid (ost_ffn_set_spins)
+        const auto spins_list = a.value("spins", std::vector<int>{ost_ffn_spins()});
+        if (spins_list.empty()) throw std::runtime_error("spins must not be empty");
+        for (int v : spins_list) if (v < 0) throw std::runtime_error("spins must be >= 0");
+        struct spins_t { int was; ~spins_t() { ost_ffn_set_spins(was); } } spins_restore{ost_ffn_spins()};
         const int prefetch_was = ost_ffn_prefetch_rows();
         struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
         // where the kernel reads the experts from, per row of the grid (place())
@@ -375,12 +380,13 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 f.down = in_mem(mem, f.down);
                 std::vector<float> ko((size_t) n_embd * k * n, 0.0f);
                 std::vector<uint8_t> ws;
-                for (int pfr : prefetch_list) for (int nt : threads_list) {
+                for (int sp : spins_list) for (int pfr : prefetch_list) for (int nt : threads_list) {
                     ost_ffn_set_prefetch_rows(pfr);
+                    ost_ffn_set_spins(sp);
                     // ggml is timed once per shape and thread count (the prefetch and the memory are the kernel's)
-                    const bool time_ggml = with_ggml && pfr == prefetch_list.front() && mi == 0;
+                    const bool time_ggml = with_ggml && pfr == prefetch_list.front() && mi == 0 && sp == spins_list.front();
                     json row{{"experts", n_used}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
-                             {"prefetch_rows", pfr}, {"memory", mem.kind},
+                             {"prefetch_rows", pfr}, {"memory", mem.kind}, {"spins", sp},
                              {"bytes", matched ? n_used * f.expert_bytes : 0}, {"matched", matched}};
                     if (!matched) row["unmatched"] = why;
                     // kernel

@@ -125,10 +125,11 @@ namespace {
 // barrier waits for may not run for a whole time slice (measured on the 2-core CI machine under
 // load: ~40 ms per kernel run with pure spinning). Yielding costs ~1 us when nothing else waits.
 constexpr int SPINS_BEFORE_YIELD = 256;
+std::atomic<int> g_spins{SPINS_BEFORE_YIELD};   // ost_ffn_set_spins
 
 template <class Done> inline void spin_until(Done done) {
     for (int i = 0; !done(); ++i) {
-        if (i < SPINS_BEFORE_YIELD) OST_PAUSE();
+        if (i < g_spins.load(std::memory_order_relaxed)) OST_PAUSE();
         else std::this_thread::yield();
     }
 }
@@ -173,7 +174,7 @@ void team_main(ost_team * t, int ith) {
         // spin while a pass is in flight, sleep between passes
         for (int i = 0; t->gen.load(std::memory_order_acquire) == seen && !t->quit.load(std::memory_order_relaxed); ++i) {
             if (t->active.load(std::memory_order_relaxed)) {
-                if (i < SPINS_BEFORE_YIELD) OST_PAUSE();
+                if (i < g_spins.load(std::memory_order_relaxed)) OST_PAUSE();
                 else std::this_thread::yield();
                 continue;
             }
@@ -587,6 +588,8 @@ bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, in
 
 int ost_ffn_set_prefetch_rows(int rows) { return g_prefetch_rows.exchange(std::max(0, rows)); }
 bool ost_ffn_set_phase_timing(bool on) { return g_phase_timing.exchange(on); }
+int ost_ffn_set_spins(int spins) { return g_spins.exchange(std::max(0, spins)); }
+int ost_ffn_spins() { return g_spins.load(); }
 int ost_ffn_prefetch_rows() { return g_prefetch_rows.load(); }
 
 int32_t ost_ffn_tiled_rows(ggml_type up, ggml_type gate, ggml_type down) {

@@ -81,6 +81,11 @@ struct ost_ffn_stats {
 // Phase timing of ost_ffn_run (off by default; for `ostinato bench cpu-branch`): a few clock reads
 // per thread and phase. Returns the previous value.
 bool ost_ffn_set_phase_timing(bool on);
+// Pauses a waiting thread of a team spins before it yields on every further try (its start, the
+// barriers; default 256, INT_MAX: never yields): process-wide, for `ostinato bench cpu-branch`'s
+// A/B. Returns the previous value.
+int ost_ffn_set_spins(int spins);
+int ost_ffn_spins();
 
 // False (nothing computed) when an expert of the job has >= 8 routes and a weight type that ggml-cpu
 // would compute with its tiled kernel for that many (bitwise equality could not be promised): the
