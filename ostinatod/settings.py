@@ -176,6 +176,15 @@ class Settings(BaseSettings):
                                           "--prefetch-rows 0,2,4` and the bench variant "
                                           "ostinato-cpu-prefetch compare (docs/engine.md, \"CPU branch "
                                           "kernel\").")
+    cpu_branch_spins: int = Field(256, ge=0, le=1 << 30, description="Pauses (x86 PAUSE, ~40 ns on "
+                                  "the H200 host's Xeon) a waiting thread of the CPU branch's team spins "
+                                  "before it yields on every further try. More keeps the team on its "
+                                  "cores between layers (on the H200 host's `ostinato bench cpu-branch` "
+                                  "never yielding took 4 Qwen3.5 experts from 226 to 154 us on 15 "
+                                  "threads) but costs whole time slices when more threads than cores "
+                                  "want to run (one run there took 10 ms). Not yet measured in the "
+                                  "engine: the bench variant ostinato-cpu-spin (32768) is the A/B "
+                                  "(docs/engine.md, \"CPU branch kernel\").")
     decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
                                 "upload path's staging slots hold the cold experts the CPU branch "
                                 "computed most lately; handed back before each long prefill.")

@@ -91,6 +91,11 @@ def test_cpu_branch_bench_runs_the_kernel_at_each_spin_count_bitwise(tmp_path):
     assert len(res["rows"]) == 2 * 2 * 2 and all(r["bitwise_equal"] for r in res["rows"])
     assert all(("ggml_ms" in r) == (r["spins"] == 0) for r in res["rows"])
     assert sorted({(f["tokens"], f["spins"]) for f in res["fits"]}) == [(n, sp) for n in (1, 3) for sp in (0, 100000)]
+    from ostinatod.engine import native
+
+    assert native.set_cpu_spins(256) == 256   # the engine's count is back after the bench, not 100000
+    with pytest.raises(ValueError):
+        native.set_cpu_spins(-1)
 
 
 def test_cpu_branch_bench_reads_each_memory_kind_bitwise_and_times_the_phases(tmp_path, capsys):

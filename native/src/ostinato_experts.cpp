@@ -825,6 +825,11 @@ int ostinato_experts_set_cpu_kernel(int on) {
     return 0;
 }
 
+int ostinato_experts_set_cpu_spins(int spins) {
+    if (spins < 0) return -1;
+    return ost_ffn_set_spins(spins);
+}
+
 int ostinato_experts_set_cpu_prefetch(int rows) {
     if (rows < 0 || rows > OST_PREFETCH_ROWS_MAX) return -1;
     return ost_ffn_set_prefetch_rows(rows);

@@ -258,6 +258,10 @@ OSTINATO_API int          ostinato_experts_set_cpu_kernel(int on);
 // OST_PREFETCH_ROWS_MAX = 64; read once per phase of a run): docs/engine.md "CPU branch kernel".
 // Returns the previous distance, or -1 out of range (nothing changed).
 OSTINATO_API int          ostinato_experts_set_cpu_prefetch(int rows);
+// Pauses a waiting thread of the CPU branch's team spins before it yields on every further try
+// (default 256; process-wide): docs/engine.md "CPU branch kernel". Returns the previous count, or -1
+// for a negative one (nothing changed).
+OSTINATO_API int          ostinato_experts_set_cpu_spins(int spins);
 // The CPU branch alone on `model`'s expert tensors (loaded in host memory, not repacked): its own
 // kernel against llama.cpp's CPU MUL_MAT_ID graph on the same inputs, bit for bit, and the host's
 // read bandwidth. args: {"layer": -1 (first MoE layer), "experts": [E...], "tokens": [n...],

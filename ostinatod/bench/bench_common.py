@@ -41,7 +41,8 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-cpu-split": {"prefill_cpu_split": True},
             "ostinato-pool-quarter": _quarter_pool,
             "ostinato-ggml-cpu": {"cpu_branch_kernel": False},
-            "ostinato-cpu-prefetch": {"cpu_branch_prefetch_rows": 2}}
+            "ostinato-cpu-prefetch": {"cpu_branch_prefetch_rows": 2},
+            "ostinato-cpu-spin": {"cpu_branch_spins": 32768}}
 CHOICES = ENGINES + (IK, ONE_GPU) + tuple(VARIANTS)
 
 

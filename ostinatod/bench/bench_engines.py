@@ -31,19 +31,21 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
                      the same model on one GPU in the same run; ``ratios_gpus_vs_one_gpu`` compares;
    ``ostinato-no-prefetch``, ``ostinato-prefetch1``, ``ostinato-copy1d``, ``ostinato-class-slots``,
    ``ostinato-hybrid``, ``ostinato-cpu-split``, ``ostinato-pool-quarter``, ``ostinato-ggml-cpu``,
-   ``ostinato-cpu-prefetch`` (only when named) the Ostinato engine with the same plan and prefill prefetch off /
+   ``ostinato-cpu-prefetch``, ``ostinato-cpu-spin`` (only when named) the Ostinato engine with the same
+                     plan and prefill prefetch off /
                      one layer deep / one upload copy per expert matrix instead of one 2D copy per
                      expert / the pool layout with one tensor per matrix (whole-expert slots off)
                      / the hybrid upload pass with its adapted CPU share / the cost model's CPU
                      share of a long prefill's cold experts (off by default) / the decode graph's
                      CPU-branch pool on a quarter of the cores and the context's threads on the rest
                      / the decode graph's CPU branch on ggml's graph compute instead of its own kernel
-                     / its kernel with a software prefetch two weight rows ahead
-                     (settings ``prefill_prefetch = false``, ``prefill_prefetch_depth = 1``,
+                     / its kernel with a software prefetch two weight rows ahead / its team
+                     spinning 32768 pauses before it yields (settings ``prefill_prefetch = false``, ``prefill_prefetch_depth = 1``,
                      ``upload_copy_2d = false``,
                      ``pool_whole_expert_slots = false``, ``upload_cpu_share = -1``,
                      ``prefill_cpu_split = true``, ``decode_threads`` +
-                     ``n_threads``, ``cpu_branch_kernel = false``, ``cpu_branch_prefetch_rows = 2``):
+                     ``n_threads``, ``cpu_branch_kernel = false``, ``cpu_branch_prefetch_rows = 2``,
+                     ``cpu_branch_spins = 32768``):
                      an A/B in one run;
 6. with ``--budget-sweep F1,F2,...`` also runs the Ostinato engine at each of those pool budgets
    (the baselines and the limit run once, at ``--budget-frac``);

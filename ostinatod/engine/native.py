@@ -172,6 +172,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_kernel": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_prefetch": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_cpu_spins": ([ctypes.c_int], ctypes.c_int),
     "ostinato_cpu_branch_bench": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
@@ -437,6 +438,16 @@ def set_cpu_prefetch(rows: int) -> None:
     outside 0..64 (the engine's OST_PREFETCH_ROWS_MAX)."""
     if llama_fn("ostinato_experts_set_cpu_prefetch")(int(rows)) < 0:
         raise ValueError(f"CPU branch prefetch rows must be 0..64, got {rows}")
+
+
+def set_cpu_spins(spins: int) -> int:
+    """Pauses a waiting thread of the CPU branch's team spins before it yields on every further try
+    (256: the native default; setting ``cpu_branch_spins``). Process-wide. Returns the previous count;
+    raises ValueError for a negative one."""
+    was = llama_fn("ostinato_experts_set_cpu_spins")(int(spins))
+    if was < 0:
+        raise ValueError(f"CPU branch spins must be >= 0, got {spins}")
+    return was
 
 
 def cpu_branch_bench(model: Any, args: dict[str, Any]) -> dict[str, Any]:
