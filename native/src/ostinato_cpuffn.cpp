@@ -123,9 +123,11 @@ namespace {
 // Spins a little, then yields on every try: a thread that only spins gathers CPU time and the
 // scheduler then runs it last, so on a machine with more runnable threads than cores the thread a
 // barrier waits for may not run for a whole time slice (measured on the 2-core CI machine under
-// load: ~40 ms per kernel run with pure spinning). Yielding costs ~1 us when nothing else waits.
-constexpr int SPINS_BEFORE_YIELD = 256;
-std::atomic<int> g_spins{SPINS_BEFORE_YIELD};   // ost_ffn_set_spins
+// load: ~40 ms per kernel run with pure spinning). Yielding costs ~1 us when nothing else waits,
+// but on the 16-core H200 host a yielded core goes to any other runnable thread (docs/engine.md,
+// "CPU branch kernel": never yielding made the kernel 1.2-1.7x faster there, and one run 10 ms slow).
+constexpr int SPINS_BEFORE_YIELD = 256;            // the default; ost_ffn_set_spins changes it
+std::atomic<int> g_spins{SPINS_BEFORE_YIELD};
 
 template <class Done> inline void spin_until(Done done) {
     for (int i = 0; !done(); ++i) {
@@ -368,7 +370,7 @@ void zero_unrouted_rows(const ost_ffn_job & job, int ith, int nth) {
 template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier barrier0) {
     const ost_ffn & f = *r.f;
     const ost_ffn_job & job = *r.job;
-    const bool timing = r.timing && nth == r.nth;
+    const bool timing = r.timing;   // ost_ffn_run's runs only (its team is the run's nth threads)
     if (timing) r.t_start[(size_t) ith] = now_ns();
     // the barrier after phase ph, timed when asked
     auto barrier = [&](int ph) {
