@@ -185,6 +185,14 @@ class Settings(BaseSettings):
                                   "want to run (one run there took 10 ms). Not yet measured in the "
                                   "engine: the bench variant ostinato-cpu-spin (32768) is the A/B "
                                   "(docs/engine.md, \"CPU branch kernel\").")
+    decode_prefetch_experts: int = Field(2, ge=0, le=16, description="Decode prefetch: in each "
+                                         "decode step a layer predicts the next layer's routes (that "
+                                         "layer's router on its own input) and copies up to this many of "
+                                         "the predicted cold experts to the GPU while it computes; their "
+                                         "routes then run on the GPU instead of the CPU branch. The choice "
+                                         "depends on the model's computation only, so runs repeat exactly. "
+                                         "0: off. Needs prefill_prefetch_depth 2 (its staging regions; "
+                                         "docs/engine.md, \"Decode prefetch\").")
     decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
                                 "upload path's staging slots hold the cold experts the CPU branch "
                                 "computed most lately; handed back before each long prefill.")

@@ -679,6 +679,57 @@ def test_borrowed_decode_slots_change_where_not_what(moe, graph):
     assert info2["borrowed"]["slots_lent"] == 0 and info2["borrowed"]["handbacks"] >= lent
 
 
+@pytest.mark.parametrize("experts", [1, 16])
+def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
+    """Decode prefetch (docs/engine.md "Decode prefetch"): in each decode step a layer's route op
+    predicts the next layer's routes (its router on this layer's input) and stages up to ``experts``
+    of the predicted cold experts in a staging region of the pool (a copy kernel on a side stream on
+    the GPU; memcpy in the CPU route op here), whose routes the next layer's GPU branch computes
+    instead of the CPU branch. Tokens identical to stock and to the decode graph without it; logits
+    bitwise equal on the CPU (the same ggml kernels either way), within the GPU tolerance there; the
+    same routes counted (staged routes are still cold ones); the CPU branch reads fewer bytes."""
+    if len(moe[2]) < 2:
+        pytest.skip("one MoE layer (deepseek2's tiny shape): no next layer to predict")
+    r = ost_runner(moe)
+    native.set_prefetch(2)   # the pool's third staging region: regions 1 and 2 take the staged experts
+    _switch(half_hot(moe))
+    native.set_decode_graph(True, max_tokens=32)
+    runs = {}
+    try:
+        for n in (0, experts):
+            native.set_decode_prefetch(n)
+            native.llama_fn("ostinato_experts_reset_stats")()
+            toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
+            runs[n] = (toks, logits, _stats(), native.experts_json("ostinato_experts_info"))
+    finally:
+        native.set_decode_prefetch(0)
+        native.set_decode_graph(None)
+        native.set_prefetch(0)
+        _switch(half_hot(moe))
+    (t0, l0, s0, _), (t1, l1, s1, info) = runs[0], runs[experts]
+    ref_toks, _ = stock[PROMPT_LEN]
+    d = float(np.max(np.abs(l1 - l0)))
+    pf = info["decode_graph"]["prefetch"]
+    print(f"\n[exactness] {moe[1]['arch']} decode prefetch ({experts} per layer): max|dlogit| {d:.3g} against "
+          f"none; {pf}; staged {s1['decode_prefetch_staged']} experts ({s1['decode_prefetch_used']} used), "
+          f"{s1['decode_prefetch_routes']} of {s1['cold_routes']} cold routes on the GPU; CPU branch bytes "
+          f"{s1['cpu_branch_bytes']} against {s0['cpu_branch_bytes']}")
+    assert t1 == t0 == ref_toks
+    assert np.array_equal(l1, l0) if not GPU else d <= TOL
+    assert pf["max_experts"] == experts and pf["layers"] > 0 and "note" not in pf
+    assert s0["decode_prefetch_staged"] == s0["decode_prefetch_routes"] == 0
+    assert (s1["routes"], s1["cold_routes"]) == (s0["routes"], s0["cold_routes"])
+    # every decode step stages at most `experts` per predicting layer; the prompt's pass stages none
+    n_pred_steps = N_NEW * pf["layers"]
+    assert 0 < s1["decode_prefetch_staged"] <= experts * n_pred_steps
+    assert s1["decode_prefetch_used"] <= s1["decode_prefetch_staged"]
+    assert 0 < s1["decode_prefetch_routes"] <= s1["cold_routes"]
+    assert s1["decode_prefetch_bytes"] > 0
+    # bytes are counted where the CPU branch's own kernel ran (gpt-oss's biased experts take ggml's)
+    assert s1["cpu_branch_bytes"] < s0["cpu_branch_bytes"] or s0["cpu_branch_bytes"] == 0
+    assert s1["last_passes"][0]["decode_prefetch_staged"] == 0   # the prompt's pass predicts nothing
+
+
 def _every_path_matches(r, ref_toks):
     """Greedy tokens of runner ``r`` equal ``ref_toks`` on the split path, the upload path (Np 8),
     the upload path with the cost model's CPU share (its CPU part on the CPU branch's kernel where

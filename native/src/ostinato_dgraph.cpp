@@ -90,6 +90,32 @@ struct ost_dgraph {
 
 namespace {
 
+// Decode prefetch on a host pool (CPU builds): the next layer's stage list from the top k of the
+// router logits `pred` [n_expert] (descending; ties: the lower expert), as ost_stage_next writes it,
+// and the copies of the staged experts into their slots, done at once (the route kernel's side stream).
+void stage_next_cpu(const ostinato_op & o, const float * pred, int32_t seq) {
+    std::vector<int> order((size_t) o.n_expert);
+    for (int x = 0; x < o.n_expert; ++x) order[(size_t) x] = x;
+    const int k = std::min({ o.k, o.n_expert, 32 });   // as the route kernel
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+        return pred[a] > pred[b] || (pred[a] == pred[b] && a < b);
+    });
+    int m = 0;
+    for (int r = 0; r < k && m < o.next_max; ++r) {
+        const int x = order[(size_t) r];
+        if (o.next_table[x] >= 0) continue;
+        o.next_scratch[OSTINATO_SC_STAGE + m] = x;
+        for (int p = 0; p < o.next_n_parts; ++p) {
+            const ostinato_copy_part & cp = o.next_parts[p];
+            std::memcpy(cp.dst + (int64_t) (o.next_slot0 + m) * cp.dst_stride, cp.src + (int64_t) x * cp.src_stride,
+                        (size_t) cp.bytes);
+        }
+        m++;
+    }
+    o.next_scratch[OSTINATO_SC_STAGE_N] = m;
+    o.next_scratch[OSTINATO_SC_STAGE_SEQ] = seq;
+}
+
 // CPU implementation of the route op (CPU builds; same effects as ost_route_kernel).
 void route_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
@@ -97,10 +123,15 @@ void route_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     const ostinato_op & o = *(const ostinato_op *) ud;
     const ggml_tensor * sel = dst->src[0];
     const ggml_tensor * cur = dst->src[1];
+    const ggml_tensor * pred = dst->src[2];
     const int64_t n = sel->ne[1];
     GGML_ASSERT(sel->ne[0] == o.k && n <= o.max_tokens && ggml_is_contiguous(cur) && ggml_is_contiguous(dst));
     int32_t * ids_gpu = (int32_t *) dst->data;
-    int n_cold = 0;
+    const int64_t seq = *o.pass_seq;
+    int32_t * sc = o.scratch;
+    const int n_st = o.stage_slot0 >= 0 && sc[OSTINATO_SC_STAGE_SEQ] == (int32_t) seq ? sc[OSTINATO_SC_STAGE_N] : 0;
+    int n_cold = 0, hits = 0;
+    uint32_t used = 0;
     for (int64_t t = 0; t < n; ++t) {
         int cold_tok = 0;
         for (int j = 0; j < o.k; ++j) {
@@ -108,7 +139,10 @@ void route_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
             int32_t g = x, c = x;
             if (x >= 0 && x < o.n_expert) {
                 const int32_t s = o.table[x];
+                int si = -1;
+                for (int i = 0; s < 0 && i < n_st && si < 0; ++i) if (sc[OSTINATO_SC_STAGE + i] == x) si = i;
                 if (s >= 0) { g = s; c = -1; }
+                else if (si >= 0) { g = o.stage_slot0 + si; c = -1; used |= 1u << si; hits++; }
                 else { g = o.has_hot ? o.zero0 + j : x; c = x; cold_tok++; }
             }
             ids_gpu[t * o.k + j] = g;
@@ -121,11 +155,18 @@ void route_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
         }
         n_cold += cold_tok;
     }
-    o.scratch[2] = n_cold;
+    sc[OSTINATO_SC_NCOLD] = n_cold;
     o.hdr->n = (int32_t) n;
     o.hdr->n_cold = n_cold;
+    o.hdr->n_staged = n_st;
+    o.hdr->staged_routes = hits;
+    o.hdr->staged_used = __builtin_popcount(used);
     std::atomic_thread_fence(std::memory_order_release);
-    o.hdr->seq = *o.pass_seq;
+    o.hdr->seq = seq;
+    if (pred && n == 1 && o.next_max > 0 && o.host_pool && pred->type == GGML_TYPE_F32 && pred->ne[0] == o.n_expert &&
+        ggml_is_contiguous(pred)) {
+        stage_next_cpu(o, (const float *) pred->data, (int32_t) seq);
+    }
 }
 
 // CPU implementation of the join op (CPU builds; same result as ost_join_kernel).
@@ -137,13 +178,14 @@ void join_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     const float * gpu = dst->src[1] ? (const float *) dst->src[1]->data : nullptr;
     float * d = (float *) dst->data;
     const int64_t n = dst->ne[2];
-    bool waited = o.scratch[2] == 0, ok = true;
+    const int32_t n_cold = o.scratch[OSTINATO_SC_NCOLD];
+    bool waited = n_cold == 0, ok = true;
     for (int64_t pos = 0; pos < n * o.k; ++pos) {
         const int32_t id = ids[pos];
         // a zero slot is a cold route; a borrowed staging slot (>= zero0 + k) is hot
         const bool cold = o.has_hot ? (id >= o.zero0 && id < o.zero0 + o.k) : (id >= 0 && id < o.n_expert);
         const int64_t off = pos * o.n_embd;
-        if (cold && o.scratch[2] != 0 && !waited) {
+        if (cold && n_cold != 0 && !waited) {
             const int64_t seq = *o.pass_seq, t0 = now_ns();
             while (o.hdr->done != seq) {
                 std::this_thread::yield();
@@ -156,7 +198,7 @@ void join_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
             o.hdr->wait_seq = seq;
         }
         for (int64_t i = 0; i < o.n_embd; ++i) {
-            const float c = (cold && o.scratch[2] != 0 && ok) ? o.out[off + i] : 0.0f;
+            const float c = (cold && n_cold != 0 && ok) ? o.out[off + i] : 0.0f;
             d[off + i] = (gpu ? gpu[off + i] : 0.0f) + c;
         }
     }
@@ -217,7 +259,10 @@ void worker_main(ost_dgraph * dg) {
             }
             if (lost) break;
             std::atomic_thread_fence(std::memory_order_acquire);
-            const int n = h->n, n_cold = h->n_cold;
+            ost_dg_layer_pass lp;
+            lp.n = h->n; lp.n_cold = h->n_cold;
+            lp.n_staged = h->n_staged; lp.staged_routes = h->staged_routes; lp.staged_used = h->staged_used;
+            const int n = lp.n, n_cold = lp.n_cold;
             double cpu_ms = 0;
             int64_t bytes = 0;
             bool fast = false;
@@ -243,9 +288,11 @@ void worker_main(ost_dgraph * dg) {
                 (fast ? dg->n_fast : dg->n_graph)++;
             }
             if (dg->cfg.count) {
-                dg->cfg.count(dg->cfg.count_ud, j.il, n, dg->cfg.k,
-                              dg->ids_all + (size_t) j.il * dg->cfg.k * dg->cfg.max_tokens, n_cold, cpu_ms, bytes,
-                              n_cold > 0 ? (fast ? 1 : 2) : 0);
+                lp.cpu_ms = cpu_ms;
+                lp.cpu_bytes = bytes;
+                lp.kernel = n_cold > 0 ? (fast ? 1 : 2) : 0;
+                dg->cfg.count(dg->cfg.count_ud, j.il, dg->cfg.k, dg->ids_all + (size_t) j.il * dg->cfg.k * dg->cfg.max_tokens,
+                              lp);
             }
         }
         ost_team_set_active(dg->team, false);
@@ -283,6 +330,8 @@ ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
     dg->ids_cpu = (int32_t *) (base + o_ids_cpu);
     dg->cur = (float *) (base + o_cur);
     dg->out = (float *) (base + o_out);
+    static std::atomic<int64_t> generations{0};
+    const int64_t gen = ++generations;   // keys the CUDA side's checks of the ops' copy sources
     dg->ops.resize((size_t) 2 * L);
     dg->wait_seen.assign((size_t) L, 0);
     for (int il = 0; il < L; ++il) {
@@ -298,6 +347,20 @@ ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
             o.ids_all = dg->ids_all + (size_t) il * k * T; o.ids_cpu = dg->ids_cpu;
             o.cur = dg->cur; o.out = dg->out;
             o.timeout_ns = WAIT_TIMEOUT_NS;
+            o.host_pool = cfg.host_pool ? 1 : 0;
+            o.gen = gen;
+            o.stage_slot0 = l.stage_slot0;
+            // the next layer's prediction (decode prefetch): only where the config gives one whole
+            const ost_dg_layer * nx = il + 1 < L ? &cfg.layers[il + 1] : nullptr;
+            if (kind == OSTINATO_OP_ROUTE && l.next_max > 0 && nx && nx->moe && nx->stage_slot0 >= 0 &&
+                !l.next_parts.empty() && l.next_parts.size() <= OSTINATO_COPY_PARTS) {
+                o.next_max = std::min(l.next_max, OSTINATO_STAGE_MAX);
+                o.next_table = nx->table;
+                o.next_scratch = nx->scratch;
+                o.next_slot0 = nx->stage_slot0;
+                o.next_n_parts = (int32_t) l.next_parts.size();
+                for (size_t p = 0; p < l.next_parts.size(); ++p) o.next_parts[p] = l.next_parts[p];
+            }
         }
     }
     dg->galloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
@@ -370,10 +433,15 @@ void ost_dg_build_begin(ost_dgraph * dg, ggml_context * graph_ctx) {
     dg->sets.erase(graph_ctx);
 }
 
-ggml_tensor * ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il) {
-    ggml_tensor * args[2] = { selected, cur };
-    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, args, 2, route_cpu, 1,
-                                     &dg->ops[(size_t) 2 * il]);
+bool ost_dg_predicts(const ost_dgraph * dg, int il) {
+    return dg && il >= 0 && il < dg->cfg.n_layer && dg->ops[(size_t) 2 * il].next_max > 0;
+}
+
+ggml_tensor * ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il,
+                           ggml_tensor * pred) {
+    ggml_tensor * args[3] = { selected, cur, pred };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, args, pred ? 3 : 2,
+                                     route_cpu, 1, &dg->ops[(size_t) 2 * il]);
     ggml_format_name(t, OSTINATO_OP_PREFIX "route-%d", il);
     return t;
 }

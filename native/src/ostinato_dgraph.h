@@ -24,15 +24,30 @@ struct ost_dgraph;
 // Route counts of one layer in one pass, reported by the worker thread (under no lock of ours).
 // cpu_bytes: expert weight bytes the CPU branch read; kernel: 0 no CPU branch ran, 1 the CPU branch's
 // own kernel (ostinato_cpuffn.h), 2 ggml's graph compute.
-typedef void (*ost_dg_count_fn)(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms,
-                                int64_t cpu_bytes, int kernel);
+struct ost_dg_layer_pass {
+    int n = 0, n_cold = 0;          // tokens; cold routes left to the CPU branch
+    int n_staged = 0;               // decode prefetch: experts staged for the layer in this pass
+    int staged_routes = 0;          //   routes they served (on the GPU)
+    int staged_used = 0;            //   staged experts that got a route
+    double cpu_ms = 0;
+    int64_t cpu_bytes = 0;
+    int kernel = 0;
+};
+typedef void (*ost_dg_count_fn)(void * ud, int il, int k, const int32_t * ids, const ost_dg_layer_pass & p);
 
 struct ost_dg_layer {
     bool moe = false;              // the layer has routed experts
     bool has_hot = false;          // its size class has pool tensors
     int zero0 = 0;                 // first zero slot of its size class
     const int32_t * table = nullptr;   // [n_expert] slot or -1, in the memory of the layer's pool
-    int32_t * scratch = nullptr;       // [4] zeroed, in the memory of the layer's pool
+    int32_t * scratch = nullptr;       // [OSTINATO_SCRATCH] zeroed, in the memory of the layer's pool
+    // decode prefetch (ostinato_ops.h): the layer's staging region (-1: none), and what its route op
+    // needs to stage the next layer's predicted experts (next_max 0: no prediction)
+    int stage_slot0 = -1;
+    int next_max = 0;
+    int next_slot0 = -1;
+    std::vector<ostinato_copy_part> next_parts;
+    int64_t expert_bytes = 0;          // one expert's weight (and bias) bytes: what a staged copy moves
 };
 
 struct ost_dg_config {
@@ -41,6 +56,7 @@ struct ost_dg_config {
     int max_tokens = 64;           // largest pass that takes the decode graph
     int n_threads = 0;             // CPU-branch threads (0: physical cores, estimated)
     ggml_backend_buffer_type_t host_buft = nullptr;   // mailbox memory: the GPU's pinned host type, or CPU
+    bool host_pool = false;        // the pools are host memory (CPU build): the CPU route op copies staged experts
     std::vector<ost_dg_layer> layers;
     ost_dg_count_fn count = nullptr;
     void * count_ud = nullptr;
@@ -52,7 +68,12 @@ void           ost_dg_free(ost_dgraph * dg);
 int            ost_dg_max_tokens(const ost_dgraph * dg);
 // Graph building (called from the patched build_moe_ffn through ostinato_experts.cpp).
 void           ost_dg_build_begin(ost_dgraph * dg, ggml_context * graph_ctx);
-ggml_tensor *  ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il);
+// `pred` (may be null): the next layer's router logits on this layer's input [n_expert, 1], a decode
+// step's prediction for the decode prefetch (only where the layer's config has next_max > 0).
+ggml_tensor *  ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il,
+                            ggml_tensor * pred = nullptr);
+// Whether layer il's route op stages the next layer's predicted experts (decode prefetch).
+bool           ost_dg_predicts(const ost_dgraph * dg, int il);
 ggml_context * ost_dg_cpu_begin(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,
                                 ggml_tensor ** ids, ggml_tensor ** cur_cpu);
 void           ost_dg_cpu_end(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tensor * out);

@@ -76,6 +76,9 @@ struct pass_t {
     bool graph = false;                         // the pass ran (some of) its layers in the decode graph
     bool views = false;                         // some layer computed its GPU routes over pool views
     int64_t prefetch_hits = 0, prefetch_misses = 0, prefetch_wasted = 0;   // experts, prefetch on
+    // decode prefetch: experts staged ahead of their layer, the cold routes they served on the GPU,
+    // how many of them got a route, the bytes copied
+    int64_t dpf_staged = 0, dpf_routes = 0, dpf_used = 0, dpf_bytes = 0;
     int64_t upload_copies = 0;                  // copy calls of the upload path (one per 2D copy)
     std::string path;
 };
@@ -86,6 +89,7 @@ struct totals_t {
     int64_t graph_steps = 0;                   // one-token passes that ran in the decode graph
     double cpu_ms = 0, gpu_ms = 0, upload_ms = 0, total_ms = 0;
     int64_t cpu_bytes = 0, cpu_layers = 0, cpu_kernel_layers = 0;
+    int64_t dpf_staged = 0, dpf_routes = 0, dpf_used = 0, dpf_bytes = 0;   // decode prefetch (pass_t)
     double join_wait_ms = 0;                   // the decode graph's joins waiting for the CPU branch
     std::map<std::string, int64_t> paths;
     std::vector<int64_t> counts_prefill, counts_decode;   // [n_layer * n_expert]
@@ -95,6 +99,7 @@ struct totals_t {
         upload_copies += p.upload_copies;
         cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; upload_ms += p.upload_ms; total_ms += p.total_ms;
         cpu_bytes += p.cpu_bytes; cpu_layers += p.cpu_layers; cpu_kernel_layers += p.cpu_kernel_layers;
+        dpf_staged += p.dpf_staged; dpf_routes += p.dpf_routes; dpf_used += p.dpf_used; dpf_bytes += p.dpf_bytes;
         paths[p.path]++;
         if (p.graph && p.path == "decode") graph_steps++;
     }
@@ -131,7 +136,8 @@ struct pool_t {
                                                // the GPU backend's when it offers one, else null
     std::vector<ggml_backend_event_t> pf_event;   // [layer]: recorded on it after a layer's prefetch copies
     ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
-    ggml_tensor * scratch = nullptr;           // I32 [4, n_layer]: the route kernel's counters
+    ggml_tensor * scratch = nullptr;           // I32 [OSTINATO_SCRATCH, n_layer]: the route kernel's counters
+                                               // and stage lists (ostinato_ops.h)
     ggml_tensor * counts = nullptr;            // I32 [n_expert, n_layer, 2]: routes of all-resident layers
                                                // (plane 0 prefill, 1 decode), added to by the count op
     std::vector<int32_t> counts_seen;          // host: the table as last read (flush_counts)
@@ -238,6 +244,7 @@ extern int g_hybrid_rows;           // hybrid upload passes: most tokens the CPU
 extern double g_split_alpha_us, g_split_cpu_gbps, g_split_h2d_gbps;
 inline bool split_on() { return g_split_cpu_gbps > 0 && g_split_h2d_gbps > 0; }
 extern int g_prefetch;              // prefetch depth for upload passes with views, 0..2 (next pool build)
+extern int g_dprefetch;             // decode prefetch: most experts staged per layer and step (0: off)
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
 // bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.
@@ -260,8 +267,7 @@ void totals_init(totals_t & t, size_t n);
 json totals_json(const engine_t & e, const totals_t & t, bool with_counts);
 json pass_json(const pass_t & p);
 int32_t count_route(engine_t * e, int il, int32_t x, bool decode);
-void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms, int64_t cpu_bytes,
-              int kernel);
+void dg_count(void * ud, int il, int k, const int32_t * ids, const ost_dg_layer_pass & p);
 // Adds the decode graph's join waits of completed passes to the totals. Caller holds g_mu.
 void collect_join_wait(engine_t * e);
 void route_op(ggml_tensor * dst, int ith, int nth, void * ud);

@@ -54,6 +54,7 @@ double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of th
 int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
 double g_split_alpha_us = 0, g_split_cpu_gbps = 0, g_split_h2d_gbps = 0;
 int g_prefetch = 0;               // prefetch depth for upload passes with views (depth + 1 staging regions)
+int g_dprefetch = 0;              // decode prefetch: most experts staged per layer and step (0: off)
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -326,8 +327,54 @@ ost_dgraph * dgraph_of(engine_t * e) {
         l.has_hot = e->layers[il].has_hot;
         l.zero0 = e->layers[il].zero0;
         l.table = (const int32_t *) e->pools[pi].table->data + (size_t) il * e->n_expert;
-        l.scratch = (int32_t *) e->pools[pi].scratch->data + (size_t) 4 * il;
+        l.scratch = (int32_t *) e->pools[pi].scratch->data + (size_t) OSTINATO_SCRATCH * il;
+        l.expert_bytes = e->expert_bytes[il];
+        // decode prefetch: layers alternate between staging regions 1 and 2 (region 0 holds the
+        // borrowed decode slots), so the copies for layer il + 1 never land in slots that layer il's
+        // GPU branch reads while they run
+        const auto & ml = e->layers[il];
+        if (g_dprefetch > 0 && ml.has_hot && ml.n_stage > 0 && e->prefetch + 1 >= 3 && ml.n_hot < e->n_expert) {
+            l.stage_slot0 = ml.stage0 + (1 + (il & 1)) * ml.n_stage;
+        }
     }
+    // each layer's prediction of the next one (decode prefetch): where both are on one pool and the
+    // next layer's experts lie in host memory (the copies read them there)
+    const int n_trunk = (int) e->model->hparams.n_layer();
+    for (int il = 0; il + 1 < n_trunk && il + 1 < e->n_layer && g_dprefetch > 0; ++il) {
+        const int nx = il + 1;
+        auto & l = c.layers[il];
+        const auto & nl = c.layers[nx];
+        const ggml_tensor * gate = e->model->layers[nx].ffn_gate_inp;
+        if (!l.moe || !nl.moe || nl.stage_slot0 < 0 || e->layer_pool[il] != e->layer_pool[nx] || !gate ||
+            gate->ne[1] != e->n_expert || e->layer_class[nx] < 0) {
+            continue;
+        }
+        const size_class_t & sc = e->classes[e->layer_class[nx]];
+        const auto & L = e->model->layers[nx];
+        std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> parts = weight_parts(L, sc.up, sc.gate, sc.down);
+        if (sc.b_up) parts.push_back({up_b_src(L), sc.b_up});
+        if (sc.b_gate) parts.push_back({L.ffn_gate_exps_b, sc.b_gate});
+        if (sc.b_down) parts.push_back({L.ffn_down_exps_b, sc.b_down});
+        bool ok = parts.size() <= OSTINATO_COPY_PARTS;
+        std::vector<ostinato_copy_part> cp;
+        for (auto [src, dst] : parts) {
+            if (!ok || !src || !dst || !src->buffer || !ggml_backend_buffer_is_host(src->buffer)) { ok = false; break; }
+            const int d = ggml_n_dims(src) >= 3 ? 2 : 1;   // weight slices or bias rows
+            ostinato_copy_part q{};
+            q.src = (const char *) src->data;
+            q.src_stride = (int64_t) src->nb[d];
+            q.dst = (char *) dst->data;
+            q.dst_stride = (int64_t) dst->nb[d];
+            q.bytes = (int64_t) src->nb[d];
+            cp.push_back(q);
+        }
+        if (!ok) continue;
+        l.next_max = std::min({ g_dprefetch, e->layers[nx].n_stage, OSTINATO_STAGE_MAX });
+        l.next_slot0 = nl.stage_slot0;
+        l.next_parts = cp;
+    }
+    c.host_pool = true;
+    for (auto & p : e->pools) c.host_pool = c.host_pool && ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     c.count = dg_count;
     c.count_ud = e;
     std::string err;
@@ -357,9 +404,19 @@ int ostinato_moe_graph_layer(int il, const ggml_tensor * cur, int64_t n_tokens) 
            cur->type == GGML_TYPE_F32 && ggml_is_contiguous(cur);
 }
 
-ggml_tensor * ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il) {
+ggml_tensor * ostinato_moe_dg_predict_gate(int il, int64_t n_tokens) {
     std::lock_guard<std::mutex> lock(g_mu);
-    return ost_dg_route(dgraph_layer(il), ctx, selected_experts, cur, il);
+    engine_t * e = g_eng;
+    ost_dgraph * dg = dgraph_layer(il);
+    // a decode step only; an all-resident next layer takes no route op (nothing cold to stage)
+    if (!dg || n_tokens != 1 || !ost_dg_predicts(dg, il) || resident_layer(e, il + 1)) return nullptr;
+    return e->model->layers[il + 1].ffn_gate_inp;
+}
+
+ggml_tensor * ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
+                                     ggml_tensor * pred) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return ost_dg_route(dgraph_layer(il), ctx, selected_experts, cur, il, pred);
 }
 
 ggml_context * ostinato_moe_cpu_begin(ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,
@@ -833,6 +890,19 @@ int ostinato_experts_set_cpu_spins(int spins) {
 int ostinato_experts_set_cpu_prefetch(int rows) {
     if (rows < 0 || rows > OST_PREFETCH_ROWS_MAX) return -1;
     return ost_ffn_set_prefetch_rows(rows);
+}
+
+int ostinato_experts_set_decode_prefetch(int max_experts) {
+    if (max_experts < 0 || max_experts > OSTINATO_STAGE_MAX) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (max_experts != g_dprefetch && g_eng && g_eng->dg) {
+        // between passes: the decode graph's ops are made anew (their staging regions and predictions)
+        ost_dg_free(g_eng->dg);
+        g_eng->dg = nullptr;
+        g_graph_dirty = true;
+    }
+    g_dprefetch = max_experts;
+    return 0;
 }
 
 int ostinato_experts_set_cpu_threads(int n) {

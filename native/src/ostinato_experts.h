@@ -131,9 +131,17 @@ int  ostinato_moe_upload_path(int64_t n_tokens);
 // the engine's decode graph is on (auto: a pool on a GPU), the pass is a decode step or a split-path
 // prefill of at most its max tokens, and cur is [n_embd, 1, n] F32 contiguous.
 int            ostinato_moe_graph_layer(int il, const ggml_tensor * cur, int64_t n_tokens);
-// GPU route op of layer il: ids [k, n] of the GPU branch (hot -> slot, cold -> zero slot); writes the
-// cold routes and their hidden rows to the mailbox for the CPU branch.
-ggml_tensor *  ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il);
+// GPU route op of layer il: ids [k, n] of the GPU branch (hot -> slot, cold -> zero slot, staged ->
+// its staging slot); writes the cold routes and their hidden rows to the mailbox for the CPU branch.
+// `pred` (may be null): the next layer's router logits on this layer's FFN input, [n_expert, 1]
+// (see ostinato_moe_dg_predict_gate).
+ggml_tensor *  ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
+                                      ggml_tensor * pred = nullptr);
+// Decode prefetch (docs/engine.md "Decode prefetch"): the router weights [n_embd, n_expert] of layer
+// il + 1 when layer il's route op of a decode step (n_tokens == 1) stages that layer's predicted cold
+// experts, else null. The graph applies them to layer il's FFN input and passes the logits to the
+// route op.
+ggml_tensor *  ostinato_moe_dg_predict_gate(int il, int64_t n_tokens);
 // CPU branch of layer il as a graph of its own: returns the context to build it in, with its two
 // leaves (ids [k, n] and cur [n_embd, 1, n] in the mailbox); end registers its output [n_embd, k, n].
 ggml_context * ostinato_moe_cpu_begin(ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,
@@ -248,6 +256,14 @@ OSTINATO_API int          ostinato_experts_set_prefetch(int depth);
 // The all-resident path (see ostinato_moe_resident) on (1, default) or off (0: such layers take the
 // route op as any other; for measurements). Takes effect at the next graph.
 OSTINATO_API int          ostinato_experts_set_resident_path(int on);
+// Decode prefetch (docs/engine.md "Decode prefetch"): in decode steps each layer's route op predicts
+// the next layer's routes (its router on this layer's FFN input) and stages up to max_experts of the
+// predicted cold experts on the GPU (a copy kernel on a side stream, joined before the next route
+// op), whose routes the GPU branch then computes instead of the CPU branch. 0 (the library's
+// default) turns it off; at most OSTINATO_STAGE_MAX (16), else -1. Needs 3 staging regions (prefill
+// prefetch depth 2) and host experts the GPU can read; takes effect at the next pass (call between
+// passes).
+OSTINATO_API int          ostinato_experts_set_decode_prefetch(int max_experts);
 // Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates
 // the pool at the next pass (call between passes).
 OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);

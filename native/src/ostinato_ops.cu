@@ -6,7 +6,9 @@
 #include "ostinato_ops_cuda.cuh"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
+#include <map>
 #include <string>
 
 static const ostinato_op * ost_op_of(const ggml_tensor * t) {
@@ -38,23 +40,88 @@ static __device__ __forceinline__ int64_t ost_now_ns() {
     return (int64_t) t;
 }
 
+// Index of expert x in the layer's stage list (staged for this pass), else -1.
+static __device__ __forceinline__ int ost_staged_index(const int32_t * sc, const int n_st, const int32_t x) {
+    for (int i = 0; i < n_st; ++i) {
+        if (sc[OSTINATO_SC_STAGE + i] == x) return i;
+    }
+    return -1;
+}
+
+// The next layer's stage list from its predicted routes (decode prefetch; one block, after the
+// header is published): the top k of the router logits `pred` [n_expert], in descending order (ties:
+// the lower expert), and of those the first next_max that are cold in the next layer.
+static __device__ void ost_stage_next(const ostinato_op & o, const float * pred, const int32_t seq) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    __shared__ int chosen[OSTINATO_STAGE_MAX > 32 ? OSTINATO_STAGE_MAX : 32];
+    __shared__ int n_staged;
+    if (threadIdx.x == 0) n_staged = 0;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = (blockDim.x + 31) / 32;
+    for (int r = 0; r < o.k && r < 32; ++r) {
+        float v = -INFINITY;
+        int vi = INT_MAX;
+        for (int x = threadIdx.x; x < o.n_expert; x += blockDim.x) {
+            bool taken = false;
+            for (int q = 0; q < r; ++q) taken = taken || chosen[q] == x;
+            const float p = pred[x];
+            if (!taken && (p > v || (p == v && x < vi))) { v = p; vi = x; }
+        }
+        for (int off = 16; off > 0; off /= 2) {
+            const float ov = __shfl_down_sync(0xffffffff, v, off);
+            const int oi = __shfl_down_sync(0xffffffff, vi, off);
+            if (ov > v || (ov == v && oi < vi)) { v = ov; vi = oi; }
+        }
+        if (lane == 0) { best_v[warp] = v; best_i[warp] = vi; }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float bv = best_v[0];
+            int bi = best_i[0];
+            for (int w = 1; w < n_warps; ++w) {
+                if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) { bv = best_v[w]; bi = best_i[w]; }
+            }
+            chosen[r] = bi < o.n_expert ? bi : -1;
+            if (bi < o.n_expert && o.next_table[bi] < 0 && n_staged < o.next_max) {
+                o.next_scratch[OSTINATO_SC_STAGE + n_staged++] = bi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        o.next_scratch[OSTINATO_SC_STAGE_N] = n_staged;
+        __threadfence();
+        o.next_scratch[OSTINATO_SC_STAGE_SEQ] = seq;
+    }
+}
+
 // One block per token: the k lookups, the mailbox rows of a token with a cold route, and (last block)
 // the layer header. The header's seq is written after a system fence, so the CPU that sees it sees
-// the ids and rows too.
+// the ids and rows too. A cold expert that the previous layer's route op staged for this pass (its
+// stage list) takes its staging slot instead of the CPU branch. With `pred` (decode prefetch) the last
+// block then writes the next layer's stage list.
 static __global__ void ost_route_kernel(const char * sel, const int64_t sel_nb0, const int64_t sel_nb1,
-                                        const float * cur, int32_t * ids_gpu, const ostinato_op o, const int n) {
+                                        const float * cur, int32_t * ids_gpu, const ostinato_op o, const int n,
+                                        const float * pred) {
     const int t = blockIdx.x;
     __shared__ int n_cold_tok;
     if (threadIdx.x == 0) n_cold_tok = 0;
     __syncthreads();
+    const int64_t seq = ost_load_cv(o.pass_seq);
+    const int n_st = o.stage_slot0 >= 0 && o.scratch[OSTINATO_SC_STAGE_SEQ] == (int32_t) seq
+                         ? o.scratch[OSTINATO_SC_STAGE_N] : 0;
     if (threadIdx.x < o.k) {
         const int j = threadIdx.x;
         const int32_t x = *(const int32_t *) (sel + t * sel_nb1 + j * sel_nb0);
         int32_t g = x, c = x;
         if (x >= 0 && x < o.n_expert) {
             const int32_t s = o.table[x];
+            const int si = s >= 0 ? -1 : ost_staged_index(o.scratch, n_st, x);
             if (s >= 0) {
                 g = s; c = -1;
+            } else if (si >= 0) {
+                g = o.stage_slot0 + si; c = -1;   // staged for this pass: the GPU branch computes it
+                atomicOr(&o.scratch[OSTINATO_SC_USED], 1 << si);
+                atomicAdd(&o.scratch[OSTINATO_SC_HITS], 1);
             } else {
                 g = o.has_hot ? o.zero0 + j : x;   // a zero slot per position: exact zeros
                 c = x;
@@ -70,23 +137,73 @@ static __global__ void ost_route_kernel(const char * sel, const int64_t sel_nb0,
         const float * src = cur + (int64_t) t * o.n_embd;
         float * dst = o.cur + (int64_t) t * o.n_embd;
         for (int i = threadIdx.x; i < o.n_embd; i += blockDim.x) dst[i] = src[i];
-        if (threadIdx.x == 0) atomicAdd(&o.scratch[0], n_cold_tok);
+        if (threadIdx.x == 0) atomicAdd(&o.scratch[OSTINATO_SC_COLD], n_cold_tok);
     }
     __threadfence_system();
     __syncthreads();
+    __shared__ int last;
     if (threadIdx.x == 0) {
-        const int prev = atomicAdd(&o.scratch[1], 1);
-        if (prev == (int) gridDim.x - 1) {   // last block of the layer: publish
+        const int prev = atomicAdd(&o.scratch[OSTINATO_SC_BLOCKS], 1);
+        last = prev == (int) gridDim.x - 1;
+        if (last) {   // last block of the layer: publish
             __threadfence();
-            const int nc = atomicAdd(&o.scratch[0], 0);
-            o.scratch[2] = nc;   // for the join kernel (same stream, later)
-            o.scratch[0] = 0;
-            o.scratch[1] = 0;
+            const int nc = atomicAdd(&o.scratch[OSTINATO_SC_COLD], 0);
+            const int used = atomicExch(&o.scratch[OSTINATO_SC_USED], 0);
+            const int hits = atomicExch(&o.scratch[OSTINATO_SC_HITS], 0);
+            o.scratch[OSTINATO_SC_NCOLD] = nc;   // for the join kernel (same stream, later)
+            o.scratch[OSTINATO_SC_COLD] = 0;
+            o.scratch[OSTINATO_SC_BLOCKS] = 0;
             o.hdr->n = n;
             o.hdr->n_cold = nc;
+            o.hdr->n_staged = n_st;
+            o.hdr->staged_routes = hits;
+            o.hdr->staged_used = __popc(used);
             __threadfence_system();
-            o.hdr->seq = ost_load_cv(o.pass_seq);
+            o.hdr->seq = seq;
         }
+    }
+    __syncthreads();
+    if (last && pred && o.next_max > 0) ost_stage_next(o, pred, (int32_t) seq);
+}
+
+// Decode prefetch's copies (side stream, after the route kernel that wrote the stage list): the
+// staged experts' parts from mapped host memory into their staging slots, 16 bytes per load where
+// addresses and sizes allow (else byte by byte), in chunks spread over the grid.
+constexpr int64_t OST_STAGE_CHUNK = 64 * 1024;
+
+static __global__ void ost_stage_copy_kernel(const ostinato_op o) {
+    const int32_t * sc = o.next_scratch;
+    const int m = sc[OSTINATO_SC_STAGE_N];
+    int64_t per_part[OSTINATO_COPY_PARTS];
+    int64_t per_expert = 0;
+    for (int p = 0; p < o.next_n_parts; ++p) {
+        per_part[p] = (o.next_parts[p].bytes + OST_STAGE_CHUNK - 1) / OST_STAGE_CHUNK;
+        per_expert += per_part[p];
+    }
+    for (int64_t u = blockIdx.x; u < per_expert * m; u += gridDim.x) {
+        const int i = (int) (u / per_expert);
+        int64_t c = u % per_expert;
+        int p = 0;
+        while (c >= per_part[p]) c -= per_part[p++];
+        const ostinato_copy_part & cp = o.next_parts[p];
+        const int32_t x = sc[OSTINATO_SC_STAGE + i];
+        const int64_t off = c * OST_STAGE_CHUNK, len = min(OST_STAGE_CHUNK, cp.bytes - off);
+        const char * src = cp.src + (int64_t) x * cp.src_stride + off;
+        char * dst = cp.dst + (int64_t) (o.next_slot0 + i) * cp.dst_stride + off;
+        if (((uintptr_t) src | (uintptr_t) dst | (uintptr_t) len) & 15) {
+            for (int64_t b = threadIdx.x; b < len; b += blockDim.x) dst[b] = src[b];
+            continue;
+        }
+        const uint4 * s4 = (const uint4 *) src;
+        uint4 * d4 = (uint4 *) dst;
+        const int64_t n4 = len / 16, step = blockDim.x;
+        int64_t j = threadIdx.x;
+        // two loads in flight per thread: the reads cross PCIe
+        for (; j + step < n4; j += 2 * step) {
+            const uint4 v0 = s4[j], v1 = s4[j + step];
+            d4[j] = v0; d4[j + step] = v1;
+        }
+        if (j < n4) d4[j] = s4[j];
     }
 }
 
@@ -167,13 +284,72 @@ bool ggml_cuda_ostinato_supports_op(const ggml_tensor * op, int device) {
     }
     if (o->kind == OSTINATO_OP_ROUTE) {
         return op->src[0] && op->src[0]->type == GGML_TYPE_I32 && op->src[1] && op->src[1]->type == GGML_TYPE_F32 &&
-               op->type == GGML_TYPE_I32;
+               (!op->src[2] || op->src[2]->type == GGML_TYPE_F32) && op->type == GGML_TYPE_I32;
     }
     if (o->kind == OSTINATO_OP_JOIN) {
         return op->src[0] && op->src[0]->type == GGML_TYPE_I32 && op->type == GGML_TYPE_F32 &&
                (!op->src[1] || op->src[1]->type == GGML_TYPE_F32);
     }
     return false;
+}
+
+// Decode prefetch's side stream, per device: the copy kernel of layer l + 1 is forked from the main
+// stream after route(l) (fork event) and joined before route(l + 1) (done event), both edges of the
+// captured CUDA graph (or plain stream order when ggml runs the graph without one).
+struct ost_side_t {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t fork = nullptr, done = nullptr;
+    int pending = -1;   // the layer whose copies were forked and not yet joined
+    bool failed = false;
+};
+static ost_side_t g_side[GGML_CUDA_MAX_DEVICES];
+
+static ost_side_t * ost_side(int device) {
+    ost_side_t & s = g_side[device];
+    if (!s.stream && !s.failed) {
+        if (cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking) != cudaSuccess ||
+            cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming) != cudaSuccess ||
+            cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming) != cudaSuccess) {
+            (void) cudaGetLastError();
+            s.failed = true;
+            GGML_LOG_WARN("ostinato: cannot create the decode prefetch's stream on CUDA%d: decode prefetch off\n", device);
+        }
+    }
+    return s.failed ? nullptr : &s;
+}
+
+// The main stream waits for the copies forked last (if any).
+static void ost_side_join(int device, cudaStream_t stream) {
+    ost_side_t & s = g_side[device];
+    if (s.pending < 0) return;
+    CUDA_CHECK(cudaStreamWaitEvent(stream, s.done, 0));
+    s.pending = -1;
+}
+
+// Whether the GPU may read every copy source of `o` at its host address (pinned and mapped host
+// memory under unified addressing): checked once per decode graph generation and layer.
+static bool ost_sources_mapped(const ostinato_op & o) {
+    static std::map<std::pair<int64_t, int>, bool> seen;
+    const auto key = std::make_pair(o.gen, (int) o.il);
+    auto it = seen.find(key);
+    if (it != seen.end()) return it->second;
+    bool ok = o.next_n_parts > 0;
+    for (int p = 0; p < o.next_n_parts && ok; ++p) {
+        const ostinato_copy_part & cp = o.next_parts[p];
+        const char * ends[2] = { cp.src, cp.src + (int64_t) (o.n_expert - 1) * cp.src_stride + cp.bytes - 1 };
+        for (const char * q : ends) {
+            cudaPointerAttributes attr;
+            if (cudaPointerGetAttributes(&attr, q) != cudaSuccess) { (void) cudaGetLastError(); ok = false; break; }
+            ok = ok && attr.type == cudaMemoryTypeHost && attr.devicePointer == (const void *) q;
+        }
+    }
+    if (!ok) {
+        GGML_LOG_WARN("ostinato: layer %d's host experts are not mapped for the GPU: no decode prefetch for layer %d\n",
+                      o.il + 1, o.il + 1);
+    }
+    if (seen.size() > 4096) seen.clear();
+    seen[key] = ok;
+    return ok;
 }
 
 bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -183,12 +359,35 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
     if (o->kind == OSTINATO_OP_ROUTE) {
         const ggml_tensor * sel = dst->src[0];
         const ggml_tensor * cur = dst->src[1];
+        const ggml_tensor * pred = dst->src[2];
         const int n = (int) sel->ne[1];
         GGML_ASSERT(sel->ne[0] == o->k && n <= o->max_tokens && cur->ne[0] == o->n_embd);
         GGML_ASSERT(ggml_is_contiguous(cur) && ggml_is_contiguous(dst) && ggml_nelements(cur) == (int64_t) o->n_embd * n);
+        // this layer's staged experts (forked at the previous route op) are in place before it runs
+        ost_side_join(ctx.device, stream);
+        ostinato_op a = *o;
+        ost_side_t * side = nullptr;
+        if (pred && n == 1 && a.next_max > 0 && pred->ne[0] == o->n_expert && ggml_is_contiguous(pred) &&
+            ost_sources_mapped(a)) {
+            side = ost_side(ctx.device);
+        }
+        if (!side) a.next_max = 0;
         ost_route_kernel<<<n, 256, 0, stream>>>((const char *) sel->data, sel->nb[0], sel->nb[1],
-                                                (const float *) cur->data, (int32_t *) dst->data, *o, n);
+                                                (const float *) cur->data, (int32_t *) dst->data, a, n,
+                                                side ? (const float *) pred->data : nullptr);
+        if (side) {
+            CUDA_CHECK(cudaEventRecord(side->fork, stream));
+            CUDA_CHECK(cudaStreamWaitEvent(side->stream, side->fork, 0));
+            // 32 blocks of 512 threads kept PCIe busy in the prefill's copy probe (51 GB/s) and leave
+            // the decode step's kernels the other multiprocessors
+            ost_stage_copy_kernel<<<32, 512, 0, side->stream>>>(a);
+            CUDA_CHECK(cudaGetLastError());
+            CUDA_CHECK(cudaEventRecord(side->done, side->stream));
+            side->pending = o->il + 1;
+        }
     } else if (o->kind == OSTINATO_OP_JOIN) {
+        // a fork whose route op did not come (never in the graphs the engine builds): join it here
+        if (g_side[ctx.device].pending >= 0 && g_side[ctx.device].pending <= o->il) ost_side_join(ctx.device, stream);
         const ggml_tensor * ids = dst->src[0];
         const ggml_tensor * gpu = dst->src[1];
         GGML_ASSERT(ggml_is_contiguous(dst) && ggml_is_contiguous(ids) && (!gpu || ggml_is_contiguous(gpu)));
@@ -197,6 +396,7 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
         ost_join_kernel<<<grid, 256, 0, stream>>>(gpu ? (const float *) gpu->data : nullptr,
                                                   (const int32_t *) ids->data, (float *) dst->data, *o);
     } else if (o->kind == OSTINATO_OP_COUNT) {
+        ost_side_join(ctx.device, stream);   // the graph's end: no fork stays open
         const ggml_tensor * table = dst->src[0];
         ost_count_args a{};
         int m = 0;

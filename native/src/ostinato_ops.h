@@ -23,6 +23,17 @@
 //     layers, whose indices are in op_params[OSTINATO_COUNT_LAYERS + i]. Adds 1 to table[il][x] per
 //     route; the host reads the table when it reports stats. Output I32 [1], unused.
 //
+// Decode prefetch (the route op of layer l with a third source, the next layer's router logits on
+// layer l's FFN input, [n_expert, 1], decode steps only): after publishing layer l's header, the
+// route kernel takes the top k of those logits as a prediction of layer l+1's routes and writes the
+// first next_max predicted experts that are cold in l+1 into l+1's stage list (its scratch); a copy
+// kernel on a side stream, forked after the route kernel, copies them from mapped host memory into
+// l+1's decode staging region of the pool, and route(l+1) waits for that copy (a stream edge) before
+// it runs. Route(l+1) then gives a staged expert's routes its staging slot (the GPU branch computes
+// them, the join adds 0) and leaves the CPU branch only the cold routes nobody predicted. The choice
+// is a function of the computation alone (no timing), so every run computes the same. Paper Sec. 3.4
+// (the decode step), FreeToken Sec. 4 (PCIe and CPU as two paths for the cold experts).
+//
 // The CUDA backend recognises these ops by the node name prefix OSTINATO_OP_PREFIX *and* the magic of
 // the struct that the custom op's userdata points to; every other custom op stays on the CPU.
 #pragma once
@@ -43,6 +54,20 @@ enum ostinato_op_kind {
 #define OSTINATO_COUNT_LAYERS 6
 #define OSTINATO_COUNT_MAX    8
 
+// Per-layer scratch in the pool's memory (I32, OSTINATO_SCRATCH per layer): the route kernel's
+// counters and the layer's stage list.
+#define OSTINATO_SCRATCH     32
+#define OSTINATO_SC_COLD      0   // cold-route accumulator of the running route kernel
+#define OSTINATO_SC_BLOCKS    1   // its blocks done
+#define OSTINATO_SC_NCOLD     2   // n_cold of the pass (for the join kernel)
+#define OSTINATO_SC_USED      4   // accumulators: bit i = staged expert i got a route; staged routes
+#define OSTINATO_SC_HITS      5
+#define OSTINATO_SC_STAGE_SEQ 6   // stage list: the pass it was written for (low 32 bits of pass_seq)
+#define OSTINATO_SC_STAGE_N   7   //   its length
+#define OSTINATO_SC_STAGE     8   //   its experts; expert i is in slot stage_slot0 + i
+#define OSTINATO_STAGE_MAX   16   // most experts staged for one layer per pass
+#define OSTINATO_COPY_PARTS   6   // weight matrices and bias rows of one expert (up, gate, down + biases)
+
 // One layer's header in the mailbox; one cache line each so that the GPU's writes to one layer and
 // the CPU's polling of another do not share a line.
 struct ostinato_mbx_hdr {
@@ -52,7 +77,18 @@ struct ostinato_mbx_hdr {
     volatile int32_t n_cold;   // cold routes of the layer in this pass
     volatile int64_t wait_ns;  // written by join (GPU): how long its first cold position waited for `done`
     volatile int64_t wait_seq; // written by join after wait_ns: the pass it measured
-    int32_t pad[6];
+    volatile int32_t n_staged;      // written by route before seq: experts staged for this layer in this pass
+    volatile int32_t staged_routes; //   routes of the layer they served (computed by the GPU branch)
+    volatile int32_t staged_used;   //   of those experts, how many got a route
+    int32_t pad[3];
+};
+
+// One part of an expert to copy into a staging slot: bytes at src + expert * src_stride (host memory
+// mapped for the GPU) to dst + slot * dst_stride (the pool).
+struct ostinato_copy_part {
+    const char * src;
+    char * dst;
+    int64_t src_stride, dst_stride, bytes;
 };
 
 // userdata of one op node (stable for the life of the expert pool: CUDA graphs capture its values).
@@ -66,9 +102,9 @@ struct ostinato_op {
     int32_t  has_hot;          // 0: no pool tensors for this layer, every route is cold
     int32_t  n_embd;           // row length of cur and of the output
     int32_t  max_tokens;       // rows the mailbox holds
-    int32_t  pad0;
+    int32_t  host_pool;        // 1: the pool is host memory (a CPU build): the CPU route op copies staged experts
     const int32_t * table;     // device (or host in a CPU build): [n_expert] slot of a hot expert, -1 cold
-    int32_t * scratch;         // device: [4] per layer: cold-route accumulator, blocks done, n_cold of the pass
+    int32_t * scratch;         // device: [OSTINATO_SCRATCH] per layer: counters and the stage list (above)
     struct ostinato_mbx_hdr * hdr;        // mailbox: this layer's header
     const volatile int64_t * pass_seq;    // mailbox: sequence number of the running pass (set by the host)
     volatile int32_t * status;            // mailbox: set to 1 by a wait that timed out
@@ -77,4 +113,13 @@ struct ostinato_op {
     float   * cur;             // mailbox: [n_embd * max_tokens] hidden rows (shared by all layers)
     const float * out;         // mailbox: [n_embd * k * max_tokens] CPU-branch output (shared)
     int64_t  timeout_ns;       // a wait longer than this gives up (status = 1) instead of hanging the GPU
+    // decode prefetch (route op): this layer's staging region, and the prediction for the next layer
+    int32_t  stage_slot0;      // first slot of this layer's decode staging region; -1: never staged
+    int32_t  next_max;         // most experts staged for layer il + 1 per pass (0: no prediction)
+    const int32_t * next_table;   // device: layer il + 1's index table row
+    int32_t * next_scratch;       // device: layer il + 1's scratch (its stage list)
+    int32_t  next_slot0;          // first slot of layer il + 1's decode staging region
+    int32_t  next_n_parts;
+    struct ostinato_copy_part next_parts[OSTINATO_COPY_PARTS];
+    int64_t  gen;              // the decode graph's generation (a cache key for checks of next_parts)
 };

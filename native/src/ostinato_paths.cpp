@@ -24,6 +24,8 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
     j["total_ms"] = t.total_ms;
     j["cpu_branch_bytes"] = t.cpu_bytes; j["cpu_branch_layers"] = t.cpu_layers;
     j["cpu_kernel_layers"] = t.cpu_kernel_layers; j["join_wait_ms"] = t.join_wait_ms;
+    j["decode_prefetch_staged"] = t.dpf_staged; j["decode_prefetch_routes"] = t.dpf_routes;
+    j["decode_prefetch_used"] = t.dpf_used; j["decode_prefetch_bytes"] = t.dpf_bytes;
     j["paths"] = json::object();
     for (const char * p : {"decode", "split", "upload"}) j["paths"][p] = 0;
     for (auto & kv : t.paths) j["paths"][kv.first] = kv.second;
@@ -51,7 +53,9 @@ json pass_json(const pass_t & p) {
                 {"decode_graph", p.graph}, {"pool_views", p.views}, {"prefetch_hits", p.prefetch_hits},
                 {"prefetch_misses", p.prefetch_misses}, {"prefetch_wasted", p.prefetch_wasted},
                 {"cpu_branch_bytes", p.cpu_bytes}, {"cpu_branch_layers", p.cpu_layers},
-                {"cpu_kernel_layers", p.cpu_kernel_layers}};
+                {"cpu_kernel_layers", p.cpu_kernel_layers}, {"decode_prefetch_staged", p.dpf_staged},
+                {"decode_prefetch_routes", p.dpf_routes}, {"decode_prefetch_used", p.dpf_used},
+                {"decode_prefetch_bytes", p.dpf_bytes}};
 }
 
 // Counts one route (layer il, expert x) into the current pass and the totals; returns the expert's
@@ -77,20 +81,22 @@ int32_t count_route(engine_t * e, int il, int32_t x, bool decode) {
 }
 
 // Route counts of a decode-graph layer, reported by the decode graph's worker thread.
-void dg_count(void * ud, int il, int n, int k, const int32_t * ids, int n_cold, double cpu_ms, int64_t cpu_bytes,
-              int kernel) {
-    (void) n_cold;
+void dg_count(void * ud, int il, int k, const int32_t * ids, const ost_dg_layer_pass & p) {
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
     if (e != (engine_t *) ud || il < 0 || il >= e->n_layer) return;
     const bool decode = e->cur.tokens == 1;
-    for (int64_t i = 0; i < (int64_t) n * k; ++i) {
+    for (int64_t i = 0; i < (int64_t) p.n * k; ++i) {
         if (ids[i] >= 0 && ids[i] < e->n_expert) count_route(e, il, ids[i], decode);
     }
-    e->cur.cpu_ms += cpu_ms;
-    e->cur.cpu_bytes += cpu_bytes;
-    e->cur.cpu_layers += kernel != 0;
-    e->cur.cpu_kernel_layers += kernel == 1;
+    e->cur.cpu_ms += p.cpu_ms;
+    e->cur.cpu_bytes += p.cpu_bytes;
+    e->cur.cpu_layers += p.kernel != 0;
+    e->cur.cpu_kernel_layers += p.kernel == 1;
+    e->cur.dpf_staged += p.n_staged;
+    e->cur.dpf_routes += p.staged_routes;
+    e->cur.dpf_used += p.staged_used;
+    e->cur.dpf_bytes += (int64_t) p.n_staged * e->expert_bytes[il];
 }
 
 void collect_join_wait(engine_t * e) {

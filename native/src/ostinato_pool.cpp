@@ -467,7 +467,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         p.ctx = ggml_init(ip);
         if (!p.layers.empty()) {
             p.table = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, e->n_expert, e->n_layer);
-            p.scratch = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, 4, e->n_layer);
+            p.scratch = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, OSTINATO_SCRATCH, e->n_layer);
             p.counts = ggml_new_tensor_3d(p.ctx, GGML_TYPE_I32, e->n_expert, e->n_layer, 2);
             p.counts_seen.assign((size_t) ggml_nelements(p.counts), 0);   // the buffer is cleared below
         }

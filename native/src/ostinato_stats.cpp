@@ -32,6 +32,18 @@ json decode_graph_json() {
                                {"prefetch_rows", ost_ffn_prefetch_rows()}};
         if (!note.empty()) d["cpu_kernel"]["unmatched"] = note;
     }
+    // decode prefetch: how many layers' route ops stage the next layer's predicted experts
+    json pf = json{{"max_experts", g_dprefetch}};
+    if (g_eng && g_eng->dg) {
+        int n = 0;
+        for (int il = 0; il < g_eng->n_layer; ++il) n += ost_dg_predicts(g_eng->dg, il) ? 1 : 0;
+        pf["layers"] = n;
+        if (g_dprefetch > 0 && n == 0) {
+            pf["note"] = g_eng->prefetch + 1 < 3 ? "needs 3 staging regions (prefill prefetch depth 2)"
+                                                 : "no layer pair on one pool with cold experts in host memory";
+        }
+    }
+    d["prefetch"] = pf;
     return d;
 }
 

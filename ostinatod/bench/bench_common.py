@@ -42,7 +42,10 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-pool-quarter": _quarter_pool,
             "ostinato-ggml-cpu": {"cpu_branch_kernel": False},
             "ostinato-cpu-prefetch": {"cpu_branch_prefetch_rows": 2},
-            "ostinato-cpu-spin": {"cpu_branch_spins": 32768}}
+            "ostinato-cpu-spin": {"cpu_branch_spins": 32768},
+            "ostinato-no-dprefetch": {"decode_prefetch_experts": 0},
+            "ostinato-dprefetch1": {"decode_prefetch_experts": 1},
+            "ostinato-dprefetch4": {"decode_prefetch_experts": 4}}
 CHOICES = ENGINES + (IK, ONE_GPU) + tuple(VARIANTS)
 
 

@@ -38,8 +38,11 @@ def _indexed(snap: Optional[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 PASS_COUNT_KEYS = ("upload_bytes", "upload_copies", "distinct_cold_experts", "prefetch_hits", "prefetch_misses",
                    "prefetch_wasted")
 # per-pass counts of the decode steps averaged per step seen: the CPU branch's expert bytes read and
-# its layer computes (of which by its own kernel), docs/engine.md "CPU branch kernel"
-DECODE_MEAN_KEYS = ("cpu_branch_bytes", "cpu_branch_layers", "cpu_kernel_layers")
+# its layer computes (of which by its own kernel), docs/engine.md "CPU branch kernel"; the decode
+# prefetch's staged experts, the cold routes they served on the GPU and the bytes they copied
+# ("Decode prefetch")
+DECODE_MEAN_KEYS = ("cpu_branch_bytes", "cpu_branch_layers", "cpu_kernel_layers", "decode_prefetch_staged",
+                    "decode_prefetch_routes", "decode_prefetch_bytes")
 
 
 ROUTE_KEYS = ("routes", "hot_routes", "cold_routes")
@@ -444,7 +447,9 @@ def markdown(result: dict[str, Any]) -> str:
                   "> 1: the GPUs together are faster): "
                   + ", ".join(f"{k} {fmt(two.get(k), 'x')}" for k, _ in METRICS) + "."]
     lines += breakdown_md(o.get("step_breakdown"), "Ostinato")
-    lines += breakdown_md((eng.get(ONE_GPU) or {}).get("step_breakdown"), ONE_GPU)
+    # the variants' own breakdowns: an A/B of an option reads per step what it changed
+    for name in sorted(n for n in eng if n.startswith("ostinato-")):
+        lines += breakdown_md((eng.get(name) or {}).get("step_breakdown"), name)
     lines += _sweep_md(result)
     lines.append("")
     for n in result.get("notes", []):
@@ -484,6 +489,10 @@ def breakdown_md(b: Optional[dict[str, Any]], who: str) -> list[str]:
     if dm.get("cpu_branch_bytes"):
         out.append(f"| CPU branch MB read / GB/s (decode) | {fmt(dm['cpu_branch_bytes'] / 1e6, '', 2)} / "
                    f"{fmt(dm.get('cpu_branch_gbps'), '', 1)} | | |")
+    if dm.get("decode_prefetch_staged"):
+        out.append(f"| decode prefetch: experts staged / cold routes on the GPU / MB copied (decode) | "
+                   f"{fmt(dm['decode_prefetch_staged'], '', 1)} / {fmt(dm.get('decode_prefetch_routes'), '', 1)} / "
+                   f"{fmt((dm.get('decode_prefetch_bytes') or 0) / 1e6, '', 1)} | | |")
     return out
 
 

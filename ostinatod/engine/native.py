@@ -173,6 +173,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_cpu_kernel": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_prefetch": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_spins": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_decode_prefetch": ([ctypes.c_int], ctypes.c_int),
     "ostinato_cpu_branch_bench": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
@@ -448,6 +449,18 @@ def set_cpu_spins(spins: int) -> int:
     if was < 0:
         raise ValueError(f"CPU branch spins must be >= 0, got {spins}")
     return was
+
+
+def set_decode_prefetch(max_experts: int) -> None:
+    """Decode prefetch (docs/engine.md "Decode prefetch"): in a decode step each layer's route op
+    predicts the next layer's routes (that layer's router on this layer's FFN input) and stages up to
+    ``max_experts`` of the predicted cold experts on the GPU while this layer computes; their routes
+    then run in the GPU branch instead of the CPU branch. 0 (the native default) turns it off; the
+    runtime sets the setting ``decode_prefetch_experts``. Needs 3 staging regions (prefill prefetch
+    depth 2, read at the pool build). Takes effect at the next pass; call between passes. Raises
+    ValueError outside 0..16."""
+    if llama_fn("ostinato_experts_set_decode_prefetch")(int(max_experts)) != 0:
+        raise ValueError(f"decode prefetch experts must be within 0..16, got {max_experts}")
 
 
 def cpu_branch_bench(model: Any, args: dict[str, Any]) -> dict[str, Any]:
