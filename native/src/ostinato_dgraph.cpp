@@ -66,7 +66,7 @@ struct ost_dgraph {
     int32_t * ids_cpu = nullptr;        // [k * T]
     float * cur = nullptr;              // [n_embd * T]
     float * out = nullptr;              // [n_embd * k * T]
-    std::vector<ostinato_op> ops;       // [2 * n_layer]: route, join (addresses captured by CUDA graphs)
+    std::vector<ostinato_op> ops;       // [3 * n_layer]: route, join, predict (addresses captured by CUDA graphs)
 
     std::map<ggml_context *, jobset_t> sets;
     ggml_gallocr_t galloc = nullptr;
@@ -90,15 +90,34 @@ struct ost_dgraph {
 
 namespace {
 
-// Decode prefetch on a host pool (CPU builds): the next layer's stage list from the top k of the
-// router logits `pred` [n_expert] (descending; ties: the lower expert), as ost_stage_next writes it,
-// and the copies of the staged experts into their slots, done at once (the route kernel's side stream).
-void stage_next_cpu(const ostinato_op & o, const float * pred, int32_t seq) {
+// CPU implementation of the predict op (CPU builds; same effects as the predict, select and copy
+// kernels): the next layer's router on cur, the top k of its logits (descending; ties: the lower
+// expert), the first next_max of them that are cold in the next layer as its stage list, and their
+// copies into their slots, done at once (the kernels' side stream).
+void predict_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
+    (void) nth;
+    if (ith != 0) return;
+    const ostinato_op & o = *(const ostinato_op *) ud;
+    const ggml_tensor * c = dst->src[0];
+    const float * cur = (const float *) c->data;
+    if (o.next_max <= 0 || !o.host_pool || ggml_nelements(c) != o.n_embd || !ggml_is_contiguous(c)) return;
+    std::vector<float> pred((size_t) o.n_expert);
+    for (int x = 0; x < o.n_expert; ++x) {
+        const char * row = (const char *) o.next_gate + (int64_t) x * o.next_gate_nb1;
+        float sum = 0.0f;
+        for (int i = 0; i < o.n_embd; ++i) {
+            const float w = o.next_gate_type == GGML_TYPE_F16  ? ggml_fp16_to_fp32(((const ggml_fp16_t *) row)[i])
+                          : o.next_gate_type == GGML_TYPE_BF16 ? ggml_bf16_to_fp32(((const ggml_bf16_t *) row)[i])
+                                                               : ((const float *) row)[i];
+            sum += w * cur[i];
+        }
+        pred[(size_t) x] = sum;
+    }
     std::vector<int> order((size_t) o.n_expert);
     for (int x = 0; x < o.n_expert; ++x) order[(size_t) x] = x;
-    const int k = std::min({ o.k, o.n_expert, 32 });   // as the route kernel
+    const int k = std::min({ o.k, o.n_expert, 32 });   // as the select kernel
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
-        return pred[a] > pred[b] || (pred[a] == pred[b] && a < b);
+        return pred[(size_t) a] > pred[(size_t) b] || (pred[(size_t) a] == pred[(size_t) b] && a < b);
     });
     int m = 0;
     for (int r = 0; r < k && m < o.next_max; ++r) {
@@ -113,7 +132,7 @@ void stage_next_cpu(const ostinato_op & o, const float * pred, int32_t seq) {
         m++;
     }
     o.next_scratch[OSTINATO_SC_STAGE_N] = m;
-    o.next_scratch[OSTINATO_SC_STAGE_SEQ] = seq;
+    o.next_scratch[OSTINATO_SC_STAGE_SEQ] = (int32_t) *o.pass_seq;
 }
 
 // CPU implementation of the route op (CPU builds; same effects as ost_route_kernel).
@@ -123,7 +142,6 @@ void route_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     const ostinato_op & o = *(const ostinato_op *) ud;
     const ggml_tensor * sel = dst->src[0];
     const ggml_tensor * cur = dst->src[1];
-    const ggml_tensor * pred = dst->src[2];
     const int64_t n = sel->ne[1];
     GGML_ASSERT(sel->ne[0] == o.k && n <= o.max_tokens && ggml_is_contiguous(cur) && ggml_is_contiguous(dst));
     int32_t * ids_gpu = (int32_t *) dst->data;
@@ -163,10 +181,6 @@ void route_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     o.hdr->staged_used = __builtin_popcount(used);
     std::atomic_thread_fence(std::memory_order_release);
     o.hdr->seq = seq;
-    if (pred && n == 1 && o.next_max > 0 && o.host_pool && pred->type == GGML_TYPE_F32 && pred->ne[0] == o.n_expert &&
-        ggml_is_contiguous(pred)) {
-        stage_next_cpu(o, (const float *) pred->data, (int32_t) seq);
-    }
 }
 
 // CPU implementation of the join op (CPU builds; same result as ost_join_kernel).
@@ -332,12 +346,13 @@ ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
     dg->out = (float *) (base + o_out);
     static std::atomic<int64_t> generations{0};
     const int64_t gen = ++generations;   // keys the CUDA side's checks of the ops' copy sources
-    dg->ops.resize((size_t) 2 * L);
+    dg->ops.resize((size_t) 3 * L);
     dg->wait_seen.assign((size_t) L, 0);
     for (int il = 0; il < L; ++il) {
         const ost_dg_layer & l = cfg.layers[il];
-        for (int kind : {OSTINATO_OP_ROUTE, OSTINATO_OP_JOIN}) {
-            ostinato_op & o = dg->ops[(size_t) 2 * il + (kind == OSTINATO_OP_JOIN)];
+        for (int kind : {OSTINATO_OP_ROUTE, OSTINATO_OP_JOIN, OSTINATO_OP_PREDICT}) {
+            const int at = kind == OSTINATO_OP_ROUTE ? 0 : kind == OSTINATO_OP_JOIN ? 1 : 2;
+            ostinato_op & o = dg->ops[(size_t) 3 * il + at];
             o = ostinato_op{};
             o.magic = OSTINATO_OP_MAGIC; o.kind = kind; o.il = il; o.k = (int32_t) k;
             o.n_expert = cfg.n_expert; o.zero0 = l.zero0; o.has_hot = l.has_hot ? 1 : 0;
@@ -352,14 +367,18 @@ ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
             o.stage_slot0 = l.stage_slot0;
             // the next layer's prediction (decode prefetch): only where the config gives one whole
             const ost_dg_layer * nx = il + 1 < L ? &cfg.layers[il + 1] : nullptr;
-            if (kind == OSTINATO_OP_ROUTE && l.next_max > 0 && nx && nx->moe && nx->stage_slot0 >= 0 &&
-                !l.next_parts.empty() && l.next_parts.size() <= OSTINATO_COPY_PARTS) {
+            if (kind == OSTINATO_OP_PREDICT && l.next_max > 0 && nx && nx->moe && nx->stage_slot0 >= 0 &&
+                !l.next_parts.empty() && l.next_parts.size() <= OSTINATO_COPY_PARTS && l.next_gate && l.pred_logits) {
                 o.next_max = std::min(l.next_max, OSTINATO_STAGE_MAX);
                 o.next_table = nx->table;
                 o.next_scratch = nx->scratch;
                 o.next_slot0 = nx->stage_slot0;
                 o.next_n_parts = (int32_t) l.next_parts.size();
                 for (size_t p = 0; p < l.next_parts.size(); ++p) o.next_parts[p] = l.next_parts[p];
+                o.next_gate = l.next_gate;
+                o.next_gate_type = (int32_t) l.next_gate_type;
+                o.next_gate_nb1 = l.next_gate_nb1;
+                o.pred_logits = l.pred_logits;
             }
         }
     }
@@ -434,14 +453,21 @@ void ost_dg_build_begin(ost_dgraph * dg, ggml_context * graph_ctx) {
 }
 
 bool ost_dg_predicts(const ost_dgraph * dg, int il) {
-    return dg && il >= 0 && il < dg->cfg.n_layer && dg->ops[(size_t) 2 * il].next_max > 0;
+    return dg && il >= 0 && il < dg->cfg.n_layer && dg->ops[(size_t) 3 * il + 2].next_max > 0;
 }
 
-ggml_tensor * ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il,
-                           ggml_tensor * pred) {
-    ggml_tensor * args[3] = { selected, cur, pred };
-    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, args, pred ? 3 : 2,
-                                     route_cpu, 1, &dg->ops[(size_t) 2 * il]);
+ggml_tensor * ost_dg_predict(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * cur, int il) {
+    if (!ost_dg_predicts(dg, il)) return nullptr;
+    ggml_tensor * args[1] = { cur };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, 1, predict_cpu, 1, &dg->ops[(size_t) 3 * il + 2]);
+    ggml_format_name(t, OSTINATO_OP_PREFIX "predict-%d", il);
+    return t;
+}
+
+ggml_tensor * ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il) {
+    ggml_tensor * args[2] = { selected, cur };
+    ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, args, 2,
+                                     route_cpu, 1, &dg->ops[(size_t) 3 * il]);
     ggml_format_name(t, OSTINATO_OP_PREFIX "route-%d", il);
     return t;
 }
@@ -485,7 +511,7 @@ void ost_dg_cpu_end(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tens
 ggml_tensor * ost_dg_join(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il) {
     ggml_tensor * args[2] = { ids_gpu, out_gpu };
     ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_F32, dg->cfg.n_embd, ids_gpu->ne[0], ids_gpu->ne[1], 1, args,
-                                     out_gpu ? 2 : 1, join_cpu, 1, &dg->ops[(size_t) 2 * il + 1]);
+                                     out_gpu ? 2 : 1, join_cpu, 1, &dg->ops[(size_t) 3 * il + 1]);
     ggml_format_name(t, OSTINATO_OP_PREFIX "join-%d", il);
     return t;
 }

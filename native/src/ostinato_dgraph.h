@@ -47,6 +47,10 @@ struct ost_dg_layer {
     int next_max = 0;
     int next_slot0 = -1;
     std::vector<ostinato_copy_part> next_parts;
+    const void * next_gate = nullptr;  // the next layer's router weights (F32, F16 or BF16 rows), type, row pitch
+    ggml_type next_gate_type = GGML_TYPE_F32;
+    int64_t next_gate_nb1 = 0;
+    float * pred_logits = nullptr;     // [n_expert] in the memory of the layer's pool: the prediction's logits
     int64_t expert_bytes = 0;          // one expert's weight (and bias) bytes: what a staged copy moves
 };
 
@@ -68,11 +72,12 @@ void           ost_dg_free(ost_dgraph * dg);
 int            ost_dg_max_tokens(const ost_dgraph * dg);
 // Graph building (called from the patched build_moe_ffn through ostinato_experts.cpp).
 void           ost_dg_build_begin(ost_dgraph * dg, ggml_context * graph_ctx);
-// `pred` (may be null): the next layer's router logits on this layer's input [n_expert, 1], a decode
-// step's prediction for the decode prefetch (only where the layer's config has next_max > 0).
-ggml_tensor *  ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il,
-                            ggml_tensor * pred = nullptr);
-// Whether layer il's route op stages the next layer's predicted experts (decode prefetch).
+ggml_tensor *  ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il);
+// Decode prefetch (ostinato_ops.h, predict op): the op of layer il over its FFN input cur [n_embd, 1]
+// (F32) that stages layer il + 1's predicted cold experts; a node to expand into the graph before the
+// layer's router. Null where layer il does not predict (ost_dg_predicts).
+ggml_tensor *  ost_dg_predict(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * cur, int il);
+// Whether layer il's predict op stages the next layer's predicted experts (decode prefetch).
 bool           ost_dg_predicts(const ost_dgraph * dg, int il);
 ggml_context * ost_dg_cpu_begin(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,
                                 ggml_tensor ** ids, ggml_tensor ** cur_cpu);

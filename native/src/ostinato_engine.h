@@ -138,6 +138,7 @@ struct pool_t {
     ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
     ggml_tensor * scratch = nullptr;           // I32 [OSTINATO_SCRATCH, n_layer]: the route kernel's counters
                                                // and stage lists (ostinato_ops.h)
+    ggml_tensor * pred = nullptr;              // F32 [n_expert]: the decode prefetch's logits (predict op)
     ggml_tensor * counts = nullptr;            // I32 [n_expert, n_layer, 2]: routes of all-resident layers
                                                // (plane 0 prefill, 1 decode), added to by the count op
     std::vector<int32_t> counts_seen;          // host: the table as last read (flush_counts)

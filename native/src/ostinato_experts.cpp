@@ -345,8 +345,16 @@ ost_dgraph * dgraph_of(engine_t * e) {
         auto & l = c.layers[il];
         const auto & nl = c.layers[nx];
         const ggml_tensor * gate = e->model->layers[nx].ffn_gate_inp;
+        if (!l.moe || !nl.moe || e->layer_pool[il] < 0) continue;
+        // the router is read where the pool computes: its rows F32, F16 or BF16 in the pool's device memory
+        const ggml_backend_dev_t pool_dev = e->pools[e->layer_pool[il]].dev;
+        const bool host_pool = ggml_backend_dev_type(pool_dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
         if (!l.moe || !nl.moe || nl.stage_slot0 < 0 || e->layer_pool[il] != e->layer_pool[nx] || !gate ||
-            gate->ne[1] != e->n_expert || e->layer_class[nx] < 0) {
+            gate->ne[1] != e->n_expert || gate->ne[0] != c.n_embd || e->layer_class[nx] < 0 || !gate->buffer ||
+            (host_pool ? !ggml_backend_buffer_is_host(gate->buffer)
+                       : ggml_backend_buft_get_device(ggml_backend_buffer_get_type(gate->buffer)) != pool_dev) ||
+            (gate->type != GGML_TYPE_F32 && gate->type != GGML_TYPE_F16 && gate->type != GGML_TYPE_BF16) ||
+            gate->nb[0] != ggml_type_size(gate->type) || !e->pools[e->layer_pool[il]].pred) {
             continue;
         }
         const size_class_t & sc = e->classes[e->layer_class[nx]];
@@ -372,6 +380,10 @@ ost_dgraph * dgraph_of(engine_t * e) {
         l.next_max = std::min({ g_dprefetch, e->layers[nx].n_stage, OSTINATO_STAGE_MAX });
         l.next_slot0 = nl.stage_slot0;
         l.next_parts = cp;
+        l.next_gate = gate->data;
+        l.next_gate_type = gate->type;
+        l.next_gate_nb1 = (int64_t) gate->nb[1];
+        l.pred_logits = (float *) e->pools[e->layer_pool[il]].pred->data;
     }
     c.host_pool = true;
     for (auto & p : e->pools) c.host_pool = c.host_pool && ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
@@ -404,19 +416,25 @@ int ostinato_moe_graph_layer(int il, const ggml_tensor * cur, int64_t n_tokens) 
            cur->type == GGML_TYPE_F32 && ggml_is_contiguous(cur);
 }
 
-ggml_tensor * ostinato_moe_dg_predict_gate(int il, int64_t n_tokens) {
+ggml_tensor * ostinato_moe_dg_predict(ggml_context * ctx, ggml_tensor * cur, const ggml_tensor * down_exps, int il,
+                                     int64_t n_tokens) {
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
+    if (!e || n_tokens != 1 || il < 0 || il + 1 >= e->n_layer) return nullptr;
+    auto it = e->by_down.find(down_exps);
+    if (it == e->by_down.end() || it->second != il) return nullptr;
     ost_dgraph * dg = dgraph_layer(il);
-    // a decode step only; an all-resident next layer takes no route op (nothing cold to stage)
-    if (!dg || n_tokens != 1 || !ost_dg_predicts(dg, il) || resident_layer(e, il + 1)) return nullptr;
-    return e->model->layers[il + 1].ffn_gate_inp;
+    // a decode step of a layer that takes the route op (not all-resident), whose next layer does too
+    if (!dg || !e->layers[il].has_hot || resident_layer(e, il) || resident_layer(e, il + 1) ||
+        cur->type != GGML_TYPE_F32 || !ggml_is_contiguous(cur) || ggml_nelements(cur) != e->model->hparams.n_embd) {
+        return nullptr;
+    }
+    return ost_dg_predict(dg, ctx, cur, il);
 }
 
-ggml_tensor * ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
-                                     ggml_tensor * pred) {
+ggml_tensor * ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il) {
     std::lock_guard<std::mutex> lock(g_mu);
-    return ost_dg_route(dgraph_layer(il), ctx, selected_experts, cur, il, pred);
+    return ost_dg_route(dgraph_layer(il), ctx, selected_experts, cur, il);
 }
 
 ggml_context * ostinato_moe_cpu_begin(ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,

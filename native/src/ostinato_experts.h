@@ -133,15 +133,14 @@ int  ostinato_moe_upload_path(int64_t n_tokens);
 int            ostinato_moe_graph_layer(int il, const ggml_tensor * cur, int64_t n_tokens);
 // GPU route op of layer il: ids [k, n] of the GPU branch (hot -> slot, cold -> zero slot, staged ->
 // its staging slot); writes the cold routes and their hidden rows to the mailbox for the CPU branch.
-// `pred` (may be null): the next layer's router logits on this layer's FFN input, [n_expert, 1]
-// (see ostinato_moe_dg_predict_gate).
-ggml_tensor *  ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il,
-                                      ggml_tensor * pred = nullptr);
-// Decode prefetch (docs/engine.md "Decode prefetch"): the router weights [n_embd, n_expert] of layer
-// il + 1 when layer il's route op of a decode step (n_tokens == 1) stages that layer's predicted cold
-// experts, else null. The graph applies them to layer il's FFN input and passes the logits to the
-// route op.
-ggml_tensor *  ostinato_moe_dg_predict_gate(int il, int64_t n_tokens);
+ggml_tensor *  ostinato_moe_route_dev(ggml_context * ctx, ggml_tensor * selected_experts, ggml_tensor * cur, int il);
+// Decode prefetch (docs/engine.md "Decode prefetch"): the predict op of MoE layer il (its routed
+// experts `down_exps`) over its FFN input cur [n_embd, 1] in a decode step, which stages layer
+// il + 1's predicted cold experts on the GPU beside the step; a node to expand into the graph before
+// the layer's router. Null where the layer does not predict (off, not a decode step, no decode graph,
+// an all-resident layer or next layer, ...).
+ggml_tensor *  ostinato_moe_dg_predict(ggml_context * ctx, ggml_tensor * cur, const ggml_tensor * down_exps, int il,
+                                       int64_t n_tokens);
 // CPU branch of layer il as a graph of its own: returns the context to build it in, with its two
 // leaves (ids [k, n] and cur [n_embd, 1, n] in the mailbox); end registers its output [n_embd, k, n].
 ggml_context * ostinato_moe_cpu_begin(ggml_context * graph_ctx, int il, ggml_tensor * cur, int64_t k,

@@ -48,14 +48,33 @@ static __device__ __forceinline__ int ost_staged_index(const int32_t * sc, const
     return -1;
 }
 
-// The next layer's stage list from its predicted routes (decode prefetch; one block, after the
-// header is published): the top k of the router logits `pred` [n_expert], in descending order (ties:
-// the lower expert), and of those the first next_max that are cold in the next layer.
-static __device__ void ost_stage_next(const ostinato_op & o, const float * pred, const int32_t seq) {
+// Decode prefetch, 1 of 3 (side stream): the next layer's router on this layer's FFN input, one
+// warp per expert (logits[x] = row x of the router . cur, summed in a fixed order: the same every run).
+static __device__ __forceinline__ float ost_weight(const void * row, const int type, const int i) {
+    if (type == GGML_TYPE_F16) return __half2float(((const half *) row)[i]);
+    if (type == GGML_TYPE_BF16) return __bfloat162float(((const nv_bfloat16 *) row)[i]);
+    return ((const float *) row)[i];
+}
+
+static __global__ void ost_predict_kernel(const float * cur, const ostinato_op o) {
+    const int warp = (int) (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32), lane = threadIdx.x % 32;
+    if (warp >= o.n_expert) return;
+    const void * row = (const char *) o.next_gate + (int64_t) warp * o.next_gate_nb1;
+    float sum = 0.0f;
+    for (int i = lane; i < o.n_embd; i += 32) sum += ost_weight(row, o.next_gate_type, i) * cur[i];
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_down_sync(0xffffffff, sum, off);
+    if (lane == 0) o.pred_logits[warp] = sum;
+}
+
+// Decode prefetch, 2 of 3 (side stream, one block): the top k of the logits, in descending order
+// (ties: the lower expert), and of those the first next_max that are cold in the next layer: its
+// stage list for this pass.
+static __global__ void ost_select_kernel(const ostinato_op o) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
-    __shared__ int chosen[OSTINATO_STAGE_MAX > 32 ? OSTINATO_STAGE_MAX : 32];
+    __shared__ int chosen[32];
     __shared__ int n_staged;
+    const float * pred = o.pred_logits;
     if (threadIdx.x == 0) n_staged = 0;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = (blockDim.x + 31) / 32;
     for (int r = 0; r < o.k && r < 32; ++r) {
@@ -90,18 +109,16 @@ static __device__ void ost_stage_next(const ostinato_op & o, const float * pred,
     if (threadIdx.x == 0) {
         o.next_scratch[OSTINATO_SC_STAGE_N] = n_staged;
         __threadfence();
-        o.next_scratch[OSTINATO_SC_STAGE_SEQ] = seq;
+        o.next_scratch[OSTINATO_SC_STAGE_SEQ] = (int32_t) ost_load_cv(o.pass_seq);
     }
 }
 
 // One block per token: the k lookups, the mailbox rows of a token with a cold route, and (last block)
 // the layer header. The header's seq is written after a system fence, so the CPU that sees it sees
-// the ids and rows too. A cold expert that the previous layer's route op staged for this pass (its
-// stage list) takes its staging slot instead of the CPU branch. With `pred` (decode prefetch) the last
-// block then writes the next layer's stage list.
+// the ids and rows too. A cold expert that the previous layer's predict op staged for this pass (its
+// stage list) takes its staging slot instead of the CPU branch.
 static __global__ void ost_route_kernel(const char * sel, const int64_t sel_nb0, const int64_t sel_nb1,
-                                        const float * cur, int32_t * ids_gpu, const ostinato_op o, const int n,
-                                        const float * pred) {
+                                        const float * cur, int32_t * ids_gpu, const ostinato_op o, const int n) {
     const int t = blockIdx.x;
     __shared__ int n_cold_tok;
     if (threadIdx.x == 0) n_cold_tok = 0;
@@ -141,11 +158,9 @@ static __global__ void ost_route_kernel(const char * sel, const int64_t sel_nb0,
     }
     __threadfence_system();
     __syncthreads();
-    __shared__ int last;
     if (threadIdx.x == 0) {
         const int prev = atomicAdd(&o.scratch[OSTINATO_SC_BLOCKS], 1);
-        last = prev == (int) gridDim.x - 1;
-        if (last) {   // last block of the layer: publish
+        if (prev == (int) gridDim.x - 1) {   // last block of the layer: publish
             __threadfence();
             const int nc = atomicAdd(&o.scratch[OSTINATO_SC_COLD], 0);
             const int used = atomicExch(&o.scratch[OSTINATO_SC_USED], 0);
@@ -162,11 +177,9 @@ static __global__ void ost_route_kernel(const char * sel, const int64_t sel_nb0,
             o.hdr->seq = seq;
         }
     }
-    __syncthreads();
-    if (last && pred && o.next_max > 0) ost_stage_next(o, pred, (int32_t) seq);
 }
 
-// Decode prefetch's copies (side stream, after the route kernel that wrote the stage list): the
+// Decode prefetch, 3 of 3 (side stream, after the select kernel that wrote the stage list): the
 // staged experts' parts from mapped host memory into their staging slots, 16 bytes per load where
 // addresses and sizes allow (else byte by byte), in chunks spread over the grid.
 constexpr int64_t OST_STAGE_CHUNK = 64 * 1024;
@@ -284,7 +297,10 @@ bool ggml_cuda_ostinato_supports_op(const ggml_tensor * op, int device) {
     }
     if (o->kind == OSTINATO_OP_ROUTE) {
         return op->src[0] && op->src[0]->type == GGML_TYPE_I32 && op->src[1] && op->src[1]->type == GGML_TYPE_F32 &&
-               (!op->src[2] || op->src[2]->type == GGML_TYPE_F32) && op->type == GGML_TYPE_I32;
+               op->type == GGML_TYPE_I32;
+    }
+    if (o->kind == OSTINATO_OP_PREDICT) {
+        return op->src[0] && op->src[0]->type == GGML_TYPE_F32;
     }
     if (o->kind == OSTINATO_OP_JOIN) {
         return op->src[0] && op->src[0]->type == GGML_TYPE_I32 && op->type == GGML_TYPE_F32 &&
@@ -293,13 +309,14 @@ bool ggml_cuda_ostinato_supports_op(const ggml_tensor * op, int device) {
     return false;
 }
 
-// Decode prefetch's side stream, per device: the copy kernel of layer l + 1 is forked from the main
-// stream after route(l) (fork event) and joined before route(l + 1) (done event), both edges of the
-// captured CUDA graph (or plain stream order when ggml runs the graph without one).
+// Decode prefetch's side stream, per device: the chain of layer l + 1 (predict, select, copy) is
+// forked from the main stream at layer l's predict op (fork event) and joined before route(l + 1)
+// (a done event per layer parity: the chain of l + 1 is forked before route(l) joins the chain of
+// l), both edges of the captured CUDA graph (or plain stream order when ggml runs without one).
 struct ost_side_t {
     cudaStream_t stream = nullptr;
-    cudaEvent_t fork = nullptr, done = nullptr;
-    int pending = -1;   // the layer whose copies were forked and not yet joined
+    cudaEvent_t fork = nullptr, done[2] = { nullptr, nullptr };
+    int pending[2] = { -1, -1 };   // per parity: the layer whose chain was forked and not yet joined
     bool failed = false;
 };
 static ost_side_t g_side[GGML_CUDA_MAX_DEVICES];
@@ -309,7 +326,8 @@ static ost_side_t * ost_side(int device) {
     if (!s.stream && !s.failed) {
         if (cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking) != cudaSuccess ||
             cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming) != cudaSuccess ||
-            cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming) != cudaSuccess) {
+            cudaEventCreateWithFlags(&s.done[0], cudaEventDisableTiming) != cudaSuccess ||
+            cudaEventCreateWithFlags(&s.done[1], cudaEventDisableTiming) != cudaSuccess) {
             (void) cudaGetLastError();
             s.failed = true;
             GGML_LOG_WARN("ostinato: cannot create the decode prefetch's stream on CUDA%d: decode prefetch off\n", device);
@@ -318,12 +336,14 @@ static ost_side_t * ost_side(int device) {
     return s.failed ? nullptr : &s;
 }
 
-// The main stream waits for the copies forked last (if any).
-static void ost_side_join(int device, cudaStream_t stream) {
+// The main stream waits for the chains forked for layers <= il (normally: the one of layer il).
+static void ost_side_join(int device, cudaStream_t stream, int il) {
     ost_side_t & s = g_side[device];
-    if (s.pending < 0) return;
-    CUDA_CHECK(cudaStreamWaitEvent(stream, s.done, 0));
-    s.pending = -1;
+    for (int p = 0; p < 2; ++p) {
+        if (s.pending[p] < 0 || s.pending[p] > il) continue;
+        CUDA_CHECK(cudaStreamWaitEvent(stream, s.done[p], 0));
+        s.pending[p] = -1;
+    }
 }
 
 // Whether the GPU may read every copy source of `o` at its host address (pinned and mapped host
@@ -359,35 +379,40 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
     if (o->kind == OSTINATO_OP_ROUTE) {
         const ggml_tensor * sel = dst->src[0];
         const ggml_tensor * cur = dst->src[1];
-        const ggml_tensor * pred = dst->src[2];
         const int n = (int) sel->ne[1];
         GGML_ASSERT(sel->ne[0] == o->k && n <= o->max_tokens && cur->ne[0] == o->n_embd);
         GGML_ASSERT(ggml_is_contiguous(cur) && ggml_is_contiguous(dst) && ggml_nelements(cur) == (int64_t) o->n_embd * n);
-        // this layer's staged experts (forked at the previous route op) are in place before it runs
-        ost_side_join(ctx.device, stream);
-        ostinato_op a = *o;
+        // this layer's staged experts (the chain forked at the previous layer's predict op) are in place
+        ost_side_join(ctx.device, stream, o->il);
+        ost_route_kernel<<<n, 256, 0, stream>>>((const char *) sel->data, sel->nb[0], sel->nb[1],
+                                                (const float *) cur->data, (int32_t *) dst->data, *o, n);
+    } else if (o->kind == OSTINATO_OP_PREDICT) {
+        const ggml_tensor * cur = dst->src[0];
+        const bool type_ok = o->next_gate_type == GGML_TYPE_F32 || o->next_gate_type == GGML_TYPE_F16 ||
+                             o->next_gate_type == GGML_TYPE_BF16;
         ost_side_t * side = nullptr;
-        if (pred && n == 1 && a.next_max > 0 && pred->ne[0] == o->n_expert && ggml_is_contiguous(pred) &&
-            ost_sources_mapped(a)) {
+        if (o->next_max > 0 && type_ok && cur->ne[0] == o->n_embd && ggml_nelements(cur) == o->n_embd &&
+            ggml_is_contiguous(cur) && ost_sources_mapped(*o)) {
             side = ost_side(ctx.device);
         }
-        if (!side) a.next_max = 0;
-        ost_route_kernel<<<n, 256, 0, stream>>>((const char *) sel->data, sel->nb[0], sel->nb[1],
-                                                (const float *) cur->data, (int32_t *) dst->data, a, n,
-                                                side ? (const float *) pred->data : nullptr);
         if (side) {
             CUDA_CHECK(cudaEventRecord(side->fork, stream));
             CUDA_CHECK(cudaStreamWaitEvent(side->stream, side->fork, 0));
+            const int warps = 256 / 32;
+            ost_predict_kernel<<<(o->n_expert + warps - 1) / warps, 256, 0, side->stream>>>((const float *) cur->data, *o);
+            ost_select_kernel<<<1, 256, 0, side->stream>>>(*o);
             // 32 blocks of 512 threads kept PCIe busy in the prefill's copy probe (51 GB/s) and leave
             // the decode step's kernels the other multiprocessors
-            ost_stage_copy_kernel<<<32, 512, 0, side->stream>>>(a);
+            ost_stage_copy_kernel<<<32, 512, 0, side->stream>>>(*o);
             CUDA_CHECK(cudaGetLastError());
-            CUDA_CHECK(cudaEventRecord(side->done, side->stream));
-            side->pending = o->il + 1;
+            const int p = (o->il + 1) & 1;
+            CUDA_CHECK(cudaEventRecord(side->done[p], side->stream));
+            side->pending[p] = o->il + 1;
         }
+        // else: no chain; route(il + 1) finds no stage list of this pass and leaves its cold routes to the CPU
     } else if (o->kind == OSTINATO_OP_JOIN) {
-        // a fork whose route op did not come (never in the graphs the engine builds): join it here
-        if (g_side[ctx.device].pending >= 0 && g_side[ctx.device].pending <= o->il) ost_side_join(ctx.device, stream);
+        // a chain whose route op did not come (never in the graphs the engine builds): joined here
+        ost_side_join(ctx.device, stream, o->il);
         const ggml_tensor * ids = dst->src[0];
         const ggml_tensor * gpu = dst->src[1];
         GGML_ASSERT(ggml_is_contiguous(dst) && ggml_is_contiguous(ids) && (!gpu || ggml_is_contiguous(gpu)));
@@ -396,7 +421,7 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
         ost_join_kernel<<<grid, 256, 0, stream>>>(gpu ? (const float *) gpu->data : nullptr,
                                                   (const int32_t *) ids->data, (float *) dst->data, *o);
     } else if (o->kind == OSTINATO_OP_COUNT) {
-        ost_side_join(ctx.device, stream);   // the graph's end: no fork stays open
+        ost_side_join(ctx.device, stream, INT_MAX);   // the graph's end: no chain stays open
         const ggml_tensor * table = dst->src[0];
         ost_count_args a{};
         int m = 0;

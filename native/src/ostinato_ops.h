@@ -23,16 +23,18 @@
 //     layers, whose indices are in op_params[OSTINATO_COUNT_LAYERS + i]. Adds 1 to table[il][x] per
 //     route; the host reads the table when it reports stats. Output I32 [1], unused.
 //
-// Decode prefetch (the route op of layer l with a third source, the next layer's router logits on
-// layer l's FFN input, [n_expert, 1], decode steps only): after publishing layer l's header, the
-// route kernel takes the top k of those logits as a prediction of layer l+1's routes and writes the
-// first next_max predicted experts that are cold in l+1 into l+1's stage list (its scratch); a copy
-// kernel on a side stream, forked after the route kernel, copies them from mapped host memory into
-// l+1's decode staging region of the pool, and route(l+1) waits for that copy (a stream edge) before
-// it runs. Route(l+1) then gives a staged expert's routes its staging slot (the GPU branch computes
-// them, the join adds 0) and leaves the CPU branch only the cold routes nobody predicted. The choice
-// is a function of the computation alone (no timing), so every run computes the same. Paper Sec. 3.4
-// (the decode step), FreeToken Sec. 4 (PCIe and CPU as two paths for the cold experts).
+// Decode prefetch: a fourth op per layer,
+//   predict (OSTINATO_OP_PREDICT): In: layer l's FFN input cur [n_embd, 1] (F32; decode steps only),
+//     placed before layer l's router. It forks a side stream from the main one and queues there, off
+//     the decode step's critical path: the next layer's router applied to cur (logits [n_expert] in
+//     pred_logits), the top k of those logits as a prediction of layer l+1's routes, the first
+//     next_max predicted experts that are cold in l+1 as l+1's stage list (its scratch), and the
+//     copies of those experts from mapped host memory into l+1's decode staging region of the pool.
+//     Route(l+1) waits for that chain (a stream edge) before it runs, gives a staged expert's routes
+//     its staging slot (the GPU branch computes them, the join adds 0) and leaves the CPU branch only
+//     the cold routes nobody predicted. The choice is a function of the computation alone (no
+//     timing), so every run computes the same. Paper Sec. 3.4 (the decode step), FreeToken Sec. 4
+//     (PCIe and CPU as two paths for the cold experts).
 //
 // The CUDA backend recognises these ops by the node name prefix OSTINATO_OP_PREFIX *and* the magic of
 // the struct that the custom op's userdata points to; every other custom op stays on the CPU.
@@ -47,6 +49,7 @@ enum ostinato_op_kind {
     OSTINATO_OP_ROUTE = 1,
     OSTINATO_OP_JOIN  = 2,
     OSTINATO_OP_COUNT = 3,
+    OSTINATO_OP_PREDICT = 4,
 };
 
 // count op: op_params int32 slot of its first layer index (after ggml_custom_op_params, 24 bytes),
@@ -113,13 +116,18 @@ struct ostinato_op {
     float   * cur;             // mailbox: [n_embd * max_tokens] hidden rows (shared by all layers)
     const float * out;         // mailbox: [n_embd * k * max_tokens] CPU-branch output (shared)
     int64_t  timeout_ns;       // a wait longer than this gives up (status = 1) instead of hanging the GPU
-    // decode prefetch (route op): this layer's staging region, and the prediction for the next layer
+    // decode prefetch: this layer's staging region (route op), and the prediction for the next layer
+    // (predict op)
     int32_t  stage_slot0;      // first slot of this layer's decode staging region; -1: never staged
-    int32_t  next_max;         // most experts staged for layer il + 1 per pass (0: no prediction)
+    int32_t  next_max;         // predict op: most experts staged for layer il + 1 per pass (0: no prediction)
     const int32_t * next_table;   // device: layer il + 1's index table row
     int32_t * next_scratch;       // device: layer il + 1's scratch (its stage list)
     int32_t  next_slot0;          // first slot of layer il + 1's decode staging region
     int32_t  next_n_parts;
     struct ostinato_copy_part next_parts[OSTINATO_COPY_PARTS];
+    const void * next_gate;    // predict op: layer il + 1's router weights, row x = expert x (F32, F16 or BF16)
+    int32_t  next_gate_type;   //   its ggml_type
+    int64_t  next_gate_nb1;    //   bytes from one expert's row to the next
+    float  * pred_logits;      // device: [n_expert] the prediction's logits (one per pool: the chains are serial)
     int64_t  gen;              // the decode graph's generation (a cache key for checks of next_parts)
 };

@@ -268,7 +268,7 @@ static ggml_backend_buffer_t alloc_pool(engine_t * e, pool_t & p, int pi) {
     std::vector<std::pair<ggml_tensor *, size_t>> at;   // tensor, offset
     size_t off = 0;
     auto place = [&](ggml_tensor * t) { if (t) { at.push_back({t, off}); off += room(t); } };
-    place(p.table); place(p.scratch); place(p.counts);
+    place(p.table); place(p.scratch); place(p.pred); place(p.counts);
     for (const auto & c : e->classes) {
         if (c.pool != pi) continue;
         const auto & L = e->model->layers[c.members.front().first];
@@ -462,12 +462,13 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
 
     for (auto & c : e->classes) e->pools[c.pool].n_classes++;
     for (auto & p : e->pools) {
-        const size_t n_tensors = 6 * (size_t) p.n_classes + 4;   // up, gate, down + their bias rows; tables
+        const size_t n_tensors = 6 * (size_t) p.n_classes + 5;   // up, gate, down + their bias rows; tables
         ggml_init_params ip = { ggml_tensor_overhead() * n_tensors, nullptr, true };
         p.ctx = ggml_init(ip);
         if (!p.layers.empty()) {
             p.table = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, e->n_expert, e->n_layer);
             p.scratch = ggml_new_tensor_2d(p.ctx, GGML_TYPE_I32, OSTINATO_SCRATCH, e->n_layer);
+            p.pred = ggml_new_tensor_1d(p.ctx, GGML_TYPE_F32, e->n_expert);
             p.counts = ggml_new_tensor_3d(p.ctx, GGML_TYPE_I32, e->n_expert, e->n_layer, 2);
             p.counts_seen.assign((size_t) ggml_nelements(p.counts), 0);   // the buffer is cleared below
         }

@@ -45,7 +45,8 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-cpu-spin": {"cpu_branch_spins": 32768},
             "ostinato-no-dprefetch": {"decode_prefetch_experts": 0},
             "ostinato-dprefetch1": {"decode_prefetch_experts": 1},
-            "ostinato-dprefetch4": {"decode_prefetch_experts": 4}}
+            "ostinato-dprefetch4": {"decode_prefetch_experts": 4},
+            "ostinato-cpu8": {"decode_threads": 8}}
 CHOICES = ENGINES + (IK, ONE_GPU) + tuple(VARIANTS)
 
 
