@@ -182,8 +182,9 @@ class Settings(BaseSettings):
                                   "cores between layers (on the H200 host's `ostinato bench cpu-branch` "
                                   "never yielding took 4 Qwen3.5 experts from 226 to 154 us on 15 "
                                   "threads) but costs whole time slices when more threads than cores "
-                                  "want to run (one run there took 10 ms). Not yet measured in the "
-                                  "engine: the bench variant ostinato-cpu-spin (32768) is the A/B "
+                                  "want to run (one run there took 10 ms). In the engine 32768 (bench "
+                                  "variant ostinato-cpu-spin) starved the decode step: a wait passed "
+                                  "20 s and the decode graph turned itself off; keep the default "
                                   "(docs/engine.md, \"CPU branch kernel\").")
     decode_prefetch_experts: int = Field(2, ge=0, le=16, description="Decode prefetch: in each "
                                          "decode step a layer predicts the next layer's routes (that "

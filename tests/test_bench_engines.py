@@ -280,6 +280,20 @@ def test_plot_from_stored_json_without_sweep(tmp_path):
     assert "ratio vs limit" in bench_report.markdown(json.loads(stored.read_text()))  # old JSONs still render
 
 
+def test_report_gives_each_variant_its_breakdown_and_the_decode_prefetch():
+    """The stored H200 run of the decode prefetch A/B (docs/benchmarks/runs): the report shows each
+    ``ostinato-*`` variant's own per-step breakdown beside Ostinato's, with the decode prefetch's
+    staged experts, cold routes on the GPU and MB copied per decode step where it staged any."""
+    runs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "runs"
+    result = json.loads((runs / "2026-12-03-engines-h200-qwen35moe-45-dprefetch.json").read_text())
+    md = bench_report.markdown(result)
+    assert "Ostinato per-step breakdown" in md and "ostinato-no-dprefetch per-step breakdown" in md
+    rows = [ln for ln in md.splitlines() if ln.startswith("| decode prefetch: experts staged")]
+    assert len(rows) == 1 and rows[0].split("|")[2].strip() == "49.1 / 45.0 / 95.4"   # only where it staged
+    means = result["engines"]["ostinato"]["step_breakdown"]["decode_step"]["means"]
+    assert set(bench_report.DECODE_MEAN_KEYS) <= set(means)
+
+
 def test_gpus_vs_one_gpu_ratios_and_when_the_one_gpu_engine_runs(tiny_model, tmp_path, monkeypatch):
     """ostinato-1gpu / ostinato per metric (> 1: the GPUs together are faster); the one-GPU engine
     is planned only for --gpus N > 1, on one GPU at the same budget fraction."""

@@ -728,6 +728,8 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
     # bytes are counted where the CPU branch's own kernel ran (gpt-oss's biased experts take ggml's)
     assert s1["cpu_branch_bytes"] < s0["cpu_branch_bytes"] or s0["cpu_branch_bytes"] == 0
     assert s1["last_passes"][0]["decode_prefetch_staged"] == 0   # the prompt's pass predicts nothing
+    with pytest.raises(ValueError):
+        native.set_decode_prefetch(17)   # more than a stage list holds (OSTINATO_STAGE_MAX)
 
 
 def _every_path_matches(r, ref_toks):
