@@ -75,7 +75,8 @@ def test_text_bound_refuses_only_what_cannot_fit():
 @pytest.fixture(scope="module")
 def slow_render_daemon(start_daemon, tiny_model):
     """Schema-size limit off, 4 s render limit, 2 s liveness pings: the render of a tool with
-    1,200 properties (about 12 s here) runs long."""
+    2,400 properties runs long (1,200 took about 12 s on one 2-core machine and 4 s on another: twice
+    that keeps it past the limit)."""
     return start_daemon("--model", str(tiny_model), "--n-ctx", "2048", "--n-slots", "2", "--n-threads", "1",
                         "--engine-mode", "subprocess", "--worker-ping-timeout-s", "2",
                         "--max-schema-properties", "1000000", "--template-timeout-s", "4")
@@ -100,7 +101,7 @@ def _attack_with_bystander(d, path: str, body: dict) -> tuple[tuple[int, dict], 
 def test_slow_count_tokens_does_not_kill_the_worker_and_times_out(slow_render_daemon):
     d = slow_render_daemon
     restarts = health(d.url)["restarts"]
-    schema = big_tool(1200)["function"]["parameters"]
+    schema = big_tool(2400)["function"]["parameters"]
     (status, err), first = _attack_with_bystander(d, "/v1/messages/count_tokens", {
         "model": "claude-x", "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"name": "big", "input_schema": schema}]})
@@ -112,7 +113,7 @@ def test_slow_count_tokens_does_not_kill_the_worker_and_times_out(slow_render_da
 
 def test_slow_chat_render_leaves_other_requests_served(slow_render_daemon):
     (status, err), first = _attack_with_bystander(slow_render_daemon, "/v1/chat/completions",
-                                                  chat(tools=[big_tool(1200)]))
+                                                  chat(tools=[big_tool(2400)]))
     assert status == 400 and err["error"]["code"] == "template_timeout", err
     assert first
 
