@@ -101,7 +101,10 @@ void predict_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     const ggml_tensor * c = dst->src[0];
     const float * cur = (const float *) c->data;
     if (o.next_max <= 0 || !o.host_pool || ggml_nelements(c) != o.n_embd || !ggml_is_contiguous(c)) return;
-    std::vector<float> pred((size_t) o.n_expert);
+    thread_local std::vector<float> pred;   // once per decode step and layer: no allocation after the first
+    thread_local std::vector<int> order;
+    pred.resize((size_t) o.n_expert);
+    order.resize((size_t) o.n_expert);
     for (int x = 0; x < o.n_expert; ++x) {
         const char * row = (const char *) o.next_gate + (int64_t) x * o.next_gate_nb1;
         float sum = 0.0f;
@@ -113,7 +116,6 @@ void predict_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
         }
         pred[(size_t) x] = sum;
     }
-    std::vector<int> order((size_t) o.n_expert);
     for (int x = 0; x < o.n_expert; ++x) order[(size_t) x] = x;
     const int k = std::min({ o.k, o.n_expert, 32 });   // as the select kernel
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
@@ -365,10 +367,9 @@ ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
             o.host_pool = cfg.host_pool ? 1 : 0;
             o.gen = gen;
             o.stage_slot0 = l.stage_slot0;
-            // the next layer's prediction (decode prefetch): only where the config gives one whole
+            // the next layer's prediction (decode prefetch), as the engine's config gives it
             const ost_dg_layer * nx = il + 1 < L ? &cfg.layers[il + 1] : nullptr;
-            if (kind == OSTINATO_OP_PREDICT && l.next_max > 0 && nx && nx->moe && nx->stage_slot0 >= 0 &&
-                !l.next_parts.empty() && l.next_parts.size() <= OSTINATO_COPY_PARTS && l.next_gate && l.pred_logits) {
+            if (kind == OSTINATO_OP_PREDICT && l.next_max > 0 && nx && l.next_parts.size() <= OSTINATO_COPY_PARTS) {
                 o.next_max = std::min(l.next_max, OSTINATO_STAGE_MAX);
                 o.next_table = nx->table;
                 o.next_scratch = nx->scratch;

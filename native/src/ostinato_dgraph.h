@@ -51,7 +51,6 @@ struct ost_dg_layer {
     ggml_type next_gate_type = GGML_TYPE_F32;
     int64_t next_gate_nb1 = 0;
     float * pred_logits = nullptr;     // [n_expert] in the memory of the layer's pool: the prediction's logits
-    int64_t expert_bytes = 0;          // one expert's weight (and bias) bytes: what a staged copy moves
 };
 
 struct ost_dg_config {

@@ -260,6 +260,16 @@ inline std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> weight_parts(c
     w.push_back({L.ffn_down_exps, down});
     return w;
 }
+// An expert's bias rows as (host tensor, pool tensor) pairs, for the pool's bias tensors that exist
+// (up or merged gate_up, gate, down; gpt-oss).
+inline std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> bias_parts(const llama_layer & L, ggml_tensor * up_b,
+                                                                             ggml_tensor * gate_b, ggml_tensor * down_b) {
+    std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> b;
+    if (up_b) b.push_back({up_b_src(L), up_b});
+    if (gate_b) b.push_back({L.ffn_gate_exps_b, gate_b});
+    if (down_b) b.push_back({L.ffn_down_exps_b, down_b});
+    return b;
+}
 
 int64_t now_us();
 void free_engine(engine_t * e);

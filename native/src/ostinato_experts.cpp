@@ -328,7 +328,6 @@ ost_dgraph * dgraph_of(engine_t * e) {
         l.zero0 = e->layers[il].zero0;
         l.table = (const int32_t *) e->pools[pi].table->data + (size_t) il * e->n_expert;
         l.scratch = (int32_t *) e->pools[pi].scratch->data + (size_t) OSTINATO_SCRATCH * il;
-        l.expert_bytes = e->expert_bytes[il];
         // decode prefetch: layers alternate between staging regions 1 and 2 (region 0 holds the
         // borrowed decode slots), so the copies for layer il + 1 never land in slots that layer il's
         // GPU branch reads while they run
@@ -337,6 +336,8 @@ ost_dgraph * dgraph_of(engine_t * e) {
             l.stage_slot0 = ml.stage0 + (1 + (il & 1)) * ml.n_stage;
         }
     }
+    c.host_pool = true;
+    for (auto & p : e->pools) c.host_pool = c.host_pool && ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     // each layer's prediction of the next one (decode prefetch): where both are on one pool and the
     // next layer's experts lie in host memory (the copies read them there)
     const int n_trunk = (int) e->model->hparams.n_layer();
@@ -349,7 +350,7 @@ ost_dgraph * dgraph_of(engine_t * e) {
         // the router is read where the pool computes: its rows F32, F16 or BF16 in the pool's device memory
         const ggml_backend_dev_t pool_dev = e->pools[e->layer_pool[il]].dev;
         const bool host_pool = ggml_backend_dev_type(pool_dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
-        if (!l.moe || !nl.moe || nl.stage_slot0 < 0 || e->layer_pool[il] != e->layer_pool[nx] || !gate ||
+        if (nl.stage_slot0 < 0 || e->layer_pool[il] != e->layer_pool[nx] || !gate ||
             gate->ne[1] != e->n_expert || gate->ne[0] != c.n_embd || e->layer_class[nx] < 0 || !gate->buffer ||
             (host_pool ? !ggml_backend_buffer_is_host(gate->buffer)
                        : ggml_backend_buft_get_device(ggml_backend_buffer_get_type(gate->buffer)) != pool_dev) ||
@@ -359,10 +360,8 @@ ost_dgraph * dgraph_of(engine_t * e) {
         }
         const size_class_t & sc = e->classes[e->layer_class[nx]];
         const auto & L = e->model->layers[nx];
-        std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> parts = weight_parts(L, sc.up, sc.gate, sc.down);
-        if (sc.b_up) parts.push_back({up_b_src(L), sc.b_up});
-        if (sc.b_gate) parts.push_back({L.ffn_gate_exps_b, sc.b_gate});
-        if (sc.b_down) parts.push_back({L.ffn_down_exps_b, sc.b_down});
+        auto parts = weight_parts(L, sc.up, sc.gate, sc.down);
+        for (auto b : bias_parts(L, sc.b_up, sc.b_gate, sc.b_down)) parts.push_back(b);
         bool ok = parts.size() <= OSTINATO_COPY_PARTS;
         std::vector<ostinato_copy_part> cp;
         for (auto [src, dst] : parts) {
@@ -385,8 +384,6 @@ ost_dgraph * dgraph_of(engine_t * e) {
         l.next_gate_nb1 = (int64_t) gate->nb[1];
         l.pred_logits = (float *) e->pools[e->layer_pool[il]].pred->data;
     }
-    c.host_pool = true;
-    for (auto & p : e->pools) c.host_pool = c.host_pool && ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     c.count = dg_count;
     c.count_ud = e;
     std::string err;

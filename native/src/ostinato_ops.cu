@@ -388,10 +388,8 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
                                                 (const float *) cur->data, (int32_t *) dst->data, *o, n);
     } else if (o->kind == OSTINATO_OP_PREDICT) {
         const ggml_tensor * cur = dst->src[0];
-        const bool type_ok = o->next_gate_type == GGML_TYPE_F32 || o->next_gate_type == GGML_TYPE_F16 ||
-                             o->next_gate_type == GGML_TYPE_BF16;
-        ost_side_t * side = nullptr;
-        if (o->next_max > 0 && type_ok && cur->ne[0] == o->n_embd && ggml_nelements(cur) == o->n_embd &&
+        ost_side_t * side = nullptr;   // (the engine gives a prediction only for F32, F16 and BF16 routers)
+        if (o->next_max > 0 && cur->ne[0] == o->n_embd && ggml_nelements(cur) == o->n_embd &&
             ggml_is_contiguous(cur) && ost_sources_mapped(*o)) {
             side = ost_side(ctx.device);
         }

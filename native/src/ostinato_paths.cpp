@@ -316,9 +316,7 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
         if (!put_2d(x, slot[x], m)) {
             for (auto [src, dst] : weight_parts(L, ol.up_pool, ol.gate_pool, ol.down_pool)) put(src, dst, x, slot[x], m);
         }
-        if (ol.up_b_pool)   put(up_b_src(L), ol.up_b_pool, x, slot[x], m);
-        if (ol.gate_b_pool) put(L.ffn_gate_exps_b, ol.gate_b_pool, x, slot[x], m);
-        if (ol.down_b_pool) put(L.ffn_down_exps_b, ol.down_b_pool, x, slot[x], m);
+        for (auto [src, dst] : bias_parts(L, ol.up_b_pool, ol.gate_b_pool, ol.down_b_pool)) put(src, dst, x, slot[x], m);
         x += m;
     }
 }

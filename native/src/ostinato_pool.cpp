@@ -164,9 +164,7 @@ void copy_expert(const llama_model * model, const size_class_t & c, int il, int 
     };
     const auto & L = model->layers[il];
     for (auto [src, dst] : weight_parts(L, c.up, c.gate, c.down)) put(src, dst);
-    if (c.b_up)   put(up_b_src(L), c.b_up);
-    if (c.b_gate) put(L.ffn_gate_exps_b, c.b_gate);
-    if (c.b_down) put(L.ffn_down_exps_b, c.b_down);
+    for (auto [src, dst] : bias_parts(L, c.b_up, c.b_gate, c.b_down)) put(src, dst);
 }
 
 // Sets one entry of the decode graph's index table (device memory of the layer's pool).
