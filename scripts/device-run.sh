@@ -52,6 +52,9 @@
 #             real per-layer sizes with that many layers (/tmp/a-<arch>.gguf), then `ostinato bench
 #             engines` at a 45% pool: ostinato, stock-all-gpu, llama-server, 1 session x 6 turns
 #             -> archs-<arch>.{json,md,log,cmd.txt}, packed into archs.tar.gz (8 files come back)
+#   skew:     --skew-sweep 0.6,0.72,0.84,0.92 on SKEW_LAYERS (16) -layer Qwen3-30B-A3B-shape Q4_0 files (one
+#             written per skew), 45% pool, ostinato, stock-all-gpu, llama-server, 1 session x 6 turns,
+#             with the plot <name>.svg (~7 min)
 # headline/full/sweep each need their own device call (<= 10 min: the bench skips, with a note,
 # every engine whose estimate would pass the stage's time left, and writes its JSON after every
 # engine); each writes <name>.json, .md (.svg) and <name>.cmd.txt (the exact command) into $OUT.
@@ -254,6 +257,19 @@ fi
 if has sweep; then
   bench "engines-h200-L$LAYERS-sweep" --budget-frac 0.45 --budget-sweep 0.25,0.45,0.65,0.85 \
     --sessions 2 --turns 8 --engines ostinato,stock-all-gpu,stock-layers,llama-server "$@"
+fi
+if has skew; then
+  left=$(( 590 - $(el) )); name="engines-h200-L${SKEW_LAYERS:-16}-skew-sweep"
+  cmd=(python3 -m ostinatod.cli bench engines --layers "${SKEW_LAYERS:-16}" --skew-sweep 0.6,0.72,0.84,0.92
+       --sessions-dir .carry/sessions --out-dir "$OUT" --work-dir /tmp/bench-work-skew --name "$name"
+       --time-limit $(( (left - 40) / 4 )) --budget-frac 0.45 --sessions 1 --turns 6
+       --engines ostinato,stock-all-gpu,llama-server "$@")
+  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+    "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
+  echo "[$(el)s] skew: ${cmd[*]}"
+  timeout "$left" "${cmd[@]}" > "$OUT/$name.log" 2>&1
+  echo "[$(el)s] skew rc=$?"; grep -E "skew sweep|^\| 0\." "$OUT/$name.log" | head -20
+  rm -f /tmp/bench-work-skew/*/*.gguf /tmp/bench-work-skew/*.gguf 2>/dev/null
 fi
 if has serve2; then
   HOG_GPU=${HOG_GPU:-1}; HOG_GIB=${HOG_GIB:-24}

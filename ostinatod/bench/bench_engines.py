@@ -31,7 +31,10 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
                      the same model on one GPU in the same run; ``ratios_gpus_vs_one_gpu`` compares;
    ``ostinato-no-prefetch``, ``ostinato-prefetch1``, ``ostinato-copy1d``, ``ostinato-class-slots``,
    ``ostinato-hybrid``, ``ostinato-cpu-split``, ``ostinato-pool-quarter``, ``ostinato-ggml-cpu``,
-   ``ostinato-cpu-prefetch``, ``ostinato-cpu-spin`` (only when named) the Ostinato engine with the same
+   ``ostinato-cpu-prefetch``, ``ostinato-cpu-spin``, ``ostinato-no-dprefetch``, ``ostinato-dprefetch1``,
+   ``ostinato-dprefetch4``, ``ostinato-cpu8``, ``ostinato-cpu8-spin``, ``ostinato-cpu8-dprefetch4``
+   (only when named; the last six: decode prefetch off / 1 / 4 experts per layer, the CPU branch on
+   8 threads, with 4096 pauses before a yield, with 4 experts per layer) the Ostinato engine with the same
                      plan and prefill prefetch off /
                      one layer deep / one upload copy per expert matrix instead of one 2D copy per
                      expert / the pool layout with one tensor per matrix (whole-expert slots off)
