@@ -53,8 +53,8 @@
 #             engines` at a 45% pool: ostinato, stock-all-gpu, llama-server, 1 session x 6 turns
 #             -> archs-<arch>.{json,md,log,cmd.txt}, packed into archs.tar.gz (8 files come back)
 #   skew:     --skew-sweep 0.6,0.72,0.84,0.92 on SKEW_LAYERS (16) -layer Qwen3-30B-A3B-shape Q4_0 files (one
-#             written per skew), 45% pool, ostinato, stock-all-gpu, llama-server, 1 session x 6 turns,
-#             with the plot <name>.svg (~7 min)
+#             written per skew), 45% pool, ostinato, stock-all-gpu, llama-server, 1 session x SKEW_TURNS (6)
+#             turns, with the plot <name>.svg (~7 min; SKEW_LAYERS=12 SKEW_TURNS=4 ~5 min)
 # headline/full/sweep each need their own device call (<= 10 min: the bench skips, with a note,
 # every engine whose estimate would pass the stage's time left, and writes its JSON after every
 # engine); each writes <name>.json, .md (.svg) and <name>.cmd.txt (the exact command) into $OUT.
@@ -262,7 +262,7 @@ if has skew; then
   left=$(( 590 - $(el) )); name="engines-h200-L${SKEW_LAYERS:-16}-skew-sweep"
   cmd=(python3 -m ostinatod.cli bench engines --layers "${SKEW_LAYERS:-16}" --skew-sweep 0.6,0.72,0.84,0.92
        --sessions-dir .carry/sessions --out-dir "$OUT" --work-dir /tmp/bench-work-skew --name "$name"
-       --time-limit $(( (left - 40) / 4 )) --budget-frac 0.45 --sessions 1 --turns 6
+       --time-limit $(( (left - 40) / 4 )) --budget-frac 0.45 --sessions 1 --turns "${SKEW_TURNS:-6}"
        --engines ostinato,stock-all-gpu,llama-server "$@")
   printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
     "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
