@@ -66,7 +66,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LAYERS=${1:-48}; shift || true
 SCRIPT_ARGS="$LAYERS $*"
 STAGES=${STAGES:-build exact model calib bench}
-T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+# DEVICE_T0: when the device call began (epoch s), where a command ran other work before this script
+T0=${DEVICE_T0:-$(date +%s)}; el() { echo $(( $(date +%s) - T0 )); }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 IK_BIN=/tmp/ik-build/bin/llama-server
 ik_building() { kill -0 "$(cat /tmp/ik-build.pid 2>/dev/null)" 2>/dev/null; }
