@@ -555,3 +555,26 @@ def test_watch_stops_a_server_whose_log_shows_a_crash_and_one_past_the_deadline(
     finally:
         w.stop()
         srv.stop()
+
+
+def test_plot_redraws_a_stored_skew_sweep(tmp_path):
+    """`ostinato bench plot` on a stored ``--skew-sweep`` JSON (the H200 run of
+    docs/benchmarks/runs) writes the plot against skew and the sweep's table beside it: one point per
+    skew for Ostinato, the best peer and the limit, the figures of the JSON in the table."""
+    from ostinatod.bench import bench_plot
+
+    stored = Path(__file__).resolve().parents[1] / "docs/benchmarks/runs/2026-12-03-engines-h200-L8-skew-sweep.json"
+    sweep = json.loads(stored.read_text())
+    rows = sweep["skew_sweep"]["rows"]
+    src = tmp_path / "sweep.json"
+    src.write_text(stored.read_text())
+    assert bench_plot.main([str(src)]) == 0
+    svg, md = tmp_path / "sweep.svg", tmp_path / "sweep.md"
+    text = svg.read_text()
+    assert text.count("<polyline") == 6   # two panels x (Ostinato, best peer, limit)
+    for r in rows:
+        assert f">{r['skew']:g}<" in text
+        assert f"{r['decode']['ostinato']:.2f} / {r['decode']['best_peer']:.2f}" in md.read_text()
+    assert "best peer (llama-server)" in text
+    # several JSONs stay the pool-size plot, which a sweep is not
+    assert bench_plot.main([str(src), str(src), "-o", str(tmp_path / "two.svg")]) == 1

@@ -213,15 +213,38 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def _skew_sweep(paths: list[Path]) -> Optional[dict[str, Any]]:
+    """The ``--skew-sweep`` result when ``paths`` is one JSON that holds one (a ``skew_sweep`` block
+    with rows), else None (the caller then reads them as pool-size results)."""
+    if len(paths) != 1:
+        return None
+    try:
+        r = json.loads(paths[0].read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(r, dict) and isinstance(r.get("skew_sweep"), dict) and r["skew_sweep"].get("rows")
+    return r if ok else None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``ostinato bench plot`` (dispatched from ostinatod/bench/cli.py)."""
     ap = argparse.ArgumentParser(prog="ostinato bench plot", description="Plot decode ms/token and "
                                  "TTFT after tool outputs against the pool budget from stored "
-                                 "'ostinato bench engines' JSONs (SVG).")
+                                 "'ostinato bench engines' JSONs, or against routing skew from one "
+                                 "'--skew-sweep' JSON (SVG; a sweep's table too, as .md beside it).")
     ap.add_argument("json", nargs="+", type=Path, help="result JSON(s) of ostinato bench engines")
     ap.add_argument("-o", "--out", type=Path, help="output .svg (default: the first JSON's name "
                     "with .svg)")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    sweep = _skew_sweep(a.json)
+    if sweep is not None:
+        from .bench_skew import skew_markdown
+
+        out = write_skew_plot(sweep, a.out or a.json[0].with_suffix(".svg"))
+        md = out.with_suffix(".md")
+        md.write_text(skew_markdown(sweep))
+        print(f"written {out} and {md} ({len(sweep['skew_sweep']['rows'])} skews)")
+        return 0
     results = []
     for p in a.json:
         try:

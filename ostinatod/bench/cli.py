@@ -4,7 +4,7 @@ Subcommands (each a module with ``main(argv) -> int``):
   replay   replay recorded agent sessions through the HTTP API (ostinatod.bench.replay)
   engines  Ostinato against stock llama.cpp on the same model and sessions
            (ostinatod.bench.bench_engines)
-  plot     time against pool size from stored engines JSONs (ostinatod.bench.bench_plot)
+  plot     time against pool size (or routing skew) from stored engines JSONs (ostinatod.bench.bench_plot)
   reliability  fuzzing, crashes, slow connections (ostinatod.bench.bench_reliability)
   cpu-branch   the CPU branch alone on a model's expert tensors (ostinatod.bench.bench_cpu)
 """
@@ -22,7 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "engines": ("ostinatod.bench.bench_engines", "main",
                 "Ostinato vs stock llama.cpp baselines on one model and sessions"),
     "plot": ("ostinatod.bench.bench_plot", "main",
-             "plot time against pool size from stored 'bench engines' JSONs (SVG)"),
+             "plot time against pool size, or routing skew, from stored 'bench engines' JSONs (SVG)"),
     "reliability": ("ostinatod.bench.bench_reliability", "main",
                     "fuzz every route, crash and stop the worker, slow connections: 5xx, hangs, RSS"),
     "cpu-branch": ("ostinatod.bench.bench_cpu", "main",
