@@ -578,3 +578,21 @@ def test_plot_redraws_a_stored_skew_sweep(tmp_path):
     assert "best peer (llama-server)" in text
     # several JSONs stay the pool-size plot, which a sweep is not
     assert bench_plot.main([str(src), str(src), "-o", str(tmp_path / "two.svg")]) == 1
+
+
+def test_timeline_summary_gives_per_step_and_per_layer_figures():
+    """The decode timeline's cumulative stats become per-step and per-layer means, the GPU's own work
+    being every interval less the joins' waits; nothing sampled gives None (no table row)."""
+    from ostinatod.bench.bench_report import breakdown_md, timeline_summary
+
+    assert timeline_summary(None) is None and timeline_summary({"passes": 0}) is None
+    tl = {"passes": 10, "span_ms": 62.0, "cpu_layers": 130, "cpu_ms": 26.0, "cpu_wait_ms": 13.0,
+          "gpu_layers": 260, "gpu_ms": 36.4}
+    s = timeline_summary(tl)
+    assert s == {"passes": 10, "span_ms": 6.2, "cpu_layers": 13.0, "cpu_layer_us": 200.0, "cpu_wait_us": 100.0,
+                 "gpu_layer_us": 140.0, "gpu_work_ms": 4.94}
+    b = {"decode_step": {"steps": 10, "mean_ms": {"total_ms": 7.0}}, "prefill": {}, "prefill_after_tool": {},
+         "decode_timeline": s}
+    row = [x for x in breakdown_md(b, "ostinato") if x.startswith("| decode timeline")]
+    assert row == ["| decode timeline (10 steps): route to route ms / GPU work ms / layers with CPU routes: us "
+                   "each (of it wait) / other layers: us each | 6.20 / 4.94 / 13.0: 200 (100) / 140 | | |"]

@@ -732,6 +732,37 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
         native.set_decode_prefetch(17)   # more than a stage list holds (OSTINATO_STAGE_MAX)
 
 
+def test_decode_timeline_marks_every_layer_of_each_decode_step(moe, stock):
+    """The decode timeline (docs/engine.md, "Decode timeline"): each route op stamps when it
+    published its layer, and the engine samples the latest one-token pass between passes. Every
+    decode step of a generation is sampled once (the prompt's pass is not a decode step), every pair
+    of adjacent MoE layers gives one interval, split by whether its first layer had CPU-branch
+    routes; the join's waits are part of those intervals; the tokens are stock's."""
+    if len(moe[2]) < 2:
+        pytest.skip("one MoE layer (deepseek2's tiny shape): no interval between two layers")
+    r = ost_runner(moe)
+    _switch(half_hot(moe))
+    native.set_decode_graph(True, max_tokens=32)
+    try:
+        native.llama_fn("ostinato_experts_reset_stats")()
+        toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
+        st = _stats()
+    finally:
+        native.set_decode_graph(None)
+    tl, layers = st["decode_timeline"], moe[2]
+    pairs = sum(1 for a, b in zip(layers, layers[1:]) if b == a + 1)
+    steps = st["paths"]["decode"]
+    print(f"\n[exactness] {moe[1]['arch']} decode timeline: {tl} over {steps} decode steps, {pairs} pairs")
+    assert toks == stock[PROMPT_LEN][0]
+    assert 0 < tl["passes"] <= steps and tl["passes"] >= steps - 1
+    assert tl["cpu_layers"] + tl["gpu_layers"] == tl["passes"] * pairs
+    assert tl["cpu_layers"] > 0   # half the experts hot: some layers send routes to the CPU branch
+    assert 0 <= tl["cpu_wait_ms"] <= tl["cpu_ms"] and tl["gpu_ms"] >= 0
+    assert tl["span_ms"] >= tl["cpu_ms"] + tl["gpu_ms"] - 1e-9 * tl["passes"]
+    native.llama_fn("ostinato_experts_reset_stats")()
+    assert _stats()["decode_timeline"]["passes"] == 0
+
+
 def _every_path_matches(r, ref_toks):
     """Greedy tokens of runner ``r`` equal ``ref_toks`` on the split path, the upload path (Np 8),
     the upload path with the cost model's CPU share (its CPU part on the CPU branch's kernel where

@@ -77,6 +77,7 @@ struct ost_dgraph {
     std::vector<uint8_t> ffn_ws;
     std::string fast_note;              // why a CPU-branch graph did not match the kernel (the last one)
     std::vector<int64_t> wait_seen;     // per layer: the last pass whose join wait was collected
+    int64_t timeline_seen = 0;          // the last pass whose timeline was collected
     std::atomic<int64_t> n_fast{0}, n_graph{0};   // CPU-branch layer computes by the kernel / by ggml (read by info)
 
     // worker
@@ -181,6 +182,7 @@ void route_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     o.hdr->n_staged = n_st;
     o.hdr->staged_routes = hits;
     o.hdr->staged_used = __builtin_popcount(used);
+    o.hdr->route_ns = now_ns();
     std::atomic_thread_fence(std::memory_order_release);
     o.hdr->seq = seq;
 }
@@ -447,6 +449,50 @@ double ost_dg_collect_wait(ost_dgraph * dg) {
         }
     }
     return ns / 1e6;
+}
+
+ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg) {
+    ost_dg_timeline tl;
+    if (!dg) return tl;
+    const int L = dg->cfg.n_layer;
+    int64_t s = 0;
+    for (int il = 0; il < L; ++il) s = std::max(s, (int64_t) dg->hdr[il].seq);
+    if (s <= dg->timeline_seen) return tl;
+    dg->timeline_seen = s;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    int n = 0;
+    for (int il = 0; il < L; ++il) {
+        const ostinato_mbx_hdr & h = dg->hdr[il];
+        if (h.seq != s) continue;
+        if (h.n != 1) return tl;   // a prefill of a few tokens: not a decode step
+        n++;
+    }
+    if (n < 2) return tl;
+    int prev = -1;
+    int64_t first = 0, last = 0;
+    for (int il = 0; il < L; ++il) {
+        const ostinato_mbx_hdr & h = dg->hdr[il];
+        if (h.seq != s) continue;
+        if (prev < 0) first = h.route_ns;
+        // adjacent layers only: an all-resident layer between two has no route op
+        if (prev >= 0 && prev == il - 1) {
+            const ostinato_mbx_hdr & p = dg->hdr[prev];
+            const double ms = (h.route_ns - p.route_ns) / 1e6;
+            if (ms >= 0 && p.n_cold > 0) {
+                tl.cpu_layers++;
+                tl.cpu_ms += ms;
+                tl.cpu_wait_ms += p.wait_seq == s ? p.wait_ns / 1e6 : 0.0;
+            } else if (ms >= 0) {
+                tl.gpu_layers++;
+                tl.gpu_ms += ms;
+            }
+        }
+        last = h.route_ns;
+        prev = il;
+    }
+    tl.passes = 1;
+    tl.span_ms = (last - first) / 1e6;
+    return tl;
 }
 
 void ost_dg_build_begin(ost_dgraph * dg, ggml_context * graph_ctx) {

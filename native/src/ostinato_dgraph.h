@@ -97,6 +97,26 @@ void           ost_dg_kernel_info(const ost_dgraph * dg, int64_t & n_fast, int64
 // Time the GPU's join ops waited for the CPU branch (ms), summed over the layers of the passes
 // completed since the last call (a pass still running on the GPU is counted at a later call).
 double         ost_dg_collect_wait(ost_dgraph * dg);
+
+// The decode timeline (docs/engine.md, "Decode timeline"): the GPU time from one MoE layer's route op
+// to the next layer's, per pair of adjacent decode-graph layers of one-token passes, split by
+// whether the first layer of the pair had routes for the CPU branch (its join waited for them) or
+// not (the GPU's work alone: attention, router, GPU branch, join, the decode prefetch's join).
+struct ost_dg_timeline {
+    int64_t passes = 0;            // one-token passes collected
+    double span_ms = 0;            // their first MoE layer's route to their last's, summed
+    int64_t cpu_layers = 0;        // intervals whose layer had CPU-branch routes
+    double cpu_ms = 0, cpu_wait_ms = 0;   //   their time, and of it the join's wait
+    int64_t gpu_layers = 0;        // intervals whose layer had none
+    double gpu_ms = 0;
+    void add(const ost_dg_timeline & o) {
+        passes += o.passes; span_ms += o.span_ms; cpu_layers += o.cpu_layers; cpu_ms += o.cpu_ms;
+        cpu_wait_ms += o.cpu_wait_ms; gpu_layers += o.gpu_layers; gpu_ms += o.gpu_ms;
+    }
+};
+// The timeline of the latest pass whose routes were published, when it is a one-token pass not
+// collected before (call between passes: each call samples one pass). Empty otherwise.
+ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg);
 // The CPU branch's own kernel on (default) or off (ggml's graph compute for every layer; for
 // measurements). Read when a graph is built.
 extern bool    g_ffn_kernel;

@@ -91,6 +91,7 @@ struct totals_t {
     int64_t cpu_bytes = 0, cpu_layers = 0, cpu_kernel_layers = 0;
     int64_t dpf_staged = 0, dpf_routes = 0, dpf_used = 0, dpf_bytes = 0;   // decode prefetch (pass_t)
     double join_wait_ms = 0;                   // the decode graph's joins waiting for the CPU branch
+    ost_dg_timeline timeline;                  // the decode timeline of the one-token passes sampled
     std::map<std::string, int64_t> paths;
     std::vector<int64_t> counts_prefill, counts_decode;   // [n_layer * n_expert]
     void add(const pass_t & p) {
@@ -279,7 +280,8 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts);
 json pass_json(const pass_t & p);
 int32_t count_route(engine_t * e, int il, int32_t x, bool decode);
 void dg_count(void * ud, int il, int k, const int32_t * ids, const ost_dg_layer_pass & p);
-// Adds the decode graph's join waits of completed passes to the totals. Caller holds g_mu.
+// Adds the decode graph's join waits of completed passes, and the decode timeline of the latest one-token
+// pass, to the totals. Caller holds g_mu.
 void collect_join_wait(engine_t * e);
 void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);

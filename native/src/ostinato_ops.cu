@@ -173,6 +173,7 @@ static __global__ void ost_route_kernel(const char * sel, const int64_t sel_nb0,
             o.hdr->n_staged = n_st;
             o.hdr->staged_routes = hits;
             o.hdr->staged_used = __popc(used);
+            o.hdr->route_ns = ost_now_ns();
             __threadfence_system();
             o.hdr->seq = seq;
         }

@@ -83,7 +83,9 @@ struct ostinato_mbx_hdr {
     volatile int32_t n_staged;      // written by route before seq: experts staged for this layer in this pass
     volatile int32_t staged_routes; //   routes of the layer they served (computed by the GPU branch)
     volatile int32_t staged_used;   //   of those experts, how many got a route
-    int32_t pad[3];
+    int32_t pad;
+    volatile int64_t route_ns;      // written by route before seq: when it published (GPU %globaltimer,
+                                    //   CPU steady clock; ns): the decode timeline's marks
 };
 
 // One part of an expert to copy into a staging slot: bytes at src + expert * src_stride (host memory

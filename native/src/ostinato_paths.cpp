@@ -26,6 +26,10 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
     j["cpu_kernel_layers"] = t.cpu_kernel_layers; j["join_wait_ms"] = t.join_wait_ms;
     j["decode_prefetch_staged"] = t.dpf_staged; j["decode_prefetch_routes"] = t.dpf_routes;
     j["decode_prefetch_used"] = t.dpf_used; j["decode_prefetch_bytes"] = t.dpf_bytes;
+    const ost_dg_timeline & tl = t.timeline;
+    j["decode_timeline"] = json{{"passes", tl.passes}, {"span_ms", tl.span_ms},
+                                {"cpu_layers", tl.cpu_layers}, {"cpu_ms", tl.cpu_ms}, {"cpu_wait_ms", tl.cpu_wait_ms},
+                                {"gpu_layers", tl.gpu_layers}, {"gpu_ms", tl.gpu_ms}};
     j["paths"] = json::object();
     for (const char * p : {"decode", "split", "upload"}) j["paths"][p] = 0;
     for (auto & kv : t.paths) j["paths"][kv.first] = kv.second;
@@ -104,6 +108,9 @@ void collect_join_wait(engine_t * e) {
     const double ms = ost_dg_collect_wait(e->dg);
     e->total.join_wait_ms += ms;
     e->request.join_wait_ms += ms;
+    const ost_dg_timeline tl = ost_dg_collect_timeline(e->dg);
+    e->total.timeline.add(tl);
+    e->request.timeline.add(tl);
 }
 
 // Route op (custom CPU op, n_tasks = 1): reads selected_experts [k, n_tokens] (possibly a strided

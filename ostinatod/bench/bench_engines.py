@@ -95,7 +95,8 @@ from .bench_launch import (StepRecorder, expert_stats, llama_server_binary, repl
                            start_llama_server)
 from .bench_prepare import collect_dev_traces, one_gpu_plan, plan, prepare_model, select_sessions
 from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown,
-                           phase_skew_warning, ratios, ratios_vs_limit, replay_turns, summarize_breakdown)
+                           phase_skew_warning, ratios, ratios_vs_limit, replay_turns, summarize_breakdown,
+                           timeline_summary)
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
 from .sessions import WORKLOAD_OF_SESSION, assistant_turns
 
@@ -343,6 +344,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 m["expert_stats"] = ex
                 m["hot_route_share"] = ex.get("hot_route_share")
                 m["step_breakdown"] = summarize_breakdown(rec.rows, turns)
+                m["step_breakdown"]["decode_timeline"] = timeline_summary(ex.get("decode_timeline"))
                 for warn in (phase_skew_warning(m["step_breakdown"], key), decode_path_warning(ex, key)):
                     if warn:
                         warnings.append(warn)

@@ -321,7 +321,7 @@ def expert_stats(home: Path) -> dict[str, Any]:
             "cold_routes": ex.get("cold_routes", eng.get("cold_routes")),
             "upload_bytes": eng.get("upload_bytes"), "prefill_threshold": eng.get("prefill_threshold"),
             "prefill": eng.get("prefill"), "decode_graph": eng.get("decode_graph"),
-            "decode_graph_steps": eng.get("decode_graph_steps")}
+            "decode_graph_steps": eng.get("decode_graph_steps"), "decode_timeline": eng.get("decode_timeline")}
 
 
 class StepRecorder:

@@ -459,6 +459,26 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def timeline_summary(tl: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Per decode step and per layer from the engine's cumulative ``decode_timeline`` stats
+    (docs/engine.md, "Decode timeline": the GPU time from one MoE layer's route op to the next's in
+    the one-token passes sampled). Returns None without sampled passes, else ``{"passes",
+    "span_ms" (first to last MoE layer's route, per step), "cpu_layers" (layers per step whose
+    routes went to the CPU branch), "cpu_layer_us" (an interval from such a layer, mean us),
+    "cpu_wait_us" (of it the join's wait), "gpu_layer_us" (an interval from a layer without them),
+    "gpu_work_ms" (per step: every interval less the waits, the GPU's own work between the first and
+    last route)}``."""
+    if not tl or not tl.get("passes"):
+        return None
+    n = tl["passes"]
+    cl, gl = tl.get("cpu_layers") or 0, tl.get("gpu_layers") or 0
+    us = lambda ms, k: round(1000 * ms / k, 1) if k else None   # noqa: E731
+    return {"passes": n, "span_ms": round(tl["span_ms"] / n, 3), "cpu_layers": round(cl / n, 2),
+            "cpu_layer_us": us(tl.get("cpu_ms") or 0, cl), "cpu_wait_us": us(tl.get("cpu_wait_ms") or 0, cl),
+            "gpu_layer_us": us(tl.get("gpu_ms") or 0, gl),
+            "gpu_work_ms": round(((tl.get("cpu_ms") or 0) - (tl.get("cpu_wait_ms") or 0) + (tl.get("gpu_ms") or 0)) / n, 3)}
+
+
 def breakdown_md(b: Optional[dict[str, Any]], who: str) -> list[str]:
     """Markdown lines for a ``step_breakdown`` (means in ms per decode step and per prefill)."""
     if not b:
@@ -493,6 +513,12 @@ def breakdown_md(b: Optional[dict[str, Any]], who: str) -> list[str]:
         out.append(f"| decode prefetch: experts staged / cold routes on the GPU / MB copied (decode) | "
                    f"{fmt(dm['decode_prefetch_staged'], '', 1)} / {fmt(dm.get('decode_prefetch_routes'), '', 1)} / "
                    f"{fmt((dm.get('decode_prefetch_bytes') or 0) / 1e6, '', 1)} | | |")
+    tl = b.get("decode_timeline")
+    if tl:
+        out.append(f"| decode timeline ({tl['passes']} steps): route to route ms / GPU work ms / layers with CPU "
+                   f"routes: us each (of it wait) / other layers: us each | {fmt(tl['span_ms'], '', 2)} / "
+                   f"{fmt(tl['gpu_work_ms'], '', 2)} / {fmt(tl['cpu_layers'], '', 1)}: {fmt(tl['cpu_layer_us'], '', 0)} "
+                   f"({fmt(tl['cpu_wait_us'], '', 0)}) / {fmt(tl['gpu_layer_us'], '', 0)} | | |")
     return out
 
 
