@@ -15,7 +15,12 @@
 #             llama-server, stock-layers; 2 x 8 turns (~5-6 min)
 #   peers100: the same at --budget-frac 1.0 without stock-layers (~3 min; `STAGES="peers peers100"` fits
 #             one call, the second skipping engines past the time left with a note)
-#   build:    offline install from .carry/ + CUDA build with the stock llama-server (~300 s)
+#   build:    offline install from .carry/ + CUDA build with the stock llama-server (~300 s); with
+#             PREWRITE="arch:shape:quant:layers ..." it writes those synthetic files (/tmp/a-<arch>.gguf)
+#             beside the build (e.g. PREWRITE="qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl:40": ~110 s, hidden)
+#   q35:      45% pool on /tmp/a-qwen35moe.gguf (the Qwen3.5-35B-A3B shape's 40 layers, UD-Q4_K_XL; written
+#             here when missing, ~110 s): ostinato, stock-all-gpu, llama-server, ostinato-no-dprefetch, 2 x 6
+#             turns (~4 min); bench args given go last (a later --engines replaces the list)
 #   exact:    GPU exactness tests and the op-level tests of the patches (on failure: rerun the first
 #             failure with CUDA_LAUNCH_BLOCKING=1)
 #   model:    the real-shape synthetic model /tmp/m.gguf (LAYERS layers, Qwen3-30B-A3B shape, Q4_0)
@@ -52,7 +57,8 @@
 #             real per-layer sizes with that many layers (/tmp/a-<arch>.gguf), then `ostinato bench
 #             engines` at a 45% pool: ostinato, stock-all-gpu, llama-server, 1 session x 6 turns
 #             -> archs-<arch>.{json,md,log,cmd.txt}, packed into archs.tar.gz (8 files come back)
-#   skew:     --skew-sweep 0.6,0.72,0.84,0.92 on SKEW_LAYERS (16) -layer Qwen3-30B-A3B-shape Q4_0 files (one
+#   skew:     --skew-sweep SKEWS (0.78,0.84,0.92,0.97: that shape's routers make no less than 0.771) on
+#             SKEW_LAYERS (16) -layer Qwen3-30B-A3B-shape Q4_0 files (one
 #             written per skew), 45% pool, ostinato, stock-all-gpu, llama-server, 1 session x SKEW_TURNS (6)
 #             turns, with the plot <name>.svg (~7 min; SKEW_LAYERS=12 SKEW_TURNS=4 ~5 min)
 # headline/full/sweep each need their own device call (<= 10 min: the bench skips, with a note,
@@ -126,10 +132,19 @@ fi
 if has build; then
   python3 -m pip install -q --no-index --no-build-isolation --find-links .carry/wheels -e . openai anthropic \
     > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
+  pw=()   # synthetic files beside the build (they need the install above)
+  for row in ${PREWRITE:-}; do
+    IFS=: read -r a shape quant nl <<< "$row"
+    [ -f "/tmp/a-$a.gguf" ] && continue
+    python3 -m ostinatod.cli synth --arch "$a" --shape "$shape" --quant "$quant" --layers "$nl" \
+      -o "/tmp/a-$a.gguf" > "/tmp/prewrite-$a.log" 2>&1 &
+    pw+=($!)
+  done
   nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
   OSTINATO_CUDA=1 OSTINATO_CUDA_ARCHS=90 python3 -m ostinatod.cli build --sdist .carry/llama-src.tar.xz \
     --with-server -j"$(nproc)" > /tmp/build.log 2>&1 || { tail -60 /tmp/build.log | tee "$OUT/build-tail.txt"; exit 1; }
   echo "[$(el)s] built"
+  if [ ${#pw[@]} -gt 0 ]; then wait "${pw[@]}"; tail -qn1 /tmp/prewrite-*.log; echo "[$(el)s] files written"; fi
 fi
 if has exact; then
   OSTINATO_TEST_GPU=1 timeout 200 python3 -X faulthandler -m pytest -q -s -x -p no:cacheprovider \
@@ -261,7 +276,7 @@ if has sweep; then
 fi
 if has skew; then
   left=$(( 590 - $(el) )); name="engines-h200-L${SKEW_LAYERS:-16}-skew-sweep"
-  cmd=(python3 -m ostinatod.cli bench engines --layers "${SKEW_LAYERS:-16}" --skew-sweep 0.6,0.72,0.84,0.92
+  cmd=(python3 -m ostinatod.cli bench engines --layers "${SKEW_LAYERS:-16}" --skew-sweep "${SKEWS:-0.78,0.84,0.92,0.97}"
        --sessions-dir .carry/sessions --out-dir "$OUT" --work-dir /tmp/bench-work-skew --name "$name"
        --time-limit $(( (left - 40) / 4 )) --budget-frac 0.45 --sessions 1 --turns "${SKEW_TURNS:-6}"
        --engines ostinato,stock-all-gpu,llama-server "$@")
@@ -304,6 +319,21 @@ PY
   pidf=/tmp/serve2-work/home-serve2/run/ostinatod.pid
   [ -f $pidf ] && kill -- -"$(cat $pidf)" 2>/dev/null
   python3 -c "import json; d = json.load(open('$OUT/serve2.json')); print(json.dumps({k: d.get(k) for k in ('checks', 'ok')})); [print(g) for g in d['plan']['per_gpu']]" 2>&1 | cut -c1-400
+fi
+if has q35; then
+  m=/tmp/a-qwen35moe.gguf
+  [ -f $m ] || python3 -m ostinatod.cli synth --arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl \
+    --layers 40 -o $m 2>&1 | tail -1
+  left=$(( 590 - $(el) )); name=engines-h200-qwen35moe-45
+  cmd=(python3 -m ostinatod.cli bench engines --model $m --sessions-dir .carry/sessions --out-dir "$OUT"
+       --work-dir /tmp/bench-work-q35 --name $name --time-limit $(( left - 25 )) --budget-frac 0.45
+       --sessions 2 --turns 6 --engines ostinato,stock-all-gpu,llama-server,ostinato-no-dprefetch "$@")
+  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null)); model: synth --arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl --layers 40" \
+    "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
+  echo "[$(el)s] q35: ${cmd[*]}"
+  timeout "$left" "${cmd[@]}" > "$OUT/$name.log" 2>&1
+  echo "[$(el)s] q35 rc=$?"; grep -E "engine .*: (decode|error)|skipped" "$OUT/$name.log" | cut -c1-220 | head -12
+  grep -E "^\| (decode|ttft|session|total_ms|cpu_branch_ms|join)" "$OUT/$name.md" 2>/dev/null | head -30
 fi
 if has peers; then
   bench "engines-h200-L$LAYERS-peers" --budget-frac 0.45 --sessions 2 --turns 8 \
