@@ -285,7 +285,9 @@ if has skew; then
   echo "[$(el)s] skew: ${cmd[*]}"
   timeout "$left" "${cmd[@]}" > "$OUT/$name.log" 2>&1
   echo "[$(el)s] skew rc=$?"; grep -E "skew sweep|^\| 0\." "$OUT/$name.log" | head -20
-  rm -f /tmp/bench-work-skew/*/*.gguf /tmp/bench-work-skew/*.gguf 2>/dev/null
+  # the per-skew runs in one file (at most 8 files come back from a call)
+  (cd "$OUT" && ls "$name"-skew*.json >/dev/null 2>&1 && tar -czf "$name-runs.tar.gz" "$name"-skew*.json \
+    "$name"-skew*.md && rm -f "$name"-skew*.json "$name"-skew*.md)
 fi
 if has serve2; then
   HOG_GPU=${HOG_GPU:-1}; HOG_GIB=${HOG_GIB:-24}
