@@ -734,8 +734,9 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
 
 def test_decode_timeline_marks_every_layer_of_each_decode_step(moe, stock):
     """The decode timeline (docs/engine.md, "Decode timeline"): each route op stamps when it
-    published its layer, and the engine samples the latest one-token pass between passes. Every
-    decode step of a generation is sampled once (the prompt's pass is not a decode step), every pair
+    published its layer, and at each pass's begin the engine samples the pass before it. Every
+    decode step of a generation but the last is sampled once (the prompt's pass is not a decode
+    step; the last is read at the next pass's begin), every pair
     of adjacent MoE layers gives one interval, split by whether its first layer had CPU-branch
     routes; the join's waits are part of those intervals; the tokens are stock's."""
     if len(moe[2]) < 2:

@@ -115,7 +115,8 @@ struct ost_dg_timeline {
     }
 };
 // The timeline of the latest pass whose routes were published, when it is a one-token pass not
-// collected before (call between passes: each call samples one pass). Empty otherwise.
+// collected before. Call when no pass runs (at the next pass's begin): each call samples one pass.
+// Empty otherwise.
 ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg);
 // The CPU branch's own kernel on (default) or off (ggml's graph compute for every layer; for
 // measurements). Read when a graph is built.
