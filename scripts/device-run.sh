@@ -144,7 +144,8 @@ if has build; then
   OSTINATO_CUDA=1 OSTINATO_CUDA_ARCHS=90 python3 -m ostinatod.cli build --sdist .carry/llama-src.tar.xz \
     --with-server -j"$(nproc)" > /tmp/build.log 2>&1 || { tail -60 /tmp/build.log | tee "$OUT/build-tail.txt"; exit 1; }
   echo "[$(el)s] built"
-  if [ ${#pw[@]} -gt 0 ]; then wait "${pw[@]}"; tail -qn1 /tmp/prewrite-*.log; echo "[$(el)s] files written"; fi
+  for pid in ${pw[@]+"${pw[@]}"}; do wait "$pid" || echo "[$(el)s] a PREWRITE file failed (/tmp/prewrite-*.log)"; done
+  [ ${#pw[@]} -gt 0 ] && { tail -qn1 /tmp/prewrite-*.log; echo "[$(el)s] PREWRITE done"; }
 fi
 if has exact; then
   OSTINATO_TEST_GPU=1 timeout 200 python3 -X faulthandler -m pytest -q -s -x -p no:cacheprovider \
@@ -200,12 +201,12 @@ if has cpubench; then
   printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
     "${cmd[*]}" > "$OUT/cpu-branch-h200.cmd.txt"
   timeout 240 "${cmd[@]}" > "$OUT/cpu-branch-h200.md" 2> "$OUT/cpu-branch-h200.log"
-  echo "[$(el)s] cpubench rc=$?"; grep -E "^\| (cb|model)|16 \| |15 \|" "$OUT/cpu-branch-h200.md" | head -40; tail -3 "$OUT/cpu-branch-h200.log"
+  rc=$?; echo "[$(el)s] cpubench rc=$rc"; grep -E "^\| (cb|model)|16 \| |15 \|" "$OUT/cpu-branch-h200.md" | head -40; tail -3 "$OUT/cpu-branch-h200.log"
 fi
 if has calib; then
   timeout 240 python3 -m ostinatod.cli calibrate --model /tmp/m.gguf --full --json > "$OUT/calibration.json" \
     2> "$OUT/calibration.log"
-  echo "[$(el)s] calibrate rc=$?"; tail -5 "$OUT/calibration.log"
+  rc=$?; echo "[$(el)s] calibrate rc=$rc"; tail -5 "$OUT/calibration.log"
   python3 - "$OUT/calibration.json" <<'PY'
 import json, sys
 try:
@@ -224,7 +225,7 @@ if has calib2; then
   for cs in all auto; do
     OSTINATO_CPU_SET=$cs timeout 270 python3 -m ostinatod.cli calibrate --model /tmp/m.gguf --full --json \
       > "$OUT/calibration-$cs.json" 2> "$OUT/calibration-$cs.log"
-    echo "[$(el)s] calibrate cpu_set=$cs rc=$?"; grep "CPU placement" "$OUT/calibration-$cs.log" | tail -1
+    rc=$?; echo "[$(el)s] calibrate cpu_set=$cs rc=$rc"; grep "CPU placement" "$OUT/calibration-$cs.log" | tail -1
     python3 -c "import json, sys; c = json.load(open(sys.argv[1])); [print(r) for r in c.get('decode_sweep') or []]; print({k: c.get(k) for k in ('cpu_placement', 'decode_threads', 'decode_graph', 'decode_overlap', 'decode_step_ms', 'np_tokens', 'error')})" "$OUT/calibration-$cs.json" 2>&1 | head -20
   done
 fi
@@ -276,15 +277,17 @@ if has sweep; then
 fi
 if has skew; then
   left=$(( 590 - $(el) )); name="engines-h200-L${SKEW_LAYERS:-16}-skew-sweep"
-  cmd=(python3 -m ostinatod.cli bench engines --layers "${SKEW_LAYERS:-16}" --skew-sweep "${SKEWS:-0.78,0.84,0.92,0.97}"
+  skews=${SKEWS:-0.78,0.84,0.92,0.97}; n_skews=$(( $(tr -cd , <<< "$skews" | wc -c) + 1 ))
+  per=$(( (left - 40) / n_skews )); [ "$per" -ge 30 ] || per=30   # --time-limit per skew's run (0: none)
+  cmd=(python3 -m ostinatod.cli bench engines --layers "${SKEW_LAYERS:-16}" --skew-sweep "$skews"
        --sessions-dir .carry/sessions --out-dir "$OUT" --work-dir /tmp/bench-work-skew --name "$name"
-       --time-limit $(( (left - 40) / 4 )) --budget-frac 0.45 --sessions 1 --turns "${SKEW_TURNS:-6}"
+       --time-limit "$per" --budget-frac 0.45 --sessions 1 --turns "${SKEW_TURNS:-6}"
        --engines ostinato,stock-all-gpu,llama-server "$@")
   printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
     "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
   echo "[$(el)s] skew: ${cmd[*]}"
   timeout "$left" "${cmd[@]}" > "$OUT/$name.log" 2>&1
-  echo "[$(el)s] skew rc=$?"; grep -E "skew sweep|^\| 0\." "$OUT/$name.log" | head -20
+  rc=$?; echo "[$(el)s] skew rc=$rc"; grep -E "skew sweep|^\| 0\." "$OUT/$name.log" | head -20
   # the per-skew runs in one file (at most 8 files come back from a call)
   (cd "$OUT" && ls "$name"-skew*.json >/dev/null 2>&1 && tar -czf "$name-runs.tar.gz" "$name"-skew*.json \
     "$name"-skew*.md && rm -f "$name"-skew*.json "$name"-skew*.md)
@@ -334,7 +337,7 @@ if has q35; then
     "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
   echo "[$(el)s] q35: ${cmd[*]}"
   timeout "$left" "${cmd[@]}" > "$OUT/$name.log" 2>&1
-  echo "[$(el)s] q35 rc=$?"; grep -E "engine .*: (decode|error)|skipped" "$OUT/$name.log" | cut -c1-220 | head -12
+  rc=$?; echo "[$(el)s] q35 rc=$rc"; grep -E "engine .*: (decode|error)|skipped" "$OUT/$name.log" | cut -c1-220 | head -12
   grep -E "^\| (decode|ttft|session|total_ms|cpu_branch_ms|join)" "$OUT/$name.md" 2>/dev/null | head -30
 fi
 if has peers; then

@@ -85,6 +85,7 @@ struct ost_dgraph {
     std::mutex m;
     std::condition_variable cv;
     jobset_t * run = nullptr;
+    size_t run_layers = 0;              // decode-graph layers of the last pass begun (its jobs)
     int64_t seq = 0;
     bool pending = false, quit = false, lost = false;
 };
@@ -467,7 +468,9 @@ ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg) {
         if (h.n != 1) return tl;   // a prefill of a few tokens: not a decode step
         n++;
     }
-    if (n < 2) return tl;
+    // every layer of the pass's graph (its CPU-branch jobs, one per decode-graph layer), else it
+    // still runs (run_layers, not run: a rebuilt graph frees the job set run points to)
+    if (n < 2 || (size_t) n != dg->run_layers) return tl;
     int prev = -1;
     int64_t first = 0, last = 0;
     for (int il = 0; il < L; ++il) {
@@ -575,6 +578,7 @@ bool ost_dg_pass_begin(ost_dgraph * dg, ggml_context * graph_ctx) {
     *dg->pass_seq = dg->seq;   // read by the route and join ops of this pass
     std::atomic_thread_fence(std::memory_order_seq_cst);
     dg->run = js;
+    dg->run_layers = js->jobs.size();
     dg->pending = true;
     if (js->any_fast) ost_team_set_active(dg->team, true);   // spins until the pass ends
     dg->cv.notify_all();

@@ -115,8 +115,8 @@ struct ost_dg_timeline {
     }
 };
 // The timeline of the latest pass whose routes were published, when it is a one-token pass not
-// collected before. Call when no pass runs (at the next pass's begin): each call samples one pass.
-// Empty otherwise.
+// read before and every layer of its graph has published (a pass still running is read as done
+// and dropped). Each call samples one pass; empty otherwise.
 ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg);
 // The CPU branch's own kernel on (default) or off (ggml's graph compute for every layer; for
 // measurements). Read when a graph is built.

@@ -280,10 +280,10 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts);
 json pass_json(const pass_t & p);
 int32_t count_route(engine_t * e, int il, int32_t x, bool decode);
 void dg_count(void * ud, int il, int k, const int32_t * ids, const ost_dg_layer_pass & p);
-// Adds the decode graph's join waits of completed passes to the totals, and at a pass's begin
-// (`pass_begin`: every pass before it is done on the GPU) the decode timeline of the pass before it.
-// Caller holds g_mu.
-void collect_join_wait(engine_t * e, bool pass_begin = false);
+// Adds the decode graph's join waits of completed passes to the totals, and with `timeline` the
+// decode timeline of the latest pass (at a pass's begin, and where stats are reset or taken for a
+// request: a stats read from another thread could meet a pass still running). Caller holds g_mu.
+void collect_join_wait(engine_t * e, bool timeline = false);
 void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud);

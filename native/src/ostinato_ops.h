@@ -87,6 +87,7 @@ struct ostinato_mbx_hdr {
     volatile int64_t route_ns;      // written by route before seq: when it published (GPU %globaltimer,
                                     //   CPU steady clock; ns): the decode timeline's marks
 };
+static_assert(sizeof(ostinato_mbx_hdr) == 64, "one mailbox header per cache line");
 
 // One part of an expert to copy into a staging slot: bytes at src + expert * src_stride (host memory
 // mapped for the GPU) to dst + slot * dst_stride (the pool).

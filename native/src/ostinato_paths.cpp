@@ -103,12 +103,12 @@ void dg_count(void * ud, int il, int k, const int32_t * ids, const ost_dg_layer_
     e->cur.dpf_bytes += (int64_t) p.n_staged * e->expert_bytes[il];
 }
 
-void collect_join_wait(engine_t * e, bool pass_begin) {
+void collect_join_wait(engine_t * e, bool timeline) {
     if (!e || !e->dg) return;
     const double ms = ost_dg_collect_wait(e->dg);
     e->total.join_wait_ms += ms;
     e->request.join_wait_ms += ms;
-    if (!pass_begin) return;   // between passes only: a pass may still run on the GPU after its end
+    if (!timeline) return;
     const ost_dg_timeline tl = ost_dg_collect_timeline(e->dg);
     e->total.timeline.add(tl);
     e->request.timeline.add(tl);

@@ -466,8 +466,8 @@ def timeline_summary(tl: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     "span_ms" (first to last MoE layer's route, per step), "cpu_layers" (layers per step whose
     routes went to the CPU branch), "cpu_layer_us" (an interval from such a layer, mean us),
     "cpu_wait_us" (of it the join's wait), "gpu_layer_us" (an interval from a layer without them),
-    "gpu_work_ms" (per step: every interval less the waits, the GPU's own work between the first and
-    last route)}``."""
+    "gpu_work_ms" (per step: the adjacent-layer intervals less their waits, the GPU's own work
+    between the first and last route; an interval across an all-resident layer is not among them)}``."""
     if not tl or not tl.get("passes"):
         return None
     n = tl["passes"]
