@@ -119,7 +119,7 @@ void predict_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
         pred[(size_t) x] = sum;
     }
     for (int x = 0; x < o.n_expert; ++x) order[(size_t) x] = x;
-    const int k = std::min({ o.k, o.n_expert, 32 });   // as the select kernel
+    const int k = std::min({ o.k, o.n_expert, OSTINATO_PREDICT_TOP });   // as the select kernel
     std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
         return pred[(size_t) a] > pred[(size_t) b] || (pred[(size_t) a] == pred[(size_t) b] && a < b);
     });
@@ -481,11 +481,13 @@ ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg) {
         if (prev >= 0 && prev == il - 1) {
             const ostinato_mbx_hdr & p = dg->hdr[prev];
             const double ms = (h.route_ns - p.route_ns) / 1e6;
-            if (ms >= 0 && p.n_cold > 0) {
+            if (ms < 0) {
+                // timers of two GPUs that disagree: no interval
+            } else if (p.n_cold > 0) {
                 tl.cpu_layers++;
                 tl.cpu_ms += ms;
                 tl.cpu_wait_ms += p.wait_seq == s ? p.wait_ns / 1e6 : 0.0;
-            } else if (ms >= 0) {
+            } else {
                 tl.gpu_layers++;
                 tl.gpu_ms += ms;
             }

@@ -283,7 +283,7 @@ void dg_count(void * ud, int il, int k, const int32_t * ids, const ost_dg_layer_
 // Adds the decode graph's join waits of completed passes to the totals, and with `timeline` the
 // decode timeline of the latest pass (at a pass's begin, and where stats are reset or taken for a
 // request: a stats read from another thread could meet a pass still running). Caller holds g_mu.
-void collect_join_wait(engine_t * e, bool timeline = false);
+void collect_dg_stats(engine_t * e, bool timeline = false);
 void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud);

@@ -546,7 +546,7 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         std::lock_guard<std::mutex> lock(g_mu);
         engine_t * e = g_eng;
         if (!e) return;
-        collect_join_wait(e, true);   // the passes before this one are done on the GPU too
+        collect_dg_stats(e, true);   // the passes before this one are done on the GPU too
         e->cur = pass_t();
         e->cur.tokens = n_tokens;
         std::fill(e->cold_seen.begin(), e->cold_seen.end(), 0);

@@ -70,14 +70,14 @@ static __global__ void ost_predict_kernel(const float * cur, const ostinato_op o
 // (ties: the lower expert), and of those the first next_max that are cold in the next layer: its
 // stage list for this pass.
 static __global__ void ost_select_kernel(const ostinato_op o) {
-    __shared__ float best_v[32];
+    __shared__ float best_v[32];   // one per warp (at most 32 warps in a block)
     __shared__ int best_i[32];
-    __shared__ int chosen[32];
+    __shared__ int chosen[OSTINATO_PREDICT_TOP];
     __shared__ int n_staged;
     const float * pred = o.pred_logits;
     if (threadIdx.x == 0) n_staged = 0;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = (blockDim.x + 31) / 32;
-    for (int r = 0; r < o.k && r < 32; ++r) {
+    for (int r = 0; r < o.k && r < OSTINATO_PREDICT_TOP; ++r) {
         float v = -INFINITY;
         int vi = INT_MAX;
         for (int x = threadIdx.x; x < o.n_expert; x += blockDim.x) {
@@ -400,8 +400,8 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
             const int warps = 256 / 32;
             ost_predict_kernel<<<(o->n_expert + warps - 1) / warps, 256, 0, side->stream>>>((const float *) cur->data, *o);
             ost_select_kernel<<<1, 256, 0, side->stream>>>(*o);
-            // 32 blocks of 512 threads kept PCIe busy in the prefill's copy probe (51 GB/s) and leave
-            // the decode step's kernels the other multiprocessors
+            // 32 blocks of 512 threads: the prefill's gather probe read host memory at 51 GB/s with 66 and
+            // more (32 was not probed); fewer leave the decode step's kernels more multiprocessors
             ost_stage_copy_kernel<<<32, 512, 0, side->stream>>>(*o);
             CUDA_CHECK(cudaGetLastError());
             const int p = (o->il + 1) & 1;

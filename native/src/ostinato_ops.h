@@ -69,6 +69,7 @@ enum ostinato_op_kind {
 #define OSTINATO_SC_STAGE_N   7   //   its length
 #define OSTINATO_SC_STAGE     8   //   its experts; expert i is in slot stage_slot0 + i
 #define OSTINATO_STAGE_MAX   16   // most experts staged for one layer per pass
+#define OSTINATO_PREDICT_TOP 32   // most of the predicted top k the select kernel ranks (k above: the first 32)
 #define OSTINATO_COPY_PARTS   6   // weight matrices and bias rows of one expert (up, gate, down + biases)
 
 // One layer's header in the mailbox; one cache line each so that the GPU's writes to one layer and

@@ -103,7 +103,7 @@ void dg_count(void * ud, int il, int k, const int32_t * ids, const ost_dg_layer_
     e->cur.dpf_bytes += (int64_t) p.n_staged * e->expert_bytes[il];
 }
 
-void collect_join_wait(engine_t * e, bool timeline) {
+void collect_dg_stats(engine_t * e, bool timeline) {
     if (!e || !e->dg) return;
     const double ms = ost_dg_collect_wait(e->dg);
     e->total.join_wait_ms += ms;

@@ -119,7 +119,7 @@ const char * ostinato_experts_stats(int with_counts) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (!g_eng) return keep(g_out_stats, json{{"active", false}});
     flush_counts(g_eng);
-    collect_join_wait(g_eng);
+    collect_dg_stats(g_eng);
     json j = totals_json(*g_eng, g_eng->total, with_counts != 0);
     j["active"] = true;
     json pools = json::array();   // per device: pool bytes and hot experts
@@ -140,7 +140,7 @@ const char * ostinato_experts_take_request_stats(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (!g_eng) return keep(g_out_req, json{{"active", false}});
     flush_counts(g_eng);
-    collect_join_wait(g_eng, true);   // the request's last decode step (the engine's thread, between passes)
+    collect_dg_stats(g_eng, true);   // the request's last decode step (the engine's thread, between passes)
     json j = totals_json(*g_eng, g_eng->request, true);
     j["active"] = true;
     totals_init(g_eng->request, (size_t) g_eng->n_layer * g_eng->n_expert);
@@ -151,7 +151,7 @@ void ostinato_experts_reset_stats(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (!g_eng) return;
     flush_counts(g_eng);   // what the count tables hold so far goes with the reset
-    collect_join_wait(g_eng, true);   // and the last pass's timeline, not counted after it
+    collect_dg_stats(g_eng, true);   // and the last pass's timeline, not counted after it
     const size_t n = (size_t) g_eng->n_layer * g_eng->n_expert;
     totals_init(g_eng->total, n);
     totals_init(g_eng->request, n);
