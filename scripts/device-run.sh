@@ -8,7 +8,8 @@
 #             into /tmp/ik-build (-> /tmp/ik-build/bin/llama-server, never in git). The build runs in a
 #             session of its own, so it goes on between calls while the machine is warm (30 s), and the
 #             stage waits for it until the call's time is up; the next call's ikbuild waits for the same
-#             build (or restarts ninja where it stopped). ~10-15 min of 16 cores in all: two calls.
+#             build (or restarts ninja where it stopped). ~10-15 min of 16 cores in all: two calls. It runs
+#             niced (nice 19), so our build and the tests beside it keep the cores they need.
 #             IK_WAIT=0 only starts it (put ikbuild first: `IK_WAIT=0 STAGES="ikbuild build model"`
 #             overlaps it with our build and the model). No bench runs while it builds.
 #   peers:    45% pool: ostinato, stock-all-gpu, ik-llama-server (-ot at stock-layers' GPU expert bytes),
@@ -21,6 +22,8 @@
 #   q35:      45% pool on /tmp/a-qwen35moe.gguf (the Qwen3.5-35B-A3B shape's 40 layers, UD-Q4_K_XL; written
 #             here when missing, ~110 s): ostinato, stock-all-gpu, llama-server, ostinato-no-dprefetch, 2 x 6
 #             turns (~4 min); bench args given go last (a later --engines replaces the list)
+#   q35peers: the same file and pool with every peer: ostinato, stock-all-gpu, ik-llama-server (stage
+#             ikbuild first), llama-server, stock-layers (~6 min)
 #   exact:    GPU exactness tests and the op-level tests of the patches (on failure: rerun the first
 #             failure with CUDA_LAUNCH_BLOCKING=1)
 #   model:    the real-shape synthetic model /tmp/m.gguf (LAYERS layers, Qwen3-30B-A3B shape, Q4_0)
@@ -81,7 +84,6 @@ ik_building() { kill -0 "$(cat /tmp/ik-build.pid 2>/dev/null)" 2>/dev/null; }
 bench() {
   local name=$1; shift
   if ik_building; then echo "[$(el)s] $name: not run, the ik_llama.cpp build still runs beside it (stage ikbuild)"; return; fi
-  [ -x "$IK_BIN" ] && export OSTINATO_IK_SERVER=${OSTINATO_IK_SERVER:-$IK_BIN}
   local left=$(( 590 - $(el) ))
   local cmd=(python3 -m ostinatod.cli bench engines --model /tmp/m.gguf --sessions-dir .carry/sessions
              --out-dir "$OUT" --work-dir "/tmp/bench-work-$name" --name "$name"
@@ -111,7 +113,7 @@ if has ikbuild; then
       || { tail -30 /tmp/ik-cmake.log | tee "$OUT/ik-cmake-tail.txt"; exit 1; }
     if ! ik_building; then
       echo "[$(el)s] ikbuild: ninja llama-server -j$(nproc) in /tmp/ik-build ($(grep -c . /tmp/ik-build.log 2>/dev/null || echo 0) log lines so far)"
-      setsid bash -c 'echo $$ > /tmp/ik-build.pid; exec ninja -C /tmp/ik-build -j"$(nproc)" llama-server' \
+      setsid bash -c 'echo $$ > /tmp/ik-build.pid; exec nice -n 19 ninja -C /tmp/ik-build -j"$(nproc)" llama-server' \
         >> /tmp/ik-build.log 2>&1 < /dev/null &
       sleep 2
     fi
@@ -129,6 +131,7 @@ if has ikbuild; then
     echo "[$(el)s] ikbuild: ninja stopped without the binary (log tail in ik-build-tail.txt)"; exit 1
   fi
 fi
+[ -x "$IK_BIN" ] && export OSTINATO_IK_SERVER=${OSTINATO_IK_SERVER:-$IK_BIN}
 if has build; then
   python3 -m pip install -q --no-index --no-build-isolation --find-links .carry/wheels -e . openai anthropic \
     > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
@@ -325,20 +328,33 @@ PY
   [ -f $pidf ] && kill -- -"$(cat $pidf)" 2>/dev/null
   python3 -c "import json; d = json.load(open('$OUT/serve2.json')); print(json.dumps({k: d.get(k) for k in ('checks', 'ok')})); [print(g) for g in d['plan']['per_gpu']]" 2>&1 | cut -c1-400
 fi
-if has q35; then
-  m=/tmp/a-qwen35moe.gguf
+# q35run NAME ENGINES [bench args]: `ostinato bench engines` at a 45% pool on the Qwen3.5 file, 2 x 6 turns
+q35run() {
+  local name=$1 engines=$2; shift 2
+  if ik_building; then echo "[$(el)s] $name: not run, the ik_llama.cpp build still runs beside it (stage ikbuild)"; return; fi
+  local m=/tmp/a-qwen35moe.gguf
   [ -f $m ] || python3 -m ostinatod.cli synth --arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl \
     --layers 40 -o $m 2>&1 | tail -1
-  left=$(( 590 - $(el) )); name=engines-h200-qwen35moe-45
-  cmd=(python3 -m ostinatod.cli bench engines --model $m --sessions-dir .carry/sessions --out-dir "$OUT"
-       --work-dir /tmp/bench-work-q35 --name $name --time-limit $(( left - 25 )) --budget-frac 0.45
-       --sessions 2 --turns 6 --engines ostinato,stock-all-gpu,llama-server,ostinato-no-dprefetch "$@")
+  local left=$(( 590 - $(el) ))
+  local cmd=(python3 -m ostinatod.cli bench engines --model $m --sessions-dir .carry/sessions --out-dir "$OUT"
+       --work-dir "/tmp/bench-work-$name" --name "$name" --time-limit $(( left - 25 )) --budget-frac 0.45
+       --sessions 2 --turns 6 --engines "$engines" "$@")
   printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null)); model: synth --arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl --layers 40" \
-    "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
-  echo "[$(el)s] q35: ${cmd[*]}"
+    "OSTINATO_HOME=$OSTINATO_HOME ${OSTINATO_IK_SERVER:+OSTINATO_IK_SERVER=$OSTINATO_IK_SERVER }${cmd[*]}" > "$OUT/$name.cmd.txt"
+  echo "[$(el)s] $name: ${cmd[*]}"
+  rm -f "/tmp/bench-work-$name"/replay-*.json
   timeout "$left" "${cmd[@]}" > "$OUT/$name.log" 2>&1
-  rc=$?; echo "[$(el)s] q35 rc=$rc"; grep -E "engine .*: (decode|error)|skipped" "$OUT/$name.log" | cut -c1-220 | head -12
+  local rc=$?; echo "[$(el)s] $name rc=$rc"; grep -E "engine .*: (decode|error)|skipped" "$OUT/$name.log" | cut -c1-220 | head -12
   grep -E "^\| (decode|ttft|session|total_ms|cpu_branch_ms|join)" "$OUT/$name.md" 2>/dev/null | head -30
+  grep -hE "ostinato: |CUDA error|GGML_ASSERT|Traceback|error loading|unknown" "/tmp/bench-work-$name"/*.log \
+    2>/dev/null | sort | uniq -c | head -20
+}
+if has q35; then
+  q35run engines-h200-qwen35moe-45 ostinato,stock-all-gpu,llama-server,ostinato-no-dprefetch "$@"
+fi
+if has q35peers; then
+  # issue 27's run: every peer side by side on the file whose routing is as skewed as a real model's
+  q35run engines-h200-qwen35moe-45-peers ostinato,stock-all-gpu,ik-llama-server,llama-server,stock-layers "$@"
 fi
 if has peers; then
   bench "engines-h200-L$LAYERS-peers" --budget-frac 0.45 --sessions 2 --turns 8 \
