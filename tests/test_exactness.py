@@ -45,10 +45,14 @@ WHOLE_SLOTS = Settings.model_fields["pool_whole_expert_slots"].default
 
 @pytest.fixture(autouse=True)
 def _daemon_pool_layout():
-    """Every test builds its pools with the daemon's layout: the native flag is process-wide and an
-    ExpertRuntime load sets it from the settings, so without this a test's layout would depend on
-    the tests that ran before it."""
+    """Every test builds its pools with the daemon's layout, and with the prefill and decode
+    prefetch off (the native defaults) unless it turns them on: the native flags are process-wide
+    and an ExpertRuntime load sets them from the settings, so without this a test's layout and
+    paths would depend on the tests that ran before it (a GPU failure of the decode prefetch on
+    deepseek4 showed only after a runtime test had left it on)."""
     native.set_whole_slots(WHOLE_SLOTS)
+    native.set_prefetch(0)
+    native.set_decode_prefetch(0)
     yield
 
 
@@ -767,23 +771,31 @@ def test_decode_timeline_marks_every_layer_of_each_decode_step(moe, stock):
     assert _stats()["decode_timeline"]["passes"] == 0
 
 
-def _every_path_matches(r, ref_toks):
+def _every_path_matches(r, ref_toks, decode_prefetch=0):
     """Greedy tokens of runner ``r`` equal ``ref_toks`` on the split path, the upload path (Np 8),
     the upload path with the cost model's CPU share (its CPU part on the CPU branch's kernel where
-    the graph matches) and the decode graph, with both branches doing work in each; restores Np,
-    the split and the graph setting."""
+    the graph matches) and the decode graph, with both branches doing work in each; with
+    ``decode_prefetch`` > 0 also the decode graph with that many experts staged per layer (the pool
+    needs prefetch depth 2 at its build). Restores Np, the split and the graph and decode prefetch
+    settings. Returns the stats of the last pass."""
     split = {"alpha_us": 0.0, "cpu_gbps": 10.0, "h2d_gbps": 10.0}
+    passes = [(512, None, None, 0), (8, None, None, 0), (8, None, split, 0), (512, True, None, 0)]
+    if decode_prefetch:
+        passes.append((512, True, None, decode_prefetch))
     try:
-        for np_tokens, graph, cpu_split in ((512, None, None), (8, None, None), (8, None, split), (512, True, None)):
+        for np_tokens, graph, cpu_split, dpf in passes:
             native.set_prefill_threshold(np_tokens)
             native.set_decode_graph(graph)
             native.set_cpu_split(cpu_split)
+            native.set_decode_prefetch(dpf)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
-            assert toks == ref_toks, (np_tokens, graph, cpu_split)
+            assert toks == ref_toks, (np_tokens, graph, cpu_split, dpf)
             assert 0 < st["hot_routes"] < st["routes"], st   # both branches did work
+        return st
     finally:
+        native.set_decode_prefetch(0)
         native.set_cpu_split(None)
         native.set_decode_graph(None)
         native.set_prefill_threshold(512)
@@ -857,7 +869,10 @@ NEW_ARCHS = ("glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
 def test_newer_architectures_through_the_engine(arch):
     """Issue 13 item 2 on the CPU: each newer architecture's tiny file (synthetic, q8_0 experts) with
     half of every MoE layer's experts hot gives stock's greedy tokens on the split path, the upload
-    path and the decode graph, and the pool holds its hot experts (not the stock fallback)."""
+    path and the decode graph, the latter also with decode prefetch (the daemon's default; on the
+    GPU deepseek4's decode graph runs in several scheduler splits, and a prefetch chain crossing one
+    once aborted the CUDA graph's capture), and the pool holds its hot experts (not the stock
+    fallback)."""
     from ostinatod.residency.gguf_header import read_header
     from ostinatod.synth.writer import synthetic_model
 
@@ -873,13 +888,19 @@ def test_newer_architectures_through_the_engine(arch):
         ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), N_NEW)
     finally:
         ref.close()
+    native.set_prefetch(2)   # three staging regions: the decode prefetch stages in two of them
     r = Runner(path, hot=hot, prefill_threshold=512)
     try:
         info = native.experts_json("ostinato_experts_info")
         assert info["hot_experts"] == sum(len(v) for v in hot.values()), info["notes"]
-        _every_path_matches(r, ref_toks)
+        st = _every_path_matches(r, ref_toks, decode_prefetch=16)
+        print(f"\n[exactness] {arch} decode prefetch: staged {st['decode_prefetch_staged']}, "
+              f"{st['decode_prefetch_routes']} of {st['cold_routes']} cold routes in the GPU branch")
+        if len(layers) > 1:   # a next layer to predict: the prefetch staged and its routes ran
+            assert st["decode_prefetch_staged"] > 0 and st["decode_prefetch_routes"] > 0
     finally:
         r.close()
+        native.set_prefetch(0)
 
 
 @pytest.mark.parametrize("np_tokens", [2, 512])

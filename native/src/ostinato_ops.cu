@@ -373,6 +373,11 @@ static bool ost_sources_mapped(const ostinato_op & o) {
     return ok;
 }
 
+void ggml_cuda_ostinato_graph_end(ggml_backend_cuda_context & ctx) {
+    // (no chain was ever forked on a device whose side stream was not made: pending stays -1)
+    ost_side_join(ctx.device, ctx.stream(), INT_MAX);
+}
+
 bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ostinato_op * o = ost_op_of(dst);
     if (!o) return false;
