@@ -23,7 +23,7 @@
 #             here when missing, ~110 s): ostinato, stock-all-gpu, llama-server, ostinato-no-dprefetch, 2 x 6
 #             turns (~4 min); bench args given go last (a later --engines replaces the list)
 #   q35peers: the same file and pool with every peer: ostinato, stock-all-gpu, ik-llama-server (stage
-#             ikbuild first), llama-server, stock-layers (~6 min)
+#             ikbuild first), llama-server, stock-layers (~4 min: 224 s on 2026-12-03)
 #   exact:    GPU exactness tests and the op-level tests of the patches (on failure: rerun the first
 #             failure with CUDA_LAUNCH_BLOCKING=1)
 #   model:    the real-shape synthetic model /tmp/m.gguf (LAYERS layers, Qwen3-30B-A3B shape, Q4_0)
