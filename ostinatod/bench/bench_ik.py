@@ -69,12 +69,16 @@ def expert_override(n_cpu_moe: int) -> Optional[str]:
 
 
 def ik_server_command(binary: Path, model: Path, port: int, n_cpu_moe: int, threads: int,
-                      n_ctx: int, extra: str = "") -> list[str]:
+                      n_ctx: int, extra: str = "", trace_log: Optional[Path] = None) -> list[str]:
     """The command line of ``ik-llama-server`` (see the module docstring): 2 slots of ``n_ctx``
-    tokens each, ``threads`` for decode and batch, ``extra`` (shell words) appended."""
+    tokens each, ``threads`` for decode and batch, ``extra`` (shell words) appended. Its trace log
+    goes to ``trace_log`` + ".log" (``--log-file``; without it the server writes ``llama.log`` in
+    its working directory, i.e. wherever the bench was started)."""
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-c", str(n_ctx * 2), "-np", "2", "-ngl", "999", "-fa", "on",
            "-t", str(threads), "-tb", str(threads), "--jinja", "-b", "2048", "-ub", "512"]
+    if trace_log is not None:
+        cmd += ["--log-file", str(trace_log)]
     ot = expert_override(n_cpu_moe)
     if ot:
         cmd += ["-ot", ot]
@@ -90,6 +94,6 @@ def start_ik_server(model: Path, n_cpu_moe: int, run_dir: Path, a: argparse.Name
     threads, cpus = server_placement(a)
     port = free_port()
     cmd = ik_server_command(binary, model, port, n_cpu_moe, threads, a.n_ctx,
-                            os.environ.get(IK_ARGS_ENV, ""))
+                            os.environ.get(IK_ARGS_ENV, ""), trace_log=run_dir / f"{IK}-trace")
     return Server(IK, cmd, gpu_env(a, dict(os.environ)), run_dir / f"{IK}.log",
                   url=f"http://127.0.0.1:{port}", cpus=cpus)
