@@ -200,6 +200,43 @@ def test_slow_second_request_on_a_kept_alive_connection_is_timed_out(keepalive_d
         s.close()
 
 
+def test_the_rest_of_a_body_is_not_a_next_requests_first_bytes(start_daemon, tiny_model):
+    """A body larger than one socket read arrives in several reads after its headers. aiohttp takes
+    the request off its queue as the headers complete, and before Python 3.12 starts its handler a
+    loop turn later, so the next read came while the connection looked idle: the guard took it for
+    a next request's first bytes and armed the header timeout, which then closed the connection
+    while the answer was being made (a CI run lost a 10.6 s Anthropic request to the 10 s timeout).
+    Here the header timeout is 0.1 s and each answer takes longer (128 tokens): every request on
+    the kept-alive connection is answered, none is cut."""
+    d = start_daemon("--model", str(tiny_model), "--n-ctx", "512", "--engine-mode", "inprocess",
+                     "--n-threads", "1", "--http-header-timeout-s", "0.1")
+    port = int(d.url.rsplit(":", 1)[1])
+    # 1 MiB in a field the API keeps but does not read: four reads of asyncio's 256 KiB
+    body = json.dumps(chat(128, ignore_eos=True, padding="x" * (1 << 20))).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    try:
+        for i in range(3):
+            s.sendall(head + body)   # the server's first read ends inside the body
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = s.recv(65536)
+                assert chunk, f"request {i}: connection closed without an answer"
+                data += chunk
+            headers, rest = data.split(b"\r\n\r\n", 1)
+            assert headers.startswith(b"HTTP/1.1 200"), headers[:200]
+            n = int(re.search(rb"(?i)content-length: *(\d+)", headers).group(1))
+            while len(rest) < n:
+                chunk = s.recv(65536)
+                assert chunk, f"request {i}: connection closed inside the answer"
+                rest += chunk
+            answer = json.loads(rest[:n])
+            assert answer["usage"]["completion_tokens"] > 0, answer
+    finally:
+        s.close()
+
+
 # ---- item 4: a GGUF llama.cpp refuses leaves the served model, and says why ---------------------
 
 @pytest.fixture(scope="module")

@@ -275,8 +275,15 @@ class _ConnectionGuard(asyncio.Protocol):
         return getattr(self.inner, "_request_count", 0)
 
     def _idle_kept_alive(self) -> bool:
-        """Served at least one request and handling none now (aiohttp waits for the next)."""
-        return (self._requests() > 0 and not getattr(self.inner, "_request_in_progress", True)
+        """Served at least one request and handling none now: aiohttp's request loop is parked on
+        its waiter for the next one. Not idle between taking a request off its queue and starting
+        the request's handler task: before Python 3.12 that task starts a loop turn later, and the
+        rest of the request's body can arrive in between (it did, on a 2-core CI machine: taken for
+        the first bytes of a next request, it armed the header timeout, which then closed the
+        connection while the answer was being generated)."""
+        waiter = getattr(self.inner, "_waiter", None)
+        return (self._requests() > 0 and waiter is not None and not waiter.done()
+                and not getattr(self.inner, "_request_in_progress", True)
                 and not getattr(self.inner, "_messages", None))
 
     def _victim(self) -> "_ConnectionGuard | None":
