@@ -80,16 +80,17 @@ T0=${DEVICE_T0:-$(date +%s)}; el() { echo $(( $(date +%s) - T0 )); }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 IK_BIN=/tmp/ik-build/bin/llama-server
 ik_building() { kill -0 "$(cat /tmp/ik-build.pid 2>/dev/null)" 2>/dev/null; }
-# bench NAME ARGS...: one `ostinato bench engines` run on /tmp/m.gguf within the time left of this call
+# bench NAME ARGS...: one `ostinato bench engines` run within the time left of this call, on
+# $BENCH_MODEL (default /tmp/m.gguf; $BENCH_NOTE, how it was written, goes into the .cmd.txt)
 bench() {
   local name=$1; shift
   if ik_building; then echo "[$(el)s] $name: not run, the ik_llama.cpp build still runs beside it (stage ikbuild)"; return; fi
   local left=$(( 590 - $(el) ))
-  local cmd=(python3 -m ostinatod.cli bench engines --model /tmp/m.gguf --sessions-dir .carry/sessions
+  local cmd=(python3 -m ostinatod.cli bench engines --model "${BENCH_MODEL:-/tmp/m.gguf}" --sessions-dir .carry/sessions
              --out-dir "$OUT" --work-dir "/tmp/bench-work-$name" --name "$name"
              --time-limit $(( left - 25 )) "$@")
-  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
-    "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
+  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))${BENCH_NOTE:-}" \
+    "OSTINATO_HOME=$OSTINATO_HOME ${OSTINATO_IK_SERVER:+OSTINATO_IK_SERVER=$OSTINATO_IK_SERVER }${cmd[*]}" > "$OUT/$name.cmd.txt"
   echo "[$(el)s] $name: ${cmd[*]}"
   rm -f "/tmp/bench-work-$name"/replay-*.json   # a repeated stage packs only its own replays
   timeout "$left" "${cmd[@]}" 2>&1 | tee "$OUT/$name.log" | grep -vE "^\| prefill|^$" | tail -60
@@ -338,24 +339,10 @@ fi
 # q35run NAME ENGINES [bench args]: `ostinato bench engines` at a 45% pool on the Qwen3.5 file, 2 x 6 turns
 q35run() {
   local name=$1 engines=$2; shift 2
-  if ik_building; then echo "[$(el)s] $name: not run, the ik_llama.cpp build still runs beside it (stage ikbuild)"; return; fi
-  local m=/tmp/a-qwen35moe.gguf
-  [ -f $m ] || python3 -m ostinatod.cli synth --arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl \
-    --layers 40 -o $m 2>&1 | tail -1
-  local left=$(( 590 - $(el) ))
-  local cmd=(python3 -m ostinatod.cli bench engines --model $m --sessions-dir .carry/sessions --out-dir "$OUT"
-       --work-dir "/tmp/bench-work-$name" --name "$name" --time-limit $(( left - 25 )) --budget-frac 0.45
-       --sessions 2 --turns 6 --engines "$engines" "$@")
-  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null)); model: synth --arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl --layers 40" \
-    "OSTINATO_HOME=$OSTINATO_HOME ${OSTINATO_IK_SERVER:+OSTINATO_IK_SERVER=$OSTINATO_IK_SERVER }${cmd[*]}" > "$OUT/$name.cmd.txt"
-  echo "[$(el)s] $name: ${cmd[*]}"
-  rm -f "/tmp/bench-work-$name"/replay-*.json
-  timeout "$left" "${cmd[@]}" > "$OUT/$name.log" 2>&1
-  local rc=$?; echo "[$(el)s] $name rc=$rc"; grep -E "engine .*: (decode|error)|skipped" "$OUT/$name.log" | cut -c1-220 | head -12
-  grep -E "^\| (decode|ttft|session|total_ms|cpu_branch_ms|join)" "$OUT/$name.md" 2>/dev/null | head -30
-  grep -hE "ostinato: |CUDA error|GGML_ASSERT|Traceback|error loading|unknown" "/tmp/bench-work-$name"/*.log \
-    2>/dev/null | sort | uniq -c | head -20
-  (cd "/tmp/bench-work-$name" 2>/dev/null && ls replay-*.json >/dev/null 2>&1 && tar -czf "$OUT/$name-replays.tar.gz" replay-*.json)
+  local m=/tmp/a-qwen35moe.gguf synth=(--arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl --layers 40)
+  [ -f $m ] || ik_building || python3 -m ostinatod.cli synth "${synth[@]}" -o $m 2>&1 | tail -1
+  BENCH_MODEL=$m BENCH_NOTE="; model: synth ${synth[*]}" bench "$name" --budget-frac 0.45 --sessions 2 \
+    --turns 6 --engines "$engines" "$@"
 }
 if has q35; then
   q35run engines-h200-qwen35moe-45 ostinato,stock-all-gpu,llama-server,ostinato-no-dprefetch "$@"

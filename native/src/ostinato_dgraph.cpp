@@ -453,29 +453,21 @@ double ost_dg_collect_wait(ost_dgraph * dg) {
 }
 
 ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg) {
-    ost_dg_timeline tl;
-    if (!dg) return tl;
+    if (!dg) return {};
     const int L = dg->cfg.n_layer;
     int64_t s = 0;
     for (int il = 0; il < L; ++il) s = std::max(s, (int64_t) dg->hdr[il].seq);
-    if (s <= dg->timeline_seen) return tl;
+    if (s <= dg->timeline_seen) return {};
     dg->timeline_seen = s;
     std::atomic_thread_fence(std::memory_order_acquire);
-    int n = 0;
-    for (int il = 0; il < L; ++il) {
-        const ostinato_mbx_hdr & h = dg->hdr[il];
-        if (h.seq != s) continue;
-        if (h.n != 1) return tl;   // a prefill of a few tokens: not a decode step
-        n++;
-    }
-    // every layer of the pass's graph (its CPU-branch jobs, one per decode-graph layer), else it
-    // still runs (run_layers, not run: a rebuilt graph frees the job set run points to)
-    if (n < 2 || (size_t) n != dg->run_layers) return tl;
-    int prev = -1;
+    ost_dg_timeline tl;
+    int n = 0, prev = -1;
     int64_t first = 0, last = 0;
     for (int il = 0; il < L; ++il) {
         const ostinato_mbx_hdr & h = dg->hdr[il];
         if (h.seq != s) continue;
+        if (h.n != 1) return {};   // a prefill of a few tokens: not a decode step
+        n++;
         if (prev < 0) first = h.route_ns;
         // adjacent layers only: an all-resident layer between two has no route op
         if (prev >= 0 && prev == il - 1) {
@@ -495,6 +487,9 @@ ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg) {
         last = h.route_ns;
         prev = il;
     }
+    // every layer of the pass's graph (its CPU-branch jobs, one per decode-graph layer), else it
+    // still runs (run_layers, not run: a rebuilt graph frees the job set run points to)
+    if (n < 2 || (size_t) n != dg->run_layers) return {};
     tl.passes = 1;
     tl.span_ms = (last - first) / 1e6;
     return tl;

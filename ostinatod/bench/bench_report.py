@@ -471,12 +471,11 @@ def timeline_summary(tl: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     if not tl or not tl.get("passes"):
         return None
     n = tl["passes"]
-    cl, gl = tl.get("cpu_layers") or 0, tl.get("gpu_layers") or 0
+    cl, gl, cpu, wait, gpu = (tl.get(k) or 0 for k in ("cpu_layers", "gpu_layers", "cpu_ms", "cpu_wait_ms", "gpu_ms"))
     us = lambda ms, k: round(1000 * ms / k, 1) if k else None   # noqa: E731
     return {"passes": n, "span_ms": round(tl["span_ms"] / n, 3), "cpu_layers": round(cl / n, 2),
-            "cpu_layer_us": us(tl.get("cpu_ms") or 0, cl), "cpu_wait_us": us(tl.get("cpu_wait_ms") or 0, cl),
-            "gpu_layer_us": us(tl.get("gpu_ms") or 0, gl),
-            "gpu_work_ms": round(((tl.get("cpu_ms") or 0) - (tl.get("cpu_wait_ms") or 0) + (tl.get("gpu_ms") or 0)) / n, 3)}
+            "cpu_layer_us": us(cpu, cl), "cpu_wait_us": us(wait, cl), "gpu_layer_us": us(gpu, gl),
+            "gpu_work_ms": round((cpu - wait + gpu) / n, 3)}
 
 
 def breakdown_md(b: Optional[dict[str, Any]], who: str) -> list[str]:

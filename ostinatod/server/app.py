@@ -280,11 +280,10 @@ class _ConnectionGuard(asyncio.Protocol):
         the request's handler task: before Python 3.12 that task starts a loop turn later, and the
         rest of the request's body can arrive in between (it did, on a 2-core CI machine: taken for
         the first bytes of a next request, it armed the header timeout, which then closed the
-        connection while the answer was being generated)."""
+        connection while the answer was being generated). The loop parks only with no request
+        queued or running, so its waiter says both (a missing one: never idle)."""
         waiter = getattr(self.inner, "_waiter", None)
-        return (self._requests() > 0 and waiter is not None and not waiter.done()
-                and not getattr(self.inner, "_request_in_progress", True)
-                and not getattr(self.inner, "_messages", None))
+        return self._requests() > 0 and waiter is not None and not waiter.done()
 
     def _victim(self) -> "_ConnectionGuard | None":
         for c in _ConnectionGuard.opened:
