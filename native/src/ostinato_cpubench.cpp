@@ -5,6 +5,7 @@
 // op-level test of the kernel and of native/patches/23 (outputs compared bit for bit).
 #include "ostinato_engine.h"
 #include "ostinato_cpuffn.h"
+#include "ostinato_dot.h"
 
 #include "ggml-cpu.h"
 
@@ -243,6 +244,12 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         if (spins_list.empty()) throw std::runtime_error("spins must not be empty");
         for (int v : spins_list) if (v < 0) throw std::runtime_error("spins must be >= 0");
         struct spins_t { int was; ~spins_t() { ost_ffn_set_spins(was); } } spins_restore{ost_ffn_spins()};
+        // the row-pair dot products on (1) or off (0: vec_dot row by row), per row of the grid (ost_dot_set_enabled)
+        const auto pairs_list = a.value("row_pairs", std::vector<int>{ost_dot_enabled() ? 1 : 0});
+        if (pairs_list.empty()) throw std::runtime_error("row_pairs must not be empty");
+        struct pairs_t { bool was; ~pairs_t() { ost_dot_set_enabled(was); } } pairs_restore{ost_dot_enabled()};
+        out["row_pairs_isa"] = ost_dot_isa();
+        out["row_pairs_types"] = ost_dot_types();
         const int prefetch_was = ost_ffn_prefetch_rows();
         struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
         // where the kernel reads the experts from, per row of the grid (place())
@@ -380,13 +387,16 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 f.down = in_mem(mem, f.down);
                 std::vector<float> ko((size_t) n_embd * k * n, 0.0f);
                 std::vector<uint8_t> ws;
-                for (int sp : spins_list) for (int pfr : prefetch_list) for (int nt : threads_list) {
+                for (int rp : pairs_list) for (int sp : spins_list) for (int pfr : prefetch_list) for (int nt : threads_list) {
                     ost_ffn_set_prefetch_rows(pfr);
                     ost_ffn_set_spins(sp);
-                    // ggml is timed once per shape and thread count (the prefetch and the memory are the kernel's)
-                    const bool time_ggml = with_ggml && pfr == prefetch_list.front() && mi == 0 && sp == spins_list.front();
+                    ost_dot_set_enabled(rp != 0);
+                    // ggml is timed once per shape and thread count (the prefetch, the memory, the spins and the
+                    // row pairs are the kernel's)
+                    const bool time_ggml = with_ggml && pfr == prefetch_list.front() && mi == 0 && sp == spins_list.front() &&
+                                           rp == pairs_list.front();
                     json row{{"experts", n_used}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
-                             {"prefetch_rows", pfr}, {"memory", mem.kind}, {"spins", sp},
+                             {"prefetch_rows", pfr}, {"memory", mem.kind}, {"spins", sp}, {"row_pairs", rp != 0 ? 1 : 0},
                              {"bytes", matched ? n_used * f.expert_bytes : 0}, {"matched", matched}};
                     if (!matched) row["unmatched"] = why;
                     // kernel

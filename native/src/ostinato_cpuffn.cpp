@@ -1,5 +1,6 @@
 // The CPU branch's own kernel and thread team: see ostinato_cpuffn.h.
 #include "ostinato_cpuffn.h"
+#include "ostinato_dot.h"
 
 #include "ggml-cpu.h"
 
@@ -323,6 +324,47 @@ void prefetch_row(const ost_ffn & f, const group_t & g, int64_t row, bool down) 
     for (; line < p + w->nb[1]; line += 64) __builtin_prefetch(line, 0, 3);
 }
 
+// Route q's output element `row` of weight row wr (tensor w): one ggml-cpu vec_dot.
+inline void vec_dot_row(run_t & r, int32_t q, int64_t row, const char * wr, const ggml_tensor * w, bool down) {
+    const ost_ffn & f = *r.f;
+    const route_t & rt = r.routes[(size_t) q];
+    const auto vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
+    if (down) {
+        vec_dot((int) f.n_ff, r.job->out + ((int64_t) rt.t * r.job->k + rt.j) * f.n_embd + row, 0, wr, 0,
+                r.actq + (size_t) q * r.actq_row, 0, 1);
+    } else {
+        vec_dot((int) f.n_embd, r.gu + (size_t) q * 2 * f.n_ff + row, 0, wr, 0,
+                r.xq + (size_t) r.tok_slot[(size_t) rt.t] * r.xq_row, 0, 1);
+    }
+}
+
+// Rows [row0, row1) of group g, one tensor, for every route of g: the row-pair dot products
+// (ostinato_dot.h; bitwise vec_dot's, two rows per pass) where they serve the type and no software
+// prefetch is asked for, else vec_dot row by row (each row read once for all the group's routes).
+void tensor_rows(run_t & r, const group_t & g, int64_t row0, int64_t row1, bool down, int64_t pf) {
+    const ost_ffn & f = *r.f;
+    const ggml_tensor * w = nullptr;
+    const char * w0 = weight_row(f, g, row0, down, &w);
+    if (pf == 0 && ost_dot_enabled() && ost_dot_serves(w->type)) {
+        for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
+            const route_t & rt = r.routes[(size_t) q];
+            float * out = down ? r.job->out + ((int64_t) rt.t * r.job->k + rt.j) * f.n_embd + row0
+                               : r.gu + (size_t) q * 2 * f.n_ff + row0;
+            const void * y = down ? (const void *) (r.actq + (size_t) q * r.actq_row)
+                                  : (const void *) (r.xq + (size_t) r.tok_slot[(size_t) rt.t] * r.xq_row);
+            if (ost_dot_rows(w->type, (int) (down ? f.n_ff : f.n_embd), w0, w->nb[1], (int) (row1 - row0), y, out)) continue;
+            for (int64_t row = row0; row < row1; ++row) vec_dot_row(r, q, row, w0 + (row - row0) * w->nb[1], w, down);
+        }
+        return;
+    }
+    for (int64_t row = row0; row < std::min(row1, row0 + pf); ++row) prefetch_row(f, g, row, down);
+    for (int64_t row = row0; row < row1; ++row) {
+        if (pf > 0 && row + pf < row1) prefetch_row(f, g, row + pf, down);
+        const char * wr = w0 + (row - row0) * w->nb[1];
+        for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) vec_dot_row(r, q, row, wr, w, down);
+    }
+}
+
 void phase_rows(run_t & r, bool down) {
     const ost_ffn & f = *r.f;
     const int64_t n_ff = f.n_ff;
@@ -335,22 +377,12 @@ void phase_rows(run_t & r, bool down) {
          c = next.fetch_add(1, std::memory_order_relaxed)) {
         const group_t & g = r.groups[(size_t) (c / cpg)];
         const int64_t row0 = (c % cpg) * rc, row1 = std::min(per, row0 + rc);
-        for (int64_t row = row0; row < std::min(row1, row0 + pf); ++row) prefetch_row(f, g, row, down);
-        for (int64_t row = row0; row < row1; ++row) {
-            if (pf > 0 && row + pf < row1) prefetch_row(f, g, row + pf, down);
-            const ggml_tensor * w = nullptr;
-            const char * wr = weight_row(f, g, row, down, &w);
-            const auto vec_dot = ggml_get_type_traits_cpu(w->type)->vec_dot;
-            for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
-                const route_t & rt = r.routes[(size_t) q];
-                if (down) {
-                    vec_dot((int) n_ff, r.job->out + ((int64_t) rt.t * r.job->k + rt.j) * f.n_embd + row, 0, wr, 0,
-                            r.actq + (size_t) q * r.actq_row, 0, 1);
-                } else {
-                    vec_dot((int) f.n_embd, r.gu + (size_t) q * 2 * n_ff + row, 0, wr, 0,
-                            r.xq + (size_t) r.tok_slot[(size_t) rt.t] * r.xq_row, 0, 1);
-                }
-            }
+        // gate rows [0, n_ff) and up rows [n_ff, 2 n_ff) are two tensors unless merged
+        if (!down && !f.merged && row0 < n_ff && row1 > n_ff) {
+            tensor_rows(r, g, row0, n_ff, false, pf);
+            tensor_rows(r, g, n_ff, row1, false, pf);
+        } else {
+            tensor_rows(r, g, row0, row1, down, pf);
         }
     }
 }
@@ -486,8 +518,9 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
     }
     // chunks of about CHUNK_BYTES of weight rows (gate/up rows are n_embd long, down rows n_ff)
     const ggml_tensor * gw = f.merged ? f.up : f.gate;
-    r.chunk1 = std::max<int64_t>(1, CHUNK_BYTES / (int64_t) gw->nb[1]);
-    r.chunk3 = std::max<int64_t>(1, CHUNK_BYTES / (int64_t) f.down->nb[1]);
+    // an even number of rows: the row-pair dot products pair a chunk's rows
+    r.chunk1 = std::max<int64_t>(2, (CHUNK_BYTES / (int64_t) gw->nb[1]) & ~(int64_t) 1);
+    r.chunk3 = std::max<int64_t>(2, (CHUNK_BYTES / (int64_t) f.down->nb[1]) & ~(int64_t) 1);
     r.per1 = (2 * f.n_ff + r.chunk1 - 1) / r.chunk1;
     r.per3 = (f.n_embd + r.chunk3 - 1) / r.chunk3;
     r.next1.store(0, std::memory_order_relaxed);

@@ -21,6 +21,7 @@
 
 #include "ostinato_engine.h"
 #include "ostinato_cpuffn.h"
+#include "ostinato_dot.h"
 #include "ostinato_split.h"
 
 #include <memory>
@@ -906,6 +907,8 @@ int ostinato_experts_set_cpu_prefetch(int rows) {
     if (rows < 0 || rows > OST_PREFETCH_ROWS_MAX) return -1;
     return ost_ffn_set_prefetch_rows(rows);
 }
+
+int ostinato_experts_set_cpu_row_pairs(int on) { return ost_dot_set_enabled(on != 0) ? 1 : 0; }
 
 int ostinato_experts_set_decode_prefetch(int max_experts) {
     if (max_experts < 0 || max_experts > OSTINATO_STAGE_MAX) return -1;

@@ -2,6 +2,7 @@
 // slots, per-pass and cumulative route counts). See ostinato_experts.h and ostinato_engine.h.
 #include "ostinato_engine.h"
 #include "ostinato_cpuffn.h"
+#include "ostinato_dot.h"
 
 using namespace ost;
 
@@ -29,7 +30,9 @@ json decode_graph_json() {
         int64_t nf = 0, ng = 0; std::string note;
         ost_dg_kernel_info(g_eng->dg, nf, ng, note);
         d["cpu_kernel"] = json{{"on", g_ffn_kernel}, {"layers_kernel", nf}, {"layers_ggml", ng},
-                               {"prefetch_rows", ost_ffn_prefetch_rows()}};
+                               {"prefetch_rows", ost_ffn_prefetch_rows()},
+                               {"row_pairs", json{{"on", ost_dot_enabled()}, {"isa", ost_dot_isa()},
+                                                  {"types", ost_dot_types()}}}};
         if (!note.empty()) d["cpu_kernel"]["unmatched"] = note;
     }
     // decode prefetch: how many layers' route ops stage the next layer's predicted experts

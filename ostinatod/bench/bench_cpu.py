@@ -15,8 +15,9 @@ kernel at each software-prefetch distance (setting ``cpu_branch_prefetch_rows``)
 sizes (``/proc/self/smaps``) of each. Every kernel row also says where its
 time went (``phases_us``: grouping, the team's start, the input's quantisation, gate/up rows,
 activations, down rows, barrier waits); ``--spins 256,1000000000`` runs the kernel with its team's
-threads yielding after that many pauses while they wait (the default) and spinning on. See
-docs/engine.md, "CPU branch kernel".
+threads yielding after that many pauses while they wait (the default) and spinning on;
+``--row-pairs 1,0`` runs the kernel with its row-pair dot products (the default, two weight rows per
+pass) and with ggml-cpu's vec_dot row by row. See docs/engine.md, "CPU branch kernel".
 """
 
 from __future__ import annotations
@@ -63,13 +64,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     fits = []
     def key(r: dict[str, Any]) -> tuple:
         return int(r["tokens"]), int(r["threads"]), int(r.get("prefetch_rows", 0)), r.get("memory", "model"), \
-            int(r.get("spins", 0))
+            int(r.get("spins", 0)), int(r.get("row_pairs", 0))
 
     for k in sorted({key(r) for r in result.get("rows", [])}):
         f = fit_cpu_bandwidth([r for r in result["rows"] if key(r) == k])
         if f:
-            n, t, pf, mem, sp = k
-            f.update(tokens=n, threads=t, prefetch_rows=pf, memory=mem, spins=sp, host_read_gbps=bw.get(t))
+            n, t, pf, mem, sp, rp = k
+            f.update(tokens=n, threads=t, prefetch_rows=pf, memory=mem, spins=sp, row_pairs=rp,
+                     host_read_gbps=bw.get(t))
             fits.append(f)
     result["fits"] = fits
     return result
@@ -121,8 +123,8 @@ PHASES = ("prepare", "wake", "quant", "gate_up", "act", "down", "idle")
 def table(results: Sequence[dict[str, Any]]) -> str:
     """Markdown tables of the results (rows, then the fits, where the kernel's time went, and the
     memory kinds' read bandwidth and page sizes)."""
-    lines = ["| model | types | E | n | T | pf | mem | spins | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | types | E | n | T | pf | mem | spins | pairs | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         name = Path(res["model"]).name
         types = f"{res['type_up']}/{res['type_down']}"
@@ -131,27 +133,27 @@ def table(results: Sequence[dict[str, Any]]) -> str:
                 v = r.get(key)
                 return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
             lines.append(f"| {name} | {types} | {r['experts']} | {r['tokens']} | {r['threads']} | "
-                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
+                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {r.get('row_pairs', '–')} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
                          f"{f('kernel_share_of_read_bw', '.0%')} | {f('ggml_ms', '.3f')} | {f('ggml_gbps', '.1f')} | "
                          f"{f('speedup_vs_ggml', '.2f')} | {r.get('bitwise_equal', '–')} |")
-    lines += ["", "| model | n | T | pf | mem | spins | alpha us | bw GB/s | host read GB/s | bw / read |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | n | T | pf | mem | spins | pairs | alpha us | bw GB/s | host read GB/s | bw / read |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for fit in res.get("fits", []):
             host = fit.get("host_read_gbps")
             share = f"{fit['bw_gbps'] / host:.0%}" if host else "–"
             lines.append(f"| {Path(res['model']).name} | {fit['tokens']} | {fit['threads']} | "
-                         f"{fit.get('prefetch_rows', 0)} | {fit.get('memory', 'model')} | {fit.get('spins', '–')} | {fit['alpha_us']:.1f} | "
+                         f"{fit.get('prefetch_rows', 0)} | {fit.get('memory', 'model')} | {fit.get('spins', '–')} | {fit.get('row_pairs', '–')} | {fit['alpha_us']:.1f} | "
                          f"{fit['bw_gbps']:.1f} | {host or 0:.1f} | {share} |")
     timed = [(res, r) for res in results for r in res["rows"] if r.get("phases_us")]
     if timed:
         lines += ["", "where the kernel's time went (us, medians; phases end when the last thread arrives)", "",
-                  "| model | E | n | T | pf | mem | spins | " + " | ".join(PHASES) + " | total |",
-                  "|---|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 1)]
+                  "| model | E | n | T | pf | mem | spins | pairs | " + " | ".join(PHASES) + " | total |",
+                  "|---|---|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 1)]
         for res, r in timed:
             ph = r["phases_us"]
             lines.append(f"| {Path(res['model']).name} | {r['experts']} | {r['tokens']} | {r['threads']} | "
-                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | "
+                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {r.get('row_pairs', '–')} | "
                          + " | ".join(f"{ph.get(k, 0):.1f}" for k in PHASES) + f" | {ph.get('total', 0):.1f} |")
     mems = [(res, m) for res in results for m in res.get("memories", [])]
     if mems:
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                     "transparent huge pages); comma-separated, each a row of the grid")
     ap.add_argument("--spins", type=_rows, default=None, help="pauses before a waiting thread of the "
                     "kernel's team yields, e.g. 256,1000000000 (default: the engine's, 256)")
+    ap.add_argument("--row-pairs", type=_rows, default=None, help="1: the kernel's row-pair dot products, "
+                    "0: ggml-cpu's vec_dot row by row; e.g. 1,0 runs both (default: the engine's, 1)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--read-bw-mib", type=int, default=1024, help="buffer of the host read-bandwidth test")
     ap.add_argument("--flush-mib", type=int, default=256, help="memory read before every timed run, so "
@@ -242,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             args["memory"] = memory
         if a.spins:
             args["spins"] = a.spins
+        if a.row_pairs:
+            args["row_pairs"] = a.row_pairs
         results = run(models, args)
     except (BenchError, Exception) as e:   # a native refusal, a file llama.cpp will not load
         from ..engine.native import ExpertEngineError

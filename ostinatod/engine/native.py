@@ -173,6 +173,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_cpu_kernel": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_prefetch": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_spins": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_cpu_row_pairs": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_decode_prefetch": ([ctypes.c_int], ctypes.c_int),
     "ostinato_cpu_branch_bench": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
@@ -439,6 +440,15 @@ def set_cpu_prefetch(rows: int) -> None:
     outside 0..64 (the engine's OST_PREFETCH_ROWS_MAX)."""
     if llama_fn("ostinato_experts_set_cpu_prefetch")(int(rows)) < 0:
         raise ValueError(f"CPU branch prefetch rows must be 0..64, got {rows}")
+
+
+def set_cpu_row_pairs(on: bool) -> None:
+    """The CPU branch kernel's dot products two weight rows per pass (True, the native default;
+    setting ``cpu_branch_row_pairs``: AVX-512 or AVX2, bitwise ggml-cpu's vec_dot, each type checked
+    against it on this machine at first use) or ggml-cpu's vec_dot row by row (False; measurements).
+    Process-wide, read per chunk of rows; ``info()["decode_graph"]["cpu_kernel"]["row_pairs"]`` says
+    the instruction set and the types served."""
+    llama_fn("ostinato_experts_set_cpu_row_pairs")(1 if on else 0)
 
 
 def set_cpu_spins(spins: int) -> int:

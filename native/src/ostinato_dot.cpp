@@ -1,0 +1,135 @@
+// Row-pair dot products: dispatch by instruction set and the first-use check (ostinato_dot.h).
+#include "ostinato_dot.h"
+
+#include "ggml-cpu.h"
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+bool ost_dot_rows_avx2(int type, int n, const void * w, size_t rb, int nrows, const void * y, float * out, bool fused);
+bool ost_dot_rows_avx512(int type, int n, const void * w, size_t rb, int nrows, const void * y, float * out, bool fused);
+
+namespace {
+
+enum isa_t { ISA_NONE, ISA_AVX2, ISA_AVX512 };
+
+struct kind_t {
+    ggml_type t;
+    size_t block_bytes;   // the layout ostinato_dot_x86.inc reads
+    int64_t block_values;
+};
+// the served types: the quantisations of the expert tensors in the common GGUF recipes
+const kind_t KINDS[] = {
+    {GGML_TYPE_Q4_0, 18, 32}, {GGML_TYPE_Q8_0, 34, 32}, {GGML_TYPE_Q4_K, 144, 256},
+    {GGML_TYPE_Q5_K, 176, 256}, {GGML_TYPE_Q6_K, 210, 256},
+};
+
+std::atomic<bool> g_on{true};
+std::once_flag g_once;
+isa_t g_isa = ISA_NONE;
+bool g_ok[GGML_TYPE_COUNT] = {};
+bool g_fused = true;   // q5_K's sum of mins as ggml's compiler built it here
+
+isa_t detect() {
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    const bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+        return ISA_AVX512;
+    }
+    return base ? ISA_AVX2 : ISA_NONE;
+#else
+    return ISA_NONE;
+#endif
+}
+
+bool call(isa_t isa, ggml_type t, int n, const void * w, size_t rb, int nrows, const void * y, float * out, bool fused) {
+    switch (isa) {
+        case ISA_AVX512: return ost_dot_rows_avx512((int) t, n, w, rb, nrows, y, out, fused);
+        case ISA_AVX2:   return ost_dot_rows_avx2((int) t, n, w, rb, nrows, y, out, fused);
+        default:         return false;
+    }
+}
+
+// Rows of random values (fixed seed) against ggml-cpu's vec_dot on this machine, bit for bit: an odd
+// row count (the last row's pair with itself), two lengths, activations of two magnitudes.
+bool same_as_ggml(isa_t isa, const kind_t & k, bool fused) {
+    const auto * tr = ggml_get_type_traits_cpu(k.t);
+    const auto * ty = ggml_get_type_traits_cpu(tr->vec_dot_type);
+    if (!tr->vec_dot || !ty->from_float) return false;
+    uint64_t s = 0x9e3779b97f4a7c15ULL;
+    auto rnd = [&] {   // ~N(0, 1) from a sum of uniforms
+        float a = 0;
+        for (int i = 0; i < 4; ++i) {
+            s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+            a += (float) (s >> 40) / (float) (1 << 24) - 0.5f;
+        }
+        return a * 1.7f;
+    };
+    for (int n : {512, 2048}) {
+        const int nrows = 7;
+        std::vector<float> wf((size_t) n * nrows), yf((size_t) n);
+        for (auto & v : wf) v = rnd();
+        const size_t rb = ggml_row_size(k.t, n);
+        std::vector<uint8_t> wq(rb * nrows), yq(ggml_row_size(tr->vec_dot_type, n));
+        ggml_quantize_chunk(k.t, wf.data(), wq.data(), 0, nrows, n, nullptr);
+        for (float scale : {1.0f, 40.0f}) {
+            for (auto & v : yf) v = rnd() * scale;
+            ty->from_float(yf.data(), yq.data(), n);
+            std::vector<float> mine((size_t) nrows), ref((size_t) nrows);
+            if (!call(isa, k.t, n, wq.data(), rb, nrows, yq.data(), mine.data(), fused)) return false;
+            for (int r = 0; r < nrows; ++r) tr->vec_dot(n, &ref[(size_t) r], 0, wq.data() + r * rb, 0, yq.data(), 0, 1);
+            if (memcmp(mine.data(), ref.data(), sizeof(float) * nrows) != 0) return false;
+        }
+    }
+    return true;
+}
+
+void check() {
+    g_isa = detect();
+    if (g_isa == ISA_NONE) return;
+    for (const kind_t & k : KINDS) {
+        if (ggml_type_size(k.t) != k.block_bytes || ggml_blck_size(k.t) != k.block_values) continue;
+        if (k.t == GGML_TYPE_Q5_K) {
+            if (same_as_ggml(g_isa, k, true)) { g_ok[k.t] = true; g_fused = true; }
+            else if (same_as_ggml(g_isa, k, false)) { g_ok[k.t] = true; g_fused = false; }
+            continue;
+        }
+        g_ok[k.t] = same_as_ggml(g_isa, k, true);
+    }
+}
+
+}  // namespace
+
+bool ost_dot_serves(ggml_type t) {
+    std::call_once(g_once, check);
+    return t >= 0 && t < GGML_TYPE_COUNT && g_ok[t];
+}
+
+bool ost_dot_rows(ggml_type t, int n, const void * w, size_t row_bytes, int nrows, const void * y, float * out) {
+    if (!g_on.load(std::memory_order_relaxed) || !ost_dot_serves(t)) return false;
+    return call(g_isa, t, n, w, row_bytes, nrows, y, out, g_fused);
+}
+
+bool ost_dot_set_enabled(bool on) { return g_on.exchange(on); }
+bool ost_dot_enabled() { return g_on.load(); }
+
+std::string ost_dot_isa() {
+    std::call_once(g_once, check);
+    return g_isa == ISA_AVX512 ? "avx512" : g_isa == ISA_AVX2 ? "avx2" : "none";
+}
+
+std::string ost_dot_types() {
+    std::call_once(g_once, check);
+    std::string s;
+    for (const kind_t & k : KINDS) {
+        if (!g_ok[k.t]) continue;
+        if (!s.empty()) s += ",";
+        s += ggml_type_name(k.t);
+    }
+    return s;
+}

@@ -1,0 +1,35 @@
+// Dot products of several weight rows with one activation row for the CPU branch kernel (issue 25):
+// bitwise what ggml-cpu's vec_dot gives for each row, two rows at a time (docs/engine.md, "CPU branch
+// kernel", "Row pairs").
+//
+// ggml-cpu's x86 vec_dot of the types below sums each 256-value block's integer products into eight
+// 32-bit lanes and adds each block into eight float lanes with one fused multiply-add, then adds
+// the lanes in a fixed order. The kernels here do the same per row, but for two rows in one pass:
+// with AVX-512 one 512-bit register holds both rows' lanes (each half doing what ggml's 256-bit
+// register does for one row), so the vector instructions per weight byte halve; with AVX2 two
+// registers. The integer sums are exact whatever the instruction, and the float operations are
+// ggml's, in its order, lane for lane: the results are bitwise ggml's. A check at first use compares
+// every type against ggml-cpu's own vec_dot on this machine and turns a type off if one bit differs
+// (a ggml built for another instruction set, a compiler that contracts differently).
+#pragma once
+
+#include "ggml.h"
+
+#include <cstddef>
+#include <string>
+
+// Rows w + i * row_bytes (i < nrows) of type t, n values each, dotted with y (t's vec_dot_type, n
+// values): out[i] = vec_dot(n, w_i, y). False (nothing written) when no kernel serves t on this CPU
+// (or the kernels are switched off); the caller then calls ggml-cpu's vec_dot per row.
+bool ost_dot_rows(ggml_type t, int n, const void * w, size_t row_bytes, int nrows, const void * y, float * out);
+
+// Whether ost_dot_rows serves type t here (after the first-use check).
+bool ost_dot_serves(ggml_type t);
+
+// On (default) or off (every row through ggml's vec_dot; measurements). Returns the previous state.
+bool ost_dot_set_enabled(bool on);
+bool ost_dot_enabled();
+
+// "avx512", "avx2" or "none", and the types that passed the check ("q4_0,q8_0,..."), for info().
+std::string ost_dot_isa();
+std::string ost_dot_types();
