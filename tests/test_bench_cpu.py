@@ -5,6 +5,7 @@ is asserted: speed is what the stored H200 runs in docs/benchmarks report)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,26 @@ def test_cpu_branch_bench_refuses_bad_arguments(argv, capsys):
         rc = e.code
     assert rc == 2
     assert "cpu-branch" in capsys.readouterr().err
+
+
+def test_cpu_branch_bench_runs_the_kernel_with_each_row_pairs_mode_bitwise(tmp_path):
+    # the row-pair dot products (native/src/ostinato_dot.h) change how many rows one pass takes,
+    # never what is computed: vec_dot row by row, AVX2 pairs and AVX-512 pairs (AVX2 where the CPU
+    # lacks AVX-512) give llama.cpp's rows bit for bit; the engine's mode is back afterwards
+    from ostinatod.engine import native
+
+    rc, res = _bench_q4_0(tmp_path, "--experts", "1,3", "--tokens", "1,3", "--threads", "2", "--row-pairs", "0,1,2")
+    assert rc == 0
+    assert sorted({r["row_pairs"] for r in res["rows"]}) == [0, 1, 2]
+    assert len(res["rows"]) == 2 * 2 * 3 and all(r["bitwise_equal"] for r in res["rows"])
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists() and "avx2" in cpuinfo.read_text().split():   # x86 with AVX2: the pairs run
+        assert all((r["row_pairs_isa"] == "off") == (r["row_pairs"] == 0) for r in res["rows"])
+        assert all("q4_0" in r["row_pairs_types"] for r in res["rows"] if r["row_pairs"] > 0)
+    else:   # elsewhere every mode falls back to vec_dot row by row
+        assert all(r["row_pairs_isa"] == "off" for r in res["rows"])
+    assert all(("ggml_ms" in r) == (r["row_pairs"] == 0) for r in res["rows"])
+    assert native.llama_fn("ostinato_experts_set_cpu_row_pairs")(0) == 0   # the previous: off again, not 2
+    assert native.llama_fn("ostinato_experts_set_cpu_row_pairs")(3) == -1
+    with pytest.raises(ValueError):
+        native.set_cpu_row_pairs("avx1024")

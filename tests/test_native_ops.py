@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+from pathlib import Path
 
 import pytest
 
@@ -83,8 +84,10 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
     kernel exported by native/patches/23) on a model's expert tensors: for 1-8 experts, 1, 3 and 16
     tokens and 1-3 threads, its output rows are bitwise those of llama.cpp's CPU graph (up and gate
     mul_mat_id, swiglu, down mul_mat_id) on the same inputs; separate and merged gate_up tensors,
-    Q8_0, Q4_0 and K-quant mixes. An expert with 8 or more routes of a type that ggml-cpu computes
-    with its tiled kernel is left to ggml (kernel false); every other row ran the kernel."""
+    Q8_0, Q4_0 and K-quant mixes; with ggml-cpu's vec_dot row by row and with the row-pair dot
+    products (native/src/ostinato_dot.h, modes AVX2 and AVX-512; a CPU without AVX-512 runs AVX2 for
+    both). An expert with 8 or more routes of a type that ggml-cpu computes with its tiled kernel is
+    left to ggml (kernel false); every other row ran the kernel."""
     from ostinatod.engine import native
     from ostinatod.synth.writer import write_synthetic_moe
     from ostinatod.bench.bench_cpu import _load
@@ -94,7 +97,7 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
     import llama_cpp
     model = _load(path)
     try:
-        res = native.cpu_branch_bench(model, {"experts": [1, 2, 8], "tokens": [1, 3, 16],
+        res = native.cpu_branch_bench(model, {"experts": [1, 2, 8], "tokens": [1, 3, 16], "row_pairs": [0, 1, 2],
                                               "threads": [1, 3], "reps": 1, "read_bw_bytes": 1 << 20, "flush_bytes": 1 << 20})
         with pytest.raises(native.ExpertEngineError, match="no routed experts"):
             native.cpu_branch_bench(model, {"layer": 99})
@@ -102,7 +105,14 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
         llama_cpp.llama_model_free(model)
     assert res["merged_gate_up"] is merged
     rows = res["rows"]
-    assert len(rows) == 3 * 3 * 2 and all(r["matched"] for r in rows)
+    assert len(rows) == 3 * 3 * 2 * 3 and all(r["matched"] for r in rows)
+    avx2 = "avx2" in Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else False
+    for r in rows:
+        assert r["row_pairs_isa"] == ("off" if r["row_pairs"] == 0 else r["row_pairs_isa"])
+        if avx2 and r["row_pairs"] > 0:   # every type of these files that the row pairs know passed their check
+            assert r["row_pairs_isa"] in ("avx2", "avx512"), r
+            served = set(r["row_pairs_types"].split(","))
+            assert {"q4_0", "q8_0", "q4_K", "q5_K", "q6_K"} <= served, r
     tiled = res["type_up"].startswith(("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq")) or \
         res["type_down"].startswith(("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq"))
     for r in rows:

@@ -244,12 +244,12 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         if (spins_list.empty()) throw std::runtime_error("spins must not be empty");
         for (int v : spins_list) if (v < 0) throw std::runtime_error("spins must be >= 0");
         struct spins_t { int was; ~spins_t() { ost_ffn_set_spins(was); } } spins_restore{ost_ffn_spins()};
-        // the row-pair dot products on (1) or off (0: vec_dot row by row), per row of the grid (ost_dot_set_enabled)
-        const auto pairs_list = a.value("row_pairs", std::vector<int>{ost_dot_enabled() ? 1 : 0});
+        // the row-pair dot products' mode (ost_dot_set_mode: 0 off = vec_dot row by row, 1 AVX2, 2 AVX-512),
+        // per row of the grid
+        const auto pairs_list = a.value("row_pairs", std::vector<int>{ost_dot_mode()});
         if (pairs_list.empty()) throw std::runtime_error("row_pairs must not be empty");
-        struct pairs_t { bool was; ~pairs_t() { ost_dot_set_enabled(was); } } pairs_restore{ost_dot_enabled()};
-        out["row_pairs_isa"] = ost_dot_isa();
-        out["row_pairs_types"] = ost_dot_types();
+        for (int v : pairs_list) if (v < 0 || v > OST_DOT_AVX512) throw std::runtime_error("row_pairs must be 0, 1 or 2");
+        struct pairs_t { int was; ~pairs_t() { ost_dot_set_mode(was); } } pairs_restore{ost_dot_mode()};
         const int prefetch_was = ost_ffn_prefetch_rows();
         struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
         // where the kernel reads the experts from, per row of the grid (place())
@@ -390,13 +390,14 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 for (int rp : pairs_list) for (int sp : spins_list) for (int pfr : prefetch_list) for (int nt : threads_list) {
                     ost_ffn_set_prefetch_rows(pfr);
                     ost_ffn_set_spins(sp);
-                    ost_dot_set_enabled(rp != 0);
+                    ost_dot_set_mode(rp);
                     // ggml is timed once per shape and thread count (the prefetch, the memory, the spins and the
                     // row pairs are the kernel's)
                     const bool time_ggml = with_ggml && pfr == prefetch_list.front() && mi == 0 && sp == spins_list.front() &&
                                            rp == pairs_list.front();
                     json row{{"experts", n_used}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
-                             {"prefetch_rows", pfr}, {"memory", mem.kind}, {"spins", sp}, {"row_pairs", rp != 0 ? 1 : 0},
+                             {"prefetch_rows", pfr}, {"memory", mem.kind}, {"spins", sp}, {"row_pairs", rp},
+                             {"row_pairs_isa", ost_dot_isa()}, {"row_pairs_types", ost_dot_types()},
                              {"bytes", matched ? n_used * f.expert_bytes : 0}, {"matched", matched}};
                     if (!matched) row["unmatched"] = why;
                     // kernel

@@ -339,13 +339,13 @@ inline void vec_dot_row(run_t & r, int32_t q, int64_t row, const char * wr, cons
 }
 
 // Rows [row0, row1) of group g, one tensor, for every route of g: the row-pair dot products
-// (ostinato_dot.h; bitwise vec_dot's, two rows per pass) where they serve the type and no software
-// prefetch is asked for, else vec_dot row by row (each row read once for all the group's routes).
+// (ostinato_dot.h; bitwise vec_dot's, two rows per pass) where they are on, serve the type and no
+// software prefetch is asked for, else vec_dot row by row (each row read once for all the group's routes).
 void tensor_rows(run_t & r, const group_t & g, int64_t row0, int64_t row1, bool down, int64_t pf) {
     const ost_ffn & f = *r.f;
     const ggml_tensor * w = nullptr;
     const char * w0 = weight_row(f, g, row0, down, &w);
-    if (pf == 0 && ost_dot_enabled() && ost_dot_serves(w->type)) {
+    if (pf == 0 && ost_dot_serves(w->type)) {
         for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
             const route_t & rt = r.routes[(size_t) q];
             float * out = down ? r.job->out + ((int64_t) rt.t * r.job->k + rt.j) * f.n_embd + row0

@@ -3,6 +3,7 @@
 
 #include "ggml-cpu.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -27,11 +28,11 @@ const kind_t KINDS[] = {
     {GGML_TYPE_Q5_K, 176, 256}, {GGML_TYPE_Q6_K, 210, 256},
 };
 
-std::atomic<bool> g_on{true};
+std::atomic<int> g_mode{OST_DOT_OFF};
 std::once_flag g_once;
-isa_t g_isa = ISA_NONE;
-bool g_ok[GGML_TYPE_COUNT] = {};
-bool g_fused = true;   // q5_K's sum of mins as ggml's compiler built it here
+isa_t g_cpu = ISA_NONE;                          // the best set this CPU has
+bool g_ok[3][GGML_TYPE_COUNT] = {};              // per instruction set: the types that passed the check
+bool g_fused[3] = {true, true, true};            // q5_K's sum of mins as ggml's compiler built it here
 
 isa_t detect() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -90,44 +91,50 @@ bool same_as_ggml(isa_t isa, const kind_t & k, bool fused) {
 }
 
 void check() {
-    g_isa = detect();
-    if (g_isa == ISA_NONE) return;
-    for (const kind_t & k : KINDS) {
-        if (ggml_type_size(k.t) != k.block_bytes || ggml_blck_size(k.t) != k.block_values) continue;
-        if (k.t == GGML_TYPE_Q5_K) {
-            if (same_as_ggml(g_isa, k, true)) { g_ok[k.t] = true; g_fused = true; }
-            else if (same_as_ggml(g_isa, k, false)) { g_ok[k.t] = true; g_fused = false; }
-            continue;
+    g_cpu = detect();
+    for (int isa = ISA_AVX2; isa <= (int) g_cpu; ++isa) {
+        for (const kind_t & k : KINDS) {
+            if (ggml_type_size(k.t) != k.block_bytes || ggml_blck_size(k.t) != k.block_values) continue;
+            if (k.t == GGML_TYPE_Q5_K) {
+                if (same_as_ggml((isa_t) isa, k, true)) { g_ok[isa][k.t] = true; g_fused[isa] = true; }
+                else if (same_as_ggml((isa_t) isa, k, false)) { g_ok[isa][k.t] = true; g_fused[isa] = false; }
+                continue;
+            }
+            g_ok[isa][k.t] = same_as_ggml((isa_t) isa, k, true);
         }
-        g_ok[k.t] = same_as_ggml(g_isa, k, true);
     }
 }
 
 }  // namespace
 
-bool ost_dot_serves(ggml_type t) {
+int ost_dot_active() {
     std::call_once(g_once, check);
-    return t >= 0 && t < GGML_TYPE_COUNT && g_ok[t];
+    return std::min(g_mode.load(std::memory_order_relaxed), (int) g_cpu);
+}
+
+bool ost_dot_serves(ggml_type t) {
+    return t >= 0 && t < GGML_TYPE_COUNT && g_ok[ost_dot_active()][t];
 }
 
 bool ost_dot_rows(ggml_type t, int n, const void * w, size_t row_bytes, int nrows, const void * y, float * out) {
-    if (!g_on.load(std::memory_order_relaxed) || !ost_dot_serves(t)) return false;
-    return call(g_isa, t, n, w, row_bytes, nrows, y, out, g_fused);
+    const int isa = ost_dot_active();
+    if (t < 0 || t >= GGML_TYPE_COUNT || !g_ok[isa][t]) return false;
+    return call((isa_t) isa, t, n, w, row_bytes, nrows, y, out, g_fused[isa]);
 }
 
-bool ost_dot_set_enabled(bool on) { return g_on.exchange(on); }
-bool ost_dot_enabled() { return g_on.load(); }
+int ost_dot_set_mode(int mode) { return g_mode.exchange(std::max(0, std::min(mode, (int) OST_DOT_AVX512))); }
+int ost_dot_mode() { return g_mode.load(); }
 
 std::string ost_dot_isa() {
-    std::call_once(g_once, check);
-    return g_isa == ISA_AVX512 ? "avx512" : g_isa == ISA_AVX2 ? "avx2" : "none";
+    const int isa = ost_dot_active();
+    return isa == ISA_AVX512 ? "avx512" : isa == ISA_AVX2 ? "avx2" : "off";
 }
 
 std::string ost_dot_types() {
-    std::call_once(g_once, check);
+    const int isa = ost_dot_active();
     std::string s;
     for (const kind_t & k : KINDS) {
-        if (!g_ok[k.t]) continue;
+        if (!g_ok[isa][k.t]) continue;
         if (!s.empty()) s += ",";
         s += ggml_type_name(k.t);
     }

@@ -18,18 +18,25 @@
 #include <cstddef>
 #include <string>
 
+// Which row pairs (a setting: measured on the H200 host, AVX-512 pairs made the engine's CPU branch
+// slower than vec_dot row by row, docs/engine.md "Row pairs"; so off by default).
+enum { OST_DOT_OFF = 0, OST_DOT_AVX2 = 1, OST_DOT_AVX512 = 2 };
+
 // Rows w + i * row_bytes (i < nrows) of type t, n values each, dotted with y (t's vec_dot_type, n
-// values): out[i] = vec_dot(n, w_i, y). False (nothing written) when no kernel serves t on this CPU
-// (or the kernels are switched off); the caller then calls ggml-cpu's vec_dot per row.
+// values): out[i] = vec_dot(n, w_i, y). False (nothing written) when the active mode does not serve t
+// (off, a CPU without that instruction set, a type that failed the check); the caller then calls
+// ggml-cpu's vec_dot per row.
 bool ost_dot_rows(ggml_type t, int n, const void * w, size_t row_bytes, int nrows, const void * y, float * out);
 
-// Whether ost_dot_rows serves type t here (after the first-use check).
+// Whether ost_dot_rows serves type t in the active mode (after the first-use check).
 bool ost_dot_serves(ggml_type t);
 
-// On (default) or off (every row through ggml's vec_dot; measurements). Returns the previous state.
-bool ost_dot_set_enabled(bool on);
-bool ost_dot_enabled();
+// The mode asked for (OST_DOT_*; clamped), process-wide; returns the previous one. The active mode is
+// the asked one where the CPU has its instruction set, else the next lower one it has.
+int ost_dot_set_mode(int mode);
+int ost_dot_mode();
+int ost_dot_active();
 
-// "avx512", "avx2" or "none", and the types that passed the check ("q4_0,q8_0,..."), for info().
+// The active mode ("avx512", "avx2" or "off") and the types it serves ("q4_0,q8_0,..."), for info().
 std::string ost_dot_isa();
 std::string ost_dot_types();

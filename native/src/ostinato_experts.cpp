@@ -908,7 +908,10 @@ int ostinato_experts_set_cpu_prefetch(int rows) {
     return ost_ffn_set_prefetch_rows(rows);
 }
 
-int ostinato_experts_set_cpu_row_pairs(int on) { return ost_dot_set_enabled(on != 0) ? 1 : 0; }
+int ostinato_experts_set_cpu_row_pairs(int mode) {
+    if (mode < OST_DOT_OFF || mode > OST_DOT_AVX512) return -1;
+    return ost_dot_set_mode(mode);
+}
 
 int ostinato_experts_set_decode_prefetch(int max_experts) {
     if (max_experts < 0 || max_experts > OSTINATO_STAGE_MAX) return -1;

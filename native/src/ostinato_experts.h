@@ -273,9 +273,10 @@ OSTINATO_API int          ostinato_experts_set_cpu_kernel(int on);
 // OST_PREFETCH_ROWS_MAX = 64; read once per phase of a run): docs/engine.md "CPU branch kernel".
 // Returns the previous distance, or -1 out of range (nothing changed).
 OSTINATO_API int          ostinato_experts_set_cpu_prefetch(int rows);
-// The CPU branch kernel's row-pair dot products on (default) or off (ggml-cpu's vec_dot row by row;
-// measurements; process-wide): docs/engine.md "CPU branch kernel". Returns the previous state (1/0).
-OSTINATO_API int          ostinato_experts_set_cpu_row_pairs(int on);
+// The CPU branch kernel's row-pair dot products: 0 off (ggml-cpu's vec_dot row by row, the default),
+// 1 AVX2, 2 AVX-512 (the next lower set where the CPU lacks it; process-wide): docs/engine.md "Row
+// pairs". Returns the previous mode, or -1 out of range (nothing changed).
+OSTINATO_API int          ostinato_experts_set_cpu_row_pairs(int mode);
 // Pauses a waiting thread of the CPU branch's team spins before it yields on every further try
 // (default 256; process-wide): docs/engine.md "CPU branch kernel". Returns the previous count, or -1
 // for a negative one (nothing changed).

@@ -31,7 +31,7 @@ json decode_graph_json() {
         ost_dg_kernel_info(g_eng->dg, nf, ng, note);
         d["cpu_kernel"] = json{{"on", g_ffn_kernel}, {"layers_kernel", nf}, {"layers_ggml", ng},
                                {"prefetch_rows", ost_ffn_prefetch_rows()},
-                               {"row_pairs", json{{"on", ost_dot_enabled()}, {"isa", ost_dot_isa()},
+                               {"row_pairs", json{{"mode", ost_dot_mode()}, {"isa", ost_dot_isa()},
                                                   {"types", ost_dot_types()}}}};
         if (!note.empty()) d["cpu_kernel"]["unmatched"] = note;
     }

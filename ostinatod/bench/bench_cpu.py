@@ -16,8 +16,8 @@ sizes (``/proc/self/smaps``) of each. Every kernel row also says where its
 time went (``phases_us``: grouping, the team's start, the input's quantisation, gate/up rows,
 activations, down rows, barrier waits); ``--spins 256,1000000000`` runs the kernel with its team's
 threads yielding after that many pauses while they wait (the default) and spinning on;
-``--row-pairs 1,0`` runs the kernel with its row-pair dot products (the default, two weight rows per
-pass) and with ggml-cpu's vec_dot row by row. See docs/engine.md, "CPU branch kernel".
+``--row-pairs 0,1,2`` runs the kernel with ggml-cpu's vec_dot row by row (the default) and with its
+row-pair dot products in AVX2 and in AVX-512 (setting ``cpu_branch_row_pairs``). See docs/engine.md, "CPU branch kernel".
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
                 v = r.get(key)
                 return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
             lines.append(f"| {name} | {types} | {r['experts']} | {r['tokens']} | {r['threads']} | "
-                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {r.get('row_pairs', '–')} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
+                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {r.get('row_pairs_isa', r.get('row_pairs', '–'))} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
                          f"{f('kernel_share_of_read_bw', '.0%')} | {f('ggml_ms', '.3f')} | {f('ggml_gbps', '.1f')} | "
                          f"{f('speedup_vs_ggml', '.2f')} | {r.get('bitwise_equal', '–')} |")
     lines += ["", "| model | n | T | pf | mem | spins | pairs | alpha us | bw GB/s | host read GB/s | bw / read |",
@@ -153,7 +153,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
         for res, r in timed:
             ph = r["phases_us"]
             lines.append(f"| {Path(res['model']).name} | {r['experts']} | {r['tokens']} | {r['threads']} | "
-                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {r.get('row_pairs', '–')} | "
+                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {r.get('row_pairs_isa', r.get('row_pairs', '–'))} | "
                          + " | ".join(f"{ph.get(k, 0):.1f}" for k in PHASES) + f" | {ph.get('total', 0):.1f} |")
     mems = [(res, m) for res in results for m in res.get("memories", [])]
     if mems:
@@ -197,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                     "transparent huge pages); comma-separated, each a row of the grid")
     ap.add_argument("--spins", type=_rows, default=None, help="pauses before a waiting thread of the "
                     "kernel's team yields, e.g. 256,1000000000 (default: the engine's, 256)")
-    ap.add_argument("--row-pairs", type=_rows, default=None, help="1: the kernel's row-pair dot products, "
-                    "0: ggml-cpu's vec_dot row by row; e.g. 1,0 runs both (default: the engine's, 1)")
+    ap.add_argument("--row-pairs", type=_rows, default=None, help="the kernel's dot products: 0 ggml-cpu's "
+                    "vec_dot row by row, 1 row pairs in AVX2, 2 in AVX-512; e.g. 0,1,2 runs all three "
+                    "(default: the engine's, 0)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--read-bw-mib", type=int, default=1024, help="buffer of the host read-bandwidth test")
     ap.add_argument("--flush-mib", type=int, default=256, help="memory read before every timed run, so "

@@ -31,9 +31,8 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
                      the same model on one GPU in the same run; ``ratios_gpus_vs_one_gpu`` compares;
    ``ostinato-no-prefetch``, ``ostinato-prefetch1``, ``ostinato-copy1d``, ``ostinato-class-slots``,
    ``ostinato-hybrid``, ``ostinato-cpu-split``, ``ostinato-pool-quarter``, ``ostinato-ggml-cpu``,
-   ``ostinato-cpu-prefetch``, ``ostinato-cpu-spin``, ``ostinato-row-by-row`` (the CPU branch kernel's
-   dot products row by row with ggml-cpu's vec_dot instead of two rows per pass, setting
-   ``cpu_branch_row_pairs = false``), ``ostinato-no-dprefetch``, ``ostinato-dprefetch1``,
+   ``ostinato-cpu-prefetch``, ``ostinato-cpu-spin``, ``ostinato-pairs-avx2``, ``ostinato-pairs-avx512`` (the CPU branch
+   kernel's dot products two weight rows per pass, setting ``cpu_branch_row_pairs``), ``ostinato-no-dprefetch``, ``ostinato-dprefetch1``,
    ``ostinato-dprefetch4``, ``ostinato-cpu8``, ``ostinato-cpu8-spin``, ``ostinato-cpu8-dprefetch4``
    (only when named; the last six: decode prefetch off / 1 / 4 experts per layer, the CPU branch on
    8 threads, with 4096 pauses before a yield, with 4 experts per layer) the Ostinato engine with the same

@@ -442,13 +442,19 @@ def set_cpu_prefetch(rows: int) -> None:
         raise ValueError(f"CPU branch prefetch rows must be 0..64, got {rows}")
 
 
-def set_cpu_row_pairs(on: bool) -> None:
-    """The CPU branch kernel's dot products two weight rows per pass (True, the native default;
-    setting ``cpu_branch_row_pairs``: AVX-512 or AVX2, bitwise ggml-cpu's vec_dot, each type checked
-    against it on this machine at first use) or ggml-cpu's vec_dot row by row (False; measurements).
-    Process-wide, read per chunk of rows; ``info()["decode_graph"]["cpu_kernel"]["row_pairs"]`` says
-    the instruction set and the types served."""
-    llama_fn("ostinato_experts_set_cpu_row_pairs")(1 if on else 0)
+ROW_PAIRS = ("off", "avx2", "avx512")
+
+
+def set_cpu_row_pairs(mode: str) -> None:
+    """The CPU branch kernel's dot products (setting ``cpu_branch_row_pairs``): ``"off"`` (ggml-cpu's
+    vec_dot row by row, the native default), ``"avx2"`` or ``"avx512"`` (two weight rows per pass in
+    two 256-bit registers or one 512-bit one, bitwise vec_dot's: each type is checked against it on
+    this machine at first use; a CPU without AVX-512 takes AVX2). Process-wide, read per chunk of
+    rows; ``info()["decode_graph"]["cpu_kernel"]["row_pairs"]`` says the set used and the types
+    served. Raises ValueError for another mode."""
+    if mode not in ROW_PAIRS:
+        raise ValueError(f"CPU branch row pairs must be one of {', '.join(ROW_PAIRS)}, got {mode!r}")
+    llama_fn("ostinato_experts_set_cpu_row_pairs")(ROW_PAIRS.index(mode))
 
 
 def set_cpu_spins(spins: int) -> int:
