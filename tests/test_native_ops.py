@@ -94,10 +94,13 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
 
     path = write_synthetic_moe(tmp_path / "m.gguf", arch=arch, shape=shape, n_layer=2, quant=quant,
                                merged_gate_up=merged)
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    avx2, avx512 = "avx2" in flags, {"avx512f", "avx512bw", "avx512vl"} <= flags
+    modes = [0, 1, 2] if avx512 else [0, 1]   # without AVX-512, mode 2 runs mode 1's AVX2
     import llama_cpp
     model = _load(path)
     try:
-        res = native.cpu_branch_bench(model, {"experts": [1, 2, 8], "tokens": [1, 3, 16], "row_pairs": [0, 1, 2],
+        res = native.cpu_branch_bench(model, {"experts": [1, 2, 8], "tokens": [1, 3, 16], "row_pairs": modes,
                                               "threads": [1, 3], "reps": 1, "read_bw_bytes": 1 << 20, "flush_bytes": 1 << 20})
         with pytest.raises(native.ExpertEngineError, match="no routed experts"):
             native.cpu_branch_bench(model, {"layer": 99})
@@ -105,14 +108,13 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
         llama_cpp.llama_model_free(model)
     assert res["merged_gate_up"] is merged
     rows = res["rows"]
-    assert len(rows) == 3 * 3 * 2 * 3 and all(r["matched"] for r in rows)
-    avx2 = "avx2" in Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else False
-    for r in rows:
-        assert r["row_pairs_isa"] == ("off" if r["row_pairs"] == 0 else r["row_pairs_isa"])
-        if avx2 and r["row_pairs"] > 0:   # every type of these files that the row pairs know passed their check
-            assert r["row_pairs_isa"] in ("avx2", "avx512"), r
-            served = set(r["row_pairs_types"].split(","))
-            assert {"q4_0", "q8_0", "q4_K", "q5_K", "q6_K"} <= served, r
+    assert len(rows) == 3 * 3 * 2 * len(modes) and all(r["matched"] for r in rows)
+    for r in rows:   # the mode's instruction set, or the next lower one this CPU has
+        want = {0: "off", 1: "avx2" if avx2 else "off",
+                2: "avx512" if avx2 and avx512 else "avx2" if avx2 else "off"}[r["row_pairs"]]
+        assert r["row_pairs_isa"] == want, r
+        if want != "off":   # every type the row pairs know passed the first-use check
+            assert {"q4_0", "q8_0", "q4_K", "q5_K", "q6_K"} <= set(r["row_pairs_types"].split(",")), r
     tiled = res["type_up"].startswith(("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq")) or \
         res["type_down"].startswith(("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq"))
     for r in rows:

@@ -397,7 +397,9 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                                            rp == pairs_list.front();
                     json row{{"experts", n_used}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
                              {"prefetch_rows", pfr}, {"memory", mem.kind}, {"spins", sp}, {"row_pairs", rp},
-                             {"row_pairs_isa", ost_dot_isa()}, {"row_pairs_types", ost_dot_types()},
+                             // with the software prefetch on, the kernel takes vec_dot row by row
+                             {"row_pairs_isa", pfr > 0 ? std::string("off") : ost_dot_isa()},
+                             {"row_pairs_types", pfr > 0 ? std::string() : ost_dot_types()},
                              {"bytes", matched ? n_used * f.expert_bytes : 0}, {"matched", matched}};
                     if (!matched) row["unmatched"] = why;
                     // kernel

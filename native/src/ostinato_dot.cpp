@@ -16,6 +16,11 @@ bool ost_dot_rows_avx512(int type, int n, const void * w, size_t rb, int nrows, 
 namespace {
 
 enum isa_t { ISA_NONE, ISA_AVX2, ISA_AVX512 };
+static_assert((int) ISA_NONE == OST_DOT_OFF && (int) ISA_AVX2 == OST_DOT_AVX2 && (int) ISA_AVX512 == OST_DOT_AVX512,
+              "the modes are the instruction sets");
+// ostinato_dot_x86.inc's dot_rows switches on these numbers
+static_assert(GGML_TYPE_Q4_0 == 2 && GGML_TYPE_Q8_0 == 8 && GGML_TYPE_Q4_K == 12 && GGML_TYPE_Q5_K == 13 &&
+              GGML_TYPE_Q6_K == 14, "ggml's type numbers");
 
 struct kind_t {
     ggml_type t;
@@ -35,7 +40,7 @@ bool g_ok[3][GGML_TYPE_COUNT] = {};              // per instruction set: the typ
 bool g_fused[3] = {true, true, true};            // q5_K's sum of mins as ggml's compiler built it here
 
 isa_t detect() {
-#if defined(__x86_64__) || defined(_M_X64)
+#if defined(__x86_64__)   // GCC and Clang (the engine needs them anyway)
     __builtin_cpu_init();
     const bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -91,13 +96,16 @@ bool same_as_ggml(isa_t isa, const kind_t & k, bool fused) {
 }
 
 void check() {
+    ggml_cpu_init();   // vec_dot's tables (idempotent; the backend has usually done it)
     g_cpu = detect();
     for (int isa = ISA_AVX2; isa <= (int) g_cpu; ++isa) {
         for (const kind_t & k : KINDS) {
             if (ggml_type_size(k.t) != k.block_bytes || ggml_blck_size(k.t) != k.block_values) continue;
             if (k.t == GGML_TYPE_Q5_K) {
-                if (same_as_ggml((isa_t) isa, k, true)) { g_ok[isa][k.t] = true; g_fused[isa] = true; }
-                else if (same_as_ggml((isa_t) isa, k, false)) { g_ok[isa][k.t] = true; g_fused[isa] = false; }
+                // exactly one of the two forms must match: data on which both do cannot tell them apart
+                const bool fused = same_as_ggml((isa_t) isa, k, true), plain = same_as_ggml((isa_t) isa, k, false);
+                g_ok[isa][k.t] = fused != plain;
+                g_fused[isa] = fused;
                 continue;
             }
             g_ok[isa][k.t] = same_as_ggml((isa_t) isa, k, true);
@@ -108,8 +116,10 @@ void check() {
 }  // namespace
 
 int ost_dot_active() {
+    const int mode = g_mode.load(std::memory_order_relaxed);
+    if (mode == OST_DOT_OFF) return OST_DOT_OFF;   // off: the check never runs
     std::call_once(g_once, check);
-    return std::min(g_mode.load(std::memory_order_relaxed), (int) g_cpu);
+    return std::min(mode, (int) g_cpu);
 }
 
 bool ost_dot_serves(ggml_type t) {
@@ -122,7 +132,11 @@ bool ost_dot_rows(ggml_type t, int n, const void * w, size_t row_bytes, int nrow
     return call((isa_t) isa, t, n, w, row_bytes, nrows, y, out, g_fused[isa]);
 }
 
-int ost_dot_set_mode(int mode) { return g_mode.exchange(std::max(0, std::min(mode, (int) OST_DOT_AVX512))); }
+int ost_dot_set_mode(int mode) {
+    mode = std::max(0, std::min(mode, (int) OST_DOT_AVX512));
+    if (mode != OST_DOT_OFF) std::call_once(g_once, check);   // here, not in the first pass that uses them
+    return g_mode.exchange(mode);
+}
 int ost_dot_mode() { return g_mode.load(); }
 
 std::string ost_dot_isa() {

@@ -2,9 +2,9 @@
 // bitwise what ggml-cpu's vec_dot gives for each row, two rows at a time (docs/engine.md, "CPU branch
 // kernel", "Row pairs").
 //
-// ggml-cpu's x86 vec_dot of the types below sums each 256-value block's integer products into eight
-// 32-bit lanes and adds each block into eight float lanes with one fused multiply-add, then adds
-// the lanes in a fixed order. The kernels here do the same per row, but for two rows in one pass:
+// ggml-cpu's x86 vec_dot of the types below sums each block's integer products (32 or 256 values)
+// into eight 32-bit lanes and adds each block into eight float lanes with one fused multiply-add,
+// then adds the lanes in a fixed order. The kernels here do the same per row, but for two rows in one pass:
 // with AVX-512 one 512-bit register holds both rows' lanes (each half doing what ggml's 256-bit
 // register does for one row), so the vector instructions per weight byte halve; with AVX2 two
 // registers. The integer sums are exact whatever the instruction, and the float operations are
@@ -19,7 +19,8 @@
 #include <string>
 
 // Which row pairs (a setting: measured on the H200 host, AVX-512 pairs made the engine's CPU branch
-// slower than vec_dot row by row, docs/engine.md "Row pairs"; so off by default).
+// slower than vec_dot row by row, docs/engine.md "Row pairs"; so off by default). The CPU branch
+// kernel leaves them out while its software prefetch is on (ost_ffn_set_prefetch_rows > 0).
 enum { OST_DOT_OFF = 0, OST_DOT_AVX2 = 1, OST_DOT_AVX512 = 2 };
 
 // Rows w + i * row_bytes (i < nrows) of type t, n values each, dotted with y (t's vec_dot_type, n

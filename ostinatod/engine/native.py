@@ -445,16 +445,17 @@ def set_cpu_prefetch(rows: int) -> None:
 ROW_PAIRS = ("off", "avx2", "avx512")
 
 
-def set_cpu_row_pairs(mode: str) -> None:
+def set_cpu_row_pairs(mode: str) -> str:
     """The CPU branch kernel's dot products (setting ``cpu_branch_row_pairs``): ``"off"`` (ggml-cpu's
     vec_dot row by row, the native default), ``"avx2"`` or ``"avx512"`` (two weight rows per pass in
     two 256-bit registers or one 512-bit one, bitwise vec_dot's: each type is checked against it on
     this machine at first use; a CPU without AVX-512 takes AVX2). Process-wide, read per chunk of
-    rows; ``info()["decode_graph"]["cpu_kernel"]["row_pairs"]`` says the set used and the types
-    served. Raises ValueError for another mode."""
+    rows; left out while the software prefetch is on (``set_cpu_prefetch`` > 0);
+    ``info()["decode_graph"]["cpu_kernel"]["row_pairs"]`` says the mode (0/1/2), the set used and
+    the types served. Returns the previous mode. Raises ValueError for another mode."""
     if mode not in ROW_PAIRS:
         raise ValueError(f"CPU branch row pairs must be one of {', '.join(ROW_PAIRS)}, got {mode!r}")
-    llama_fn("ostinato_experts_set_cpu_row_pairs")(ROW_PAIRS.index(mode))
+    return ROW_PAIRS[llama_fn("ostinato_experts_set_cpu_row_pairs")(ROW_PAIRS.index(mode))]
 
 
 def set_cpu_spins(spins: int) -> int:
