@@ -46,7 +46,7 @@ struct P2 {
     static __m256 lo_f(vf x) { return x.a; }
     static __m256 hi_f(vf x) { return x.b; }
     static q6s q6_prep(__m128i s0, __m128i s1) { return {s0, s1}; }
-    static q6i q6_idx(int m) { return pair_bcast(m); }
+    static q6i q6_idx(int m) { return _mm_load_si128((const __m128i *) Q6_SEL.bytes[m]); }
     static vi q6_scale(const q6s & st, q6i ix) {
         return {_mm256_cvtepi8_epi16(_mm_shuffle_epi8(st.s0, ix)), _mm256_cvtepi8_epi16(_mm_shuffle_epi8(st.s1, ix))};
     }

@@ -47,11 +47,7 @@ struct P512 {
     static __m256 lo_f(vf x) { return _mm512_castps512_ps256(x); }
     static __m256 hi_f(vf x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
     static q6s q6_prep(__m128i s0, __m128i s1) { return pair(_mm256_cvtepi8_epi16(s0), _mm256_cvtepi8_epi16(s1)); }
-    // words: 2m (x8), 2m + 1 (x8) of row 0's 16, then the same of row 1's (words 16-31)
-    static q6i q6_idx(int m) {
-        return pair(_mm256_set_m128i(_mm_set1_epi16((short) (2 * m + 1)), _mm_set1_epi16((short) (2 * m))),
-                    _mm256_set_m128i(_mm_set1_epi16((short) (17 + 2 * m)), _mm_set1_epi16((short) (16 + 2 * m))));
-    }
+    static q6i q6_idx(int m) { return _mm512_load_si512(Q6_SEL.words[m]); }
     static vi q6_scale(q6s st, q6i ix) { return _mm512_permutexvar_epi16(ix, st); }
 };
 

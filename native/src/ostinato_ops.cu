@@ -425,7 +425,7 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
         ost_join_kernel<<<grid, 256, 0, stream>>>(gpu ? (const float *) gpu->data : nullptr,
                                                   (const int32_t *) ids->data, (float *) dst->data, *o);
     } else if (o->kind == OSTINATO_OP_COUNT) {
-        ost_side_join(ctx.device, stream, INT_MAX);   // the graph's end: no chain stays open
+        // (an open chain is joined after the graph's last node: ggml_cuda_ostinato_graph_end)
         const ggml_tensor * table = dst->src[0];
         ost_count_args a{};
         int m = 0;
