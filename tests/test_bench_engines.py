@@ -596,3 +596,13 @@ def test_timeline_summary_gives_per_step_and_per_layer_figures():
     row = [x for x in breakdown_md(b, "ostinato") if x.startswith("| decode timeline")]
     assert row == ["| decode timeline (10 steps): route to route ms / GPU work ms / layers with CPU routes: us "
                    "each (of it wait) / other layers: us each | 6.20 / 4.94 / 13.0: 200 (100) / 140 | | |"]
+    assert not [x for x in breakdown_md(b, "ostinato") if "chains" in x]
+    # decode prefetch's chains marked: per step and per chain, the late ones as a share
+    tl.update(chain_layers=380, chain_ms=38.0, chain_copy_ms=30.4, chain_wait_ms=1.9, chain_late=95)
+    s = timeline_summary(tl)
+    assert (s["chain_layers"], s["chain_us"], s["chain_copy_us"], s["chain_wait_ms"], s["chain_late_share"]) == \
+        (38.0, 100.0, 80.0, 0.19, 0.25)
+    b["decode_timeline"] = s
+    row = [x for x in breakdown_md(b, "ostinato") if "chains" in x]
+    assert row == ["| decode prefetch chains: per step / us each (of it copies) / main stream's wait for the copies "
+                   "ms per step / share ending after the route | 38.0 / 100 (80) / 0.190 / 0.25 | | |"]

@@ -103,6 +103,7 @@ void predict_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     const ggml_tensor * c = dst->src[0];
     const float * cur = (const float *) c->data;
     if (o.next_max <= 0 || !o.host_pool || ggml_nelements(c) != o.n_embd || !ggml_is_contiguous(c)) return;
+    o.next_hdr->chain_t0_ns = now_ns();
     thread_local std::vector<float> pred;   // once per decode step and layer: no allocation after the first
     thread_local std::vector<int> order;
     pred.resize((size_t) o.n_expert);
@@ -127,16 +128,22 @@ void predict_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
     for (int r = 0; r < k && m < o.next_max; ++r) {
         const int x = order[(size_t) r];
         if (o.next_table[x] >= 0) continue;
-        o.next_scratch[OSTINATO_SC_STAGE + m] = x;
-        for (int p = 0; p < o.next_n_parts; ++p) {
-            const ostinato_copy_part & cp = o.next_parts[p];
-            std::memcpy(cp.dst + (int64_t) (o.next_slot0 + m) * cp.dst_stride, cp.src + (int64_t) x * cp.src_stride,
-                        (size_t) cp.bytes);
-        }
-        m++;
+        o.next_scratch[OSTINATO_SC_STAGE + m++] = x;
     }
     o.next_scratch[OSTINATO_SC_STAGE_N] = m;
     o.next_scratch[OSTINATO_SC_STAGE_SEQ] = (int32_t) *o.pass_seq;
+    o.next_hdr->chain_sel_ns = now_ns();
+    for (int i = 0; i < m; ++i) {
+        const int32_t x = o.next_scratch[OSTINATO_SC_STAGE + i];
+        for (int p = 0; p < o.next_n_parts; ++p) {
+            const ostinato_copy_part & cp = o.next_parts[p];
+            std::memcpy(cp.dst + (int64_t) (o.next_slot0 + i) * cp.dst_stride, cp.src + (int64_t) x * cp.src_stride,
+                        (size_t) cp.bytes);
+        }
+    }
+    o.next_hdr->chain_end_ns = now_ns();
+    std::atomic_thread_fence(std::memory_order_release);
+    o.next_hdr->chain_seq = *o.pass_seq;
 }
 
 // CPU implementation of the route op (CPU builds; same effects as ost_route_kernel).
@@ -383,6 +390,8 @@ ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
                 o.next_gate_type = (int32_t) l.next_gate_type;
                 o.next_gate_nb1 = l.next_gate_nb1;
                 o.pred_logits = l.pred_logits;
+                o.next_hdr = &dg->hdr[il + 1];
+                o.copy_blocks = cfg.copy_blocks;
             }
         }
     }
@@ -482,6 +491,16 @@ ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg) {
             } else {
                 tl.gpu_layers++;
                 tl.gpu_ms += ms;
+            }
+            if (ms >= 0 && h.chain_seq == s) {
+                // the chain that staged this layer's experts, forked at the previous layer's predict op
+                tl.chain_layers++;
+                tl.chain_ms += (h.chain_end_ns - h.chain_t0_ns) / 1e6;
+                tl.chain_copy_ms += (h.chain_end_ns - h.chain_sel_ns) / 1e6;
+                if (h.chain_end_ns > h.route_ns) {
+                    tl.chain_wait_ms += (h.chain_end_ns - h.route_ns) / 1e6;
+                    tl.chain_late++;
+                }
             }
         }
         last = h.route_ns;

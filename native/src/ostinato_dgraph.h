@@ -60,6 +60,7 @@ struct ost_dg_config {
     int n_threads = 0;             // CPU-branch threads (0: physical cores, estimated)
     ggml_backend_buffer_type_t host_buft = nullptr;   // mailbox memory: the GPU's pinned host type, or CPU
     bool host_pool = false;        // the pools are host memory (CPU build): the CPU route op copies staged experts
+    int copy_blocks = 32;          // decode prefetch: blocks of the stage copy kernel (GPU builds)
     std::vector<ost_dg_layer> layers;
     ost_dg_count_fn count = nullptr;
     void * count_ud = nullptr;
@@ -109,9 +110,19 @@ struct ost_dg_timeline {
     double cpu_ms = 0, cpu_wait_ms = 0;   //   their time, and of it the join's wait
     int64_t gpu_layers = 0;        // intervals whose layer had none
     double gpu_ms = 0;
+    // decode prefetch: intervals whose second layer was staged by a chain of this pass (forked at the
+    // first layer's predict op); the chains' lengths (router product to the end of the copies), of
+    // that the copies (stage list to end), and the time the main stream waited for the copies after
+    // the second layer's route op (the chain's end past the route's publication, where positive) in
+    // how many of them
+    int64_t chain_layers = 0;
+    double chain_ms = 0, chain_copy_ms = 0, chain_wait_ms = 0;
+    int64_t chain_late = 0;
     void add(const ost_dg_timeline & o) {
         passes += o.passes; span_ms += o.span_ms; cpu_layers += o.cpu_layers; cpu_ms += o.cpu_ms;
         cpu_wait_ms += o.cpu_wait_ms; gpu_layers += o.gpu_layers; gpu_ms += o.gpu_ms;
+        chain_layers += o.chain_layers; chain_ms += o.chain_ms; chain_copy_ms += o.chain_copy_ms;
+        chain_wait_ms += o.chain_wait_ms; chain_late += o.chain_late;
     }
 };
 // The timeline of the latest pass whose routes were published, when it is a one-token pass not

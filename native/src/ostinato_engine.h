@@ -247,6 +247,8 @@ extern double g_split_alpha_us, g_split_cpu_gbps, g_split_h2d_gbps;
 inline bool split_on() { return g_split_cpu_gbps > 0 && g_split_h2d_gbps > 0; }
 extern int g_prefetch;              // prefetch depth for upload passes with views, 0..2 (next pool build)
 extern int g_dprefetch;             // decode prefetch: most experts staged per layer and step (0: off)
+extern int g_dprefetch_blocks;      // decode prefetch: blocks of the stage copy kernel (1..OST_COPY_BLOCKS_MAX)
+constexpr int OST_COPY_BLOCKS_MAX = 1024;
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
 // bias. The expert FFN code of the patched build_moe_ffn takes merged layers through the same slot.

@@ -56,6 +56,7 @@ int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU b
 double g_split_alpha_us = 0, g_split_cpu_gbps = 0, g_split_h2d_gbps = 0;
 int g_prefetch = 0;               // prefetch depth for upload passes with views (depth + 1 staging regions)
 int g_dprefetch = 0;              // decode prefetch: most experts staged per layer and step (0: off)
+int g_dprefetch_blocks = 32;      // decode prefetch: blocks of the stage copy kernel
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -338,6 +339,7 @@ ost_dgraph * dgraph_of(engine_t * e) {
         }
     }
     c.host_pool = true;
+    c.copy_blocks = g_dprefetch_blocks;
     for (auto & p : e->pools) c.host_pool = c.host_pool && ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     // each layer's prediction of the next one (decode prefetch): where both are on one pool and the
     // next layer's experts lie in host memory (the copies read them there)
@@ -923,6 +925,19 @@ int ostinato_experts_set_decode_prefetch(int max_experts) {
         g_graph_dirty = true;
     }
     g_dprefetch = max_experts;
+    return 0;
+}
+
+int ostinato_experts_set_decode_prefetch_blocks(int blocks) {
+    if (blocks < 1 || blocks > OST_COPY_BLOCKS_MAX) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (blocks != g_dprefetch_blocks && g_eng && g_eng->dg) {
+        // between passes: the decode graph's ops are made anew (the kernels' launch shape is captured)
+        ost_dg_free(g_eng->dg);
+        g_eng->dg = nullptr;
+        g_graph_dirty = true;
+    }
+    g_dprefetch_blocks = blocks;
     return 0;
 }
 

@@ -58,6 +58,7 @@ static __device__ __forceinline__ float ost_weight(const void * row, const int t
 
 static __global__ void ost_predict_kernel(const float * cur, const ostinato_op o) {
     const int warp = (int) (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32), lane = threadIdx.x % 32;
+    if (warp == 0 && lane == 0) o.next_hdr->chain_t0_ns = ost_now_ns();   // the decode timeline's chain marks
     if (warp >= o.n_expert) return;
     const void * row = (const char *) o.next_gate + (int64_t) warp * o.next_gate_nb1;
     float sum = 0.0f;
@@ -110,6 +111,7 @@ static __global__ void ost_select_kernel(const ostinato_op o) {
         o.next_scratch[OSTINATO_SC_STAGE_N] = n_staged;
         __threadfence();
         o.next_scratch[OSTINATO_SC_STAGE_SEQ] = (int32_t) ost_load_cv(o.pass_seq);
+        o.next_hdr->chain_sel_ns = ost_now_ns();
     }
 }
 
@@ -182,7 +184,8 @@ static __global__ void ost_route_kernel(const char * sel, const int64_t sel_nb0,
 
 // Decode prefetch, 3 of 3 (side stream, after the select kernel that wrote the stage list): the
 // staged experts' parts from mapped host memory into their staging slots, 16 bytes per load where
-// addresses and sizes allow (else byte by byte), in chunks spread over the grid.
+// addresses and sizes allow (else byte by byte), in chunks spread over the grid. Its last block to
+// finish stamps the chain's end into the next layer's header (the decode timeline).
 constexpr int64_t OST_STAGE_CHUNK = 64 * 1024;
 
 static __global__ void ost_stage_copy_kernel(const ostinato_op o) {
@@ -212,12 +215,23 @@ static __global__ void ost_stage_copy_kernel(const ostinato_op o) {
         uint4 * d4 = (uint4 *) dst;
         const int64_t n4 = len / 16, step = blockDim.x;
         int64_t j = threadIdx.x;
-        // two loads in flight per thread: the reads cross PCIe
-        for (; j + step < n4; j += 2 * step) {
-            const uint4 v0 = s4[j], v1 = s4[j + step];
-            d4[j] = v0; d4[j + step] = v1;
+        // four loads in flight per thread: the reads cross PCIe, and fewer blocks must keep as many
+        // bytes in flight (setting decode_prefetch_copy_blocks)
+        for (; j + 3 * step < n4; j += 4 * step) {
+            const uint4 v0 = s4[j], v1 = s4[j + step], v2 = s4[j + 2 * step], v3 = s4[j + 3 * step];
+            d4[j] = v0; d4[j + step] = v1; d4[j + 2 * step] = v2; d4[j + 3 * step] = v3;
         }
-        if (j < n4) d4[j] = s4[j];
+        for (; j < n4; j += step) d4[j] = s4[j];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&o.next_scratch[OSTINATO_SC_COPY_DONE], 1) == (int) gridDim.x - 1) {
+            o.next_scratch[OSTINATO_SC_COPY_DONE] = 0;
+            o.next_hdr->chain_end_ns = ost_now_ns();
+            __threadfence_system();
+            o.next_hdr->chain_seq = ost_load_cv(o.pass_seq);
+        }
     }
 }
 
@@ -311,12 +325,14 @@ bool ggml_cuda_ostinato_supports_op(const ggml_tensor * op, int device) {
 }
 
 // Decode prefetch's side stream, per device: the chain of layer l + 1 (predict, select, copy) is
-// forked from the main stream at layer l's predict op (fork event) and joined before route(l + 1)
-// (a done event per layer parity: the chain of l + 1 is forked before route(l) joins the chain of
-// l), both edges of the captured CUDA graph (or plain stream order when ggml runs without one).
+// forked from the main stream at layer l's predict op (fork event); route(l + 1) waits for its
+// select kernel (a sel event) and the ops after route(l + 1) for its copies (a done event), one of
+// each per layer parity (the chain of l + 1 is forked before route(l) joins the chain of l); all are
+// edges of the captured CUDA graph (or plain stream order when ggml runs without one). So the CPU
+// branch of l + 1 can start while the copies run; the GPU branch that reads the staged slots cannot.
 struct ost_side_t {
     cudaStream_t stream = nullptr;
-    cudaEvent_t fork = nullptr, done[2] = { nullptr, nullptr };
+    cudaEvent_t fork = nullptr, sel[2] = { nullptr, nullptr }, done[2] = { nullptr, nullptr };
     int pending[2] = { -1, -1 };   // per parity: the layer whose chain was forked and not yet joined
     bool failed = false;
 };
@@ -327,6 +343,8 @@ static ost_side_t * ost_side(int device) {
     if (!s.stream && !s.failed) {
         if (cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking) != cudaSuccess ||
             cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming) != cudaSuccess ||
+            cudaEventCreateWithFlags(&s.sel[0], cudaEventDisableTiming) != cudaSuccess ||
+            cudaEventCreateWithFlags(&s.sel[1], cudaEventDisableTiming) != cudaSuccess ||
             cudaEventCreateWithFlags(&s.done[0], cudaEventDisableTiming) != cudaSuccess ||
             cudaEventCreateWithFlags(&s.done[1], cudaEventDisableTiming) != cudaSuccess) {
             (void) cudaGetLastError();
@@ -345,6 +363,32 @@ static void ost_side_join(int device, cudaStream_t stream, int il) {
         CUDA_CHECK(cudaStreamWaitEvent(stream, s.done[p], 0));
         s.pending[p] = -1;
     }
+}
+
+// Route(il)'s side of the join: the main stream waits for the stage list of layer il's chain only
+// (its select kernel); older chains are joined whole. Returns the parity whose copies the ops after
+// the route kernel still wait for (ost_side_join_copies), or -1.
+static int ost_side_join_stage_list(int device, cudaStream_t stream, int il) {
+    ost_side_t & s = g_side[device];
+    int open = -1;
+    for (int p = 0; p < 2; ++p) {
+        if (s.pending[p] < 0 || s.pending[p] > il) continue;
+        if (s.pending[p] == il) {
+            CUDA_CHECK(cudaStreamWaitEvent(stream, s.sel[p], 0));
+            open = p;
+        } else {
+            CUDA_CHECK(cudaStreamWaitEvent(stream, s.done[p], 0));
+            s.pending[p] = -1;
+        }
+    }
+    return open;
+}
+
+static void ost_side_join_copies(int device, cudaStream_t stream, int p) {
+    if (p < 0) return;
+    ost_side_t & s = g_side[device];
+    CUDA_CHECK(cudaStreamWaitEvent(stream, s.done[p], 0));
+    s.pending[p] = -1;
 }
 
 // Whether the GPU may read every copy source of `o` at its host address (pinned and mapped host
@@ -388,10 +432,13 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
         const int n = (int) sel->ne[1];
         GGML_ASSERT(sel->ne[0] == o->k && n <= o->max_tokens && cur->ne[0] == o->n_embd);
         GGML_ASSERT(ggml_is_contiguous(cur) && ggml_is_contiguous(dst) && ggml_nelements(cur) == (int64_t) o->n_embd * n);
-        // this layer's staged experts (the chain forked at the previous layer's predict op) are in place
-        ost_side_join(ctx.device, stream, o->il);
+        // this layer's stage list (the chain forked at the previous layer's predict op) is written;
+        // its staged experts are in place before the next op (the GPU branch that reads them)
+        const int open = ost_side_join_stage_list(ctx.device, stream, o->il);
         ost_route_kernel<<<n, 256, 0, stream>>>((const char *) sel->data, sel->nb[0], sel->nb[1],
                                                 (const float *) cur->data, (int32_t *) dst->data, *o, n);
+        CUDA_CHECK(cudaGetLastError());
+        ost_side_join_copies(ctx.device, stream, open);
     } else if (o->kind == OSTINATO_OP_PREDICT) {
         const ggml_tensor * cur = dst->src[0];
         ost_side_t * side = nullptr;   // (the engine gives a prediction only for F32, F16 and BF16 routers)
@@ -405,11 +452,12 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
             const int warps = 256 / 32;
             ost_predict_kernel<<<(o->n_expert + warps - 1) / warps, 256, 0, side->stream>>>((const float *) cur->data, *o);
             ost_select_kernel<<<1, 256, 0, side->stream>>>(*o);
-            // 32 blocks of 512 threads: the prefill's gather probe read host memory at 51 GB/s with 66 and
-            // more (32 was not probed); fewer leave the decode step's kernels more multiprocessors
-            ost_stage_copy_kernel<<<32, 512, 0, side->stream>>>(*o);
-            CUDA_CHECK(cudaGetLastError());
             const int p = (o->il + 1) & 1;
+            CUDA_CHECK(cudaEventRecord(side->sel[p], side->stream));
+            // 32 blocks of 512 threads by default: the prefill's gather probe read host memory at 51 GB/s
+            // with 66 and more; fewer leave the decode step's kernels more multiprocessors
+            ost_stage_copy_kernel<<<o->copy_blocks > 0 ? o->copy_blocks : 32, 512, 0, side->stream>>>(*o);
+            CUDA_CHECK(cudaGetLastError());
             CUDA_CHECK(cudaEventRecord(side->done[p], side->stream));
             side->pending[p] = o->il + 1;
         }

@@ -30,9 +30,11 @@
 //     pred_logits), the top k of those logits as a prediction of layer l+1's routes, the first
 //     next_max predicted experts that are cold in l+1 as l+1's stage list (its scratch), and the
 //     copies of those experts from mapped host memory into l+1's decode staging region of the pool.
-//     Route(l+1) waits for that chain (a stream edge) before it runs, gives a staged expert's routes
-//     its staging slot (the GPU branch computes them, the join adds 0) and leaves the CPU branch only
-//     the cold routes nobody predicted. The choice is a function of the computation alone (no
+//     Route(l+1) waits for that chain's stage list (a stream edge after the select kernel), gives a
+//     staged expert's routes its staging slot (the GPU branch computes them, the join adds 0) and
+//     leaves the CPU branch only the cold routes nobody predicted; the ops after route(l+1), the GPU
+//     branch first, wait for the chain's copies (a second edge), so the CPU branch can start while
+//     they run. The choice is a function of the computation alone (no
 //     timing), so every run computes the same. Paper Sec. 3.4 (the decode step), FreeToken Sec. 4
 //     (PCIe and CPU as two paths for the cold experts).
 //
@@ -63,6 +65,7 @@ enum ostinato_op_kind {
 #define OSTINATO_SC_COLD      0   // cold-route accumulator of the running route kernel
 #define OSTINATO_SC_BLOCKS    1   // its blocks done
 #define OSTINATO_SC_NCOLD     2   // n_cold of the pass (for the join kernel)
+#define OSTINATO_SC_COPY_DONE 3   // blocks of the running stage copy kernel done (its last one stamps the chain's end)
 #define OSTINATO_SC_USED      4   // accumulators: bit i = staged expert i got a route; staged routes
 #define OSTINATO_SC_HITS      5
 #define OSTINATO_SC_STAGE_SEQ 6   // stage list: the pass it was written for (low 32 bits of pass_seq)
@@ -72,7 +75,7 @@ enum ostinato_op_kind {
 #define OSTINATO_PREDICT_TOP 32   // most of the predicted top k the select kernel ranks (k above: the first 32)
 #define OSTINATO_COPY_PARTS   6   // weight matrices and bias rows of one expert (up, gate, down + biases)
 
-// One layer's header in the mailbox; one cache line each so that the GPU's writes to one layer and
+// One layer's header in the mailbox; two cache lines each so that the GPU's writes to one layer and
 // the CPU's polling of another do not share a line.
 struct ostinato_mbx_hdr {
     volatile int64_t seq;      // written by route (GPU) last: pass_seq of the pass whose ids are in
@@ -87,8 +90,16 @@ struct ostinato_mbx_hdr {
     int32_t pad;
     volatile int64_t route_ns;      // written by route before seq: when it published (GPU %globaltimer,
                                     //   CPU steady clock; ns): the decode timeline's marks
+    // the decode prefetch chain that staged this layer's experts (forked at the previous layer's
+    // predict op), same clock: when its router product began, its stage list was written, its
+    // copies ended; chain_seq (written last) is the pass they belong to
+    volatile int64_t chain_t0_ns;
+    volatile int64_t chain_sel_ns;
+    volatile int64_t chain_end_ns;
+    volatile int64_t chain_seq;
+    int64_t pad2[4];
 };
-static_assert(sizeof(ostinato_mbx_hdr) == 64, "one mailbox header per cache line");
+static_assert(sizeof(ostinato_mbx_hdr) == 128, "one mailbox header per two cache lines");
 
 // One part of an expert to copy into a staging slot: bytes at src + expert * src_stride (host memory
 // mapped for the GPU) to dst + slot * dst_stride (the pool).
@@ -134,4 +145,6 @@ struct ostinato_op {
     int64_t  next_gate_nb1;    //   bytes from one expert's row to the next
     float  * pred_logits;      // device: [n_expert] the prediction's logits (one per pool: the chains are serial)
     int64_t  gen;              // the decode graph's generation (a cache key for checks of next_parts)
+    struct ostinato_mbx_hdr * next_hdr;   // predict op: layer il + 1's header (the chain's stamps)
+    int32_t  copy_blocks;      // predict op: blocks of the stage copy kernel (setting decode_prefetch_copy_blocks)
 };

@@ -29,7 +29,10 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
     const ost_dg_timeline & tl = t.timeline;
     j["decode_timeline"] = json{{"passes", tl.passes}, {"span_ms", tl.span_ms},
                                 {"cpu_layers", tl.cpu_layers}, {"cpu_ms", tl.cpu_ms}, {"cpu_wait_ms", tl.cpu_wait_ms},
-                                {"gpu_layers", tl.gpu_layers}, {"gpu_ms", tl.gpu_ms}};
+                                {"gpu_layers", tl.gpu_layers}, {"gpu_ms", tl.gpu_ms},
+                                {"chain_layers", tl.chain_layers}, {"chain_ms", tl.chain_ms},
+                                {"chain_copy_ms", tl.chain_copy_ms}, {"chain_wait_ms", tl.chain_wait_ms},
+                                {"chain_late", tl.chain_late}};
     j["paths"] = json::object();
     for (const char * p : {"decode", "split", "upload"}) j["paths"][p] = 0;
     for (auto & kv : t.paths) j["paths"][kv.first] = kv.second;

@@ -36,7 +36,7 @@ json decode_graph_json() {
         if (!note.empty()) d["cpu_kernel"]["unmatched"] = note;
     }
     // decode prefetch: how many layers' route ops stage the next layer's predicted experts
-    json pf = json{{"max_experts", g_dprefetch}};
+    json pf = json{{"max_experts", g_dprefetch}, {"copy_blocks", g_dprefetch_blocks}};
     if (g_eng && g_eng->dg) {
         int n = 0;
         for (int il = 0; il < g_eng->n_layer; ++il) n += ost_dg_predicts(g_eng->dg, il) ? 1 : 0;

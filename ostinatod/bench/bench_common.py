@@ -48,6 +48,8 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-no-dprefetch": {"decode_prefetch_experts": 0},
             "ostinato-dprefetch1": {"decode_prefetch_experts": 1},
             "ostinato-dprefetch4": {"decode_prefetch_experts": 4},
+            "ostinato-copy8": {"decode_prefetch_copy_blocks": 8},
+            "ostinato-copy16": {"decode_prefetch_copy_blocks": 16},
             "ostinato-cpu8": {"decode_threads": 8},
             "ostinato-cpu8-spin": {"decode_threads": 8, "cpu_branch_spins": 4096},
             "ostinato-cpu8-dprefetch4": {"decode_threads": 8, "decode_prefetch_experts": 4}}

@@ -467,15 +467,26 @@ def timeline_summary(tl: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     routes went to the CPU branch), "cpu_layer_us" (an interval from such a layer, mean us),
     "cpu_wait_us" (of it the join's wait), "gpu_layer_us" (an interval from a layer without them),
     "gpu_work_ms" (per step: the adjacent-layer intervals less their waits, the GPU's own work
-    between the first and last route; an interval across an all-resident layer is not among them)}``."""
+    between the first and last route; an interval across an all-resident layer is not among them)}``;
+    with decode prefetch's chains marked also ``"chain_layers"`` (per step), ``"chain_us"`` (a chain
+    from its router product to the end of its copies, mean), ``"chain_copy_us"`` (of it the copies),
+    ``"chain_wait_ms"`` (per step: the time the main stream waited for copies after a route op) and
+    ``"chain_late_share"`` (the chains that ended after their layer's route op)."""
     if not tl or not tl.get("passes"):
         return None
     n = tl["passes"]
     cl, gl, cpu, wait, gpu = (tl.get(k) or 0 for k in ("cpu_layers", "gpu_layers", "cpu_ms", "cpu_wait_ms", "gpu_ms"))
     us = lambda ms, k: round(1000 * ms / k, 1) if k else None   # noqa: E731
-    return {"passes": n, "span_ms": round(tl["span_ms"] / n, 3), "cpu_layers": round(cl / n, 2),
-            "cpu_layer_us": us(cpu, cl), "cpu_wait_us": us(wait, cl), "gpu_layer_us": us(gpu, gl),
-            "gpu_work_ms": round((cpu - wait + gpu) / n, 3)}
+    out = {"passes": n, "span_ms": round(tl["span_ms"] / n, 3), "cpu_layers": round(cl / n, 2),
+           "cpu_layer_us": us(cpu, cl), "cpu_wait_us": us(wait, cl), "gpu_layer_us": us(gpu, gl),
+           "gpu_work_ms": round((cpu - wait + gpu) / n, 3)}
+    ch = tl.get("chain_layers") or 0
+    if ch:
+        out.update(chain_layers=round(ch / n, 2), chain_us=us(tl.get("chain_ms") or 0, ch),
+                   chain_copy_us=us(tl.get("chain_copy_ms") or 0, ch),
+                   chain_wait_ms=round((tl.get("chain_wait_ms") or 0) / n, 3),
+                   chain_late_share=round((tl.get("chain_late") or 0) / ch, 3))
+    return out
 
 
 def breakdown_md(b: Optional[dict[str, Any]], who: str) -> list[str]:
@@ -518,6 +529,11 @@ def breakdown_md(b: Optional[dict[str, Any]], who: str) -> list[str]:
                    f"routes: us each (of it wait) / other layers: us each | {fmt(tl['span_ms'], '', 2)} / "
                    f"{fmt(tl['gpu_work_ms'], '', 2)} / {fmt(tl['cpu_layers'], '', 1)}: {fmt(tl['cpu_layer_us'], '', 0)} "
                    f"({fmt(tl['cpu_wait_us'], '', 0)}) / {fmt(tl['gpu_layer_us'], '', 0)} | | |")
+        if tl.get("chain_layers"):
+            out.append(f"| decode prefetch chains: per step / us each (of it copies) / main stream's wait for "
+                       f"the copies ms per step / share ending after the route | {fmt(tl['chain_layers'], '', 1)} / "
+                       f"{fmt(tl['chain_us'], '', 0)} ({fmt(tl['chain_copy_us'], '', 0)}) / "
+                       f"{fmt(tl['chain_wait_ms'], '', 3)} / {fmt(tl['chain_late_share'], '', 2)} | | |")
     return out
 
 

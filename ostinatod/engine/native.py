@@ -175,6 +175,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_cpu_spins": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_row_pairs": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_decode_prefetch": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_decode_prefetch_blocks": ([ctypes.c_int], ctypes.c_int),
     "ostinato_cpu_branch_bench": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p),
     "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
@@ -478,6 +479,15 @@ def set_decode_prefetch(max_experts: int) -> None:
     ValueError outside 0..16."""
     if llama_fn("ostinato_experts_set_decode_prefetch")(int(max_experts)) != 0:
         raise ValueError(f"decode prefetch experts must be within 0..16, got {max_experts}")
+
+
+def set_decode_prefetch_blocks(blocks: int) -> None:
+    """Blocks (of 512 threads) of decode prefetch's copy kernel on the GPU (setting
+    ``decode_prefetch_copy_blocks``, native default 32): it copies the staged experts over PCIe beside
+    the decode step's own kernels. ``info()["decode_graph"]["prefetch"]["copy_blocks"]`` says it. Takes
+    effect at the next pass; call between passes. Raises ValueError outside 1..1024."""
+    if llama_fn("ostinato_experts_set_decode_prefetch_blocks")(int(blocks)) != 0:
+        raise ValueError(f"decode prefetch copy blocks must be within 1..1024, got {blocks}")
 
 
 def cpu_branch_bench(model: Any, args: dict[str, Any]) -> dict[str, Any]:
