@@ -202,11 +202,12 @@ class Settings(BaseSettings):
                                          "depends on the model's computation only, so runs repeat exactly. "
                                          "0: off. Needs prefill_prefetch_depth 2 (its staging regions; "
                                          "docs/engine.md, \"Decode prefetch\").")
-    decode_prefetch_copy_blocks: int = Field(32, ge=1, le=1024, description="Decode prefetch: "
+    decode_prefetch_copy_blocks: int = Field(8, ge=1, le=1024, description="Decode prefetch: "
                                              "blocks of 512 threads of the GPU kernel that copies the "
                                              "staged experts over PCIe, beside the decode step's own "
-                                             "kernels (fewer leave those more multiprocessors; bench "
-                                             "variants ostinato-copy8, ostinato-copy16; docs/engine.md, "
+                                             "kernels. On the H200, 8 copied as fast as 32 and the step's "
+                                             "own kernels ran ~11 us per layer faster beside them (bench "
+                                             "variants ostinato-copy2, -copy4, -copy32; docs/engine.md, "
                                              "\"Decode timeline\").")
     decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
                                 "upload path's staging slots hold the cold experts the CPU branch "

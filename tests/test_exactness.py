@@ -693,8 +693,8 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
     bitwise equal on the CPU (the same ggml kernels either way), within the GPU tolerance there; the
     same routes counted (staged routes are still cold ones); the CPU branch reads fewer bytes. The
     decode timeline marks each chain (router product, stage list, end of the copies) of the layers it
-    staged; with one expert per layer the copy kernel runs on 8 blocks (setting
-    ``decode_prefetch_copy_blocks``), with 16 on the default 32."""
+    staged; with one expert per layer the copy kernel runs on 32 blocks (setting
+    ``decode_prefetch_copy_blocks``), with 16 on the default 8."""
     if len(moe[2]) < 2:
         pytest.skip("one MoE layer (deepseek2's tiny shape): no next layer to predict")
     r = ost_runner(moe)
@@ -705,13 +705,13 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
     try:
         for n in (0, experts):
             native.set_decode_prefetch(n)
-            native.set_decode_prefetch_blocks(8 if n == 1 else 32)
+            native.set_decode_prefetch_blocks(32 if n == 1 else 8)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             runs[n] = (toks, logits, _stats(), native.experts_json("ostinato_experts_info"))
     finally:
         native.set_decode_prefetch(0)
-        native.set_decode_prefetch_blocks(32)
+        native.set_decode_prefetch_blocks(8)
         native.set_decode_graph(None)
         native.set_prefetch(0)
         _switch(half_hot(moe))
@@ -737,7 +737,7 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
     # bytes are counted where the CPU branch's own kernel ran (gpt-oss's biased experts take ggml's)
     assert s1["cpu_branch_bytes"] < s0["cpu_branch_bytes"] or s0["cpu_branch_bytes"] == 0
     assert s1["last_passes"][0]["decode_prefetch_staged"] == 0   # the prompt's pass predicts nothing
-    assert pf["copy_blocks"] == (8 if experts == 1 else 32)
+    assert pf["copy_blocks"] == (32 if experts == 1 else 8)
     # the chains in the decode timeline: one per sampled step and predicting layer whose next layer
     # follows it in the graph; the copies are the chain's tail; on the CPU the predict op of layer l
     # runs before route(l + 1), so no route waits for a chain

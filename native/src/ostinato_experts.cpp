@@ -56,7 +56,7 @@ int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU b
 double g_split_alpha_us = 0, g_split_cpu_gbps = 0, g_split_h2d_gbps = 0;
 int g_prefetch = 0;               // prefetch depth for upload passes with views (depth + 1 staging regions)
 int g_dprefetch = 0;              // decode prefetch: most experts staged per layer and step (0: off)
-int g_dprefetch_blocks = 32;      // decode prefetch: blocks of the stage copy kernel
+int g_dprefetch_blocks = 8;       // decode prefetch: blocks of the stage copy kernel
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(

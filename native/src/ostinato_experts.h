@@ -263,7 +263,7 @@ OSTINATO_API int          ostinato_experts_set_resident_path(int on);
 // prefetch depth 2) and host experts the GPU can read; takes effect at the next pass (call between
 // passes).
 OSTINATO_API int          ostinato_experts_set_decode_prefetch(int max_experts);
-// Blocks (of 512 threads) of the decode prefetch's copy kernel on the GPU, 1..1024 (default 32);
+// Blocks (of 512 threads) of the decode prefetch's copy kernel on the GPU, 1..1024 (default 8);
 // -1 outside. Takes effect at the next pass (the decode graph is made anew).
 OSTINATO_API int          ostinato_experts_set_decode_prefetch_blocks(int blocks);
 // Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates

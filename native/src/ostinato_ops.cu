@@ -49,7 +49,9 @@ static __device__ __forceinline__ int ost_staged_index(const int32_t * sc, const
 }
 
 // Decode prefetch, 1 of 3 (side stream): the next layer's router on this layer's FFN input, one
-// warp per expert (logits[x] = row x of the router . cur, summed in a fixed order: the same every run).
+// warp per expert (logits[x] = row x of the router . cur, summed in a fixed order: the same every run;
+// not the order of ggml's router product, so a near tie may rank two experts the other way round,
+// which changes what is staged, never what is computed).
 static __device__ __forceinline__ float ost_weight(const void * row, const int type, const int i) {
     if (type == GGML_TYPE_F16) return __half2float(((const half *) row)[i]);
     if (type == GGML_TYPE_BF16) return __bfloat162float(((const nv_bfloat16 *) row)[i]);
@@ -62,7 +64,24 @@ static __global__ void ost_predict_kernel(const float * cur, const ostinato_op o
     if (warp >= o.n_expert) return;
     const void * row = (const char *) o.next_gate + (int64_t) warp * o.next_gate_nb1;
     float sum = 0.0f;
-    for (int i = lane; i < o.n_embd; i += 32) sum += ost_weight(row, o.next_gate_type, i) * cur[i];
+    if (o.next_gate_type == GGML_TYPE_F32 && o.n_embd % 512 == 0 && ((uintptr_t) row & 15) == 0 &&
+        ((uintptr_t) cur & 15) == 0) {
+        // 16-byte loads, four in flight per lane with their own sums: the kernel runs beside the decode
+        // step's own kernels, so it should hold its multiprocessors for as short a time as it can
+        const float4 * r4 = (const float4 *) row;
+        const float4 * c4 = (const float4 *) cur;
+        float s4[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+        for (int i = lane; i < o.n_embd / 4; i += 128) {
+            float4 w[4], c[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) { w[u] = r4[i + 32 * u]; c[u] = c4[i + 32 * u]; }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) s4[u] += w[u].x * c[u].x + w[u].y * c[u].y + w[u].z * c[u].z + w[u].w * c[u].w;
+        }
+        sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+    } else {
+        for (int i = lane; i < o.n_embd; i += 32) sum += ost_weight(row, o.next_gate_type, i) * cur[i];
+    }
     for (int off = 16; off > 0; off /= 2) sum += __shfl_down_sync(0xffffffff, sum, off);
     if (lane == 0) o.pred_logits[warp] = sum;
 }
@@ -454,9 +473,10 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
             ost_select_kernel<<<1, 256, 0, side->stream>>>(*o);
             const int p = (o->il + 1) & 1;
             CUDA_CHECK(cudaEventRecord(side->sel[p], side->stream));
-            // 32 blocks of 512 threads by default: the prefill's gather probe read host memory at 51 GB/s
-            // with 66 and more; fewer leave the decode step's kernels more multiprocessors
-            ost_stage_copy_kernel<<<o->copy_blocks > 0 ? o->copy_blocks : 32, 512, 0, side->stream>>>(*o);
+            // 8 blocks of 512 threads by default (setting decode_prefetch_copy_blocks): on the H200 they
+            // copied two staged experts as fast as 32 (60 against 56 us) and the decode step's own
+            // kernels ran ~11 us per layer faster beside them (docs/engine.md, "Decode timeline")
+            ost_stage_copy_kernel<<<o->copy_blocks > 0 ? o->copy_blocks : 8, 512, 0, side->stream>>>(*o);
             CUDA_CHECK(cudaGetLastError());
             CUDA_CHECK(cudaEventRecord(side->done[p], side->stream));
             side->pending[p] = o->il + 1;

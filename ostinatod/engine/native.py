@@ -483,7 +483,7 @@ def set_decode_prefetch(max_experts: int) -> None:
 
 def set_decode_prefetch_blocks(blocks: int) -> None:
     """Blocks (of 512 threads) of decode prefetch's copy kernel on the GPU (setting
-    ``decode_prefetch_copy_blocks``, native default 32): it copies the staged experts over PCIe beside
+    ``decode_prefetch_copy_blocks``, native default 8): it copies the staged experts over PCIe beside
     the decode step's own kernels. ``info()["decode_graph"]["prefetch"]["copy_blocks"]`` says it. Takes
     effect at the next pass; call between passes. Raises ValueError outside 1..1024."""
     if llama_fn("ostinato_experts_set_decode_prefetch_blocks")(int(blocks)) != 0:
