@@ -891,7 +891,7 @@ def test_newer_architectures_through_the_engine(arch):
     path and the decode graph, the latter also with decode prefetch (the daemon's default; on the
     GPU deepseek4's decode graph runs in several scheduler splits, and a prefetch chain crossing one
     once aborted the CUDA graph's capture), and the pool holds its hot experts (not the stock
-    fallback)."""
+    fallback); the decode graph's CPU branch runs on its own kernel in every layer."""
     from ostinatod.residency.gguf_header import read_header
     from ostinatod.synth.writer import synthetic_model
 
@@ -914,7 +914,11 @@ def test_newer_architectures_through_the_engine(arch):
         assert info["hot_experts"] == sum(len(v) for v in hot.values()), info["notes"]
         st = _every_path_matches(r, ref_toks, decode_prefetch=16)
         print(f"\n[exactness] {arch} decode prefetch: staged {st['decode_prefetch_staged']}, "
-              f"{st['decode_prefetch_routes']} of {st['cold_routes']} cold routes in the GPU branch")
+              f"{st['decode_prefetch_routes']} of {st['cold_routes']} cold routes in the GPU branch; "
+              f"CPU branch layers {st['cpu_branch_layers']}, of them on its own kernel {st['cpu_kernel_layers']}")
+        # every one of these architectures' expert FFNs is the CPU branch kernel's shape (deepseek4's
+        # clamped SwiGLU included), so no decode-graph layer fell back to ggml's graph compute
+        assert st["cpu_kernel_layers"] == st["cpu_branch_layers"] > 0, st
         if len(layers) > 1:   # a next layer to predict: the prefetch staged and its routes ran
             assert st["decode_prefetch_staged"] > 0 and st["decode_prefetch_routes"] > 0
     finally:

@@ -72,22 +72,26 @@ def test_gpu_backend_2d_copy_moves_rows_at_two_pitches_and_refuses_the_rest():
     assert len(report["cases"]) == 4 and all(c["queued"] and c["bytes_as_expected"] for c in report["cases"])
 
 
-@pytest.mark.parametrize("arch,shape,quant,merged", [
-    ("qwen3moe", "tiny", "q8_0", False),
-    ("qwen3moe", "tiny", "q4_0", False),
-    ("qwen35moe", "ci", "q4_0", True),
-    ("qwen3moe", "ci", "q4_k_m", False),
-    ("qwen35moe", "ci", "ud-q4_k_xl", True),
+@pytest.mark.parametrize("arch,shape,quant,merged,limit", [
+    ("qwen3moe", "tiny", "q8_0", False, 0.0),
+    ("qwen3moe", "tiny", "q4_0", False, 0.0),
+    ("qwen3moe", "tiny", "q4_0", False, 0.5),
+    ("qwen35moe", "ci", "q4_0", True, 0.0),
+    ("qwen3moe", "ci", "q4_k_m", False, 0.0),
+    ("qwen35moe", "ci", "ud-q4_k_xl", True, 0.0),
+    ("qwen35moe", "ci", "ud-q4_k_xl", True, 0.5),
 ])
-def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shape, quant, merged):
+def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shape, quant, merged, limit):
     """The CPU branch's own kernel (native/src/ostinato_cpuffn.cpp, with ggml-cpu's SwiGLU row
     kernel exported by native/patches/23) on a model's expert tensors: for 1-8 experts, 1, 3 and 16
     tokens and 1-3 threads, its output rows are bitwise those of llama.cpp's CPU graph (up and gate
     mul_mat_id, swiglu, down mul_mat_id) on the same inputs; separate and merged gate_up tensors,
     Q8_0, Q4_0 and K-quant mixes; with ggml-cpu's vec_dot row by row and with the row-pair dot
     products (native/src/ostinato_dot.h, modes AVX2 and AVX-512; a CPU without AVX-512 runs AVX2 for
-    both). An expert with 8 or more routes of a type that ggml-cpu computes with its tiled kernel is
-    left to ggml (kernel false); every other row ran the kernel."""
+    both). With ``limit`` the activation is ggml's clamped SwiGLU (deepseek4's experts), at a limit
+    that clamps part of the activation's inputs. An expert with 8 or more routes of a type that
+    ggml-cpu computes with its tiled kernel is left to ggml (kernel false); every other row ran the
+    kernel."""
     from ostinatod.engine import native
     from ostinatod.synth.writer import write_synthetic_moe
     from ostinatod.bench.bench_cpu import _load
@@ -101,7 +105,8 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
     model = _load(path)
     try:
         res = native.cpu_branch_bench(model, {"experts": [1, 2, 8], "tokens": [1, 3, 16], "row_pairs": modes,
-                                              "threads": [1, 3], "reps": 1, "read_bw_bytes": 1 << 20, "flush_bytes": 1 << 20})
+                                              "threads": [1, 3], "reps": 1, "read_bw_bytes": 1 << 20, "flush_bytes": 1 << 20,
+                                              "swiglu_limit": limit})
         with pytest.raises(native.ExpertEngineError, match="no routed experts"):
             native.cpu_branch_bench(model, {"layer": 99})
     finally:
@@ -124,4 +129,6 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
         else:
             assert r["kernel"] is True and r["bitwise_equal"] is True and r["max_abs_diff"] == 0.0, r
             assert r["bytes"] == r["experts"] * res["expert_bytes"]
+            if limit:   # the clamp changed part of the activation's inputs, not all or none of them
+                assert 0.05 < r["swiglu_clamped_share"] < 0.95, r
     assert [b["threads"] for b in res["read_bw"]] == [1, 3] and all(b["gbps"] > 0 for b in res["read_bw"])

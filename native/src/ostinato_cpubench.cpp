@@ -74,9 +74,11 @@ void read_fn(void * c, int ith, int nth) {
     (*r.sums)[(size_t) ith] = s;
 }
 
-// The experts' FFN as build_moe_ffn builds it (separate or merged gate_up), over views of the
-// model's host tensors, in a CPU context of its own.
-ggml_tensor * build_ffn(ggml_context * ctx, const llama_layer & L, ggml_tensor * cur, ggml_tensor * ids) {
+// The experts' FFN as build_moe_ffn builds it (separate or merged gate_up; SwiGLU, or with
+// limit > 0 the clamped SwiGLU of deepseek4's experts), over views of the model's host tensors, in a
+// CPU context of its own. *gate_out and *up_out: the activation's two inputs [n_ff, k, n].
+ggml_tensor * build_ffn(ggml_context * ctx, const llama_layer & L, ggml_tensor * cur, ggml_tensor * ids, float limit,
+                        ggml_tensor ** gate_out, ggml_tensor ** up_out) {
     ggml_tensor * gate = nullptr, * up = nullptr;
     if (L.ffn_gate_up_exps) {
         ggml_tensor * gu = ggml_mul_mat_id(ctx, ggml_view_tensor(ctx, L.ffn_gate_up_exps), cur, ids);
@@ -87,7 +89,9 @@ ggml_tensor * build_ffn(ggml_context * ctx, const llama_layer & L, ggml_tensor *
         up = ggml_mul_mat_id(ctx, ggml_view_tensor(ctx, L.ffn_up_exps), cur, ids);
         gate = ggml_mul_mat_id(ctx, ggml_view_tensor(ctx, L.ffn_gate_exps), cur, ids);
     }
-    ggml_tensor * act = ggml_swiglu_split(ctx, gate, up);
+    *gate_out = gate;
+    *up_out = up;
+    ggml_tensor * act = limit > 0.0f ? ggml_swiglu_clamp(ctx, gate, up, limit) : ggml_swiglu_split(ctx, gate, up);
     return ggml_mul_mat_id(ctx, ggml_view_tensor(ctx, L.ffn_down_exps), act, ids);
 }
 
@@ -264,6 +268,10 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         // read before every timed run, so that the experts come from memory as in a decode step
         // (whose cold experts differ layer by layer), not from a cache warmed by the run before
         const int64_t flush_bytes = a.value("flush_bytes", (int64_t) 256 << 20);
+        // > 0: the FFN's activation is ggml's clamped SwiGLU with this limit (deepseek4's experts)
+        const float swiglu_limit = a.value("swiglu_limit", 0.0f);
+        if (swiglu_limit < 0.0f) throw std::runtime_error("swiglu_limit must be >= 0");
+        out["swiglu_limit"] = swiglu_limit;
         std::vector<uint8_t> flush_buf((size_t) std::max<int64_t>(flush_bytes, 0) + 256);
         uint8_t * flush_p = (uint8_t *) (((uintptr_t) flush_buf.data() + 255) & ~uintptr_t(255));
         if (flush_bytes > 0) std::memset(flush_p, 1, (size_t) flush_bytes);
@@ -375,7 +383,8 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 ggml_tensor * ids_t = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, k, n);
                 std::memcpy(cur->data, x.data(), x.size() * 4);
                 std::memcpy(ids_t->data, ids.data(), ids.size() * 4);
-                ggml_tensor * o = build_ffn(ctx, L, cur, ids_t);
+                ggml_tensor * gate_t = nullptr, * up_t = nullptr;
+                ggml_tensor * o = build_ffn(ctx, L, cur, ids_t, swiglu_limit, &gate_t, &up_t);
                 ggml_cgraph * g = ggml_new_graph(ctx);
                 ggml_build_forward_expand(g, o);
                 ost_ffn f;
@@ -474,6 +483,21 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                         }
                         row["bitwise_equal"] = equal;
                         row["max_abs_diff"] = diff;
+                        if (swiglu_limit > 0.0f) {
+                            // the share of the activation's elements at routed positions that the clamp changed
+                            int64_t n_el = 0, n_cl = 0;
+                            for (int64_t t = 0; t < n; ++t) for (int64_t j = 0; j < k; ++j) {
+                                if (ids[(size_t) (t * k + j)] < 0) continue;
+                                const char * gp = (const char *) gate_t->data + t * gate_t->nb[2] + j * gate_t->nb[1];
+                                const char * up = (const char *) up_t->data + t * up_t->nb[2] + j * up_t->nb[1];
+                                for (int64_t i = 0; i < gate_t->ne[0]; ++i) {
+                                    const float gv = ((const float *) gp)[i], uv = ((const float *) up)[i];
+                                    n_el++;
+                                    n_cl += gv > swiglu_limit || std::fabs(uv) > swiglu_limit;
+                                }
+                            }
+                            row["swiglu_clamped_share"] = n_el ? (double) n_cl / n_el : 0.0;
+                        }
                     }
                     rows.push_back(row);
                 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -73,10 +74,17 @@ bool ost_ffn_match(const ggml_tensor * out, const ggml_tensor * ids, const ggml_
     if (!ids || ids->type != GGML_TYPE_I32 || !ggml_is_contiguous(ids)) { why = "ids not contiguous I32"; return false; }
     if (!is_mmid(out, out ? out->src[1] : nullptr, ids)) { why = "output is not a mul_mat_id over host experts"; return false; }
     const ggml_tensor * act = out->src[1];
-    if (act->op != GGML_OP_GLU || ggml_get_glu_op(act) != GGML_GLU_OP_SWIGLU || !act->src[1] ||
-        ((const int32_t *) act->op_params)[1] != 0 /* swapped */ || act->type != GGML_TYPE_F32 || !ggml_is_contiguous(act)) {
-        why = "activation is not swiglu(gate, up)";
+    const bool glu = act->op == GGML_OP_GLU;
+    if (!glu || (ggml_get_glu_op(act) != GGML_GLU_OP_SWIGLU && ggml_get_glu_op(act) != GGML_GLU_OP_SWIGLU_CLAMP) ||
+        !act->src[1] || ((const int32_t *) act->op_params)[1] != 0 /* swapped */ || act->type != GGML_TYPE_F32 ||
+        !ggml_is_contiguous(act)) {
+        why = "activation is not swiglu(gate, up) or swiglu_clamp(gate, up)";
         return false;
+    }
+    if (ggml_get_glu_op(act) == GGML_GLU_OP_SWIGLU_CLAMP) {
+        // the limit is the op's float parameter 3 (ggml_swiglu_clamp)
+        memcpy(&f.swiglu_limit, (const char *) act->op_params + 3 * sizeof(int32_t), sizeof(float));
+        if (!(f.swiglu_limit > 0.0f)) { why = "swiglu_clamp with a limit that is not positive"; return false; }
     }
     const ggml_tensor * g = act->src[0];
     const ggml_tensor * u = act->src[1];
@@ -397,6 +405,17 @@ void zero_unrouted_rows(const ost_ffn_job & job, int ith, int nth) {
     }
 }
 
+// SwiGLU with a clamp (GGML_GLU_OP_SWIGLU_CLAMP): y = silu(a) * b with a = min(gate, limit),
+// b = clamp(up, -limit, limit), silu(a) = a / (1 + e^-a), in these operations and this order, which
+// are ggml-cpu's for that op (scalar code there, libm's expf), so the rows are bitwise its rows.
+void swiglu_clamp_row(int n, float * y, const float * g, const float * u, float limit) {
+    for (int i = 0; i < n; ++i) {
+        const float a = std::min(g[i], limit);
+        const float b = std::clamp(u[i], -limit, limit);
+        y[i] = a / (1.f + expf(-a)) * b;
+    }
+}
+
 // Phases of one run on nth threads (ith of them): the input rows quantised (when not done by
 // prepare), the gate/up rows, the activations, the down rows; `barrier` waits for all nth.
 template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier barrier0) {
@@ -430,7 +449,11 @@ template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier ba
     act.resize((size_t) f.n_ff);
     for (size_t q = (size_t) ith; q < r.routes.size(); q += (size_t) nth) {
         const float * gq = r.gu + q * 2 * f.n_ff;
-        ggml_cpu_vec_swiglu_f32((int) f.n_ff, act.data(), gq, gq + f.n_ff);
+        if (f.swiglu_limit > 0.0f) {
+            swiglu_clamp_row((int) f.n_ff, act.data(), gq, gq + f.n_ff, f.swiglu_limit);
+        } else {
+            ggml_cpu_vec_swiglu_f32((int) f.n_ff, act.data(), gq, gq + f.n_ff);
+        }
         from_float(act.data(), r.actq + q * r.actq_row, f.n_ff);
     }
     barrier(PH_ACT);

@@ -9,10 +9,12 @@
 // (ost_ffn_match), and the kernel then does what ggml's MUL_MAT_ID, GLU(SWIGLU) and MUL_MAT_ID do:
 // each token row quantized to the weights' vec_dot type with the same from_float, each output
 // element one vec_dot of a weight row with that row, the activation by ggml-cpu's own
-// ggml_vec_swiglu_f32 over whole rows (exported by native/patches/23), -1 ids skipped. Only the
+// ggml_vec_swiglu_f32 over whole rows (exported by native/patches/23; a clamped SwiGLU element by
+// element in the operations of ggml-cpu's SWIGLU_CLAMP), -1 ids skipped. Only the
 // order of the work differs: the experts' rows are taken in chunks from a counter by the team, every row is
 // read once for all of its expert's tokens, and there are three barriers instead of ggml's
-// per-op synchronisation. Graphs it does not match (biases, scales, other activations, clamps) and
+// per-op synchronisation. Graphs it does not match (biases, scales, other activations, clamps
+// other than SWIGLU_CLAMP's) and
 // experts that ggml-cpu would compute with its tiled K-quant kernel (>= 8 rows of one expert) keep
 // ggml's graph compute.
 #pragma once
@@ -29,14 +31,17 @@ struct ost_ffn {
     const ggml_tensor * gate = nullptr;   // [n_embd, n_ff, n_expert]; nullptr when merged
     const ggml_tensor * down = nullptr;   // [n_ff, n_embd, n_expert]
     bool merged = false;
+    // > 0: the activation is ggml's SwiGLU with a clamp (GGML_GLU_OP_SWIGLU_CLAMP, deepseek4's
+    // experts): silu(min(gate, limit)) * clamp(up, -limit, limit)
+    float swiglu_limit = 0.0f;
     int64_t n_embd = 0, n_ff = 0, n_expert = 0;
     // bytes of one expert (up + gate + down): what a cold route reads
     int64_t expert_bytes = 0;
 };
 
 // Recognises out = MUL_MAT_ID(down, SWIGLU(MUL_MAT_ID(gate, cur, ids), MUL_MAT_ID(up, cur, ids)), ids)
-// (or the merged gate_up form: two views of one MUL_MAT_ID) over host tensors. Returns false, with
-// the reason in `why`, for any other graph.
+// (or the merged gate_up form: two views of one MUL_MAT_ID; or SWIGLU_CLAMP for SWIGLU) over host
+// tensors. Returns false, with the reason in `why`, for any other graph.
 bool ost_ffn_match(const ggml_tensor * out, const ggml_tensor * ids, const ggml_tensor * cur, ost_ffn & f,
                    std::string & why);
 

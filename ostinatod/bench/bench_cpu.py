@@ -17,7 +17,10 @@ time went (``phases_us``: grouping, the team's start, the input's quantisation, 
 activations, down rows, barrier waits); ``--spins 256,1000000000`` runs the kernel with its team's
 threads yielding after that many pauses while they wait (the default) and spinning on;
 ``--row-pairs 0,1,2`` runs the kernel with ggml-cpu's vec_dot row by row (the default) and with its
-row-pair dot products in AVX2 and in AVX-512 (setting ``cpu_branch_row_pairs``). See docs/engine.md, "CPU branch kernel".
+row-pair dot products in AVX2 and in AVX-512 (setting ``cpu_branch_row_pairs``); ``--swiglu-limit L``
+computes the experts' activation as ggml's clamped SwiGLU with that limit (deepseek4's experts; 0, the
+default: plain SwiGLU), the rows then saying what share of the activation's inputs the clamp changed.
+See docs/engine.md, "CPU branch kernel".
 """
 
 from __future__ import annotations
@@ -200,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row-pairs", type=_rows, default=None, help="the kernel's dot products: 0 ggml-cpu's "
                     "vec_dot row by row, 1 row pairs in AVX2, 2 in AVX-512; e.g. 0,1,2 runs all three "
                     "(default: the engine's, 0)")
+    ap.add_argument("--swiglu-limit", type=float, default=0.0, help="the experts' activation as ggml's "
+                    "clamped SwiGLU with this limit, as deepseek4's experts compute it (0: plain SwiGLU)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--read-bw-mib", type=int, default=1024, help="buffer of the host read-bandwidth test")
     ap.add_argument("--flush-mib", type=int, default=256, help="memory read before every timed run, so "
@@ -249,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             args["spins"] = a.spins
         if a.row_pairs:
             args["row_pairs"] = a.row_pairs
+        if a.swiglu_limit:
+            args["swiglu_limit"] = a.swiglu_limit
         results = run(models, args)
     except (BenchError, Exception) as e:   # a native refusal, a file llama.cpp will not load
         from ..engine.native import ExpertEngineError
