@@ -117,7 +117,7 @@ void predict_cpu(ggml_tensor * dst, int ith, int nth, void * ud) {
                                                                : ((const float *) row)[i];
             sum += w * cur[i];
         }
-        pred[(size_t) x] = sum;
+        pred[(size_t) x] = ostinato_pred_score(sum, o.next_router_b, o.next_sel_b, o.next_gating, x);
     }
     for (int x = 0; x < o.n_expert; ++x) order[(size_t) x] = x;
     const int k = std::min({ o.k, o.n_expert, OSTINATO_PREDICT_TOP });   // as the select kernel
@@ -389,6 +389,9 @@ ost_dgraph * ost_dg_new(const ost_dg_config & cfg, std::string & err) {
                 o.next_gate = l.next_gate;
                 o.next_gate_type = (int32_t) l.next_gate_type;
                 o.next_gate_nb1 = l.next_gate_nb1;
+                o.next_router_b = l.next_router_b;
+                o.next_sel_b = l.next_sel_b;
+                o.next_gating = l.next_gating;
                 o.pred_logits = l.pred_logits;
                 o.next_hdr = &dg->hdr[il + 1];
                 o.copy_blocks = cfg.copy_blocks;

@@ -50,6 +50,9 @@ struct ost_dg_layer {
     const void * next_gate = nullptr;  // the next layer's router weights (F32, F16 or BF16 rows), type, row pitch
     ggml_type next_gate_type = GGML_TYPE_F32;
     int64_t next_gate_nb1 = 0;
+    const float * next_router_b = nullptr;   // its router bias and selection bias [n_expert], F32, where the
+    const float * next_sel_b = nullptr;      // gate is (or null); the gating: OSTINATO_PRED_* (ostinato_pred_score)
+    int next_gating = OSTINATO_PRED_LOGIT;
     float * pred_logits = nullptr;     // [n_expert] in the memory of the layer's pool: the prediction's logits
 };
 

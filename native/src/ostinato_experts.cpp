@@ -195,6 +195,15 @@ ggml_tensor * ostinato_moe_cpu_share(ggml_context * ctx, ggml_tensor * out, ggml
 
 namespace {
 
+// How a prediction scores a logit of a model with this gating function (ostinato_pred_score).
+int pred_gating(uint32_t gating_func) {
+    switch (gating_func) {
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID: return OSTINATO_PRED_SIGMOID;
+        case LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS: return OSTINATO_PRED_SQRT_SOFTPLUS;
+        default: return OSTINATO_PRED_LOGIT;   // softmax keeps the logits' order
+    }
+}
+
 // Layer il takes the all-resident path (see ostinato_moe_resident). Caller holds g_mu.
 bool resident_layer(const engine_t * e, int il) {
     if (!e || !g_resident || il < 0 || il >= e->n_layer) return false;
@@ -204,6 +213,21 @@ bool resident_layer(const engine_t * e, int il) {
 }
 
 }  // namespace
+
+ggml_tensor * ostinato_moe_prefetch_scores(ggml_context * ctx, ggml_tensor * logits, int il_next) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    engine_t * e = g_eng;
+    if (!e || il_next < 0 || il_next >= (int) e->model->layers.size()) return logits;
+    const auto & L = e->model->layers[il_next];
+    if (L.ffn_gate_inp_b) logits = ggml_add(ctx, logits, L.ffn_gate_inp_b);
+    if (!L.ffn_exp_probs_b) return logits;
+    switch (pred_gating(e->model->hparams.expert_gating_func)) {
+        case OSTINATO_PRED_SIGMOID: logits = ggml_sigmoid(ctx, logits); break;
+        case OSTINATO_PRED_SQRT_SOFTPLUS: logits = ggml_sqrt(ctx, ggml_softplus(ctx, logits)); break;
+        default: break;
+    }
+    return ggml_add(ctx, logits, L.ffn_exp_probs_b);
+}
 
 ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int dist, int * il_next) {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -217,9 +241,10 @@ ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int dist, int
     }
     const auto & l = e->layers[nx];
     ggml_tensor * gate = e->model->layers[nx].ffn_gate_inp;
-    // an all-resident layer has nothing cold to fetch
+    // an all-resident layer has nothing cold to fetch; one that routes by token id (ffn_gate_tid2eid)
+    // has no router to predict with
     if (!l.has_hot || !l.views || !gate || e->layer_pool[nx] != e->layer_pool[il] || gate->ne[1] != e->n_expert ||
-        resident_layer(e, nx)) {
+        resident_layer(e, nx) || e->model->layers[nx].ffn_gate_tid2eid) {
         return nullptr;
     }
     *il_next = nx;
@@ -350,6 +375,8 @@ ost_dgraph * dgraph_of(engine_t * e) {
         const auto & nl = c.layers[nx];
         const ggml_tensor * gate = e->model->layers[nx].ffn_gate_inp;
         if (!l.moe || !nl.moe || e->layer_pool[il] < 0) continue;
+        // a layer that routes by token id (deepseek4's first layers: ffn_gate_tid2eid) has no router to predict with
+        if (e->model->layers[nx].ffn_gate_tid2eid) continue;
         // the router is read where the pool computes: its rows F32, F16 or BF16 in the pool's device memory
         const ggml_backend_dev_t pool_dev = e->pools[e->layer_pool[il]].dev;
         const bool host_pool = ggml_backend_dev_type(pool_dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
@@ -385,6 +412,15 @@ ost_dgraph * dgraph_of(engine_t * e) {
         l.next_gate = gate->data;
         l.next_gate_type = gate->type;
         l.next_gate_nb1 = (int64_t) gate->nb[1];
+        // the selection's biases and gating (ostinato_pred_score), each where the router is, else left out
+        auto bias_at = [&](const ggml_tensor * b) -> const float * {
+            return b && b->type == GGML_TYPE_F32 && ggml_nelements(b) == e->n_expert && ggml_is_contiguous(b) &&
+                           b->buffer && ggml_backend_buffer_get_type(b->buffer) == ggml_backend_buffer_get_type(gate->buffer)
+                       ? (const float *) b->data : nullptr;
+        };
+        l.next_router_b = bias_at(e->model->layers[nx].ffn_gate_inp_b);
+        l.next_sel_b = bias_at(e->model->layers[nx].ffn_exp_probs_b);
+        l.next_gating = pred_gating(e->model->hparams.expert_gating_func);
         l.pred_logits = (float *) e->pools[e->layer_pool[il]].pred->data;
     }
     c.count = dg_count;

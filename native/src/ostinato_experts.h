@@ -96,6 +96,11 @@ ggml_tensor * ostinato_moe_upload_join(ggml_context * ctx, ggml_tensor * upload,
 // to layer il's FFN input and takes the top k per token: a prediction of that layer's routes, ready at
 // layer il's route op.
 ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int dist, int * il_next);
+// The prefetch's prediction of layer il_next's routes ranks the experts as that layer's selection
+// does (ostinato_pred_score, in ggml ops): logits [n_expert, n] plus the router's bias, through the
+// gating function where a selection bias follows it, plus that bias. Returns `logits` as it is for a
+// layer with neither bias.
+ggml_tensor * ostinato_moe_prefetch_scores(ggml_context * ctx, ggml_tensor * logits, int il_next);
 // Prefetch op (CPU; after layer il's upload op, or its join when hybrid, in graph order; the one for
 // il + 1 before the one for il + 2): starts the copies of the cold experts among pred [k, n] (a
 // prediction for layer il_next) that no earlier prediction brought, into the next free slots of

@@ -49,7 +49,8 @@ static __device__ __forceinline__ int ost_staged_index(const int32_t * sc, const
 }
 
 // Decode prefetch, 1 of 3 (side stream): the next layer's router on this layer's FFN input, one
-// warp per expert (logits[x] = row x of the router . cur, summed in a fixed order: the same every run;
+// warp per expert (logit x = row x of the router . cur, summed in a fixed order: the same every run,
+// then scored as the next layer's selection ranks it, ostinato_pred_score;
 // not the order of ggml's router product, so a near tie may rank two experts the other way round,
 // which changes what is staged, never what is computed).
 static __device__ __forceinline__ float ost_weight(const void * row, const int type, const int i) {
@@ -83,7 +84,7 @@ static __global__ void ost_predict_kernel(const float * cur, const ostinato_op o
         for (int i = lane; i < o.n_embd; i += 32) sum += ost_weight(row, o.next_gate_type, i) * cur[i];
     }
     for (int off = 16; off > 0; off /= 2) sum += __shfl_down_sync(0xffffffff, sum, off);
-    if (lane == 0) o.pred_logits[warp] = sum;
+    if (lane == 0) o.pred_logits[warp] = ostinato_pred_score(sum, o.next_router_b, o.next_sel_b, o.next_gating, warp);
 }
 
 // Decode prefetch, 2 of 3 (side stream, one block): the top k of the logits, in descending order

@@ -42,6 +42,7 @@
 // the struct that the custom op's userdata points to; every other custom op stays on the CPU.
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
 
 #define OSTINATO_OP_MAGIC  0x4f53544fu   // "OSTO"
@@ -101,6 +102,31 @@ struct ostinato_mbx_hdr {
 };
 static_assert(sizeof(ostinato_mbx_hdr) == 128, "one mailbox header per two cache lines");
 
+// The prediction's score of expert x (decode prefetch's predict op, and the prefill prefetch's
+// predictions through ostinato_moe_prefetch_scores): the order in which the next layer's selection
+// ranks its experts, from its router's logit: logit + the router's bias (ffn_gate_inp_b, where the
+// layer has one), through the gating function where a selection bias (exp_probs_b, DeepSeek V3's
+// and GLM-4.5's "e_score_correction_bias") is added after it: sigmoid, or sqrt(softplus) (deepseek4).
+// Softmax keeps the logits' order, so without a selection bias the logit is the score (with one,
+// logit + bias: an approximation). Not the
+// selection's arithmetic (a ranking only: what is staged, never what is computed).
+#define OSTINATO_PRED_LOGIT         0
+#define OSTINATO_PRED_SIGMOID       1
+#define OSTINATO_PRED_SQRT_SOFTPLUS 2
+#ifdef __CUDACC__
+#define OSTINATO_HD __host__ __device__
+#else
+#define OSTINATO_HD
+#endif
+static inline OSTINATO_HD float ostinato_pred_score(float logit, const float * router_b, const float * sel_b, int gating,
+                                                    int x) {
+    float v = logit + (router_b ? router_b[x] : 0.0f);
+    if (!sel_b) return v;
+    if (gating == OSTINATO_PRED_SIGMOID) v = 1.0f / (1.0f + expf(-v));
+    else if (gating == OSTINATO_PRED_SQRT_SOFTPLUS) v = sqrtf(v > 20.0f ? v : log1pf(expf(v)));
+    return v + sel_b[x];
+}
+
 // One part of an expert to copy into a staging slot: bytes at src + expert * src_stride (host memory
 // mapped for the GPU) to dst + slot * dst_stride (the pool).
 struct ostinato_copy_part {
@@ -143,6 +169,9 @@ struct ostinato_op {
     const void * next_gate;    // predict op: layer il + 1's router weights, row x = expert x (F32, F16 or BF16)
     int32_t  next_gate_type;   //   its ggml_type
     int64_t  next_gate_nb1;    //   bytes from one expert's row to the next
+    const float * next_router_b;  //   its router bias [n_expert] (F32) or null; where the gate is
+    const float * next_sel_b;     //   its selection bias [n_expert] (F32) or null; where the gate is
+    int32_t  next_gating;         //   OSTINATO_PRED_*: how the prediction scores a logit (ostinato_pred_score)
     float  * pred_logits;      // device: [n_expert] the prediction's logits (one per pool: the chains are serial)
     int64_t  gen;              // the decode graph's generation (a cache key for checks of next_parts)
     struct ostinato_mbx_hdr * next_hdr;   // predict op: layer il + 1's header (the chain's stamps)
