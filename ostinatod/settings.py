@@ -181,9 +181,9 @@ class Settings(BaseSettings):
         "or two weight rows per pass in two AVX2 registers or one AVX-512 register, bitwise what vec_dot "
         "gives (each type, q4_0, q8_0, q4_K, q5_K, q6_K, is checked against it on this machine at first "
         "use and left to vec_dot if one bit differs; a CPU without AVX-512 takes AVX2; left out while "
-        "cpu_branch_prefetch_rows > 0). Measured on the H200 host, avx512 made decode slower (CPU "
-        "branch 3.05 against 1.70 ms per step); avx2 is not measured there yet: bench variants "
-        "ostinato-pairs-avx2, ostinato-pairs-avx512 (docs/engine.md, \"Row pairs\").")
+        "cpu_branch_prefetch_rows > 0). Measured on the H200 host, both made decode slower (CPU "
+        "branch 3.05 against 1.70 ms per step with avx512, 1.38 against 1.17 with avx2): bench "
+        "variants ostinato-pairs-avx2, ostinato-pairs-avx512 (docs/engine.md, \"Row pairs\").")
     cpu_branch_spins: int = Field(256, ge=0, le=1 << 30, description="Pauses (x86 PAUSE, ~40 ns on "
                                   "the H200 host's Xeon) a waiting thread of the CPU branch's team spins "
                                   "before it yields on every further try. More keeps the team on its "

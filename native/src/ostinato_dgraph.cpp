@@ -527,6 +527,11 @@ bool ost_dg_predicts(const ost_dgraph * dg, int il) {
 
 ggml_tensor * ost_dg_predict(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * cur, int il) {
     if (!ost_dg_predicts(dg, il)) return nullptr;
+    // on the GPU the op's kernels read cur on a side stream while the step's later ops run: as a graph
+    // output its memory is never handed to a later tensor of the graph (ggml-alloc), so the prediction
+    // reads the values it was forked with, whatever the timing (a few KB per layer)
+    ggml_set_output(cur);
+    if (cur->view_src) ggml_set_output(cur->view_src);
     ggml_tensor * args[1] = { cur };
     ggml_tensor * t = ggml_custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, 1, predict_cpu, 1, &dg->ops[(size_t) 3 * il + 2]);
     ggml_format_name(t, OSTINATO_OP_PREFIX "predict-%d", il);
@@ -593,7 +598,10 @@ bool ost_dg_pass_begin(ost_dgraph * dg, ggml_context * graph_ctx) {
     }
     std::unique_lock<std::mutex> lk(dg->m);
     dg->cv.wait(lk, [&] { return !dg->pending; });
-    dg->seq++;
+    // unique in the process, not per decode graph: the layers' stage lists live in the pool's scratch,
+    // which outlives a decode graph made anew (a setting changed), and are matched by pass number
+    static std::atomic<int64_t> passes{0};
+    dg->seq = ++passes;
     *dg->pass_seq = dg->seq;   // read by the route and join ops of this pass
     std::atomic_thread_fence(std::memory_order_seq_cst);
     dg->run = js;

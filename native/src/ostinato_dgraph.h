@@ -53,7 +53,7 @@ struct ost_dg_layer {
     const float * next_router_b = nullptr;   // its router bias and selection bias [n_expert], F32, where the
     const float * next_sel_b = nullptr;      // gate is (or null); the gating: OSTINATO_PRED_* (ostinato_pred_score)
     int next_gating = OSTINATO_PRED_LOGIT;
-    float * pred_logits = nullptr;     // [n_expert] in the memory of the layer's pool: the prediction's logits
+    float * pred_logits = nullptr;     // [n_expert] in the memory of the layer's pool: the prediction's scores
 };
 
 struct ost_dg_config {

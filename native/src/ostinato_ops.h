@@ -26,8 +26,8 @@
 // Decode prefetch: a fourth op per layer,
 //   predict (OSTINATO_OP_PREDICT): In: layer l's FFN input cur [n_embd, 1] (F32; decode steps only),
 //     placed before layer l's router. It forks a side stream from the main one and queues there, off
-//     the decode step's critical path: the next layer's router applied to cur (logits [n_expert] in
-//     pred_logits), the top k of those logits as a prediction of layer l+1's routes, the first
+//     the decode step's critical path: the next layer's router applied to cur (scores [n_expert] in
+//     pred_logits, ostinato_pred_score), the top k of those as a prediction of layer l+1's routes, the first
 //     next_max predicted experts that are cold in l+1 as l+1's stage list (its scratch), and the
 //     copies of those experts from mapped host memory into l+1's decode staging region of the pool.
 //     Route(l+1) waits for that chain's stage list (a stream edge after the select kernel), gives a
@@ -172,7 +172,7 @@ struct ostinato_op {
     const float * next_router_b;  //   its router bias [n_expert] (F32) or null; where the gate is
     const float * next_sel_b;     //   its selection bias [n_expert] (F32) or null; where the gate is
     int32_t  next_gating;         //   OSTINATO_PRED_*: how the prediction scores a logit (ostinato_pred_score)
-    float  * pred_logits;      // device: [n_expert] the prediction's logits (one per pool: the chains are serial)
+    float  * pred_logits;      // device: [n_expert] the prediction's scores (one per pool: the chains are serial)
     int64_t  gen;              // the decode graph's generation (a cache key for checks of next_parts)
     struct ostinato_mbx_hdr * next_hdr;   // predict op: layer il + 1's header (the chain's stamps)
     int32_t  copy_blocks;      // predict op: blocks of the stage copy kernel (setting decode_prefetch_copy_blocks)
