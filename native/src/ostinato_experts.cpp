@@ -722,6 +722,21 @@ void apply_runtime(const config_t & c) {
     g_force = c.force;
 }
 
+// A setting that the decode graph's ops capture (decode prefetch's experts per layer, its copy
+// blocks): set between passes; a change frees the decode graph, which the next pass makes anew with
+// it. -1 outside [lo, hi].
+int set_dg_setting(int & var, int value, int lo, int hi) {
+    if (value < lo || value > hi) return -1;
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (value != var && g_eng && g_eng->dg) {
+        ost_dg_free(g_eng->dg);
+        g_eng->dg = nullptr;
+        g_graph_dirty = true;
+    }
+    var = value;
+    return 0;
+}
+
 }  // namespace
 
 bool ostinato_on_model_loaded(llama_model * model) {
@@ -952,29 +967,13 @@ int ostinato_experts_set_cpu_row_pairs(int mode) {
 }
 
 int ostinato_experts_set_decode_prefetch(int max_experts) {
-    if (max_experts < 0 || max_experts > OSTINATO_STAGE_MAX) return -1;
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (max_experts != g_dprefetch && g_eng && g_eng->dg) {
-        // between passes: the decode graph's ops are made anew (their staging regions and predictions)
-        ost_dg_free(g_eng->dg);
-        g_eng->dg = nullptr;
-        g_graph_dirty = true;
-    }
-    g_dprefetch = max_experts;
-    return 0;
+    // the ops' staging regions and predictions
+    return set_dg_setting(g_dprefetch, max_experts, 0, OSTINATO_STAGE_MAX);
 }
 
 int ostinato_experts_set_decode_prefetch_blocks(int blocks) {
-    if (blocks < 1 || blocks > OST_COPY_BLOCKS_MAX) return -1;
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (blocks != g_dprefetch_blocks && g_eng && g_eng->dg) {
-        // between passes: the decode graph's ops are made anew (the kernels' launch shape is captured)
-        ost_dg_free(g_eng->dg);
-        g_eng->dg = nullptr;
-        g_graph_dirty = true;
-    }
-    g_dprefetch_blocks = blocks;
-    return 0;
+    // the copy kernel's launch shape, captured in the CUDA graph
+    return set_dg_setting(g_dprefetch_blocks, blocks, 1, OST_COPY_BLOCKS_MAX);
 }
 
 int ostinato_experts_set_cpu_threads(int n) {
