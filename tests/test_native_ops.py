@@ -30,6 +30,21 @@ def test_negative_expert_ids_skip_rows_and_leave_the_rest_bitwise_unchanged():
     assert any(c["skipped"] == 2 * c["tokens"] for c in report["cases"])   # a pass with no route left
 
 
+def test_prediction_score_ranks_experts_as_the_selection_does():
+    """Decode prefetch's score (native/src/ostinato_ops.h, ``ostinato_pred_score``) against the
+    selection graph llama.cpp's build_moe_ffn builds: for the logit alone, sigmoid and sqrt(softplus)
+    gating, with and without a router bias and a selection bias, each token's top k of the scores is
+    the selection's top k on the same logits (docs/engine.md, "Decode prefetch", scores)."""
+    from ostinatod.engine import native
+    if not native.has("ostinato_optest_pred_score"):
+        pytest.fail("libostinato lacks ostinato_optest_pred_score: run 'ostinato build'")
+    native.declare("ostinato_optest_pred_score", [], ctypes.c_char_p)
+    report = json.loads(native.fn("ostinato_optest_pred_score")().decode())
+    assert len(report["cases"]) == 10   # 3 gatings x router bias x selection bias, less softmax's biased 2
+    assert {c["gating"] for c in report["cases"]} == {0, 1, 2}
+    assert report["ok"] and all(c["mismatches"] == 0 for c in report["cases"]), report
+
+
 @pytest.mark.parametrize("device", ["CPU", None])
 def test_marked_mul_mat_id_skips_negative_ids_on_a_backend(device):
     """Patch 21 through the backend API: a mul_mat_id marked in op_params[15] with more than 8 tokens

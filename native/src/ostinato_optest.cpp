@@ -1,6 +1,7 @@
 // Op-level tests of native/patches/10-ggml-negative-expert-ids.patch (CPU), 21-ggml-cuda-negative-
 // expert-ids.patch (GPU backends) and 22-ggml-cuda-set-2d-async.patch (the GPU backend's 2D copy,
-// ostinato_optest_set_2d, at the end), in the style of llama.cpp's
+// ostinato_optest_set_2d), and of decode prefetch's score against llama.cpp's expert selection
+// (ostinato_optest_pred_score, at the end), in the style of llama.cpp's
 // test-backend-ops: a negative expert id in mul_mat_id means "a route computed by another branch":
 // the CPU skips it and writes an exact-zero row; add_id adds no bias there. Every other row must be
 // bitwise what the unpatched op computes. Exported from libostinato as ostinato_optest_negative_ids
@@ -9,7 +10,9 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
+#include "ostinato_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -281,5 +284,73 @@ extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_s
     if (be) ggml_backend_free(be);
     out = std::string("{\"ok\": ") + (ok ? "true" : "false") + ", \"backend\": \"" + ggml_backend_dev_name(dev) +
           "\", \"offered\": true, \"refusals_ok\": " + (refused ? "true" : "false") + ", \"cases\": [" + cases + "]}";
+    return out.c_str();
+}
+
+// The prediction's score (ostinato_ops.h, ostinato_pred_score: decode prefetch's predict op) ranks a
+// token's experts as llama.cpp's selection does: for each gating the score knows (the logit alone,
+// sigmoid, sqrt(softplus)), with and without a router bias and a selection bias, the top k of the
+// scores are the top k of the selection that build_moe_ffn builds on the same logits (router bias
+// added, gating op, selection bias added, argsort_top_k), on the CPU. Softmax with a selection bias,
+// which the score only approximates (logit + bias), is left out. {"ok", "cases": [{gating,
+// router_bias, sel_bias, tokens, mismatches}]}.
+extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_pred_score(void) {
+    static std::string out;
+    const int E = 64, T = 16, k = 8;
+    std::mt19937 rng(2026);
+    std::string cases;
+    bool ok = true;
+    for (int gating : {OSTINATO_PRED_LOGIT, OSTINATO_PRED_SIGMOID, OSTINATO_PRED_SQRT_SOFTPLUS}) {
+        for (int with_rb : {0, 1}) {
+            for (int with_sb : {0, 1}) {
+                if (gating == OSTINATO_PRED_LOGIT && with_sb) continue;
+                ggml_init_params ip = { 16u << 20, nullptr, false };
+                ggml_context * ctx = ggml_init(ip);
+                ggml_tensor * logits = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, E, T);
+                ggml_tensor * rb = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, E);
+                ggml_tensor * sb = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, E);
+                fill(logits, rng);
+                fill(rb, rng);
+                fill(sb, rng);
+                // the selection as build_moe_ffn builds it (llama-graph.cpp)
+                ggml_tensor * l = with_rb ? ggml_add(ctx, logits, rb) : logits;
+                ggml_tensor * probs = gating == OSTINATO_PRED_SIGMOID       ? ggml_sigmoid(ctx, l)
+                                    : gating == OSTINATO_PRED_SQRT_SOFTPLUS ? ggml_sqrt(ctx, ggml_softplus(ctx, l))
+                                                                            : ggml_soft_max(ctx, l);
+                ggml_tensor * selp = with_sb ? ggml_add(ctx, probs, sb) : probs;
+                ggml_tensor * top = ggml_argsort_top_k(ctx, selp, k);   // [k, T]
+                ggml_cgraph * gf = ggml_new_graph(ctx);
+                ggml_build_forward_expand(gf, top);
+                ggml_graph_compute_with_ctx(ctx, gf, 1);
+                int mismatches = 0;
+                for (int t = 0; t < T; ++t) {
+                    std::vector<std::pair<float, int>> sc((size_t) E);
+                    for (int x = 0; x < E; ++x) {
+                        const float lg = ((const float *) logits->data)[(size_t) t * E + x];
+                        sc[(size_t) x] = { ostinato_pred_score(lg, with_rb ? (const float *) rb->data : nullptr,
+                                                               with_sb ? (const float *) sb->data : nullptr, gating, x), x };
+                    }
+                    std::partial_sort(sc.begin(), sc.begin() + k, sc.end(), [](const auto & a, const auto & b) {
+                        return a.first > b.first || (a.first == b.first && a.second < b.second);
+                    });
+                    std::vector<int> want, got;
+                    for (int j = 0; j < k; ++j) {
+                        want.push_back(sc[(size_t) j].second);
+                        got.push_back(((const int32_t *) ((const char *) top->data + t * top->nb[1]))[j]);
+                    }
+                    std::sort(want.begin(), want.end());
+                    std::sort(got.begin(), got.end());
+                    mismatches += want != got;
+                }
+                ggml_free(ctx);
+                ok = ok && mismatches == 0;
+                char buf[160];
+                snprintf(buf, sizeof(buf), "{\"gating\": %d, \"router_bias\": %s, \"sel_bias\": %s, \"tokens\": %d, \"mismatches\": %d}",
+                         gating, with_rb ? "true" : "false", with_sb ? "true" : "false", T, mismatches);
+                cases += (cases.empty() ? "" : ", ") + std::string(buf);
+            }
+        }
+    }
+    out = std::string("{\"ok\": ") + (ok ? "true" : "false") + ", \"cases\": [" + cases + "]}";
     return out.c_str();
 }
