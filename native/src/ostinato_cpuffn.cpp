@@ -74,14 +74,13 @@ bool ost_ffn_match(const ggml_tensor * out, const ggml_tensor * ids, const ggml_
     if (!ids || ids->type != GGML_TYPE_I32 || !ggml_is_contiguous(ids)) { why = "ids not contiguous I32"; return false; }
     if (!is_mmid(out, out ? out->src[1] : nullptr, ids)) { why = "output is not a mul_mat_id over host experts"; return false; }
     const ggml_tensor * act = out->src[1];
-    const bool glu = act->op == GGML_OP_GLU;
-    if (!glu || (ggml_get_glu_op(act) != GGML_GLU_OP_SWIGLU && ggml_get_glu_op(act) != GGML_GLU_OP_SWIGLU_CLAMP) ||
-        !act->src[1] || ((const int32_t *) act->op_params)[1] != 0 /* swapped */ || act->type != GGML_TYPE_F32 ||
-        !ggml_is_contiguous(act)) {
+    const ggml_glu_op glu = act->op == GGML_OP_GLU ? ggml_get_glu_op(act) : GGML_GLU_OP_COUNT;
+    if ((glu != GGML_GLU_OP_SWIGLU && glu != GGML_GLU_OP_SWIGLU_CLAMP) || !act->src[1] ||
+        ((const int32_t *) act->op_params)[1] != 0 /* swapped */ || act->type != GGML_TYPE_F32 || !ggml_is_contiguous(act)) {
         why = "activation is not swiglu(gate, up) or swiglu_clamp(gate, up)";
         return false;
     }
-    if (ggml_get_glu_op(act) == GGML_GLU_OP_SWIGLU_CLAMP) {
+    if (glu == GGML_GLU_OP_SWIGLU_CLAMP) {
         // the limit is the op's float parameter 3 (ggml_swiglu_clamp)
         memcpy(&f.swiglu_limit, (const char *) act->op_params + 3 * sizeof(int32_t), sizeof(float));
         if (!(f.swiglu_limit > 0.0f)) { why = "swiglu_clamp with a limit that is not positive"; return false; }

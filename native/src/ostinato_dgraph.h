@@ -63,7 +63,7 @@ struct ost_dg_config {
     int n_threads = 0;             // CPU-branch threads (0: physical cores, estimated)
     ggml_backend_buffer_type_t host_buft = nullptr;   // mailbox memory: the GPU's pinned host type, or CPU
     bool host_pool = false;        // the pools are host memory (CPU build): the CPU route op copies staged experts
-    int copy_blocks = 8;           // decode prefetch: blocks of the stage copy kernel (GPU builds)
+    int copy_blocks = 0;           // decode prefetch: blocks of the stage copy kernel (GPU builds; >= 1, from the setting)
     std::vector<ost_dg_layer> layers;
     ost_dg_count_fn count = nullptr;
     void * count_ud = nullptr;

@@ -204,6 +204,12 @@ int pred_gating(uint32_t gating_func) {
     }
 }
 
+// Layer il routes by token id (deepseek4's first layers: ffn_gate_tid2eid): no router to predict its
+// routes with, for either prefetch.
+bool routes_by_token(const engine_t * e, int il) {
+    return e->model->layers[il].ffn_gate_tid2eid != nullptr;
+}
+
 // Layer il takes the all-resident path (see ostinato_moe_resident). Caller holds g_mu.
 bool resident_layer(const engine_t * e, int il) {
     if (!e || !g_resident || il < 0 || il >= e->n_layer) return false;
@@ -241,10 +247,9 @@ ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int dist, int
     }
     const auto & l = e->layers[nx];
     ggml_tensor * gate = e->model->layers[nx].ffn_gate_inp;
-    // an all-resident layer has nothing cold to fetch; one that routes by token id (ffn_gate_tid2eid)
-    // has no router to predict with
+    // an all-resident layer has nothing cold to fetch
     if (!l.has_hot || !l.views || !gate || e->layer_pool[nx] != e->layer_pool[il] || gate->ne[1] != e->n_expert ||
-        resident_layer(e, nx) || e->model->layers[nx].ffn_gate_tid2eid) {
+        resident_layer(e, nx) || routes_by_token(e, nx)) {
         return nullptr;
     }
     *il_next = nx;
@@ -374,9 +379,7 @@ ost_dgraph * dgraph_of(engine_t * e) {
         auto & l = c.layers[il];
         const auto & nl = c.layers[nx];
         const ggml_tensor * gate = e->model->layers[nx].ffn_gate_inp;
-        if (!l.moe || !nl.moe || e->layer_pool[il] < 0) continue;
-        // a layer that routes by token id (deepseek4's first layers: ffn_gate_tid2eid) has no router to predict with
-        if (e->model->layers[nx].ffn_gate_tid2eid) continue;
+        if (!l.moe || !nl.moe || e->layer_pool[il] < 0 || routes_by_token(e, nx)) continue;
         // the router is read where the pool computes: its rows F32, F16 or BF16 in the pool's device memory
         const ggml_backend_dev_t pool_dev = e->pools[e->layer_pool[il]].dev;
         const bool host_pool = ggml_backend_dev_type(pool_dev) == GGML_BACKEND_DEVICE_TYPE_CPU;

@@ -477,7 +477,7 @@ bool ggml_cuda_ostinato_forward(ggml_backend_cuda_context & ctx, ggml_tensor * d
             // 8 blocks of 512 threads by default (setting decode_prefetch_copy_blocks): on the H200 they
             // copied a chain's staged experts as fast as 32 (60 against 56 us) and the decode step's own
             // kernels ran ~11 us per layer faster beside them (docs/engine.md, "Decode timeline")
-            ost_stage_copy_kernel<<<o->copy_blocks > 0 ? o->copy_blocks : 8, 512, 0, side->stream>>>(*o);
+            ost_stage_copy_kernel<<<o->copy_blocks, 512, 0, side->stream>>>(*o);
             CUDA_CHECK(cudaGetLastError());
             CUDA_CHECK(cudaEventRecord(side->done[p], side->stream));
             side->pending[p] = o->il + 1;
