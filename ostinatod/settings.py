@@ -194,6 +194,14 @@ class Settings(BaseSettings):
                                   "variant ostinato-cpu-spin) starved the decode step: a wait passed "
                                   "20 s and the decode graph turned itself off; keep the default "
                                   "(docs/engine.md, \"CPU branch kernel\").")
+    cpu_branch_claims: bool = Field(True, description="How the CPU branch's team takes a layer's "
+                                    "work: on (a claim board: the threads that are on a core take its "
+                                    "chunks of weight rows one at a time and the one completing a "
+                                    "phase opens the next, so a layer never waits for a thread the "
+                                    "scheduler took off its core) or off (every thread in every phase, "
+                                    "a barrier after each: the form before; bench variant "
+                                    "ostinato-barriers). The same arithmetic either way "
+                                    "(docs/engine.md, \"CPU branch kernel\").")
     decode_prefetch_experts: int = Field(2, ge=0, le=16, description="Decode prefetch: in each "
                                          "decode step a layer predicts the next layer's routes (that "
                                          "layer's router on its own input) and copies up to this many of "

@@ -82,6 +82,27 @@ def test_cpu_branch_bench_runs_the_kernel_at_each_prefetch_distance_bitwise(tmp_
         native.set_cpu_prefetch(65)
 
 
+def test_cpu_branch_bench_runs_the_kernel_with_claims_and_with_barriers_bitwise(tmp_path):
+    # the claim board (threads take a layer's items one at a time, the thread completing a phase opens
+    # the next) and the barrier team compute the same rows: both llama.cpp's bit for bit, on 1 and 3
+    # tokens (3: the input's quantisation is a phase of its own), 1 and 3 experts, 3 threads; each
+    # gets its own fit, the phases end within the run, and the engine's mode is back afterwards
+    rc, res = _bench_q4_0(tmp_path, "--experts", "1,3", "--tokens", "1,3", "--threads", "3", "--claims", "1,0")
+    assert rc == 0
+    assert sorted({r["claims"] for r in res["rows"]}) == [0, 1]
+    assert len(res["rows"]) == 2 * 2 * 2 and all(r["bitwise_equal"] for r in res["rows"])
+    assert all(("ggml_ms" in r) == (r["claims"] == 1) for r in res["rows"])
+    assert sorted({(f["tokens"], f["claims"]) for f in res["fits"]}) == [(n, c) for n in (1, 3) for c in (0, 1)]
+    for r in res["rows"]:
+        ph = r["phases_us"]
+        assert ph["gate_up"] > 0 and ph["down"] > 0 and max(ph["gate_up"], ph["down"]) <= ph["total"]
+        # with barriers every thread takes part; on the board at least the caller
+        assert r["threads_used"] == 3 if r["claims"] == 0 else 1 <= r["threads_used"] <= 3
+    from ostinatod.engine import native
+
+    assert native.set_cpu_claims(True) is True   # the engine's mode is back after the bench
+
+
 def test_cpu_branch_bench_runs_the_kernel_at_each_spin_count_bitwise(tmp_path):
     # how long a waiting team thread spins before it yields changes when threads run, never what
     # they compute: every spin count's rows are llama.cpp's bit for bit, each gets its own fit, and
@@ -120,7 +141,8 @@ def test_cpu_branch_bench_reads_each_memory_kind_bitwise_and_times_the_phases(tm
         # each run's phases lie within its total, so each phase's median within the total's (their
         # sum need not: medians of different runs)
         assert max(ph["prepare"], ph["quant"], ph["gate_up"], ph["act"], ph["down"]) <= ph["total"]
-        assert (ph["wake"] == 0) == (r["threads"] == 1)
+        # the team's start: none on one thread; on the claim board only threads that took an item count
+        assert 1 <= r["threads_used"] <= r["threads"] and (r["threads"] > 1 or ph["wake"] == 0)
         assert (ph["quant"] > 0) == (r["tokens"] > 1 and r["threads"] > 1)   # one token: quantised by prepare
     text = capsys.readouterr().out
     assert "where the kernel's time went" in text and "| huge |" in text

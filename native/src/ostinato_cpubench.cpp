@@ -254,6 +254,13 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         if (pairs_list.empty()) throw std::runtime_error("row_pairs must not be empty");
         for (int v : pairs_list) if (v < 0 || v > OST_DOT_AVX512) throw std::runtime_error("row_pairs must be 0, 1 or 2");
         struct pairs_t { int was; ~pairs_t() { ost_dot_set_mode(was); } } pairs_restore{ost_dot_mode()};
+        // how the team takes the work (ost_ffn_set_claims: 1 claims, 0 barriers), per row of the grid
+        const bool claims_was = ost_ffn_set_claims(true);
+        ost_ffn_set_claims(claims_was);
+        const auto claims_list = a.value("claims", std::vector<int>{claims_was ? 1 : 0});
+        if (claims_list.empty()) throw std::runtime_error("claims must not be empty");
+        for (int v : claims_list) if (v != 0 && v != 1) throw std::runtime_error("claims must be 0 or 1");
+        struct claims_t { bool was; ~claims_t() { ost_ffn_set_claims(was); } } claims_restore{claims_was};
         const int prefetch_was = ost_ffn_prefetch_rows();
         struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
         // where the kernel reads the experts from, per row of the grid (place())
@@ -396,16 +403,19 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 f.down = in_mem(mem, f.down);
                 std::vector<float> ko((size_t) n_embd * k * n, 0.0f);
                 std::vector<uint8_t> ws;
-                for (int rp : pairs_list) for (int sp : spins_list) for (int pfr : prefetch_list) for (int nt : threads_list) {
+                for (int cl : claims_list) for (int rp : pairs_list) for (int sp : spins_list) for (int pfr : prefetch_list)
+                for (int nt : threads_list) {
+                    ost_ffn_set_claims(cl != 0);
                     ost_ffn_set_prefetch_rows(pfr);
                     ost_ffn_set_spins(sp);
                     ost_dot_set_mode(rp);
                     // ggml is timed once per shape and thread count (the prefetch, the memory, the spins and the
                     // row pairs are the kernel's)
                     const bool time_ggml = with_ggml && pfr == prefetch_list.front() && mi == 0 && sp == spins_list.front() &&
+                                           cl == claims_list.front() &&
                                            rp == pairs_list.front();
                     json row{{"experts", n_used}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
-                             {"prefetch_rows", pfr}, {"memory", mem.kind}, {"spins", sp}, {"row_pairs", rp},
+                             {"prefetch_rows", pfr}, {"memory", mem.kind}, {"spins", sp}, {"row_pairs", rp}, {"claims", cl},
                              // with the software prefetch on, the kernel takes vec_dot row by row
                              {"row_pairs_isa", pfr > 0 ? std::string("off") : ost_dot_isa()},
                              {"row_pairs_types", pfr > 0 ? std::string() : ost_dot_types()},
@@ -451,6 +461,10 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                             ph["idle"] = med(&ost_ffn_stats::idle_ns);
                             ph["total"] = med(&ost_ffn_stats::total_ns);
                             row["phases_us"] = ph;
+                            // threads that took part in a run (claims: those that took an item), median
+                            std::vector<double> used;
+                            for (const auto & x : sts) used.push_back(x.threads);
+                            row["threads_used"] = median(used);
                         }
                     }
                     if (time_ggml || kernel_ran) {

@@ -163,6 +163,8 @@ struct spin_barrier {
 
 }  // namespace
 
+struct ost_board;
+
 struct ost_team {
     int n = 1;
     std::vector<std::thread> threads;
@@ -174,15 +176,35 @@ struct ost_team {
     void (*fn)(void *, int, int) = nullptr;
     void * ctx = nullptr;
     spin_barrier barrier;
+    // the kernel's work board (claims, no barriers; made at the first ost_ffn_run on this team)
+    std::atomic<ost_board *> board{nullptr};
 };
 
 namespace {
+// Whether the team's board has an item to claim, and working it (the kernel section below).
+bool board_open(const ost_board * b);
+void board_work(ost_board * b, int ith);
+void board_free(ost_board * b);
+}  // namespace
+
+namespace {
+
+bool board_has_work(const ost_team * t) {
+    const ost_board * b = t->board.load(std::memory_order_acquire);
+    return b && board_open(b);
+}
 
 void team_main(ost_team * t, int ith) {
     uint64_t seen = 0;
     for (;;) {
         // spin while a pass is in flight, sleep between passes
         for (int i = 0; t->gen.load(std::memory_order_acquire) == seen && !t->quit.load(std::memory_order_relaxed); ++i) {
+            if (board_has_work(t)) {
+                // the kernel's items: taken by whoever is here, nobody waits for a thread that is not
+                board_work(t->board.load(std::memory_order_acquire), ith);
+                i = 0;
+                continue;
+            }
             if (t->active.load(std::memory_order_relaxed)) {
                 if (i < g_spins.load(std::memory_order_relaxed)) OST_PAUSE();
                 else std::this_thread::yield();
@@ -190,7 +212,8 @@ void team_main(ost_team * t, int ith) {
             }
             std::unique_lock<std::mutex> lk(t->m);
             t->cv.wait(lk, [&] {
-                return t->gen.load(std::memory_order_acquire) != seen || t->quit.load() || t->active.load();
+                return t->gen.load(std::memory_order_acquire) != seen || t->quit.load() || t->active.load() ||
+                       board_has_work(t);
             });
         }
         if (t->quit.load()) return;
@@ -217,6 +240,7 @@ void ost_team_free(ost_team * t) {
     }
     t->cv.notify_all();
     for (auto & th : t->threads) th.join();
+    board_free(t->board.load());
     delete t;
 }
 
@@ -372,25 +396,32 @@ void tensor_rows(run_t & r, const group_t & g, int64_t row0, int64_t row1, bool 
     }
 }
 
-void phase_rows(run_t & r, bool down) {
+// Chunk c of phase 1 (gate/up rows, !down) or 3 (down rows): its rows of its group, for every route of the group.
+void rows_item(run_t & r, int64_t c, bool down) {
     const ost_ffn & f = *r.f;
     const int64_t n_ff = f.n_ff;
     const int64_t per = down ? f.n_embd : 2 * n_ff;           // rows per group
     const int64_t rc = down ? r.chunk3 : r.chunk1, cpg = down ? r.per3 : r.per1;
-    const int64_t total = cpg * (int64_t) r.groups.size();
-    std::atomic<int64_t> & next = down ? r.next3 : r.next1;
     const int64_t pf = g_prefetch_rows.load(std::memory_order_relaxed);
+    const group_t & g = r.groups[(size_t) (c / cpg)];
+    const int64_t row0 = (c % cpg) * rc, row1 = std::min(per, row0 + rc);
+    // gate rows [0, n_ff) and up rows [n_ff, 2 n_ff) are two tensors unless merged
+    if (!down && !f.merged && row0 < n_ff && row1 > n_ff) {
+        tensor_rows(r, g, row0, n_ff, false, pf);
+        tensor_rows(r, g, n_ff, row1, false, pf);
+    } else {
+        tensor_rows(r, g, row0, row1, down, pf);
+    }
+}
+
+int64_t phase_chunks(const run_t & r, bool down) { return (down ? r.per3 : r.per1) * (int64_t) r.groups.size(); }
+
+void phase_rows(run_t & r, bool down) {
+    const int64_t total = phase_chunks(r, down);
+    std::atomic<int64_t> & next = down ? r.next3 : r.next1;
     for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < total;
          c = next.fetch_add(1, std::memory_order_relaxed)) {
-        const group_t & g = r.groups[(size_t) (c / cpg)];
-        const int64_t row0 = (c % cpg) * rc, row1 = std::min(per, row0 + rc);
-        // gate rows [0, n_ff) and up rows [n_ff, 2 n_ff) are two tensors unless merged
-        if (!down && !f.merged && row0 < n_ff && row1 > n_ff) {
-            tensor_rows(r, g, row0, n_ff, false, pf);
-            tensor_rows(r, g, n_ff, row1, false, pf);
-        } else {
-            tensor_rows(r, g, row0, row1, down, pf);
-        }
+        rows_item(r, c, down);
     }
 }
 
@@ -415,10 +446,32 @@ void swiglu_clamp_row(int n, float * y, const float * g, const float * u, float 
     }
 }
 
+// Token t's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float).
+void quant_item(run_t & r, int32_t t) {
+    if (r.tok_slot[(size_t) t] < 0) return;
+    ggml_get_type_traits_cpu(r.xt)->from_float(r.job->cur + (int64_t) t * r.job->cur_stride,
+                                               (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), r.f->n_embd);
+}
+
+// Route q's activation over its whole row, as ggml's GLU op computes it, then its quantisation for
+// the down matrix, as ggml's MUL_MAT_ID quantises each src1 row.
+void act_item(run_t & r, size_t q) {
+    const ost_ffn & f = *r.f;
+    thread_local std::vector<float> act;
+    act.resize((size_t) f.n_ff);
+    const float * gq = r.gu + q * 2 * f.n_ff;
+    if (f.swiglu_limit > 0.0f) {
+        swiglu_clamp_row((int) f.n_ff, act.data(), gq, gq + f.n_ff, f.swiglu_limit);
+    } else {
+        ggml_cpu_vec_swiglu_f32((int) f.n_ff, act.data(), gq, gq + f.n_ff);
+    }
+    ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(f.down->type)->vec_dot_type)->from_float(
+        act.data(), r.actq + q * r.actq_row, f.n_ff);
+}
+
 // Phases of one run on nth threads (ith of them): the input rows quantised (when not done by
 // prepare), the gate/up rows, the activations, the down rows; `barrier` waits for all nth.
 template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier barrier0) {
-    const ost_ffn & f = *r.f;
     const ost_ffn_job & job = *r.job;
     const bool timing = r.timing;   // ost_ffn_run's runs only (its team is the run's nth threads)
     if (timing) r.t_start[(size_t) ith] = now_ns();
@@ -430,31 +483,12 @@ template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier ba
     };
     if (job.zero_unrouted) zero_unrouted_rows(job, ith, nth);
     if (!r.xq_done) {
-        // each token's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float)
-        const auto from_float = ggml_get_type_traits_cpu(r.xt)->from_float;
-        for (int32_t t = ith; t < job.n; t += nth) {
-            if (r.tok_slot[(size_t) t] < 0) continue;
-            from_float(job.cur + (int64_t) t * job.cur_stride,
-                       (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), f.n_embd);
-        }
+        for (int32_t t = ith; t < job.n; t += nth) quant_item(r, t);
         barrier(PH_QUANT);
     }
     phase_rows(r, false);
     barrier(PH_GATE_UP);
-    // the activation of each route over its whole row, as ggml's GLU op computes it, then its
-    // quantisation for the down matrix, as ggml's MUL_MAT_ID quantises each src1 row
-    const auto from_float = ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(f.down->type)->vec_dot_type)->from_float;
-    thread_local std::vector<float> act;
-    act.resize((size_t) f.n_ff);
-    for (size_t q = (size_t) ith; q < r.routes.size(); q += (size_t) nth) {
-        const float * gq = r.gu + q * 2 * f.n_ff;
-        if (f.swiglu_limit > 0.0f) {
-            swiglu_clamp_row((int) f.n_ff, act.data(), gq, gq + f.n_ff, f.swiglu_limit);
-        } else {
-            ggml_cpu_vec_swiglu_f32((int) f.n_ff, act.data(), gq, gq + f.n_ff);
-        }
-        from_float(act.data(), r.actq + q * r.actq_row, f.n_ff);
-    }
+    for (size_t q = (size_t) ith; q < r.routes.size(); q += (size_t) nth) act_item(r, q);
     barrier(PH_ACT);
     phase_rows(r, true);
     // the run's last barrier is the caller's (ost_team_run's, or the shared state's)
@@ -570,6 +604,7 @@ void fill_timing(const run_t & r, int64_t t0, int64_t t_end, ost_ffn_stats * st)
     int64_t wake = 0;
     for (int i = 1; i < nth; ++i) wake += r.t_start[(size_t) i] - r.t_launch;
     st->wake_ns = nth > 1 ? wake / (nth - 1) : 0;
+    st->threads = nth;
     int64_t begin = r.t_start[0], idle = 0;
     int64_t * span[PH_N] = { &st->quant_ns, &st->gate_up_ns, &st->act_ns, &st->down_ns };
     for (int ph = r.xq_done ? PH_GATE_UP : PH_QUANT; ph < PH_N; ++ph) {
@@ -587,16 +622,185 @@ void fill_timing(const run_t & r, int64_t t0, int64_t t_end, ost_ffn_stats * st)
     st->idle_ns = idle;
 }
 
+// ---------------------------------------------------------------------------------------------
+// the work board: a run's items taken by claims, without barriers
+//
+// With barriers (run_phases on ost_team_run) every phase of a run waits for every thread of the team:
+// one thread that the scheduler has taken off its core (it yielded while another thread was
+// runnable there: the thread that launches the CUDA graph and waits for it, the HTTP server, an
+// interrupt) holds the whole layer until it runs again, up to a time slice. On the board a run's
+// phases are lists of items (tokens to quantise, chunks of gate/up rows, routes' activations, chunks
+// of down rows) that whichever threads are on a core claim one at a time; the thread that completes
+// a phase's last item opens the next phase, the one that completes the last down chunk ends the
+// run. A thread that is not running holds nothing (at most the one item it claimed), so the
+// layer's time is its work over the threads that are there.
+//
+// One word says what can be claimed: (epoch, next item), epoch = run * 8 + phase, phase 7 = closed.
+// A claim is a compare-and-swap of that word, so it succeeds only while the epoch it read is still
+// open; the run's state (run_t, the totals) is written only while the word is closed and read only
+// by a thread holding a claim of its epoch (until that item is counted done, which the run's end
+// waits for). A late thread whose claim fails touches nothing.
+
+constexpr int PH_CLOSED = 7;
+constexpr int ITEM_BITS = 24;
+constexpr uint64_t ITEM_MASK = (uint64_t(1) << ITEM_BITS) - 1;
+
+inline uint64_t board_word(uint64_t epoch, uint64_t item) { return epoch << ITEM_BITS | item; }
+
+std::atomic<bool> g_claims{true};   // the board (ost_ffn_set_claims); false: run_phases with barriers
+
+}  // namespace
+
+struct ost_board {
+    run_t r;
+    alignas(64) std::atomic<uint64_t> claim{board_word(PH_CLOSED, 0)};
+    alignas(64) std::atomic<uint64_t> finished{0};   // the last run whose items are all done
+    std::atomic<int64_t> total[PH_N] = {};
+    struct alignas(64) counter { std::atomic<int64_t> v{0}; };
+    counter done[PH_N];
+    // phase timing: when each phase opened and closed, when each thread first took an item
+    std::atomic<int64_t> t_open[PH_N] = {}, t_close[PH_N] = {};
+    uint64_t run = 0;   // the worker's count of runs
+};
+
+namespace {
+
+bool board_open(const ost_board * b) {
+    const uint64_t c = b->claim.load(std::memory_order_acquire);
+    const int ph = (int) ((c >> ITEM_BITS) & 7);
+    return ph < PH_N && (int64_t) (c & ITEM_MASK) < b->total[ph].load(std::memory_order_relaxed);
+}
+
+// Takes the next item of the open phase: false when there is none (the phase's items are all taken,
+// or the board is closed).
+bool board_claim(ost_board * b, uint64_t & epoch, int64_t & item) {
+    uint64_t c = b->claim.load(std::memory_order_acquire);
+    for (;;) {
+        const int ph = (int) ((c >> ITEM_BITS) & 7);
+        // a total read after the word changed is another run's: the exchange below then fails
+        if (ph >= PH_N || (int64_t) (c & ITEM_MASK) >= b->total[ph].load(std::memory_order_relaxed)) return false;
+        if (b->claim.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+            epoch = c >> ITEM_BITS;
+            item = (int64_t) (c & ITEM_MASK);
+            return true;
+        }
+    }
+}
+
+void board_work(ost_board * b, int ith) {
+    uint64_t epoch = 0;
+    int64_t item = 0;
+    while (board_claim(b, epoch, item)) {
+        run_t & r = b->r;   // this run's state until the item is counted done
+        const int ph = (int) (epoch & 7);
+        if (r.timing && r.t_start[(size_t) ith] == 0) r.t_start[(size_t) ith] = now_ns();
+        switch (ph) {
+            case PH_QUANT:   quant_item(r, (int32_t) item); break;
+            case PH_GATE_UP: rows_item(r, item, false); break;
+            case PH_ACT:     act_item(r, (size_t) item); break;
+            default:         rows_item(r, item, true); break;
+        }
+        const int64_t total = b->total[ph].load(std::memory_order_relaxed);
+        if (b->done[ph].v.fetch_add(1, std::memory_order_acq_rel) + 1 != total) continue;
+        // the phase's last item: open the next phase (they follow in order; only the first may be
+        // empty), or end the run
+        if (r.timing) b->t_close[ph].store(now_ns(), std::memory_order_relaxed);
+        if (ph == PH_DOWN) {
+            b->finished.store(epoch >> 3, std::memory_order_release);
+        } else {
+            if (r.timing) b->t_open[ph + 1].store(now_ns(), std::memory_order_relaxed);
+            b->claim.store(board_word(epoch + 1, 0), std::memory_order_release);
+        }
+    }
+}
+
+void board_free(ost_board * b) { delete b; }
+
+// The run prepared in b->r on the board: the caller (thread 0) publishes it, works on it, and waits
+// until its last item is done. False (the caller runs the barrier path) for a run of more items per
+// phase than the word holds.
+bool board_run(ost_team * t, ost_board * b) {
+    run_t & r = b->r;
+    const int64_t totals[PH_N] = { r.xq_done ? 0 : (int64_t) r.job->n, phase_chunks(r, false),
+                                   (int64_t) r.routes.size(), phase_chunks(r, true) };
+    for (int64_t x : totals) if (x > (int64_t) ITEM_MASK) return false;
+    const uint64_t run = ++b->run;
+    for (int ph = 0; ph < PH_N; ++ph) {
+        b->total[ph].store(totals[ph], std::memory_order_relaxed);
+        b->done[ph].v.store(0, std::memory_order_relaxed);
+    }
+    const int first = r.xq_done ? PH_GATE_UP : PH_QUANT;
+    if (r.timing) {
+        for (int ph = 0; ph < PH_N; ++ph) { b->t_open[ph] = 0; b->t_close[ph] = 0; }
+        b->t_open[first] = r.t_launch;
+    }
+    if (t->active.load(std::memory_order_relaxed)) {
+        b->claim.store(board_word(run * 8 + first, 0), std::memory_order_release);
+    } else {
+        {
+            std::lock_guard<std::mutex> lk(t->m);
+            b->claim.store(board_word(run * 8 + first, 0), std::memory_order_release);
+        }
+        t->cv.notify_all();
+    }
+    for (int i = 0; b->finished.load(std::memory_order_acquire) != run; ++i) {
+        if (board_open(b)) { board_work(b, 0); i = 0; continue; }
+        if (i < g_spins.load(std::memory_order_relaxed)) OST_PAUSE();
+        else std::this_thread::yield();
+    }
+    // closed before the next run's state is written: a claim of this run read earlier now fails
+    b->claim.exchange(board_word(run * 8 + PH_CLOSED, 0), std::memory_order_acq_rel);
+    return true;
+}
+
+// A board run's phase timing in ost_ffn_stats' fields: each phase from its opening to the completion
+// of its last item, the handoffs between phases as idle, the team's start as the mean delay to the
+// first item of the other threads that took one.
+void fill_board_timing(const ost_board * b, int64_t t0, int64_t t_end, ost_ffn_stats * st) {
+    const run_t & r = b->r;
+    if (!st || !r.timing) return;
+    st->prepare_ns = r.t_launch - t0;
+    st->total_ns = t_end - t0;
+    int64_t wake = 0;
+    int took = 0;
+    for (int i = 1; i < r.nth; ++i) {
+        if (!r.t_start[(size_t) i]) continue;
+        wake += r.t_start[(size_t) i] - r.t_launch;
+        took++;
+    }
+    st->wake_ns = took ? wake / took : 0;
+    st->threads = took + 1;
+    int64_t * span[PH_N] = { &st->quant_ns, &st->gate_up_ns, &st->act_ns, &st->down_ns };
+    int64_t idle = 0;
+    for (int ph = r.xq_done ? PH_GATE_UP : PH_QUANT; ph < PH_N; ++ph) {
+        *span[ph] = b->t_close[ph] - b->t_open[ph];
+        if (ph + 1 < PH_N) idle += b->t_open[ph + 1] - b->t_close[ph];
+    }
+    st->idle_ns = idle;
+}
+
 }  // namespace
 
 bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> & ws, ost_ffn_stats * st) {
-    static thread_local run_t r;
+    static thread_local run_t own;
     const int64_t t0 = g_phase_timing.load(std::memory_order_relaxed) ? now_ns() : 0;
+    const int nth = ost_team_size(team);
+    // a team's runs go on its board (made here, by its one caller) unless barriers are asked for
+    ost_board * b = nullptr;
+    if (nth > 1 && g_claims.load(std::memory_order_relaxed)) {
+        b = team->board.load(std::memory_order_relaxed);
+        if (!b) {
+            b = new ost_board();
+            team->board.store(b, std::memory_order_release);
+        }
+    }
+    run_t & r = b ? b->r : own;
     bool empty = false;
     r.timing = false;
-    if (!prepare(r, job, ws, ost_team_size(team), &empty)) return false;
+    if (!prepare(r, job, ws, nth, &empty)) return false;
+    bool on_board = false;
     if (!empty) {
-        r.nth = ost_team_size(team);
+        r.nth = nth;
         r.timing = t0 != 0;
         if (r.timing) {
             r.t_start.assign((size_t) r.nth, 0);
@@ -604,13 +808,22 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
             r.t_leave.assign((size_t) PH_N * r.nth, 0);
             r.t_launch = now_ns();
         }
-        team_ctx c{ &r, team };
-        ost_team_run(team, team_fn, &c);
+        // (the barrier path below, where the board refuses the run, writes the same zeros again)
+        if (b && job.zero_unrouted) zero_unrouted_rows(job, 0, 1);
+        on_board = b && board_run(team, b);
+        if (!on_board) {
+            team_ctx c{ &r, team };
+            ost_team_run(team, team_fn, &c);
+        }
     } else if (job.zero_unrouted) {
         zero_unrouted_rows(job, 0, 1);
     }
     fill_stats(r, empty, st);
-    if (!empty) fill_timing(r, t0, r.timing ? now_ns() : 0, st);
+    if (!empty) {
+        const int64_t t_end = r.timing ? now_ns() : 0;
+        if (on_board) fill_board_timing(b, t0, t_end, st);
+        else fill_timing(r, t0, t_end, st);
+    }
     return true;
 }
 
@@ -643,6 +856,7 @@ bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, in
     return s->ok;
 }
 
+bool ost_ffn_set_claims(bool on) { return g_claims.exchange(on); }
 int ost_ffn_set_prefetch_rows(int rows) { return g_prefetch_rows.exchange(std::max(0, rows)); }
 bool ost_ffn_set_phase_timing(bool on) { return g_phase_timing.exchange(on); }
 int ost_ffn_set_spins(int spins) { return g_spins.exchange(std::max(0, spins)); }

@@ -77,12 +77,22 @@ struct ost_ffn_stats {
     int64_t bytes = 0;       // weight bytes read (each distinct expert once)
     // where a run's time went (ns; filled only while ost_ffn_set_phase_timing(true), ost_ffn_run):
     // the caller's grouping and scratch layout; the team's start (mean over its other threads of
-    // their first step after the launch); the input rows' quantisation, the gate/up rows, the
-    // activations, the down rows (each from its start to the last thread's arrival at its barrier);
-    // the mean time a thread waited at those barriers; the whole run
+    // their first step after the launch; on the claim board over those that took an item); the input
+    // rows' quantisation, the gate/up rows, the activations, the down rows (each from its start to
+    // the last thread's arrival at its barrier; on the board to the completion of its last item);
+    // the mean time a thread waited at those barriers (on the board: the handoffs between phases);
+    // the whole run
     int64_t prepare_ns = 0, wake_ns = 0, quant_ns = 0, gate_up_ns = 0, act_ns = 0, down_ns = 0, idle_ns = 0,
             total_ns = 0;
+    int threads = 0;   // threads that took part (the team's size with barriers; those that claimed an item)
 };
+// How a team computes ost_ffn_run's runs (process-wide; default true): on a claim board, where the
+// threads that are on a core take the run's items (chunks of rows, routes' activations) one at a
+// time and nobody waits for a thread that is not running; false: every thread of the team takes
+// part in every phase, with a barrier after each (the form before 2026-12-03, for `ostinato bench
+// engines`' A/B). The same arithmetic either way. Returns the previous value.
+bool ost_ffn_set_claims(bool on);
+
 // Phase timing of ost_ffn_run (off by default; for `ostinato bench cpu-branch`): a few clock reads
 // per thread and phase. Returns the previous value.
 bool ost_ffn_set_phase_timing(bool on);

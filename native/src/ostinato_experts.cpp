@@ -959,6 +959,8 @@ int ostinato_experts_set_cpu_spins(int spins) {
     return ost_ffn_set_spins(spins);
 }
 
+int ostinato_experts_set_cpu_claims(int on) { return ost_ffn_set_claims(on != 0) ? 1 : 0; }
+
 int ostinato_experts_set_cpu_prefetch(int rows) {
     if (rows < 0 || rows > OST_PREFETCH_ROWS_MAX) return -1;
     return ost_ffn_set_prefetch_rows(rows);

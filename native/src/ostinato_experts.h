@@ -289,6 +289,10 @@ OSTINATO_API int          ostinato_experts_set_cpu_row_pairs(int mode);
 // (default 256; process-wide): docs/engine.md "CPU branch kernel". Returns the previous count, or -1
 // for a negative one (nothing changed).
 OSTINATO_API int          ostinato_experts_set_cpu_spins(int spins);
+// How the CPU branch's team takes a layer's work: 1 claims (the threads on a core take its items one at
+// a time, nobody waits for a thread that is not running; the default), 0 barriers (every thread in
+// every phase; process-wide): docs/engine.md "CPU branch kernel". Returns the previous mode.
+OSTINATO_API int          ostinato_experts_set_cpu_claims(int on);
 // The CPU branch alone on `model`'s expert tensors (loaded in host memory, not repacked): its own
 // kernel against llama.cpp's CPU MUL_MAT_ID graph on the same inputs, bit for bit, and the host's
 // read bandwidth. args: {"layer": -1 (first MoE layer), "experts": [E...], "tokens": [n...],

@@ -14,9 +14,12 @@ kernel at each software-prefetch distance (setting ``cpu_branch_prefetch_rows``)
 4 KiB pages and from one with transparent huge pages, with the host's read bandwidth and the page
 sizes (``/proc/self/smaps``) of each. Every kernel row also says where its
 time went (``phases_us``: grouping, the team's start, the input's quantisation, gate/up rows,
-activations, down rows, barrier waits); ``--spins 256,1000000000`` runs the kernel with its team's
+activations, down rows, barrier waits or, on the claim board, the handoffs between phases; the
+threads that took part in ``threads_used``); ``--spins 256,1000000000`` runs the kernel with its team's
 threads yielding after that many pauses while they wait (the default) and spinning on;
-``--row-pairs 0,1,2`` runs the kernel with ggml-cpu's vec_dot row by row (the default) and with its
+``--claims 1,0`` runs the kernel's team on its claim board (the default: the threads on a core take
+the work's items one at a time, nobody waits for a thread that is not running) and with a barrier
+after each phase (setting ``cpu_branch_claims``); ``--row-pairs 0,1,2`` runs the kernel with ggml-cpu's vec_dot row by row (the default) and with its
 row-pair dot products in AVX2 and in AVX-512 (setting ``cpu_branch_row_pairs``); ``--swiglu-limit L``
 computes the experts' activation as ggml's clamped SwiGLU with that limit (deepseek4's experts; 0, the
 default: plain SwiGLU), the rows then saying what share of the activation's inputs the clamp changed.
@@ -67,13 +70,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     fits = []
     def key(r: dict[str, Any]) -> tuple:
         return int(r["tokens"]), int(r["threads"]), int(r.get("prefetch_rows", 0)), r.get("memory", "model"), \
-            int(r.get("spins", 0)), int(r.get("row_pairs", 0))
+            int(r.get("spins", 0)), int(r.get("row_pairs", 0)), int(r.get("claims", 1))
 
     for k in sorted({key(r) for r in result.get("rows", [])}):
         f = fit_cpu_bandwidth([r for r in result["rows"] if key(r) == k])
         if f:
-            n, t, pf, mem, sp, rp = k
-            f.update(tokens=n, threads=t, prefetch_rows=pf, memory=mem, spins=sp, row_pairs=rp,
+            n, t, pf, mem, sp, rp, cl = k
+            f.update(tokens=n, threads=t, prefetch_rows=pf, memory=mem, spins=sp, row_pairs=rp, claims=cl,
                      host_read_gbps=bw.get(t))
             fits.append(f)
     result["fits"] = fits
@@ -126,8 +129,8 @@ PHASES = ("prepare", "wake", "quant", "gate_up", "act", "down", "idle")
 def table(results: Sequence[dict[str, Any]]) -> str:
     """Markdown tables of the results (rows, then the fits, where the kernel's time went, and the
     memory kinds' read bandwidth and page sizes)."""
-    lines = ["| model | types | E | n | T | pf | mem | spins | pairs | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | types | E | n | T | pf | mem | spins | team | pairs | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         name = Path(res["model"]).name
         types = f"{res['type_up']}/{res['type_down']}"
@@ -136,27 +139,28 @@ def table(results: Sequence[dict[str, Any]]) -> str:
                 v = r.get(key)
                 return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
             lines.append(f"| {name} | {types} | {r['experts']} | {r['tokens']} | {r['threads']} | "
-                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {r.get('row_pairs_isa', r.get('row_pairs', '–'))} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
+                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {_team(r)} | {r.get('row_pairs_isa', r.get('row_pairs', '–'))} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
                          f"{f('kernel_share_of_read_bw', '.0%')} | {f('ggml_ms', '.3f')} | {f('ggml_gbps', '.1f')} | "
                          f"{f('speedup_vs_ggml', '.2f')} | {r.get('bitwise_equal', '–')} |")
-    lines += ["", "| model | n | T | pf | mem | spins | pairs | alpha us | bw GB/s | host read GB/s | bw / read |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | n | T | pf | mem | spins | team | pairs | alpha us | bw GB/s | host read GB/s | bw / read |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for fit in res.get("fits", []):
             host = fit.get("host_read_gbps")
             share = f"{fit['bw_gbps'] / host:.0%}" if host else "–"
             lines.append(f"| {Path(res['model']).name} | {fit['tokens']} | {fit['threads']} | "
-                         f"{fit.get('prefetch_rows', 0)} | {fit.get('memory', 'model')} | {fit.get('spins', '–')} | {fit.get('row_pairs', '–')} | {fit['alpha_us']:.1f} | "
+                         f"{fit.get('prefetch_rows', 0)} | {fit.get('memory', 'model')} | {fit.get('spins', '–')} | {_team(fit)} | {fit.get('row_pairs', '–')} | {fit['alpha_us']:.1f} | "
                          f"{fit['bw_gbps']:.1f} | {host or 0:.1f} | {share} |")
     timed = [(res, r) for res in results for r in res["rows"] if r.get("phases_us")]
     if timed:
         lines += ["", "where the kernel's time went (us, medians; phases end when the last thread arrives)", "",
-                  "| model | E | n | T | pf | mem | spins | pairs | " + " | ".join(PHASES) + " | total |",
-                  "|---|---|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 1)]
+                  "| model | E | n | T | used | pf | mem | spins | team | pairs | " + " | ".join(PHASES) + " | total |",
+                  "|---|---|---|---|---|---|---|---|---|---|" + "---|" * (len(PHASES) + 1)]
         for res, r in timed:
             ph = r["phases_us"]
             lines.append(f"| {Path(res['model']).name} | {r['experts']} | {r['tokens']} | {r['threads']} | "
-                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {r.get('row_pairs_isa', r.get('row_pairs', '–'))} | "
+                         f"{r.get('threads_used', '–')} | "
+                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {_team(r)} | {r.get('row_pairs_isa', r.get('row_pairs', '–'))} | "
                          + " | ".join(f"{ph.get(k, 0):.1f}" for k in PHASES) + f" | {ph.get('total', 0):.1f} |")
     mems = [(res, m) for res in results for m in res.get("memories", [])]
     if mems:
@@ -174,6 +178,11 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     if bw:
         lines += ["", "host read bandwidth: " + ", ".join(f"{b['threads']} threads {b['gbps']:.1f} GB/s" for b in bw)]
     return "\n".join(lines)
+
+
+def _team(r: dict[str, Any]) -> str:
+    """How the kernel's team took the work in a row or fit: claims (1, the default) or barriers (0)."""
+    return "claims" if int(r.get("claims", 1)) else "barriers"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                     "transparent huge pages); comma-separated, each a row of the grid")
     ap.add_argument("--spins", type=_rows, default=None, help="pauses before a waiting thread of the "
                     "kernel's team yields, e.g. 256,1000000000 (default: the engine's, 256)")
+    ap.add_argument("--claims", type=_rows, default=None, help="how the kernel's team takes a layer's "
+                    "work: 1 claims (the threads on a core take its items one at a time, no barriers), 0 "
+                    "a barrier after each phase; e.g. 1,0 runs both (default: the engine's, 1)")
     ap.add_argument("--row-pairs", type=_rows, default=None, help="the kernel's dot products: 0 ggml-cpu's "
                     "vec_dot row by row, 1 row pairs in AVX2, 2 in AVX-512; e.g. 0,1,2 runs all three "
                     "(default: the engine's, 0)")
@@ -252,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             args["memory"] = memory
         if a.spins:
             args["spins"] = a.spins
+        if a.claims is not None:
+            args["claims"] = a.claims
         if a.row_pairs:
             args["row_pairs"] = a.row_pairs
         if a.swiglu_limit:

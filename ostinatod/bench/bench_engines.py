@@ -34,10 +34,11 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    ``ostinato-cpu-prefetch``, ``ostinato-cpu-spin``, ``ostinato-pairs-avx2``, ``ostinato-pairs-avx512`` (the CPU branch
    kernel's dot products two weight rows per pass, setting ``cpu_branch_row_pairs``), ``ostinato-no-dprefetch``, ``ostinato-dprefetch1``,
    ``ostinato-dprefetch4``, ``ostinato-cpu8``, ``ostinato-cpu8-spin``, ``ostinato-cpu8-dprefetch4``,
-   ``ostinato-copy2``, ``ostinato-copy4``, ``ostinato-copy32``
-   (only when named; the last nine: decode prefetch off / 1 / 4 experts per layer, the CPU branch on
+   ``ostinato-copy2``, ``ostinato-copy4``, ``ostinato-copy32``, ``ostinato-barriers``
+   (only when named; the last ten: decode prefetch off / 1 / 4 experts per layer, the CPU branch on
    8 threads, with 4096 pauses before a yield, with 4 experts per layer, decode prefetch's copy
-   kernel on 2 / 4 / 32 blocks, default 8) the Ostinato engine with the same
+   kernel on 2 / 4 / 32 blocks, default 8, the CPU branch's team with a barrier after each phase
+   instead of claims, ``cpu_branch_claims = false``) the Ostinato engine with the same
                      plan and prefill prefetch off /
                      one layer deep / one upload copy per expert matrix instead of one 2D copy per
                      expert / the pool layout with one tensor per matrix (whole-expert slots off)

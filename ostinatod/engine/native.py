@@ -173,6 +173,7 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_set_cpu_kernel": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_prefetch": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_spins": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_experts_set_cpu_claims": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_cpu_row_pairs": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_decode_prefetch": ([ctypes.c_int], ctypes.c_int),
     "ostinato_experts_set_decode_prefetch_blocks": ([ctypes.c_int], ctypes.c_int),
@@ -467,6 +468,15 @@ def set_cpu_spins(spins: int) -> int:
     if was < 0:
         raise ValueError(f"CPU branch spins must be >= 0, got {spins}")
     return was
+
+
+def set_cpu_claims(on: bool) -> bool:
+    """How the CPU branch's team takes a layer's work (setting ``cpu_branch_claims``): True (the
+    default) on a claim board, where the threads that are on a core take its items (chunks of weight
+    rows, routes' activations) one at a time and the thread completing a phase opens the next, so no
+    phase waits for a thread the scheduler took off its core; False every thread in every phase with a
+    barrier after each. Same arithmetic either way. Process-wide. Returns the previous mode."""
+    return bool(llama_fn("ostinato_experts_set_cpu_claims")(1 if on else 0))
 
 
 def set_decode_prefetch(max_experts: int) -> None:

@@ -164,6 +164,7 @@ class ExpertRuntime:
         native.set_cpu_prefetch(getattr(settings, "cpu_branch_prefetch_rows", 0))
         native.set_cpu_row_pairs(getattr(settings, "cpu_branch_row_pairs", "off"))
         native.set_cpu_spins(getattr(settings, "cpu_branch_spins", 256))
+        native.set_cpu_claims(getattr(settings, "cpu_branch_claims", True))
         native.set_decode_prefetch(getattr(settings, "decode_prefetch_experts", 2))
         native.set_decode_prefetch_blocks(getattr(settings, "decode_prefetch_copy_blocks", 8))
         native.set_copy_2d(getattr(settings, "upload_copy_2d", True))
