@@ -11,9 +11,10 @@
 // element one vec_dot of a weight row with that row, the activation by ggml-cpu's own
 // ggml_vec_swiglu_f32 over whole rows (exported by native/patches/23; a clamped SwiGLU element by
 // element in the operations of ggml-cpu's SWIGLU_CLAMP), -1 ids skipped. Only the
-// order of the work differs: the experts' rows are taken in chunks from a counter by the team, every row is
-// read once for all of its expert's tokens, and there are three barriers instead of ggml's
-// per-op synchronisation. Graphs it does not match (biases, scales, other activations, clamps
+// order of the work differs: the experts' rows are taken in chunks by the team's threads, every row is
+// read once for all of its expert's tokens, and instead of ggml's per-op synchronisation the team
+// takes a layer's items by claims on a board (no barriers; ost_ffn_set_claims), or with three
+// barriers. Graphs it does not match (biases, scales, other activations, clamps
 // other than SWIGLU_CLAMP's) and
 // experts that ggml-cpu would compute with its tiled K-quant kernel (>= 8 rows of one expert) keep
 // ggml's graph compute.
@@ -45,7 +46,8 @@ struct ost_ffn {
 bool ost_ffn_match(const ggml_tensor * out, const ggml_tensor * ids, const ggml_tensor * cur, ost_ffn & f,
                    std::string & why);
 
-// Resident thread team: n - 1 threads of its own plus the caller of ost_team_run as thread 0.
+// Resident thread team: n - 1 threads of its own plus the caller of ost_team_run (or ost_ffn_run) as
+// thread 0. Its threads also watch the team's claim board, where ost_ffn_run's runs go by default.
 struct ost_team;
 ost_team * ost_team_new(int n);
 void       ost_team_free(ost_team * t);
