@@ -661,6 +661,7 @@ struct ost_board {
     // phase timing: when each phase opened and closed, when each thread first took an item
     std::atomic<int64_t> t_open[PH_N] = {}, t_close[PH_N] = {};
     uint64_t run = 0;   // the worker's count of runs
+    ost_team * team = nullptr;
 };
 
 namespace {
@@ -673,6 +674,21 @@ bool board_open(const ost_board * b) {
 
 // Takes the next item of the open phase: false when there is none (the phase's items are all taken,
 // or the board is closed).
+// Opens a phase (stores the word); threads of an inactive team sleep on its condition variable, so
+// they are woken (under its mutex: none of them misses the word between its check and its wait).
+void board_publish(ost_board * b, uint64_t word) {
+    ost_team * t = b->team;
+    if (t->active.load(std::memory_order_relaxed)) {
+        b->claim.store(word, std::memory_order_release);
+        return;
+    }
+    {
+        std::lock_guard<std::mutex> lk(t->m);
+        b->claim.store(word, std::memory_order_release);
+    }
+    t->cv.notify_all();
+}
+
 bool board_claim(ost_board * b, uint64_t & epoch, int64_t & item) {
     uint64_t c = b->claim.load(std::memory_order_acquire);
     for (;;) {
@@ -709,17 +725,17 @@ void board_work(ost_board * b, int ith) {
             b->finished.store(epoch >> 3, std::memory_order_release);
         } else {
             if (r.timing) b->t_open[ph + 1].store(now_ns(), std::memory_order_relaxed);
-            b->claim.store(board_word(epoch + 1, 0), std::memory_order_release);
+            board_publish(b, board_word(epoch + 1, 0));
         }
     }
 }
 
 void board_free(ost_board * b) { delete b; }
 
-// The run prepared in b->r on the board: the caller (thread 0) publishes it, works on it, and waits
+// The run prepared in b->r on the board of b->team: the caller (thread 0) publishes it, works on it, and waits
 // until its last item is done. False (the caller runs the barrier path) for a run of more items per
 // phase than the word holds.
-bool board_run(ost_team * t, ost_board * b) {
+bool board_run(ost_board * b) {
     run_t & r = b->r;
     const int64_t totals[PH_N] = { r.xq_done ? 0 : (int64_t) r.job->n, phase_chunks(r, false),
                                    (int64_t) r.routes.size(), phase_chunks(r, true) };
@@ -734,15 +750,7 @@ bool board_run(ost_team * t, ost_board * b) {
         for (int ph = 0; ph < PH_N; ++ph) { b->t_open[ph] = 0; b->t_close[ph] = 0; }
         b->t_open[first] = r.t_launch;
     }
-    if (t->active.load(std::memory_order_relaxed)) {
-        b->claim.store(board_word(run * 8 + first, 0), std::memory_order_release);
-    } else {
-        {
-            std::lock_guard<std::mutex> lk(t->m);
-            b->claim.store(board_word(run * 8 + first, 0), std::memory_order_release);
-        }
-        t->cv.notify_all();
-    }
+    board_publish(b, board_word(run * 8 + first, 0));
     for (int i = 0; b->finished.load(std::memory_order_acquire) != run; ++i) {
         if (board_open(b)) { board_work(b, 0); i = 0; continue; }
         if (i < g_spins.load(std::memory_order_relaxed)) OST_PAUSE();
@@ -791,6 +799,7 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
         b = team->board.load(std::memory_order_relaxed);
         if (!b) {
             b = new ost_board();
+            b->team = team;
             team->board.store(b, std::memory_order_release);
         }
     }
@@ -810,7 +819,7 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
         }
         // (the barrier path below, where the board refuses the run, writes the same zeros again)
         if (b && job.zero_unrouted) zero_unrouted_rows(job, 0, 1);
-        on_board = b && board_run(team, b);
+        on_board = b && board_run(b);
         if (!on_board) {
             team_ctx c{ &r, team };
             ost_team_run(team, team_fn, &c);
