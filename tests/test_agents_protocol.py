@@ -212,6 +212,21 @@ def test_codex_namespace_tools_and_web_search_warning(oai, model, live_daemon, t
     assert rec and any("web_search" in w for w in rec[0]["warnings"])
 
 
+# --- 9b. an output Codex adds without a call (create_goal's goal_objective) is read, not refused --
+
+def test_codex_output_without_a_call_is_read(oai, model):
+    turn = [{"role": "user", "content": "Set a goal"},
+            {"type": "function_call", "call_id": "call_1", "name": "create_goal",
+             "arguments": "{\"objective\": \"x\"}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "{\"goal\": \"active\"}"}]
+    added = {"type": "function_call_output", "id": "fco_1", "name": "goal_objective", "namespace": "agent",
+             "output": "Port the parser to Rust and keep every test green " * 4}
+    base = oai.responses.create(model=model, input=turn, max_output_tokens=1)
+    r = oai.responses.create(model=model, input=turn + [added], max_output_tokens=1)
+    assert r.status in ("completed", "incomplete")
+    assert r.usage.input_tokens > base.usage.input_tokens + 30  # the added output is in the prompt
+
+
 # --- 10. a base URL ending in /v1 (POST /v1/v1/messages) is served --------------------------------
 
 def test_doubled_v1_anthropic_base_url_is_served(live_daemon):

@@ -63,8 +63,22 @@ def test_responses_items_to_messages():
     assert m[3]["reasoning_content"] == "think"
     assert [c["id"] for c in m[3]["tool_calls"]] == ["c1", "c2"]
     assert m[4]["tool_call_id"] == "c1" and m[6]["content"] == "done"
-    with pytest.raises(ApiError):
+    with pytest.raises(ApiError, match="needs call_id"):
         convert_input(ResponsesBody(input=[{"type": "function_call_output", "output": "x"}]))
+
+
+def test_responses_output_no_call_asked_for_is_that_tools_output():
+    # Codex 0.171 after create_goal: the call's own output, then one it adds with a name, no call_id.
+    m = convert_input(ResponsesBody(input=[
+        {"role": "user", "content": "q"},
+        {"type": "function_call", "call_id": "c1", "name": "create_goal", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "{\"goal\": 1}"},
+        {"type": "function_call_output", "id": "fco_1", "name": "goal_objective", "namespace": "agent",
+         "output": "ship it"},
+        {"type": "function_call_output", "name": "plain", "output": [{"type": "input_text", "text": "p"}]}]))
+    assert m[2] == {"role": "tool", "tool_call_id": "c1", "content": "{\"goal\": 1}"}
+    assert m[3] == {"role": "tool", "name": "agent__goal_objective", "content": "ship it"}
+    assert m[4] == {"role": "tool", "name": "plain", "content": "p"}
 
 
 def test_neutralize_billing_line_only():

@@ -114,12 +114,21 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
                 "id": item["call_id"], "type": "function",
                 "function": {"name": name, "arguments": item.get("arguments") or "{}"}})
         elif kind == "function_call_output":
-            if not item.get("call_id"):
-                raise ApiError(400, "invalid_request", f"input.{i}: function_call_output needs call_id",
-                               param=f"input.{i}")
             out = item.get("output")
-            msgs.append({"role": "tool", "tool_call_id": item["call_id"],
-                         "content": out if isinstance(out, str) else _part_text(out)})
+            tool = {"role": "tool", "content": out if isinstance(out, str) else _part_text(out)}
+            if item.get("call_id"):
+                tool["tool_call_id"] = item["call_id"]
+            elif isinstance(item.get("name"), str) and item["name"]:
+                # Codex adds outputs no call asked for (after create_goal: name "goal_objective",
+                # namespace "agent"); the model reads them as that tool's output.
+                ns = item.get("namespace")
+                tool["name"] = f"{ns}{enc.NAMESPACE_SEP}{item['name']}" if isinstance(ns, str) and ns \
+                    else item["name"]
+            else:
+                raise ApiError(400, "invalid_request",
+                               f"input.{i}: function_call_output needs call_id (or, for an output no call "
+                               "asked for, name)", param=f"input.{i}")
+            msgs.append(tool)
         elif kind == "reasoning":
             text = _part_text(item.get("content")) or "".join(
                 s.get("text", "") for s in item.get("summary") or [] if isinstance(s, dict))
