@@ -672,8 +672,6 @@ bool board_open(const ost_board * b) {
     return ph < PH_N && (int64_t) (c & ITEM_MASK) < b->total[ph].load(std::memory_order_relaxed);
 }
 
-// Takes the next item of the open phase: false when there is none (the phase's items are all taken,
-// or the board is closed).
 // Opens a phase (stores the word); threads of an inactive team sleep on its condition variable, so
 // they are woken (under its mutex: none of them misses the word between its check and its wait).
 void board_publish(ost_board * b, uint64_t word) {
@@ -689,6 +687,8 @@ void board_publish(ost_board * b, uint64_t word) {
     t->cv.notify_all();
 }
 
+// Takes the next item of the open phase: false when there is none (the phase's items are all taken,
+// or the board is closed).
 bool board_claim(ost_board * b, uint64_t & epoch, int64_t & item) {
     uint64_t c = b->claim.load(std::memory_order_acquire);
     for (;;) {

@@ -62,6 +62,13 @@ def _part_text(content: Any) -> str:
     return "".join(out)
 
 
+def _flat_name(item: dict[str, Any]) -> str:
+    """An item's ``name``, joined to its ``namespace`` as :func:`convert_tools` flattens a namespace
+    tool's functions (``<namespace>__<name>``)."""
+    ns = item.get("namespace")
+    return f"{ns}{enc.NAMESPACE_SEP}{item['name']}" if isinstance(ns, str) and ns else item["name"]
+
+
 def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
     """Responses input items -> OpenAI-shaped chat messages. Raises ApiError 400 on bad items."""
     msgs: list[dict[str, Any]] = []
@@ -107,12 +114,9 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
                 raise ApiError(400, "invalid_request", f"input.{i}: function_call needs name and call_id",
                                param=f"input.{i}")
             m = last_assistant()
-            name = item["name"]
-            if isinstance(item.get("namespace"), str) and item["namespace"]:
-                name = f"{item['namespace']}{enc.NAMESPACE_SEP}{name}"
             m.setdefault("tool_calls", []).append({
                 "id": item["call_id"], "type": "function",
-                "function": {"name": name, "arguments": item.get("arguments") or "{}"}})
+                "function": {"name": _flat_name(item), "arguments": item.get("arguments") or "{}"}})
         elif kind == "function_call_output":
             out = item.get("output")
             tool = {"role": "tool", "content": out if isinstance(out, str) else _part_text(out)}
@@ -121,9 +125,7 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
             elif isinstance(item.get("name"), str) and item["name"]:
                 # Codex adds outputs no call asked for (after create_goal: name "goal_objective",
                 # namespace "agent"); the model reads them as that tool's output.
-                ns = item.get("namespace")
-                tool["name"] = f"{ns}{enc.NAMESPACE_SEP}{item['name']}" if isinstance(ns, str) and ns \
-                    else item["name"]
+                tool["name"] = _flat_name(item)
             else:
                 raise ApiError(400, "invalid_request",
                                f"input.{i}: function_call_output needs call_id (or, for an output no call "
