@@ -448,6 +448,9 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
         assert p["upload_bytes"] == 0
     else:
         assert 0 < p["upload_bytes"] < base["upload_bytes"]
+    if share and moe[1]["arch"] != "gpt-oss":   # the kernel's share ran beside the graph (its wait op
+        # counted it); gpt-oss's biased experts keep ggml's graph
+        assert p["cpu_kernel_layers"] > 0 and p["cpu_branch_bytes"] > 0 and p["cpu_share_wait_ms"] >= 0
 
 
 @pytest.mark.parametrize("cpu_gbps, kernel", [(10.0, True), (10.0, False), (1e-6, True)])

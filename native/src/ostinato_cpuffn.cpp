@@ -923,35 +923,6 @@ bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> 
     return true;
 }
 
-// ---------------------------------------------------------------------------------------------
-// inside a ggml CPU op: the op's own threads are the team
-
-struct ost_ffn_shared {
-    run_t r;
-    std::vector<uint8_t> ws;
-    bool ok = false, empty = false;
-    spin_barrier barrier;
-};
-
-ost_ffn_shared * ost_ffn_shared_new() { return new ost_ffn_shared(); }
-
-bool ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st) {
-    if (ith == 0) {
-        s->r.timing = false;   // phase timing is ost_ffn_run's only
-        s->ok = prepare(s->r, job, s->ws, nth, &s->empty);
-    }
-    s->barrier.wait(nth);
-    if (s->ok && s->empty && job.zero_unrouted) {
-        zero_unrouted_rows(job, ith, nth);   // no route of this branch: every row is 0
-    } else if (s->ok && !s->empty) {
-        run_phases(s->r, ith, nth, [&] { s->barrier.wait(nth); });
-    }
-    // the run's state is read by every thread until here; the next run's prepare waits for all
-    s->barrier.wait(nth);
-    if (ith == 0) fill_stats(s->r, s->empty, st);
-    return s->ok;
-}
-
 bool ost_ffn_set_claims(bool on) { return g_claims.exchange(on); }
 int ost_ffn_set_prefetch_rows(int rows) { return g_prefetch_rows.exchange(std::max(0, rows)); }
 bool ost_ffn_set_phase_timing(bool on) { return g_phase_timing.exchange(on); }

@@ -111,13 +111,6 @@ int ost_ffn_spins();
 // promised): the caller then runs ggml's graph. `team` may be null (the caller alone).
 bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> & ws, ost_ffn_stats * st);
 
-// The same kernel inside a ggml CPU op whose own threads are the team (the prefill's CPU share,
-// native/src/ostinato_paths.cpp): every one of the op's nth threads calls ost_ffn_run_shared with its
-// ith and the same job and state; thread 0 groups the routes, all compute; returns when all are done.
-// One state serves one op at a time (a state per layer). Stats are written by ith 0.
-struct ost_ffn_shared;
-ost_ffn_shared * ost_ffn_shared_new();   // lives as long as the process (one per layer)
-bool             ost_ffn_run_shared(ost_ffn_shared * s, const ost_ffn_job & job, int ith, int nth, ost_ffn_stats * st);
 // Software prefetch in the kernel's row loop (process-wide, read once per phase of a run): while a thread
 // computes weight row r of its chunk it prefetches row r + rows (and the chunk's first rows when it
 // takes the chunk), so that its reads do not wait for the hardware prefetcher, which starts again at

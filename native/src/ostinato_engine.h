@@ -80,6 +80,7 @@ struct pass_t {
     // how many of them got a route, the bytes copied
     int64_t dpf_staged = 0, dpf_routes = 0, dpf_used = 0, dpf_bytes = 0;
     int64_t upload_copies = 0;                  // copy calls of the upload path (one per 2D copy)
+    double cpu_wait_ms = 0;                     // hybrid passes: the graph waiting for the CPU share
     std::string path;
 };
 
@@ -91,6 +92,7 @@ struct totals_t {
     int64_t cpu_bytes = 0, cpu_layers = 0, cpu_kernel_layers = 0;
     int64_t dpf_staged = 0, dpf_routes = 0, dpf_used = 0, dpf_bytes = 0;   // decode prefetch (pass_t)
     double join_wait_ms = 0;                   // the decode graph's joins waiting for the CPU branch
+    double cpu_wait_ms = 0;                    // hybrid passes: the graph waiting for the CPU share
     ost_dg_timeline timeline;                  // the decode timeline of the one-token passes sampled
     std::map<std::string, int64_t> paths;
     std::vector<int64_t> counts_prefill, counts_decode;   // [n_layer * n_expert]
@@ -100,6 +102,7 @@ struct totals_t {
         upload_copies += p.upload_copies;
         cpu_ms += p.cpu_ms; gpu_ms += p.gpu_ms; upload_ms += p.upload_ms; total_ms += p.total_ms;
         cpu_bytes += p.cpu_bytes; cpu_layers += p.cpu_layers; cpu_kernel_layers += p.cpu_kernel_layers;
+        cpu_wait_ms += p.cpu_wait_ms;
         dpf_staged += p.dpf_staged; dpf_routes += p.dpf_routes; dpf_used += p.dpf_used; dpf_bytes += p.dpf_bytes;
         paths[p.path]++;
         if (p.graph && p.path == "decode") graph_steps++;
@@ -240,6 +243,8 @@ inline int  op_ud_layer(void * ud) { return (int) ((intptr_t) ud >> 2); }
 inline bool op_ud_views(void * ud) { return ((intptr_t) ud & 1) != 0; }
 inline bool op_ud_hybrid(void * ud) { return ((intptr_t) ud & 2) != 0; }
 extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
+// the adapted share of hybrid passes: its step, and the wait (us) that counts as one
+constexpr double ADAPT_STEP = 0.02, ADAPT_WAITED_US = 50;
 extern double g_upload_cpu_share;   // hybrid upload passes: fixed CPU share 0..1, or -1 (adapted)
 extern int g_hybrid_rows;           // hybrid upload passes: most tokens the CPU branch takes
 // hybrid upload passes' cost-model split (ostinato_experts_set_cpu_split): off while a bandwidth is 0

@@ -75,10 +75,18 @@ ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int i
 // 1 when upload passes with views are built hybrid (a CPU share other than 0 is set), else 0.
 int ostinato_moe_hybrid(void);
 // A hybrid pass's CPU branch `out` (the expert FFN graph over `cur` [n_embd, 1, M] and `ids` [k, M],
-// -1 where another part computes the route) as one CPU op that computes it with the CPU branch's own
-// kernel on the op's threads (ostinato_cpuffn.h; exact zeros at the -1 ids, as ggml-cpu writes).
-// Returns `out` itself where the kernel is off or the graph is of another shape (biases, scales).
+// -1 where another part computes the route) as one CPU op that starts it on the CPU share's own
+// thread team (the CPU branch's kernel, ostinato_cpuffn.h; exact zeros at the -1 ids, as ggml-cpu
+// writes) and returns at once: the graph goes on meanwhile. Its output is complete only after the
+// wait op of ostinato_moe_cpu_wait. Returns `out` itself where the kernel is off or the graph is of
+// another shape (biases, scales): ggml's graph computes it in place.
 ggml_tensor * ostinato_moe_cpu_share(ggml_context * ctx, ggml_tensor * out, ggml_tensor * ids, ggml_tensor * cur, int il);
+// The wait for a CPU share started by ostinato_moe_cpu_share (`out`, its result): a CPU op that
+// returns `gather` [M] (I32) once the share is done, so that an op that takes its output instead of
+// `gather` runs after it (the scheduler copies `out` to the GPU only then); `ids` and `cur`, the
+// share's inputs, stay alive until it. Returns `gather` itself where `out` is not such a share.
+ggml_tensor * ostinato_moe_cpu_wait(ggml_context * ctx, ggml_tensor * out, ggml_tensor * gather, ggml_tensor * ids,
+                                    ggml_tensor * cur, int il);
 // Hybrid upload pass (views and hybrid): the upload op returns I32 [k*n + k*M + 2*M] (n tokens, M =
 // min(n, ostinato_experts_set_hybrid_rows)): the staged routes' ids [k, n] (cold and uploaded -> slot - stage0,
 // else -1); the CPU branch's ids [k, M] over M gathered tokens (cold experts computed on the CPU ->

@@ -24,6 +24,7 @@ json totals_json(const engine_t & e, const totals_t & t, bool with_counts) {
     j["total_ms"] = t.total_ms;
     j["cpu_branch_bytes"] = t.cpu_bytes; j["cpu_branch_layers"] = t.cpu_layers;
     j["cpu_kernel_layers"] = t.cpu_kernel_layers; j["join_wait_ms"] = t.join_wait_ms;
+    j["cpu_share_wait_ms"] = t.cpu_wait_ms;
     j["decode_prefetch_staged"] = t.dpf_staged; j["decode_prefetch_routes"] = t.dpf_routes;
     j["decode_prefetch_used"] = t.dpf_used; j["decode_prefetch_bytes"] = t.dpf_bytes;
     const ost_dg_timeline & tl = t.timeline;
@@ -60,7 +61,8 @@ json pass_json(const pass_t & p) {
                 {"decode_graph", p.graph}, {"pool_views", p.views}, {"prefetch_hits", p.prefetch_hits},
                 {"prefetch_misses", p.prefetch_misses}, {"prefetch_wasted", p.prefetch_wasted},
                 {"cpu_branch_bytes", p.cpu_bytes}, {"cpu_branch_layers", p.cpu_layers},
-                {"cpu_kernel_layers", p.cpu_kernel_layers}, {"decode_prefetch_staged", p.dpf_staged},
+                {"cpu_kernel_layers", p.cpu_kernel_layers}, {"cpu_share_wait_ms", p.cpu_wait_ms},
+                {"decode_prefetch_staged", p.dpf_staged},
                 {"decode_prefetch_routes", p.dpf_routes}, {"decode_prefetch_used", p.dpf_used},
                 {"decode_prefetch_bytes", p.dpf_bytes}};
 }
@@ -609,10 +611,11 @@ double upload_share(const engine_t * e, bool has_stream) {
 }
 
 // Join of a hybrid upload pass (CPU op, n_tasks = 1; sources: the upload op's output, and the CPU
-// branch's output only to run after it): waits for layer il's copies and returns the first part of
-// the upload op's output, the staged routes' ids [k, n]. The adapted CPU share moves towards the point where the
-// CPU branch and the copies end together: a wait here means the copies were the longer part (the CPU
-// takes more next time), none means the CPU was (it takes fewer).
+// share's launch op only to run after it): waits for layer il's copies and returns the first part of
+// the upload op's output, the staged routes' ids [k, n]. The CPU share runs meanwhile, beside the
+// graph (ostinato_moe_cpu_share). The adapted CPU share moves towards the point where the CPU share
+// and the copies end together: a wait here means the copies were the longer part (the CPU takes
+// more next time); a wait for the CPU share (its wait op) means the CPU was (it takes fewer).
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth;
     if (ith != 0) return;
@@ -623,15 +626,14 @@ void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     engine_t * e = g_eng;
     if (!e || il < 0 || il >= e->n_layer || e->layer_pool[il] < 0) return;
     const int64_t t0 = now_us();
-    e->cur.cpu_ms += (t0 - e->mark_us[il]) / 1000.0;   // since the upload op issued the copies
+
     if (!e->pools[e->layer_pool[il]].upload_backend) return;
     join_copies(e, il);
     const int64_t t1 = now_us();
     e->cur.upload_ms += (t1 - t0) / 1000.0;
     e->mark_us[il] = t1;
-    if (g_upload_cpu_share < 0) {
-        constexpr double step = 0.02, waited_us = 50;
-        e->upload_cpu_share = std::clamp(e->upload_cpu_share + (t1 - t0 > waited_us ? step : -step), 0.0, 1.0);
+    if (g_upload_cpu_share < 0 && t1 - t0 > ADAPT_WAITED_US) {
+        e->upload_cpu_share = std::min(1.0, e->upload_cpu_share + ADAPT_STEP);
     }
 }
 
