@@ -37,10 +37,11 @@
 #             options changed from their defaults), stock-all-gpu, llama-server
 #   sweep:    --budget-sweep 0.25,0.45,0.65,0.85 (ostinato per budget; stock-all-gpu, stock-layers and
 #             llama-server once), with the plot <name>.svg
-#   cpubench: `ostinato bench cpu-branch` on 2-layer files at real per-layer sizes (qwen3moe Q4_0 and
-#             Q8_0 at the Qwen3-30B-A3B shape, qwen35moe UD-Q4_K_XL at the Qwen3.5-35B-A3B shape): the CPU
-#             branch's own kernel against llama.cpp's CPU mul_mat_id on the same experts, 1-16 experts,
-#             1 and 4 tokens, 1 to all threads, with the host's read bandwidth -> cpu-branch-h200.{json,md};
+#   cpubench: `ostinato bench cpu-branch` on 2-layer files at real per-layer sizes (qwen35moe UD-Q4_K_XL
+#             at the Qwen3.5-35B-A3B shape, qwen3moe Q4_K_M at the Qwen3-30B-A3B shape, deepseek4 MXFP4 at
+#             the DeepSeek-V4-Flash shape): the CPU branch's own kernel against llama.cpp's CPU mul_mat_id
+#             on the same experts, 1 and 16 experts, 1, 8, 32 and 64 tokens, 8 and 16 threads, with the
+#             host's read bandwidth -> cpu-branch-h200.{json,md};
 #             CB_ROWS ("arch:shape:quant ...") and CB_ARGS (the grid) narrow it
 # Two GPUs (nvidia-h200-x2; issue 14), each its own device call after build (+ model for serve2/bench2):
 #   exact2:   the two-GPU exactness cases (pytest -m two_gpu, OSTINATO_TEST_GPUS=2): split, upload and
@@ -200,15 +201,15 @@ if has model; then
 fi
 if has cpubench; then
   ms=()
-  for row in ${CB_ROWS:-qwen3moe:qwen3-30b-a3b:q4_0 qwen3moe:qwen3-30b-a3b:q8_0 qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl}; do
+  for row in ${CB_ROWS:-qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl qwen3moe:qwen3-30b-a3b:q4_k_m deepseek4:deepseek-v4-flash:mxfp4}; do
     IFS=: read -r a shape quant <<< "$row"
     m=/tmp/cb-$a-$quant.gguf
     [ -f "$m" ] || python3 -m ostinatod.cli synth --arch "$a" --shape "$shape" --quant "$quant" --layers 2 -o "$m" 2>&1 | tail -1
     ms+=(--model "$m")
   done
   # CB_ARGS replaces the grid (e.g. "--experts 1,2,4,8 --tokens 1 --threads 8,15,16 --reps 20")
-  cmd=(python3 -m ostinatod.cli bench cpu-branch "${ms[@]}" ${CB_ARGS:---experts 1,2,4,8,16 --tokens 1,4
-       --threads 1,4,8,12,15,16 --reps 20} --read-bw-mib 4096 --json "$OUT/cpu-branch-h200.json")
+  cmd=(python3 -m ostinatod.cli bench cpu-branch "${ms[@]}" ${CB_ARGS:---experts 1,16 --tokens 1,8,32,64
+       --threads 8,16 --reps 10} --read-bw-mib 4096 --json "$OUT/cpu-branch-h200.json")
   printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
     "${cmd[*]}" > "$OUT/cpu-branch-h200.cmd.txt"
   timeout 240 "${cmd[@]}" > "$OUT/cpu-branch-h200.md" 2> "$OUT/cpu-branch-h200.log"
