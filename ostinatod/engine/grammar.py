@@ -41,7 +41,9 @@ def refusal_reason(stderr_text: str, log_lines: list[str]) -> str:
     text (which names the place: ``expecting ')' at …``), else its log's error lines."""
     for line in stderr_text.splitlines():
         if _PARSE_ERROR in line:
-            return line.split(_PARSE_ERROR, 1)[1].strip() or "it does not parse"
+            what = line.split(_PARSE_ERROR, 1)[1].strip() or "it does not parse"
+            # llama.cpp names the place by the text that follows it: none is the grammar's end
+            return what + " the end of the grammar" if what.endswith(" at") else what
     said = "; ".join(x.strip() for x in "".join(log_lines).splitlines() if x.strip())
     return said[:500] or "llama.cpp's grammar parser refused it"
 
@@ -59,8 +61,9 @@ def schema_grammar(schema: dict[str, Any]) -> str:
 
 
 def apply_result(rendered_raw: Optional[str], gbnf: str) -> str:
-    """The apply-result JSON the sampler takes (see module doc): the rendered prompt's (its
-    ``generation_prompt``, kept) with ``gbnf`` as its grammar, in force from the first token."""
+    """The apply-result JSON the sampler takes (see module doc): the rendered prompt's with
+    ``gbnf`` as its grammar, in force from the first output token (no generation prompt is fed
+    to it: the client's grammar describes the output alone)."""
     base = json.loads(rendered_raw) if rendered_raw else {}
-    base.update(grammar=gbnf, grammar_lazy=False, grammar_triggers=[])
+    base.update(grammar=gbnf, grammar_lazy=False, grammar_triggers=[], generation_prompt="")
     return json.dumps(base)
