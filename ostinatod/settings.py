@@ -64,6 +64,10 @@ class Settings(BaseSettings):
                                   "model with random weights (created on first start).")
     model_alias: Optional[str] = Field(None, description="Name under which the model is listed by "
                                        "/v1/models (default: the file name without .gguf).")
+    any_model_name: bool = Field(False, description="Serve a request whatever model name it gives, "
+                                 "as llama-server does (scripts and tools written for it send names "
+                                 "such as gpt-3.5-turbo). Off: a name that is not the served model's "
+                                 "is answered 404 model_not_found.")
     chat_template: Optional[str] = Field(None, description="Jinja chat template overriding the "
                                          "GGUF's own (a file path or the template text).")
     demo_shape: Literal["tiny", "small"] = Field("small", description="Shape of the generated demo "
@@ -138,6 +142,9 @@ class Settings(BaseSettings):
     top_k: int = Field(40, ge=0, description="Top-k sampling of requests that set none (0: off).")
     min_p: float = Field(0.05, ge=0, le=1, description="Min-p sampling of requests that set none "
                          "(0: off).")
+    seed: Optional[int] = Field(None, ge=0, le=0xFFFFFFFF, description="Sampling seed of requests "
+                                "that set none (llama-server's --seed). Unset: a random seed for each "
+                                "request.")
 
     # --- experts (Ostinato paths) ---------------------------------------------------------
     experts: Literal["auto", "ostinato", "stock"] = Field("auto", description="'ostinato': resident "

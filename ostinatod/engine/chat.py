@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -167,10 +168,21 @@ _INCOMPLETE_SCHEMA = "JSON schema conversion was incomplete: "
 
 
 @contextlib.contextmanager
-def _stderr_captured():
+def stderr_captured():
     """Capture what native code writes to file descriptor 2 (llama.cpp reports an incomplete
-    schema conversion only there); yields a function returning it. The text is written on to the
-    real stderr afterwards."""
+    schema conversion and a grammar's parse error only there); yields a function returning it.
+    The text is written on to the real stderr afterwards. One capture at a time (fd 2 is the
+    process's)."""
+    with _STDERR_LOCK:
+        with _fd2_captured() as said:
+            yield said
+
+
+_STDERR_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _fd2_captured():
     sys.stderr.flush()
     saved = os.dup(2)
     buf = tempfile.TemporaryFile()
@@ -293,7 +305,7 @@ class ChatTemplates(_NativeHandle):
         if self._h is None:
             raise EngineError("model_not_loaded", "chat templates are closed", 503)
         if json_schema is not None:
-            with _stderr_captured() as said:
+            with stderr_captured() as said:
                 res = native.take_json(self._fn_apply(self._h, json.dumps(req).encode()))
             _refuse_incomplete_schema(said(), json_schema)
         else:

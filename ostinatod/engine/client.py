@@ -163,6 +163,25 @@ class InProcessEngine:
             raise EngineError("model_not_loaded", f"the engine is {self.state}", 503)
         return await asyncio.to_thread(self._worker.count_tokens, req)
 
+    async def tokenize(self, content: Any, add_special: bool = False, parse_special: bool = True,
+                       with_pieces: bool = False) -> list[Any]:
+        """llama-server's /tokenize of ``content`` (see :meth:`.worker.Worker.tokenize_content`)."""
+        return await asyncio.to_thread(self._ready_worker().tokenize_content, content, add_special,
+                                       parse_special, with_pieces)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens``. Raises EngineError 400 for an id outside the vocabulary."""
+        return await asyncio.to_thread(self._ready_worker().detokenize, tokens)
+
+    async def apply_template(self, req: GenRequest) -> str:
+        """The prompt the chat template makes of ``req``. Raises EngineError as count_tokens."""
+        return await asyncio.to_thread(self._ready_worker().apply_template, req)
+
+    def _ready_worker(self) -> Any:
+        if self.state != "ready" or self._worker is None:
+            raise EngineError("model_not_loaded", f"the engine is {self.state}", 503)
+        return self._worker
+
     async def info(self) -> dict[str, Any]:
         """Loaded model facts ({} before the model is loaded)."""
         return dict(self._info, state=self.state)
@@ -525,6 +544,22 @@ class SubprocessEngine:
         """Tokens of the rendered prompt of ``req``. Raises EngineError."""
         self._check_size(req)
         return int(await self._call(P.Op.COUNT_TOKENS, req=req))
+
+    async def tokenize(self, content: Any, add_special: bool = False, parse_special: bool = True,
+                       with_pieces: bool = False) -> list[Any]:
+        """llama-server's /tokenize of ``content``, in the worker process."""
+        return list(await self._call(P.Op.TOKENIZE, args={
+            "content": content, "add_special": add_special, "parse_special": parse_special,
+            "with_pieces": with_pieces}))
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens``, in the worker process. Raises EngineError 400 for a bad id."""
+        return str(await self._call(P.Op.DETOKENIZE, args={"tokens": list(tokens)}))
+
+    async def apply_template(self, req: GenRequest) -> str:
+        """The prompt the chat template makes of ``req``, in the worker process."""
+        self._check_size(req)
+        return str(await self._call(P.Op.APPLY_TEMPLATE, req=req))
 
     def _check_size(self, req: GenRequest) -> None:
         """Refuse text that cannot fit the context (:func:`.limits.check_text_fits`) before it is

@@ -83,4 +83,5 @@ def check_text_fits(n_bytes: int, max_piece_bytes: int, n_ctx_slot: int) -> None
         raise EngineError("context_length_exceeded",
                           f"prompt is too long: {n_bytes} bytes of text are at least {least} tokens > "
                           f"{n_ctx_slot - 1} maximum (the context holds {n_ctx_slot} tokens per slot; no "
-                          f"token of this model is longer than {max_piece_bytes} bytes)", 400)
+                          f"token of this model is longer than {max_piece_bytes} bytes)", 400,
+                          {"n_prompt_tokens": least, "n_ctx": n_ctx_slot})

@@ -9,10 +9,12 @@ worker); a residency set the expert engine refuses is an error, other expert-eng
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ..hardware import default_threads
 from ..residency.model import ModelFileError, ModelInfo, check_model_file
@@ -83,6 +85,25 @@ def _capturing_callback() -> Any:
     return _log_capture["cb"]
 
 
+@contextlib.contextmanager
+def log_errors_captured() -> Iterator[list[str]]:
+    """Collect llama.cpp's ERROR log lines while the block runs (yields the list they go to);
+    one capture at a time (the log callback is the process's)."""
+    import llama_cpp
+
+    with _capture_lock:
+        lines: list[str] = []
+        llama_cpp.llama_log_set(_capturing_callback(), None)
+        _log_capture["lines"] = lines
+        try:
+            yield lines
+        finally:
+            _log_capture["lines"] = None
+
+
+_capture_lock = threading.RLock()
+
+
 def llama_reason(lines: list[str]) -> str:
     """llama.cpp's reason for refusing a model, from its ERROR log lines: the text after
     "error loading model: " where there is one, else the lines joined ("" without any)."""
@@ -96,20 +117,14 @@ def llama_reason(lines: list[str]) -> str:
 def _load_weights(rt: Any, model_path: Path, mparams: Any) -> Any:
     """llama.cpp's model (through the expert runtime when there is one). Raises EngineError
     ("model_not_loaded") naming llama.cpp's reason when it refuses the file."""
-    import llama_cpp
-
-    lines: list[str] = []
-    llama_cpp.llama_log_set(_capturing_callback(), None)
-    _log_capture["lines"] = lines
-    try:
-        if rt is not None:
-            model = rt.load(model_path, mparams)
-        else:
-            model, _, _ = native.load_model(model_path, mparams)
-    except ExpertEngineError as e:
-        raise EngineError("model_not_loaded", f"expert runtime: {e}", 503) from e
-    finally:
-        _log_capture["lines"] = None
+    with log_errors_captured() as lines:
+        try:
+            if rt is not None:
+                model = rt.load(model_path, mparams)
+            else:
+                model, _, _ = native.load_model(model_path, mparams)
+        except ExpertEngineError as e:
+            raise EngineError("model_not_loaded", f"expert runtime: {e}", 503) from e
     if not model:
         reason = llama_reason(lines) or "no reason given (see the engine log)"
         raise EngineError("model_not_loaded", f"llama.cpp refused {model_path.name}: {reason}", 503)
@@ -281,17 +296,18 @@ def free_model(templates: Any, rt: Any, batch: Any, ctx: Any, model: Any) -> Non
         llama_cpp.llama_model_free(model)
 
 
-def tokenize(vocab: Any, text: str, add_special: bool = True) -> list[int]:
-    """Tokens of ``text`` (special tokens parsed). Thread-safe (the vocab is read-only)."""
+def tokenize(vocab: Any, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    """Tokens of ``text`` (special tokens parsed unless ``parse_special`` is false). Thread-safe
+    (the vocab is read-only)."""
     import llama_cpp
     data = text.encode("utf-8")
     n_max = len(data) + 16
     buf = (llama_cpp.llama_token * n_max)()
-    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, True)
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, parse_special)
     if n < 0:
         n_max = -n
         buf = (llama_cpp.llama_token * n_max)()
-        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, True)
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, parse_special)
     return list(buf[:n])
 
 
@@ -346,4 +362,24 @@ def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templa
             "n_layer": g.n_layer if g else 0, "experts_mode": "ostinato" if expert_engine else "stock",
             "n_slots": n_slots, "supports_thinking": bool(tinfo.get("supports_thinking")),
             "max_piece_bytes": max_piece,
-            "chat_template_caps": tinfo.get("caps", {})}
+            "chat_template_caps": tinfo.get("caps", {}),
+            "chat_template": tinfo.get("source") or "",
+            "bos_token": _token_text(model, "bos"), "eos_token": _token_text(model, "eos"),
+            "infill": _has_fim(model)}
+
+
+def _token_text(model: Any, which: str) -> str:
+    """The text of the model's BOS or EOS token ("" without one)."""
+    import llama_cpp
+    if not model:
+        return ""
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    tok = llama_cpp.llama_vocab_bos(vocab) if which == "bos" else llama_cpp.llama_vocab_eos(vocab)
+    return piece(vocab, tok, special=True).decode("utf-8", "replace") if tok >= 0 else ""
+
+
+def _has_fim(model: Any) -> bool:
+    """True when the vocabulary has the FIM prefix, suffix and middle tokens (/infill)."""
+    from .infill import FimTokens
+    import llama_cpp
+    return bool(model) and not FimTokens.of_vocab(llama_cpp.llama_model_get_vocab(model)).missing()

@@ -7,7 +7,8 @@ bias can have a low log-probability, and the sampled token need not be the first
 
 One entry per generated token, in OpenAI's chat shape
 (platform.openai.com/docs/api-reference/chat/object, ``choices[].logprobs.content[]``):
-``{"token": str, "logprob": float, "bytes": [int], "top_logprobs": [{"token", "logprob", "bytes"}]}``.
+``{"id": int, "token": str, "logprob": float, "bytes": [int], "top_logprobs": [{"id", "token",
+"logprob", "bytes"}]}`` (``id``, the token id, as llama-server adds it).
 The legacy completions shape is made from these by the encoder
 (:func:`..server.encoders.openai_chat.legacy_logprobs`).
 """
@@ -40,14 +41,14 @@ def log_softmax_pick(logits: np.ndarray, token: int, n_top: int) -> tuple[float,
     return float(x[token]) - lse, top
 
 
-def _one(text: bytes, logprob: float) -> dict[str, Any]:
-    return {"token": text.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(text)}
+def _one(token: int, text: bytes, logprob: float) -> dict[str, Any]:
+    return {"id": token, "token": text.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(text)}
 
 
 def entry(token: int, logprob: float, top: list[tuple[int, float]],
           piece: Callable[[int], bytes]) -> dict[str, Any]:
     """The chat-shaped entry of one generated token; ``piece(id)`` gives a token's bytes. A token
     that is part of a UTF-8 character has its bytes in ``bytes`` and U+FFFD in ``token``."""
-    out = _one(piece(token), logprob)
-    out["top_logprobs"] = [_one(piece(i), lp) for i, lp in top]
+    out = _one(token, piece(token), logprob)
+    out["top_logprobs"] = [_one(i, piece(i), lp) for i, lp in top]
     return out

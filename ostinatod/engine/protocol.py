@@ -2,7 +2,8 @@
 engine worker process (:mod:`.worker_main`), one JSON object per line.
 
 Parent -> worker: :class:`Init` (first line), then :class:`Generate`, :class:`Cancel`,
-:class:`Call` (``count_tokens``, ``stats``, ``flush_traces``, ``switch_residency``; answered by a
+:class:`Call` (``count_tokens``, ``stats``, ``flush_traces``, ``switch_residency``, ``tokenize``,
+``detokenize``, ``apply_template``; answered by a
 :class:`Reply` with the same ``rid``; a switch is answered once the loop has swapped the set, at
 the next request boundary) and :class:`Shutdown`.
 Worker -> parent: :class:`StateMsg` (``ready`` with the model info, or ``error``), :class:`Event`
@@ -31,6 +32,9 @@ class Op(str, Enum):
     STATS = "stats"
     FLUSH_TRACES = "flush_traces"
     SWITCH_RESIDENCY = "switch_residency"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    APPLY_TEMPLATE = "apply_template"
     PING = "ping"  # liveness: answered by the worker's pipe reader at once, whatever the loop does
     SHUTDOWN = "shutdown"
     STATE = "state"
@@ -38,7 +42,8 @@ class Op(str, Enum):
     REPLY = "reply"
 
 
-CALL_OPS = (Op.COUNT_TOKENS, Op.STATS, Op.FLUSH_TRACES, Op.SWITCH_RESIDENCY, Op.PING)
+CALL_OPS = (Op.COUNT_TOKENS, Op.STATS, Op.FLUSH_TRACES, Op.SWITCH_RESIDENCY, Op.PING, Op.TOKENIZE,
+            Op.DETOKENIZE, Op.APPLY_TEMPLATE)
 
 
 def request_to_wire(req: GenRequest) -> dict[str, Any]:
@@ -53,13 +58,16 @@ def request_from_wire(d: dict[str, Any]) -> GenRequest:
 
 
 def error_to_wire(e: EngineError) -> dict[str, Any]:
-    return {"code": e.code, "message": e.message, "status": e.status}
+    d = {"code": e.code, "message": e.message, "status": e.status}
+    if e.extra:
+        d["extra"] = e.extra
+    return d
 
 
 def error_from_wire(d: dict[str, Any], default_code: str = "internal_error",
                     default_status: int = 500, default_message: str = "") -> EngineError:
     return EngineError(d.get("code", default_code), d.get("message", default_message),
-                       int(d.get("status", default_status)))
+                       int(d.get("status", default_status)), d.get("extra"))
 
 
 @dataclass
@@ -85,14 +93,15 @@ class Shutdown:
 
 @dataclass
 class Call:
-    """A call answered by a :class:`Reply`: ``req`` for count_tokens, ``path``/``reason`` for
-    switch_residency."""
+    """A call answered by a :class:`Reply`: ``req`` for count_tokens and apply_template,
+    ``path``/``reason`` for switch_residency, ``args`` for tokenize and detokenize."""
 
     op: Op
     rid: str
     req: Optional[GenRequest] = None
     path: Optional[str] = None
     reason: Optional[str] = None
+    args: Optional[dict[str, Any]] = None
 
 
 @dataclass
@@ -138,6 +147,8 @@ def encode(msg: Message) -> str:
             d["req"] = request_to_wire(msg.req)
         if msg.path is not None:
             d["path"], d["reason"] = msg.path, msg.reason
+        if msg.args is not None:
+            d["args"] = msg.args
     elif isinstance(msg, StateMsg):
         d = {"op": Op.STATE.value, "state": msg.state}
         if msg.error is not None:
@@ -175,7 +186,7 @@ def decode(line: str | bytes) -> Optional[Message]:
         return Shutdown()
     if op in CALL_OPS:
         return Call(op, d.get("rid"), request_from_wire(d["req"]) if d.get("req") else None,
-                    d.get("path"), d.get("reason"))
+                    d.get("path"), d.get("reason"), d.get("args"))
     if op is Op.STATE:
         err = (error_from_wire(d, "model_not_loaded", 503, "load failed")
                if d.get("state") == "error" else None)

@@ -1,7 +1,7 @@
 """The sampler of a request: llama.cpp's ``common_sampler`` through the native shim.
 
 Sampling values a request does not set come from the settings (``temperature``, ``top_p``,
-``top_k``, ``min_p``): the one place their defaults live.
+``top_k``, ``min_p``, ``seed``): the one place their defaults live.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 from typing import Any, Optional
 
 from ..settings import Settings
-from . import native
+from . import grammar, native
 from .types import EngineError, GenRequest
 
 
@@ -24,18 +24,22 @@ def sampler_params(req: GenRequest, settings: Settings) -> dict[str, Any]:
               "top_p": float(pick(req.top_p, settings.top_p)),
               "min_p": float(pick(req.min_p, settings.min_p)),
               "ignore_eos": bool(req.ignore_eos),
-              "json_schema": req.json_schema is not None,
+              "json_schema": req.json_schema is not None or req.grammar is not None,
               "logit_bias": [[int(k), float(v)] for k, v in (req.logit_bias or {}).items()]}
-    if req.seed is not None:
-        params["seed"] = int(req.seed) & 0xFFFFFFFF
+    seed = pick(req.seed, settings.seed)
+    if seed is not None:
+        params["seed"] = int(seed) & 0xFFFFFFFF
     return params
 
 
 def make_sampler(model: Any, req: GenRequest, rendered: Any, settings: Settings) -> Any:
-    """A ``common_sampler *`` for ``req`` (grammar of the rendered prompt, penalties-free chain, EOG
+    """A ``common_sampler *`` for ``req`` (grammar of the rendered prompt or the request's own
+    ``grammar``, penalties-free chain, EOG
     ban under ignore_eos). Raises EngineError("invalid_request") if e.g. the grammar does not
     compile. Free it with :func:`free_sampler`."""
     raw = (rendered.sampler_raw or rendered.raw).encode() if rendered is not None else None
+    if req.grammar is not None:  # the request's own GBNF (or a raw prompt's JSON schema)
+        raw = grammar.apply_result(rendered.raw if rendered is not None else None, req.grammar).encode()
     smpl = native.fn("ostinato_sampler_new")(int(model), json.dumps(sampler_params(req, settings)).encode(),
                                              raw)
     if not smpl:

@@ -44,7 +44,8 @@ class Task:
     residency_switch: Optional[dict[str, Any]] = None  # set swapped in right before this request
     residency_skipped: Optional[str] = None  # why its workload's planned set was not swapped in
     t_render: float = 0.0  # when its preparation thread started on it (template_timeout_s)
-    prep_error: Optional[tuple[str, str, int]] = None  # (code, message, status) if it cannot be served
+    # (code, message, status, extra fields) if it cannot be served
+    prep_error: Optional[tuple[str, str, int, dict[str, Any]]] = None
     logprobs: list = field(default_factory=list)  # entries of the generated tokens (req.logprobs)
     logprobs_sent: int = 0  # of them, how many went out with a delta
 

@@ -47,6 +47,15 @@ class GenRequest:
     # None: no log-probabilities; n >= 0: each output token's, with its n most likely alternatives
     # (OpenAI logprobs/top_logprobs; :mod:`.logprobs`)
     logprobs: Optional[int] = None
+    # GBNF the output must match (llama-server's ``grammar``); checked by llama.cpp's grammar parser
+    # before the request is served (:mod:`.grammar`), in force from the first output token
+    grammar: Optional[str] = None
+    # fill-in-the-middle (llama-server's /infill): {"input_prefix", "input_suffix", "input_extra":
+    # [{"filename", "text"}], "prompt"}; the prompt is built from the vocabulary's FIM tokens
+    # (:mod:`.infill`) instead of ``prompt`` or ``messages``
+    infill: Optional[dict[str, Any]] = None
+    # stream "progress" events while the prompt is prefilled (llama-server's ``return_progress``)
+    return_progress: bool = False
     workload: Optional[str] = None
     client: Optional[str] = None  # e.g. "claude-code", "openai-python": for stats and workload
     model: Optional[str] = None  # the name the client asked for (echoed back)
@@ -59,7 +68,7 @@ class GenRequest:
     def says_demo_notice(self) -> bool:
         """True when the answer starts with :data:`DEMO_NOTICE`: served by the demo model and not
         a JSON answer (``json_schema``), whose content must stay JSON."""
-        return self.demo and self.json_schema is None
+        return self.demo and self.json_schema is None and self.grammar is None
 
 
 DEMO_NOTICE = "[Ostinato demo model: random weights, the words that follow mean nothing] "
@@ -74,7 +83,11 @@ class EventType(str, Enum):
     - ``done`` once at the end: {"finish_reason", "message", "usage", "timings"} and, when a
       client's stop string ended the output, "stop_sequence" (that string); with ``logprobs``,
       "logprobs": the entries of every generated token
-    - ``error`` instead of ``done`` on failure: {"code", "message", "status"}
+    - ``error`` instead of ``done`` on failure: {"code", "message", "status"} and, for
+      ``context_length_exceeded``, "n_prompt_tokens" and "n_ctx" (llama-server's fields)
+    - ``progress`` (only when the request asked ``return_progress``), once when its slot is given
+      and after each prefill step: {"total", "cache", "processed", "time_ms"} (prompt tokens, of
+      them cached, cached + prefilled so far, ms since the prefill began)
 
     ``ping`` is never sent by an engine: the HTTP front end makes it while it waits (heartbeat).
     Members compare, hash and print as their string value ("done" == EventType.DONE).
@@ -84,6 +97,7 @@ class EventType(str, Enum):
     DELTA = "delta"
     DONE = "done"
     ERROR = "error"
+    PROGRESS = "progress"
     PING = "ping"
 
     __hash__ = str.__hash__
@@ -118,13 +132,17 @@ class EngineEvent:
 
 
 class EngineError(Exception):
-    """A request the engine cannot serve. ``status`` is the HTTP status the front end should use."""
+    """A request the engine cannot serve. ``status`` is the HTTP status the front end should use;
+    ``extra``: further fields of the error answer (``n_prompt_tokens``, ``n_ctx`` of a context
+    overflow)."""
 
-    def __init__(self, code: str, message: str, status: int = 400):
+    def __init__(self, code: str, message: str, status: int = 400,
+                 extra: Optional[dict[str, Any]] = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.status = status
+        self.extra = dict(extra or {})
 
 
 class EngineClient(Protocol):
@@ -151,10 +169,22 @@ class EngineClient(Protocol):
     async def count_tokens(self, req: GenRequest) -> int:
         """Tokens of the rendered prompt of ``req`` (chat template applied)."""
 
+    async def tokenize(self, content: Any, add_special: bool = False, parse_special: bool = True,
+                       with_pieces: bool = False) -> list[Any]:
+        """Token ids of ``content`` (a string, or strings and ids mixed; llama-server's /tokenize),
+        or ``[{"id", "piece"}]`` with ``with_pieces``."""
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` (llama-server's /detokenize)."""
+
+    async def apply_template(self, req: GenRequest) -> str:
+        """The prompt text the chat template makes of ``req`` (llama-server's /apply-template)."""
+
     async def info(self) -> dict[str, Any]:
         """Loaded model: {"name", "path", "arch", "n_ctx" (served per slot), "n_ctx_reason" (why it is
         below the setting), "n_ctx_train", "n_params", "is_demo", "n_expert", "n_expert_used",
-        "n_layer", "experts_mode", ...}."""
+        "n_layer", "experts_mode", "chat_template" (its source), "bos_token", "eos_token", "infill"
+        (the vocabulary has FIM tokens), ...}."""
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters: slots, requests, tokens, expert-path counts and hot-route share."""

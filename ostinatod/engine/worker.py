@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from ..residency.model import ModelInfo
 from ..settings import Settings
-from . import determinism, limits, loading, logprobs, sampling
+from . import determinism, grammar, limits, loading, logprobs, sampling
 from .protocol import Op
 from .prefix_cache import (PrefixCache, make_prefix_cache, restore_checkpoint, save_state,
                            use_host_cache)
@@ -82,7 +82,7 @@ class Worker:
         self._batch = None
         self._counters = {"requests": 0, "requests_ok": 0, "requests_error": 0, "requests_cancelled": 0,
                           "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0,
-                          "generated_tokens": 0, "decode_calls": 0}
+                          "generated_tokens": 0, "decode_calls": 0, "busy_slot_steps": 0}
         self.switcher = ResidencySwitcher(self)
         self.pcache: Optional[PrefixCache] = None  # host-memory prefix cache (settings.cache_ram_mb)
         self.uncuttable = False  # the memory cannot drop a suffix (recurrent/hybrid): checkpoints
@@ -216,6 +216,8 @@ class Worker:
                                  self.settings.max_schema_properties)
         limits.check_text_fits(limits.message_text_bytes(req.messages, req.prompt), self.max_piece_bytes,
                                self.n_ctx_slot)
+        if req.infill is not None:
+            return self.infill_prompt(req), None
         if req.messages is not None:
             rendered = self.templates.render(req.messages, req.tools, req.tool_choice,
                                              req.parallel_tool_calls, req.enable_thinking,
@@ -227,6 +229,68 @@ class Worker:
             raise EngineError("invalid_request", "request has neither messages nor prompt")
         limits.check_text_fits(len(text.encode("utf-8", "replace")), self.max_piece_bytes, self.n_ctx_slot)
         return self.tokenize(text), rendered
+
+    def infill_prompt(self, req: GenRequest) -> list[int]:
+        """Prompt tokens of a fill-in-the-middle request (:mod:`.infill`). Raises EngineError 400
+        ``infill_not_supported`` (no FIM tokens) or ``context_length_exceeded``."""
+        from . import infill
+        f = req.infill or {}
+        texts = [f.get("input_prefix"), f.get("input_suffix"), f.get("prompt")]
+        texts += [c.get("text") for c in f.get("input_extra") or []]
+        limits.check_text_fits(sum(len(t) for t in texts if isinstance(t, str)), self.max_piece_bytes,
+                               self.n_ctx_slot)
+        return infill.infill_tokens(infill.FimTokens.of_vocab(self.vocab),
+                                    lambda text: loading.tokenize(self.vocab, text, False, parse_special=False),
+                                    str(f.get("input_prefix") or ""), str(f.get("input_suffix") or ""),
+                                    list(f.get("input_extra") or []), str(f.get("prompt") or ""),
+                                    self.n_batch, req.max_tokens, self.n_ctx_slot)
+
+    def tokenize_content(self, content: Any, add_special: bool = False, parse_special: bool = True,
+                         with_pieces: bool = False) -> list[Any]:
+        """llama-server's /tokenize: the tokens of ``content`` (a string, or a list of strings and
+        token ids, the ids kept as they are); with ``with_pieces`` ``[{"id", "piece"}]`` where a
+        piece that is not UTF-8 is its list of byte values. Any thread."""
+        parts = content if isinstance(content, list) else [content]
+        toks: list[int] = []
+        for i, p in enumerate(parts):
+            if isinstance(p, str):
+                toks += loading.tokenize(self.vocab, p, add_special and i == 0, parse_special=parse_special)
+            else:
+                toks.append(int(p))
+        if not with_pieces:
+            return toks
+        out = []
+        for t in toks:
+            b = self.piece(t, special=True)
+            try:
+                out.append({"id": t, "piece": b.decode("utf-8")})
+            except UnicodeDecodeError:
+                out.append({"id": t, "piece": list(b)})
+        return out
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """llama-server's /detokenize: the text of ``tokens`` (special tokens rendered; bytes that
+        are not UTF-8 replaced). Raises EngineError 400 for an id outside the vocabulary."""
+        bad = [t for t in tokens if not 0 <= int(t) < self.n_vocab]
+        if bad:
+            raise EngineError("invalid_request", f"token id {bad[0]} is not in the vocabulary "
+                              f"(0..{self.n_vocab - 1})")
+        return b"".join(self.piece(int(t), special=True) for t in tokens).decode("utf-8", "replace")
+
+    def apply_template(self, req: GenRequest) -> str:
+        """The prompt text the chat template makes of ``req`` (llama-server's /apply-template), on
+        a prepare thread within ``template_timeout_s``. Raises EngineError as :meth:`render`."""
+        def text() -> str:
+            limits.check_schema_size(req.tools, req.json_schema, self.settings.max_schema_nodes,
+                                     self.settings.max_schema_properties)
+            return self.templates.render(req.messages or [], req.tools, req.tool_choice,
+                                         req.parallel_tool_calls, req.enable_thinking,
+                                         req.json_schema).prompt
+        fut = self._prep_pool.submit(text)
+        try:
+            return fut.result(timeout=self.settings.template_timeout_s)
+        except FutureTimeout:
+            raise self._timeout_error() from None
 
     def chat_parser(self, req: GenRequest, rendered: Any) -> Any:
         """The output parser of a chat request (:func:`.chat.parser_for`)."""
@@ -389,14 +453,14 @@ class Worker:
         try:
             self._prepare_task(t)
         except EngineError as e:
-            t.prep_error = (e.code, e.message, e.status)
+            t.prep_error = (e.code, e.message, e.status, e.extra)
         except Exception as e:  # noqa: BLE001 - never takes down the worker
             # the HTTP layer has validated the request's shape; what still fails here is content
             # the template or tokenizer cannot take (a message of an unforeseen shape): the
             # client's request, answered 400 (traceback at DEBUG for the rare daemon bug)
             log.warning("request %s: cannot be prepared: %r", t.req.id, e)
             log.debug("request %s: preparation traceback", t.req.id, exc_info=True)
-            t.prep_error = ("invalid_request", f"request cannot be prepared: {e}", 400)
+            t.prep_error = ("invalid_request", f"request cannot be prepared: {e}", 400, {})
         self._inbox.put((_PREPARED, t))
 
     def _prepare_task(self, t: Task) -> None:
@@ -405,6 +469,10 @@ class Worker:
             raise EngineError("invalid_request", "max_tokens must be >= 1")
         if req.demo and not req.ignore_eos:
             sampling.demo_choice(req)
+        if req.grammar is not None:
+            grammar.check_grammar(self.vocab, req.grammar)
+        elif req.json_schema is not None and req.messages is None:  # no template makes its grammar
+            req.grammar = grammar.schema_grammar(req.json_schema)
         t.prompt, t.rendered = self.render(req)
         if not t.prompt:
             raise EngineError("invalid_request", "the prompt is empty")
@@ -414,7 +482,8 @@ class Worker:
             raise EngineError("context_length_exceeded",
                               f"prompt is too long: {n_prompt} tokens > {self.n_ctx_slot - 1} maximum "
                               f"(the context holds {self.n_ctx_slot} tokens per slot: prompt + at "
-                              "least one output token)", 400)
+                              "least one output token)", 400,
+                              {"n_prompt_tokens": n_prompt, "n_ctx": self.n_ctx_slot})
         if n_prompt + req.max_tokens > self.n_ctx_slot:
             # agents ask for far more output than they need (Claude Code: 32000): generate up to
             # the end of the context and finish with "length" rather than refuse the turn
@@ -486,6 +555,15 @@ class Worker:
             if t.residency_skipped is not None:
                 start["residency_switch_skipped"] = t.residency_skipped
             self._emit(t, EventType.START, start)
+            self._progress(t)
+
+    def _progress(self, t: Task) -> None:
+        """The ``progress`` event of a request that asked for it (``return_progress``): prompt
+        tokens, cached, processed so far (cached + prefilled), ms since its prefill began."""
+        if t.req.return_progress:
+            self._emit(t, EventType.PROGRESS, {
+                "total": len(t.prompt), "cache": t.n_cached, "processed": len(t.prompt) - len(t.pending),
+                "time_ms": round((time.monotonic() - t.t_prefill_start) * 1000, 3)})
 
     def _release(self, t: Task) -> None:
         if t.slot is not None:
@@ -540,6 +618,7 @@ class Worker:
         rc = llama_cpp.llama_decode(self.ctx, b)
         with self._lock:
             self._counters["decode_calls"] += 1
+            self._counters["busy_slot_steps"] += len(plan)  # slots in this forward pass
         if rc != 0:
             msg = f"llama_decode failed ({rc}{': KV cache full' if rc == 1 else ''})"
             for t, _ in plan:
@@ -562,6 +641,7 @@ class Worker:
                 t.pending = t.pending[len(toks):]
                 with self._lock:
                     self._counters["prefilled_tokens"] += len(toks)
+                self._progress(t)
                 if not t.pending and self.uncuttable and self.pcache is not None:
                     # the prompt's end is a message boundary: a checkpoint for the next turn
                     data = save_state(self.ctx, t.slot.id)
@@ -707,11 +787,12 @@ class Worker:
                 self._counters["requests_cancelled"] += 1
             self._emit(t, EventType.ERROR, {"code": "cancelled", "message": "request cancelled", "status": 499})
 
-    def _fail(self, t: Task, code: str, message: str, status: int) -> None:
+    def _fail(self, t: Task, code: str, message: str, status: int,
+              extra: Optional[dict[str, Any]] = None) -> None:
         t.finished = True
         with self._lock:
             self._counters["requests_error"] += 1
-        self._emit(t, EventType.ERROR, {"code": code, "message": message, "status": status})
+        self._emit(t, EventType.ERROR, {**(extra or {}), "code": code, "message": message, "status": status})
 
     def _emit(self, t: Task, typ: EventType, data: dict[str, Any]) -> None:
         try:

@@ -86,6 +86,14 @@ def main() -> int:
         try:
             if msg.op is P.Op.COUNT_TOKENS:
                 result: Any = worker.count_tokens(msg.req)
+            elif msg.op is P.Op.APPLY_TEMPLATE:
+                result = worker.apply_template(msg.req)
+            elif msg.op is P.Op.TOKENIZE:
+                a = msg.args or {}
+                result = worker.tokenize_content(a.get("content", ""), bool(a.get("add_special")),
+                                                 bool(a.get("parse_special", True)), bool(a.get("with_pieces")))
+            elif msg.op is P.Op.DETOKENIZE:
+                result = worker.detokenize(list((msg.args or {}).get("tokens") or []))
             elif msg.op is P.Op.FLUSH_TRACES:
                 worker.flush_traces()
                 result = True

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from . import anthropic_api, openai_api, responses_api
+from . import anthropic_api, llama_api, openai_api, responses_api
 from .request_input import INPUT_PHASE
 from .errors import ApiError, error_response, is_anthropic_path
 from .http_errors import JsonErrorsHandler
@@ -171,10 +171,13 @@ def _input_error(e: BaseException) -> ApiError:
 def _protocol(path: str) -> str:
     if is_anthropic_path(path):
         return "anthropic"
-    if path.startswith("/v1/responses"):
+    if path.startswith(("/v1/responses", "/responses")):
         return "responses"
     if path.startswith("/v1/completions"):
         return "openai_completions"
+    if path.startswith(("/completion", "/infill", "/tokenize", "/detokenize", "/apply-template", "/props",
+                        "/slots")):
+        return "llama_server"
     return "openai_chat"
 
 
@@ -197,7 +200,9 @@ async def metrics(request: web.Request) -> web.Response:
             state.metrics.set_engine_stats(await asyncio.wait_for(state.engine.stats(), METRICS_ENGINE_WAIT_S))
         except Exception as e:  # noqa: BLE001 - metrics must answer even if the worker is restarting
             log.debug("engine stats unavailable: %r", e)
-    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    state.metrics.n_ctx_slot = int(state.model_info.get("n_ctx") or 0)
+    return web.Response(body=state.metrics.render(), headers={
+        "Content-Type": CONTENT_TYPE, "Process-Start-Time-Unix": str(int(state.started_at))})
 
 
 async def root(request: web.Request) -> web.Response:
@@ -207,7 +212,10 @@ async def root(request: web.Request) -> web.Response:
                               "engine_state": state.engine_state,
                               "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/models",
                                             "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
-                                            "/health", "/metrics"]})
+                                            "/health", "/metrics"],
+                              "llama_server_endpoints": ["/completion", "/infill", "/tokenize",
+                                                         "/detokenize", "/apply-template", "/props",
+                                                         "/slots", "/chat/completions", "/models"]})
 
 
 @web.middleware
@@ -240,6 +248,7 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
     r.add_post("/v1/responses", responses_api.responses)
     r.add_post("/v1/messages", anthropic_api.messages)
     r.add_post("/v1/messages/count_tokens", anthropic_api.count_tokens)
+    add_llama_server_routes(r)
     # ANTHROPIC_BASE_URL ending in /v1 (the client appends /v1/messages itself): served, with a hint
     r.add_post("/v1/v1/messages", _doubled_v1(anthropic_api.messages))
     r.add_post("/v1/v1/messages/count_tokens", _doubled_v1(anthropic_api.count_tokens))
@@ -247,6 +256,27 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
     r.add_post("/messages", _doubled_v1(anthropic_api.messages, _NO_V1_HINT))
     r.add_post("/messages/count_tokens", _doubled_v1(anthropic_api.count_tokens, _NO_V1_HINT))
     return app
+
+
+def add_llama_server_routes(r: web.UrlDispatcher) -> None:
+    """llama-server's routes beside ours (docs/api.md "llama-server's API"): the OpenAI routes
+    without ``/v1`` (the same handlers; ``/completions`` is llama-server's native completion, as
+    there), and its own endpoints (:mod:`.llama_api`)."""
+    r.add_get("/v1/health", health)
+    r.add_get("/models", openai_api.models)
+    r.add_post("/chat/completions", openai_api.chat_completions)
+    r.add_post("/responses", responses_api.responses)
+    r.add_post("/completion", llama_api.completion)
+    r.add_post("/completions", llama_api.completion)
+    r.add_post("/infill", llama_api.infill)
+    r.add_post("/tokenize", llama_api.tokenize)
+    r.add_post("/detokenize", llama_api.detokenize)
+    r.add_post("/apply-template", llama_api.apply_template)
+    r.add_post("/chat/completions/input_tokens", llama_api.input_tokens)
+    r.add_post("/v1/chat/completions/input_tokens", llama_api.input_tokens)
+    r.add_get("/props", llama_api.props)
+    r.add_post("/props", llama_api.props_post)
+    r.add_get("/slots", llama_api.slots)
 
 
 class _ConnectionGuard(asyncio.Protocol):

@@ -124,7 +124,8 @@ def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool 
     """Map the client's model name to the served model.
 
     Accepted: the served id, the GGUF file name/stem, the demo id, any of those with an
-    ``@<workload>`` suffix, and, for Anthropic clients, any ``claude-*`` name. Returns
+    ``@<workload>`` suffix, for Anthropic clients any ``claude-*`` name, and any name at all with
+    the ``any_model_name`` setting. Returns
     ``(echoed name, workload from the suffix or None)``. Raises ApiError 404 ``model_not_found``.
     """
     if not requested:
@@ -142,7 +143,7 @@ def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool 
         names |= {p, p[:-5] if p.endswith(".gguf") else p}
     if state.demo or not state.settings.model:
         names.add(DEMO_MODEL_ID)
-    if base in names or (anthropic and base.startswith("claude")):
+    if base in names or (anthropic and base.startswith("claude")) or state.settings.any_model_name:
         return requested, workload
     raise ApiError(404, "model_not_found", f"Model {requested!r} is not served here; "
                    f"this daemon serves {state.model_name!r} (GET /v1/models).", param="model")
@@ -252,7 +253,7 @@ class Generation:
             raise
         except EngineError as e:
             gen.close(e.code, e.message)
-            raise ApiError(e.status, e.code, e.message) from None
+            raise ApiError(e.status, e.code, e.message, extra=e.extra) from None
         except BaseException as e:  # every record is closed, whatever fails (then re-raised)
             gen.close("internal_error", repr(e))
             raise
@@ -263,12 +264,24 @@ class Generation:
             d = first.data
             gen.close(d.get("code", "engine_error"), d.get("message"))
             raise ApiError(int(d.get("status") or 500), d.get("code", "engine_error"),
-                           d.get("message") or "engine error")
+                           d.get("message") or "engine error", extra=error_extra(d))
         if first.type == "start":
             gen._on_start(first.data)
         else:
             gen._pending = first
         return gen
+
+    def timings(self) -> dict[str, Any]:
+        """llama-server's ``timings`` of this generation so far (:func:`.encoders.llama_native.timings`):
+        the engine's own figures once it is done, the ones measured here before."""
+        from .encoders.llama_native import timings
+        if self.done is not None:
+            return timings(self.done)
+        now = time.monotonic()
+        u = self.usage
+        first = self.t_first or now
+        return timings({"usage": dict(u, prefilled_tokens=u["prompt_tokens"] - u["cached_tokens"]),
+                        "timings": {"prefill_s": first - self.t0, "decode_s": now - first}})
 
     async def _next(self) -> Optional[EngineEvent]:
         try:
@@ -318,7 +331,7 @@ class Generation:
                 continue
             if ev.type == "error":
                 raise ApiError(int(ev.data.get("status") or 503), ev.data.get("code", "engine_error"),
-                               ev.data.get("message") or "engine error")
+                               ev.data.get("message") or "engine error", extra=error_extra(ev.data))
         return self.done or {}
 
     async def events(self, heartbeat: Optional[float] = None) -> AsyncIterator[EngineEvent]:
@@ -412,6 +425,12 @@ class Generation:
             else:
                 status, error = "client_disconnected", error or "stream abandoned"
         self.state.finish_request(self.rec, status, error)
+
+
+def error_extra(d: dict[str, Any]) -> dict[str, Any]:
+    """The fields of an engine error event beyond code, message and status (llama-server's
+    ``n_prompt_tokens`` and ``n_ctx`` of a context overflow)."""
+    return {k: v for k, v in d.items() if k not in ("code", "message", "status")}
 
 
 HEARTBEAT_S = 10.0  # keep-alive interval of streams while the engine is silent (long prefill)

@@ -27,17 +27,20 @@ class ApiError(Exception):
     """An error answered to the client. ``code`` is a stable machine string
     (e.g. "invalid_json", "model_not_found", "context_length_exceeded", "engine_crashed")."""
 
-    def __init__(self, status: int, code: str, message: str, param: Optional[str] = None):
+    def __init__(self, status: int, code: str, message: str, param: Optional[str] = None,
+                 extra: Optional[dict[str, Any]] = None):
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.param = param
+        self.extra = dict(extra or {})  # further fields of the error object (n_prompt_tokens, n_ctx)
 
 
 def openai_error_body(err: ApiError) -> dict[str, Any]:
-    """OpenAI-shaped error object."""
-    return {"error": {"message": err.message, "type": _OPENAI_TYPE.get(err.status, "server_error"),
+    """OpenAI-shaped error object (with the error's ``extra`` fields, e.g. llama-server's
+    ``n_prompt_tokens`` and ``n_ctx`` of a context overflow)."""
+    return {"error": {**err.extra, "message": err.message, "type": _OPENAI_TYPE.get(err.status, "server_error"),
                       "code": err.code, "param": err.param}}
 
 

@@ -4,6 +4,7 @@ Built on ``prometheus_client`` with one registry per daemon state (tests run sev
 one process). Request metrics are updated by the front end after each request; the engine's
 counters (slots, expert-path counts, hot-route share, ...) are whatever ``EngineClient.stats()``
 returns, flattened into gauges named ``ostinato_engine_<path_of_keys>`` at scrape time.
+llama-server's ``llamacpp:*`` series are made from the same counters (:func:`llamacpp_text`).
 """
 
 from __future__ import annotations
@@ -100,6 +101,49 @@ class _EngineCollector(Collector):
             yield g
 
 
+def llamacpp_text(llama: dict[str, float], snapshot: dict[str, Any], n_ctx_slot: int) -> str:
+    """llama-server's ``llamacpp:*`` series in the Prometheus text format, with its names, types
+    and help lines (dashboards built for llama-server read these), made from our own counters:
+    ``llama`` (the finished requests' totals, :meth:`Metrics.observe_request`), the engine's last
+    stats ``snapshot`` (decode calls, running and waiting requests, slots) and the served context
+    per slot (KV usage). Written as text: llama-server's counter names do not all end in
+    ``_total``, which prometheus_client would impose."""
+    slots = [x for x in snapshot.get("slots") or [] if isinstance(x, dict)]
+    decode_calls = float(snapshot.get("decode_calls") or 0)
+    ps, pt = llama["prompt_seconds"], llama["prompt_tokens"]
+    gs, gt = llama["predicted_seconds"], llama["predicted_tokens"]
+    kv = float(sum(int(x.get("n_tokens") or 0) for x in slots))
+    counters = (
+        ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", pt),
+        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", llama["cached_tokens"]),
+        ("prompt_seconds_total", "Total time spent processing prompts", ps),
+        ("tokens_predicted_total", "Number of generation tokens processed", gt),
+        ("tokens_predicted_seconds_total", "Total time spent generating tokens", gs),
+        ("n_decode_total", "Total number of llama_decode() calls", decode_calls),
+        ("n_tokens_max", "Largest observed sequence length (prompt + generation)", llama["n_tokens_max"]),
+        # no speculative decoding here: llama-server's series, always 0
+        ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0.0),
+        ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target "
+         "model", 0.0),
+        ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0.0))
+    gauges = (
+        ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", pt / ps if ps > 0 else 0.0),
+        ("predicted_tokens_seconds", "Average generation throughput in tokens/s", gt / gs if gs > 0 else 0.0),
+        ("requests_processing", "Number of requests processing", float(snapshot.get("active") or 0)),
+        ("requests_deferred", "Number of requests deferred", float(snapshot.get("waiting") or 0)),
+        ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+         float(snapshot.get("busy_slot_steps") or 0) / decode_calls if decode_calls else 0.0),
+        ("kv_cache_tokens", "KV cache tokens (all slots)", kv),
+        ("kv_cache_usage_ratio", "KV cache usage (1 = full)",
+         kv / (n_ctx_slot * len(slots)) if n_ctx_slot and slots else 0.0))
+    out = []
+    for kind, items in (("counter", counters), ("gauge", gauges)):
+        for name, doc, value in items:
+            out += [f"# HELP llamacpp:{name} {doc}", f"# TYPE llamacpp:{name} {kind}",
+                    f"llamacpp:{name} {float(value)!r}"]
+    return "\n".join(out) + "\n"
+
+
 class Metrics:
     """Request counters, token counters and TTFT/TPOT histograms of one daemon.
 
@@ -135,6 +179,10 @@ class Metrics:
                                            "Seconds the last residency-set swap took", registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
+        # totals of finished requests for the llamacpp:* series (seconds; tokens)
+        self.llama = {"prompt_tokens": 0.0, "cached_tokens": 0.0, "prompt_seconds": 0.0,
+                      "predicted_tokens": 0.0, "predicted_seconds": 0.0, "n_tokens_max": 0.0}
+        self.n_ctx_slot = 0  # the served context per slot (KV usage); set at each scrape
 
     def observe_request(self, rec: dict[str, Any]) -> None:
         """Account one finished request record (see :class:`ostinatod.server.state.DaemonState`)."""
@@ -150,11 +198,19 @@ class Metrics:
             self.ttft.labels(proto).observe(rec["ttft_s"])
         if rec.get("tpot_s") is not None:
             self.tpot.labels(proto).observe(rec["tpot_s"])
+        lm, n_out = self.llama, int(rec.get("completion_tokens") or 0)
+        lm["prompt_tokens"] += int(rec.get("prefilled_tokens") or 0)
+        lm["cached_tokens"] += int(rec.get("cached_tokens") or 0)
+        lm["predicted_tokens"] += n_out
+        lm["prompt_seconds"] += float(rec.get("ttft_s") or 0.0)  # prefill + the first token
+        lm["predicted_seconds"] += float(rec.get("tpot_s") or 0.0) * max(0, n_out - 1)
+        lm["n_tokens_max"] = max(lm["n_tokens_max"], float(int(rec.get("prompt_tokens") or 0) + n_out))
 
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Replace the engine snapshot exported at the next scrape."""
         self._engine.snapshot = stats or {}
 
     def render(self) -> bytes:
-        """Prometheus text exposition of everything."""
-        return generate_latest(self.registry)
+        """Prometheus text exposition of everything (llama-server's ``llamacpp:*`` series last)."""
+        return generate_latest(self.registry) + llamacpp_text(self.llama, self._engine.snapshot,
+                                                              self.n_ctx_slot).encode()

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
 from ..engine.types import GenRequest
+from . import llama_chat
 from .common import Generation, apply_logit_bias, fill_common, open_generation, respond
 from .request_input import read_json, validate
 from .encoders import new_id
@@ -129,6 +130,7 @@ def chat_request(state: DaemonState, request: web.Request, b: ChatBody) -> GenRe
                      json_schema=json_schema_of(b.response_format),
                      logprobs=(b.top_logprobs or 0) if b.logprobs else None)
     _sampling(state, b, req)
+    llama_chat.chat_extensions(b, req)  # llama-server's grammar, json_schema, continue_final_message
     ctk = b.chat_template_kwargs or {}
     if "enable_thinking" in ctk:
         req.enable_thinking = bool(ctk["enable_thinking"])
@@ -146,9 +148,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     def open_stream():
         s = enc.ChatStream(req.id, req.model, created, include_usage)
+        s.timings, (s.timings_per_token, s.return_progress) = gen.timings, llama_chat.stream_extensions(b)
         return s, s.start()
     return await respond(request, gen, b.stream,
-                         lambda done: enc.chat_completion(req.id, req.model, created, done, gen.usage),
+                         lambda done: dict(enc.chat_completion(req.id, req.model, created, done, gen.usage),
+                                           timings=gen.timings()),
                          open_stream)
 
 
@@ -169,9 +173,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gen = await Generation.open(state, req, "openai_completions")
     created = int(time.time())
     include_usage = bool((b.stream_options or {}).get("include_usage"))
+    def open_stream():
+        s = enc.CompletionStream(req.id, req.model, created, include_usage)
+        s.timings, (s.timings_per_token, _) = gen.timings, llama_chat.stream_extensions(b)
+        return s, []
     return await respond(request, gen, b.stream,
-                         lambda done: enc.text_completion(req.id, req.model, created, done, gen.usage),
-                         lambda: (enc.CompletionStream(req.id, req.model, created, include_usage), []))
+                         lambda done: dict(enc.text_completion(req.id, req.model, created, done, gen.usage),
+                                           timings=gen.timings()),
+                         open_stream)
 
 
 async def models(request: web.Request) -> web.Response:

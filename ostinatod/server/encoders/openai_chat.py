@@ -7,7 +7,7 @@ and :class:`CompletionStream` turn engine events into ``chat.completion.chunk`` 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ...engine.types import EngineEvent
 from . import DONE_SENTINEL, PING_COMMENT, Frame, IdFactory, new_id
@@ -102,6 +102,15 @@ class _Stream:
         self.rid, self.model, self.created, self.include_usage = rid, model, created, include_usage
         self.lp_pending: Optional[list[dict[str, Any]]] = None  # logprob entries not yet sent
         self.lp_sent = 0
+        # llama-server's extensions: ``timings`` (a function giving them) on the last chunk, and
+        # with ``timings_per_token`` on every delta chunk; ``prompt_progress`` chunks while the
+        # prompt is prefilled with ``return_progress``
+        self.timings: Optional[Callable[[], dict[str, Any]]] = None
+        self.timings_per_token = False
+        self.return_progress = False
+
+    def _empty_chunk(self) -> Frame:
+        raise NotImplementedError
 
     def _take_logprobs(self) -> Optional[list[dict[str, Any]]]:
         """The logprob entries for the next chunk (all received and not yet sent; None: the
@@ -123,10 +132,19 @@ class _Stream:
         """The frames of one engine event (``ping``, ``delta``, ``done`` or ``error``)."""
         if ev.type == "ping":
             return [PING_COMMENT]
+        if ev.type == "progress":
+            if not self.return_progress:
+                return []
+            f = self._empty_chunk()
+            f.data["prompt_progress"] = {k: ev.data.get(k) for k in ("total", "cache", "processed", "time_ms")}
+            return [f]
         if ev.type == "delta":
             if "logprobs" in ev.data:
                 self.lp_pending = (self.lp_pending or []) + ev.data["logprobs"]
-            return self._delta(ev.data)
+            out = self._delta(ev.data)
+            if self.timings_per_token and self.timings is not None and out and isinstance(out[-1].data, dict):
+                out[-1].data["timings"] = self.timings()
+            return out
         if ev.type == "done":
             if "logprobs" in ev.data:  # the done event's list is whole: what no delta carried
                 self.lp_pending = ev.data["logprobs"][self.lp_sent:]
@@ -134,6 +152,8 @@ class _Stream:
             if self.include_usage:
                 out.append(Frame({"id": self.rid, "object": self.object, "created": self.created,
                                   "model": self.model, "choices": [], "usage": usage(u)}))
+            if self.timings is not None and out and isinstance(out[-1].data, dict):
+                out[-1].data["timings"] = self.timings()
             return out
         if ev.type == "error":
             return [Frame(error_payload(ev.data))]
@@ -167,6 +187,9 @@ class ChatStream(_Stream):
 
     def start(self) -> list[Frame]:
         return [self._chunk({"role": "assistant", "content": ""})]
+
+    def _empty_chunk(self) -> Frame:
+        return self._chunk({})
 
     def _delta(self, d: dict[str, Any]) -> list[Frame]:
         out = []
@@ -215,6 +238,9 @@ class CompletionStream(_Stream):
 
     def _delta(self, d: dict[str, Any]) -> list[Frame]:
         return [self._chunk(d["content"])] if d.get("content") else []
+
+    def _empty_chunk(self) -> Frame:
+        return self._chunk("")
 
     def _finish(self, done: dict[str, Any]) -> list[Frame]:
         return [self._chunk("", done.get("finish_reason") or "stop")]
