@@ -90,7 +90,10 @@ class Settings(BaseSettings):
                                         "llama-server's --cache-ram). Unset: 1/8 of the RAM, at most "
                                         "8192; 0: off.")
     n_batch: int = Field(2048, ge=32, le=65536, description="Logical batch size for prefill (tokens).")
-    n_ubatch: int = Field(512, ge=32, le=65536, description="Physical batch (ubatch) size for prefill (tokens).")
+    n_ubatch: int = Field(0, ge=0, le=65536, description="Physical batch (ubatch) size for prefill (tokens): the "
+                          "tokens of one forward pass. 0: chosen at load: with an expert pool on a GPU the largest "
+                          "of 512-4096 (up to n_batch) whose compute buffers fit beside the KV cache, since every "
+                          "pass uploads its cold experts once; else 512.")
     n_threads: Optional[int] = Field(None, ge=1, description="CPU threads for the CPU branch and "
                                      "host-side compute (default: one per CPU of cpu_set's choice).")
     cpu_set: Optional[str] = Field(None, description="CPUs of the engine worker: a Linux cpulist "

@@ -29,12 +29,12 @@ def _opts(cmd: list[str]) -> dict[str, str]:
 
 def test_command_line_keeps_every_expert_in_pinned_host_memory_with_the_pools_cache():
     cmd = mc.moe_cache_server_command(Path("/x/llama-server"), Path("/m.gguf"), 18555, 7301, 12, 32768,
-                                      "--moe-cache-cpu-share  0.5")
+                                      "--moe-cache-cpu-share  0.5", batch=["-b", "4096", "-ub", "4096"])
     assert cmd[0] == "/x/llama-server"
     opts = _opts(cmd)
     assert opts["-m"] == "/m.gguf" and opts["--host"] == "127.0.0.1" and opts["--port"] == "18555"
     assert opts["-c"] == "65536" and opts["-np"] == "2" and opts["-ngl"] == "999"
-    assert opts["-t"] == "12" and opts["-tb"] == "12" and opts["-b"] == "2048" and opts["-ub"] == "512"
+    assert opts["-t"] == "12" and opts["-tb"] == "12" and opts["-b"] == "4096" and opts["-ub"] == "4096"
     assert opts["--cache-reuse"] == "0" and "--jinja" in cmd
     # every expert in host memory (-cmoe), read into the pinned host buffer (-lm none), the cache on the GPU
     assert "-cmoe" in cmd and opts["--moe-cache-mib"] == "7301" and opts["-lm"] == "none"

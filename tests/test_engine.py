@@ -392,3 +392,21 @@ def test_deterministic_setting_one_sequence_per_pass_and_same_outputs(loop, tiny
         assert calls >= 4 * 12  # every generated token in a pass of its own: nothing batched across slots
     finally:
         loop.run_until_complete(eng.stop())
+
+
+def test_done_says_the_prefills_passes_and_ubatch(loop, tiny_model):
+    """The prefill's stats (issue 47 item 2): a prompt is prefilled in ceil(n / ubatch) forward
+    passes, the done event and the worker's stats say how many and at what ubatch."""
+    from ostinatod.engine.client import InProcessEngine
+
+    eng = InProcessEngine(_settings(n_batch=1024, n_ubatch=64, n_slots=1), tiny_model)
+    loop.run_until_complete(eng.start())
+    loop.run_until_complete(eng.wait_ready(600))
+    try:
+        d = done_of(run(loop, eng, req(prompt="word " * 150, max_tokens=1)))
+        n = d["usage"]["prefilled_tokens"]
+        assert d["prefill"] == {"passes": -(-n // 64), "ubatch": 64} and n > 128
+        st = loop.run_until_complete(eng.stats())
+        assert st["ubatch"] == {"tokens": 64, "reason": "set"}
+    finally:
+        loop.run_until_complete(eng.stop())

@@ -6,6 +6,7 @@
 #include "ostinato_engine.h"
 #include "ostinato_cpuffn.h"
 #include "ostinato_dot.h"
+#include "ostinato_gemm.h"
 
 #include "ggml-cpu.h"
 
@@ -261,6 +262,14 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         if (claims_list.empty()) throw std::runtime_error("claims must not be empty");
         for (int v : claims_list) if (v != 0 && v != 1) throw std::runtime_error("claims must be 0 or 1");
         struct claims_t { bool was; ~claims_t() { ost_ffn_set_claims(was); } } claims_restore{claims_was};
+        // the tiled experts' integer sums on AMX tiles (1, where the CPU has them) or AVX-512 VNNI (0),
+        // per row of the grid (ost_gemm_set_amx)
+        const bool amx_was = ost_gemm_set_amx(true);
+        ost_gemm_set_amx(amx_was);
+        const auto amx_list = a.value("amx", std::vector<int>{amx_was ? 1 : 0});
+        if (amx_list.empty()) throw std::runtime_error("amx must not be empty");
+        for (int v : amx_list) if (v != 0 && v != 1) throw std::runtime_error("amx must be 0 or 1");
+        struct amx_t { bool was; ~amx_t() { ost_gemm_set_amx(was); } } amx_restore{amx_was};
         const int prefetch_was = ost_ffn_prefetch_rows();
         struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
         // where the kernel reads the experts from, per row of the grid (place())
@@ -403,8 +412,9 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 f.down = in_mem(mem, f.down);
                 std::vector<float> ko((size_t) n_embd * k * n, 0.0f);
                 std::vector<uint8_t> ws;
-                for (int cl : claims_list) for (int rp : pairs_list) for (int sp : spins_list) for (int pfr : prefetch_list)
-                for (int nt : threads_list) {
+                for (int ax : amx_list) for (int cl : claims_list) for (int rp : pairs_list) for (int sp : spins_list)
+                for (int pfr : prefetch_list) for (int nt : threads_list) {
+                    ost_gemm_set_amx(ax != 0);
                     ost_ffn_set_claims(cl != 0);
                     ost_ffn_set_prefetch_rows(pfr);
                     ost_ffn_set_spins(sp);
@@ -412,10 +422,11 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                     // ggml is timed once per shape and thread count (the prefetch, the memory, the spins and the
                     // row pairs are the kernel's)
                     const bool time_ggml = with_ggml && pfr == prefetch_list.front() && mi == 0 && sp == spins_list.front() &&
-                                           cl == claims_list.front() &&
+                                           cl == claims_list.front() && ax == amx_list.front() &&
                                            rp == pairs_list.front();
                     json row{{"experts", n_used}, {"tokens", n}, {"threads", nt}, {"routes", (int64_t) n * std::min(k, E)},
                              {"prefetch_rows", pfr}, {"memory", mem.kind}, {"spins", sp}, {"row_pairs", rp}, {"claims", cl},
+                             {"amx", ax},
                              // with the software prefetch on, the kernel takes vec_dot row by row
                              {"row_pairs_isa", pfr > 0 ? std::string("off") : ost_dot_isa()},
                              {"row_pairs_types", pfr > 0 ? std::string() : ost_dot_types()},
@@ -440,9 +451,12 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                             if (r >= 2) { ts.push_back(now_ms() - t0); sts.push_back(st); }
                         }
                         ost_team_free(team);
-                        row["kernel"] = kernel_ran;   // false: an expert ggml-cpu would tile (>= 8 routes)
+                        row["kernel"] = kernel_ran;   // false: a tiled expert of a type ostinato_gemm.h does not serve
                         if (kernel_ran) {
                             const double ms = median(ts);
+                            // experts computed as ggml's tiled kernel does, on which instruction set
+                            row["tiled_experts"] = st.tiled_experts;
+                            row["tiled_isa"] = st.tiled_experts ? ost_gemm_isa() : std::string("off");
                             row["kernel_ms"] = ms;
                             row["kernel_gbps"] = st.bytes / ms / 1e6;
                             // median per phase over the runs (us): where the time goes

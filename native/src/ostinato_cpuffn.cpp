@@ -1,6 +1,7 @@
 // The CPU branch's own kernel and thread team: see ostinato_cpuffn.h.
 #include "ostinato_cpuffn.h"
 #include "ostinato_dot.h"
+#include "ostinato_gemm.h"
 
 #include "ggml-cpu.h"
 
@@ -60,6 +61,14 @@ bool tiled_type(ggml_type t) {
 int tiled_min_rows() {
     const char * force = getenv("GGML_CPU_TILED_MM_FORCE");
     return force && atoi(force) == 1 ? 1 : TILED_MIN_ROWS;
+}
+
+// Routes of one expert from which ggml-cpu computes a tensor of type t with its tiled kernel
+// (INT32_MAX: never; GGML_CPU_TILED_MM=0 turns that kernel off)
+int32_t tiled_rows_of(ggml_type t) {
+    const char * off = getenv("GGML_CPU_TILED_MM");
+    if ((off && atoi(off) == 0) || !tiled_type(t)) return INT32_MAX;
+    return tiled_min_rows();
 }
 
 }  // namespace
@@ -289,6 +298,10 @@ struct route_t { int32_t t, j; };
 struct group_t {
     int32_t e = 0;
     int32_t r0 = 0, nr = 0;     // its routes: routes[r0 .. r0 + nr)
+    // as many routes as ggml-cpu's tiled kernel takes for the gate/up or down tensors' type: those
+    // rows go to ost_gemm_rows over the group's packed activations (offsets into the scratch)
+    bool gu_tiled = false, down_tiled = false;
+    size_t gu_pack = 0, down_pack = 0;
 };
 
 // Work of one run, laid out in the caller's scratch.
@@ -305,7 +318,11 @@ struct run_t {
     const char * xq = nullptr;
     size_t xq_row = 0;
     std::vector<int32_t> tok_slot;   // token -> row of xq
+    std::vector<int32_t> route_of;   // [n][k]: the route of (token, j), or -1
+    std::vector<int32_t> group_of;   // route -> its group
+    char * base = nullptr;           // the scratch (packs at their groups' offsets)
     ggml_type xt = GGML_TYPE_F32;    // the input rows' vec_dot type
+    bool any_tiled = false;          // some group is tiled (its activations are packed)
     bool xq_done = false;            // the input rows were quantised by prepare
     int64_t n_routes = 0;
     std::vector<int32_t> count, start;   // per expert: routes, next route's place
@@ -376,6 +393,20 @@ void tensor_rows(run_t & r, const group_t & g, int64_t row0, int64_t row1, bool 
     const ost_ffn & f = *r.f;
     const ggml_tensor * w = nullptr;
     const char * w0 = weight_row(f, g, row0, down, &w);
+    if (down ? g.down_tiled : g.gu_tiled) {
+        // every route of the group at once, as ggml-cpu's tiled kernel computes them
+        thread_local std::vector<float *> outs;
+        outs.resize((size_t) g.nr);
+        for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
+            const route_t & rt = r.routes[(size_t) q];
+            outs[(size_t) (q - g.r0)] = down ? r.job->out + ((int64_t) rt.t * r.job->k + rt.j) * f.n_embd + row0
+                                             : r.gu + (size_t) q * 2 * f.n_ff + row0;
+        }
+        const bool ok = ost_gemm_rows(w->type, (int) (down ? f.n_ff : f.n_embd), w0, w->nb[1], (int) (row1 - row0),
+                                      r.base + (down ? g.down_pack : g.gu_pack), g.nr, outs.data());
+        GGML_ASSERT(ok);   // prepare marks a group tiled only for a type ost_gemm_serves
+        return;
+    }
     if (pf == 0 && ost_dot_serves(w->type)) {
         for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
             const route_t & rt = r.routes[(size_t) q];
@@ -447,10 +478,22 @@ void swiglu_clamp_row(int n, float * y, const float * g, const float * u, float 
 }
 
 // Token t's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float).
+// Token t's quantised input row into the packs of its routes' tiled groups.
+void pack_item(run_t & r, int32_t t) {
+    const char * row = r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row;
+    for (int j = 0; j < r.job->k; ++j) {
+        const int32_t q = r.route_of[(size_t) t * r.job->k + j];
+        if (q < 0) continue;
+        const group_t & g = r.groups[(size_t) r.group_of[(size_t) q]];
+        if (g.gu_tiled) ost_gemm_pack_token(r.base + g.gu_pack, (int) r.f->n_embd, g.nr, q - g.r0, row);
+    }
+}
+
 void quant_item(run_t & r, int32_t t) {
     if (r.tok_slot[(size_t) t] < 0) return;
     ggml_get_type_traits_cpu(r.xt)->from_float(r.job->cur + (int64_t) t * r.job->cur_stride,
                                                (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), r.f->n_embd);
+    if (r.any_tiled) pack_item(r, t);
 }
 
 // Route q's activation over its whole row, as ggml's GLU op computes it, then its quantisation for
@@ -467,6 +510,10 @@ void act_item(run_t & r, size_t q) {
     }
     ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(f.down->type)->vec_dot_type)->from_float(
         act.data(), r.actq + q * r.actq_row, f.n_ff);
+    if (r.any_tiled) {
+        const group_t & g = r.groups[(size_t) r.group_of[q]];
+        if (g.down_tiled) ost_gemm_pack_token(r.base + g.down_pack, (int) f.n_ff, g.nr, (int) q - g.r0, r.actq + q * r.actq_row);
+    }
 }
 
 // Phases of one run on nth threads (ith of them): the input rows quantised (when not done by
@@ -526,26 +573,49 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
         *empty = true;
         return true;
     }
-    const int32_t min_rows = job.force ? INT32_MAX
-                                       : ost_ffn_tiled_rows(f.up->type, f.gate ? f.gate->type : f.up->type, f.down->type);
+    // From these many routes of one expert ggml-cpu computes a tensor of the types it tiles with its
+    // tiled kernel: such tensors go to ost_gemm_rows, which computes what that kernel does, where it
+    // serves the type; else the caller runs ggml's graph (with job.force: vec_dot all the same)
+    const int32_t gu_min = tiled_rows_of(f.up->type), dn_min = tiled_rows_of(f.down->type);
     int32_t at = 0;
+    r.any_tiled = false;
     r.start.assign((size_t) f.n_expert, -1);
     for (int32_t e = 0; e < f.n_expert; ++e) {
-        if (!r.count[(size_t) e]) continue;
-        if (r.count[(size_t) e] >= min_rows) return false;
-        r.groups.push_back(group_t{ e, at, r.count[(size_t) e] });
+        const int32_t n = r.count[(size_t) e];
+        if (!n) continue;
+        group_t g{ e, at, n };
+        if (n >= gu_min) {
+            g.gu_tiled = ost_gemm_serves(f.up->type);
+            if (!g.gu_tiled && !job.force) return false;
+        }
+        if (n >= dn_min) {
+            g.down_tiled = ost_gemm_serves(f.down->type);
+            if (!g.down_tiled && !job.force) return false;
+        }
+        r.any_tiled = r.any_tiled || g.gu_tiled || g.down_tiled;
+        r.groups.push_back(g);
         r.start[(size_t) e] = at;
-        at += r.count[(size_t) e];
+        at += n;
     }
     r.routes.resize((size_t) n_routes);
     r.tok_slot.assign((size_t) job.n, -1);
+    r.route_of.assign((size_t) job.n * job.k, -1);
     int32_t n_tok = 0;
     for (int32_t t = 0; t < job.n; ++t) {
         for (int32_t j = 0; j < job.k; ++j) {
             const int32_t e = job.ids[(int64_t) t * job.k + j];
             if (e < 0 || e >= f.n_expert) continue;
-            r.routes[(size_t) r.start[(size_t) e]++] = route_t{ t, j };
+            const int32_t q = r.start[(size_t) e]++;
+            r.routes[(size_t) q] = route_t{ t, j };
+            r.route_of[(size_t) t * job.k + j] = q;
             if (r.tok_slot[(size_t) t] < 0) r.tok_slot[(size_t) t] = n_tok++;
+        }
+    }
+    if (r.any_tiled) {
+        r.group_of.resize((size_t) n_routes);
+        for (size_t gi = 0; gi < r.groups.size(); ++gi) {
+            const group_t & g = r.groups[gi];
+            for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) r.group_of[(size_t) q] = (int32_t) gi;
         }
     }
     // scratch: quantised input rows, gate/up rows, quantised activation rows
@@ -556,12 +626,23 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
     auto pad = [](size_t x) { return (x + 63) & ~size_t(63); };
     const size_t o_gu = pad((size_t) n_tok * r.xq_row);
     const size_t o_act = o_gu + pad((size_t) n_routes * 2 * f.n_ff * sizeof(float));
-    const size_t size = o_act + pad((size_t) n_routes * r.actq_row) + 64;
+    size_t size = o_act + pad((size_t) n_routes * r.actq_row);
+    // the tiled groups' packed activations (ostinato_gemm.h): the input rows', the down rows'
+    for (group_t & g : r.groups) {
+        if (g.gu_tiled) { g.gu_pack = size; size += pad(ost_gemm_pack_bytes((int) f.n_embd, g.nr)); }
+        if (g.down_tiled) { g.down_pack = size; size += pad(ost_gemm_pack_bytes((int) f.n_ff, g.nr)); }
+    }
+    size += 64;
     if (ws.size() < size) ws.resize(size);
     char * base = (char *) (((uintptr_t) ws.data() + 63) & ~uintptr_t(63));
+    r.base = base;
     r.xq = base;
     r.gu = (float *) (base + o_gu);
     r.actq = base + o_act;
+    for (const group_t & g : r.groups) {
+        if (g.gu_tiled) ost_gemm_pack_pad(base + g.gu_pack, (int) f.n_embd, g.nr);
+        if (g.down_tiled) ost_gemm_pack_pad(base + g.down_pack, (int) f.n_ff, g.nr);
+    }
     // one token (a decode step) is quantised here; more are spread over the threads
     r.xq_done = n_tok == 1 || nth == 1;
     if (r.xq_done) {
@@ -570,6 +651,7 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
             if (r.tok_slot[(size_t) t] < 0) continue;
             from_float(job.cur + (int64_t) t * job.cur_stride,
                        (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), f.n_embd);
+            if (r.any_tiled) pack_item(r, t);
         }
     }
     // chunks of about CHUNK_BYTES of weight rows (gate/up rows are n_embd long, down rows n_ff)
@@ -577,6 +659,10 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
     // an even number of rows: the row-pair dot products pair a chunk's rows
     r.chunk1 = std::max<int64_t>(2, (CHUNK_BYTES / (int64_t) gw->nb[1]) & ~(int64_t) 1);
     r.chunk3 = std::max<int64_t>(2, (CHUNK_BYTES / (int64_t) f.down->nb[1]) & ~(int64_t) 1);
+    if (r.any_tiled) {   // ost_gemm_rows takes rows 16 at a time
+        r.chunk1 = std::max<int64_t>(16, r.chunk1 / 16 * 16);
+        r.chunk3 = std::max<int64_t>(16, r.chunk3 / 16 * 16);
+    }
     r.per1 = (2 * f.n_ff + r.chunk1 - 1) / r.chunk1;
     r.per3 = (f.n_embd + r.chunk3 - 1) / r.chunk3;
     r.next1.store(0, std::memory_order_relaxed);
@@ -590,6 +676,7 @@ void fill_stats(const run_t & r, bool empty, ost_ffn_stats * st) {
     if (empty) return;
     st->experts = (int64_t) r.groups.size();
     st->routes = r.n_routes;
+    st->tiled_experts = std::count_if(r.groups.begin(), r.groups.end(), [](const group_t & g) { return g.gu_tiled || g.down_tiled; });
     st->bytes = (int64_t) r.groups.size() * r.f->expert_bytes;
 }
 
@@ -873,7 +960,10 @@ int ost_ffn_spins() { return g_spins.load(); }
 int ost_ffn_prefetch_rows() { return g_prefetch_rows.load(); }
 
 int32_t ost_ffn_tiled_rows(ggml_type up, ggml_type gate, ggml_type down) {
-    const char * off = getenv("GGML_CPU_TILED_MM");
-    if (off && atoi(off) == 0) return INT32_MAX;
-    return tiled_type(up) || tiled_type(gate) || tiled_type(down) ? tiled_min_rows() : INT32_MAX;
+    // a type ost_gemm_rows serves is computed as ggml's tiled kernel computes it, from any count
+    int32_t cap = INT32_MAX;
+    for (ggml_type t : {up, gate, down}) {
+        if (!ost_gemm_serves(t)) cap = std::min(cap, tiled_rows_of(t));
+    }
+    return cap;
 }

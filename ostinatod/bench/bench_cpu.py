@@ -23,6 +23,9 @@ after each phase (setting ``cpu_branch_claims``); ``--row-pairs 0,1,2`` runs the
 row-pair dot products in AVX2 and in AVX-512 (setting ``cpu_branch_row_pairs``); ``--swiglu-limit L``
 computes the experts' activation as ggml's clamped SwiGLU with that limit (deepseek4's experts; 0, the
 default: plain SwiGLU), the rows then saying what share of the activation's inputs the clamp changed.
+Experts of a K-quant type with 8 or more tokens are computed as ggml-cpu's tiled kernel computes them,
+all tokens at once (``tiled``: how many, on AMX or AVX-512 VNNI); ``--amx 1,0`` runs them on AMX tiles and
+on AVX-512 VNNI. ``--tokens`` defaults to 1, 8, 32 and 64 tokens per pass.
 See docs/engine.md, "CPU branch kernel".
 """
 
@@ -70,13 +73,13 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     fits = []
     def key(r: dict[str, Any]) -> tuple:
         return int(r["tokens"]), int(r["threads"]), int(r.get("prefetch_rows", 0)), r.get("memory", "model"), \
-            int(r.get("spins", 0)), int(r.get("row_pairs", 0)), int(r.get("claims", 1))
+            int(r.get("spins", 0)), int(r.get("row_pairs", 0)), int(r.get("claims", 1)), int(r.get("amx", 1))
 
     for k in sorted({key(r) for r in result.get("rows", [])}):
         f = fit_cpu_bandwidth([r for r in result["rows"] if key(r) == k])
         if f:
-            n, t, pf, mem, sp, rp, cl = k
-            f.update(tokens=n, threads=t, prefetch_rows=pf, memory=mem, spins=sp, row_pairs=rp, claims=cl,
+            n, t, pf, mem, sp, rp, cl, ax = k
+            f.update(tokens=n, threads=t, prefetch_rows=pf, memory=mem, spins=sp, row_pairs=rp, claims=cl, amx=ax,
                      host_read_gbps=bw.get(t))
             fits.append(f)
     result["fits"] = fits
@@ -129,8 +132,8 @@ PHASES = ("prepare", "wake", "quant", "gate_up", "act", "down", "idle")
 def table(results: Sequence[dict[str, Any]]) -> str:
     """Markdown tables of the results (rows, then the fits, where the kernel's time went, and the
     memory kinds' read bandwidth and page sizes)."""
-    lines = ["| model | types | E | n | T | pf | mem | spins | team | pairs | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | types | E | n | T | pf | mem | spins | team | pairs | tiled | MB | kernel ms | GB/s | of read bw | ggml ms | GB/s | x ggml | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         name = Path(res["model"]).name
         types = f"{res['type_up']}/{res['type_down']}"
@@ -139,7 +142,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
                 v = r.get(key)
                 return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
             lines.append(f"| {name} | {types} | {r['experts']} | {r['tokens']} | {r['threads']} | "
-                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {_team(r)} | {r.get('row_pairs_isa', r.get('row_pairs', '–'))} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
+                         f"{r.get('prefetch_rows', 0)} | {r.get('memory', 'model')} | {r.get('spins', '–')} | {_team(r)} | {r.get('row_pairs_isa', r.get('row_pairs', '–'))} | {_tiled(r)} | {r['bytes'] / 1e6:.1f} | {f('kernel_ms', '.3f')} | {f('kernel_gbps', '.1f')} | "
                          f"{f('kernel_share_of_read_bw', '.0%')} | {f('ggml_ms', '.3f')} | {f('ggml_gbps', '.1f')} | "
                          f"{f('speedup_vs_ggml', '.2f')} | {r.get('bitwise_equal', '–')} |")
     lines += ["", "| model | n | T | pf | mem | spins | team | pairs | alpha us | bw GB/s | host read GB/s | bw / read |",
@@ -180,6 +183,12 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _tiled(r: dict[str, Any]) -> str:
+    """Experts of a row computed as ggml's tiled kernel does, and on what (native/src/ostinato_gemm.h)."""
+    n = r.get("tiled_experts")
+    return f"{n} {r.get('tiled_isa', '')}".strip() if n else "–"
+
+
 def _team(r: dict[str, Any]) -> str:
     """How the kernel's team took the work in a row or fit: claims (1, the default) or barriers (0)."""
     return "claims" if int(r.get("claims", 1)) else "barriers"
@@ -199,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="qwen3moe")
     ap.add_argument("--layer", type=int, default=-1, help="MoE layer (default: the first)")
     ap.add_argument("--experts", type=_ints, default=[1, 2, 4, 8], help="distinct experts per layer")
-    ap.add_argument("--tokens", type=_ints, default=[1], help="tokens per pass (1: decode)")
+    ap.add_argument("--tokens", type=_ints, default=[1, 8, 32, 64], help="tokens per pass (1: a decode step; "
+                    "more: each expert's share of a prefill)")
     ap.add_argument("--threads", type=_ints, default=None, help="thread counts (default: 1, half and "
                     "all of the engine's cores)")
     ap.add_argument("--prefetch-rows", type=_rows, default=None, help="the kernel's software prefetch "
@@ -215,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--row-pairs", type=_rows, default=None, help="the kernel's dot products: 0 ggml-cpu's "
                     "vec_dot row by row, 1 row pairs in AVX2, 2 in AVX-512; e.g. 0,1,2 runs all three "
                     "(default: the engine's, 0)")
+    ap.add_argument("--amx", type=_rows, default=None, help="where the tiled experts' integer sums run: 1 on "
+                    "AMX tiles (where the CPU has them), 0 on AVX-512 VNNI; e.g. 1,0 runs both (default: 1)")
     ap.add_argument("--swiglu-limit", type=float, default=0.0, help="the experts' activation as ggml's "
                     "clamped SwiGLU with this limit, as deepseek4's experts compute it (0: plain SwiGLU)")
     ap.add_argument("--reps", type=int, default=10)
@@ -268,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             args["claims"] = a.claims
         if a.row_pairs:
             args["row_pairs"] = a.row_pairs
+        if a.amx is not None:
+            args["amx"] = a.amx
         if a.swiglu_limit:
             args["swiglu_limit"] = a.swiglu_limit
         results = run(models, args)

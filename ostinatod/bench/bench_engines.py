@@ -99,8 +99,8 @@ from .bench_common import (CHOICES, ENGINES, IK, LIMIT, MOE_CACHE, ONE_GPU, VARI
                            variant_settings)
 from .bench_fit import Estimator, limit_fit
 from .bench_ik import start_ik_server
-from .bench_launch import (StepRecorder, expert_stats, llama_server_binary, replay, start_daemon,
-                           start_llama_server)
+from .bench_launch import (PEER_UBATCH, StepRecorder, expert_stats, llama_server_binary, replay,
+                           start_daemon, start_llama_server)
 from .bench_moe_cache import cache_figures, start_moe_cache_server
 from .bench_prepare import collect_dev_traces, one_gpu_plan, plan, prepare_model, select_sessions
 from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown,
@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, help="CPU threads (default: physical cores)")
     ap.add_argument("--prefill-threshold", type=int, help="Np for Ostinato (default: calibration "
                     "or 512)")
+    ap.add_argument("--ubatch", type=int, default=0, help="prefill ubatch of Ostinato (default 0: its "
+                    "automatic choice); every other engine runs at the ubatch Ostinato ran at (2048 for "
+                    "one that runs before it), so their prefill passes are the same size")
     ap.add_argument("--name", help="result name (default <UTC date>-engines-<shape>-L<layers>, the "
                     "stored runs' naming)")
     ap.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks/runs"))
@@ -311,14 +314,17 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
             elif name == MOE_CACHE:   # the same: a note when its binary is not named
                 srv = start_moe_cache_server(model, stock["pool_bytes"], run_dir, a)
             else:
-                st = {"ostinato": {"experts": "ostinato", "residency": plans[frac][1]},
+                st = {"ostinato": {"experts": "ostinato", "residency": plans[frac][1], "n_ubatch": a.ubatch},
                       ONE_GPU: {"experts": "ostinato",
                                 "residency": one[1] if one else None},
                       LIMIT: {"experts": "stock", "n_cpu_moe": 0, "n_gpu_layers": -1},
                       "stock-layers": {"experts": "stock", "n_cpu_moe": stock["n_cpu_moe"]},
                       "stock-cpu": {"experts": "stock", "n_cpu_moe": block["n_layer"]},
-                      **{v: {"experts": "ostinato", "residency": plans[frac][1], **variant_settings(v)}
+                      **{v: {"experts": "ostinato", "residency": plans[frac][1], "n_ubatch": a.ubatch,
+                             **variant_settings(v)}
                          for v in VARIANTS if v == name}}[name]
+                if name in (LIMIT, "stock-layers", "stock-cpu"):
+                    st["n_ubatch"] = peer_ubatch(a)
                 srv = start_daemon(key, model, st, run_dir,
                                    argparse.Namespace(**{**vars(a), "gpus": "1"}) if name == ONE_GPU else a)
         except BenchError as e:
@@ -355,6 +361,10 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
             if name in ("ostinato", ONE_GPU) or name in VARIANTS:
                 ex = expert_stats(run_dir / f"home-{key}")
                 m["expert_stats"] = ex
+                ub = (ex.get("ubatch") or {}).get("tokens")
+                if name == "ostinato" and ub:   # the ubatch every later engine runs at
+                    a.peer_ubatch = int(ub)
+                m["ubatch"] = ex.get("ubatch")
                 m["hot_route_share"] = ex.get("hot_route_share")
                 m["step_breakdown"] = summarize_breakdown(rec.rows, turns)
                 m["step_breakdown"]["decode_timeline"] = timeline_summary(ex.get("decode_timeline"))
@@ -371,6 +381,9 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 m["hot_route_share"] = 0.0 if name == "stock-cpu" else stock["hot_route_share"]
             if name in ("llama-server", IK, MOE_CACHE):
                 m["server_command"] = srv.cmd
+            if name not in ("ostinato", ONE_GPU) and name not in VARIANTS:
+                m["ubatch"] = {"tokens": peer_ubatch(a), "reason": "Ostinato's" if getattr(a, "peer_ubatch", 0)
+                               else "before Ostinato ran"}
             if name == "ostinato":
                 sweep_runs[frac] = m
                 if frac == a.budget_frac:
@@ -396,6 +409,11 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     out = assemble()
     out["total_s"] = round(time.monotonic() - t_start, 1)
     return out
+
+
+def peer_ubatch(a: argparse.Namespace) -> int:
+    """The ubatch of an engine other than Ostinato: the one Ostinato ran at, once it has run."""
+    return int(getattr(a, "peer_ubatch", 0) or PEER_UBATCH)
 
 
 def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stock, results, sweep,

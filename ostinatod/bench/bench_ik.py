@@ -28,7 +28,7 @@ import argparse
 import os
 import shlex
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from .bench_common import IK, BenchError
 
@@ -69,14 +69,15 @@ def expert_override(n_cpu_moe: int) -> Optional[str]:
 
 
 def ik_server_command(binary: Path, model: Path, port: int, n_cpu_moe: int, threads: int,
-                      n_ctx: int, extra: str = "", trace_log: Optional[Path] = None) -> list[str]:
+                      n_ctx: int, extra: str = "", trace_log: Optional[Path] = None,
+                      batch: Sequence[str] = ("-b", "2048", "-ub", "512")) -> list[str]:
     """The command line of ``ik-llama-server`` (see the module docstring): 2 slots of ``n_ctx``
     tokens each, ``threads`` for decode and batch, ``extra`` (shell words) appended. Its trace log
     goes to ``trace_log`` + ".log" (``--log-file``; without it the server writes ``llama.log`` in
     its working directory, i.e. wherever the bench was started)."""
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-c", str(n_ctx * 2), "-np", "2", "-ngl", "999", "-fa", "on",
-           "-t", str(threads), "-tb", str(threads), "--jinja", "-b", "2048", "-ub", "512"]
+           "-t", str(threads), "-tb", str(threads), "--jinja", *batch]
     if trace_log is not None:
         cmd += ["--log-file", str(trace_log)]
     ot = expert_override(n_cpu_moe)
@@ -88,12 +89,13 @@ def ik_server_command(binary: Path, model: Path, port: int, n_cpu_moe: int, thre
 def start_ik_server(model: Path, n_cpu_moe: int, run_dir: Path, a: argparse.Namespace):
     """Start ``ik-llama-server`` on a free loopback port (a :class:`.bench_launch.Server`); its
     environment is ours without our llama.cpp's library path (it links its own ggml)."""
-    from .bench_launch import Server, free_port, gpu_env, server_placement
+    from .bench_launch import Server, free_port, gpu_env, peer_batch_flags, server_placement
 
     binary = ik_server_binary()
     threads, cpus = server_placement(a)
     port = free_port()
     cmd = ik_server_command(binary, model, port, n_cpu_moe, threads, a.n_ctx,
-                            os.environ.get(IK_ARGS_ENV, ""), trace_log=run_dir / f"{IK}-trace")
+                            os.environ.get(IK_ARGS_ENV, ""), trace_log=run_dir / f"{IK}-trace",
+                            batch=peer_batch_flags(a))
     return Server(IK, cmd, gpu_env(a, dict(os.environ)), run_dir / f"{IK}.log",
                   url=f"http://127.0.0.1:{port}", cpus=cpus)

@@ -230,15 +230,28 @@ def server_placement(a: argparse.Namespace) -> tuple[int, Optional[list[int]]]:
     return a.threads or default_threads(cpu_set), place["cpus"] if place["pin"] else None
 
 
+def peer_batch_flags(a: argparse.Namespace) -> list[str]:
+    """``-b``/``-ub`` of a server engine: the ubatch Ostinato ran at (``a.peer_ubatch``, set by
+    ``bench engines`` after its run; :data:`PEER_UBATCH` before), so every engine's prefill passes
+    are the same size."""
+    ub = int(getattr(a, "peer_ubatch", 0) or PEER_UBATCH)
+    return ["-b", str(max(2048, ub)), "-ub", str(ub)]
+
+
+#: the ubatch of engines that run before Ostinato has chosen one (its automatic choice where the
+#: memory allows: ostinatod/engine/prefill_plan.py)
+PEER_UBATCH = 2048
+
+
 def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
                        a: argparse.Namespace) -> Server:
     """Stock llama-server: all layers on the GPU except the experts of the first n_cpu_moe layers;
-    threads and CPUs of :func:`server_placement`."""
+    threads and CPUs of :func:`server_placement`; the batch flags of :func:`peer_batch_flags`."""
     port = free_port()
     threads, cpus = server_placement(a)
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-c", str(a.n_ctx * 2), "-np", "2", "-ngl", "999", "--n-cpu-moe", str(n_cpu_moe),
-           "-t", str(threads), "-tb", str(threads), "--jinja", "-b", "2048", "-ub", "512",
+           "-t", str(threads), "-tb", str(threads), "--jinja", *peer_batch_flags(a),
            "--cache-reuse", "0"]
     env = gpu_env(a, dict(os.environ))
     try:
@@ -321,7 +334,8 @@ def expert_stats(home: Path) -> dict[str, Any]:
             "cold_routes": ex.get("cold_routes", eng.get("cold_routes")),
             "upload_bytes": eng.get("upload_bytes"), "prefill_threshold": eng.get("prefill_threshold"),
             "prefill": eng.get("prefill"), "decode_graph": eng.get("decode_graph"),
-            "decode_graph_steps": eng.get("decode_graph_steps"), "decode_timeline": eng.get("decode_timeline")}
+            "decode_graph_steps": eng.get("decode_graph_steps"), "decode_timeline": eng.get("decode_timeline"),
+            "ubatch": (snap.get("engine") or {}).get("ubatch")}
 
 
 class StepRecorder:

@@ -15,7 +15,8 @@ memory, a pool of them on the GPU). The bench starts it at Ostinato's GPU expert
   GPU's pinned host buffer (upstream's docs/moe-cache.md: the device uploads pinned experts at the
   full speed of the link; mapped ones are not pinned);
 - the rest as ``llama-server``: 2 slots of ``--n-ctx`` tokens, the same threads and CPUs
-  (:func:`.bench_launch.server_placement`), ``--jinja``, ``-b 2048 -ub 512``, ``--cache-reuse 0``.
+  (:func:`.bench_launch.server_placement`), ``--jinja``, the ubatch Ostinato ran at
+  (:func:`.bench_launch.peer_batch_flags`), ``--cache-reuse 0``.
 
 ``--moe-cache-cpu-share`` (the CPU computes a share of the misses) came later upstream than the
 newest llama.cpp source a package registry carries (:data:`MOE_CACHE_SDIST`), so it is not passed;
@@ -34,7 +35,7 @@ import os
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .bench_common import MOE_CACHE, BenchError
 
@@ -78,14 +79,15 @@ def cache_mib(pool_bytes: int) -> int:
 
 
 def moe_cache_server_command(binary: Path, model: Path, port: int, mib: int, threads: int,
-                             n_ctx: int, extra: str = "") -> list[str]:
+                             n_ctx: int, extra: str = "",
+                             batch: Sequence[str] = ("-b", "2048", "-ub", "2048")) -> list[str]:
     """The command line of ``llama-server-moe-cache`` (see the module docstring): every expert in
     pinned host memory, a ``mib`` MiB MoE cache on the GPU, 2 slots of ``n_ctx`` tokens each,
-    ``threads`` for decode and batch, ``extra`` (shell words) appended."""
+    ``threads`` for decode and batch, the ``batch`` flags, ``extra`` (shell words) appended."""
     return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
             "-c", str(n_ctx * 2), "-np", "2", "-ngl", "999", "-cmoe", "--moe-cache-mib", str(mib),
-            "-lm", "none", "-t", str(threads), "-tb", str(threads), "--jinja", "-b", "2048",
-            "-ub", "512", "--cache-reuse", "0"] + shlex.split(extra)
+            "-lm", "none", "-t", str(threads), "-tb", str(threads), "--jinja", *batch,
+            "--cache-reuse", "0"] + shlex.split(extra)
 
 
 def cache_figures(log: str) -> dict[str, Any]:
@@ -113,12 +115,12 @@ def start_moe_cache_server(model: Path, pool_bytes: int, run_dir: Path, a: argpa
     """Start ``llama-server-moe-cache`` on a free loopback port (a :class:`.bench_launch.Server`)
     with a MoE cache of ``pool_bytes`` (Ostinato's pool); its environment is ours without our
     llama.cpp's library path (it links its own ggml)."""
-    from .bench_launch import Server, free_port, gpu_env, server_placement
+    from .bench_launch import Server, free_port, gpu_env, peer_batch_flags, server_placement
 
     binary = moe_cache_server_binary()
     threads, cpus = server_placement(a)
     port = free_port()
     cmd = moe_cache_server_command(binary, model, port, cache_mib(pool_bytes), threads, a.n_ctx,
-                                   os.environ.get(MOE_CACHE_ARGS_ENV, ""))
+                                   os.environ.get(MOE_CACHE_ARGS_ENV, ""), batch=peer_batch_flags(a))
     return Server(MOE_CACHE, cmd, gpu_env(a, dict(os.environ)), run_dir / f"{MOE_CACHE}.log",
                   url=f"http://127.0.0.1:{port}", cpus=cpus)

@@ -26,6 +26,8 @@ class ContextFit:
     n_ctx: int
     asked: int
     reason: Optional[str] = None
+    #: memory still free after the KV cache and the reserve (None: unknown)
+    left_bytes: Optional[int] = None
 
 
 def fit_context(asked: int, n_ctx_train: int, n_slots: int, kv_bytes_per_token: int,
@@ -44,14 +46,15 @@ def fit_context(asked: int, n_ctx_train: int, n_slots: int, kv_bytes_per_token: 
     want = min(int(asked), int(n_ctx_train)) if n_ctx_train and n_ctx_train > 0 else int(asked)
     per_ctx_token = max(0, int(kv_bytes_per_token)) * max(1, int(n_slots))
     if free_bytes is None or per_ctx_token == 0:
-        return ContextFit(want, int(asked))
+        left = None if free_bytes is None else int(free_bytes) - int(reserve_bytes)
+        return ContextFit(want, int(asked), None, left)
     room = int(free_bytes) - int(reserve_bytes)
     if want * per_ctx_token <= room:
-        return ContextFit(want, int(asked))
+        return ContextFit(want, int(asked), None, room - want * per_ctx_token)
     fit = max(0, room) // per_ctx_token // CONTEXT_STEP * CONTEXT_STEP
     n = max(min(MIN_FIT_CONTEXT, want), fit)
     reason = (f"the KV cache of {n_slots} slot(s) x {want} tokens needs "
               f"{want * per_ctx_token // MiB} MiB and {max(0, room) // MiB} MiB of {where} is free for it "
               f"after the model and its expert pool ({int(reserve_bytes) // MiB} MiB kept for compute "
               "buffers and margin)")
-    return ContextFit(n, int(asked), reason)
+    return ContextFit(n, int(asked), reason, max(0, room - n * per_ctx_token))

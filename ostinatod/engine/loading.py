@@ -21,6 +21,7 @@ from ..settings import Settings
 from . import native
 from .context_fit import ContextFit, fit_context
 from .native import ExpertEngineError
+from .prefill_plan import SMALL_UBATCH, UbatchChoice, choose_ubatch
 from .types import EngineError
 
 log = logging.getLogger("ostinatod.engine")
@@ -43,7 +44,8 @@ class Loaded:
     """What :func:`load_model` made: llama.cpp's ``model``, ``ctx``, ``mem`` and ``vocab``, the
     expert runtime ``rt`` (None: stock placement), the ``templates``, the file's ``gguf``
     description, the context per slot ``n_ctx_slot`` and the ``n_slots``; ``n_ctx_reason`` says why
-    the context is below the ``n_ctx`` setting for lack of memory (None: it is not)."""
+    the context is below the ``n_ctx`` setting for lack of memory (None: it is not); ``ubatch`` the
+    context's ubatch and why (:mod:`.prefill_plan`)."""
 
     gguf: ModelInfo
     model: Any
@@ -55,6 +57,7 @@ class Loaded:
     n_ctx_slot: int
     n_slots: int
     n_ctx_reason: Optional[str] = None
+    ubatch: Optional[UbatchChoice] = None
 
 
 _LOG_ERROR, _LOG_CONT = 4, 5  # ggml_log_level values (ggml.h; llama-cpp-python maps them off by one)
@@ -129,6 +132,28 @@ def _expert_runtime(settings: Settings, model_path: Path) -> Any:
         return None
 
 
+def compute_bytes(gguf: ModelInfo, n_ubatch: int) -> int:
+    """One forward pass's compute buffers at ``n_ubatch`` tokens (the planner's estimate)."""
+    from ..residency.planner import estimate_gpu_need
+
+    return int(estimate_gpu_need(gguf, [], 0, n_ubatch=n_ubatch, last=True)["compute"])
+
+
+def context_ubatch(settings: Settings, gguf: ModelInfo, rt: Any, fit: ContextFit, on_gpu: bool) -> UbatchChoice:
+    """The context's ubatch (:func:`.prefill_plan.choose_ubatch`): uploads to save where the expert
+    pool is on a GPU and holds fewer than all of the model's routed experts."""
+    uploads = False
+    if rt is not None and on_gpu and getattr(rt, "device", -1) >= 0:
+        total = sum(1 for b in gguf.expert_bytes if b) * gguf.n_expert
+        try:
+            hot = int(rt.info().get("hot_experts") or 0)
+        except Exception:  # the pool's layout is informative here, never fatal
+            hot = 0
+        uploads = hot < total
+    return choose_ubatch(settings.n_ubatch, settings.n_batch, uploads, fit.left_bytes,
+                         lambda u: compute_bytes(gguf, u))
+
+
 def served_context(settings: Settings, gguf: ModelInfo, n_ctx_train: int, n_slots: int, *,
                    on_gpu: bool) -> ContextFit:
     """The context per slot to serve (:func:`.context_fit.fit_context`), measured after the model
@@ -137,10 +162,9 @@ def served_context(settings: Settings, gguf: ModelInfo, n_ctx_train: int, n_slot
     host's available memory. Kept free: one ubatch's compute buffers
     (:func:`..residency.planner.estimate_gpu_need`'s figure) and the planner's margin, and on the
     host also the prefix cache's budget. NVML missing on a GPU build: the setting is served as is."""
-    from ..residency.planner import DEFAULT_MARGIN_MB, estimate_gpu_need
+    from ..residency.planner import DEFAULT_MARGIN_MB
 
-    reserve = (estimate_gpu_need(gguf, [], 0, n_ubatch=min(settings.n_ubatch, settings.n_batch),
-                                 last=True)["compute"] + DEFAULT_MARGIN_MB * (1 << 20))
+    reserve = compute_bytes(gguf, min(settings.n_ubatch or SMALL_UBATCH, settings.n_batch)) + DEFAULT_MARGIN_MB * (1 << 20)
     if on_gpu:
         from ..hardware import probe_gpus
         gpus = probe_gpus()
@@ -191,10 +215,12 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
                     "lower to choose, or free memory)", fit.n_ctx, fit.asked, fit.reason)
     n_ctx_slot = max(64, fit.n_ctx)
     n_batch = settings.n_batch
+    ub = context_ubatch(settings, gguf, rt, fit, on_gpu=native.has_gpu() and mparams.n_gpu_layers > 0)
+    log.info("prefill: ubatch %d tokens (%s)", ub.ubatch, ub.reason)
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = n_ctx_slot * n_slots
     cparams.n_batch = n_batch
-    cparams.n_ubatch = min(settings.n_ubatch, n_batch)
+    cparams.n_ubatch = ub.ubatch
     cparams.n_seq_max = n_slots
     # shared prefix cells across slots (seq_cp is metadata only); deterministic: a stream per slot,
     # so no slot's cells or attention span depend on the others (determinism.py)
@@ -233,7 +259,7 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
                     "meaningless (set 'model' to a real GGUF)")
     return Loaded(gguf=gguf, model=model, ctx=ctx, mem=llama_cpp.llama_get_memory(ctx), vocab=vocab,
                   rt=rt, templates=templates, n_ctx_slot=n_ctx_slot, n_slots=n_slots,
-                  n_ctx_reason=fit.reason)
+                  n_ctx_reason=fit.reason, ubatch=ub)
 
 
 def free_model(templates: Any, rt: Any, batch: Any, ctx: Any, model: Any) -> None:

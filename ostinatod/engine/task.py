@@ -32,6 +32,7 @@ class Task:
     text: Utf8Text = field(default_factory=Utf8Text)
     sent: int = 0  # characters of text streamed so far (requests without a chat parser)
     t_prefill_start: float = 0.0
+    prefill_passes: int = 0  # forward passes that carried its prompt tokens
     t_first: float = 0.0
     t_last: float = 0.0
     cancelled: bool = False

@@ -64,7 +64,8 @@ class Worker:
         self.n_ctx_slot = 0
         self.n_ctx_reason: Optional[str] = None  # why n_ctx_slot is below the setting (memory)
         self.n_batch = settings.n_batch
-        self.n_prefill_step = max(1, min(settings.n_batch, settings.n_ubatch))  # prompt tokens per step
+        self.n_prefill_step = max(1, min(settings.n_batch, settings.n_ubatch or 512))  # prompt tokens per step (the context's ubatch once loaded)
+        self.ubatch_reason = "set" if settings.n_ubatch else "not loaded"
         self.deterministic = settings.deterministic
         self._det_valid: dict[int, int] = {}  # slot id -> prefix computed by whole aligned chunks
         self._turn = 0
@@ -101,6 +102,9 @@ class Worker:
         self.gguf, self.model, self.ctx, self.mem, self.vocab = m.gguf, m.model, m.ctx, m.mem, m.vocab
         self.rt, self.templates, self.n_ctx_slot = m.rt, m.templates, m.n_ctx_slot
         self.n_ctx_reason = m.n_ctx_reason
+        if m.ubatch is not None:   # one forward pass of prefill per step: the context's ubatch
+            self.n_prefill_step = max(1, min(self.n_batch, m.ubatch.ubatch))
+            self.ubatch_reason = m.ubatch.reason
         if self.rt is not None:
             from ..residency.traces import TraceRecorder  # routing traces per model and workload
             self.traces = TraceRecorder(self.rt.model)
@@ -170,6 +174,7 @@ class Worker:
             out["host_cache"] = self.pcache.stats()
         out["waiting"] = len(self._waiting)
         out["active"] = len(self._active)
+        out["ubatch"] = {"tokens": self.n_prefill_step, "reason": self.ubatch_reason}
         if self.rt is not None:
             try:
                 out["experts"] = self.rt.stats()
@@ -527,6 +532,7 @@ class Worker:
                 if last:
                     rows.append((t, n + k - 1))
                 plan.append((t, chunk))
+                t.prefill_passes += 1
                 n += k
         if n == 0:
             return
@@ -677,6 +683,7 @@ class Worker:
             message = dict(message, content=DEMO_NOTICE + (message.get("content") or ""))
         message, reason = settle_tool_calls(message, reason, t.req.tool_choice)
         data = t.done_data(reason, message, time.monotonic())
+        data["prefill"] = {"passes": t.prefill_passes, "ubatch": self.n_prefill_step}
         if t.stop_sequence is not None:
             data["stop_sequence"] = t.stop_sequence
         if self.rt is not None:

@@ -1,0 +1,58 @@
+// Expert products of many tokens at once for the CPU branch kernel (ostinato_cpuffn.h): each weight
+// row of an expert is read once for all of the expert's tokens, and the integer work runs on AMX
+// tiles where the CPU has them (Intel AMX-INT8, with the kernel's permission to use them), on
+// AVX-512 VNNI otherwise. Paper: arXiv 2611.11533, Sec. 3.2 (the CPU branch's cost is its expert
+// bytes over the host's read bandwidth only when its arithmetic keeps up with memory).
+//
+// What it computes is bit for bit what ggml-cpu computes for an expert of these types with as many
+// routes as its tiled K-quant kernel takes (ggml-cpu/tiled, >= 8 routes of one expert): per weight
+// row, token and 256-value block the exact integer sums
+//   s1 = sum_s scale_s * (sum_{e in s} q_e * y_e - bias * bsum_s),   s2 = sum_s min_s * bsum_s
+// (any exact computation gives the same integers), then ggml's float operations in its order:
+//   r = f(s1) * d  (minus dmin * f(s2) in one fused multiply-add for q4_K / q5_K),
+//   acc = acc + r * d_y   (or one fused multiply-add, as ggml-cpu was built: see ost_gemm_epilogue)
+// over the blocks in ascending order from acc = 0. How the integers are found here:
+//   q * scale is split into two bytes, a + 128 b (q6_K: scale * (q - 32) + 4096 = a + 128 b), so that
+//   one integer dot product of each byte plane with the activations, over the whole block, gives
+//   s1 = dot(a, y) + 128 dot(b, y) (q6_K: less 4096 * sum y). Tiles multiply unsigned bytes (the
+//   weight planes, 16 rows x 64 values) by signed bytes (the activations, 64 values x 16 tokens).
+//
+// Types: q4_K, q5_K, q6_K (the experts of the K-quant mixes: Q4_K_M, UD-Q4_K_XL). Activation rows
+// are q8_K (their vec_dot_type), packed per expert by ost_gemm_pack_token into the layout below.
+#pragma once
+
+#include "ggml.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+// Activations of one expert's tokens (T of them, K values each, K a multiple of 256), packed once per
+// expert and read by every row chunk: tokens in tiles of 16 (the last one padded with zeros),
+// the values of each 64-value chunk in the tiles' byte order. Sizes in bytes:
+size_t ost_gemm_pack_bytes(int K, int T);
+// Zeroes the pack (its padding tokens must be zero; call before the tokens are put).
+void ost_gemm_pack_clear(void * pack, int K, int T);
+// Zeroes the padding tokens of the last tile (what ost_gemm_pack_clear does for them alone).
+void ost_gemm_pack_pad(void * pack, int K, int T);
+// Puts token j's q8_K row (K / 256 blocks) into the pack. Threads may put different tokens at once.
+void ost_gemm_pack_token(void * pack, int K, int T, int j, const void * y_q8_K);
+
+// Rows w + i * row_bytes (i < nrows) of type t (K values each) against the packed tokens:
+// out[j][i] = the row's product with token j (j < T), as ggml-cpu's tiled kernel computes it.
+// False (nothing written) when t is not served (see ost_gemm_serves). Thread-safe; uses a
+// thread-local scratch of ~10 KiB per 16 rows.
+bool ost_gemm_rows(ggml_type t, int K, const void * w, size_t row_bytes, int nrows, const void * pack, int T,
+                   float * const * out);
+
+// Whether ost_gemm_rows serves type t on this machine: the CPU has AVX-512 (F, BW, VL, DQ, VNNI)
+// and the type passed the first-use check against ggml-cpu's own tiled result, bit for bit.
+bool ost_gemm_serves(ggml_type t);
+
+// Which instruction set the integer sums run on ("amx", "avx512-vnni" or "off") and the served
+// types ("q4_K,q5_K,q6_K"), for info(); the float epilogue ggml-cpu was found to use ("mul-add"
+// or "fma"). AMX can be turned off (process-wide; the next rows use VNNI; returns the previous).
+std::string ost_gemm_isa();
+std::string ost_gemm_types();
+std::string ost_gemm_epilogue();
+bool ost_gemm_set_amx(bool on);

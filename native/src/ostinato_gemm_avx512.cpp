@@ -1,0 +1,332 @@
+// Expert products of many tokens at once, AVX-512 and AMX (ostinato_gemm.h). Built with AVX-512
+// (F, BW, VL, DQ, VNNI), AMX-TILE/INT8, F16C and -ffp-contract=off (native/src/CMakeLists.txt), so
+// that every fused multiply-add is one the code asks for; called only where the CPU has AVX-512 (and
+// AMX only where the kernel lets this process use tiles).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__F16C__)
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+namespace {
+
+// block layouts of the GGUF formats (bytes), checked against ggml_type_size by the caller
+struct blk_q4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct blk_q5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
+struct blk_q6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+
+enum { T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };   // ggml's type numbers (checked by the caller)
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+// The eight 6-bit scales (bytes 0-7) and mins (bytes 8-15) of a q4_K / q5_K block's 12 bytes
+// (sub-blocks 0-3 in the low 6 bits of bytes 0-3 / 4-7, sub-blocks 4-7 in the nibbles of bytes 8-11
+// with their top 2 bits in the top 2 bits of bytes 0-7).
+inline __m128i k_scales(const uint8_t * q) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint32_t low6 = 0x3f3f3f3f, nib = 0x0f0f0f0f, top2 = 0x30303030;
+    return _mm_set_epi32((int) (((c >> 4) & nib) | ((b >> 2) & top2)), (int) (b & low6),
+                         (int) ((c & nib) | ((a >> 2) & top2)), (int) (a & low6));
+}
+
+// One block (256 values) of 16 weight rows, prepared: two byte planes a and b with
+// q * scale = a + 128 b (q6_K: scale * (q - 32) + 4096 = a + 128 b), each 4 chunks x 16 rows x 64
+// bytes (an AMX A tile per chunk). A chunk's 64 bytes are its values in the order of
+// _mm512_packus_epi16 of its two halves of 32: byte 16 i + j is value 8 i + j (j < 8) or
+// 32 + 8 i + j - 8 (j >= 8); the activations are packed in the same order (ost_gemm_pack_token).
+struct alignas(64) prep_t {
+    uint8_t a[4][16][64];
+    uint8_t b[4][16][64];
+    float d[16], dmin[16];
+    int32_t minp[16][4];   // q4_K / q5_K: mins of sub-blocks (2p, 2p + 1) as two 16-bit halves
+};
+
+// word i of x broadcast over all 32 words
+inline __m512i word(__m512i x, int i) { return _mm512_permutexvar_epi16(_mm512_set1_epi16((short) i), x); }
+inline __m512i words2(__m512i x, int i, int j) {   // word i in words 0-15, word j in words 16-31
+    return _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short) i), _mm256_set1_epi16((short) j), 1), x);
+}
+
+// w0, w1: the 32 + 32 values of a chunk times their scales (16-bit words, 0 <= w < 2^14)
+inline void put_planes(prep_t & p, int c, int r, __m512i w0, __m512i w1) {
+    const __m512i m7 = _mm512_set1_epi16(127);
+    _mm512_store_si512((__m512i *) p.a[c][r], _mm512_packus_epi16(_mm512_and_si512(w0, m7), _mm512_and_si512(w1, m7)));
+    _mm512_store_si512((__m512i *) p.b[c][r], _mm512_packus_epi16(_mm512_srli_epi16(w0, 7), _mm512_srli_epi16(w1, 7)));
+}
+
+template <int TYPE> void prep_row(prep_t & p, int r, const uint8_t * row, int sb);
+
+// q4_K / q5_K: scales and mins, the 4-bit values (and q5_K's fifth bits from qh)
+template <int TYPE> inline void prep_k45(prep_t & p, int r, const uint16_t * dd, const uint8_t * scales,
+                                         const uint8_t * qs, const uint8_t * qh) {
+    p.d[r] = h2f(dd[0]);
+    p.dmin[r] = h2f(dd[1]);
+    const __m128i sm = k_scales(scales);
+    _mm_store_si128((__m128i *) p.minp[r], _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
+    const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sm));   // words 0-7: the scales
+    const __m512i m4 = _mm512_set1_epi16(0xF);
+    __m512i h = _mm512_setzero_si512();
+    if (TYPE == T_Q5_K) h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) qh));
+    for (int c = 0; c < 4; ++c) {
+        const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (qs + 32 * c)));
+        __m512i q0 = _mm512_and_si512(q, m4), q1 = _mm512_srli_epi16(q, 4);
+        if (TYPE == T_Q5_K) {
+            // value l of sub-block 2c has its fifth bit in bit 2c of qh[l], of 2c + 1 in bit 2c + 1
+            const __m512i one = _mm512_set1_epi16(1);
+            q0 = _mm512_or_si512(q0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c), one), 4));
+            q1 = _mm512_or_si512(q1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
+        }
+        put_planes(p, c, r, _mm512_mullo_epi16(q0, word(sc, 2 * c)), _mm512_mullo_epi16(q1, word(sc, 2 * c + 1)));
+    }
+}
+
+template <> void prep_row<T_Q4_K>(prep_t & p, int r, const uint8_t * row, int sb) {
+    const blk_q4_K * x = (const blk_q4_K *) row + sb;
+    prep_k45<T_Q4_K>(p, r, &x->d, x->scales, x->qs, nullptr);
+}
+
+template <> void prep_row<T_Q5_K>(prep_t & p, int r, const uint8_t * row, int sb) {
+    const blk_q5_K * x = (const blk_q5_K *) row + sb;
+    prep_k45<T_Q5_K>(p, r, &x->d, x->scales, x->qs, x->qh);
+}
+
+template <> void prep_row<T_Q6_K>(prep_t & p, int r, const uint8_t * row, int sb) {
+    const blk_q6_K * x = (const blk_q6_K *) row + sb;
+    p.d[r] = h2f(x->d);
+    const __m512i m4 = _mm512_set1_epi16(0xF), m3 = _mm512_set1_epi16(3);
+    const __m512i k32 = _mm512_set1_epi16(32), k4096 = _mm512_set1_epi16(4096);
+    const __m512i sc = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) x->scales)));
+    for (int n = 0; n < 2; ++n) {
+        // half n of the block: values l (< 32) of chunk 2n + odd from ql[l] and 32 + l from ql[32 + l]
+        // (low nibbles in even chunks, high in odd ones), their top 2 bits from qh[l] at bits 4 odd + 0 / + 2
+        const __m512i x1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (x->ql + 64 * n)));
+        const __m512i x2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (x->ql + 64 * n + 32)));
+        const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (x->qh + 32 * n)));
+        for (int odd = 0; odd < 2; ++odd) {
+            const int c = 2 * n + odd;
+            const __m512i l1 = odd ? _mm512_srli_epi16(x1, 4) : _mm512_and_si512(x1, m4);
+            const __m512i l2 = odd ? _mm512_srli_epi16(x2, 4) : _mm512_and_si512(x2, m4);
+            const __m512i t1 = _mm512_and_si512(_mm512_srli_epi16(h, 4 * odd), m3);
+            const __m512i t2 = _mm512_and_si512(_mm512_srli_epi16(h, 4 * odd + 2), m3);
+            const __m512i q1 = _mm512_or_si512(l1, _mm512_slli_epi16(t1, 4));
+            const __m512i q2 = _mm512_or_si512(l2, _mm512_slli_epi16(t2, 4));
+            // one scale per 16 values: values 0-15, 16-31 of each half of the chunk
+            const __m512i w0 = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_sub_epi16(q1, k32), words2(sc, 4 * c, 4 * c + 1)), k4096);
+            const __m512i w1 = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_sub_epi16(q2, k32), words2(sc, 4 * c + 2, 4 * c + 3)), k4096);
+            put_planes(p, c, r, w0, w1);
+        }
+    }
+}
+
+// The pack's parts (ost_gemm_pack_bytes): codes, then d, then the 16-bit pairs of 32-value block
+// sums, then each block's sum of codes.
+struct pack_view {
+    const int8_t * codes;   // [tile][K / 64][16 kk][16 token][4]
+    const float * d;        // [K / 256][Tp]
+    const int32_t * bsp;    // [K / 256][4][Tp]
+    const int32_t * qsum;   // [K / 256][Tp]
+    int Tp, kc;             // tokens padded to 16; 64-value chunks per row
+};
+
+struct alignas(64) tilecfg_t {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+// Tiles 0-6 of 16 rows x 64 bytes: 0, 1 and 5, 6 the sums of a block (two blocks in flight), 2, 3
+// the weight planes, 4 the activations. Constant data, not a local: GCC 12 drops stores into a
+// local config that only ldtilecfg reads (the instruction then faults on the garbage).
+alignas(64) const tilecfg_t TILES = { 1, 0, {}, {64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16} };
+
+// Starts the block's integer sums on the tiles: sums of plane a in tile CA, of plane b in tile CB
+// (GCC's tile intrinsics take tile numbers as literal tokens: a macro, not a template).
+#define OST_AMX_ISSUE(CA, CB)                          \
+    inline void amx_issue_##CA(const prep_t & p, const int8_t * bt) { \
+        _tile_zero(CA);                                \
+        _tile_zero(CB);                                \
+        for (int c = 0; c < 4; ++c) {                  \
+            _tile_loadd(2, p.a[c], 64);                \
+            _tile_loadd(3, p.b[c], 64);                \
+            _tile_loadd(4, bt + c * 1024, 64);         \
+            _tile_dpbusd(CA, 2, 4);                    \
+            _tile_dpbusd(CB, 3, 4);                    \
+        }                                              \
+    }
+OST_AMX_ISSUE(0, 1)
+OST_AMX_ISSUE(5, 6)
+#undef OST_AMX_ISSUE
+
+// The same sums with AVX-512 VNNI, stored as the tiles would be
+void vnni_sums(const prep_t & p, const int8_t * bt, int32_t (*ca)[16], int32_t (*cb)[16]) {
+    for (int h = 0; h < 2; ++h) {
+        __m512i sa[8], sbv[8];
+        for (int r = 0; r < 8; ++r) { sa[r] = _mm512_setzero_si512(); sbv[r] = _mm512_setzero_si512(); }
+        for (int c = 0; c < 4; ++c) {
+            for (int kk = 0; kk < 16; ++kk) {
+                const __m512i y = _mm512_loadu_si512((const __m512i *) (bt + c * 1024 + kk * 64));
+                for (int r = 0; r < 8; ++r) {
+                    int32_t wa, wb;
+                    memcpy(&wa, p.a[c][8 * h + r] + 4 * kk, 4);
+                    memcpy(&wb, p.b[c][8 * h + r] + 4 * kk, 4);
+                    sa[r] = _mm512_dpbusd_epi32(sa[r], _mm512_set1_epi32(wa), y);
+                    sbv[r] = _mm512_dpbusd_epi32(sbv[r], _mm512_set1_epi32(wb), y);
+                }
+            }
+        }
+        for (int r = 0; r < 8; ++r) {
+            _mm512_store_si512((__m512i *) ca[8 * h + r], sa[r]);
+            _mm512_store_si512((__m512i *) cb[8 * h + r], sbv[r]);
+        }
+    }
+}
+
+// ggml-cpu's tiled epilogue (ggml-cpu/tiled/tiled-kernel.cpp) for one block and 16 rows x 16 tokens:
+// r = f(s1) d - dmin f(s2) (one fused multiply-add), acc = acc + r dy (fused or not, as ggml was built)
+template <int TYPE, bool FMA>
+inline void epilogue(const prep_t & p, const pack_view & pk, int sb, int tt, const int32_t (*ca)[16],
+                     const int32_t (*cb)[16], float * acc) {
+    const size_t o = (size_t) sb * pk.Tp + (size_t) tt * 16;
+    const __m512 dy = _mm512_loadu_ps(pk.d + o);
+    __m512i qs12 = _mm512_setzero_si512(), bs[4];
+    if (TYPE == T_Q6_K) {
+        qs12 = _mm512_slli_epi32(_mm512_loadu_si512((const __m512i *) (pk.qsum + o)), 12);
+    } else {
+        for (int i = 0; i < 4; ++i) bs[i] = _mm512_loadu_si512((const __m512i *) (pk.bsp + ((size_t) sb * 4 + i) * pk.Tp + tt * 16));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 16; ++r) {
+        __m512i s1 = _mm512_add_epi32(_mm512_load_si512((const __m512i *) ca[r]),
+                                      _mm512_slli_epi32(_mm512_load_si512((const __m512i *) cb[r]), 7));
+        if (TYPE == T_Q6_K) s1 = _mm512_sub_epi32(s1, qs12);
+        __m512 res = _mm512_mul_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(p.d[r]));
+        if (TYPE != T_Q6_K) {
+            __m512i s2 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[0], _mm512_set1_epi32(p.minp[r][0]));
+            for (int i = 1; i < 4; ++i) s2 = _mm512_dpwssd_epi32(s2, bs[i], _mm512_set1_epi32(p.minp[r][i]));
+            res = _mm512_fnmadd_ps(_mm512_set1_ps(p.dmin[r]), _mm512_cvtepi32_ps(s2), res);
+        }
+        float * a = acc + (size_t) r * 16;
+        const __m512 av = _mm512_load_ps(a);
+        _mm512_store_ps(a, FMA ? _mm512_fmadd_ps(res, dy, av) : _mm512_add_ps(av, _mm512_mul_ps(res, dy)));
+    }
+}
+
+// Block sb of 16 rows (nr of them real) prepared into p; rows past the end get zero planes (their
+// results are not stored).
+template <int TYPE> void prep_block(prep_t & p, const uint8_t * w, size_t rb, int nr, int sb) {
+    for (int r = 0; r < nr; ++r) prep_row<TYPE>(p, r, w + (size_t) r * rb, sb);
+    for (int r = nr; r < 16; ++r) {
+        for (int c = 0; c < 4; ++c) { memset(p.a[c][r], 0, 64); memset(p.b[c][r], 0, 64); }
+        p.d[r] = p.dmin[r] = 0.0f;
+        memset(p.minp[r], 0, sizeof(p.minp[r]));
+    }
+}
+
+// 16 rows (nr of them real) of type TYPE against every token of the pack. The block after the
+// current one is prepared on the vector units while the current one's sums run on the tiles, and
+// each token tile's epilogue runs while the next tile's sums do. acc: [tiles][16 rows][16 tokens].
+template <int TYPE, bool AMX, bool FMA>
+void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, int T, float * const * out,
+            int row0, prep_t * pr, float * acc) {
+    const int nsb = K / 256, ntt = pk.Tp / 16;
+    memset(acc, 0, sizeof(float) * 256 * (size_t) ntt);
+    alignas(64) int32_t c0[2][16][16], c1[2][16][16];
+    prep_block<TYPE>(pr[0], w, rb, nr, 0);
+    for (int sb = 0; sb < nsb; ++sb) {
+        const prep_t & p = pr[sb & 1];
+        const int8_t * bs = pk.codes + (size_t) sb * 4096;
+        for (int tt = 0; tt < ntt; ++tt) {
+            const int h = tt & 1;
+            const int8_t * bt = bs + (size_t) tt * pk.kc * 1024;
+            if (AMX) {
+                if (h) amx_issue_5(p, bt);
+                else amx_issue_0(p, bt);
+            } else {
+                vnni_sums(p, bt, c0[h], c1[h]);
+            }
+            if (tt == 0 && sb + 1 < nsb) prep_block<TYPE>(pr[(sb + 1) & 1], w, rb, nr, sb + 1);
+            if (tt > 0) {   // the previous tile's sums are done by now (or soon): its epilogue
+                if (AMX) {
+                    if (h) { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
+                    else { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
+                }
+                epilogue<TYPE, FMA>(p, pk, sb, tt - 1, c0[h ^ 1], c1[h ^ 1], acc + (size_t) (tt - 1) * 256);
+            }
+        }
+        const int h = (ntt - 1) & 1;
+        if (AMX) {
+            if (h) { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
+            else { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
+        }
+        epilogue<TYPE, FMA>(p, pk, sb, ntt - 1, c0[h], c1[h], acc + (size_t) (ntt - 1) * 256);
+    }
+    for (int tt = 0; tt < ntt; ++tt) {
+        for (int n = 0; n < 16 && tt * 16 + n < T; ++n) {
+            float * o = out[tt * 16 + n] + row0;
+            for (int r = 0; r < nr; ++r) o[r] = acc[(size_t) tt * 256 + (size_t) r * 16 + n];
+        }
+    }
+}
+
+template <int TYPE, bool AMX, bool FMA>
+void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T, float * const * out) {
+    static thread_local prep_t pr[2];
+    static thread_local float * acc = nullptr;
+    static thread_local int acc_tiles = 0;
+    const int ntt = pk.Tp / 16;
+    if (acc_tiles < ntt) {
+        free(acc);
+        acc = (float *) aligned_alloc(64, sizeof(float) * 256 * (size_t) ntt);
+        acc_tiles = ntt;
+    }
+    if (AMX) _tile_loadconfig(&TILES);
+    for (int r0 = 0; r0 < nrows; r0 += 16) {
+        rows16<TYPE, AMX, FMA>(K, w + (size_t) r0 * rb, rb, nrows - r0 < 16 ? nrows - r0 : 16, pk, T, out, r0, pr, acc);
+    }
+    if (AMX) _tile_release();
+}
+
+template <int TYPE> bool rows_t(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T,
+                               float * const * out, bool amx, bool fma) {
+    if (amx) {
+        if (fma) rows_all<TYPE, true, true>(K, w, rb, nrows, pk, T, out);
+        else rows_all<TYPE, true, false>(K, w, rb, nrows, pk, T, out);
+    } else {
+        if (fma) rows_all<TYPE, false, true>(K, w, rb, nrows, pk, T, out);
+        else rows_all<TYPE, false, false>(K, w, rb, nrows, pk, T, out);
+    }
+    return true;
+}
+
+}  // namespace
+
+bool ost_gemm_rows_avx512(int type, int K, const void * w, size_t rb, int nrows, const void * pack, int T,
+                          float * const * out, bool amx, bool fma) {
+    if (K % 256 != 0 || T <= 0) return false;
+    pack_view pk;
+    pk.Tp = (T + 15) / 16 * 16;
+    pk.kc = K / 64;
+    const int nsb = K / 256;
+    pk.codes = (const int8_t *) pack;
+    pk.d = (const float *) (pk.codes + (size_t) pk.Tp * K);
+    pk.bsp = (const int32_t *) (pk.d + (size_t) nsb * pk.Tp);
+    pk.qsum = pk.bsp + (size_t) nsb * 4 * pk.Tp;
+    const uint8_t * wr = (const uint8_t *) w;
+    switch (type) {
+        case T_Q4_K: return rows_t<T_Q4_K>(K, wr, rb, nrows, pk, T, out, amx, fma);
+        case T_Q5_K: return rows_t<T_Q5_K>(K, wr, rb, nrows, pk, T, out, amx, fma);
+        case T_Q6_K: return rows_t<T_Q6_K>(K, wr, rb, nrows, pk, T, out, amx, fma);
+        default:     return false;
+    }
+}
+#else
+#include <stddef.h>
+bool ost_gemm_rows_avx512(int, int, const void *, size_t, int, const void *, int, float * const *, bool, bool) {
+    return false;
+}
+#endif
