@@ -16,6 +16,12 @@
 #             llama-server, stock-layers; 2 x 8 turns (~5-6 min)
 #   peers100: the same at --budget-frac 1.0 without stock-layers (~3 min; `STAGES="peers peers100"` fits
 #             one call, the second skipping engines past the time left with a note)
+# Peer engine llama-server-moe-cache (issue 42; .carry/moe-cache-src.tar.xz from `bash scripts/moe-cache-carry.sh`):
+#   mcbuild:  upstream llama.cpp's llama-server (the llama.cpp in the xllamacpp sdist, with --moe-cache-mib)
+#             the same way into /tmp/mc-build (-> /tmp/mc-build/bin/llama-server, never in git); PEER_WAIT=0
+#             only starts it. ikbuild and mcbuild in one call share the cores: build them one after the other
+#   q35mc:    45% pool on the Qwen3.5 file (as q35): ostinato, stock-all-gpu, llama-server-moe-cache (every
+#             expert in host memory, its MoE cache at the pool's bytes), llama-server; 2 x 6 turns
 #   build:    offline install from .carry/ + CUDA build with the stock llama-server (~300 s); with
 #             PREWRITE="arch:shape:quant:layers ..." it writes those synthetic files (/tmp/a-<arch>.gguf)
 #             beside the build (e.g. PREWRITE="qwen35moe:qwen3.5-35b-a3b:ud-q4_k_xl:40": ~110 s, hidden)
@@ -80,18 +86,20 @@ STAGES=${STAGES:-build exact model calib bench}
 T0=${DEVICE_T0:-$(date +%s)}; el() { echo $(( $(date +%s) - T0 )); }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 IK_BIN=/tmp/ik-build/bin/llama-server
-ik_building() { kill -0 "$(cat /tmp/ik-build.pid 2>/dev/null)" 2>/dev/null; }
+MC_BIN=/tmp/mc-build/bin/llama-server
+building() { kill -0 "$(cat "/tmp/$1.pid" 2>/dev/null)" 2>/dev/null; }   # building ik-build|mc-build
+peer_building() { building ik-build || building mc-build; }
 # bench NAME ARGS...: one `ostinato bench engines` run within the time left of this call, on
 # $BENCH_MODEL (default /tmp/m.gguf; $BENCH_NOTE, how it was written, goes into the .cmd.txt)
 bench() {
   local name=$1; shift
-  if ik_building; then echo "[$(el)s] $name: not run, the ik_llama.cpp build still runs beside it (stage ikbuild)"; return; fi
+  if peer_building; then echo "[$(el)s] $name: not run, a peer's build still runs beside it (stage ikbuild or mcbuild)"; return; fi
   local left=$(( 590 - $(el) ))
   local cmd=(python3 -m ostinatod.cli bench engines --model "${BENCH_MODEL:-/tmp/m.gguf}" --sessions-dir .carry/sessions
              --out-dir "$OUT" --work-dir "/tmp/bench-work-$name" --name "$name"
              --time-limit $(( left - 25 )) "$@")
   printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))${BENCH_NOTE:-}" \
-    "OSTINATO_HOME=$OSTINATO_HOME ${OSTINATO_IK_SERVER:+OSTINATO_IK_SERVER=$OSTINATO_IK_SERVER }${cmd[*]}" > "$OUT/$name.cmd.txt"
+    "OSTINATO_HOME=$OSTINATO_HOME ${OSTINATO_IK_SERVER:+OSTINATO_IK_SERVER=$OSTINATO_IK_SERVER }${OSTINATO_MOE_CACHE_SERVER:+OSTINATO_MOE_CACHE_SERVER=$OSTINATO_MOE_CACHE_SERVER }${cmd[*]}" > "$OUT/$name.cmd.txt"
   echo "[$(el)s] $name: ${cmd[*]}"
   rm -f "/tmp/bench-work-$name"/replay-*.json   # a repeated stage packs only its own replays
   timeout "$left" "${cmd[@]}" 2>&1 | tee "$OUT/$name.log" | grep -vE "^\| prefill|^$" | tail -60
@@ -101,39 +109,51 @@ bench() {
   (cd "/tmp/bench-work-$name" 2>/dev/null && ls replay-*.json >/dev/null 2>&1 && tar -czf "$OUT/$name-replays.tar.gz" replay-*.json)
   echo "[$(el)s] $name done: $(ls "$OUT/$name".* 2>/dev/null | tr '\n' ' ')"
 }
-if has ikbuild; then
-  if [ ! -x "$IK_BIN" ]; then
-    src=$(ls -d /tmp/ik_llama_cpp_python-*/vendor/ik_llama.cpp 2>/dev/null | head -1)
+# peerbuild STAGE DIR CARRY SRC_GLOB WHAT [CMAKE ARGS...]: a peer's llama-server with CUDA (sm_90, static:
+# its own ggml and llama, never our llama.cpp's libraries) from .carry/CARRY into /tmp/DIR/bin, ninja
+# in a process session of its own (it goes on between calls while the machine is warm); waits for it
+# until the call's time is up unless PEER_WAIT=0 (or IK_WAIT=0)
+peerbuild() {
+  local stage=$1 dir=$2 carry=$3 glob=$4 what=$5 src; shift 5
+  local bin=/tmp/$dir/bin/llama-server
+  if [ ! -x "$bin" ]; then
+    src=$(ls -d $glob 2>/dev/null | head -1)
     if [ -z "$src" ]; then
-      tar xJf .carry/ik-src.tar.xz -C /tmp || { echo "no .carry/ik-src.tar.xz: run bash scripts/ik-carry.sh"; exit 1; }
-      src=$(ls -d /tmp/ik_llama_cpp_python-*/vendor/ik_llama.cpp | head -1)
+      tar xJf ".carry/$carry" -C /tmp || { echo "no .carry/$carry: run bash scripts/$what-carry.sh"; exit 1; }
+      src=$(ls -d $glob | head -1)
     fi
-    # static: its own ggml and llama, never our llama.cpp's libraries; only the CUDA FA kernels of f16/q8_0/q4_0 KV
-    [ -f /tmp/ik-build/build.ninja ] || cmake -S "$src" -B /tmp/ik-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    [ -f "/tmp/$dir/build.ninja" ] || cmake -S "$src" -B "/tmp/$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DBUILD_SHARED_LIBS=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DGGML_NCCL=OFF \
-      -DGGML_IQK_FA_ALL_QUANTS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF > /tmp/ik-cmake.log 2>&1 \
-      || { tail -30 /tmp/ik-cmake.log | tee "$OUT/ik-cmake-tail.txt"; exit 1; }
-    if ! ik_building; then
-      echo "[$(el)s] ikbuild: ninja llama-server -j$(nproc) in /tmp/ik-build ($(grep -c . /tmp/ik-build.log 2>/dev/null || echo 0) log lines so far)"
-      setsid bash -c 'echo $$ > /tmp/ik-build.pid; exec nice -n 19 ninja -C /tmp/ik-build -j"$(nproc)" llama-server' \
-        >> /tmp/ik-build.log 2>&1 < /dev/null &
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF "$@" > "/tmp/$dir-cmake.log" 2>&1 \
+      || { tail -30 "/tmp/$dir-cmake.log" | tee "$OUT/$dir-cmake-tail.txt"; exit 1; }
+    if ! building "$dir"; then
+      echo "[$(el)s] $stage: ninja llama-server -j$(nproc) in /tmp/$dir ($(grep -c . "/tmp/$dir.log" 2>/dev/null || echo 0) log lines so far)"
+      setsid bash -c "echo \$\$ > /tmp/$dir.pid; exec nice -n 19 ninja -C /tmp/$dir -j$(nproc) llama-server" \
+        >> "/tmp/$dir.log" 2>&1 < /dev/null &
       sleep 2
     fi
-    if [ "${IK_WAIT:-1}" != 0 ]; then
-      while ik_building && [ $(( 590 - $(el) )) -gt 15 ]; do sleep 5; done
+    if [ "${PEER_WAIT:-${IK_WAIT:-1}}" != 0 ]; then
+      while building "$dir" && [ $(( 590 - $(el) )) -gt 15 ]; do sleep 5; done
     fi
   fi
-  if [ -x "$IK_BIN" ]; then
-    echo "[$(el)s] ikbuild: $IK_BIN ready ($(du -h "$IK_BIN" | cut -f1))"; "$IK_BIN" --version 2>&1 | tail -2
-  elif ik_building; then
-    echo "[$(el)s] ikbuild: still building, at $(grep -o '^\[[0-9]*/[0-9]*\]' /tmp/ik-build.log | tail -1);" \
-      "call STAGES=ikbuild again within 30 s (the machine stays warm and the build goes on meanwhile)"
+  if [ -x "$bin" ]; then
+    echo "[$(el)s] $stage: $bin ready ($(du -h "$bin" | cut -f1))"; "$bin" --version 2>&1 | tail -2
+  elif building "$dir"; then
+    echo "[$(el)s] $stage: still building, at $(grep -o '^\[[0-9]*/[0-9]*\]' "/tmp/$dir.log" | tail -1);" \
+      "call STAGES=$stage again within 30 s (the machine stays warm and the build goes on meanwhile)"
   else
-    grep -E "error|FAILED" /tmp/ik-build.log | head -20; tail -30 /tmp/ik-build.log > "$OUT/ik-build-tail.txt"
-    echo "[$(el)s] ikbuild: ninja stopped without the binary (log tail in ik-build-tail.txt)"; exit 1
+    grep -E "error|FAILED" "/tmp/$dir.log" | head -20; tail -30 "/tmp/$dir.log" > "$OUT/$dir-tail.txt"
+    echo "[$(el)s] $stage: ninja stopped without the binary (log tail in $dir-tail.txt)"; exit 1
   fi
-fi
+}
+# ik_llama.cpp: only the CUDA FA kernels of f16/q8_0/q4_0 KV
+has ikbuild && peerbuild ikbuild ik-build ik-src.tar.xz "/tmp/ik_llama_cpp_python-*/vendor/ik_llama.cpp" ik \
+  -DGGML_IQK_FA_ALL_QUANTS=OFF
+# upstream llama.cpp with the MoE cache: no web UI (none is carried, and the machine reaches no network)
+has mcbuild && peerbuild mcbuild mc-build moe-cache-src.tar.xz "/tmp/xllamacpp-*/thirdparty/llama.cpp" moe-cache \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF
 [ -x "$IK_BIN" ] && export OSTINATO_IK_SERVER=${OSTINATO_IK_SERVER:-$IK_BIN}
+[ -x "$MC_BIN" ] && export OSTINATO_MOE_CACHE_SERVER=${OSTINATO_MOE_CACHE_SERVER:-$MC_BIN}
 if has build; then
   python3 -m pip install -q --no-index --no-build-isolation --find-links .carry/wheels -e . openai anthropic \
     > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
@@ -341,7 +361,7 @@ fi
 q35run() {
   local name=$1 engines=$2; shift 2
   local m=/tmp/a-qwen35moe.gguf synth=(--arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl --layers 40)
-  [ -f $m ] || ik_building || python3 -m ostinatod.cli synth "${synth[@]}" -o $m 2>&1 | tail -1
+  [ -f $m ] || peer_building || python3 -m ostinatod.cli synth "${synth[@]}" -o $m 2>&1 | tail -1
   BENCH_MODEL=$m BENCH_NOTE="; model: synth ${synth[*]}" bench "$name" --budget-frac 0.45 --sessions 2 \
     --turns 6 --engines "$engines" "$@"
 }
@@ -351,6 +371,10 @@ fi
 if has q35peers; then
   # issue 27's run: every peer side by side on the file whose routing is as skewed as a real model's
   q35run engines-h200-qwen35moe-45-peers ostinato,stock-all-gpu,ik-llama-server,llama-server,stock-layers "$@"
+fi
+if has q35mc; then
+  # issue 42: the strongest stock configuration, upstream's MoE cache, at Ostinato's GPU expert bytes
+  q35run engines-h200-qwen35moe-45-moe-cache ostinato,stock-all-gpu,llama-server-moe-cache,llama-server "$@"
 fi
 if has peers; then
   bench "engines-h200-L$LAYERS-peers" --budget-frac 0.45 --sessions 2 --turns 8 \

@@ -8,7 +8,9 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 ver=${1:-$(python3 -c 'from ostinatod.bench.bench_ik import IK_SDIST; print(IK_SDIST.split("==")[1])')}
-grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
+# .carry/ stays out of git (--git-path: also in a worktree, where .git is a file)
+ex=$(git rev-parse --git-path info/exclude); mkdir -p "$(dirname "$ex")"
+grep -qx '/.carry/' "$ex" 2>/dev/null || echo '/.carry/' >> "$ex"
 mkdir -p .carry
 if [ -f .carry/ik-src.tar.xz ] && [ "$(cat .carry/ik-src.version 2>/dev/null)" = "$ver" ]; then
   echo "ik-src $ver already in .carry/"; exit 0

@@ -12,6 +12,9 @@ LIMIT = "stock-all-gpu"  # every expert on the GPU: the reference limit, never a
 # ik_llama.cpp's llama-server (a fork with fused MoE and its own CPU kernels) at the same expert
 # bytes on the GPU as stock-layers: a peer, never in the default list (its binary is built apart)
 IK = "ik-llama-server"
+# upstream llama.cpp's llama-server with its MoE cache (every expert in host memory, the most recently
+# used on the GPU) at Ostinato's pool bytes: a peer, never in the default list (built apart)
+MOE_CACHE = "llama-server-moe-cache"
 # the Ostinato engine on the first GPU only, same pool budget (a fraction of the expert bytes), in
 # a run with --gpus N > 1: what N GPUs buy over one with the same model (never in the default list)
 ONE_GPU = "ostinato-1gpu"
@@ -55,7 +58,7 @@ VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-cpu8": {"decode_threads": 8},
             "ostinato-cpu8-spin": {"decode_threads": 8, "cpu_branch_spins": 4096},
             "ostinato-cpu8-dprefetch4": {"decode_threads": 8, "decode_prefetch_experts": 4}}
-CHOICES = ENGINES + (IK, ONE_GPU) + tuple(VARIANTS)
+CHOICES = ENGINES + (IK, MOE_CACHE, ONE_GPU) + tuple(VARIANTS)
 
 
 def is_peer(name: str) -> bool:

@@ -22,6 +22,9 @@ One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics)
    ``ik-llama-server`` (only when named) ik_llama.cpp's llama-server with its own MoE options and
                      the same expert bytes on the GPU (:mod:`.bench_ik`; binary in
                      ``$OSTINATO_IK_SERVER``),
+   ``llama-server-moe-cache`` (only when named) upstream llama.cpp's llama-server with every
+                     expert in host memory and its MoE cache (``--moe-cache-mib``) at the pool's
+                     bytes (:mod:`.bench_moe_cache`; binary in ``$OSTINATO_MOE_CACHE_SERVER``),
    ``stock-all-gpu`` the reference limit, not a baseline at equal memory: every layer and every
                      expert on the GPU (``experts = stock``, ``n_cpu_moe = 0``), run when the model
                      fits the free GPU memory (skipped with a note otherwise; on a machine without
@@ -92,11 +95,13 @@ from typing import Any, Optional
 from ..residency.planner import PlanError
 from ..synth.shapes import SHAPES, Routing, SynthError
 from ..synth.skew import router_strength
-from .bench_common import CHOICES, ENGINES, IK, LIMIT, ONE_GPU, VARIANTS, BenchError, say, variant_settings
+from .bench_common import (CHOICES, ENGINES, IK, LIMIT, MOE_CACHE, ONE_GPU, VARIANTS, BenchError, say,
+                           variant_settings)
 from .bench_fit import Estimator, limit_fit
 from .bench_ik import start_ik_server
 from .bench_launch import (PEER_UBATCH, StepRecorder, expert_stats, llama_server_binary, replay,
                            start_daemon, start_llama_server)
+from .bench_moe_cache import cache_figures, start_moe_cache_server
 from .bench_prepare import collect_dev_traces, one_gpu_plan, plan, prepare_model, select_sessions
 from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown,
                            phase_skew_warning, ratios, ratios_vs_limit, replay_turns, summarize_breakdown,
@@ -182,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                     + f" ({LIMIT}: every expert on the GPU, the reference limit; run when the "
                     f"model fits the free GPU memory; {IK}: ik_llama.cpp's llama-server at "
                     "stock-layers' GPU memory, its binary named by $OSTINATO_IK_SERVER; "
+                    f"{MOE_CACHE}: upstream llama.cpp's llama-server with its MoE cache at the pool's "
+                    "bytes, its binary named by $OSTINATO_MOE_CACHE_SERVER; "
                     f"{ONE_GPU}: with --gpus N > 1, Ostinato on the first GPU alone at the same "
                     "pool budget; " + ", ".join(VARIANTS) + ": Ostinato with one option changed "
                     "from its default; default: the first five)")
@@ -304,6 +311,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 srv = start_llama_server(binary, model, stock["n_cpu_moe"], run_dir, a)
             elif name == IK:   # BenchError (a note) when its binary is not named
                 srv = start_ik_server(model, stock["n_cpu_moe"], run_dir, a)
+            elif name == MOE_CACHE:   # the same: a note when its binary is not named
+                srv = start_moe_cache_server(model, stock["pool_bytes"], run_dir, a)
             else:
                 st = {"ostinato": {"experts": "ostinato", "residency": plans[frac][1], "n_ubatch": a.ubatch},
                       ONE_GPU: {"experts": "ostinato",
@@ -366,9 +375,11 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 (run_dir / f"steps-{key}.json").write_text(json.dumps(rec.rows, indent=1))
             elif name == LIMIT:
                 m["hot_route_share"] = 1.0
+            elif name == MOE_CACHE:
+                m["hot_route_share"] = None   # its cache's hit rate, in its log once it stopped (below)
             else:
                 m["hot_route_share"] = 0.0 if name == "stock-cpu" else stock["hot_route_share"]
-            if name in ("llama-server", IK):
+            if name in ("llama-server", IK, MOE_CACHE):
                 m["server_command"] = srv.cmd
             if name not in ("ostinato", ONE_GPU) and name not in VARIANTS:
                 m["ubatch"] = {"tokens": peer_ubatch(a), "reason": "Ostinato's" if getattr(a, "peer_ubatch", 0)
@@ -388,6 +399,11 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
             say(f"engine {key} failed: {e}")
         finally:
             srv.stop()
+        if name == MOE_CACHE and name in results:   # this server's output: its cache's size and hits
+            output = srv.log_path.read_bytes()[srv.log_start:].decode(errors="replace")
+            results[name].update(cache_figures(output))
+            say(f"engine {key}: MoE cache {fmt(results[name]['moe_cache']['size_mib'], ' MiB', 0)}, decode "
+                f"hit rate {fmt(results[name]['hot_route_share'], '', 3)}")
         if on_progress is not None:
             on_progress(assemble())
     out = assemble()

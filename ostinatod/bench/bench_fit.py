@@ -14,6 +14,7 @@ from .bench_common import LIMIT
 # for the time estimates printed before each engine, rescaled by the first engine measured
 PRIOR_TURN_S = {"ostinato": 1.6, "stock-all-gpu": 0.65, "stock-layers": 3.6, "llama-server": 3.9,
                 "ik-llama-server": 3.3,  # llama-server's x 40.4 / 47.3 s (their replays of the same 12 turns, qwen35moe, 2026-12-03)
+                "llama-server-moe-cache": 3.3,  # a guess (ik's) until its first run
                 "stock-cpu": 7.0}
 PRIOR_LOAD_S = 30.0
 
