@@ -94,14 +94,6 @@ class PrefixCache:
                 got = (e, n)
         return got
 
-    def checkpoint(self, tokens: Sequence[int], data: Any) -> bool:
-        """Keep the state of a slot right after its prompt (a message boundary) for a model whose
-        memory cannot be cut back (recurrent or hybrid attention): the next turn of that
-        conversation restores it instead of prefilling everything again. As :meth:`put`."""
-        if len(tokens) < self.min_tokens:
-            return False
-        return self.put(tokens, data)
-
     def take(self, entry: Saved, n_used: int) -> Any:
         """Remove ``entry`` (it goes back into a slot, which holds it from now on) and return its
         data; ``n_used``: the prompt tokens it spares (stats)."""
@@ -168,6 +160,7 @@ def restore_checkpoint(pc: Optional[PrefixCache], ctx: Any, mem: Any, prompt: Se
         return len(target.tokens)
     llama_cpp.llama_memory_seq_rm(mem, target.id, -1, -1)
     target.tokens = []
+    target.checkpoint = None
     return 0
 
 
@@ -193,6 +186,7 @@ def restore_state(ctx: Any, mem: Any, slot: Slot, data: Any) -> bool:
     import llama_cpp
     llama_cpp.llama_memory_seq_rm(mem, slot.id, -1, -1)
     slot.tokens = []
+    slot.checkpoint = None
     try:
         ok = llama_cpp.llama_state_seq_set_data(ctx, data, len(data), slot.id)
     except Exception as e:
@@ -201,3 +195,76 @@ def restore_state(ctx: Any, mem: Any, slot: Slot, data: Any) -> bool:
     if not ok:
         llama_cpp.llama_memory_seq_rm(mem, slot.id, -1, -1)
     return bool(ok)
+
+
+# llama.h's LLAMA_STATE_SEQ_FLAGS_*: only the partial part of a hybrid memory (its recurrent
+# layers' state), and its tensors kept in the context's own device buffers (one state per sequence)
+STATE_PARTIAL_ONLY = 1
+STATE_ON_DEVICE = 2
+
+
+@dataclass
+class SlotCheckpoint:
+    """A slot's recurrent state right after a prompt of ``tokens`` (a message boundary).
+
+    Only the recurrent layers' state is saved (``STATE_PARTIAL_ONLY``): the attention layers'
+    cells stay in the KV cache, and going back to the checkpoint cuts them past ``len(tokens)``.
+    With ``STATE_ON_DEVICE`` in ``flags`` the tensors stay in llama.cpp's per-sequence device
+    buffers and ``meta`` holds only the host part (cell positions, shapes); else ``meta`` holds
+    everything. Saving at every prompt's end costs a device-to-device copy of the recurrent state
+    (tens of MB for Qwen3.5), where a whole-state copy to host memory costs the attention KV of the
+    whole prompt over the link, on the critical path of the first token."""
+
+    tokens: list[int]
+    meta: Any
+    flags: int
+
+
+def save_slot_checkpoint(ctx: Any, slot: Slot) -> bool:
+    """Save ``slot``'s recurrent state as its :class:`SlotCheckpoint` (worker loop thread; replaces
+    the previous one). Tries the device form first, then the host form. False (and no checkpoint)
+    when llama.cpp cannot save it; never raises."""
+    import ctypes
+
+    import llama_cpp
+    slot.checkpoint = None
+    for flags in (STATE_PARTIAL_ONLY | STATE_ON_DEVICE, STATE_PARTIAL_ONLY):
+        try:
+            n = llama_cpp.llama_state_seq_get_size_ext(ctx, slot.id, flags)
+            if not n:
+                continue
+            buf = (ctypes.c_uint8 * n)()
+            got = llama_cpp.llama_state_seq_get_data_ext(ctx, buf, n, slot.id, flags)
+        except Exception as e:  # never fail a request for the cache
+            log.warning("slot %d: saving its recurrent state failed: %s", slot.id, e)
+            continue
+        if got:
+            meta = buf if got == n else (ctypes.c_uint8 * got).from_buffer_copy(bytes(buf)[:got])
+            slot.checkpoint = SlotCheckpoint(list(slot.tokens), meta, flags)
+            return True
+    return False
+
+
+def rewind_to_checkpoint(ctx: Any, mem: Any, slot: Slot) -> bool:
+    """Take ``slot`` back to its checkpoint: its recurrent state as saved, its attention cells past
+    the checkpoint's tokens dropped; ``slot.tokens`` cut to match. False when the slot has no valid
+    checkpoint (its tokens no longer start with the checkpoint's) or llama.cpp refuses; a refusal
+    after the state was touched leaves the slot empty, never half restored."""
+    import llama_cpp
+    ck = slot.checkpoint
+    n = len(ck.tokens) if ck is not None else 0
+    if ck is None or len(slot.tokens) < n or slot.tokens[:n] != ck.tokens:
+        slot.checkpoint = None
+        return False
+    try:
+        ok = llama_cpp.llama_state_seq_set_data_ext(ctx, ck.meta, len(ck.meta), slot.id, ck.flags)
+    except Exception as e:
+        log.warning("slot %d: restoring its recurrent state failed: %s", slot.id, e)
+        ok = 0
+    if ok and llama_cpp.llama_memory_seq_rm(mem, slot.id, n, -1):
+        slot.tokens = slot.tokens[:n]
+        return True
+    llama_cpp.llama_memory_seq_rm(mem, slot.id, -1, -1)
+    slot.tokens = []
+    slot.checkpoint = None
+    return False

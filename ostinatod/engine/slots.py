@@ -34,6 +34,9 @@ class Slot:
     tokens: list[int] = field(default_factory=list)
     last_used: float = 0.0
     task: Optional[Any] = None
+    # the recurrent state at the end of this slot's last prompt (hybrid and recurrent models;
+    # prefix_cache.SlotCheckpoint), or None
+    checkpoint: Optional[Any] = None
 
 
 @dataclass(frozen=True)

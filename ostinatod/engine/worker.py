@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,8 +30,8 @@ from ..residency.model import ModelInfo
 from ..settings import Settings
 from . import determinism, grammar, limits, loading, logprobs, sampling
 from .protocol import Op
-from .prefix_cache import (PrefixCache, make_prefix_cache, restore_checkpoint, save_state,
-                           use_host_cache)
+from .prefix_cache import (PrefixCache, make_prefix_cache, restore_checkpoint, rewind_to_checkpoint,
+                           save_slot_checkpoint, use_host_cache)
 from .slots import Slot, choose_slot
 from .task import Emit, Task
 from .switcher import ResidencySwitcher, SwitchDone
@@ -82,7 +83,8 @@ class Worker:
         self._batch = None
         self._counters = {"requests": 0, "requests_ok": 0, "requests_error": 0, "requests_cancelled": 0,
                           "prompt_tokens": 0, "cached_tokens": 0, "prefilled_tokens": 0,
-                          "generated_tokens": 0, "decode_calls": 0, "busy_slot_steps": 0}
+                          "generated_tokens": 0, "decode_calls": 0, "busy_slot_steps": 0,
+                          "slot_checkpoints": 0, "checkpoint_rewinds": 0}
         self.switcher = ResidencySwitcher(self)
         self.pcache: Optional[PrefixCache] = None  # host-memory prefix cache (settings.cache_ram_mb)
         self.uncuttable = False  # the memory cannot drop a suffix (recurrent/hybrid): checkpoints
@@ -518,6 +520,18 @@ class Worker:
                 c = determinism.own_slot_only(c, self.slots[c.target].tokens, t.prompt)
             target = self.slots[c.target]
             restored = 0
+            ck = target.checkpoint
+            if (self.uncuttable and ck is not None and c.copy_from is None
+                    and len(ck.tokens) < len(target.tokens) and c.n_keep < len(target.tokens)):
+                # the slot is cut back: its recurrent state goes back to the end of its last prompt
+                # (reused when the new prompt extends that prompt, as an agent's next turn does;
+                # else the whole state saved for the host cache below is that boundary's)
+                if rewind_to_checkpoint(self.ctx, self.mem, target):
+                    c = replace(c, n_keep=min(c.n_keep, len(target.tokens)))
+                    with self._lock:
+                        self._counters["checkpoint_rewinds"] += 1
+                else:
+                    c = replace(c, n_keep=0)
             if self.pcache is not None and not self.deterministic:
                 c, restored = use_host_cache(self.pcache, self.ctx, self.mem, t.prompt, target, c,
                                              whole=self.uncuttable)
@@ -526,6 +540,7 @@ class Worker:
                 llama_cpp.llama_memory_seq_rm(self.mem, target.id, -1, -1)
                 llama_cpp.llama_memory_seq_cp(self.mem, src.id, target.id, 0, c.n_copy)
                 target.tokens = src.tokens[:c.n_copy]
+                target.checkpoint = None
             n_keep = c.n_keep
             if self.deterministic:
                 valid = self._det_valid.get(c.copy_from if c.copy_from is not None else target.id, 0)
@@ -624,6 +639,7 @@ class Worker:
             for t, _ in plan:
                 llama_cpp.llama_memory_seq_rm(self.mem, t.slot.id, -1, -1)
                 t.slot.tokens = []
+                t.slot.checkpoint = None
                 if t in self._active:
                     self._active.remove(t)
                 self._release(t)
@@ -642,11 +658,12 @@ class Worker:
                 with self._lock:
                     self._counters["prefilled_tokens"] += len(toks)
                 self._progress(t)
-                if not t.pending and self.uncuttable and self.pcache is not None:
-                    # the prompt's end is a message boundary: a checkpoint for the next turn
-                    data = save_state(self.ctx, t.slot.id)
-                    if data is not None:
-                        self.pcache.checkpoint(t.slot.tokens, data)
+                if (not t.pending and self.uncuttable and self.pcache is not None
+                        and len(t.slot.tokens) >= self.pcache.min_tokens):
+                    # the prompt's end is a message boundary: the next turn goes back to it
+                    if save_slot_checkpoint(self.ctx, t.slot):
+                        with self._lock:
+                            self._counters["slot_checkpoints"] += 1
         for t, idx in rows:
             if t.finished or t.cancelled:
                 continue
