@@ -357,6 +357,7 @@ def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templa
             "n_ctx_reason": n_ctx_reason,
             "n_ctx_train": llama_cpp.llama_model_n_ctx_train(model) if model else None,
             "n_params": llama_cpp.llama_model_n_params(model) if model else None,
+            "n_vocab": llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)) if model else None,
             "size_bytes": g.size_bytes if g else None, "is_demo": bool(g and g.is_demo),
             "n_expert": g.n_expert if g else 0, "n_expert_used": g.n_expert_used if g else 0,
             "n_layer": g.n_layer if g else 0, "experts_mode": "ostinato" if expert_engine else "stock",

@@ -218,6 +218,12 @@ class Worker:
                                self.n_ctx_slot)
         if req.infill is not None:
             return self.infill_prompt(req), None
+        if req.prompt_tokens is not None:
+            bad = next((t for t in req.prompt_tokens if not 0 <= t < self.n_vocab), None)
+            if bad is not None:
+                raise EngineError("invalid_request", f"prompt token id {bad} is not in the vocabulary "
+                                  f"(0..{self.n_vocab - 1})")
+            return list(req.prompt_tokens), None
         if req.messages is not None:
             rendered = self.templates.render(req.messages, req.tools, req.tool_choice,
                                              req.parallel_tool_calls, req.enable_thinking,
