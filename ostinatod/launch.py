@@ -591,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
         path = write_config(a.agent, facts, key, key_env, a.docker)
         print(f"# wrote {path}", file=sys.stderr)
     if a.config_only or a.docker:
+        if not a.docker:  # our own files the printed variables name (the user's are not touched)
+            for path, text in agent_files(a.agent, facts, key).items():
+                _write_private(path, text)
         print(render(a.agent, facts, key, key_env, settings, a.docker), end="")
         return 0
     if a.agent == "openhands-sdk":  # the user's own program: `-- python agent.py`
