@@ -145,3 +145,15 @@ def test_model_output_stays_out_of_the_log(oai, model, live_daemon, tool_call_bi
         assert "<tool_call>" not in (r.choices[0].message.content or "")
     log = live_daemon.log()
     assert "common_chat_peg_parse" not in log and "unparsed" not in log
+
+
+def test_load_lines_state_the_served_context(demo_daemon):
+    """Issue 44 item 7: llama.cpp's n_ctx_seq lines count the KV cache the slots share; the log
+    states the context per slot instead of 'n_ctx_seq (262144) > n_ctx_train (131072)'."""
+    from ostinatod.engine.loading import restate_context_line
+    logs = "".join(p.read_text(errors="replace") for p in (demo_daemon.home / "state").glob("*.log"))
+    assert "> n_ctx_train" not in logs
+    assert restate_context_line(b"llama_context: n_ctx_seq (262144) > n_ctx_train (131072) -- x\n", (131072, 2)) is None
+    said = restate_context_line(b"llama_context: n_ctx_seq             = 262144\n", (131072, 2))
+    assert b"131072 tokens per slot" in said
+    assert restate_context_line(b"other\n", (131072, 2)) == b"other\n"
