@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "resume": ("ostinatod.control.commands", "cmd_resume", "load the paused model again"),
     "tui": ("ostinatod.ui.tui", "main", "live terminal UI"),
     "tray": ("ostinatod.ui.tray", "main", "tray icon"),
-    "launch": ("ostinatod.launch", "main", "start an agent on the daemon (claude, opencode, openhands, codex)"),
+    "launch": ("ostinatod.launch", "main", "start an agent on the daemon (claude, opencode, codex, openhands, qwen, aider, cline, ...)"),
 }
 
 

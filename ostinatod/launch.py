@@ -1,5 +1,6 @@
-"""``ostinato launch claude|opencode|openhands|openhands-sdk|codex|mini [--config-only] [--write] [-- ARGS]``:
-start an agent pointed at the running daemon (like ``ollama launch``). Before it starts, the URL the
+"""``ostinato launch claude|opencode|openhands|openhands-sdk|codex|mini|qwen|aider|cline [--config-only]
+[--write] [-- ARGS]``: start an agent pointed at the running daemon (like ``ollama launch``); without
+an agent, list the entries. Before it starts, the URL the
 agent will call is checked: when nothing answers there, launch says so and what to do, and exits 1.
 
 URL, model, context size and API key come from the running daemon (control API ``GET
@@ -15,8 +16,10 @@ previous file is saved once as ``<file>.bak``). Facts in ../shared/CLIENTS.md:
 * OpenCode: an ``@ai-sdk/openai-compatible`` provider with ``baseURL .../v1``, context/output
   limits, ``model`` and ``small_model`` -> ``~/.config/opencode/opencode.json`` (started with
   ``OPENCODE_CONFIG`` pointing at a file of its own, merged by OpenCode over the user's).
-* OpenHands (LiteLLM): ``openai/<model>``, ``LLM_BASE_URL`` ``http://127.0.0.1:PORT/v1`` for the
-  SDK/CLI on this machine (started as ``openhands``), or with ``--docker``
+* OpenHands CLI (LiteLLM): it ignores ``LLM_*`` without ``--override-with-envs`` and reads the
+  context only from its saved settings, so it is started with that flag and
+  ``OPENHANDS_PERSISTENCE_DIR`` naming a dir of ours holding ``agent_settings.json`` (``openai/<model>``
+  on ``http://127.0.0.1:PORT/v1``, ``max_input_tokens`` = the served context); or with ``--docker``
   ``http://host.docker.internal:PORT/v1`` in an env file for ``docker run --env-file`` (needs the
   daemon reachable from the docker bridge: ``host`` opened, with an ``api_key``); max input tokens
   = the served context.
@@ -24,6 +27,12 @@ previous file is saved once as ``<file>.bak``). Facts in ../shared/CLIENTS.md:
   (``LLM.load_from_env()`` reads them).
 * mini-swe-agent (LiteLLM): ``MSWEA_MODEL_NAME=openai/<model>``, ``OPENAI_API_BASE``, its set-up
   wizard (``MSWEA_CONFIGURED``) and cost tracking (``MSWEA_COST_TRACKING``) off.
+* Qwen Code: ``OPENAI_API_KEY`` / ``OPENAI_BASE_URL`` / ``OPENAI_MODEL`` and a system-defaults file
+  (``QWEN_CODE_SYSTEM_DEFAULTS_PATH``: the openai auth type, the model, ``contextWindowSize``).
+* Aider: ``openai/<model>`` on ``OPENAI_API_BASE``, the context in a model-metadata file
+  (``AIDER_MODEL_METADATA_FILE``; ``--write``: ``~/.aider.model.metadata.json``).
+* Cline CLI: an ``openai-compatible`` provider in a ``providers.json`` of ours
+  (``CLINE_PROVIDER_SETTINGS_PATH``) with the model's context window in the ``models.json`` beside it.
 * Codex: a ``model_providers.ostinato`` entry with ``wire_api = "responses"`` and
   ``model_context_window`` -> ``~/.codex/config.toml`` (merged with tomlkit, comments kept); started
   with the same as ``-c`` overrides.
@@ -42,7 +51,17 @@ from typing import Any, Optional
 
 from .settings import Settings, load_settings
 
-AGENTS = ("claude", "opencode", "openhands", "openhands-sdk", "codex", "mini")
+AGENTS = ("claude", "opencode", "openhands", "openhands-sdk", "codex", "mini", "qwen", "aider", "cline")
+# one line per entry, for `ostinato launch` without an agent
+ABOUT = {"claude": "Claude Code (Anthropic Messages API)",
+         "opencode": "OpenCode (OpenAI chat completions)",
+         "openhands": "OpenHands CLI (`pip install openhands`), or its Docker app with --docker",
+         "openhands-sdk": "your OpenHands SDK program, given after --",
+         "codex": "Codex CLI (Responses API)",
+         "mini": "mini-swe-agent",
+         "qwen": "Qwen Code (OpenAI chat completions)",
+         "aider": "Aider (OpenAI chat completions)",
+         "cline": "Cline CLI (OpenAI-compatible provider)"}
 PROVIDER = "ostinato"
 # Any token works when the daemon has no api_key; clients refuse to start without one.
 PLACEHOLDER_KEY = "ostinato-local"
@@ -121,7 +140,7 @@ def openhands_env(url: str, model: str, key: str, n_ctx: int, docker: bool = Fal
     """OpenHands (LiteLLM) environment: the SDK/CLI on this machine, or (``docker``) its container."""
     base = f"http://host.docker.internal:{_port(url)}/v1" if docker else f"{url}/v1"
     return {"LLM_MODEL": f"openai/{model}", "LLM_BASE_URL": base, "LLM_API_KEY": key,
-            "LLM_MAX_INPUT_TOKENS": str(n_ctx), "LLM_MAX_OUTPUT_TOKENS": str(min(32768, n_ctx // 2))}
+            "LLM_MAX_INPUT_TOKENS": str(n_ctx), "LLM_MAX_OUTPUT_TOKENS": str(output_limit(n_ctx))}
 
 
 def mini_env(url: str, model: str, key: str) -> dict[str, str]:
@@ -130,6 +149,71 @@ def mini_env(url: str, model: str, key: str) -> dict[str, str]:
     return {"MSWEA_CONFIGURED": "true", "MSWEA_MODEL_NAME": f"openai/{model}",
             "MSWEA_COST_TRACKING": "ignore_errors", "OPENAI_API_BASE": f"{url}/v1",
             "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": key}
+
+
+def output_limit(n_ctx: int) -> int:
+    """The output tokens an agent is told it may ask for: half the context, at most 32768."""
+    return min(32768, n_ctx // 2)
+
+
+def openhands_settings(url: str, model: str, key: str, n_ctx: int) -> dict[str, Any]:
+    """The OpenHands CLI's saved agent settings (``agent_settings.json`` in its persistence dir,
+    an ``openhands.sdk.Agent``): the LLM on our base URL with the served context as
+    ``max_input_tokens`` (the CLI reads no variable for it), and its default summarizing condenser
+    on the same LLM. Tools are not stored: the CLI sets them at each start."""
+    def llm(usage: str) -> dict[str, Any]:
+        return {"model": f"openai/{model}", "base_url": f"{url}/v1", "api_key": key,
+                "max_input_tokens": n_ctx, "max_output_tokens": output_limit(n_ctx), "usage_id": usage}
+    return {"kind": "Agent", "llm": llm("agent"), "system_prompt_kwargs": {"cli_mode": True},
+            "condenser": {"kind": "LLMSummarizingCondenser", "llm": llm("condenser"),
+                          "max_size": 80, "keep_first": 4}}
+
+
+def qwen_defaults(model: str, n_ctx: int) -> dict[str, Any]:
+    """Qwen Code settings (system-defaults layer, ``QWEN_CODE_SYSTEM_DEFAULTS_PATH``): the OpenAI
+    protocol, the model, and the served context as ``contextWindowSize`` (it assumes 200k for a
+    model it does not know, and compacts too late)."""
+    return {"security": {"auth": {"selectedType": "openai"}},
+            "model": {"name": model, "generationConfig": {"contextWindowSize": n_ctx}}}
+
+
+def qwen_env(url: str, model: str, key: str) -> dict[str, str]:
+    """Qwen Code's OpenAI-compatible credentials."""
+    return {"OPENAI_API_KEY": key, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_MODEL": model}
+
+
+def aider_metadata(model: str, n_ctx: int) -> dict[str, Any]:
+    """Aider's model metadata (LiteLLM's format, ``--model-metadata-file`` /
+    ``~/.aider.model.metadata.json``): the served context and no cost."""
+    return {f"openai/{model}": {"max_input_tokens": n_ctx, "max_tokens": output_limit(n_ctx),
+                                "max_output_tokens": output_limit(n_ctx), "input_cost_per_token": 0.0,
+                                "output_cost_per_token": 0.0, "litellm_provider": "openai", "mode": "chat"}}
+
+
+def aider_env(url: str, model: str, key: str) -> dict[str, str]:
+    """Aider's environment (its ``AIDER_*`` variables are its options): the model as
+    ``openai/<model>`` on our base URL; update checks and analytics off (nothing to reach)."""
+    return {"OPENAI_API_BASE": f"{url}/v1", "OPENAI_API_KEY": key, "AIDER_MODEL": f"openai/{model}",
+            "AIDER_CHECK_UPDATE": "false", "AIDER_SHOW_RELEASE_NOTES": "false", "AIDER_ANALYTICS": "false"}
+
+
+def cline_settings(url: str, model: str, key: str, n_ctx: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Cline CLI's ``providers.json`` and the ``models.json`` beside it: the ``openai-compatible``
+    provider on our base URL, and the model's context window (Cline assumes 128000 otherwise)."""
+    import datetime
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+    providers = {"version": 1, "lastUsedProvider": CLINE_PROVIDER, "modes": {},
+                 "providers": {CLINE_PROVIDER: {"settings": {"provider": CLINE_PROVIDER, "apiKey": key,
+                                                             "model": model, "baseUrl": f"{url}/v1"},
+                                                "updatedAt": now, "tokenSource": "manual"}}}
+    models = {"version": 1, "providers": {CLINE_PROVIDER: {
+        "provider": {"name": "Ostinato (local)", "baseUrl": f"{url}/v1", "defaultModelId": model},
+        "models": {model: {"id": model, "name": model, "contextWindow": n_ctx, "maxInputTokens": n_ctx,
+                           "maxTokens": output_limit(n_ctx), "capabilities": ["streaming", "tools"]}}}}}
+    return providers, models
+
+
+CLINE_PROVIDER = "openai-compatible"
 
 
 def codex_provider(url: str, key_env: Optional[str]) -> dict[str, Any]:
@@ -154,10 +238,53 @@ def config_path(agent: str, docker: bool = False) -> Path:
         return Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "opencode" / "opencode.json"
     if agent == "codex":
         return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml"
+    if agent == "qwen":
+        return home / ".qwen" / "settings.json"
+    if agent == "aider":
+        return home / ".aider.model.metadata.json"  # aider reads it from the home directory
+    if agent == "cline":
+        return Path(os.environ.get("CLINE_DIR") or home / ".cline") / "data" / "settings" / "providers.json"
+    if agent == "openhands" and not docker:
+        return Path(os.environ.get("OPENHANDS_PERSISTENCE_DIR") or home / ".openhands") / "agent_settings.json"
     from .paths import get_paths
     if agent == "mini":
         return get_paths().config / "mini-swe-agent.env"
     return get_paths().config / ("openhands-docker.env" if docker else "openhands.env")
+
+
+def _merge(base: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``ours`` merged in: nested objects merged key by key, other values replaced."""
+    out = dict(base)
+    for k, v in ours.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (parents made), readable by the user only: it carries the key."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o600)
+
+
+def agent_files(agent: str, facts: dict[str, Any], key: str) -> dict[Path, str]:
+    """The files :func:`agent_command` writes for ``agent`` under the config dir's ``agents/``
+    (qwen, aider, cline, openhands), by path; the agent is pointed at them, the user's own
+    configuration is not touched."""
+    from .paths import get_paths
+    url, model, n_ctx = facts["url"], facts["model"], facts["n_ctx"]
+    d = get_paths().config / "agents"
+    dump = lambda v: json.dumps(v, indent=2) + "\n"  # noqa: E731
+    if agent == "qwen":
+        return {d / "qwen-system-defaults.json": dump(qwen_defaults(model, n_ctx))}
+    if agent == "aider":
+        return {d / "aider-model-metadata.json": dump(aider_metadata(model, n_ctx))}
+    if agent == "cline":
+        providers, models = cline_settings(url, model, key, n_ctx)
+        return {d / "cline" / "providers.json": dump(providers), d / "cline" / "models.json": dump(models)}
+    if agent == "openhands":
+        return {d / "openhands" / "agent_settings.json": dump(openhands_settings(url, model, key, n_ctx))}
+    return {}
 
 
 def _backup(path: Path) -> None:
@@ -216,12 +343,26 @@ def write_config(agent: str, facts: dict[str, Any], key: str, key_env: Optional[
         for k, v in codex_context(facts["n_ctx"]).items():
             doc[k] = v
         text = tomlkit.dumps(doc)
+    elif agent == "qwen":
+        ours = {"env": qwen_env(url, model, key), **qwen_defaults(model, facts["n_ctx"])}
+        text = json.dumps(_merge(_read_json(path), ours), indent=2) + "\n"
+    elif agent == "aider":
+        text = json.dumps(_merge(_read_json(path), aider_metadata(model, facts["n_ctx"])), indent=2) + "\n"
+    elif agent == "cline":
+        providers, models = cline_settings(url, model, key, facts["n_ctx"])
+        mpath = path.with_name("models.json")
+        merged_models = _merge(_read_json(mpath), models)
+        text = json.dumps(_merge(_read_json(path), providers), indent=2) + "\n"
+        _backup(mpath)
+        _write_private(mpath, json.dumps(merged_models, indent=2) + "\n")
+    elif agent == "openhands" and not docker:
+        text = json.dumps(openhands_settings(url, model, key, facts["n_ctx"]), indent=2) + "\n"
     else:
         env = mini_env(url, model, key) if agent == "mini" else openhands_env(url, model, key, facts["n_ctx"], docker)
         text = "".join(f"{k}={v}\n" for k, v in env.items())
     _backup(path)
     path.write_text(text)
-    if agent in ("claude", "openhands", "openhands-sdk", "mini"):
+    if agent in ("claude", "openhands", "openhands-sdk", "mini", "qwen", "cline"):
         path.chmod(0o600)  # carries the token
     return path
 
@@ -251,14 +392,42 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
         doc["model_providers"] = t
         extra = f"# and export {key_env}=<your api_key>\n" if key_env else ""
         return f"# Codex (Responses API): {dest} (--write merges this)\n{tomlkit.dumps(doc)}{extra}"
+    if agent == "qwen":
+        files = agent_files(agent, facts, key)
+        (f, text), = files.items()
+        env = {**qwen_env(url, model, key), "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(f)}
+        return ("# Qwen Code: set these, then run `qwen`; the defaults file tells it the protocol, the model\n"
+                f"# and the served context (contextWindowSize). --write merges both into {dest} instead.\n" +
+                "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) +
+                f"# {f}:\n{text}")
+    if agent == "aider":
+        files = agent_files(agent, facts, key)
+        (f, text), = files.items()
+        env = {**aider_env(url, model, key), "AIDER_MODEL_METADATA_FILE": str(f)}
+        return ("# Aider: set these, then run `aider`; the metadata file gives it the served context.\n"
+                f"# --write merges the metadata into {dest}, which aider reads by itself.\n" +
+                "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) +
+                f"# {f}:\n{text}")
+    if agent == "cline":
+        files = agent_files(agent, facts, key)
+        (pf, ptext), (mf, mtext) = files.items()
+        return (f"# Cline CLI: export CLINE_PROVIDER_SETTINGS_PATH={shlex.quote(str(pf))}, then run `cline`\n"
+                f"# (models.json beside it gives the served context). --write merges both into {dest.parent}.\n"
+                f"# {pf}:\n{ptext}# {mf}:\n{mtext}")
     if agent == "mini":
         return ("# mini-swe-agent (LiteLLM): set these, then run `mini`\n" +
                 "".join(f"export {k}={shlex.quote(v)}\n" for k, v in mini_env(url, model, key).items()))
     env = openhands_env(url, model, key, facts["n_ctx"], docker)
     if not docker:
-        return ("# OpenHands CLI (`openhands`) or SDK on this machine (LiteLLM): set these; in SDK code\n"
-                "# `LLM.load_from_env()` reads them (or: ostinato launch openhands-sdk -- python agent.py)\n" +
+        (f, text), = agent_files("openhands", facts, key).items()
+        return ("# OpenHands CLI (`pip install openhands`): it reads its saved settings, not these variables\n"
+                f"# unless started with --override-with-envs, and no variable gives it the context: run\n"
+                f"#   OPENHANDS_PERSISTENCE_DIR={shlex.quote(str(f.parent))} openhands --override-with-envs\n"
+                f"# with the variables below set ({f} holds the served context as max_input_tokens;\n"
+                f"# --write puts it into {dest}). OpenHands SDK code: `LLM.load_from_env()` reads the\n"
+                "# variables (or: ostinato launch openhands-sdk -- python agent.py)\n" +
                 "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) +
+                f"# {f}:\n{text}"
                 "# (OpenHands in Docker: `ostinato launch openhands --docker --config-only`)\n")
     lines = [f"# OpenHands runs in Docker: it reaches the daemon at host.docker.internal:{_port(url)}."]
     if settings.host in ("127.0.0.1", "localhost", "::1"):
@@ -276,10 +445,12 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
 
 
 BINARIES = {"claude": "claude", "opencode": "opencode", "codex": "codex", "openhands": "openhands",
-            "mini": "mini"}  # openhands-sdk runs the command given after --
+            "mini": "mini", "qwen": "qwen", "aider": "aider", "cline": "cline"}  # openhands-sdk: the command after --
 INSTALL = {"claude": "npm install -g @anthropic-ai/claude-code", "opencode": "npm install -g opencode-ai",
            "codex": "npm install -g @openai/codex", "openhands": "uv tool install openhands",
-           "mini": "pip install mini-swe-agent", "openhands-sdk": "pip install openhands-sdk"}
+           "mini": "pip install mini-swe-agent", "openhands-sdk": "pip install openhands-sdk",
+           "qwen": "npm install -g @qwen-code/qwen-code", "aider": "pipx install aider-chat",
+           "cline": "npm install -g cline"}
 
 
 def agent_command(agent: str, facts: dict[str, Any], key: str, args: list[str],
@@ -317,8 +488,31 @@ def agent_command(agent: str, facts: dict[str, Any], key: str, args: list[str],
         env["OSTINATO_API_KEY"] = key
     elif agent == "mini":
         env.update(mini_env(url, model, key))
+    elif agent in ("qwen", "aider", "cline"):
+        files = agent_files(agent, facts, key)
+        for path, text in files.items():
+            _write_private(path, text)
+        first = next(iter(files))
+        env.update(qwen_env(url, model, key) if agent == "qwen" else aider_env(url, model, key) if agent == "aider"
+                   else {})
+        env[{"qwen": "QWEN_CODE_SYSTEM_DEFAULTS_PATH", "aider": "AIDER_MODEL_METADATA_FILE",
+             "cline": "CLINE_PROVIDER_SETTINGS_PATH"}[agent]] = str(first)
     else:
         env.update(openhands_env(url, model, key, n_ctx))
+        if agent == "openhands":
+            # the CLI ignores LLM_* without --override-with-envs and reads the context only from its
+            # saved settings: ours, in a persistence dir of their own; conversations and MCP servers
+            # stay the user's
+            (path, text), = agent_files(agent, facts, key).items()
+            _write_private(path, text)
+            user = Path(environ.get("OPENHANDS_PERSISTENCE_DIR") or Path(environ.get("HOME") or Path.home()) / ".openhands")
+            mcp = path.parent / "mcp.json"
+            if (user / "mcp.json").exists() and not mcp.exists():
+                mcp.symlink_to(user / "mcp.json")
+            env["OPENHANDS_PERSISTENCE_DIR"] = str(path.parent)
+            env.setdefault("OPENHANDS_CONVERSATIONS_DIR", str(user / "conversations"))
+            env.setdefault("OPENHANDS_SUPPRESS_BANNER", "1")
+            argv.append("--override-with-envs")
     return argv + list(args), env, notes
 
 
@@ -343,6 +537,18 @@ def unreachable(url: str, timeout: float = 3.0) -> Optional[str]:
         return str(getattr(e, "reason", None) or e)
 
 
+def list_agents() -> str:
+    """The text of ``ostinato launch`` without an agent: every entry, whether its program is on
+    PATH, and how to install it where it is not."""
+    lines = ["ostinato launch AGENT [--config-only] [--write] [-- ARGS]   agents:"]
+    for agent in AGENTS:
+        exe = BINARIES.get(agent)
+        where = ("" if exe is None else f"  [{exe}: " + ("on PATH]" if shutil.which(exe) else
+                                                          f"not on PATH; {INSTALL[agent]}]"))
+        lines.append(f"  {agent:<14} {ABOUT[agent]}{where}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``ostinato launch AGENT [--config-only] [--write] [--docker] [--url URL] [--model NAME] [-- ARGS]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -353,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ostinato launch", description="Start an agent on the Ostinato "
                                  "daemon (URL, model, context and key from the running daemon); "
                                  "arguments after -- go to the agent.")
-    ap.add_argument("agent", choices=AGENTS)
+    ap.add_argument("agent", nargs="?", choices=AGENTS, help="the agent to start; none: list them")
     ap.add_argument("--config-only", action="store_true", help="print the configuration, do not "
                     "start the agent")
     ap.add_argument("--write", action="store_true", help="also write/merge the agent's config file")
@@ -363,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="model name to configure (default: the served model)")
     a, extra = ap.parse_known_args(argv)
     passed = extra + passed
+    if a.agent is None:
+        print(list_agents())
+        return 0
     settings = load_settings()
     facts = _daemon_facts(settings)
     if a.url:
@@ -382,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
         path = write_config(a.agent, facts, key, key_env, a.docker)
         print(f"# wrote {path}", file=sys.stderr)
     if a.config_only or a.docker:
+        if not a.docker:  # our own files the printed variables name (the user's are not touched)
+            for path, text in agent_files(a.agent, facts, key).items():
+                _write_private(path, text)
         print(render(a.agent, facts, key, key_env, settings, a.docker), end="")
         return 0
     if a.agent == "openhands-sdk":  # the user's own program: `-- python agent.py`

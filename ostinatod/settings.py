@@ -93,6 +93,11 @@ class Settings(BaseSettings):
                                         "the slot and put back when its session returns (like "
                                         "llama-server's --cache-ram). Unset: 1/8 of the RAM, at most "
                                         "8192; 0: off.")
+    cache_disk_mb: int = Field(4096, ge=0, description="Prefix cache on disk (MiB, under the state dir's "
+                               "prefix-cache/): the states of the host-memory cache and of idle slots are "
+                               "written there in the background, keyed by the model file and the exact "
+                               "token prefix, so an agent session's prefix is reused after the daemon "
+                               "restarts. 0: off.")
     n_batch: int = Field(2048, ge=32, le=65536, description="Logical batch size for prefill (tokens).")
     n_ubatch: int = Field(0, ge=0, le=65536, description="Physical batch (ubatch) size for prefill (tokens): the "
                           "tokens of one forward pass. 0: chosen at load: with an expert pool on a GPU the largest "

@@ -62,6 +62,10 @@ def test_render_required_and_named_tool_choice(templates):
     r2 = t.render(msgs, tools=TOOLS + [{"type": "function", "function": {"name": "other", "parameters": {}}}],
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert "get_weather" in r2.grammar and "other" not in r2.grammar
+    # issue 44 item 6: the prompt shows every tool whatever the choice (the cached prefix stays)
+    auto = t.render(msgs, tools=TOOLS + [{"type": "function", "function": {"name": "other", "parameters": {}}}])
+    assert r2.prompt == auto.prompt and '"name": "other"' in r2.prompt
+    assert r.prompt == t.render(msgs, tools=TOOLS).prompt
 
 
 def test_render_bad_input_is_structured_error(templates):
@@ -173,3 +177,24 @@ def test_unparsable_output_keeps_its_calls_and_drops_markers(templates, broken):
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather"]
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
     assert "<tool_call>" not in (msg.get("content") or "") and "</tool_call>" not in (msg.get("content") or "")
+
+
+@pytest.mark.parametrize("text", [
+    'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut by the length limit
+    'Sure.<tool_call>\n{"name": "get_weather" oops } more\n</tool_call>',  # never parses
+])
+def test_broken_call_markup_never_reaches_text(templates, text):
+    """Issue 44 item 5: neither the streamed content nor the final message holds any of a broken
+    call (markup, name or arguments), and no call is returned."""
+    from ostinatod.engine.chat import openai_message
+    from ostinatod.engine.text import settle_tool_calls
+    p = _parser(templates)
+    streamed = ""
+    for i in range(1, len(text)):
+        streamed += "".join(d.get("content", "") for d in p.feed(text[:i]).diffs)
+    res = p.feed(text, final=True)
+    streamed += "".join(d.get("content", "") for d in res.diffs)
+    msg, finish = settle_tool_calls(openai_message(res.message), "length")
+    assert finish == "length" and "tool_calls" not in msg
+    for out in (streamed, msg["content"]):
+        assert out.strip() == "Sure.", (streamed, msg)

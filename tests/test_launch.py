@@ -167,3 +167,70 @@ def test_launch_without_the_agent_installed_says_how(env, capsys, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert launch.main(["codex"]) == 127
     assert "npm install -g @openai/codex" in capsys.readouterr().err
+
+
+FACTS = {"url": "http://127.0.0.1:8385", "model": "m", "n_ctx": 65536, "api_key": None}
+
+
+def test_openhands_cli_gets_the_flag_and_saved_settings_with_the_context(env):
+    """Issue 44 item 1: the OpenHands CLI (1.16) ignores LLM_* without --override-with-envs and
+    reads the context only from agent_settings.json (an openhands.sdk Agent)."""
+    user = env / ".openhands"
+    user.mkdir()
+    (user / "mcp.json").write_text('{"mcpServers": {}}')
+    argv, e, _ = launch.agent_command("openhands", FACTS, "k", ["--headless", "-t", "hi"], {"HOME": str(env)},
+                                      "/x/openhands")
+    assert argv == ["/x/openhands", "--override-with-envs", "--headless", "-t", "hi"]
+    assert e["LLM_MODEL"] == "openai/m" and e["LLM_BASE_URL"] == "http://127.0.0.1:8385/v1" and e["LLM_API_KEY"] == "k"
+    d = launch.Path(e["OPENHANDS_PERSISTENCE_DIR"])
+    s = json.loads((d / "agent_settings.json").read_text())
+    assert s["kind"] == "Agent" and s["llm"]["max_input_tokens"] == 65536 and s["llm"]["model"] == "openai/m"
+    assert s["condenser"]["llm"]["max_input_tokens"] == 65536
+    assert (d / "mcp.json").resolve() == (user / "mcp.json").resolve()  # the user's MCP servers stay
+    assert e["OPENHANDS_CONVERSATIONS_DIR"] == str(user / "conversations")
+    assert stat.S_IMODE((d / "agent_settings.json").stat().st_mode) == 0o600
+
+
+def test_qwen_aider_cline_are_told_the_served_context(env, capsys):
+    """Issue 44 item 2: each agent gets key, model, base URL and the served context in the form
+    it reads; --config-only prints it, --write merges it into the agent's own files."""
+    argv, e, _ = launch.agent_command("qwen", FACTS, "k", ["-p", "hi"], {}, "/x/qwen")
+    assert argv == ["/x/qwen", "-p", "hi"]
+    assert (e["OPENAI_BASE_URL"], e["OPENAI_API_KEY"], e["OPENAI_MODEL"]) == ("http://127.0.0.1:8385/v1", "k", "m")
+    d = json.loads(open(e["QWEN_CODE_SYSTEM_DEFAULTS_PATH"]).read())
+    assert d["model"]["generationConfig"]["contextWindowSize"] == 65536
+    assert d["security"]["auth"]["selectedType"] == "openai"
+    argv, e, _ = launch.agent_command("aider", FACTS, "k", [], {}, "/x/aider")
+    assert e["AIDER_MODEL"] == "openai/m" and e["OPENAI_API_BASE"] == "http://127.0.0.1:8385/v1"
+    meta = json.loads(open(e["AIDER_MODEL_METADATA_FILE"]).read())
+    assert meta["openai/m"]["max_input_tokens"] == 65536
+    argv, e, _ = launch.agent_command("cline", FACTS, "k", [], {}, "/x/cline")
+    prov = json.loads(open(e["CLINE_PROVIDER_SETTINGS_PATH"]).read())
+    assert prov["lastUsedProvider"] == "openai-compatible"
+    assert prov["providers"]["openai-compatible"]["settings"] == {
+        "provider": "openai-compatible", "apiKey": "k", "model": "m", "baseUrl": "http://127.0.0.1:8385/v1"}
+    models = json.loads((launch.Path(e["CLINE_PROVIDER_SETTINGS_PATH"]).parent / "models.json").read_text())
+    assert models["providers"]["openai-compatible"]["models"]["m"]["contextWindow"] == 65536
+    # --write merges into the agents' own files, keeping what is there
+    qwen = env / ".qwen" / "settings.json"
+    qwen.parent.mkdir()
+    qwen.write_text(json.dumps({"ui": {"theme": "x"}, "model": {"generationConfig": {"timeout": 5}}}))
+    assert launch.main(["qwen", "--config-only", "--write"]) == 0
+    q = json.loads(qwen.read_text())
+    assert q["ui"] == {"theme": "x"} and q["model"]["generationConfig"] == {"timeout": 5, "contextWindowSize": 131072}
+    assert q["env"]["OPENAI_BASE_URL"] == "http://127.0.0.1:8385/v1"
+    out = capsys.readouterr().out
+    assert "QWEN_CODE_SYSTEM_DEFAULTS_PATH" in out and '"contextWindowSize": 131072' in out
+    assert launch.main(["aider", "--config-only", "--write"]) == 0
+    assert json.loads((env / ".aider.model.metadata.json").read_text())[
+        "openai/ostinato-demo-random-weights"]["max_input_tokens"] == 131072
+    assert launch.main(["cline", "--config-only", "--write"]) == 0
+    assert (env / ".cline" / "data" / "settings" / "models.json").exists()
+
+
+def test_launch_without_an_agent_lists_every_entry(env, capsys):
+    assert launch.main([]) == 0
+    out = capsys.readouterr().out
+    for agent in launch.AGENTS:
+        assert f"  {agent} " in out
+    assert "npm install -g @qwen-code/qwen-code" in out or "qwen: on PATH" in out

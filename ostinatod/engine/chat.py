@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -22,6 +23,8 @@ from typing import Any, Optional
 
 from . import native
 from .types import EngineError
+
+log = logging.getLogger("ostinatod.engine")
 
 
 @dataclass
@@ -180,6 +183,29 @@ def stderr_captured():
 
 _STDERR_LOCK = threading.Lock()
 
+# common_log's level numbers (llama.cpp common/log.h): only errors pass while model output is parsed
+_COMMON_LOG_ERROR = 1
+
+
+@contextlib.contextmanager
+def model_output_unlogged():
+    """While the block runs, llama.cpp's common log drops its warnings: a final parse that does not
+    match the format makes ``common_chat_peg_parse`` print the model's raw output at warning level
+    on stderr, which docs/api.md keeps to debug level (the worker logs the parse error at debug).
+    The threshold is common_log's global; a no-op where the library does not export it."""
+    import ctypes
+    try:
+        thold = ctypes.c_int.in_dll(native.lib(), "common_log_verbosity_thold")
+    except (ValueError, OSError, AttributeError):
+        yield
+        return
+    old = thold.value
+    thold.value = min(old, _COMMON_LOG_ERROR)
+    try:
+        yield
+    finally:
+        thold.value = old
+
 
 @contextlib.contextmanager
 def _fd2_captured():
@@ -253,7 +279,9 @@ class ChatTemplates(_NativeHandle):
                enable_thinking: Optional[bool] = None, json_schema: Optional[dict[str, Any]] = None,
                add_generation_prompt: bool = True) -> RenderedPrompt:
         """Apply the template. ``tool_choice``: "auto" | "none" | "required" | {"type": "function",
-        "function": {"name": N}} (a named tool: only that tool is offered and a call is required).
+        "function": {"name": N}} (a named tool: a call of it is required). The prompt does not
+        depend on the choice: every tool is shown as with "auto", so a forced turn keeps the
+        conversation's cached prefix; the choice only constrains the grammar.
 
         Raises EngineError("invalid_request" | "template_error").
         """
@@ -268,6 +296,7 @@ class ChatTemplates(_NativeHandle):
             r.prompt += last["content"]
             return r
         tools = list(tools or [])
+        shown = tools
         choice = tool_choice if tool_choice is not None else "auto"
         if isinstance(choice, dict):
             name = (choice.get("function") or {}).get("name") or choice.get("name")
@@ -287,7 +316,12 @@ class ChatTemplates(_NativeHandle):
             req["tools"] = normalize_tools(tools)
         if json_schema is not None:
             req["json_schema"] = json_schema
-        res = self._apply(req, json_schema)
+        try:
+            res = self._apply(req, json_schema)
+        except EngineError as e:
+            if tools:
+                self._blame_tool(req, e)
+            raise
         if choice != "required" or json_schema is not None:
             if res.get("grammar_lazy") and not parallel_tool_calls:  # at most one call
                 res["grammar"] = call_root(res["grammar"], False)
@@ -298,7 +332,23 @@ class ChatTemplates(_NativeHandle):
         forced = forced_call_result(self._apply(dict(req, tool_choice="auto"), None), bool(parallel_tool_calls))
         out = RenderedPrompt.from_result(res)
         out.sampler_raw = json.dumps(forced) if forced is not None else None
+        # the prompt of "auto" with every tool: the same tokens as the conversation's other turns
+        out.prompt = self._apply(dict(req, tools=normalize_tools(shown), tool_choice="auto"), None)["prompt"]
         return out
+
+    def _blame_tool(self, req: dict[str, Any], err: EngineError) -> None:
+        """When one of ``req``'s tools alone makes the template fail (a schema llama.cpp cannot use,
+        e.g. a ``$ref`` to a missing ``$defs`` entry), raise ``err`` again naming that tool by index
+        and name, with the JSON pointer llama.cpp gave, and ``param`` ``tools.<index>``; returns
+        when no single tool fails (the error is elsewhere). Only runs on the error path."""
+        for i, tool in enumerate(req.get("tools") or []):
+            try:
+                self._apply(dict(req, tools=[tool], tool_choice="auto"), None)
+            except EngineError as e:
+                why = e.message.split("generation failed: ", 1)[-1]
+                name = (tool.get("function") or {}).get("name") or tool.get("name")
+                raise EngineError(e.code, f"tools[{i}] ({name!r}): its parameters schema cannot be used: "
+                                  f"{why}", e.status, {"param": f"tools.{i}"}) from err
 
     def _apply(self, req: dict[str, Any], json_schema: Optional[dict[str, Any]]) -> dict[str, Any]:
         """The shim's apply result of one request dict. Raises EngineError."""
@@ -424,12 +474,12 @@ class ChatParser(_NativeHandle):
         (``{"content"}``, ``{"reasoning"}``, ``{"tool_calls": [{"index", "id", "name", "arguments"}]}``).
 
         A final text that does not match the format (``parse_error`` set) keeps what parsed: the
-        calls before the broken markup stay calls, a call begun there keeps its name and the
-        arguments so far (:func:`.text.settle_tool_calls` turns it into ``name(arguments)`` text),
-        and the format's markers are taken out of the content (:meth:`_salvage`)."""
+        calls before the broken markup stay calls and the text before it stays content; the broken
+        markup itself is dropped (:meth:`_salvage`), never returned as text."""
         text_so_far = respace_triggers(text_so_far, self._spaced)
-        res = native.take_json(self._feed(self._h, text_so_far.encode("utf-8", errors="replace"),
-                                          0 if final else 1))
+        with model_output_unlogged():
+            res = native.take_json(self._feed(self._h, text_so_far.encode("utf-8", errors="replace"),
+                                              0 if final else 1))
         if "error" in res:
             # only when even the fallback failed: keep the text as content
             self.message = {"role": "assistant", "content": text_so_far, "reasoning_content": "",
@@ -437,7 +487,9 @@ class ChatParser(_NativeHandle):
             return ParseResult(self.message, [], res["error"].get("message"))
         self.message = res["msg"]
         if final and res.get("parse_error"):
-            self.message = self._salvage(text_so_far)
+            log.debug("model output that does not match the %s format: %r", "chat", text_so_far[:2000])
+            with model_output_unlogged():
+                self.message = self._salvage(text_so_far)
         calls = self.message.get("tool_calls", [])
         deltas: list[dict[str, Any]] = []
 
@@ -473,8 +525,9 @@ class ChatParser(_NativeHandle):
 
     def _salvage(self, text: str) -> dict[str, Any]:
         """The message of a final ``text`` that does not parse: the longest part before one of
-        the format's call markers that parses (its calls and content), then the rest as text
-        without the format's markers (preserved tokens and trigger words, e.g. ``<tool_call>``)."""
+        the format's call openers that parses (its calls and content), then the text of the rest
+        up to its first call opener, without the format's markers; from that opener on the output
+        is a broken call, dropped (logged at debug)."""
         msg: dict[str, Any] = {"role": "assistant", "content": "", "reasoning_content": "", "tool_calls": []}
         cut = 0
         starts = sorted({i for m in self._openers for i in _find_all(text, m)}, reverse=True)
@@ -484,6 +537,10 @@ class ChatParser(_NativeHandle):
                 msg, cut = dict(res["msg"]), k
                 break
         rest = text[cut:]
+        opened = [i for i in (rest.find(m) for m in self._openers) if i >= 0]
+        if opened:
+            log.debug("broken call markup dropped from the output: %r", rest[min(opened):][:300])
+            rest = rest[:min(opened)]
         for marker in self._markers:
             rest = rest.replace(marker, "")
         content = msg.get("content") or ""
@@ -519,7 +576,7 @@ def parser_for(templates: ChatTemplates, req: Any, rendered: RenderedPrompt) -> 
     """The output parser of a chat request (a GenRequest) rendered as ``rendered``. With
     ``tool_choice`` "none" the tools stay in the prompt (docs/api.md: the cached prefix does not
     change with tool_choice) and a call the model makes anyway is parsed with the "auto" format, to
-    become text (:func:`.text.settle_tool_calls`), never raw markup in the content."""
+    be dropped (:func:`.text.settle_tool_calls`), never raw markup in the content."""
     if req.tools and req.tool_choice == "none":
         rendered = templates.render(req.messages, req.tools, "auto", req.parallel_tool_calls,
                                     req.enable_thinking, req.json_schema)

@@ -63,7 +63,22 @@ class Loaded:
 
 
 _LOG_ERROR, _LOG_CONT = 4, 5  # ggml_log_level values (ggml.h; llama-cpp-python maps them off by one)
-_log_capture: dict[str, Any] = {"lines": None, "error": False, "cb": None}
+_log_capture: dict[str, Any] = {"lines": None, "error": False, "cb": None, "served": None}
+
+
+def restate_context_line(text: bytes, served: Optional[tuple[int, int]]) -> Optional[bytes]:
+    """llama.cpp's context-creation line ``text`` as it should be logged while a context of
+    ``served`` = (tokens per slot, slots) is created: its lines about ``n_ctx_seq`` count the KV
+    cache the slots share, not a slot's context, so they are replaced by one that states both
+    (the ``> n_ctx_train`` warning is dropped: a slot's context never exceeds the training one).
+    None: drop the line; other lines are returned as they are."""
+    if served is None or b"n_ctx_seq" not in text:
+        return text
+    if b"n_ctx_train" in text:
+        return None
+    n_slot, n_slots = served
+    return (f"llama_context: serving {n_slot} tokens per slot; the {n_slots} slots share one KV cache "
+            f"(llama.cpp's n_ctx_seq = {n_slot * n_slots})\n").encode()
 
 
 def _capturing_callback() -> Any:
@@ -75,6 +90,10 @@ def _capturing_callback() -> Any:
     if _log_capture["cb"] is None:
         @llama_cpp.llama_log_callback
         def cb(level: int, text: bytes, user_data: Any) -> None:
+            said = restate_context_line(text, _log_capture["served"])
+            if said is None:
+                return
+            text = said
             lines = _log_capture["lines"]
             if level != _LOG_CONT:
                 _log_capture["error"] = level == _LOG_ERROR
@@ -253,7 +272,12 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
     if settings.flash_attn is not None:
         cparams.flash_attn_type = 1 if settings.flash_attn else 0
     cparams.no_perf = True
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    _log_capture["served"] = (n_ctx_slot, n_slots)  # restated in llama.cpp's n_ctx_seq lines
+    llama_cpp.llama_log_set(_capturing_callback(), None)
+    try:
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+    finally:
+        _log_capture["served"] = None
     if not ctx:
         llama_cpp.llama_model_free(model)
         raise EngineError("model_not_loaded", f"could not create a context of {cparams.n_ctx} tokens "
@@ -357,6 +381,7 @@ def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templa
             "n_ctx_reason": n_ctx_reason,
             "n_ctx_train": llama_cpp.llama_model_n_ctx_train(model) if model else None,
             "n_params": llama_cpp.llama_model_n_params(model) if model else None,
+            "n_vocab": llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model)) if model else None,
             "size_bytes": g.size_bytes if g else None, "is_demo": bool(g and g.is_demo),
             "n_expert": g.n_expert if g else 0, "n_expert_used": g.n_expert_used if g else 0,
             "n_layer": g.n_layer if g else 0, "experts_mode": "ostinato" if expert_engine else "stock",

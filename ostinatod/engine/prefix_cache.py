@@ -126,16 +126,18 @@ def make_prefix_cache(settings: Any) -> Optional[PrefixCache]:
 
 
 def use_host_cache(pc: PrefixCache, ctx: Any, mem: Any, prompt: Sequence[int], target: Slot,
-                   c: SlotChoice, whole: bool = False) -> tuple[SlotChoice, int]:
+                   c: SlotChoice, whole: bool = False, disk: Any = None) -> tuple[SlotChoice, int]:
     """Around a slot choice ``c`` (worker loop thread): save ``target``'s state when the request
-    would drop much of it, and put a saved state back into ``target`` when it holds more of
-    ``prompt`` than ``c`` keeps (``whole``: only states that are all a prefix of ``prompt``, for
+    would drop much of it (also to ``disk``, a :class:`.disk_cache.DiskPrefixCache`), and put a
+    saved state back into ``target`` when it holds more of ``prompt`` than ``c`` keeps (``whole``: only states that are all a prefix of ``prompt``, for
     memories that cannot be cut back). Returns the (possibly new) choice and the tokens restored."""
     kept_own = 0 if c.copy_from is not None else c.n_keep
     if pc.worth_saving(target.tokens, kept_own):
         data = save_state(ctx, target.id)
         if data is not None:
             pc.put(target.tokens, data)
+            if disk is not None and not disk.covered(target.tokens):  # kept across restarts too
+                disk.save(target.tokens, data)
     hit = pc.best(prompt, whole=whole, at_most=len(prompt) - 1 if whole else None)
     if hit is None or min(hit[1], len(prompt) - 1) <= c.n_keep:
         return c, 0

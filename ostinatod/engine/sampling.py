@@ -73,6 +73,7 @@ def demo_choice(req: GenRequest) -> None:
     if not req.tools or not req.messages or req.tool_choice not in (None, "auto"):
         if req.tools and req.tool_choice not in (None, "auto", "none"):
             req.parallel_tool_calls = False
+            req.forced_by_client = True  # no demo notice before it
         return
     after_result = isinstance(req.messages[-1], dict) and req.messages[-1].get("role") == "tool"
     req.tool_choice = "none" if after_result else "required"

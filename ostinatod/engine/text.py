@@ -6,7 +6,10 @@ Pure Python; the worker feeds it token pieces (bytes) as they are sampled.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Optional, Sequence
+
+log = logging.getLogger("ostinatod.engine")
 
 
 class Utf8Text:
@@ -123,17 +126,16 @@ def call_text(call: dict[str, Any]) -> str:
 
 def settle_tool_calls(message: dict[str, Any], finish_reason: Optional[str],
                       tool_choice: Any = None) -> tuple[dict[str, Any], Optional[str]]:
-    """The final assistant message and finish reason of a generation, with every tool call either
-    a valid call or text (docs/api.md "Tool calls"): a call is returned as a call only when its
-    arguments parse as a JSON object (a call cut by the length limit does not) and tools were not
-    switched off (``tool_choice`` "none"). Any other call is appended to the content as
-    ``name(arguments)`` (:func:`call_text`). The finish reason is "tool_calls" when valid calls
-    remain; otherwise "length" when the output was cut, else "stop" -- so a cut call reads
-    "output limit reached", not "JSON parsing failed"."""
+    """The final assistant message and finish reason of a generation, with every tool call a
+    valid call or gone (docs/api.md "Tool calls"): a call is returned only when its arguments parse
+    as a JSON object (a call cut by the length limit does not) and tools were not switched off
+    (``tool_choice`` "none"); any other call is dropped, never written into the content (no model
+    markup or half-written call in text). The finish reason is "tool_calls" when valid calls
+    remain; otherwise "length" when the output was cut, else "stop"."""
     calls = message.get("tool_calls") or []
     if not calls:
         return message, finish_reason
-    keep, text = [], []
+    keep, dropped = [], []
     for tc in calls:
         fn = tc.get("function") or tc
         args = fn.get("arguments")
@@ -141,16 +143,16 @@ def settle_tool_calls(message: dict[str, Any], finish_reason: Optional[str],
             ok = isinstance(json.loads(args) if isinstance(args, str) else args, dict)
         except (json.JSONDecodeError, TypeError):
             ok = False
-        if ok and tool_choice != "none":
-            keep.append(tc)
-        else:
-            text.append(call_text(tc))
-    if not text:
+        (keep if ok and tool_choice != "none" else dropped).append(tc)
+    if not dropped:
         return message, "tool_calls"
+    log.debug("dropped %d tool call(s) (%s): %s", len(dropped),
+              "tool_choice none" if tool_choice == "none" else "arguments incomplete or not an object",
+              "; ".join(call_text(tc)[:200] for tc in dropped))
     out = {k: v for k, v in message.items() if k != "tool_calls"}
-    content = out.get("content") or ""
-    out["content"] = content + ("\n" if content and not content.endswith("\n") else "") + "\n".join(text)
     if keep:
         out["tool_calls"] = keep
         return out, "tool_calls"
+    if out.get("content") is None:
+        out["content"] = ""
     return out, "length" if finish_reason == "length" else "stop"

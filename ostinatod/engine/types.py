@@ -29,6 +29,7 @@ class GenRequest:
     id: str
     messages: Optional[list[dict[str, Any]]] = None
     prompt: Optional[str] = None
+    prompt_tokens: Optional[list[int]] = None  # a raw prompt given as token ids (/v1/completions)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Any = None  # "auto" | "none" | "required" | {"type":"function","function":{"name"}}
     parallel_tool_calls: bool = True
@@ -64,11 +65,14 @@ class GenRequest:
     # served by the generated demo model: the engine ends the turn early (settings demo_max_tokens,
     # demo_end_bias) and the answer starts with DEMO_NOTICE
     demo: bool = False
+    # the client forced a call (tool_choice "required" or named): nothing may precede it
+    forced_by_client: bool = False
 
     def says_demo_notice(self) -> bool:
-        """True when the answer starts with :data:`DEMO_NOTICE`: served by the demo model and not
-        a JSON answer (``json_schema``), whose content must stay JSON."""
-        return self.demo and self.json_schema is None and self.grammar is None
+        """True when the answer starts with :data:`DEMO_NOTICE`: served by the demo model, not a
+        JSON answer (``json_schema``), whose content must stay JSON, and not a call the client
+        forced (no text precedes a forced call)."""
+        return self.demo and self.json_schema is None and self.grammar is None and not self.forced_by_client
 
 
 DEMO_NOTICE = "[Ostinato demo model: random weights, the words that follow mean nothing] "

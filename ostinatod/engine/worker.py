@@ -87,6 +87,8 @@ class Worker:
                           "slot_checkpoints": 0, "checkpoint_rewinds": 0}
         self.switcher = ResidencySwitcher(self)
         self.pcache: Optional[PrefixCache] = None  # host-memory prefix cache (settings.cache_ram_mb)
+        self.dcache: Any = None  # its states on disk (settings.cache_disk_mb; .disk_cache)
+        self._persisted: dict[int, int] = {}  # slot id -> tokens of its state last written to disk
         self.uncuttable = False  # the memory cannot drop a suffix (recurrent/hybrid): checkpoints
 
     # ---- loading --------------------------------------------------------------------------------
@@ -115,6 +117,7 @@ class Worker:
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [Slot(i) for i in range(m.n_slots)]
         self.pcache = make_prefix_cache(self.settings)
+        self.dcache = self._disk_cache()
         self.max_piece_bytes = loading.max_piece_bytes(self.vocab)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         # recurrent or hybrid attention (qwen35moe's linear-attention layers): the memory cannot drop
@@ -123,6 +126,69 @@ class Worker:
                                or llama_cpp.llama_model_is_hybrid(self.model))
         if probe_np and self.rt is not None and self.rt.wants_np_probe():
             self.probe_np()
+
+    def _disk_cache(self) -> Any:
+        """The prefix cache on disk for this model and context (None: off, or it cannot be used)."""
+        from ..paths import get_paths
+        from .disk_cache import DiskPrefixCache, model_key
+        from .prefix_cache import MIN_TOKENS
+        if not self.settings.cache_disk_mb or self.deterministic or self.uncuttable_model():
+            return None
+        try:
+            key = model_key(Path(self.model_path), self.n_ctx_slot,
+                            f"{getattr(self.settings, 'cache_type_k', '')}/{getattr(self.settings, 'cache_type_v', '')}")
+            return DiskPrefixCache(get_paths().state / "prefix-cache", self.settings.cache_disk_mb * 2 ** 20,
+                                   key, MIN_TOKENS)
+        except OSError as e:
+            log.warning("prefix cache on disk off: %s", e)
+            return None
+
+    def uncuttable_model(self) -> bool:
+        """Recurrent or hybrid memory (its states are checkpoints; not kept on disk)."""
+        import llama_cpp
+        return bool(llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model))
+
+    def persist_slots(self, idle_only: bool = True) -> int:
+        """Write the KV state of each slot that holds at least MIN_TOKENS tokens not yet on disk
+        (loop thread; the file is written in the background). Returns the states queued."""
+        if self.dcache is None:
+            return 0
+        n = 0
+        for s in self.slots:
+            if (idle_only and s.task is not None) or len(s.tokens) < self.dcache.min_tokens:
+                continue
+            if self._persisted.get(s.id) == len(s.tokens) or self.dcache.covered(s.tokens):
+                continue
+            data = save_state(self.ctx, s.id)
+            if data is not None:
+                self.dcache.save(s.tokens, data)
+                self._persisted[s.id] = len(s.tokens)
+                n += 1
+        return n
+
+    def _restore_from_disk(self, prompt: list[int], target: Any, c: Any) -> tuple[Any, int]:
+        """Put the disk's state that shares the longest prefix with ``prompt`` into ``target`` when
+        it holds more of it than the choice ``c`` keeps; returns the (new) choice and the tokens
+        restored."""
+        from .prefix_cache import restore_state
+        from .slots import SlotChoice
+        hit = self.dcache.best(prompt)
+        if hit is None or min(hit[1], len(prompt) - 1) <= c.n_keep:
+            return c, 0
+        entry, n = hit
+        n = min(n, len(prompt) - 1)
+        data = self.dcache.load(entry)
+        if data is None:
+            return c, 0
+        import ctypes
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if not restore_state(self.ctx, self.mem, target, buf):
+            log.warning("prefix cache on disk: %s could not be put back; prefilling", entry.path.name)
+            return SlotChoice(target=target.id, n_keep=0), 0
+        target.tokens = list(entry.tokens)
+        self._persisted[target.id] = len(entry.tokens)
+        log.info("prefix cache on disk: %d prompt tokens restored into slot %d", n, target.id)
+        return SlotChoice(target=target.id, n_keep=n), n
 
     def probe_np(self) -> Optional[int]:
         """Measure Np on this model and machine (:func:`.np_probe.probe_np`, ~1 s), serve with it
@@ -174,6 +240,8 @@ class Worker:
                          "last_used": s.last_used} for s in self.slots]
         if self.pcache is not None:
             out["host_cache"] = self.pcache.stats()
+        if self.dcache is not None:
+            out["disk_cache"] = self.dcache.stats()
         out["waiting"] = len(self._waiting)
         out["active"] = len(self._active)
         out["ubatch"] = {"tokens": self.n_prefill_step, "reason": self.ubatch_reason}
@@ -220,6 +288,12 @@ class Worker:
                                self.n_ctx_slot)
         if req.infill is not None:
             return self.infill_prompt(req), None
+        if req.prompt_tokens is not None:
+            bad = next((t for t in req.prompt_tokens if not 0 <= t < self.n_vocab), None)
+            if bad is not None:
+                raise EngineError("invalid_request", f"prompt token id {bad} is not in the vocabulary "
+                                  f"(0..{self.n_vocab - 1})")
+            return list(req.prompt_tokens), None
         if req.messages is not None:
             rendered = self.templates.render(req.messages, req.tools, req.tool_choice,
                                              req.parallel_tool_calls, req.enable_thinking,
@@ -357,6 +431,8 @@ class Worker:
         try:
             while not self._stop.is_set():
                 busy = bool(self._active)
+                if not busy and not self._waiting and not self._preparing:
+                    self.persist_slots()  # idle: the slots' states go to disk (background write)
                 self._drain_inbox(block=not busy)
                 if self._stop.is_set():
                     break
@@ -376,6 +452,11 @@ class Worker:
             self._waiting.clear()
             self._active.clear()
             self.switcher.stop()
+            if self.dcache is not None:
+                try:
+                    self.persist_slots(idle_only=False)
+                finally:
+                    self.dcache.close()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -534,7 +615,9 @@ class Worker:
                     c = replace(c, n_keep=0)
             if self.pcache is not None and not self.deterministic:
                 c, restored = use_host_cache(self.pcache, self.ctx, self.mem, t.prompt, target, c,
-                                             whole=self.uncuttable)
+                                             whole=self.uncuttable, disk=self.dcache)
+            if self.dcache is not None and c.copy_from is None and not restored:
+                c, restored = self._restore_from_disk(t.prompt, target, c)
             if c.copy_from is not None:  # share the other conversation's prefix (cells, no copy)
                 src = self.slots[c.copy_from]
                 llama_cpp.llama_memory_seq_rm(self.mem, target.id, -1, -1)

@@ -127,9 +127,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return _refused(state, request, ApiError(405, "method_not_allowed",
                                                  f"{request.method} is not allowed on {request.path}"))
     except web.HTTPNotFound:
-        return _refused(state, request, ApiError(404, "not_found", f"No route {request.path}: the API is "
-                                                 f"under /v1 (OpenAI base URL {state.http_url or ''}/v1, "
-                                                 f"Anthropic base URL {state.http_url or ''})"))
+        return _refused(state, request, ApiError(404, "not_found", not_found_message(state, request)))
     except web.HTTPException:
         raise
     except (ConnectionResetError, ConnectionError):
@@ -145,6 +143,18 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception as e:  # a bug in the daemon, never model output: logged with traceback
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(request.path, ApiError(500, "internal_error", f"Internal error: {e!r}"))
+
+
+def not_found_message(state: DaemonState, request: web.Request) -> str:
+    """The 404 text of an unknown route: the path, and where the API is when the path is not under
+    ``/v1`` (a base URL without it); a path under ``/v1`` gets the list of routes instead."""
+    base = state.http_url or ""
+    if request.path == "/v1" or request.path.startswith("/v1/"):
+        return (f"No route {request.method} {request.path}. Served under /v1: /v1/chat/completions, "
+                "/v1/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, "
+                "/v1/models and /v1/models/{id}.")
+    return (f"No route {request.method} {request.path}: the API is under /v1 (OpenAI base URL {base}/v1, "
+            f"Anthropic base URL {base})")
 
 
 def _refused(state: DaemonState, request: web.Request, e: ApiError) -> web.Response:
@@ -243,6 +253,7 @@ def make_app(state: DaemonState, client_max_size: int = 64 * 1024 * 1024) -> web
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
     r.add_get("/v1/models", openai_api.models)
+    r.add_get("/v1/models/{model_id:.+}", openai_api.model)  # ids may hold "/" (a GGUF path's stem does not)
     r.add_post("/v1/chat/completions", openai_api.chat_completions)
     r.add_post("/v1/completions", openai_api.completions)
     r.add_post("/v1/responses", responses_api.responses)
@@ -264,6 +275,7 @@ def add_llama_server_routes(r: web.UrlDispatcher) -> None:
     there), and its own endpoints (:mod:`.llama_api`)."""
     r.add_get("/v1/health", health)
     r.add_get("/models", openai_api.models)
+    r.add_get("/models/{model_id:.+}", openai_api.model)
     r.add_post("/chat/completions", openai_api.chat_completions)
     r.add_post("/responses", responses_api.responses)
     r.add_post("/completion", llama_api.completion)

@@ -209,6 +209,32 @@ async def ensure_engine(state: DaemonState) -> Any:
     return eng
 
 
+# the request field that holds the conversation / the output cap, by protocol
+_MESSAGES_FIELD = {"responses": "input", "openai_completions": "prompt", "llama_server": "prompt"}
+_MAX_TOKENS_FIELD = {"responses": "max_output_tokens", "llama_server": "n_predict"}
+
+
+def engine_error_param(protocol: str, code: str, message: str) -> Optional[str]:
+    """The request field an engine's refusal is about (the ``param`` of the error), in the terms
+    of ``protocol``'s request; None when it names none."""
+    msgs = _MESSAGES_FIELD.get(protocol, "messages")
+    text = message.lower()
+    if code == "schema_too_large" or text.startswith("tools") or "tool definition" in text:
+        return "tools"
+    if text.startswith("tool_choice"):
+        return "tool_choice"
+    if text.startswith(("response_format", "json_schema")):
+        return "text.format" if protocol == "responses" else "response_format"
+    if code == "invalid_grammar" or text.startswith("grammar"):
+        return "grammar"
+    if text.startswith("max_tokens"):
+        return _MAX_TOKENS_FIELD.get(protocol, "max_tokens")
+    if code in ("context_length_exceeded", "infill_not_supported") or any(
+            w in text for w in ("messages", "prompt", "content part", "token id", "tool call")):
+        return msgs
+    return None
+
+
 class Generation:
     """Drives one engine generation for an adapter and keeps its request record.
 
@@ -253,7 +279,10 @@ class Generation:
             raise
         except EngineError as e:
             gen.close(e.code, e.message)
-            raise ApiError(e.status, e.code, e.message, extra=e.extra) from None
+            extra = dict(e.extra)
+            param = extra.pop("param", None) or engine_error_param(protocol, e.code, e.message)
+            raise ApiError(e.status, e.code, e.message, param=param if e.status < 500 else None,
+                           extra=extra) from None
         except BaseException as e:  # every record is closed, whatever fails (then re-raised)
             gen.close("internal_error", repr(e))
             raise
@@ -263,8 +292,10 @@ class Generation:
         if first.type == "error":
             d = first.data
             gen.close(d.get("code", "engine_error"), d.get("message"))
-            raise ApiError(int(d.get("status") or 500), d.get("code", "engine_error"),
-                           d.get("message") or "engine error", extra=error_extra(d))
+            status, code, message = int(d.get("status") or 500), d.get("code", "engine_error"), d.get("message") or "engine error"
+            extra = error_extra(d)
+            param = extra.pop("param", None) or engine_error_param(protocol, code, message)
+            raise ApiError(status, code, message, param=param if status < 500 else None, extra=extra)
         if first.type == "start":
             gen._on_start(first.data)
         else:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..engine.logprobs import MAX_TOP_CHAT, MAX_TOP_LEGACY
 from ..engine.types import GenRequest
 from . import llama_chat
-from .common import Generation, apply_logit_bias, fill_common, open_generation, respond
+from .common import Generation, apply_logit_bias, fill_common, open_generation, resolve_model, respond
 from .request_input import read_json, validate
 from .encoders import new_id
 from .encoders import openai_chat as enc
@@ -53,6 +53,8 @@ class ChatBody(_Base):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_CHAT)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, Any], None] = None
+    functions: Optional[list[dict[str, Any]]] = None  # legacy: tools of type function
+    function_call: Union[Literal["auto", "none"], dict[str, Any], None] = None  # legacy tool_choice
     parallel_tool_calls: bool = True
     response_format: Optional[dict[str, Any]] = None
     reasoning_effort: Optional[str] = None
@@ -60,9 +62,10 @@ class ChatBody(_Base):
 
 
 class CompletionBody(_Base):
-    """Validated subset of a legacy completion request."""
+    """Validated subset of a legacy completion request (``prompt``: a string, token ids, or a list
+    of one of those)."""
 
-    prompt: Union[str, list[str]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LEGACY)  # alternatives per token
     echo: bool = False
 
@@ -115,13 +118,57 @@ def check_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any) -> None
         raise ApiError(400, "invalid_request", "tool_choice 'required' needs tools", param="tool_choice")
 
 
+def legacy_functions(b: ChatBody) -> None:
+    """Map the legacy ``functions`` / ``function_call`` of ``b`` onto ``tools`` / ``tool_choice``
+    (``tools`` given too: the legacy fields are ignored, as OpenAI does). Raises ApiError 400 for
+    a shape that is not the legacy one."""
+    if b.functions is None or b.tools is not None:
+        return
+    for i, f in enumerate(b.functions):
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ApiError(400, "invalid_request", f"functions[{i}] needs a name", param=f"functions.{i}.name")
+    b.tools = [{"type": "function", "function": f} for f in b.functions]
+    fc = b.function_call
+    if isinstance(fc, dict):
+        if not isinstance(fc.get("name"), str):
+            raise ApiError(400, "invalid_request", "function_call must be \"auto\", \"none\" or "
+                           "{\"name\": ...}", param="function_call")
+        b.tool_choice = {"type": "function", "function": {"name": fc["name"]}}
+    elif fc is not None:
+        b.tool_choice = fc
+    b.parallel_tool_calls = False  # function_call carries one call
+
+
+def legacy_messages(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with the legacy function-calling shapes as tool calls: an assistant
+    ``function_call`` becomes one ``tool_calls`` entry, a ``role: "function"`` message the tool
+    result of the latest call of that name (ids made up: the legacy shape has none)."""
+    out, last_id = [], {}
+    for i, m in enumerate(msgs):
+        fc = m.get("function_call")
+        if m.get("role") == "assistant" and isinstance(fc, dict) and not m.get("tool_calls"):
+            cid = f"call_legacy_{i}"
+            last_id[fc.get("name")] = cid
+            m = {k: v for k, v in m.items() if k != "function_call"}
+            m["tool_calls"] = [{"id": cid, "type": "function",
+                                "function": {"name": fc.get("name") or "", "arguments": fc.get("arguments") or "{}"}}]
+        elif m.get("role") == "function":
+            m = {"role": "tool", "tool_call_id": last_id.get(m.get("name"), f"call_legacy_{i}"),
+                 "name": m.get("name"), "content": m.get("content") or ""}
+        out.append(m)
+    return out
+
+
 def chat_request(state: DaemonState, request: web.Request, b: ChatBody) -> GenRequest:
-    """GenRequest from a validated chat body (messages pass through in OpenAI shape)."""
+    """GenRequest from a validated chat body (messages pass through in OpenAI shape; the legacy
+    function-calling fields are mapped onto tools, :func:`legacy_functions`)."""
     for i, m in enumerate(b.messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool",
+                                                            "function"):
             raise ApiError(400, "invalid_request", f"messages[{i}].role must be system, developer, "
-                           "user, assistant or tool", param=f"messages.{i}.role")
-    msgs = [dict(m, role="system") if m["role"] == "developer" else dict(m) for m in b.messages]
+                           "user, assistant, tool or function", param=f"messages.{i}.role")
+    legacy_functions(b)
+    msgs = [dict(m, role="system") if m["role"] == "developer" else dict(m) for m in legacy_messages(b.messages)]
     check_tools(b.tools, b.tool_choice)
     if b.top_logprobs is not None and not b.logprobs:  # OpenAI's rule
         raise ApiError(400, "invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -146,12 +193,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     include_usage = bool((b.stream_options or {}).get("include_usage"))
 
+    legacy = b.functions is not None and b.tools is not None and b.tools == [
+        {"type": "function", "function": f} for f in b.functions]
+
     def open_stream():
-        s = enc.ChatStream(req.id, req.model, created, include_usage)
+        s = enc.ChatStream(req.id, req.model, created, include_usage, legacy=legacy)
         s.timings, (s.timings_per_token, s.return_progress) = gen.timings, llama_chat.stream_extensions(b)
         return s, s.start()
     return await respond(request, gen, b.stream,
-                         lambda done: dict(enc.chat_completion(req.id, req.model, created, done, gen.usage),
+                         lambda done: dict(enc.chat_completion(req.id, req.model, created, done, gen.usage,
+                                                               legacy=legacy),
                                            timings=gen.timings()),
                          open_stream)
 
@@ -160,14 +211,23 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions (raw prompt, no chat template)."""
     state: DaemonState = request.app["state"]
     b = validate(CompletionBody, await read_json(request))
-    prompt = b.prompt
-    if isinstance(prompt, list):
+    prompt: Any = b.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
         if len(prompt) != 1:
             raise ApiError(400, "invalid_request", "Only one prompt per request is supported.", param="prompt")
         prompt = prompt[0]
+    if isinstance(prompt, list):  # token ids
+        if not prompt:
+            raise ApiError(400, "invalid_request", "prompt holds no tokens", param="prompt")
+        n_vocab = int(state.model_info.get("n_vocab") or 0)
+        bad = next((t for t in prompt if t < 0 or (n_vocab and t >= n_vocab)), None)
+        if bad is not None:
+            raise ApiError(400, "invalid_request", f"prompt token id {bad} is not in the vocabulary "
+                           f"(0..{n_vocab - 1})", param="prompt")
     if b.echo:  # the prompt's own logprobs would need a prompt pass with logits on every row
         raise ApiError(400, "invalid_request", "echo is not supported", param="echo")
-    req = GenRequest(id=new_id("cmpl-"), prompt=prompt, logprobs=b.logprobs)
+    req = GenRequest(id=new_id("cmpl-"), logprobs=b.logprobs,
+                     **({"prompt_tokens": prompt} if isinstance(prompt, list) else {"prompt": prompt}))
     _sampling(state, b, req)
     fill_common(state, request, req, b.model)
     gen = await Generation.open(state, req, "openai_completions")
@@ -183,14 +243,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
                          open_stream)
 
 
-async def models(request: web.Request) -> web.Response:
-    """GET /v1/models: the served model; ``random_weights`` true for the generated demo model;
-    ``context_length`` / ``max_model_len`` (and ``meta.n_ctx``, llama-server's) the served
+def model_entry(state: DaemonState, name: Optional[str] = None) -> dict[str, Any]:
+    """The served model as one entry of ``/v1/models`` under ``name`` (default: the served id):
+    OpenAI's fields (``id``, ``object``, ``created``, ``owned_by``), Anthropic's (``type``,
+    ``display_name``, ``created_at`` RFC 3339), ``random_weights`` true for the generated demo
+    model, ``context_length`` / ``max_model_len`` (and ``meta.n_ctx``, llama-server's) the served
     context per slot in tokens."""
-    state: DaemonState = request.app["state"]
     info = state.model_info
-    entry = {"id": state.model_name, "object": "model", "created": int(state.started_at),
-             "owned_by": "ostinato", "random_weights": bool(info.get("is_demo")),
+    created = int(state.started_at)
+    entry = {"id": name or state.model_name, "object": "model", "created": created,
+             "owned_by": "ostinato", "type": "model", "display_name": state.model_name,
+             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+             "random_weights": bool(info.get("is_demo")),
              "engine_state": state.engine_state,
              "meta": {k: info.get(k) for k in ("path", "arch", "n_ctx", "n_ctx_train", "n_params",
                                                "n_layer", "n_expert", "n_expert_used", "experts_mode")
@@ -199,4 +263,24 @@ async def models(request: web.Request) -> web.Response:
         entry["context_length"] = entry["max_model_len"] = int(info["n_ctx"])  # LM Studio / vLLM
     if info.get("is_demo"):
         entry["description"] = "Generated demo MoE model with RANDOM WEIGHTS: output is gibberish."
-    return web.json_response({"object": "list", "data": [entry]})
+    return entry
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models: the list of :func:`model_entry` (one model), with the Anthropic list's
+    ``has_more``, ``first_id`` and ``last_id``."""
+    state: DaemonState = request.app["state"]
+    entry = model_entry(state)
+    return web.json_response({"object": "list", "data": [entry], "has_more": False,
+                              "first_id": entry["id"], "last_id": entry["id"]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: :func:`model_entry` under any name a request may use (the served id,
+    the GGUF file name or stem, the demo id, with an ``@workload`` suffix; ``claude-*`` names when
+    the request carries ``anthropic-version``, as the anthropic SDK's does). Raises ApiError 404
+    ``model_not_found`` for other names."""
+    state: DaemonState = request.app["state"]
+    name = request.match_info["model_id"]
+    resolve_model(state, name, anthropic="anthropic-version" in request.headers)
+    return web.json_response(model_entry(state, name))

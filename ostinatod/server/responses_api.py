@@ -77,6 +77,9 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
     if isinstance(b.input, str):
         msgs.append({"role": "user", "content": b.input})
         return msgs
+    if not b.input:
+        raise ApiError(400, "invalid_request", "input must be a string or a non-empty list of items",
+                       param="input")
     pending_reasoning: Optional[str] = None
 
     def last_assistant() -> dict[str, Any]:

@@ -68,13 +68,25 @@ def chat_message(done: dict[str, Any], ids: IdFactory = new_id) -> dict[str, Any
     return out
 
 
+def legacy_call(msg: dict[str, Any]) -> dict[str, Any]:
+    """A message with ``tool_calls`` in the legacy ``functions`` shape: its first call as
+    ``function_call`` ``{name, arguments}`` (a legacy request gets one call)."""
+    out = {k: v for k, v in msg.items() if k != "tool_calls"}
+    fn = msg["tool_calls"][0]["function"]
+    out["function_call"] = {"name": fn["name"], "arguments": fn["arguments"]}
+    return out
+
+
 def chat_completion(rid: str, model: Optional[str], created: int, done: dict[str, Any],
-                    u: dict[str, int], ids: IdFactory = new_id) -> dict[str, Any]:
-    """The non-streaming answer of ``POST /v1/chat/completions``."""
+                    u: dict[str, int], ids: IdFactory = new_id, legacy: bool = False) -> dict[str, Any]:
+    """The non-streaming answer of ``POST /v1/chat/completions`` (``legacy``: the request gave
+    ``functions``, so a call comes back as ``function_call``, finish reason "function_call")."""
     msg = chat_message(done, ids)
     _, finish = final_message(done)
     if msg.get("tool_calls"):
         finish = "tool_calls"
+        if legacy:
+            msg, finish = legacy_call(msg), "function_call"
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": "ostinato",
             "choices": [{"index": 0, "message": msg, "finish_reason": finish,
@@ -170,9 +182,10 @@ class ChatStream(_Stream):
     object = "chat.completion.chunk"
 
     def __init__(self, rid: str, model: Optional[str], created: int, include_usage: bool,
-                 ids: IdFactory = new_id):
+                 ids: IdFactory = new_id, legacy: bool = False):
         super().__init__(rid, model, created, include_usage)
         self.ids = ids
+        self.legacy = legacy  # calls as the legacy function_call (the request gave functions)
         self.sent = ""  # content streamed so far
         self.held_tool_deltas = 0
 
@@ -214,6 +227,11 @@ class ChatStream(_Stream):
                   "function": {"name": (tc.get("function") or tc).get("name") or "",
                                "arguments": (tc.get("function") or tc).get("arguments") or "{}"}}
                  for i, tc in enumerate(msg.get("tool_calls") or [])]
+        if calls and self.legacy:
+            out.append(self._chunk({"function_call": {"name": calls[0]["function"]["name"],
+                                                      "arguments": calls[0]["function"]["arguments"]}}))
+            out.append(self._chunk({}, "function_call"))
+            return out
         if calls:
             out.append(self._chunk({"tool_calls": calls}))
         out.append(self._chunk({}, "tool_calls" if calls else finish))
