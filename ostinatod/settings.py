@@ -94,8 +94,9 @@ class Settings(BaseSettings):
                                         "llama-server's --cache-ram). Unset: 1/8 of the RAM, at most "
                                         "8192; 0: off.")
     cache_disk_mb: int = Field(4096, ge=0, description="Prefix cache on disk (MiB, under the state dir's "
-                               "prefix-cache/): the states of the host-memory cache and of idle slots are "
-                               "written there in the background, keyed by the model file and the exact "
+                               "prefix-cache/): the states of the host-memory cache, of slots idle for 20 s and "
+                               "of every slot at shutdown are written there in the background, keyed by "
+                               "the model file and the exact "
                                "token prefix, so an agent session's prefix is reused after the daemon "
                                "restarts. 0: off.")
     n_batch: int = Field(2048, ge=32, le=65536, description="Logical batch size for prefill (tokens).")

@@ -31,7 +31,7 @@ from ..settings import Settings
 from . import determinism, grammar, limits, loading, logprobs, sampling
 from .protocol import Op
 from .prefix_cache import (PrefixCache, make_prefix_cache, restore_checkpoint, rewind_to_checkpoint,
-                           save_slot_checkpoint, use_host_cache)
+                           save_slot_checkpoint, save_state, use_host_cache)
 from .slots import Slot, choose_slot
 from .task import Emit, Task
 from .switcher import ResidencySwitcher, SwitchDone
@@ -39,6 +39,10 @@ from .text import StopScanner, merge_deltas, settle_tool_calls
 from .types import DEMO_NOTICE, EngineError, EngineEvent, EventType, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
+# Slots' states go to disk only after the loop has been idle this long (s): copying a slot's KV out
+# of the GPU takes tens to hundreds of ms on a large model, and an agent's next turn usually comes
+# within seconds of its last (its tool ran); a clean shutdown writes them anyway.
+PERSIST_IDLE_S = 20.0
 
 PREPARE_THREADS = 4  # requests rendered at once, off the loop (a slow one leaves the others theirs)
 _PREPARED = "prepared"  # inbox kind: a task back from its preparation thread
@@ -428,11 +432,16 @@ class Worker:
 
     def run(self) -> None:
         """Serve until :meth:`shutdown`. Never raises for a request's fault."""
+        idle_since: Optional[float] = None
         try:
             while not self._stop.is_set():
                 busy = bool(self._active)
-                if not busy and not self._waiting and not self._preparing:
-                    self.persist_slots()  # idle: the slots' states go to disk (background write)
+                if busy or self._waiting or self._preparing:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since >= PERSIST_IDLE_S:
+                    self.persist_slots()  # idle a while: the slots' states go to disk
                 self._drain_inbox(block=not busy)
                 if self._stop.is_set():
                     break
