@@ -102,3 +102,20 @@ def test_hot_shares_warn_outside_the_papers_skew_and_on_a_phase_gap():
     assert bench_report.hot_shares(b(0.84, 0.84, after=0.90), 0.44)["warnings"][0].startswith(
         "ostinato: decode hot-route share 0.840 is 6.0 points below the prefill after tool")
     assert bench_report.hot_shares(None, 0.45)["warnings"] == []
+
+
+def test_written_narrow_cut_has_the_representative_keys(tmp_path):
+    """The writer lays out the cut it plans: a narrow 4-layer DeepSeek-V4-Flash file has 1 hash layer
+    and ratios 0, 4, 128, 4 in its keys, and the bench's check passes it."""
+    from ostinatod.bench import bench_prepare
+    from ostinatod.residency.gguf_header import read_header
+    from ostinatod.synth.writer import planned_bytes, write_synthetic_moe
+
+    p = write_synthetic_moe(tmp_path / "v4n.gguf", arch="deepseek4", shape="deepseek-v4-flash", n_layer=4,
+                            narrow=True)
+    kv = read_header(p).kv
+    assert kv["deepseek4.hash_layer_count"] == 1 and list(kv["deepseek4.attention.compress_ratios"]) == [0, 4, 128, 4]
+    assert kv["ostinato.synth.narrow"] and kv["deepseek4.embedding_length"] == 256
+    assert mix.check_file_mix(kv)["problems"] == []
+    assert bench_prepare.layer_mix(p, type("A", (), {"no_mix_check": False})())["layers"] == 4
+    assert 0 < planned_bytes("deepseek4", "deepseek-v4-flash", "q8_0", 4, narrow=True) < p.stat().st_size

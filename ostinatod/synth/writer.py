@@ -177,6 +177,21 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     return path
 
 
+def planned_bytes(arch: str, shape: str, quant: str, n_layer: int | None = None, narrow: bool = False) -> int:
+    """Bytes of the tensor data :func:`write_synthetic_moe` would write for these arguments (the file
+    is this plus its metadata, a few MB for the vocabulary); nothing is written. Raises SynthError
+    as the writer does for bad arguments."""
+    if arch not in _PLANS or shape not in SHAPES or quant not in QUANTS:
+        raise SynthError(f"unknown arch, shape or quant: {arch!r}, {shape!r}, {quant!r}")
+    shp = cut_shape(shape, n_layer)
+    shp = narrow_shape(shp) if narrow else shp
+    tok = load_tokenizer(None)
+    cx = _Ctx(arch=arch, shape=shp, routing=Routing(copy_head=copy_head_by_default(shape)), seed=0,
+              qexp=QUANTS[quant], qmat=QT.F16 if quant == "f16" else QT.Q8_0, recipe=RECIPES[quant],
+              merged=False, classes=np.asarray(tok["classes"], dtype=np.int8), n_vocab=len(tok["tokens"]))
+    return sum(quant_nbytes(t.shape, t.qtype) for t in _PLANS[arch][0](cx))
+
+
 def synthetic_model(directory: str | os.PathLike, arch: str = "qwen3moe", shape: str = "tiny",
                     n_layer: int | None = None, quant: str = "q8_0", seed: int = 0,
                     merged_gate_up: bool = False) -> Path:
