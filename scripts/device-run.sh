@@ -61,8 +61,18 @@
 #             -> calibration-{all,auto}.json/.log (the default's stays in the hardware profile)
 #   bench2:   `ostinato bench engines --gpus 2` at a 45% pool: ostinato, ostinato-1gpu (the same model
 #             on GPU 0 alone), llama-server and stock-layers with llama.cpp's layer split
+# Representative cuts (issue 42 item 1: a real model's layer kinds in proportion, docs/synthetic-models.md),
+# after build; /tmp/a-<arch>.gguf is written once per layer count (/tmp/a-<arch>.layers), other /tmp/a-*.gguf
+# are removed first when the disk would not hold it:
+#   hot:      `ostinato bench engines --hot-shares-only` at a 45% pool, 2 x 6 turns, per row of HOT_ROWS
+#             ("arch:shape:quant:layers ...", default the DeepSeek-V4-Flash 14-layer MXFP4 cut: 51 GB, ~4 min
+#             to write) -> hot-<arch>.json (prefill and decode hot shares, their check); one call per big row
+#   ds4:      45% pool on the DeepSeek-V4-Flash 14-layer MXFP4 cut (1 hash-routed layer as 3 of 43; 47.9 GB of
+#             experts): ostinato, stock-all-gpu, llama-server (+ ik-llama-server when built), 2 x 6 turns
+#   glm:      the same on the GLM-4.5-Air 12-layer Q4_K_M cut (1 dense + 11 MoE layers, 18.5 GB)
 # Newer architectures (issue 13 item 5), after build; one device call fits the four default rows (~8.5
-# min on the H200 with the layer counts below):
+# min on the H200 with the layer counts below; the deepseek4 row is a 4-layer representative cut, 1 hash
+# layer: for figures that stand for the real model use stage ds4):
 #   archs:    per row of ARCH_ROWS ("arch:shape:quant:layers ..."), the synthetic model at the shape's
 #             real per-layer sizes with that many layers (/tmp/a-<arch>.gguf), then `ostinato bench
 #             engines` at a 45% pool: ostinato, stock-all-gpu, llama-server, 1 session x 6 turns
@@ -168,8 +178,8 @@ if has build; then
   for row in ${PREWRITE:-}; do
     IFS=: read -r a shape quant nl <<< "$row"
     [ -f "/tmp/a-$a.gguf" ] && continue
-    python3 -m ostinatod.cli synth --arch "$a" --shape "$shape" --quant "$quant" --layers "$nl" \
-      -o "/tmp/a-$a.gguf" > "/tmp/prewrite-$a.log" 2>&1 &
+    { python3 -m ostinatod.cli synth --arch "$a" --shape "$shape" --quant "$quant" --layers "$nl" \
+      -o "/tmp/a-$a.gguf" && echo "$nl" > "/tmp/a-$a.layers"; } > "/tmp/prewrite-$a.log" 2>&1 &
     pw+=($!)
   done
   nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
@@ -261,6 +271,21 @@ if has calib2; then
     python3 -c "import json, sys; c = json.load(open(sys.argv[1])); [print(r) for r in c.get('decode_sweep') or []]; print({k: c.get(k) for k in ('cpu_placement', 'decode_threads', 'decode_graph', 'decode_overlap', 'decode_step_ms', 'np_tokens', 'error')})" "$OUT/calibration-$cs.json" 2>&1 | head -20
   done
 fi
+# cutfile ARCH SHAPE QUANT LAYERS: /tmp/a-ARCH.gguf, the representative cut, written unless there with
+# that layer count; the other /tmp/a-*.gguf (and /tmp/m.gguf) go first when the disk would not hold it
+cutfile() {
+  local a=$1 shape=$2 quant=$3 nl=$4 m=/tmp/a-$1.gguf need
+  if [ -f "$m" ] && [ "$(cat "/tmp/a-$a.layers" 2>/dev/null)" = "$nl" ]; then echo "$m"; return; fi
+  rm -f "$m" "/tmp/a-$a.layers"
+  need=$(python3 -c "import sys; from ostinatod.synth.writer import planned_bytes; print(planned_bytes(*sys.argv[1:4], int(sys.argv[4])) // 2**30 + 4)" "$a" "$shape" "$quant" "$nl")
+  if [ "$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)" -lt "$need" ]; then
+    echo "[$(el)s] disk: removing $(ls /tmp/a-*.gguf /tmp/m.gguf 2>/dev/null | tr '\n' ' ')for $need GiB" >&2
+    rm -f /tmp/a-*.gguf /tmp/a-*.layers /tmp/m.gguf /tmp/m.layers
+  fi
+  python3 -m ostinatod.cli synth --arch "$a" --shape "$shape" --quant "$quant" --layers "$nl" -o "$m" 2>&1 | tail -1 >&2 \
+    && echo "$nl" > "/tmp/a-$a.layers"
+  echo "$m"
+}
 if has archs; then
   # the shapes' real per-layer sizes; layer counts cut so that each file is ~9-21 GiB (written at
   # ~200-290 MB/s) and a row (write + bench) takes ~1-3 min (measured: 175, 140, 128, 70 s)
@@ -269,9 +294,7 @@ if has archs; then
     IFS=: read -r a shape quant nl <<< "$row"
     # the last row (minimax-m2, ~70 s) starts at ~445 s; a row's bench skips engines past its time limit
     if [ $(( 590 - $(el) )) -lt 120 ]; then echo "[$(el)s] archs: no time left for $row"; continue; fi
-    m=/tmp/a-$a.gguf
-    [ -f "$m" ] || python3 -m ostinatod.cli synth --arch "$a" --shape "$shape" --quant "$quant" --layers "$nl" \
-      -o "$m" 2>&1 | tail -1
+    m=$(cutfile "$a" "$shape" "$quant" "$nl")
     left=$(( 590 - $(el) ))
     cmd=(python3 -m ostinatod.cli bench engines --model "$m" --sessions-dir .carry/sessions --out-dir "$OUT"
          --work-dir "/tmp/bench-work-archs-$a" --name "archs-$a" --time-limit $(( left > 260 ? 230 : left - 25 ))
@@ -281,7 +304,7 @@ if has archs; then
     echo "[$(el)s] archs $a: ${cmd[*]}"
     timeout "$left" "${cmd[@]}" > "$OUT/archs-$a.log" 2>&1
     grep -E "engine .*: (decode|error)|^\| (decode|ttft|session)" "$OUT/archs-$a.log" | head -12
-    rm -f "$m"   # disk: the next row's file
+    rm -f "$m" "/tmp/a-$a.layers"   # disk: the next row's file
   done
   # one file back instead of four per row
   (cd "$OUT" && ls archs-* >/dev/null 2>&1 && tar -czf archs.tar.gz archs-* && rm -f archs-*.json archs-*.md \
@@ -356,6 +379,33 @@ PY
   pidf=/tmp/serve2-work/home-serve2/run/ostinatod.pid
   [ -f $pidf ] && kill -- -"$(cat $pidf)" 2>/dev/null
   python3 -c "import json; d = json.load(open('$OUT/serve2.json')); print(json.dumps({k: d.get(k) for k in ('checks', 'ok')})); [print(g) for g in d['plan']['per_gpu']]" 2>&1 | cut -c1-400
+fi
+if has hot; then
+  for row in ${HOT_ROWS:-deepseek4:deepseek-v4-flash:mxfp4:14}; do
+    IFS=: read -r a shape quant nl <<< "$row"
+    m=$(cutfile "$a" "$shape" "$quant" "$nl")
+    left=$(( 590 - $(el) ))
+    cmd=(python3 -m ostinatod.cli bench engines --model "$m" --hot-shares-only --sessions-dir .carry/sessions
+         --out-dir "$OUT" --work-dir "/tmp/bench-work-hot-$a" --name "hot-$a" --budget-frac 0.45 --sessions 2
+         --turns 6 "$@")
+    printf '%s\n' "# stage of: STAGES=\"$STAGES\" HOT_ROWS=\"${HOT_ROWS:-}\" bash scripts/device-run.sh $SCRIPT_ARGS; model: synth --arch $a --shape $shape --quant $quant --layers $nl (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+      "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/hot-$a.cmd.txt"
+    echo "[$(el)s] hot $a: ${cmd[*]}"
+    timeout "$left" "${cmd[@]}" > "$OUT/hot-$a.log" 2>&1
+    echo "[$(el)s] hot $a rc=$?"; grep -E "WARNING|hot shares at" "$OUT/hot-$a.log" | head -8
+  done
+fi
+if has ds4; then
+  m=$(cutfile deepseek4 deepseek-v4-flash mxfp4 14)
+  BENCH_MODEL=$m BENCH_NOTE="; model: synth --arch deepseek4 --shape deepseek-v4-flash --quant mxfp4 --layers 14" \
+    bench engines-h200-deepseek4-L14-45 --budget-frac 0.45 --sessions 2 --turns 6 \
+    --engines "ostinato,stock-all-gpu,llama-server${OSTINATO_IK_SERVER:+,ik-llama-server}" "$@"
+fi
+if has glm; then
+  m=$(cutfile glm4moe glm-4.5-air q4_k_m 12)
+  BENCH_MODEL=$m BENCH_NOTE="; model: synth --arch glm4moe --shape glm-4.5-air --quant q4_k_m --layers 12" \
+    bench engines-h200-glm4moe-L12-45 --budget-frac 0.45 --sessions 2 --turns 6 \
+    --engines "ostinato,stock-all-gpu,llama-server${OSTINATO_IK_SERVER:+,ik-llama-server}" "$@"
 fi
 # q35run NAME ENGINES [bench args]: `ostinato bench engines` at a 45% pool on the Qwen3.5 file, 2 x 6 turns
 q35run() {

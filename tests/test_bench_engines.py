@@ -111,8 +111,8 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     assert s["prefill"]["hot_route_share"] == pytest.approx(599 / 600, abs=1e-4)
     assert s["prefill"]["cold_routes_per_prefill"] == 1 and s["prefill"]["cold_routes_per_token"] == pytest.approx(0.003)
     assert "| hot-route share | 0.500 | 0.998 | 0.998 |" in md
-    # decode hotter than prefill by more than 5 points: a warning; within 5 points: none
-    assert bench_report.phase_skew_warning(s) is None
+    # decode hotter or colder than prefill by more than 5 points: a warning; within 5 points: none
+    assert "0.500 is 49.8 points below the prefill after tool" in bench_report.phase_skew_warning(s)
     hot_decode = {**s, "decode_step": {**s["decode_step"], "hot_route_share": 0.99},
                   "prefill_after_tool": {**s["prefill_after_tool"], "hot_route_share": 0.90}}
     w = bench_report.phase_skew_warning(hot_decode, "ostinato")

@@ -102,10 +102,10 @@ from .bench_ik import start_ik_server
 from .bench_launch import (PEER_UBATCH, StepRecorder, expert_stats, llama_server_binary, replay,
                            start_daemon, start_llama_server)
 from .bench_moe_cache import cache_figures, start_moe_cache_server
-from .bench_prepare import collect_dev_traces, one_gpu_plan, plan, prepare_model, select_sessions
-from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown,
-                           phase_skew_warning, ratios, ratios_vs_limit, replay_turns, summarize_breakdown,
-                           timeline_summary)
+from .bench_prepare import (collect_dev_traces, engine_counts, layer_mix, one_gpu_plan, plan, prepare_model,
+                            select_sessions)
+from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, hot_shares, machine_info,
+                           markdown, ratios, ratios_vs_limit, replay_turns, summarize_breakdown, timeline_summary)
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
 from .sessions import WORKLOAD_OF_SESSION, assistant_turns
 
@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, help="layers of the synthetic model (default 24 for "
                     "qwen3-30b-a3b, the shape's own otherwise)")
     ap.add_argument("--quant", default="q4_0", help="expert quantization of the synthetic model")
+    ap.add_argument("--narrow", action="store_true", help="the synthetic model at small widths (the shape's "
+                    "layers, layer kinds and expert counts; ostinato synth --narrow): routing figures on a "
+                    "small machine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, help="benchmark this GGUF instead of a synthetic model")
     ap.add_argument("--sessions-dir", type=Path, default=None,
@@ -207,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--work-dir", type=Path, help="keep logs, traces and replay JSON here")
     ap.add_argument("--engine-mode", default="subprocess", choices=("subprocess", "inprocess"),
                     help="engine worker mode of the daemons (default: the daemon's default)")
+    ap.add_argument("--no-mix-check", action="store_true", help="run on a synthetic cut whose layer mix "
+                    "departs from the real model's proportions (refused otherwise; docs/synthetic-models.md, "
+                    "'Representative cuts')")
+    ap.add_argument("--hot-shares-only", action="store_true", help="only the per-phase hot-route shares "
+                    "of the file: dev traces, the plan at --budget-frac, then the held-out turns (--sessions x "
+                    "--turns, at most --dev-max-gen tokens each) through the engine in this process, counted "
+                    "per phase on the plan's hot set; no daemon, no peer (writes <name>.json)")
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
@@ -240,6 +250,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     workload = WORKLOAD_OF_FILE.get(Path(a.sessions_file).stem, "coding")
 
     model = prepare_model(a)
+    mix = layer_mix(model, a)   # BenchError: a cut whose layer mix is not the real model's
     block = read_model_shape(model).model_block()  # parsed once (cached) for the plan as well
     sessions_file, dev, held = select_sessions(a)
     say(f"sessions: dev {[s['id'] for s in dev]}, held-out {[s['id'] for s in held]}")
@@ -248,6 +259,8 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     held_file.write_text("".join(json.dumps(s) + "\n" for s in held))
     n_turns = sum(len(assistant_turns(s)[: a.turns]) for s in held)
 
+    if a.hot_shares_only:
+        return hot_shares_only(a, argv, model, block, mix, sessions_file, dev, held, run_dir, workload, t_start)
     say(f"dev traces: {len(dev)} sessions x {a.dev_turns} turns through the Ostinato engine")
     trace = collect_dev_traces(model, block, dev, a, run_dir, workload)
     res, res_path, stock = plan(model, trace, a, run_dir, workload)
@@ -281,6 +294,9 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     def assemble() -> dict[str, Any]:
         out = _result(a, argv, model, block, sessions_file, dev, held, workload, res, stock,
                       results, sweep, sweep_runs, plans, fit, notes + warnings)
+        out["model"]["layer_mix"] = mix
+        # the per-phase hot shares of the main budget's Ostinato run and their check (item 1 of issue 42)
+        out["hot_shares"] = (results.get("ostinato") or {}).get("hot_shares")
         out["warnings"] = list(warnings)
         if one is not None:
             r1 = one[0]
@@ -368,7 +384,9 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 m["hot_route_share"] = ex.get("hot_route_share")
                 m["step_breakdown"] = summarize_breakdown(rec.rows, turns)
                 m["step_breakdown"]["decode_timeline"] = timeline_summary(ex.get("decode_timeline"))
-                for warn in (phase_skew_warning(m["step_breakdown"], key), decode_path_warning(ex, key)):
+                m["hot_shares"] = hot_shares(m["step_breakdown"], plans[frac][0]["plan"]["pool_bytes_total"]
+                                             / max(1, stock["expert_bytes_total"]), key)
+                for warn in (*m["hot_shares"]["warnings"], decode_path_warning(ex, key)):
                     if warn:
                         warnings.append(warn)
                         say("WARNING: " + warn)
@@ -411,6 +429,51 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
     return out
 
 
+def hot_shares_only(a: argparse.Namespace, argv: list[str], model: Path, block: dict[str, Any],
+                    mix: Optional[dict[str, Any]], sessions_file: Path, dev: list[dict], held: list[dict],
+                    run_dir: Path, workload: str, t_start: float) -> dict[str, Any]:
+    """``--hot-shares-only``: the file's per-phase hot-route shares at ``--budget-frac`` without the
+    engines' runs. One in-process load of the Ostinato engine (all experts cold) replays the dev
+    turns and the held-out turns (``--sessions`` x ``--turns``, at most ``--dev-max-gen`` tokens
+    each); the dev counts give the plan, exactly as in a full run, and the held-out counts per phase
+    on the plan's hot experts give the shares (what the engine counts as hot with that pool).
+    Returns the result dict (``hot_shares``: :func:`.bench_report.hot_shares`, with its warnings)."""
+    from ..residency.planner import hot_route_share
+
+    say(f"hot shares: dev {len(dev)} x {a.dev_turns} turns, held-out {len(held)} x {a.turns} turns "
+        f"through the Ostinato engine (all cold, in process)")
+    tr = engine_counts(model, block, [("dev", dev, a.dev_turns, a.dev_max_gen),
+                                      ("held-out", held, a.turns, a.dev_max_gen)], a, run_dir, workload)
+    tr["dev"].save(run_dir / "trace-dev.json")
+    res, _, stock = plan(model, tr["dev"], a, run_dir, workload)
+    h = tr["held-out"]
+
+    def phase(c) -> dict[str, Any]:
+        n = int(c.sum())
+        share = hot_route_share(c, res["gpus"]) if n else None
+        return {"hot_route_share": None if share is None else round(float(share), 4), "routes": n}
+
+    b = {"prefill": phase(h.counts_prefill), "decode_step": phase(h.counts_decode)}
+    hs = hot_shares(b, res["plan"]["pool_bytes_total"] / max(1, stock["expert_bytes_total"]), "ostinato")
+    hs["routes"] = {"prefill": b["prefill"]["routes"], "decode": b["decode_step"]["routes"]}
+    for w in hs["warnings"]:
+        say("WARNING: " + w)
+    say(f"hot shares at a {hs['pool_frac']:.1%} pool: prefill {fmt(hs['prefill'], '', 3)}, decode "
+        f"{fmt(hs['decode'], '', 3)} (held-out routes: {hs['routes']['prefill']} prefill, "
+        f"{hs['routes']['decode']} decode)")
+    return {"name": a.name, "mode": "hot-shares-only",
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "ostinato bench engines " + " ".join(argv),
+            "model": {**block, "file": model.name, "bytes": model.stat().st_size, "layer_mix": mix},
+            "sessions": {"file": str(sessions_file), "dev": [s["id"] for s in dev],
+                         "held_out": [s["id"] for s in held], "turns_per_session": a.turns,
+                         "dev_turns_per_session": a.dev_turns, "max_gen": a.dev_max_gen, "workload": workload},
+            "plan": {"budget_frac": a.budget_frac, "pool_bytes": res["plan"]["pool_bytes_total"],
+                     "dev_hot_route_share": res["plan"]["dev_hot_route_share"]},
+            "hot_shares": hs, "engines": {}, "warnings": list(hs["warnings"]),
+            "total_s": round(time.monotonic() - t_start, 1)}
+
+
 def peer_ubatch(a: argparse.Namespace) -> int:
     """The ubatch of an engine other than Ostinato: the one Ostinato ran at, once it has run."""
     return int(getattr(a, "peer_ubatch", 0) or PEER_UBATCH)
@@ -447,10 +510,13 @@ def _result(a, argv, model, block, sessions_file, dev, held, workload, res, stoc
 
 
 def write_result(result: dict[str, Any], out_dir: Path, plot: bool = True) -> Path:
-    """``<out_dir>/<name>.json`` and ``.md`` (and ``.svg`` with a sweep when ``plot``)."""
+    """``<out_dir>/<name>.json`` and ``.md`` (and ``.svg`` with a sweep when ``plot``; only the JSON
+    for a ``--hot-shares-only`` result)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     jpath = out_dir / f"{result['name']}.json"
     jpath.write_text(json.dumps(result, indent=1))
+    if result.get("mode") == "hot-shares-only":
+        return jpath
     jpath.with_suffix(".md").write_text(markdown(result))
     if plot and result.get("sweep"):
         from .bench_plot import write_plot
@@ -471,6 +537,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"ostinato bench engines: {e}", file=sys.stderr)
         return 1
     jpath = write_result(result, a.out_dir)
+    if result.get("mode") == "hot-shares-only":
+        print(json.dumps(result["hot_shares"], indent=1))
+        say(f"written {jpath}")
+        return 0
     print(markdown(result))
     say(f"written {jpath} and {jpath.with_suffix('.md')}"
         + (f" and {jpath.with_suffix('.svg')}" if result.get("sweep") else ""))

@@ -23,23 +23,26 @@ def prepare_model(a: argparse.Namespace) -> Path:
         if not Path(a.model).is_file():
             raise BenchError(f"model not found: {a.model}")
         return Path(a.model).resolve()
-    from ..synth.shapes import SYNTH_FORMAT, Routing
+    from ..synth.shapes import ARCH_SHAPES, SYNTH_FORMAT, Routing
     from ..synth.writer import write_synthetic_moe
 
     d = get_paths().models_dir
     d.mkdir(parents=True, exist_ok=True)
     layers = f"-L{a.layers}" if a.layers else ""
     skew = getattr(a, "skew", None)
-    tag = (f"-{skew_tag(skew)}" if skew is not None else "") + f"-v{SYNTH_FORMAT.rsplit('/', 1)[-1]}"
+    narrow = bool(getattr(a, "narrow", False))
+    tag = (f"-{skew_tag(skew)}" if skew is not None else "") + ("-narrow" if narrow else "") \
+        + f"-v{SYNTH_FORMAT.rsplit('/', 1)[-1]}"
+    arch = ARCH_SHAPES.get(a.shape, "qwen3moe")   # a real model's shape is written in its own architecture
     # the writer's format version in the name: a file of an older writer is not reused
-    path = d / f"bench-qwen3moe-{a.shape}{layers}-{a.quant}-s{a.seed}{tag}.gguf"
+    path = d / f"bench-{arch}-{a.shape}{layers}-{a.quant}-s{a.seed}{tag}.gguf"
     if path.exists():
         say(f"model: reusing {path} ({path.stat().st_size / 2**30:.2f} GiB)")
         return path
-    say(f"model: writing {path.name} (qwen3moe, shape {a.shape}, layers {a.layers or 'default'}, "
+    say(f"model: writing {path.name} ({arch}, shape {a.shape}, layers {a.layers or 'default'}, "
         f"{a.quant} experts" + (f", routing skew {skew}" if skew is not None else "") + ")")
-    write_synthetic_moe(path, arch="qwen3moe", shape=a.shape, n_layer=a.layers, quant=a.quant,
-                        seed=a.seed, progress=a.verbose,
+    write_synthetic_moe(path, arch=arch, shape=a.shape, n_layer=a.layers, quant=a.quant,
+                        seed=a.seed, progress=a.verbose, narrow=narrow,
                         routing=Routing(skew=skew) if skew is not None else None)
     say(f"model: written, {path.stat().st_size / 2**30:.2f} GiB")
     return path
@@ -84,16 +87,44 @@ def select_sessions(a: argparse.Namespace) -> tuple[Path, list[dict], list[dict]
 # development traces (in-process engine) and plan
 # --------------------------------------------------------------------------------------------
 
+def layer_mix(model: Path, a: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """The layer-mix check of ``model`` (:func:`ostinatod.synth.mix.check_file_mix`: None for a file
+    that is not a synthetic file of a real model's shape). Raises BenchError when its mix departs
+    from the real model's proportions, unless ``a.no_mix_check`` (then the problems stay in the
+    returned dict, with ``"overridden": True``)."""
+    from ..residency.gguf_header import read_header
+    from ..synth.mix import check_file_mix
+
+    mix = check_file_mix(read_header(model).kv)
+    if mix and mix["problems"]:
+        if not getattr(a, "no_mix_check", False):
+            raise BenchError(f"{model.name} is a cut of {mix['shape']} ({mix['layers']} of "
+                             f"{mix['real_layers']} layers) whose layer mix is not the real model's: "
+                             + "; ".join(mix["problems"]) + ". Write a representative cut (ostinato synth "
+                             "--shape ... --layers N) or pass --no-mix-check")
+        mix["overridden"] = True
+        say(f"model: layer mix not the real model's, checked off by --no-mix-check: {'; '.join(mix['problems'])}")
+    return mix
+
+
 def collect_dev_traces(model: Path, block: dict[str, Any], dev: list[dict], a: argparse.Namespace,
                        run_dir: Path, workload: str):
     """Replay ``a.dev_turns`` turns of each dev session through the Ostinato engine in this process
     (all experts cold: an empty residency set) and return the accumulated :class:`Trace`."""
+    trace = engine_counts(model, block, [("dev", dev, a.dev_turns, a.dev_max_gen)], a, run_dir, workload)["dev"]
+    trace.save(run_dir / "trace-dev.json")
+    return trace
+
+
+def engine_counts(model: Path, block: dict[str, Any], groups: list[tuple[str, list[dict], int, int]],
+                  a: argparse.Namespace, run_dir: Path, workload: str) -> dict[str, Any]:
+    """Replay, per group ``(label, sessions, turns, max_gen)``, ``turns`` turns of each session
+    through the Ostinato engine in this process (one load; all experts cold: an empty residency
+    set; greedy, ``min(max_gen, recorded reply)`` tokens per turn) and return ``{label: Trace}``,
+    the engine's route counts per phase. Raises BenchError."""
     from ..residency.sets import make_residency, write_residency
-    from ..residency.traces import Trace
-    from ..engine.types import GenRequest
     from ..engine.worker import Worker
     from ..settings import load_settings
-    from .sessions import assistant_text
 
     empty = write_residency(make_residency(block, {}, workload=workload), run_dir / "residency-empty.json")
     s = load_settings(model=model, experts="ostinato", residency=empty, n_slots=1, n_ctx=a.n_ctx,
@@ -104,37 +135,43 @@ def collect_dev_traces(model: Path, block: dict[str, Any], dev: list[dict], a: a
         w.close()
         raise BenchError("the Ostinato expert engine is not active (stale native build? run "
                          "'ostinato build'): no routing counts to plan from")
-    th = threading.Thread(target=w.run, name="bench-dev-worker", daemon=True)
+    th = threading.Thread(target=w.run, name="bench-counts-worker", daemon=True)
     th.start()
-    trace = Trace.empty(block, workload)
-    n_req = 0
+    out = {}
     try:
-        for si, sess in enumerate(dev):
-            for turn in assistant_turns(sess)[: a.dev_turns]:
-                gen = max(1, min(a.dev_max_gen, len(w.tokenize(assistant_text(turn.target),
-                                                               add_special=False))))
-                req = GenRequest(id=f"dev-{si}-{turn.index}", messages=turn.context,
-                                 tools=sess.get("tools") or None, max_tokens=gen, ignore_eos=True,
-                                 temperature=0.0, workload=workload)
-                done = _run_one(w, req)
-                ex = done.get("experts") or {}
-                from ..residency.traces import counts_from_stats
-
-                pre, dec = counts_from_stats(ex, block["n_layer"], block["n_expert"])
-                trace.add_counts(pre, dec)
-                u = done.get("usage", {})
-                trace.add_request(u.get("prompt_tokens", 0), u.get("prefilled_tokens", 0),
-                                  u.get("completion_tokens", 0), len(sess.get("tools") or []))
-                n_req += 1
-            say(f"dev traces: session {si + 1}/{len(dev)} {sess['id']} done "
-                f"({trace.total_routes} routes so far)")
+        for label, sessions, turns, max_gen in groups:
+            out[label] = _replay_counts(w, block, label, sessions, turns, max_gen, workload)
     finally:
         w.shutdown()
         th.join(60)
         w.close()
+    return out
+
+
+def _replay_counts(w, block: dict[str, Any], label: str, sessions: list[dict], turns: int, max_gen: int,
+                   workload: str):
+    from ..engine.types import GenRequest
+    from ..residency.traces import Trace, counts_from_stats
+    from .sessions import assistant_text
+
+    trace = Trace.empty(block, workload)
+    for si, sess in enumerate(sessions):
+        for turn in assistant_turns(sess)[:turns]:
+            gen = max(1, min(max_gen, len(w.tokenize(assistant_text(turn.target), add_special=False))))
+            req = GenRequest(id=f"{label}-{si}-{turn.index}", messages=turn.context,
+                             tools=sess.get("tools") or None, max_tokens=gen, ignore_eos=True,
+                             temperature=0.0, workload=workload)
+            done = _run_one(w, req)
+            ex = done.get("experts") or {}
+            pre, dec = counts_from_stats(ex, block["n_layer"], block["n_expert"])
+            trace.add_counts(pre, dec)
+            u = done.get("usage", {})
+            trace.add_request(u.get("prompt_tokens", 0), u.get("prefilled_tokens", 0),
+                              u.get("completion_tokens", 0), len(sess.get("tools") or []))
+        say(f"{label} traces: session {si + 1}/{len(sessions)} {sess['id']} done "
+            f"({trace.total_routes} routes so far)")
     if trace.total_routes == 0:
-        raise BenchError("the engine reported no routes for the dev turns")
-    trace.save(run_dir / "trace-dev.json")
+        raise BenchError(f"the engine reported no routes for the {label} turns")
     return trace
 
 

@@ -64,16 +64,23 @@ def phase_routes(rs: list[dict[str, Any]], key: str) -> dict[str, Any]:
             "routes": n, "cold_routes": sum(x["cold_routes"] for x in sums)}
 
 
-# decode more than this much hotter than prefill: the model's generated tokens route unlike text
+# decode more than this much hotter or colder than prefill: the model's generated tokens route unlike text
 PHASE_SKEW_WARN = 0.05
+# the Ostinato paper's real model (arXiv 2611.11533 Sec. 2): at a 44% pool 84% of held-out routes
+# are hot; a run at a pool in HOT_SHARE_POOL warns when a phase's share is further than
+# HOT_SHARE_TOL from it
+HOT_SHARE_TARGET = 0.84
+HOT_SHARE_TOL = 0.03
+HOT_SHARE_POOL = (0.42, 0.47)
 
 
 def phase_skew_warning(b: Optional[dict[str, Any]], who: str = "ostinato") -> Optional[str]:
     """A warning when the decode steps' hot-route share in a ``step_breakdown``
-    (:func:`summarize_breakdown`) is more than :data:`PHASE_SKEW_WARN` above the prefills' (the
-    prefills after tool outputs when there are any): then the decode figures measure a model whose
-    generated tokens route almost only to hot experts, not the CPU branch (issue 25, item 5).
-    None when it is not, or when a share is missing."""
+    (:func:`summarize_breakdown`) departs by more than :data:`PHASE_SKEW_WARN` from the prefills'
+    (the prefills after tool outputs when there are any): hotter, the decode figures measure a model
+    whose generated tokens route almost only to hot experts (issue 25, item 5); colder, they
+    exercise the CPU branch more than the real model would (issue 42, item 1). None when it does
+    not, or when a share is missing."""
     if not b:
         return None
     d = (b.get("decode_step") or {}).get("hot_route_share")
@@ -82,11 +89,45 @@ def phase_skew_warning(b: Optional[dict[str, Any]], who: str = "ostinato") -> Op
     if pre.get("hot_route_share") is None:
         pre, which = b.get("prefill") or {}, "prefill"
     p = pre.get("hot_route_share")
-    if d is None or p is None or d - p <= PHASE_SKEW_WARN:
+    if d is None or p is None or abs(d - p) <= PHASE_SKEW_WARN:
         return None
-    return (f"{who}: decode hot-route share {d:.3f} is {100 * (d - p):.1f} points above the {which} "
+    if d > p:
+        return (f"{who}: decode hot-route share {d:.3f} is {100 * (d - p):.1f} points above the {which} "
+                f"share {p:.3f} (more than {100 * PHASE_SKEW_WARN:.0f}): this model's generated tokens "
+                "route unlike its prompts, so the decode figures undercount cold routes")
+    return (f"{who}: decode hot-route share {d:.3f} is {100 * (p - d):.1f} points below the {which} "
             f"share {p:.3f} (more than {100 * PHASE_SKEW_WARN:.0f}): this model's generated tokens "
-            "route unlike its prompts, so the decode figures undercount cold routes")
+            "route unlike its prompts, so the decode figures overcount cold routes")
+
+
+def hot_shares(b: Optional[dict[str, Any]], pool_frac: Optional[float], who: str = "ostinato") -> dict[str, Any]:
+    """The per-phase hot-route shares of an Ostinato engine's run and their check against the
+    paper's real model, from its ``step_breakdown`` ``b`` (:func:`summarize_breakdown`; the
+    hot-shares-only mode builds the same keys from route counts) and the pool's share of the expert
+    bytes ``pool_frac``. Returns ``{"pool_frac", "prefill", "prefill_after_tool", "decode",
+    "decode_minus_prefill", "target": [lo, hi], "checked" (the pool is in :data:`HOT_SHARE_POOL`),
+    "warnings": [str]}``: a warning when, at such a pool, a phase's share (prefill, decode) is
+    outside ``HOT_SHARE_TARGET +- HOT_SHARE_TOL``, and at any pool :func:`phase_skew_warning`."""
+    b = b or {}
+    sh = {k: (b.get(src) or {}).get("hot_route_share")
+          for k, src in (("prefill", "prefill"), ("prefill_after_tool", "prefill_after_tool"), ("decode", "decode_step"))}
+    lo, hi = HOT_SHARE_TARGET - HOT_SHARE_TOL, HOT_SHARE_TARGET + HOT_SHARE_TOL
+    checked = pool_frac is not None and HOT_SHARE_POOL[0] <= pool_frac <= HOT_SHARE_POOL[1]
+    warnings = []
+    if checked:
+        for phase in ("prefill", "decode"):
+            v = sh[phase]
+            if v is not None and not lo - 1e-9 <= v <= hi + 1e-9:
+                warnings.append(f"{who}: {phase} hot-route share {v:.3f} at a {pool_frac:.1%} pool is outside "
+                                f"{HOT_SHARE_TARGET:.2f} +- {HOT_SHARE_TOL:.2f} (the paper's real model at a "
+                                "44% pool): this file routes unlike the real model")
+    gap = phase_skew_warning(b, who)
+    if gap:
+        warnings.append(gap)
+    d, p = sh["decode"], sh["prefill"]
+    return {"pool_frac": None if pool_frac is None else round(pool_frac, 4), **sh,
+            "decode_minus_prefill": None if d is None or p is None else round(d - p, 4),
+            "target": [round(lo, 4), round(hi, 4)], "checked": checked, "warnings": warnings}
 
 
 def decode_path_warning(ex: Optional[dict[str, Any]], who: str = "ostinato") -> Optional[str]:

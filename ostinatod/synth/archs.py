@@ -242,7 +242,7 @@ def _plan_deepseek4(cx: _Ctx) -> list[_T]:
     qr, og, olr, hc = s.q_lora_rank, s.o_groups, s.o_lora_rank, s.hc_mult
     mix = (2 + hc) * hc
     ih, idim = s.indexer_n_head, s.indexer_head_dim
-    ratios = compress_ratios(s.n_layer)
+    ratios = list(s.compress_schedule) or compress_ratios(s.n_layer)
     ts = [_token_embd(cx)]
     for il in range(s.n_layer):
         p = f"blk.{il}."
@@ -307,7 +307,7 @@ def _kv_deepseek4(w: gguf.GGUFWriter, cx: _Ctx) -> None:
     w.add_uint32(f"{a}.attention.output_group_count", s.o_groups)
     w.add_uint32(f"{a}.attention.output_lora_rank", s.o_lora_rank)
     w.add_float32(f"{a}.attention.compress_rope_freq_base", 160000.0)
-    w.add_array(f"{a}.attention.compress_ratios", compress_ratios(s.n_layer))
+    w.add_array(f"{a}.attention.compress_ratios", list(s.compress_schedule) or compress_ratios(s.n_layer))
     w.add_uint32(f"{a}.hyper_connection.count", s.hc_mult)
     w.add_uint32(f"{a}.hyper_connection.sinkhorn_iterations", s.hc_sinkhorn_iters)
     w.add_float32(f"{a}.hyper_connection.epsilon", 1e-6)

@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ostinato synth", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="qwen3moe", choices=sorted(_PLANS))
     ap.add_argument("--shape", default="tiny", choices=list(SHAPES))
-    ap.add_argument("--layers", type=int, default=None, help="number of layers (default: the shape's)")
+    ap.add_argument("--layers", type=int, default=None, help="number of layers (default: the shape's); a "
+                    "real model's shape cut to fewer layers keeps its mix of layer kinds in proportion "
+                    "(docs/synthetic-models.md, 'Representative cuts')")
+    ap.add_argument("--narrow", action="store_true", help="a real shape's layers, layer kinds and expert "
+                    "counts at small widths (hidden 256): routing checks on a small machine")
     ap.add_argument("--quant", default="q8_0", choices=list(QUANTS), help="quant recipe: f16, q8_0, q4_0, "
                     "mxfp4 set the experts' type; q4_k_m, q5_k_m, q6_k, iq4_xs, ud-q4_k_xl mix types per "
                     "tensor and layer like the published files (docs/synthetic-models.md)")
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p = write_synthetic_moe(args.output, arch=args.arch, shape=args.shape, n_layer=args.layers,
                                 quant=args.quant, seed=args.seed, progress=True,
-                                merged_gate_up=args.merged_gate_up,
+                                merged_gate_up=args.merged_gate_up, narrow=args.narrow,
                                 routing=Routing(skew=args.skew) if args.skew is not None else None)
     except SynthError as e:
         print(f"ostinato synth: {e}", file=sys.stderr)

@@ -37,7 +37,8 @@ class Shape:
     every ``full_attn_interval``-th layer full attention; ``o_*``, ``hc_*``, ``hash_layers``,
     ``indexer_*``: deepseek4 (grouped low-rank output, hyper-connections, hash-routed leading
     layers, the compressed-attention indexer); the deepseek4 compress ratios follow the released
-    schedule ``[0, 0, 4, 128, 4, 128, ...]``.
+    schedule ``[0, 0, 4, 128, 4, 128, ...]`` unless ``compress_schedule`` lists them per layer (a
+    representative cut, :mod:`ostinatod.synth.mix`).
     """
 
     n_layer: int
@@ -76,6 +77,7 @@ class Shape:
     indexer_head_dim: int = 64
     indexer_top_k: int = 512
     sliding_window: int = 128
+    compress_schedule: tuple[int, ...] = ()  # deepseek4 per-layer ratios (): the released schedule
 
 
 SHAPES: dict[str, Shape] = {
@@ -138,6 +140,21 @@ SHAPES: dict[str, Shape] = {
                         n_expert=256, n_expert_used=8, n_ff_exp=1536, n_ctx_train=196608,
                         n_expert_shared=0, n_rot=64),
 }
+
+def narrow_shape(s: Shape) -> Shape:
+    """A narrow version of a real model's shape for checks on a small machine: the same layers, layer
+    kinds, expert count and k (what the routing depends on: the skew mechanism is the same), with
+    the widths of the ``ci`` shape (hidden 256, heads of 64, experts of 64; rows of 256 so every
+    quant recipe fits). Its per-layer sizes are not the real model's: for routing figures only."""
+    from dataclasses import replace
+
+    return replace(s, n_embd=256, n_head=4, n_head_kv=min(s.n_head_kv, 2), head_dim=64, n_ff_exp=64,
+                   n_ff_dense=256 if s.n_ff_dense or s.n_layer_dense_lead else 0,
+                   n_ff_shexp=64 if s.n_ff_shexp else 0, q_lora_rank=64 if s.q_lora_rank else 0,
+                   kv_lora_rank=64, qk_rope_dim=16, qk_nope_dim=32, v_head_dim=32, n_rot=0,
+                   rope_sections=(), ssm_d_state=32, ssm_n_group=2, ssm_dt_rank=4, o_groups=2,
+                   o_lora_rank=32, indexer_n_head=4, indexer_head_dim=64)
+
 
 # shapes of one real model belong to its architecture
 ARCH_SHAPES = {"qwen3-30b-a3b": "qwen3moe", "deepseek-v4-flash": "deepseek4",

@@ -43,8 +43,9 @@ import gguf
 from gguf import GGMLQuantizationType as QT
 
 from .quants import RECIPES
+from .mix import cut_shape
 from .shapes import (ARCH_SHAPES, MERGED_GATE_UP_ARCHS, QUANTS, Routing, SHAPES, SYNTH_FORMAT, SynthError,
-                     TOKEN_ENDOFTEXT, TOKEN_IM_END, copy_head_by_default)
+                     TOKEN_ENDOFTEXT, TOKEN_IM_END, copy_head_by_default, narrow_shape)
 from .vocab import load_tokenizer, named_tokens
 from .skew import router_strength
 from .archs import PLANS as _PLANS
@@ -59,7 +60,7 @@ def chat_template() -> str:
 def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: str = "tiny",
                         n_layer: int | None = None, quant: str = "q8_0", seed: int = 0,
                         routing: Routing | None = None, vocab: Path | None = None,
-                        progress: bool = False, merged_gate_up: bool = False) -> Path:
+                        progress: bool = False, merged_gate_up: bool = False, narrow: bool = False) -> Path:
     """Write a synthetic MoE GGUF and return its path.
 
     ``arch``: one of :data:`ARCHS`; ``shape``: a key of :data:`SHAPES`; ``n_layer`` cuts (or
@@ -88,9 +89,13 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     if merged_gate_up and arch not in MERGED_GATE_UP_ARCHS:
         raise SynthError(f"--merged-gate-up: llama.cpp reads ffn_gate_up_exps only for "
                          f"{', '.join(MERGED_GATE_UP_ARCHS)}, not {arch}")
-    shp = SHAPES[shape] if n_layer is None else replace(SHAPES[shape], n_layer=int(n_layer))
-    if shp.n_layer < 1:
+    if n_layer is not None and int(n_layer) < 1:
         raise SynthError("n_layer must be >= 1")
+    shp = cut_shape(shape, n_layer)
+    if narrow:
+        if shape not in ARCH_SHAPES:
+            raise SynthError(f"--narrow: {shape!r} is not a real model's shape (have: {', '.join(ARCH_SHAPES)})")
+        shp = narrow_shape(shp)
     routing = routing or Routing()
     if routing.copy_head is None:
         routing = replace(routing, copy_head=copy_head_by_default(shape))
@@ -113,7 +118,8 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
     w = gguf.GGUFWriter(part, arch)
-    tag = f"{'' if n_layer is None else f' {shp.n_layer}L'}{' merged-gate-up' if merged_gate_up else ''}"
+    tag = (f"{'' if n_layer is None else f' {shp.n_layer}L'}{' merged-gate-up' if merged_gate_up else ''}"
+           f"{' narrow' if narrow else ''}")
     name = f"ostinato-demo {arch} {shape}{tag} {quant} (random weights)"
     w.add_name(name)
     w.add_type("model")
@@ -140,6 +146,8 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     w.add_string("ostinato.synth.quant", quant)
     if merged_gate_up:
         w.add_bool("ostinato.synth.merged_gate_up", True)
+    if narrow:
+        w.add_bool("ostinato.synth.narrow", True)
     w.add_string("ostinato.synth.routing", json.dumps(asdict(routing), sort_keys=True))
     w.add_float32("ostinato.synth.router_strength", strength)
 
@@ -167,6 +175,21 @@ def write_synthetic_moe(path: str | os.PathLike, arch: str = "qwen3moe", shape: 
     w.close()
     part.replace(path)
     return path
+
+
+def planned_bytes(arch: str, shape: str, quant: str, n_layer: int | None = None, narrow: bool = False) -> int:
+    """Bytes of the tensor data :func:`write_synthetic_moe` would write for these arguments (the file
+    is this plus its metadata, a few MB for the vocabulary); nothing is written. Raises SynthError
+    as the writer does for bad arguments."""
+    if arch not in _PLANS or shape not in SHAPES or quant not in QUANTS:
+        raise SynthError(f"unknown arch, shape or quant: {arch!r}, {shape!r}, {quant!r}")
+    shp = cut_shape(shape, n_layer)
+    shp = narrow_shape(shp) if narrow else shp
+    tok = load_tokenizer(None)
+    cx = _Ctx(arch=arch, shape=shp, routing=Routing(copy_head=copy_head_by_default(shape)), seed=0,
+              qexp=QUANTS[quant], qmat=QT.F16 if quant == "f16" else QT.Q8_0, recipe=RECIPES[quant],
+              merged=False, classes=np.asarray(tok["classes"], dtype=np.int8), n_vocab=len(tok["tokens"]))
+    return sum(quant_nbytes(t.shape, t.qtype) for t in _PLANS[arch][0](cx))
 
 
 def synthetic_model(directory: str | os.PathLike, arch: str = "qwen3moe", shape: str = "tiny",
