@@ -465,8 +465,8 @@ class Worker:
 
     def _prepare_task(self, t: Task) -> None:
         req = t.req
-        if req.max_tokens is None or req.max_tokens < 1:
-            raise EngineError("invalid_request", "max_tokens must be >= 1")
+        if req.max_tokens is None or req.max_tokens < 0:
+            raise EngineError("invalid_request", "max_tokens must be >= 0")
         if req.demo and not req.ignore_eos:
             sampling.demo_choice(req)
         if req.grammar is not None:
@@ -649,6 +649,10 @@ class Worker:
                         self.pcache.checkpoint(t.slot.tokens, data)
         for t, idx in rows:
             if t.finished or t.cancelled:
+                continue
+            if t.req.max_tokens == 0:  # prefill only (llama-server's n_predict 0): the prompt is cached
+                t.t_first = t.t_last = time.monotonic()
+                self._end(t, "length")
                 continue
             tok = sampling.sample(t.sampler, self.ctx, idx)
             if tok < 0:

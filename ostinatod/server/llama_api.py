@@ -98,8 +98,11 @@ async def _logit_bias(state: DaemonState, bias: Any) -> Optional[dict[str, float
 
 
 def _max_tokens(state: DaemonState, b: _Sampling) -> int:
+    """Output tokens of ``n_predict`` (or ``max_tokens``): -1 or none the ``max_tokens_default``
+    setting; 0 none, the prompt is only prefilled into the KV cache (llama.vscode and llama.vim
+    send such requests to cache their context chunks ahead)."""
     n = b.n_predict if b.n_predict is not None else b.max_tokens
-    return state.settings.max_tokens_default if n is None or n < 0 else max(1, n)
+    return state.settings.max_tokens_default if n is None or n < 0 else n
 
 
 async def _sampling(state: DaemonState, b: _Sampling, req: GenRequest) -> None:
@@ -121,9 +124,13 @@ async def _sampling(state: DaemonState, b: _Sampling, req: GenRequest) -> None:
 
 def generation_settings(state: DaemonState, req: GenRequest) -> dict[str, Any]:
     """llama-server's ``generation_settings`` of a request: its sampling values, the settings'
-    where it set none."""
+    where it set none. ``logit_bias`` lists ``{"token", "bias"}``; with ``ignore_eos`` also each
+    end-of-generation token with bias null (minus infinity, as llama-server writes its ban)."""
     s = state.settings
     seed = req.seed if req.seed is not None else s.seed
+    bias: list[dict[str, Any]] = [{"token": int(k), "bias": v} for k, v in (req.logit_bias or {}).items()]
+    if req.ignore_eos:
+        bias += [{"token": t, "bias": None} for t in state.model_info.get("eog_tokens") or []]
     return {"n_predict": req.max_tokens, "max_tokens": req.max_tokens,
             "seed": LLAMA_DEFAULT_SEED if seed is None else seed,
             "temperature": s.temperature if req.temperature is None else req.temperature,
@@ -131,8 +138,7 @@ def generation_settings(state: DaemonState, req: GenRequest) -> dict[str, Any]:
             "top_p": s.top_p if req.top_p is None else req.top_p,
             "min_p": s.min_p if req.min_p is None else req.min_p,
             "stop": list(req.stop), "ignore_eos": req.ignore_eos, "n_probs": req.logprobs or 0,
-            "grammar": req.grammar or "", "logit_bias": [{"token": int(k), "bias": v} for k, v in
-                                                         (req.logit_bias or {}).items()],
+            "grammar": req.grammar or "", "logit_bias": bias,
             "timings_per_token": False, "n_ctx": state.model_info.get("n_ctx")}
 
 
@@ -272,12 +278,20 @@ async def input_tokens(request: web.Request) -> web.Response:
 # ---- server facts ----------------------------------------------------------------------------
 
 
+# llama-server's marker of an image or audio part in a prompt; served models take none
+MEDIA_MARKER = "<__media__>"
+
+
 async def props(request: web.Request) -> web.Response:
-    """GET /props (read-only): llama-server's server properties, as the llama.cpp web UI reads
-    them: ``default_generation_settings`` (``n_ctx``: the served context per slot, ``params``),
-    ``total_slots``, ``model_alias``, ``model_path``, ``modalities``, ``chat_template`` (the
-    model's), ``chat_template_caps``, ``bos_token``, ``eos_token``, ``build_info``,
-    ``endpoint_slots``, ``endpoint_props`` (false: read-only), ``endpoint_metrics``."""
+    """GET /props (read-only; query parameters such as the web UI's ``autoload=false`` are
+    ignored): llama-server's server properties, as the llama.cpp web UI reads them:
+    ``default_generation_settings`` (``n_ctx``: the served context per slot, ``params``),
+    ``total_slots``, ``model_alias``, ``model_ftype``, ``model_path``, ``modalities`` (none),
+    ``media_marker``, ``endpoint_slots``, ``endpoint_props`` (false: read-only),
+    ``endpoint_metrics``, ``ui`` (false: no web page is served), ``ui_settings``,
+    ``chat_template`` (the model's), ``chat_template_caps``, ``bos_token``, ``eos_token``,
+    ``build_info``, ``is_sleeping`` (false), ``cors_proxy_enabled`` (false); and
+    ``random_weights`` (the generated demo model)."""
     state: DaemonState = request.app["state"]
     info = state.model_info
     s = state.settings
@@ -285,13 +299,16 @@ async def props(request: web.Request) -> web.Response:
     return web.json_response({
         "default_generation_settings": {"params": params, "n_ctx": info.get("n_ctx")},
         "total_slots": info.get("n_slots") or s.n_slots, "model_alias": state.model_name,
+        "model_ftype": info.get("ftype") or "",
         "model_path": info.get("path") or (str(s.model) if s.model else ""),
-        "modalities": {"vision": False, "video": False, "audio": False},
+        "modalities": {"vision": False, "video": False, "audio": False}, "media_marker": MEDIA_MARKER,
         "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True,
+        "ui": False, "ui_settings": {},
         "chat_template": info.get("chat_template") or "",
         "chat_template_caps": info.get("chat_template_caps") or {},
         "bos_token": info.get("bos_token") or "", "eos_token": info.get("eos_token") or "",
-        "build_info": _build_info(), "is_sleeping": False, "random_weights": bool(info.get("is_demo"))})
+        "build_info": _build_info(), "is_sleeping": False, "cors_proxy_enabled": False,
+        "random_weights": bool(info.get("is_demo"))})
 
 
 def _build_info() -> str:
@@ -303,9 +320,10 @@ def _build_info() -> str:
 
 
 async def props_post(request: web.Request) -> web.Response:
-    """POST /props: refused (the properties are read-only; settings change them)."""
-    raise ApiError(403, "props_read_only", "The server properties are read-only here: change them "
-                   "with the settings (docs/settings.md).")
+    """POST /props: refused as llama-server refuses it without ``--props`` (501, the properties
+    are read-only; the settings change them)."""
+    raise ApiError(501, "not_supported", "This server does not support changing global properties: "
+                   "change them with the settings (docs/settings.md).")
 
 
 async def slots(request: web.Request) -> web.Response:
