@@ -62,6 +62,9 @@ def test_routes_without_v1_share_the_handlers(live_daemon):
     assert chat["timings"]["predicted_n"] == chat["usage"]["completion_tokens"]
     code, native = _post(live_daemon, "/completions", {"prompt": "Once upon", "n_predict": 2})
     assert code == 200 and native["stop"] is True and "timings" in native  # llama-server's native one
+    # a ready daemon's health has no "error" key (llama-server's clients read one as a failure)
+    code, health, _ = _get(live_daemon, "/health")
+    assert code == 200 and health["status"] == "ok" and "error" not in health
 
 
 def test_completion_native_answer(live_daemon):
