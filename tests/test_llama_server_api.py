@@ -83,6 +83,26 @@ def test_completion_native_answer(live_daemon):
     assert code == 200 and set(r) == {"content", "timings/predicted_n"}
 
 
+def test_completion_prompt_forms(live_daemon):
+    # llama-server's prompt forms: token ids, ids and texts mixed, {"prompt_string"}, and a list
+    # of prompts answered as a list (same prompt, temperature 0: same text)
+    text = "I believe the meaning of life is"
+    ids = _post(live_daemon, "/tokenize", {"content": text})[1]["tokens"]
+    common = {"n_predict": 3, "temperature": 0}
+    code, one = _post(live_daemon, "/completion", dict(common, prompt=ids))
+    assert code == 200 and one["prompt"] == text and one["tokens_evaluated"] == len(ids)
+    code, many = _post(live_daemon, "/completion", dict(common, prompt=[ids, text, {"prompt_string": text}]))
+    assert code == 200 and [r["index"] for r in many] == [0, 1, 2]
+    assert len({r["content"] for r in many}) == 1 and many[0]["content"] == one["content"]
+    code, r = _post(live_daemon, "/completion", dict(common, prompt=[ids[0], text, ids[0]]))
+    assert code == 200 and r["tokens_evaluated"] == 2 + len(ids)
+    for bad in ({"prompt_string": text, "multimodal_data": ["aGk="]}, [ids, 5.5], [10 ** 9]):
+        code, r = _post(live_daemon, "/completion", dict(common, prompt=bad))
+        assert code == 400 and r["error"]["param"] == "prompt", bad
+    code, r = _post(live_daemon, "/completion", dict(common, prompt=[text, text], stream=True))
+    assert code == 400 and r["error"]["param"] == "stream"
+
+
 def test_completion_ignore_eos_lists_the_banned_tokens(live_daemon):
     # llama-server's generation_settings show ignore_eos's ban as a null (-inf) bias per EOG token
     code, r = _post(live_daemon, "/completion", {"prompt": "Once upon a time", "n_predict": 2,

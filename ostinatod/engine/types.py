@@ -30,6 +30,9 @@ class GenRequest:
     id: str
     messages: Optional[list[dict[str, Any]]] = None
     prompt: Optional[str] = None
+    # a raw prompt of token ids and texts in order (llama-server's /completion forms ``[12, 34]`` and
+    # ``[12, "text", 34]``), instead of ``prompt``
+    prompt_tokens: Optional[list[Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Any = None  # "auto" | "none" | "required" | {"type":"function","function":{"name"}}
     parallel_tool_calls: bool = True

@@ -11,6 +11,7 @@ every other protocol.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional, Union
 
 from aiohttp import web
@@ -53,9 +54,10 @@ class _Sampling(BaseModel):
 
 class CompletionBody(_Sampling):
     """llama-server's ``/completion`` body (the fields Ostinato acts on; others are accepted and
-    ignored, as ``cache_prompt`` and ``id_slot``: the engine picks slots and caches itself)."""
+    ignored, as ``cache_prompt`` and ``id_slot``: the engine picks slots and caches itself).
+    ``prompt``: see :func:`prompts`."""
 
-    prompt: Union[str, list[str]] = ""
+    prompt: Any = ""
 
 
 class InfillBody(_Sampling):
@@ -169,21 +171,92 @@ class _LiveStream:
         return self.stream.feed(ev, u, self.gen.timings() if self.stream.timings_per_token else None)
 
 
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def prompts(prompt: Any) -> list[Union[str, list[Any]]]:
+    """llama-server's ``/completion`` prompt forms, one entry per prompt to answer: a string; a
+    list of token ids, or of ids and strings (``[12, "text", 34]``: one prompt); an object
+    ``{"prompt_string": ...}`` (with ``multimodal_data``: 400, the served models are text-only);
+    a list of these (several prompts, answered as a list). Entries are a text or a list of ids
+    and texts. Raises ApiError 400 for any other shape or an empty prompt."""
+    def one(p: Any) -> Union[str, list[Any]]:
+        if isinstance(p, dict) and "prompt_string" in p:
+            if p.get("multimodal_data"):
+                raise ApiError(400, "invalid_request", "Multimodal data provided, but the model does not "
+                               "support multimodal requests.", param="prompt")
+            p = p["prompt_string"]
+        if isinstance(p, str) and p:
+            return p
+        if isinstance(p, list) and p and any(_is_id(x) for x in p) and all(_is_id(x) or isinstance(x, str) for x in p):
+            return p
+        raise ApiError(400, "invalid_request", '"prompt" elements must be a non-empty string, a list of tokens, '
+                       "a JSON object containing a prompt string, or a list of mixed strings & tokens.",
+                       param="prompt")
+    if isinstance(prompt, list) and not any(_is_id(x) for x in prompt):
+        if not prompt:
+            raise ApiError(400, "invalid_request", '"prompt" must not be empty', param="prompt")
+        return [one(p) for p in prompt]
+    return [one(prompt)]
+
+
+async def _prompt_request(state: DaemonState, p: Union[str, list[Any]]) -> tuple[GenRequest, str]:
+    """The request of one prompt and its text (echoed as llama-server's ``prompt``: token ids as
+    their text)."""
+    if isinstance(p, str):
+        return GenRequest(id=new_id("cmpl-"), prompt=p), p
+    eng = await ensure_engine(state)
+    parts: list[Union[str, list[int]]] = []  # texts and runs of ids
+    for x in p:
+        if isinstance(x, str):
+            parts.append(x)
+        elif parts and isinstance(parts[-1], list):
+            parts[-1].append(x)
+        else:
+            parts.append([x])
+    texts: list[str] = []
+    for part in parts:
+        try:
+            texts.append(part if isinstance(part, str) else await eng.detokenize(part))
+        except EngineError as e:
+            raise ApiError(e.status, e.code, e.message, param="prompt") from None
+    return GenRequest(id=new_id("cmpl-"), prompt_tokens=list(p)), "".join(texts)
+
+
 async def completion(request: web.Request) -> web.StreamResponse:
     """POST /completion and /completions: llama-server's native completion (raw prompt, no chat
-    template)."""
+    template; the prompt forms of :func:`prompts`). Several prompts are run side by side and
+    answered as a list, each with its ``index``; they cannot be streamed (400)."""
     state: DaemonState = request.app["state"]
     b = validate(CompletionBody, await read_json(request))
-    prompt = b.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ApiError(400, "invalid_request", "Only one prompt per request is supported.", param="prompt")
-        prompt = prompt[0]
-    if not prompt:
-        raise ApiError(400, "invalid_request", '"prompt" must not be empty', param="prompt")
-    req = GenRequest(id=new_id("cmpl-"), prompt=prompt)
-    await _sampling(state, b, req)
-    return await _generate(request, req, b, prompt, "llama_completion")
+    ps = prompts(b.prompt)
+    if len(ps) == 1:
+        req, text = await _prompt_request(state, ps[0])
+        await _sampling(state, b, req)
+        return await _generate(request, req, b, text, "llama_completion")
+    if b.stream:
+        raise ApiError(400, "invalid_request", "several prompts in one request cannot be streamed here: "
+                       "send one request per prompt", param="stream")
+    reqs = [await _prompt_request(state, p) for p in ps]
+    for req, _ in reqs:
+        await _sampling(state, b, req)
+        fill_common(state, request, req, b.model)
+    return web.json_response(await asyncio.gather(*(_one_of_several(request, b, req, text, i)
+                                                     for i, (req, text) in enumerate(reqs))))
+
+
+async def _one_of_several(request: web.Request, b: _Sampling, req: GenRequest, text: str, index: int) -> dict[str, Any]:
+    state: DaemonState = request.app["state"]
+    settings = dict(generation_settings(state, req), stream=False, timings_per_token=b.timings_per_token)
+    gen = await Generation.open(state, req, "llama_completion")
+    try:
+        done = await gen.result(request)
+    finally:
+        await gen.aclose()
+        gen.close()
+    res = enc.completion(done, req.model, text, settings, b.n_probs, b.response_fields or None)
+    return dict(res, index=index) if not b.response_fields else res
 
 
 async def infill(request: web.Request) -> web.StreamResponse:
