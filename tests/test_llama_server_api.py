@@ -96,7 +96,7 @@ def test_completion_prompt_forms(live_daemon):
     assert len({r["content"] for r in many}) == 1 and many[0]["content"] == one["content"]
     code, r = _post(live_daemon, "/completion", dict(common, prompt=[ids[0], text, ids[0]]))
     assert code == 200 and r["tokens_evaluated"] == 2 + len(ids)
-    for bad in ({"prompt_string": text, "multimodal_data": ["aGk="]}, [ids, 5.5], [10 ** 9]):
+    for bad in ({"prompt_string": text, "multimodal_data": ["aGk="]}, [ids, 5.5], [10 ** 9], ["x"] * 65):
         code, r = _post(live_daemon, "/completion", dict(common, prompt=bad))
         assert code == 400 and r["error"]["param"] == "prompt", bad
     code, r = _post(live_daemon, "/completion", dict(common, prompt=[text, text], stream=True))

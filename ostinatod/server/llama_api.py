@@ -27,6 +27,9 @@ from .request_input import read_json, validate
 from .state import DaemonState
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "random seed" value, reported when none is set
+# prompts of one /completion request: each is a generation of its own, and one request must not
+# queue more work than many clients could (the connection cap bounds those)
+MAX_PROMPTS = 64
 
 
 class _Sampling(BaseModel):
@@ -179,8 +182,9 @@ def prompts(prompt: Any) -> list[Union[str, list[Any]]]:
     """llama-server's ``/completion`` prompt forms, one entry per prompt to answer: a string; a
     list of token ids, or of ids and strings (``[12, "text", 34]``: one prompt); an object
     ``{"prompt_string": ...}`` (with ``multimodal_data``: 400, the served models are text-only);
-    a list of these (several prompts, answered as a list). Entries are a text or a list of ids
-    and texts. Raises ApiError 400 for any other shape or an empty prompt."""
+    a list of these (several prompts, at most ``MAX_PROMPTS``, answered as a list). Entries are a
+    text or a list of ids and texts. Raises ApiError 400 for any other shape, an empty prompt or
+    too many prompts."""
     def one(p: Any) -> Union[str, list[Any]]:
         if isinstance(p, dict) and "prompt_string" in p:
             if p.get("multimodal_data"):
@@ -197,6 +201,9 @@ def prompts(prompt: Any) -> list[Union[str, list[Any]]]:
     if isinstance(prompt, list) and not any(_is_id(x) for x in prompt):
         if not prompt:
             raise ApiError(400, "invalid_request", '"prompt" must not be empty', param="prompt")
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, "invalid_request", f"at most {MAX_PROMPTS} prompts in one request, got "
+                           f"{len(prompt)}", param="prompt")
         return [one(p) for p in prompt]
     return [one(prompt)]
 
