@@ -149,6 +149,9 @@ def tiny_model() -> Path:
 
 # Small context and slots keep the tests fast on 2 cores; the oversize-context test relies on n_ctx.
 LIVE_N_CTX = 2048
+# one engine thread for the live daemons: the 2-core CI machine also runs the test process and the
+# clients, and two spinning engine threads beside them made generation several times slower
+LIVE_N_THREADS = 1
 
 
 @pytest.fixture(scope="session")
@@ -156,7 +159,7 @@ def live_daemon(tiny_model: Path) -> Iterator[LiveDaemon]:
     """A live daemon serving ``tiny_model`` (subprocess engine worker)."""
     home = Path(tempfile.mkdtemp(prefix="ostinato-live-"))
     d = launch_daemon(home, "--model", str(tiny_model), "--n-ctx", str(LIVE_N_CTX), "--n-slots", "2",
-                      "--n-threads", "2", "--engine-mode", "subprocess", "--max-tokens-default", "16")
+                      "--n-threads", str(LIVE_N_THREADS), "--engine-mode", "subprocess", "--max-tokens-default", "16")
     yield d
     d.stop()
 

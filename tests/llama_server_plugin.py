@@ -5,8 +5,9 @@ Loaded by tests/test_llama_server_suite.py in a pytest of its own (``-p llama_se
 their ``ServerProcess.start`` points the test at the daemon named by ``OSTINATO_SUITE_URL`` (no
 process is started, ``stop`` stops nothing), and the tests listed in docs/api.md ("Deliberate
 differences") are deselected by id: ``file::test`` deselects every parametrization of that test,
-``file::test[params]`` one of them, ``file`` the whole file. An entry that matches nothing is an
-error (the list must stay exact).
+``file::test[params]`` one of them, ``file`` the whole file, and a ``*`` in an entry stands for any
+text (``file::test[Qwen-*]``: the parametrizations whose id starts so). An entry that matches
+nothing is an error (the list must stay exact).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _matches(nodeid: str, entry: str) -> bool:
+    if "*" in entry:
+        return re.fullmatch(".*".join(map(re.escape, entry.split("*"))), nodeid, re.S) is not None
     base = nodeid.split("[", 1)[0]
     return nodeid == entry or base == entry or nodeid.split("::", 1)[0] == entry
 

@@ -22,14 +22,17 @@ class GenRequest:
     """One generation request, protocol-neutral.
 
     Either ``messages`` (chat; rendered with the model's chat template) or ``prompt`` (raw text,
-    /v1/completions) is set. ``max_tokens`` counts output tokens. ``ignore_eos`` makes the engine
-    generate exactly ``max_tokens`` tokens (used by the replay benchmark).
+    /v1/completions) is set. ``max_tokens`` counts output tokens (0: the prompt is only
+    prefilled into the KV cache). ``ignore_eos`` makes the engine generate exactly ``max_tokens``
+    tokens (used by the replay benchmark).
     """
 
     id: str
     messages: Optional[list[dict[str, Any]]] = None
     prompt: Optional[str] = None
-    prompt_tokens: Optional[list[int]] = None  # a raw prompt given as token ids (/v1/completions)
+    # a raw prompt of token ids and texts in order (llama-server's /completion forms ``[12, 34]`` and
+    # ``[12, "text", 34]``), instead of ``prompt``
+    prompt_tokens: Optional[list[Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Any = None  # "auto" | "none" | "required" | {"type":"function","function":{"name"}}
     parallel_tool_calls: bool = True
@@ -187,8 +190,9 @@ class EngineClient(Protocol):
     async def info(self) -> dict[str, Any]:
         """Loaded model: {"name", "path", "arch", "n_ctx" (served per slot), "n_ctx_reason" (why it is
         below the setting), "n_ctx_train", "n_params", "is_demo", "n_expert", "n_expert_used",
-        "n_layer", "experts_mode", "chat_template" (its source), "bos_token", "eos_token", "infill"
-        (the vocabulary has FIM tokens), ...}."""
+        "n_layer", "experts_mode", "chat_template" (its source), "bos_token", "eos_token",
+        "eog_tokens" (ids of the end-of-generation tokens), "infill" (the vocabulary has FIM
+        tokens), "ftype" (llama.cpp's name of the file type), ...}."""
 
     async def stats(self) -> dict[str, Any]:
         """Engine counters: slots, requests, tokens, expert-path counts and hot-route share."""

@@ -293,11 +293,7 @@ class Worker:
         if req.infill is not None:
             return self.infill_prompt(req), None
         if req.prompt_tokens is not None:
-            bad = next((t for t in req.prompt_tokens if not 0 <= t < self.n_vocab), None)
-            if bad is not None:
-                raise EngineError("invalid_request", f"prompt token id {bad} is not in the vocabulary "
-                                  f"(0..{self.n_vocab - 1})")
-            return list(req.prompt_tokens), None
+            return self.mixed_prompt(req.prompt_tokens), None
         if req.messages is not None:
             rendered = self.templates.render(req.messages, req.tools, req.tool_choice,
                                              req.parallel_tool_calls, req.enable_thinking,
@@ -309,6 +305,22 @@ class Worker:
             raise EngineError("invalid_request", "request has neither messages nor prompt")
         limits.check_text_fits(len(text.encode("utf-8", "replace")), self.max_piece_bytes, self.n_ctx_slot)
         return self.tokenize(text), rendered
+
+    def mixed_prompt(self, pieces: list[Any]) -> list[int]:
+        """Prompt tokens of token ids and texts in order (a text's special tokens parsed, the
+        vocabulary's BOS only before a leading text). Raises EngineError 400 for an id outside the
+        vocabulary or ``context_length_exceeded`` for text that cannot fit."""
+        limits.check_text_fits(sum(len(p.encode("utf-8", "replace")) for p in pieces if isinstance(p, str)),
+                               self.max_piece_bytes, self.n_ctx_slot)
+        out: list[int] = []
+        for i, p in enumerate(pieces):
+            if isinstance(p, str):
+                out += self.tokenize(p, add_special=i == 0)
+            elif not 0 <= int(p) < self.n_vocab:
+                raise EngineError("invalid_request", f"token id {p} is outside the vocabulary (0..{self.n_vocab - 1})")
+            else:
+                out.append(int(p))
+        return out
 
     def infill_prompt(self, req: GenRequest) -> list[int]:
         """Prompt tokens of a fill-in-the-middle request (:mod:`.infill`). Raises EngineError 400
@@ -557,8 +569,8 @@ class Worker:
 
     def _prepare_task(self, t: Task) -> None:
         req = t.req
-        if req.max_tokens is None or req.max_tokens < 1:
-            raise EngineError("invalid_request", "max_tokens must be >= 1")
+        if req.max_tokens is None or req.max_tokens < 0:
+            raise EngineError("invalid_request", "max_tokens must be >= 0")
         if req.demo and not req.ignore_eos:
             sampling.demo_choice(req)
         if req.grammar is not None:
@@ -759,6 +771,10 @@ class Worker:
         for t, idx in rows:
             if t.finished or t.cancelled:
                 continue
+            if t.req.max_tokens == 0:  # prefill only (llama-server's n_predict 0): the prompt is cached
+                t.t_first = t.t_last = time.monotonic()
+                self._end(t, "length")
+                continue
             tok = sampling.sample(t.sampler, self.ctx, idx)
             if tok < 0:
                 from . import native
@@ -850,6 +866,8 @@ class Worker:
         from . import chat
         t.finished = True
         t.next_token = None
+        if t in self._active:  # before its done event: stats() never counts an answered request active
+            self._active.remove(t)
         if error is not None:
             self._release(t)
             self._fail(t, error[0], error[1], 500)

@@ -194,11 +194,14 @@ def _protocol(path: str) -> str:
 async def health(request: web.Request) -> web.Response:
     """GET /health: 200 {"status": "ok"} when ready, 503 while loading, restarting or without a
     model; with the engine's supervision facts (``restarts``, ``last_exit``, ``error``: why it
-    is not serving)."""
+    is not serving, only while it is not: llama-server's clients take an ``error`` key for a
+    failure)."""
     state: DaemonState = request.app["state"]
     es = state.engine_state
     body = {"status": "ok" if es == "ready" else es, "model": state.model_name,
             "random_weights": bool(state.model_info.get("is_demo")), **state.engine_health()}
+    if body.get("error") is None:
+        body.pop("error", None)
     return web.json_response(body, status=200 if es == "ready" else 503)
 
 

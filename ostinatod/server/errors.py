@@ -15,7 +15,8 @@ from aiohttp import web
 # OpenAI error "type" by HTTP status.
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable", 500: "server_error", 502: "server_error"}
+                429: "rate_limit_error", 503: "service_unavailable", 500: "server_error", 501: "not_supported_error",
+                502: "server_error"}
 # Anthropic error "type" by HTTP status (docs.anthropic.com/en/api/errors).
 _ANTHROPIC_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 415: "invalid_request_error",

@@ -11,6 +11,7 @@ every other protocol.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional, Union
 
 from aiohttp import web
@@ -26,6 +27,9 @@ from .request_input import read_json, validate
 from .state import DaemonState
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "random seed" value, reported when none is set
+# prompts of one /completion request: each is a generation of its own, and one request must not
+# queue more work than many clients could (the connection cap bounds those)
+MAX_PROMPTS = 64
 
 
 class _Sampling(BaseModel):
@@ -53,9 +57,10 @@ class _Sampling(BaseModel):
 
 class CompletionBody(_Sampling):
     """llama-server's ``/completion`` body (the fields Ostinato acts on; others are accepted and
-    ignored, as ``cache_prompt`` and ``id_slot``: the engine picks slots and caches itself)."""
+    ignored, as ``cache_prompt`` and ``id_slot``: the engine picks slots and caches itself).
+    ``prompt``: see :func:`prompts`."""
 
-    prompt: Union[str, list[str]] = ""
+    prompt: Any = ""
 
 
 class InfillBody(_Sampling):
@@ -98,8 +103,11 @@ async def _logit_bias(state: DaemonState, bias: Any) -> Optional[dict[str, float
 
 
 def _max_tokens(state: DaemonState, b: _Sampling) -> int:
+    """Output tokens of ``n_predict`` (or ``max_tokens``): -1 or none the ``max_tokens_default``
+    setting; 0 none, the prompt is only prefilled into the KV cache (llama.vscode and llama.vim
+    send such requests to cache their context chunks ahead)."""
     n = b.n_predict if b.n_predict is not None else b.max_tokens
-    return state.settings.max_tokens_default if n is None or n < 0 else max(1, n)
+    return state.settings.max_tokens_default if n is None or n < 0 else n
 
 
 async def _sampling(state: DaemonState, b: _Sampling, req: GenRequest) -> None:
@@ -121,9 +129,13 @@ async def _sampling(state: DaemonState, b: _Sampling, req: GenRequest) -> None:
 
 def generation_settings(state: DaemonState, req: GenRequest) -> dict[str, Any]:
     """llama-server's ``generation_settings`` of a request: its sampling values, the settings'
-    where it set none."""
+    where it set none. ``logit_bias`` lists ``{"token", "bias"}``; with ``ignore_eos`` also each
+    end-of-generation token with bias null (minus infinity, as llama-server writes its ban)."""
     s = state.settings
     seed = req.seed if req.seed is not None else s.seed
+    bias: list[dict[str, Any]] = [{"token": int(k), "bias": v} for k, v in (req.logit_bias or {}).items()]
+    if req.ignore_eos:
+        bias += [{"token": t, "bias": None} for t in state.model_info.get("eog_tokens") or []]
     return {"n_predict": req.max_tokens, "max_tokens": req.max_tokens,
             "seed": LLAMA_DEFAULT_SEED if seed is None else seed,
             "temperature": s.temperature if req.temperature is None else req.temperature,
@@ -131,8 +143,7 @@ def generation_settings(state: DaemonState, req: GenRequest) -> dict[str, Any]:
             "top_p": s.top_p if req.top_p is None else req.top_p,
             "min_p": s.min_p if req.min_p is None else req.min_p,
             "stop": list(req.stop), "ignore_eos": req.ignore_eos, "n_probs": req.logprobs or 0,
-            "grammar": req.grammar or "", "logit_bias": [{"token": int(k), "bias": v} for k, v in
-                                                         (req.logit_bias or {}).items()],
+            "grammar": req.grammar or "", "logit_bias": bias,
             "timings_per_token": False, "n_ctx": state.model_info.get("n_ctx")}
 
 
@@ -163,21 +174,96 @@ class _LiveStream:
         return self.stream.feed(ev, u, self.gen.timings() if self.stream.timings_per_token else None)
 
 
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def prompts(prompt: Any) -> list[Union[str, list[Any]]]:
+    """llama-server's ``/completion`` prompt forms, one entry per prompt to answer: a string; a
+    list of token ids, or of ids and strings (``[12, "text", 34]``: one prompt); an object
+    ``{"prompt_string": ...}`` (with ``multimodal_data``: 400, the served models are text-only);
+    a list of these (several prompts, at most ``MAX_PROMPTS``, answered as a list). Entries are a
+    text or a list of ids and texts. Raises ApiError 400 for any other shape, an empty prompt or
+    too many prompts."""
+    def one(p: Any) -> Union[str, list[Any]]:
+        if isinstance(p, dict) and "prompt_string" in p:
+            if p.get("multimodal_data"):
+                raise ApiError(400, "invalid_request", "Multimodal data provided, but the model does not "
+                               "support multimodal requests.", param="prompt")
+            p = p["prompt_string"]
+        if isinstance(p, str) and p:
+            return p
+        if isinstance(p, list) and p and any(_is_id(x) for x in p) and all(_is_id(x) or isinstance(x, str) for x in p):
+            return p
+        raise ApiError(400, "invalid_request", '"prompt" elements must be a non-empty string, a list of tokens, '
+                       "a JSON object containing a prompt string, or a list of mixed strings & tokens.",
+                       param="prompt")
+    if isinstance(prompt, list) and not any(_is_id(x) for x in prompt):
+        if not prompt:
+            raise ApiError(400, "invalid_request", '"prompt" must not be empty', param="prompt")
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, "invalid_request", f"at most {MAX_PROMPTS} prompts in one request, got "
+                           f"{len(prompt)}", param="prompt")
+        return [one(p) for p in prompt]
+    return [one(prompt)]
+
+
+async def _prompt_request(state: DaemonState, p: Union[str, list[Any]]) -> tuple[GenRequest, str]:
+    """The request of one prompt and its text (echoed as llama-server's ``prompt``: token ids as
+    their text)."""
+    if isinstance(p, str):
+        return GenRequest(id=new_id("cmpl-"), prompt=p), p
+    eng = await ensure_engine(state)
+    parts: list[Union[str, list[int]]] = []  # texts and runs of ids
+    for x in p:
+        if isinstance(x, str):
+            parts.append(x)
+        elif parts and isinstance(parts[-1], list):
+            parts[-1].append(x)
+        else:
+            parts.append([x])
+    texts: list[str] = []
+    for part in parts:
+        try:
+            texts.append(part if isinstance(part, str) else await eng.detokenize(part))
+        except EngineError as e:
+            raise ApiError(e.status, e.code, e.message, param="prompt") from None
+    return GenRequest(id=new_id("cmpl-"), prompt_tokens=list(p)), "".join(texts)
+
+
 async def completion(request: web.Request) -> web.StreamResponse:
     """POST /completion and /completions: llama-server's native completion (raw prompt, no chat
-    template)."""
+    template; the prompt forms of :func:`prompts`). Several prompts are run side by side and
+    answered as a list, each with its ``index``; they cannot be streamed (400)."""
     state: DaemonState = request.app["state"]
     b = validate(CompletionBody, await read_json(request))
-    prompt = b.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ApiError(400, "invalid_request", "Only one prompt per request is supported.", param="prompt")
-        prompt = prompt[0]
-    if not prompt:
-        raise ApiError(400, "invalid_request", '"prompt" must not be empty', param="prompt")
-    req = GenRequest(id=new_id("cmpl-"), prompt=prompt)
-    await _sampling(state, b, req)
-    return await _generate(request, req, b, prompt, "llama_completion")
+    ps = prompts(b.prompt)
+    if len(ps) == 1:
+        req, text = await _prompt_request(state, ps[0])
+        await _sampling(state, b, req)
+        return await _generate(request, req, b, text, "llama_completion")
+    if b.stream:
+        raise ApiError(400, "invalid_request", "several prompts in one request cannot be streamed here: "
+                       "send one request per prompt", param="stream")
+    reqs = [await _prompt_request(state, p) for p in ps]
+    for req, _ in reqs:
+        await _sampling(state, b, req)
+        fill_common(state, request, req, b.model)
+    return web.json_response(await asyncio.gather(*(_one_of_several(request, b, req, text, i)
+                                                     for i, (req, text) in enumerate(reqs))))
+
+
+async def _one_of_several(request: web.Request, b: _Sampling, req: GenRequest, text: str, index: int) -> dict[str, Any]:
+    state: DaemonState = request.app["state"]
+    settings = dict(generation_settings(state, req), stream=False, timings_per_token=b.timings_per_token)
+    gen = await Generation.open(state, req, "llama_completion")
+    try:
+        done = await gen.result(request)
+    finally:
+        await gen.aclose()
+        gen.close()
+    res = enc.completion(done, req.model, text, settings, b.n_probs, b.response_fields or None)
+    return dict(res, index=index) if not b.response_fields else res
 
 
 async def infill(request: web.Request) -> web.StreamResponse:
@@ -272,12 +358,20 @@ async def input_tokens(request: web.Request) -> web.Response:
 # ---- server facts ----------------------------------------------------------------------------
 
 
+# llama-server's marker of an image or audio part in a prompt; served models take none
+MEDIA_MARKER = "<__media__>"
+
+
 async def props(request: web.Request) -> web.Response:
-    """GET /props (read-only): llama-server's server properties, as the llama.cpp web UI reads
-    them: ``default_generation_settings`` (``n_ctx``: the served context per slot, ``params``),
-    ``total_slots``, ``model_alias``, ``model_path``, ``modalities``, ``chat_template`` (the
-    model's), ``chat_template_caps``, ``bos_token``, ``eos_token``, ``build_info``,
-    ``endpoint_slots``, ``endpoint_props`` (false: read-only), ``endpoint_metrics``."""
+    """GET /props (read-only; query parameters such as the web UI's ``autoload=false`` are
+    ignored): llama-server's server properties, as the llama.cpp web UI reads them:
+    ``default_generation_settings`` (``n_ctx``: the served context per slot, ``params``),
+    ``total_slots``, ``model_alias``, ``model_ftype``, ``model_path``, ``modalities`` (none),
+    ``media_marker``, ``endpoint_slots``, ``endpoint_props`` (false: read-only),
+    ``endpoint_metrics``, ``ui`` (false: no web page is served), ``ui_settings``,
+    ``chat_template`` (the model's), ``chat_template_caps``, ``bos_token``, ``eos_token``,
+    ``build_info``, ``is_sleeping`` (false), ``cors_proxy_enabled`` (false); and
+    ``random_weights`` (the generated demo model)."""
     state: DaemonState = request.app["state"]
     info = state.model_info
     s = state.settings
@@ -285,13 +379,16 @@ async def props(request: web.Request) -> web.Response:
     return web.json_response({
         "default_generation_settings": {"params": params, "n_ctx": info.get("n_ctx")},
         "total_slots": info.get("n_slots") or s.n_slots, "model_alias": state.model_name,
+        "model_ftype": info.get("ftype") or "",
         "model_path": info.get("path") or (str(s.model) if s.model else ""),
-        "modalities": {"vision": False, "video": False, "audio": False},
+        "modalities": {"vision": False, "video": False, "audio": False}, "media_marker": MEDIA_MARKER,
         "endpoint_slots": True, "endpoint_props": False, "endpoint_metrics": True,
+        "ui": False, "ui_settings": {},
         "chat_template": info.get("chat_template") or "",
         "chat_template_caps": info.get("chat_template_caps") or {},
         "bos_token": info.get("bos_token") or "", "eos_token": info.get("eos_token") or "",
-        "build_info": _build_info(), "is_sleeping": False, "random_weights": bool(info.get("is_demo"))})
+        "build_info": _build_info(), "is_sleeping": False, "cors_proxy_enabled": False,
+        "random_weights": bool(info.get("is_demo"))})
 
 
 def _build_info() -> str:
@@ -303,9 +400,10 @@ def _build_info() -> str:
 
 
 async def props_post(request: web.Request) -> web.Response:
-    """POST /props: refused (the properties are read-only; settings change them)."""
-    raise ApiError(403, "props_read_only", "The server properties are read-only here: change them "
-                   "with the settings (docs/settings.md).")
+    """POST /props: refused as llama-server refuses it without ``--props`` (501, the properties
+    are read-only; the settings change them)."""
+    raise ApiError(501, "not_supported", "This server does not support changing global properties: "
+                   "change them with the settings (docs/settings.md).")
 
 
 async def slots(request: web.Request) -> web.Response:

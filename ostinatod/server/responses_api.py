@@ -48,6 +48,9 @@ class ResponsesBody(BaseModel):
     ignore_eos: bool = False
     logit_bias: Optional[dict[str, float]] = None  # extension (OpenAI chat semantics)
     seed: Optional[int] = None  # extension (as in chat completions): the sampler's random stream
+    # llama-server's extensions: timings on every delta event, prompt_progress events while prefilling
+    timings_per_token: bool = False
+    return_progress: bool = False
 
 
 def _part_text(content: Any) -> str:
@@ -206,7 +209,8 @@ def responses_request(state: DaemonState, request: web.Request, b: ResponsesBody
     req = GenRequest(id=new_id("resp_"), messages=convert_input(b), tools=tools, tool_choice=choice,
                      parallel_tool_calls=b.parallel_tool_calls,
                      max_tokens=b.max_output_tokens or state.settings.max_tokens_default,
-                     json_schema=json_schema_of(fmt), ignore_eos=b.ignore_eos, warnings=warnings)
+                     json_schema=json_schema_of(fmt), ignore_eos=b.ignore_eos, warnings=warnings,
+                     return_progress=b.return_progress)
     for k in ("temperature", "top_p", "seed"):
         if getattr(b, k) is not None:
             setattr(req, k, getattr(b, k))
@@ -224,6 +228,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
     def open_stream():
         s = enc.ResponseStream(_echoed(b), req.id, req.model, created)
+        s.timings, s.timings_per_token, s.return_progress = gen.timings, b.timings_per_token, b.return_progress
         return s, s.start()
     return await respond(request, gen, b.stream,
                          lambda done: enc.response_body(_echoed(b), req.id, req.model, created, done, gen.usage),

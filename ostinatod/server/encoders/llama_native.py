@@ -39,6 +39,16 @@ def prompt_progress(data: dict[str, Any]) -> dict[str, Any]:
     return {k: data.get(k) for k in ("total", "cache", "processed", "time_ms")}
 
 
+def progress_timings(data: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's ``timings`` beside a ``prompt_progress`` (with ``timings_per_token``): the
+    prompt tokens prefilled so far and their time, nothing predicted yet. The first event, before
+    any prompt token is computed, has ``prompt_n`` 0 and ``prompt_ms`` 0."""
+    cache = int(data.get("cache") or 0)
+    prompt_n = max(0, int(data.get("processed") or 0) - cache)
+    return timings({"usage": {"cached_tokens": cache, "prefilled_tokens": prompt_n, "completion_tokens": 0},
+                    "timings": {"prefill_s": float(data.get("time_ms") or 0.0) / 1000 if prompt_n else 0.0}})
+
+
 def stop_type(done: dict[str, Any]) -> str:
     """llama-server's ``stop_type``: "word" (a client's stop string), "eos" (the model ended),
     "limit" (n_predict or the context reached)."""
@@ -113,8 +123,11 @@ class CompletionStream:
         if ev.type == "progress":
             if not self.return_progress:
                 return []
-            return [Frame({"index": 0, "content": "", "tokens": [], "stop": False,
-                           "prompt_progress": prompt_progress(ev.data)})]
+            c = {"index": 0, "content": "", "tokens": [], "stop": False,
+                 "prompt_progress": prompt_progress(ev.data)}
+            if self.timings_per_token:
+                c["timings"] = progress_timings(ev.data)
+            return [Frame(c)]
         if ev.type == "delta":
             text = ev.data.get("content") or ""
             lp = ev.data.get("logprobs") or []

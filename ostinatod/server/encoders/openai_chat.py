@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from ...engine.types import EngineEvent
 from . import DONE_SENTINEL, PING_COMMENT, Frame, IdFactory, new_id
 from .calls import TOOL_DELTAS_PER_PING, final_message, unsent_text
+from .llama_native import progress_timings, prompt_progress
 
 
 def usage(u: dict[str, int]) -> dict[str, Any]:
@@ -148,7 +149,9 @@ class _Stream:
             if not self.return_progress:
                 return []
             f = self._empty_chunk()
-            f.data["prompt_progress"] = {k: ev.data.get(k) for k in ("total", "cache", "processed", "time_ms")}
+            f.data["prompt_progress"] = prompt_progress(ev.data)
+            if self.timings_per_token:
+                f.data["timings"] = progress_timings(ev.data)
             return [f]
         if ev.type == "delta":
             if "logprobs" in ev.data:

@@ -8,11 +8,12 @@ turns engine events into the stream's typed, numbered events: ``response.created
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ...engine.types import EngineEvent
 from . import PING_COMMENT, Frame, IdFactory, new_id
 from .calls import TOOL_DELTAS_PER_PING, final_message, unsent_text
+from .llama_native import progress_timings, prompt_progress
 
 
 NAMESPACE_SEP = "__"  # a namespace tool's functions are offered as "<namespace>__<name>"
@@ -107,6 +108,12 @@ class ResponseStream:
         self.sent = ""  # message text streamed so far
         self.held_tool_deltas = 0
         self.out: list[Frame] = []
+        # llama-server's extensions: ``timings`` (a function giving them) on response.completed,
+        # and with ``timings_per_token`` on the last event of each delta; response.in_progress
+        # events with ``prompt_progress`` while the prompt is prefilled with ``return_progress``
+        self.timings: Optional[Callable[[], dict[str, Any]]] = None
+        self.timings_per_token = False
+        self.return_progress = False
 
     def _emit(self, event: str, data: dict[str, Any]) -> None:
         self.out.append(Frame(dict(type=event, sequence_number=self.seq, **data), event=event))
@@ -205,11 +212,26 @@ class ResponseStream:
                                                                   "delta": item["arguments"]})
         self._close_item()
 
+    def _add_timings(self, data: dict[str, Any]) -> None:
+        """``timings`` on the last event emitted since the last take (none: nothing to add to)."""
+        for f in reversed(self.out):
+            if f is not PING_COMMENT and isinstance(f.data, dict):
+                f.data["timings"] = data
+                return
+
     def feed(self, ev: EngineEvent, u: dict[str, int]) -> list[Frame]:
         if ev.type == "ping":
             self.out.append(PING_COMMENT)
+        elif ev.type == "progress":
+            if self.return_progress:
+                self._emit("response.in_progress", {"response": self._obj("in_progress", None),
+                                                    "prompt_progress": prompt_progress(ev.data)})
+                if self.timings_per_token:
+                    self._add_timings(progress_timings(ev.data))
         elif ev.type == "delta":
             self._delta(ev.data)
+            if self.timings_per_token and self.timings is not None:
+                self._add_timings(self.timings())
         elif ev.type == "done":
             msg, finish = final_message(ev.data)
             rest = unsent_text(msg.get("content"), self.sent)
@@ -219,6 +241,8 @@ class ResponseStream:
             inc = "max_output_tokens" if finish == "length" else None
             self._emit("response.completed", {"response": self._obj(
                 "incomplete" if inc else "completed", usage(u), inc)})
+            if self.timings is not None:
+                self._add_timings(self.timings())
         elif ev.type == "error":
             self._close_item()
             err = {"code": ev.data.get("code", "engine_error"), "message": ev.data.get("message") or "engine error"}
