@@ -3,7 +3,7 @@
 # Each stage fits one call (<= 10 min; state under /tmp stays while the machine is warm).
 # Usage: STAGES="build exact model calib" bash scripts/device-run.sh [LAYERS] [bench args...]
 # LAYERS defaults to 48 (the Qwen3-30B-A3B shape's own depth: the headline run of docs/benchmarks).
-# Peer engine ik_llama.cpp (issue 27; .carry/ik-src.tar.xz from `bash scripts/ik-carry.sh`):
+# Peer engine ik_llama.cpp (.carry/ik-src.tar.xz from `bash scripts/ik-carry.sh`):
 #   ikbuild:  its llama-server with CUDA (sm_90, static, only that target) from .carry/ik-src.tar.xz
 #             into /tmp/ik-build (-> /tmp/ik-build/bin/llama-server, never in git). The build runs in a
 #             session of its own, so it goes on between calls while the machine is warm (30 s), and the
@@ -16,7 +16,7 @@
 #             llama-server, stock-layers; 2 x 8 turns (~5-6 min)
 #   peers100: the same at --budget-frac 1.0 without stock-layers (~3 min; `STAGES="peers peers100"` fits
 #             one call, the second skipping engines past the time left with a note)
-# Peer engine llama-server-moe-cache (issue 42; .carry/moe-cache-src.tar.xz from `bash scripts/moe-cache-carry.sh`):
+# Peer engine llama-server-moe-cache (.carry/moe-cache-src.tar.xz from `bash scripts/moe-cache-carry.sh`):
 #   mcbuild:  upstream llama.cpp's llama-server (the llama.cpp in the xllamacpp sdist, with --moe-cache-mib)
 #             the same way into /tmp/mc-build (-> /tmp/mc-build/bin/llama-server, never in git); PEER_WAIT=0
 #             only starts it. ikbuild and mcbuild in one call share the cores: build them one after the other
@@ -49,7 +49,7 @@
 #             on the same experts, 1 and 16 experts, 1, 8, 32 and 64 tokens, 8 and 16 threads, with the
 #             host's read bandwidth -> cpu-branch-h200.{json,md};
 #             CB_ROWS ("arch:shape:quant ...") and CB_ARGS (the grid) narrow it
-# Two GPUs (nvidia-h200-x2; issue 14), each its own device call after build (+ model for serve2/bench2):
+# Two GPUs (nvidia-h200-x2), each its own device call after build (+ model for serve2/bench2):
 #   exact2:   the two-GPU exactness cases (pytest -m two_gpu, OSTINATO_TEST_GPUS=2): split, upload and
 #             decode-graph paths against stock with the same layer split -> exactness-2gpu.txt
 #   serve2:   unequal free memory: a torch process holds HOG_GIB (24) GiB on GPU HOG_GPU (1); then
@@ -61,7 +61,7 @@
 #             -> calibration-{all,auto}.json/.log (the default's stays in the hardware profile)
 #   bench2:   `ostinato bench engines --gpus 2` at a 45% pool: ostinato, ostinato-1gpu (the same model
 #             on GPU 0 alone), llama-server and stock-layers with llama.cpp's layer split
-# Representative cuts (issue 42 item 1: a real model's layer kinds in proportion, docs/synthetic-models.md),
+# Representative cuts (a real model's layer kinds in proportion, docs/synthetic-models.md),
 # after build; /tmp/a-<arch>.gguf is written once per layer count (/tmp/a-<arch>.layers), other /tmp/a-*.gguf
 # are removed first when the disk would not hold it:
 #   hot:      `ostinato bench engines --hot-shares-only` at a 45% pool, 2 x 6 turns, per row of HOT_ROWS
@@ -70,7 +70,7 @@
 #   ds4:      45% pool on the DeepSeek-V4-Flash 14-layer MXFP4 cut (1 hash-routed layer as 3 of 43; 47.9 GB of
 #             experts): ostinato, stock-all-gpu, llama-server (+ ik-llama-server when built), 2 x 6 turns
 #   glm:      the same on the GLM-4.5-Air 12-layer Q4_K_M cut (1 dense + 11 MoE layers, 18.5 GB)
-# Newer architectures (issue 13 item 5), after build; one device call fits the four default rows (~8.5
+# Newer architectures, after build; one device call fits the four default rows (~8.5
 # min on the H200 with the layer counts below; the deepseek4 row is a 4-layer representative cut, 1 hash
 # layer: for figures that stand for the real model use stage ds4):
 #   archs:    per row of ARCH_ROWS ("arch:shape:quant:layers ..."), the synthetic model at the shape's
@@ -419,11 +419,11 @@ if has q35; then
   q35run engines-h200-qwen35moe-45 ostinato,stock-all-gpu,llama-server,ostinato-no-dprefetch "$@"
 fi
 if has q35peers; then
-  # issue 27's run: every peer side by side on the file whose routing is as skewed as a real model's
+  # every peer side by side on the file whose routing is as skewed as a real model's
   q35run engines-h200-qwen35moe-45-peers ostinato,stock-all-gpu,ik-llama-server,llama-server,stock-layers "$@"
 fi
 if has q35mc; then
-  # issue 42: the strongest stock configuration, upstream's MoE cache, at Ostinato's GPU expert bytes
+  # the strongest stock configuration, upstream's MoE cache, at Ostinato's GPU expert bytes
   q35run engines-h200-qwen35moe-45-moe-cache ostinato,stock-all-gpu,llama-server-moe-cache,llama-server "$@"
 fi
 if has peers; then

@@ -1,4 +1,4 @@
-"""Protocol edge cases that agents hit (issue 12, items 1-10 and 13), each across the protocols, streaming
+"""Protocol edge cases that agents hit (docs/api.md), each across the protocols, streaming
 and not, against the live daemon with the official ``openai`` and ``anthropic`` clients (real HTTP on
 loopback, real engine worker, tiny random-weight model)."""
 

@@ -163,7 +163,7 @@ def test_grammar_sampler_compiles(templates):
     '\n<tool_call>\n{"name": "get_weather" oops }\n</tool_call>',  # markup that never parses
 ])
 def test_unparsable_output_keeps_its_calls_and_drops_markers(templates, broken):
-    """Issue 29, item 3: the calls that parse stay calls, the rest is text without the format's
+    """The calls that parse stay calls, the rest is text without the format's
     markers (fed token by token, as the worker does)."""
     from ostinatod.engine.text import settle_tool_calls
     from ostinatod.engine.chat import openai_message

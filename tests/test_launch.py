@@ -133,7 +133,7 @@ def test_facts_come_from_the_running_daemon(env, capsys):
     # the served context, told to every agent
     assert p["models"]["served-model"]["limit"]["context"] == 32768
     assert "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=32768\n" in claude
-    # below Claude Code's 100K compact minimum: said plainly (issue 29 item 7)
+    # below Claude Code's 100K compact minimum: said plainly
     assert "serves 32768 tokens per slot (the n_ctx setting)" in claude_err
     assert "compacts its conversation only past 100000 tokens" in claude_err
     assert codex["model_context_window"] == 32768 and codex["model_auto_compact_token_limit"] == 29491

@@ -1,6 +1,6 @@
 """``ostinato bench engines``: Ostinato against stock llama.cpp on the same model and sessions.
 
-One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics):
+One command (docs/design.md "Testing and measuring"; paper arXiv 2611.11533 Section 4 for the metrics):
 
 1. writes (or reuses) a synthetic real-shape MoE model (Qwen3-30B-A3B shape, Q4_0 experts,
    ``--layers`` 24 by default) with :func:`ostinatod.synth.writer.write_synthetic_moe`;
