@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs the GPU machine's stages (build, exactness, model, calibration, benchmarks), one device call each.
+# The lent GPU machine's staging around scripts/reproduce.sh (the plain recipe for any GPU box: its
+# synthetic files, `bench engines` command and results row are the ones used here): stages (build,
+# exactness, model, calibration, benchmarks), one device call each, from an offline .carry/ bundle.
 # Each stage fits one call (<= 10 min; state under /tmp stays while the machine is warm).
 # Usage: STAGES="build exact model calib" bash scripts/device-run.sh [LAYERS] [bench args...]
 # LAYERS defaults to 48 (the Qwen3-30B-A3B shape's own depth: the headline run of docs/benchmarks).
@@ -85,10 +87,12 @@
 # every engine whose estimate would pass the stage's time left, and writes its JSON after every
 # engine); each writes <name>.json, .md (.svg) and <name>.cmd.txt (the exact command) into $OUT.
 set -uo pipefail
+# the recipe's steps (repro_family, repro_model, repro_bench_cmd, repro_cmd_txt, repro_row)
+PY=python3; REPRO_LIB=1 source "$(dirname "$0")/reproduce.sh"
 # NCCL_NVLS_ENABLE: no NVLink multicast on the lent machines (kept if already set)
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export PYTHONUNBUFFERED=1 OSTINATO_HOME=${OSTINATO_HOME:-/tmp/ostinato-home}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; WORK=/tmp
 LAYERS=${1:-48}; shift || true
 SCRIPT_ARGS="$LAYERS $*"
 STAGES=${STAGES:-build exact model calib bench}
@@ -105,11 +109,9 @@ bench() {
   local name=$1; shift
   if peer_building; then echo "[$(el)s] $name: not run, a peer's build still runs beside it (stage ikbuild or mcbuild)"; return; fi
   local left=$(( 590 - $(el) ))
-  local cmd=(python3 -m ostinatod.cli bench engines --model "${BENCH_MODEL:-/tmp/m.gguf}" --sessions-dir .carry/sessions
-             --out-dir "$OUT" --work-dir "/tmp/bench-work-$name" --name "$name"
-             --time-limit $(( left - 25 )) "$@")
-  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))${BENCH_NOTE:-}" \
-    "OSTINATO_HOME=$OSTINATO_HOME ${OSTINATO_IK_SERVER:+OSTINATO_IK_SERVER=$OSTINATO_IK_SERVER }${OSTINATO_MOE_CACHE_SERVER:+OSTINATO_MOE_CACHE_SERVER=$OSTINATO_MOE_CACHE_SERVER }${cmd[*]}" > "$OUT/$name.cmd.txt"
+  repro_bench_cmd "$name" "${BENCH_MODEL:-/tmp/m.gguf}" .carry/sessions --time-limit $(( left - 25 )) "$@"
+  local cmd=("${REPRO_CMD[@]}")
+  repro_cmd_txt "$name" "stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS${BENCH_NOTE:-}"
   echo "[$(el)s] $name: ${cmd[*]}"
   rm -f "/tmp/bench-work-$name"/replay-*.json   # a repeated stage packs only its own replays
   timeout "$left" "${cmd[@]}" 2>&1 | tee "$OUT/$name.log" | grep -vE "^\| prefill|^$" | tail -60
@@ -117,6 +119,7 @@ bench() {
     2>/dev/null | sort | uniq -c | head -30
   # the per-turn figures of every engine (paired comparisons: same prompt, same cached tokens)
   (cd "/tmp/bench-work-$name" 2>/dev/null && ls replay-*.json >/dev/null 2>&1 && tar -czf "$OUT/$name-replays.tar.gz" replay-*.json)
+  repro_row "$name" > /dev/null 2>&1 || true   # the results page's row: <name>.row.md
   echo "[$(el)s] $name done: $(ls "$OUT/$name".* 2>/dev/null | tr '\n' ' ')"
 }
 # peerbuild STAGE DIR CARRY SRC_GLOB WHAT [CMAKE ARGS...]: a peer's llama-server with CUDA (sm_90, static:
@@ -224,8 +227,8 @@ if has model; then
   # /tmp/m.layers records the layer count of /tmp/m.gguf: another LAYERS writes the model again
   if [ ! -f /tmp/m.gguf ] || [ "$(cat /tmp/m.layers 2>/dev/null)" != "$LAYERS" ]; then
     rm -f /tmp/m.gguf /tmp/m.layers
-    python3 -m ostinatod.cli synth --arch qwen3moe --shape qwen3-30b-a3b --layers "$LAYERS" \
-      --quant q4_0 -o /tmp/m.gguf 2>&1 | tail -1 && echo "$LAYERS" > /tmp/m.layers
+    repro_family qwen3-30b-a3b && repro_model /tmp/m.gguf "${REPRO_SYNTH[@]:0:6}" --layers "$LAYERS" \
+      && echo "$LAYERS" > /tmp/m.layers
   fi
   echo "[$(el)s] model ready ($(cat /tmp/m.layers 2>/dev/null) layers, $(du -h /tmp/m.gguf | cut -f1))"
 fi
@@ -410,8 +413,9 @@ fi
 # q35run NAME ENGINES [bench args]: `ostinato bench engines` at a 45% pool on the Qwen3.5 file, 2 x 6 turns
 q35run() {
   local name=$1 engines=$2; shift 2
-  local m=/tmp/a-qwen35moe.gguf synth=(--arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl --layers 40)
-  [ -f $m ] || peer_building || python3 -m ostinatod.cli synth "${synth[@]}" -o $m 2>&1 | tail -1
+  local m=/tmp/a-qwen35moe.gguf synth
+  repro_family qwen3.5-35b-a3b; synth=("${REPRO_SYNTH[@]}")
+  [ -f $m ] || peer_building || repro_model $m "${synth[@]}"
   BENCH_MODEL=$m BENCH_NOTE="; model: synth ${synth[*]}" bench "$name" --budget-frac 0.45 --sessions 2 \
     --turns 6 --engines "$engines" "$@"
 }
