@@ -227,7 +227,7 @@ if has model; then
   # /tmp/m.layers records the layer count of /tmp/m.gguf: another LAYERS writes the model again
   if [ ! -f /tmp/m.gguf ] || [ "$(cat /tmp/m.layers 2>/dev/null)" != "$LAYERS" ]; then
     rm -f /tmp/m.gguf /tmp/m.layers
-    repro_family qwen3-30b-a3b && repro_model /tmp/m.gguf "${REPRO_SYNTH[@]:0:6}" --layers "$LAYERS" \
+    repro_model /tmp/m.gguf --arch qwen3moe --shape qwen3-30b-a3b --quant q4_0 --layers "$LAYERS" \
       && echo "$LAYERS" > /tmp/m.layers
   fi
   echo "[$(el)s] model ready ($(cat /tmp/m.layers 2>/dev/null) layers, $(du -h /tmp/m.gguf | cut -f1))"

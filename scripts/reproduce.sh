@@ -8,7 +8,7 @@
 #   1. ./install.sh --with-server: .venv, the CUDA engine and llama.cpp's stock llama-server (the
 #      baseline), ~10-20 min the first time;
 #   2. the family's synthetic GGUF (real per-layer shape and quant, routing as skewed as a real
-#      model's; 5-22 GiB, a few minutes) under $WORK;
+#      model's; 10-52 GiB, a few minutes) under $WORK;
 #   3. `ostinato bench engines` at a $POOL pool: Ostinato, every expert on the GPU (the limit),
 #      llama-server and llama.cpp at the same placement, $SESSIONS held-out sessions x $TURNS turns;
 #   4. the results page's row (`ostinato bench table`).
@@ -23,14 +23,15 @@
 # the functions below.
 
 # repro_family FAMILY: REPRO_SYNTH=(synth args) of the family's file; 1 for an unknown family.
-# The layer counts are those of the stored rows (a cut of the real depth where the file would not
-# fit the machine's disk and time: GLM-4.5-Air 12 of 46, DeepSeek-V4-Flash and MiniMax-M2 4).
+# The layer counts are the results page's: a representative cut of the real depth (its layer kinds
+# in proportion, docs/synthetic-models.md) where the whole model would not fit the machine's disk
+# and time: GLM-4.5-Air 12 of 46, DeepSeek-V4-Flash 14 of 43, MiniMax-M2 4 of 62.
 repro_family() {
   case "$1" in
-    qwen3-30b-a3b)     REPRO_SYNTH=(--arch qwen3moe --shape qwen3-30b-a3b --quant q4_0 --layers 48) ;;
+    qwen3-30b-a3b)     REPRO_SYNTH=(--arch qwen3moe --shape qwen3-30b-a3b --quant q4_k_m --layers 48) ;;
     qwen3.5-35b-a3b)   REPRO_SYNTH=(--arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl --layers 40) ;;
     glm-4.5-air)       REPRO_SYNTH=(--arch glm4moe --shape glm-4.5-air --quant q4_k_m --layers 12) ;;
-    deepseek-v4-flash) REPRO_SYNTH=(--arch deepseek4 --shape deepseek-v4-flash --quant mxfp4 --layers 4) ;;
+    deepseek-v4-flash) REPRO_SYNTH=(--arch deepseek4 --shape deepseek-v4-flash --quant mxfp4 --layers 14) ;;
     minimax-m2)        REPRO_SYNTH=(--arch minimax-m2 --shape minimax-m2 --quant q4_k_m --layers 4) ;;
     *) echo "unknown family '$1' (qwen3-30b-a3b, qwen3.5-35b-a3b, glm-4.5-air, deepseek-v4-flash, minimax-m2)" >&2
        return 1 ;;

@@ -20,7 +20,7 @@ def test_row_has_the_family_limit_best_peer_and_phase_shares():
     r = bench_table.row(json.loads(PEERS.read_text()), PEERS.stem)
     assert (r["family"], r["arch"], r["layers"], r["real_layers"], r["quant"]) == \
         ("Qwen3.5-35B-A3B", "qwen35moe", 40, 40, "UD-Q4_K_XL")
-    assert r["pool"] == 0.45
+    assert r["pool"] == 0.45 and r["gpu"] == "H200"
     # the best peer is named per metric, and the ratios are the run's own
     assert [r["best_peer"][k + "_engine"] for k in ("decode", "ttft_after_tool", "session_total")] == \
         ["llama-server", "stock-layers", "ik-llama-server"]
@@ -36,6 +36,7 @@ def test_row_has_the_family_limit_best_peer_and_phase_shares():
 def test_run_without_peers_and_the_plot(tmp_path, capsys):
     r = bench_table.row(json.loads(FULL.read_text()))
     assert r["best_peer"] is None and r["vs_best_peer"] is None and r["pool"] == 1.0
+    assert bench_table.gpu_name({"machine": {"gpus": [{"name": "NVIDIA H100 80GB HBM3"}]}}) == "H100"
     assert "no peer in the run" in bench_table.markdown_row(r)
     out = tmp_path / "f.svg"
     assert bench_table.main([str(PEERS), str(FULL), "--svg", str(out)]) == 0

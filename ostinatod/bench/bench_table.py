@@ -52,11 +52,24 @@ def family(result: dict[str, Any]) -> dict[str, Any]:
             "real_layers": real, "quant": quant}
 
 
+def gpu_name(result: dict[str, Any]) -> Optional[str]:
+    """The run's first GPU in short ("NVIDIA H100 80GB HBM3" -> "H100"), None where the JSON does
+    not record it (runs before the bench stored its GPUs)."""
+    gpus = (result.get("machine") or {}).get("gpus") or []
+    words = [w for w in (gpus[0].get("name") or "").split() if w != "NVIDIA"] if gpus else []
+    short = []
+    for w in words:
+        if w[:1].isdigit() and w.upper().endswith("GB"):
+            break
+        short.append(w)
+    return " ".join(short) or None
+
+
 def row(result: dict[str, Any], name: Optional[str] = None) -> dict[str, Any]:
     """The figures of one results-page row from a ``bench engines`` result dict (its JSON).
 
     Returns ``{"family", "arch", "layers", "real_layers", "quant", "pool" (fraction), "run",
-    "ostinato", "limit", "best_peer"`` (each ``{metric: value}`` over decode ms/token, TTFT after
+    "gpu" (:func:`gpu_name`), "ostinato", "limit", "best_peer"`` (each ``{metric: value}`` over decode ms/token, TTFT after
     tool s, session s; best_peer also ``{metric}_engine``), ``"vs_best_peer", "vs_limit"`` (as
     :func:`.bench_report.ratios` / :func:`.bench_report.ratios_vs_limit`; None without such an
     engine), ``"hot_share_decode", "hot_share_after_tool"}`` (None where the run has no
@@ -70,7 +83,7 @@ def row(result: dict[str, Any], name: Optional[str] = None) -> dict[str, Any]:
         peer[key], peer[key + "_engine"] = v, n
     has_peer = any(peer[k] for k, _ in METRICS)
     return {**family(result), "pool": (result.get("plan") or {}).get("budget_frac"),
-            "run": name or result.get("name"),
+            "run": name or result.get("name"), "gpu": gpu_name(result),
             "ostinato": {k: o.get(m) for k, m in METRICS},
             "limit": {k: (engines.get(LIMIT) or {}).get(m) for k, m in METRICS} if LIMIT in engines else None,
             "best_peer": peer if has_peer else None,
@@ -105,6 +118,7 @@ def markdown_row(r: dict[str, Any]) -> str:
     pool = f"{r['pool'] * 100:.0f}%" if r.get("pool") is not None else "n/a"
     return (f"| {fam} | {pool} | {_three(r['ostinato'])} | {_three(r.get('limit'))} | {peer_s} | "
             f"{_three(r.get('vs_best_peer'), '×')} | {_three(r.get('vs_limit'), '×')} | {hot} | "
+            f"{r['gpu'] + ': ' if r.get('gpu') else ''}"
             f"[{r['run']}](runs/{r['run']}.md) ([command](runs/{r['run']}.cmd.txt)) |")
 
 
