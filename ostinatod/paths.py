@@ -1,6 +1,6 @@
 """Where Ostinato keeps its files (platformdirs), with one override for tests and portable installs.
 
-Layout (DESIGN.md, "Data and paths"):
+Layout (docs/design.md, "Data and paths"):
   config  -> settings.toml
   data    -> models index, hardware profile, traces, residency sets, demo model, native build cache
   state   -> logs

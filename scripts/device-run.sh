@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Runs the GPU machine's stages (build, exactness, model, calibration, benchmarks), one device call each.
+# The lent GPU machine's staging around scripts/reproduce.sh (the plain recipe for any GPU box: its
+# synthetic files, `bench engines` command and results row are the ones used here): stages (build,
+# exactness, model, calibration, benchmarks), one device call each, from an offline .carry/ bundle.
 # Each stage fits one call (<= 10 min; state under /tmp stays while the machine is warm).
 # Usage: STAGES="build exact model calib" bash scripts/device-run.sh [LAYERS] [bench args...]
 # LAYERS defaults to 48 (the Qwen3-30B-A3B shape's own depth: the headline run of docs/benchmarks).
-# Peer engine ik_llama.cpp (issue 27; .carry/ik-src.tar.xz from `bash scripts/ik-carry.sh`):
+# Peer engine ik_llama.cpp (.carry/ik-src.tar.xz from `bash scripts/ik-carry.sh`):
 #   ikbuild:  its llama-server with CUDA (sm_90, static, only that target) from .carry/ik-src.tar.xz
 #             into /tmp/ik-build (-> /tmp/ik-build/bin/llama-server, never in git). The build runs in a
 #             session of its own, so it goes on between calls while the machine is warm (30 s), and the
@@ -16,7 +18,7 @@
 #             llama-server, stock-layers; 2 x 8 turns (~5-6 min)
 #   peers100: the same at --budget-frac 1.0 without stock-layers (~3 min; `STAGES="peers peers100"` fits
 #             one call, the second skipping engines past the time left with a note)
-# Peer engine llama-server-moe-cache (issue 42; .carry/moe-cache-src.tar.xz from `bash scripts/moe-cache-carry.sh`):
+# Peer engine llama-server-moe-cache (.carry/moe-cache-src.tar.xz from `bash scripts/moe-cache-carry.sh`):
 #   mcbuild:  upstream llama.cpp's llama-server (the llama.cpp in the xllamacpp sdist, with --moe-cache-mib)
 #             the same way into /tmp/mc-build (-> /tmp/mc-build/bin/llama-server, never in git); PEER_WAIT=0
 #             only starts it. ikbuild and mcbuild in one call share the cores: build them one after the other
@@ -49,7 +51,7 @@
 #             on the same experts, 1 and 16 experts, 1, 8, 32 and 64 tokens, 8 and 16 threads, with the
 #             host's read bandwidth -> cpu-branch-h200.{json,md};
 #             CB_ROWS ("arch:shape:quant ...") and CB_ARGS (the grid) narrow it
-# Two GPUs (nvidia-h200-x2; issue 14), each its own device call after build (+ model for serve2/bench2):
+# Two GPUs (nvidia-h200-x2), each its own device call after build (+ model for serve2/bench2):
 #   exact2:   the two-GPU exactness cases (pytest -m two_gpu, OSTINATO_TEST_GPUS=2): split, upload and
 #             decode-graph paths against stock with the same layer split -> exactness-2gpu.txt
 #   serve2:   unequal free memory: a torch process holds HOG_GIB (24) GiB on GPU HOG_GPU (1); then
@@ -61,7 +63,7 @@
 #             -> calibration-{all,auto}.json/.log (the default's stays in the hardware profile)
 #   bench2:   `ostinato bench engines --gpus 2` at a 45% pool: ostinato, ostinato-1gpu (the same model
 #             on GPU 0 alone), llama-server and stock-layers with llama.cpp's layer split
-# Representative cuts (issue 42 item 1: a real model's layer kinds in proportion, docs/synthetic-models.md),
+# Representative cuts (a real model's layer kinds in proportion, docs/synthetic-models.md),
 # after build; /tmp/a-<arch>.gguf is written once per layer count (/tmp/a-<arch>.layers), other /tmp/a-*.gguf
 # are removed first when the disk would not hold it:
 #   hot:      `ostinato bench engines --hot-shares-only` at a 45% pool, 2 x 6 turns, per row of HOT_ROWS
@@ -70,7 +72,7 @@
 #   ds4:      45% pool on the DeepSeek-V4-Flash 14-layer MXFP4 cut (1 hash-routed layer as 3 of 43; 47.9 GB of
 #             experts): ostinato, stock-all-gpu, llama-server (+ ik-llama-server when built), 2 x 6 turns
 #   glm:      the same on the GLM-4.5-Air 12-layer Q4_K_M cut (1 dense + 11 MoE layers, 18.5 GB)
-# Newer architectures (issue 13 item 5), after build; one device call fits the four default rows (~8.5
+# Newer architectures, after build; one device call fits the four default rows (~8.5
 # min on the H200 with the layer counts below; the deepseek4 row is a 4-layer representative cut, 1 hash
 # layer: for figures that stand for the real model use stage ds4):
 #   archs:    per row of ARCH_ROWS ("arch:shape:quant:layers ..."), the synthetic model at the shape's
@@ -85,10 +87,12 @@
 # every engine whose estimate would pass the stage's time left, and writes its JSON after every
 # engine); each writes <name>.json, .md (.svg) and <name>.cmd.txt (the exact command) into $OUT.
 set -uo pipefail
+# the recipe's steps (repro_family, repro_model, repro_bench_cmd, repro_cmd_txt, repro_row)
+PY=python3; REPRO_LIB=1 source "$(dirname "$0")/reproduce.sh"
 # NCCL_NVLS_ENABLE: no NVLink multicast on the lent machines (kept if already set)
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export PYTHONUNBUFFERED=1 OSTINATO_HOME=${OSTINATO_HOME:-/tmp/ostinato-home}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; WORK=/tmp
 LAYERS=${1:-48}; shift || true
 SCRIPT_ARGS="$LAYERS $*"
 STAGES=${STAGES:-build exact model calib bench}
@@ -105,11 +109,9 @@ bench() {
   local name=$1; shift
   if peer_building; then echo "[$(el)s] $name: not run, a peer's build still runs beside it (stage ikbuild or mcbuild)"; return; fi
   local left=$(( 590 - $(el) ))
-  local cmd=(python3 -m ostinatod.cli bench engines --model "${BENCH_MODEL:-/tmp/m.gguf}" --sessions-dir .carry/sessions
-             --out-dir "$OUT" --work-dir "/tmp/bench-work-$name" --name "$name"
-             --time-limit $(( left - 25 )) "$@")
-  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))${BENCH_NOTE:-}" \
-    "OSTINATO_HOME=$OSTINATO_HOME ${OSTINATO_IK_SERVER:+OSTINATO_IK_SERVER=$OSTINATO_IK_SERVER }${OSTINATO_MOE_CACHE_SERVER:+OSTINATO_MOE_CACHE_SERVER=$OSTINATO_MOE_CACHE_SERVER }${cmd[*]}" > "$OUT/$name.cmd.txt"
+  repro_bench_cmd "$name" "${BENCH_MODEL:-/tmp/m.gguf}" .carry/sessions --time-limit $(( left - 25 )) "$@"
+  local cmd=("${REPRO_CMD[@]}")
+  repro_cmd_txt "$name" "stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS${BENCH_NOTE:-}"
   echo "[$(el)s] $name: ${cmd[*]}"
   rm -f "/tmp/bench-work-$name"/replay-*.json   # a repeated stage packs only its own replays
   timeout "$left" "${cmd[@]}" 2>&1 | tee "$OUT/$name.log" | grep -vE "^\| prefill|^$" | tail -60
@@ -117,6 +119,7 @@ bench() {
     2>/dev/null | sort | uniq -c | head -30
   # the per-turn figures of every engine (paired comparisons: same prompt, same cached tokens)
   (cd "/tmp/bench-work-$name" 2>/dev/null && ls replay-*.json >/dev/null 2>&1 && tar -czf "$OUT/$name-replays.tar.gz" replay-*.json)
+  repro_row "$name" > /dev/null 2>&1 || true   # the results page's row: <name>.row.md
   echo "[$(el)s] $name done: $(ls "$OUT/$name".* 2>/dev/null | tr '\n' ' ')"
 }
 # peerbuild STAGE DIR CARRY SRC_GLOB WHAT [CMAKE ARGS...]: a peer's llama-server with CUDA (sm_90, static:
@@ -224,8 +227,8 @@ if has model; then
   # /tmp/m.layers records the layer count of /tmp/m.gguf: another LAYERS writes the model again
   if [ ! -f /tmp/m.gguf ] || [ "$(cat /tmp/m.layers 2>/dev/null)" != "$LAYERS" ]; then
     rm -f /tmp/m.gguf /tmp/m.layers
-    python3 -m ostinatod.cli synth --arch qwen3moe --shape qwen3-30b-a3b --layers "$LAYERS" \
-      --quant q4_0 -o /tmp/m.gguf 2>&1 | tail -1 && echo "$LAYERS" > /tmp/m.layers
+    repro_model /tmp/m.gguf --arch qwen3moe --shape qwen3-30b-a3b --quant q4_0 --layers "$LAYERS" \
+      && echo "$LAYERS" > /tmp/m.layers
   fi
   echo "[$(el)s] model ready ($(cat /tmp/m.layers 2>/dev/null) layers, $(du -h /tmp/m.gguf | cut -f1))"
 fi
@@ -410,8 +413,9 @@ fi
 # q35run NAME ENGINES [bench args]: `ostinato bench engines` at a 45% pool on the Qwen3.5 file, 2 x 6 turns
 q35run() {
   local name=$1 engines=$2; shift 2
-  local m=/tmp/a-qwen35moe.gguf synth=(--arch qwen35moe --shape qwen3.5-35b-a3b --quant ud-q4_k_xl --layers 40)
-  [ -f $m ] || peer_building || python3 -m ostinatod.cli synth "${synth[@]}" -o $m 2>&1 | tail -1
+  local m=/tmp/a-qwen35moe.gguf synth
+  repro_family qwen3.5-35b-a3b; synth=("${REPRO_SYNTH[@]}")
+  [ -f $m ] || peer_building || repro_model $m "${synth[@]}"
   BENCH_MODEL=$m BENCH_NOTE="; model: synth ${synth[*]}" bench "$name" --budget-frac 0.45 --sessions 2 \
     --turns 6 --engines "$engines" "$@"
 }
@@ -419,11 +423,11 @@ if has q35; then
   q35run engines-h200-qwen35moe-45 ostinato,stock-all-gpu,llama-server,ostinato-no-dprefetch "$@"
 fi
 if has q35peers; then
-  # issue 27's run: every peer side by side on the file whose routing is as skewed as a real model's
+  # every peer side by side on the file whose routing is as skewed as a real model's
   q35run engines-h200-qwen35moe-45-peers ostinato,stock-all-gpu,ik-llama-server,llama-server,stock-layers "$@"
 fi
 if has q35mc; then
-  # issue 42: the strongest stock configuration, upstream's MoE cache, at Ostinato's GPU expert bytes
+  # the strongest stock configuration, upstream's MoE cache, at Ostinato's GPU expert bytes
   q35run engines-h200-qwen35moe-45-moe-cache ostinato,stock-all-gpu,llama-server-moe-cache,llama-server "$@"
 fi
 if has peers; then

@@ -1,6 +1,6 @@
 """Serves one model over two GPUs, one of them partly taken, and records what the user sees (stage serve2).
 
-Issue 14 items 2 and 3 on the GPU machine (stage ``serve2`` of scripts/device-run.sh): plan a
+Several GPUs on the GPU machine (stage ``serve2`` of scripts/device-run.sh): plan a
 residency set over the GPUs as they are now (one of them partly taken by another process, started
 by the stage), start the daemon with it, replay a held-out session through its HTTP API, send the
 longest development request as one fresh prefill, and record what ``ostinato status``, ``/metrics``

@@ -1,5 +1,5 @@
 """The real OpenCode and Codex CLIs, started by ``ostinato launch`` on a daemon serving the demo
-model, as a new user would (issue 12): each completes a turn.
+model, as a new user would: each completes a turn.
 
 Installed with npm into the test cache on first use, the same way as Claude Code
 (conftest.npm_cli), at the versions the issue was tried with; each is about 8 s of install and

@@ -1,4 +1,4 @@
-"""Issue 44: Qwen Code, Cline, Aider and the OpenHands CLI started by ``ostinato launch`` on a
+"""Qwen Code, Cline, Aider and the OpenHands CLI started by ``ostinato launch`` on a
 daemon serving the demo model, as a new user would: each reaches the daemon on the first try and
 is told the served context in the form it reads.
 

@@ -1,4 +1,4 @@
-"""Agents get what they ask for (issue 29): forced and single tool calls, no raw call markup, the
+"""Agents get what they ask for: forced and single tool calls, no raw call markup, the
 fields real clients send, the demo model's JSON and tool round trip, the refused requests that
 leave a trace, the Anthropic routes without /v1. Live daemon on loopback, the official openai and
 anthropic clients, the tiny random-weight model."""

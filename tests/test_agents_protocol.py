@@ -1,4 +1,4 @@
-"""Protocol edge cases that agents hit (issue 12, items 1-10 and 13), each across the protocols, streaming
+"""Protocol edge cases that agents hit (docs/api.md), each across the protocols, streaming
 and not, against the live daemon with the official ``openai`` and ``anthropic`` clients (real HTTP on
 loopback, real engine worker, tiny random-weight model)."""
 
@@ -27,7 +27,7 @@ def model(oai):
 
 
 # --- 1. a tool call cut by max_tokens goes back as nothing, with length / max_tokens -------------
-# (issue 44 item 5: no call, no markup, no half-written call in the text)
+# (no call, no markup, no half-written call in the text)
 
 def _no_markup(text: str) -> None:
     assert "get_weather" not in text and "<tool_call>" not in text and "{" not in text, text

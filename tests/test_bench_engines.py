@@ -156,7 +156,7 @@ def test_parse_budgets_and_estimates():
     est = bench_fit.Estimator(16, 48)
     s, how = est("ostinato")
     assert s == pytest.approx(16 * 1.6 + bench_fit.PRIOR_LOAD_S) and "scaled" in how
-    est.add("ostinato", 32.0, 10.0)  # 2 s/turn measured: others rescaled by issue 9's ratios
+    est.add("ostinato", 32.0, 10.0)  # 2 s/turn measured: others rescaled by PRIOR_TURN_S's ratios
     assert est("ostinato")[0] == pytest.approx(16 * 2.0 + 10.0)
     assert est("stock-layers")[0] == pytest.approx(16 * 2.0 * 3.6 / 1.6 + 10.0)
 

@@ -1,4 +1,4 @@
-"""The HTTP bind address: logged as bound, and no open bind without an API key (issue 12, item 14)."""
+"""The HTTP bind address: logged as bound, and no open bind without an API key."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_open_bind_without_key_is_refused_and_real_address_logged(start_daemon, 
     d = start_daemon(*flags, wait=False, timeout=60)
     assert d.proc.wait(60) == 2
     assert "refusing to bind '0.0.0.0' without an api_key" in d.log()
-    monkeypatch.setenv("OSTINATO_API_KEY", "k")   # a key never goes on the command line (issue 11)
+    monkeypatch.setenv("OSTINATO_API_KEY", "k")   # a key never goes on the command line (ps shows argv)
     d = start_daemon(*flags)
     m = re.search(r"listening on 0\.0\.0\.0:(\d+) \(pid \d+\); local clients use http://127\.0\.0\.1:(\d+)", d.log())
     assert m and m.group(1) == m.group(2), d.log()[-2000:]

@@ -62,7 +62,7 @@ def test_render_required_and_named_tool_choice(templates):
     r2 = t.render(msgs, tools=TOOLS + [{"type": "function", "function": {"name": "other", "parameters": {}}}],
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert "get_weather" in r2.grammar and "other" not in r2.grammar
-    # issue 44 item 6: the prompt shows every tool whatever the choice (the cached prefix stays)
+    # the prompt shows every tool whatever the choice (the cached prefix stays)
     auto = t.render(msgs, tools=TOOLS + [{"type": "function", "function": {"name": "other", "parameters": {}}}])
     assert r2.prompt == auto.prompt and '"name": "other"' in r2.prompt
     assert r.prompt == t.render(msgs, tools=TOOLS).prompt
@@ -163,7 +163,7 @@ def test_grammar_sampler_compiles(templates):
     '\n<tool_call>\n{"name": "get_weather" oops }\n</tool_call>',  # markup that never parses
 ])
 def test_unparsable_output_keeps_its_calls_and_drops_markers(templates, broken):
-    """Issue 29, item 3: the calls that parse stay calls, the rest is text without the format's
+    """The calls that parse stay calls, the rest is text without the format's
     markers (fed token by token, as the worker does)."""
     from ostinatod.engine.text import settle_tool_calls
     from ostinatod.engine.chat import openai_message
@@ -184,7 +184,7 @@ def test_unparsable_output_keeps_its_calls_and_drops_markers(templates, broken):
     'Sure.<tool_call>\n{"name": "get_weather" oops } more\n</tool_call>',  # never parses
 ])
 def test_broken_call_markup_never_reaches_text(templates, text):
-    """Issue 44 item 5: neither the streamed content nor the final message holds any of a broken
+    """Neither the streamed content nor the final message holds any of a broken
     call (markup, name or arguments), and no call is returned."""
     from ostinatod.engine.chat import openai_message
     from ostinatod.engine.text import settle_tool_calls

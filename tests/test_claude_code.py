@@ -69,8 +69,8 @@ def test_claude_print_mode_completes(claude_cli, agent_daemon):
 def test_launch_starts_claude_on_the_demo_model(claude_cli, demo_daemon):
     """`ostinato launch claude -- ARGS` starts the real Claude Code with the daemon's URL, model,
     key and context; the demo model ends its turns by itself (no logit-bias header) and says it is
-    a demo in its first words. Its first turn is a call to one of Claude Code's tools (issue 29
-    item 9), which print mode does not grant unless it is read-only, so the turn after the result
+    a demo in its first words. Its first turn is a call to one of Claude Code's tools, which print
+    mode does not grant unless it is read-only, so the turn after the result
     ends the session: two turns. A real Anthropic key in the user's environment is not sent."""
     from ostinatod.engine.types import DEMO_NOTICE
 

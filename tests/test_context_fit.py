@@ -1,4 +1,4 @@
-"""The served context per slot (issue 29 items 7 and 13): what is asked where the KV cache of every
+"""The served context per slot: what is asked where the KV cache of every
 slot fits in the memory left after the model and its pool, else the largest that fits, said why."""
 
 from __future__ import annotations

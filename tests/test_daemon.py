@@ -65,7 +65,7 @@ def test_truncated_gguf_gives_clear_error(tiny_model):
     assert r.returncode == 1
     assert "failed to load" in r.stderr and "truncated" in r.stderr
     assert "truncated.gguf" in r.stderr  # names the file and the reason
-    # the daemon keeps running without a model and says why (issue 11, item 3)
+    # the daemon keeps running without a model and says why
     st = ostinatod(home, "status", "--json")
     assert st.returncode == 0, st
     url = json.loads(st.stdout)["http_url"]
@@ -91,7 +91,7 @@ def test_invalid_setting_value():
     assert r.returncode == 2 and "n_slots" in r.stderr
 
 
-# --- hardening (issue 11): settings and bind errors as one line; secrets never in argv ----------
+# --- hardening: settings and bind errors as one line; secrets never in argv ----------
 def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
     assert r.returncode in (1, 2), r
     assert "Traceback" not in r.stderr, r.stderr

@@ -1,4 +1,4 @@
-"""Issue 44 item 9: the prefix cache kept on disk. After the daemon restarts, the first turn of a
+"""The prefix cache kept on disk. After the daemon restarts, the first turn of a
 returning session reuses its prefix from disk; a damaged state file is ignored with a log line."""
 
 from __future__ import annotations

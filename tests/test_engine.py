@@ -175,7 +175,7 @@ def test_json_schema_grammar_constrains_output(loop, engine):
 
 
 def test_concurrent_requests_in_two_slots(loop, engine):
-    # requests are prepared on prepare threads (issue 26), which may finish in another order than
+    # requests are prepared on prepare threads (off the loop), which may finish in another order than
     # they came: which two run first is not fixed, but both slots serve
     async def go():
         async def one(i):
@@ -307,7 +307,7 @@ def test_utf8_pieces_split_inside_a_character():
 
 
 def test_prefill_stops_between_ubatches_when_cancelled(loop, tiny_model):
-    """Issue 11, item 5: a prompt is prefilled one ubatch per step, so a cancel (client gone) takes
+    """A prompt is prefilled one ubatch per step, so a cancel (client gone) takes
     effect between ubatches instead of after the whole n_batch chunk."""
     from ostinatod.engine.client import InProcessEngine
 
@@ -339,7 +339,7 @@ def test_prefill_stops_between_ubatches_when_cancelled(loop, tiny_model):
 
 
 def test_deterministic_chunks_do_not_depend_on_the_cache():
-    """Issue 11, item 14: with ``deterministic`` the prompt chunks are the same whatever was cached."""
+    """With ``deterministic`` the prompt chunks are the same whatever was cached."""
     from ostinatod.engine.determinism import aligned_keep, chunk_len, extends_valid
 
     def chunks(n_prompt: int, n_keep: int, step: int) -> list[tuple[int, int]]:
@@ -363,7 +363,7 @@ def test_deterministic_chunks_do_not_depend_on_the_cache():
 
 
 def test_deterministic_setting_one_sequence_per_pass_and_same_outputs(loop, tiny_model):
-    """Issue 11, item 14: ``deterministic`` runs one sequence per forward pass (no cross-slot
+    """``deterministic`` runs one sequence per forward pass (no cross-slot
     batching), and greedy outputs are the same sequentially, again from the cache, and under
     concurrency."""
     from ostinatod.engine.client import InProcessEngine
@@ -395,7 +395,7 @@ def test_deterministic_setting_one_sequence_per_pass_and_same_outputs(loop, tiny
 
 
 def test_done_says_the_prefills_passes_and_ubatch(loop, tiny_model):
-    """The prefill's stats (issue 47 item 2): a prompt is prefilled in ceil(n / ubatch) forward
+    """The prefill's stats: a prompt is prefilled in ceil(n / ubatch) forward
     passes, the done event and the worker's stats say how many and at what ubatch."""
     from ostinatod.engine.client import InProcessEngine
 

@@ -455,7 +455,7 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
 
 @pytest.mark.parametrize("cpu_gbps, kernel", [(10.0, True), (10.0, False), (1e-6, True)])
 def test_cost_model_split_matches_stock(moe, stock, cpu_gbps, kernel):
-    """The prefill's CPU share from the cost model (issue 25 item 3, native/src/ostinato_split.h):
+    """The prefill's CPU share from the cost model (native/src/ostinato_split.h):
     per layer the CPU branch takes the cold experts with the fewest routes while its time
     alpha + routes x bytes / cpu_gbps stays under the uploads of the rest (bytes / h2d_gbps each).
     With a CPU branch as fast per route as an upload per expert it takes some, computed by its own
@@ -858,7 +858,7 @@ def merge_gate_up(src, dst):
 
 
 def test_merged_gate_up_layers_take_the_expert_engine(tmp_path):
-    """A deepseek2 file with merged ffn_gate_up_exps (issue 13): the engine puts the merged rows in the
+    """A deepseek2 file with merged ffn_gate_up_exps: the engine puts the merged rows in the
     pool (a size class marked merged_gate_up) instead of serving the layers stock, and every path,
     the decode graph too, gives stock's greedy tokens for the same file."""
     from ostinatod.synth.writer import synthetic_model
@@ -889,7 +889,7 @@ NEW_ARCHS = ("glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 def test_newer_architectures_through_the_engine(arch):
-    """Issue 13 item 2 on the CPU: each newer architecture's tiny file (synthetic, q8_0 experts) with
+    """On the CPU: each newer architecture's tiny file (synthetic, q8_0 experts) with
     half of every MoE layer's experts hot gives stock's greedy tokens on the split path, the upload
     path and the decode graph, the latter also with decode prefetch (the daemon's default; on the
     GPU deepseek4's decode graph runs in several scheduler splits, and a prefetch chain crossing one
@@ -1145,7 +1145,7 @@ def test_two_pools_match_stock(moe, stock):
             assert 0 < st["hot_routes"] < st["routes"]
             assert (st["upload_bytes"] > 0) == (np_tokens == 8)
             assert [p["hot_experts"] for p in st["pools"]] == [p["hot_experts"] for p in info["pools"]]
-            # per-GPU figures (issue 14 item 2): the pools' routes add up, each has its own share
+            # per-GPU figures: the pools' routes add up, each has its own share
             assert sum(p["routes"] for p in st["pools"]) == st["routes"]
             assert sum(p["hot_routes"] for p in st["pools"]) == st["hot_routes"]
             assert all(0 <= p["hot_route_share"] <= 1 for p in st["pools"])
@@ -1211,7 +1211,7 @@ TWO_GPU_ARCHS = ("qwen3moe", "deepseek2")
                     "(OSTINATO_TEST_GPUS=2)")
 @pytest.mark.parametrize("arch", TWO_GPU_ARCHS)
 def test_two_gpus_every_path_matches_stock_layer_split(arch, tmp_path):
-    """Issue 14 item 1: a 4-layer model (deepseek2: 1 dense + 3 MoE layers, so both GPUs hold MoE
+    """A 4-layer model (deepseek2: 1 dense + 3 MoE layers, so both GPUs hold MoE
     layers and a pool) loaded with a residency set over two GPUs (layers 0-1 on GPU 0, 2-3 on GPU
     1, half of every MoE layer's experts hot). On each path -- split (Np 512), upload (Np 8) and
     the decode graph -- the greedy tokens equal stock llama.cpp's with the same layer split

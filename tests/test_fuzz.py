@@ -1,4 +1,4 @@
-"""Reliability suite, fast part (issue 11): hypothesis-generated bodies and headers on every HTTP
+"""Reliability suite, fast part (docs/reliability.md): hypothesis-generated bodies and headers on every HTTP
 route and the control socket of the live daemon: no 5xx, no hang, daemon and worker alive, no
 request record left open. The long runs are ``ostinato bench reliability``."""
 

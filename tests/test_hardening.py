@@ -1,4 +1,4 @@
-"""Hardening (issue 11): a client's mistake is a structured 4xx, never a 500 or a dead engine; every
+"""Hardening: a client's mistake is a structured 4xx, never a 500 or a dead engine; every
 request record is closed; errors inside a started stream are stream events; browser pages and
 foreign Host names cannot drive the API. Real HTTP on loopback against the live daemon."""
 

@@ -1,4 +1,4 @@
-"""Hardening, round two (issue 26): no single request or idle client takes the engine down or locks
+"""Hardening against stalls and lockouts: no single request or idle client takes the engine down or locks
 others out. Real HTTP on loopback against live daemons (subprocess engine worker)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Caching across agents (issue 12, item 16): with one KV slot, two agents' sessions interleave and
+"""Caching across agents: with one KV slot, two agents' sessions interleave and
 each returning session finds its prefix again -- its KV state was kept in host memory while the
 other agent used the slot (real daemon, real HTTP, openai client)."""
 

@@ -1,4 +1,4 @@
-"""Prefix reuse for hybrid models (issue 13 item 3): qwen35moe's linear-attention layers keep a
+"""Prefix reuse for hybrid models: qwen35moe's linear-attention layers keep a
 recurrent state that cannot be cut back to a shorter prefix, so an agent turn that appends to the
 previous turn re-prefilled everything. The worker keeps the recurrent layers' state at the end of
 each prompt (a message boundary; llama.cpp's partial state, in its device buffers) and the next turn

@@ -79,7 +79,7 @@ def test_install_without_user_session_writes_and_explains(xdg):
 
 
 def test_demo_model_vocabulary_is_kept_with_the_installed_package(tmp_path):
-    """Issue 29 item 12: after ``ostinato build``'s vocabulary step in an environment, a user with
+    """After ``ostinato build``'s vocabulary step in an environment, a user with
     another HOME and OSTINATO_HOME (a service, sudo) writes the demo model from the copy kept in
     ``<sys.prefix>/share/ostinato``. The environment is a fresh venv (its own sys.prefix) that sees
     this one's packages through PYTHONPATH."""

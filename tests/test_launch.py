@@ -133,7 +133,7 @@ def test_facts_come_from_the_running_daemon(env, capsys):
     # the served context, told to every agent
     assert p["models"]["served-model"]["limit"]["context"] == 32768
     assert "export CLAUDE_CODE_AUTO_COMPACT_WINDOW=32768\n" in claude
-    # below Claude Code's 100K compact minimum: said plainly (issue 29 item 7)
+    # below Claude Code's 100K compact minimum: said plainly
     assert "serves 32768 tokens per slot (the n_ctx setting)" in claude_err
     assert "compacts its conversation only past 100000 tokens" in claude_err
     assert codex["model_context_window"] == 32768 and codex["model_auto_compact_token_limit"] == 29491
@@ -173,7 +173,7 @@ FACTS = {"url": "http://127.0.0.1:8385", "model": "m", "n_ctx": 65536, "api_key"
 
 
 def test_openhands_cli_gets_the_flag_and_saved_settings_with_the_context(env):
-    """Issue 44 item 1: the OpenHands CLI (1.16) ignores LLM_* without --override-with-envs and
+    """The OpenHands CLI (1.16) ignores LLM_* without --override-with-envs and
     reads the context only from agent_settings.json (an openhands.sdk Agent)."""
     user = env / ".openhands"
     user.mkdir()
@@ -192,7 +192,7 @@ def test_openhands_cli_gets_the_flag_and_saved_settings_with_the_context(env):
 
 
 def test_qwen_aider_cline_are_told_the_served_context(env, capsys):
-    """Issue 44 item 2: each agent gets key, model, base URL and the served context in the form
+    """Each agent gets key, model, base URL and the served context in the form
     it reads; --config-only prints it, --write merges it into the agent's own files."""
     argv, e, _ = launch.agent_command("qwen", FACTS, "k", ["-p", "hi"], {}, "/x/qwen")
     assert argv == ["/x/qwen", "-p", "hi"]

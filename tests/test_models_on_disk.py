@@ -1,5 +1,5 @@
 """``ostinato models`` finds GGUF models already on disk (Hugging Face cache, LM Studio, Ollama by
-manifest, Ostinato's models directory) and ``ostinato load NAME`` serves one (issue 12, item 17)."""
+manifest, Ostinato's models directory) and ``ostinato load NAME`` serves one."""
 
 from __future__ import annotations
 

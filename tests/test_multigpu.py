@@ -91,7 +91,7 @@ def test_planned_two_gpu_set_gives_a_valid_split(tiny_model):
 
 
 def test_per_gpu_pool_lines_and_prometheus_gauges():
-    """Issue 14 item 2 without GPUs: the per-GPU lines of `ostinato status` and the TUI carry each
+    """Without GPUs: the per-GPU lines of `ostinato status` and the TUI carry each
     pool's size, hot-route share and its GPU's memory; /metrics has the same per GPU, labelled."""
     from prometheus_client import CollectorRegistry, generate_latest
 

@@ -1,4 +1,4 @@
-"""Issue 44 on the shared live daemon (tiny model): the OpenAI surface's routes and fields the
+"""On the shared live daemon (tiny model): the OpenAI surface's routes and fields the
 official SDKs use, legacy function calling, token-id prompts, errors that name their parameter,
 a forced call that keeps the conversation's cache, and model output kept out of the log."""
 
@@ -59,7 +59,7 @@ def test_not_found_hint_only_off_v1(live_daemon):
 
 
 def test_legacy_functions_become_tools(oai, model):
-    """Issue 44 item 4: functions + function_call are tools + tool_choice (the prompt shows them),
+    """Functions + function_call are tools + tool_choice (the prompt shows them),
     role function messages are tool results of the call before them."""
     msgs = [{"role": "user", "content": "Weather?"}]
     plain = oai.chat.completions.create(model=model, messages=msgs, max_tokens=1)
@@ -124,7 +124,7 @@ def test_errors_name_tool_pointer_and_param(oai, model, live_daemon):
 
 
 def test_forced_call_keeps_the_conversation_cache(oai, model):
-    """Issue 44 item 6: a turn forcing one tool renders every tool, so the next ordinary request
+    """A turn forcing one tool renders every tool, so the next ordinary request
     of the conversation reuses the whole prompt."""
     msgs = [{"role": "system", "content": "You help with the weather. " * 20},
             {"role": "user", "content": "Weather in Paris?"}]
@@ -136,7 +136,7 @@ def test_forced_call_keeps_the_conversation_cache(oai, model):
 
 
 def test_model_output_stays_out_of_the_log(oai, model, live_daemon, tool_call_bias):
-    """Issue 44 item 7: output that does not match the call format (tool_choice none, a model
+    """Output that does not match the call format (tool_choice none, a model
     biased to open calls) is not written to the daemon's log at the default level."""
     for seed in (3, 5):
         r = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather?"}],
@@ -148,7 +148,7 @@ def test_model_output_stays_out_of_the_log(oai, model, live_daemon, tool_call_bi
 
 
 def test_load_lines_state_the_served_context(demo_daemon):
-    """Issue 44 item 7: llama.cpp's n_ctx_seq lines count the KV cache the slots share; the log
+    """llama.cpp's n_ctx_seq lines count the KV cache the slots share; the log
     states the context per slot instead of 'n_ctx_seq (262144) > n_ctx_train (131072)'."""
     from ostinatod.engine.loading import restate_context_line
     logs = "".join(p.read_text(errors="replace") for p in (demo_daemon.home / "state").glob("*.log"))

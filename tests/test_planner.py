@@ -266,7 +266,7 @@ def test_cli_writes_residency_file(tmp_path, monkeypatch, capsys):
 
 
 def test_no_gpu_memory_names_the_settings_of_residency_plan():
-    """Issue 29, item 11: `ostinato residency plan` takes its budget from the settings, so the
+    """`ostinato residency plan` takes its budget from the settings, so the
     error names them (not only `ostinato plan`'s flags)."""
     shape = _shape()
     dev = _trace(shape, _zipf_counts(8, 16, seed=0))

@@ -1,4 +1,4 @@
-"""Residency sets swapped at request boundaries (issue 4, part 2), on the real native engine.
+"""Residency sets swapped at request boundaries (docs/design.md "Planning"), on the real native engine.
 
 A live daemon (subprocess engine worker, tiny synthetic qwen3moe: 2 layers x 8 experts, k = 2)
 serves on loopback; its coding and customer-service sets are planned by the real planner from the

@@ -1,4 +1,4 @@
-"""Engine supervision (issue 11, items 2, 3, 9): crashes restart with backoff and say so in /health
+"""Engine supervision: crashes restart with backoff and say so in /health
 and status; a stopped worker is noticed by a liveness ping; /metrics never blocks on the engine; a
 bad model file never replaces the served one. One real daemon with a subprocess worker."""
 

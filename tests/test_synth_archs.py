@@ -1,4 +1,4 @@
-"""Issue 13, items 1 and 4: the synthetic writer's newer architectures (glm4moe, minimax-m2, qwen35moe,
+"""The synthetic writer's newer architectures (glm4moe, minimax-m2, qwen35moe,
 deepseek4), its quant recipes (K-quants, IQ4_XS, MXFP4 mixed per tensor and layer) and merged
 gate_up; each CI file loads in the project's llama.cpp build and generates a few greedy tokens."""
 
@@ -121,7 +121,7 @@ def test_real_shapes_plan():
     gate = ds["blk.10.ffn_gate_exps.weight"]
     assert gate.shape == (256, 2048, 4096) and gate.qtype == QT.MXFP4
     per_expert = 3 * quants.nbytes((2048, 4096), QT.MXFP4)
-    assert abs(per_expert / 1e6 - 13.4) < 0.1  # DESIGN.md: 13.4 MB MXFP4 experts
+    assert abs(per_expert / 1e6 - 13.4) < 0.1  # docs/design.md: 13.4 MB MXFP4 experts
     assert sum(n.endswith("ffn_gate_tid2eid.weight") for n in ds) == 3
     assert archs.compress_ratios(43) == [0, 0] + [4, 128] * 20 + [4]
     q = _plan("qwen35moe", "qwen3.5-35b-a3b")

@@ -1,4 +1,4 @@
-"""Issue 42, item 1: representative cuts (a real model's layer kinds in proportion) and the
+"""Representative cuts (a real model's layer kinds in proportion) and the
 bench's checks of a file's layer mix and per-phase hot shares. Pure functions: no file is written."""
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_hot_shares_warn_outside_the_papers_skew_and_on_a_phase_gap():
     ok = bench_report.hot_shares(b(0.85, 0.83), 0.45)
     assert ok["checked"] and ok["warnings"] == [] and ok["decode_minus_prefill"] == pytest.approx(-0.02)
     assert ok["target"] == [0.81, 0.87]
-    # the 6-layer DeepSeek-V4-Flash file of issue 42: both phases below, decode 8 points colder
+    # the 6-layer DeepSeek-V4-Flash file measured first: both phases below, decode 8 points colder
     w = bench_report.hot_shares(b(0.69, 0.61), 0.45)["warnings"]
     assert len(w) == 3 and "prefill hot-route share 0.690" in w[0] and "points below" in w[2]
     # outside the 42-47% pools the range is not checked; the phase gap is

@@ -155,7 +155,7 @@ def test_tui_against_live_daemon(live_daemon):
 
 
 def test_status_panel_says_why_nothing_is_served():
-    """Issue 11, item 3: a model that failed to load (or a crashing worker) is explained in the TUI."""
+    """A model that failed to load (or a crashing worker) is explained in the TUI."""
     from ostinatod.ui.tui import status_text
 
     snap = {"engine_state": "error", "model": {"id": "x"}, "engine_health": {

@@ -51,7 +51,7 @@ def test_choose_slot_alone_or_without_gain():
 
 
 def test_choose_slot_evicts_the_cheapest_slot_not_the_main_session():
-    # issue 12 item 16: main turn (long, used first), a title request (short, used last), then a
+    # main turn (long, used first), a title request (short, used last), then a
     # side request with another system prompt: the title's slot is given up, not the main one
     main = Slot(0, tokens=list(range(2000)), last_used=1.0)
     title = Slot(1, tokens=[5000 + i for i in range(30)], last_used=2.0)

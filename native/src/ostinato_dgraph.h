@@ -1,6 +1,6 @@
 // Decode graph of the expert engine (internal to libllama): the route and join ops, the mailbox in
 // mapped host memory, the CPU-branch graphs and the resident thread pool that runs them.
-// Paper: arXiv 2611.11533, Section 3.4; DESIGN.md "The native engine" item 5.
+// Paper: arXiv 2611.11533, Section 3.4; docs/design.md "The native engine" item 5.
 //
 // Per forward pass of n <= max_tokens tokens (decode and the split path's short prefills):
 //   GPU  route(il) -> GPU branch(il) -> join(il) -> ... next layer

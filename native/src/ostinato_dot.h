@@ -1,4 +1,4 @@
-// Dot products of several weight rows with one activation row for the CPU branch kernel (issue 25):
+// Dot products of several weight rows with one activation row for the CPU branch kernel (docs/engine.md "CPU branch"):
 // bitwise what ggml-cpu's vec_dot gives for each row, two rows at a time (docs/engine.md, "CPU branch
 // kernel", "Row pairs").
 //

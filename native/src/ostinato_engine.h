@@ -203,7 +203,7 @@ struct engine_t {
 };
 
 // Cold experts in pageable memory (mmap-ed weights) are pinned with cudaHostRegister through the
-// CUDA backend's "ggml_backend_register_host_buffer" (DESIGN.md item 1): the upload path's copies then
+// CUDA backend's "ggml_backend_register_host_buffer" (docs/design.md native engine item 1): the upload path's copies then
 // run at the pinned H2D bandwidth. Per model, once; unregistered when the model is freed.
 struct pinned_t {
     const llama_model * model = nullptr;

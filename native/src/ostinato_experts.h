@@ -58,7 +58,7 @@ const ostinato_moe_layer * ostinato_moe_lookup(const ggml_tensor * down_exps);
 // slot, cold -> zero slot; for a layer without hot experts: the expert ids), plane 1 the CPU-branch
 // ids (cold -> expert id, hot -> -1). `cur` (may be null) is taken as a second source only so that
 // the hidden states reach the host in the same scheduler split as the ids: the CPU branch then
-// starts without waiting for the GPU branch (decode overlap, DESIGN.md item 5).
+// starts without waiting for the GPU branch (decode overlap, docs/design.md native engine item 5).
 // With `views` (see ostinato_moe_views) plane 0 holds ids into the layer's hot view instead: hot ->
 // slot - hot0, cold -> -1 (skipped, exact zeros); a borrowed decode slot counts as cold there.
 // `pred`, `pred2` (may be null): the predicted experts of the next layers (see
@@ -117,7 +117,7 @@ ggml_tensor * ostinato_moe_prefetch_scores(ggml_context * ctx, ggml_tensor * log
 // stream, which does not queue behind predictions for later layers) and waits for both. Returns a
 // 1-element tensor to expand into the graph; `after` orders it.
 ggml_tensor * ostinato_moe_prefetch(ggml_context * ctx, ggml_tensor * pred, ggml_tensor * after, int il_next);
-// Per-layer pool views (issue 9, prefill): 1 when layer il, in a split or upload pass whose layer
+// Per-layer pool views (prefill; docs/engine.md "Pool views"): 1 when layer il, in a split or upload pass whose layer
 // sees n_tokens tokens, computes its GPU routes over views of the pool (its hot slots; the staging
 // slots) with negative ids for the routes of the other branch. MMQ's mul_mat_id grid covers every
 // expert matrix of its src0 (a stream-k range over all of them), so over the whole size class (all
@@ -248,7 +248,7 @@ OSTINATO_API int          ostinato_experts_set_whole_slots(int on);
 OSTINATO_API int          ostinato_experts_set_upload_cpu_share(double share);
 // Most tokens a hybrid pass's CPU branch takes (1..4096; default 64); -1 (refused) otherwise.
 OSTINATO_API int          ostinato_experts_set_hybrid_rows(int rows);
-// The cost-model split of hybrid upload passes (issue 25 item 3; used while the share above is 0):
+// The cost-model split of hybrid upload passes (docs/engine.md "The prefill's CPU share"; used while the share above is 0):
 // per layer, the CPU branch takes the cold experts with the fewest routes while its time
 // alpha_us + routes * expert bytes / cpu_gbps stays under the uploads' time of the rest (expert
 // bytes / h2d_gbps each), see ostinato_split.h. cpu_gbps and h2d_gbps in 1e9 bytes/s (from the

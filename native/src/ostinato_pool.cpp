@@ -174,7 +174,7 @@ void set_table(engine_t * e, int il, int x, int32_t v) {
     ggml_backend_tensor_set(e->pools[pi].table, &v, ((size_t) il * e->n_expert + x) * sizeof(int32_t), sizeof(int32_t));
 }
 
-// Borrowed decode memory (issue 9 item 4): during decode, the staging slots that the upload path
+// Borrowed decode memory (docs/engine.md): during decode, the staging slots that the upload path
 // reserves for the largest prefill hold extra experts, the cold ones the CPU branch computed most
 // often lately (a count of decode CPU uses that decays per step). Promotions happen at token
 // boundaries, both branches' index tables together (host slot map and the device table); every

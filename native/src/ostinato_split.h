@@ -1,5 +1,5 @@
 // The cost model's split of a prefill layer's cold experts between the CPU branch and the uploads
-// (issue 25 item 3). Pure; unit-tested through the C API (ostinato_hybrid_split).
+// (docs/engine.md "The prefill's CPU share"). Pure; unit-tested through the C API (ostinato_hybrid_split).
 #pragma once
 
 #include <cstdint>

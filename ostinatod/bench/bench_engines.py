@@ -1,6 +1,6 @@
 """``ostinato bench engines``: Ostinato against stock llama.cpp on the same model and sessions.
 
-One command (issue 3, "Speed"; paper arXiv 2611.11533 Section 4 for the metrics):
+One command (docs/design.md "Testing and measuring"; paper arXiv 2611.11533 Section 4 for the metrics):
 
 1. writes (or reuses) a synthetic real-shape MoE model (Qwen3-30B-A3B shape, Q4_0 experts,
    ``--layers`` 24 by default) with :func:`ostinatod.synth.writer.write_synthetic_moe`;
@@ -295,7 +295,7 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
         out = _result(a, argv, model, block, sessions_file, dev, held, workload, res, stock,
                       results, sweep, sweep_runs, plans, fit, notes + warnings)
         out["model"]["layer_mix"] = mix
-        # the per-phase hot shares of the main budget's Ostinato run and their check (item 1 of issue 42)
+        # the per-phase hot shares of the main budget's Ostinato run and their check (docs/design.md "Testing and measuring")
         out["hot_shares"] = (results.get("ostinato") or {}).get("hot_shares")
         out["warnings"] = list(warnings)
         if one is not None:

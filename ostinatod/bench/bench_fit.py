@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from .bench_common import LIMIT
 
-# seconds per replayed turn on the H200 machine at 48 layers (issue 9: session s / 16 turns); only
+# seconds per replayed turn on the H200 machine at 48 layers (first H200 runs: session s / 16 turns); only
 # for the time estimates printed before each engine, rescaled by the first engine measured
 PRIOR_TURN_S = {"ostinato": 1.6, "stock-all-gpu": 0.65, "stock-layers": 3.6, "llama-server": 3.9,
                 "ik-llama-server": 3.3,  # llama-server's x 40.4 / 47.3 s (their replays of the same 12 turns, qwen35moe, 2026-12-03)

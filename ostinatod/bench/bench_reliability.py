@@ -1,4 +1,4 @@
-"""``ostinato bench reliability``: the long part of the reliability suite (issue 11).
+"""``ostinato bench reliability``: the long part of the reliability suite (docs/reliability.md).
 
 Starts a daemon of its own (subprocess engine worker, a fresh OSTINATO_HOME) on the tiny synthetic
 model (or ``--model``), then, in order:
@@ -7,7 +7,7 @@ model (or ``--model``), then, in order:
    ``--control-requests`` over the control socket (``ostinatod/bench/fuzz.py``);
 2. concurrent greedy clients: ``--clients`` threads sending the same prompts at temperature 0;
 3. slow connections: ``--slow`` half-sent request headers held open while /health is timed;
-4. schema stall (issue 26): ``--stalls`` requests whose tool has 3,000 properties (count_tokens
+4. schema stall (a huge tool schema must not stall the others): ``--stalls`` requests whose tool has 3,000 properties (count_tokens
    and chat) and one 60 MiB prompt, while a bystander sends small chats; the engine kills
    (worker restarts) and the bystander's answers are counted;
 5. keep-alive lockout: ``--keepalive`` connections (above the cap of 512) that each sent one

@@ -78,9 +78,9 @@ def phase_skew_warning(b: Optional[dict[str, Any]], who: str = "ostinato") -> Op
     """A warning when the decode steps' hot-route share in a ``step_breakdown``
     (:func:`summarize_breakdown`) departs by more than :data:`PHASE_SKEW_WARN` from the prefills'
     (the prefills after tool outputs when there are any): hotter, the decode figures measure a model
-    whose generated tokens route almost only to hot experts (issue 25, item 5); colder, they
-    exercise the CPU branch more than the real model would (issue 42, item 1). None when it does
-    not, or when a share is missing."""
+    whose generated tokens route almost only to hot experts (docs/design.md "Testing and
+    measuring"); colder, they exercise the CPU branch more than the real model would. None when it
+    does not, or when a share is missing."""
     if not b:
         return None
     d = (b.get("decode_step") or {}).get("hot_route_share")
@@ -359,7 +359,7 @@ def engine_metrics(turns: list[dict[str, Any]]) -> dict[str, Any]:
 def ratios_vs_limit(engines: dict[str, dict[str, Any]], o: Optional[dict[str, Any]] = None
                     ) -> dict[str, Any]:
     """Ostinato (``o``, default ``engines["ostinato"]``) divided by ``stock-all-gpu`` per metric: the
-    slowdown factor against every expert on the GPU (1 = the limit; issue 9's targets at a 45% pool:
+    slowdown factor against every expert on the GPU (1 = the limit; docs/design.md's targets at a 45% pool:
     decode <= 1.4, TTFT after tool <= 1.6, session <= 1.5). None where either figure is missing."""
     o = engines.get("ostinato") or {} if o is None else o
     lim = engines.get(LIMIT) or {}
@@ -368,7 +368,7 @@ def ratios_vs_limit(engines: dict[str, dict[str, Any]], o: Optional[dict[str, An
 
 def gpus_vs_one_gpu(engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The Ostinato engine on one GPU (``ostinato-1gpu``) divided by the Ostinato engine on the run's
-    GPUs per metric (> 1: the GPUs together are faster than one; issue 14 wants decode >= 1). None
+    GPUs per metric (> 1: the GPUs together are faster than one; docs/design.md's target: decode >= 1). None
     where either figure is missing."""
     o, one = engines.get("ostinato") or {}, engines.get(ONE_GPU) or {}
     return {key: (round(one[m] / o[m], 3) if o.get(m) and one.get(m) else None) for key, m in METRICS}

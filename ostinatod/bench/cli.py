@@ -5,6 +5,7 @@ Subcommands (each a module with ``main(argv) -> int``):
   engines  Ostinato against stock llama.cpp on the same model and sessions
            (ostinatod.bench.bench_engines)
   plot     time against pool size (or routing skew) from stored engines JSONs (ostinatod.bench.bench_plot)
+  table    the results page's rows (and their plot) from stored engines JSONs (ostinatod.bench.bench_table)
   reliability  fuzzing, crashes, slow connections (ostinatod.bench.bench_reliability)
   cpu-branch   the CPU branch alone on a model's expert tensors (ostinatod.bench.bench_cpu)
 """
@@ -23,6 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                 "Ostinato vs stock llama.cpp baselines on one model and sessions"),
     "plot": ("ostinatod.bench.bench_plot", "main",
              "plot time against pool size, or routing skew, from stored 'bench engines' JSONs (SVG)"),
+    "table": ("ostinatod.bench.bench_table", "main",
+              "the results page's rows from stored 'bench engines' JSONs: family, limit, best peer (--svg: plot)"),
     "reliability": ("ostinatod.bench.bench_reliability", "main",
                     "fuzz every route, crash and stop the worker, slow connections: 5xx, hangs, RSS"),
     "cpu-branch": ("ostinatod.bench.bench_cpu", "main",

@@ -1,5 +1,5 @@
 """``ostinato bench replay``: replay recorded agent sessions through the HTTP API and time each turn
-(issue 2, item 6).
+(the session figures of docs/benchmarks/).
 
 For assistant turn *i* of a session the request carries the recorded history up to that turn
 (never the generated text of earlier turns) and the session's tools, through the official

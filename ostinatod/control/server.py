@@ -2,7 +2,7 @@
 
 Only the user who runs the daemon can reach it (socket mode 0600 in a 0700 runtime dir), so it
 carries no token. The TUI, the tray and ``ostinato status|ps|load|unload|residency`` use it; none of
-them imports the engine (DESIGN.md, "UI clients").
+them imports the engine (docs/design.md, "UI clients").
 
 Routes (all answers JSON; errors are ``{"error": {"code", "message"}}`` with a 4xx/5xx status):
 

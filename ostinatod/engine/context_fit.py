@@ -1,5 +1,6 @@
 """The served context per slot: what the settings ask for, as far as the memory left after the model
-and its expert pool holds the KV cache of every slot (issue 29 items 7 and 13).
+and its expert pool holds the KV cache of every slot, so that a load never fails on the KV cache
+and an agent is told the context it really gets.
 
 Pure arithmetic; :func:`.loading.load_model` measures the free memory after the model load (the
 dense weights and the expert pool are allocated then) and calls :func:`fit_context` before it

@@ -1,5 +1,6 @@
 """Size bounds of a request's template and grammar work, checked before any of it is done (pure
-functions; the worker applies them off its loop thread, issue 26 item 1).
+functions; the worker applies them off its loop thread, so that one request's schema cannot
+stall the other slots).
 
 Why: llama.cpp's chat layer turns tool and response schemas into a grammar whose cost grows
 much faster than the property count of one object (measured on this project's CI machine:

@@ -300,7 +300,7 @@ def set_timing(on: bool) -> None:
 
 
 def set_overlap(on: bool) -> None:
-    """Decode overlap on/off (DESIGN.md item 5): with it the CPU branch of a layer runs while the GPU
+    """Decode overlap on/off (docs/design.md, native engine item 5): with it the CPU branch of a layer runs while the GPU
     branch computes; without it the CPU branch runs first, saving one host round trip per layer.
     Which is faster depends on the machine; ``ostinato calibrate`` measures both."""
     llama_fn("ostinato_experts_set_overlap")(1 if on else 0)
@@ -319,7 +319,7 @@ def set_decode_graph(on: Optional[bool], max_tokens: int = 0) -> None:
 
 
 def set_borrow(on: bool) -> None:
-    """Borrowed decode memory (issue 9 item 4; docs/engine.md "Borrowed decode memory"): during decode
+    """Borrowed decode memory (docs/engine.md "Borrowed decode memory"): during decode
     the upload path's staging slots hold the cold experts the CPU branch computed most lately
     (decaying count), promoted at token boundaries and handed back before a pass that takes the
     upload path. On by default."""
@@ -327,7 +327,7 @@ def set_borrow(on: bool) -> None:
 
 
 def set_views(on: bool) -> None:
-    """Per-layer pool views (issue 9, docs/engine.md "Pool views"): split and upload passes of 9
+    """Per-layer pool views (docs/engine.md "Pool views"): split and upload passes of 9
     tokens or more compute the GPU routes over views of the layer's own pool slots (and the staging
     slots), with -1 for the routes of the other branch, so that the GPU's grouped matrix product
     scans one layer's experts rather than the whole size class. On by default; off only for
@@ -387,8 +387,8 @@ def set_hybrid_rows(rows: int) -> None:
 
 
 def set_cpu_split(split: Optional[dict[str, float]]) -> None:
-    """The cost-model split of upload passes between the CPU branch and the uploads (issue 25 item
-    3, docs/engine.md "The prefill's CPU share"): ``split`` = {"alpha_us", "cpu_gbps", "h2d_gbps"}
+    """The cost-model split of upload passes between the CPU branch and the uploads (docs/engine.md
+    "The prefill's CPU share"): ``split`` = {"alpha_us", "cpu_gbps", "h2d_gbps"}
     (the CPU branch's fixed cost per layer and bandwidth at the prefill's thread count, the pinned
     host->GPU bandwidth; :func:`ostinatod.residency.cost.cpu_split_params`), or None (off: upload
     passes without a CPU branch). A fixed or adapted :func:`set_upload_cpu_share` other than 0 takes

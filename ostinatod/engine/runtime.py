@@ -1,6 +1,6 @@
 """The engine worker's hook into the native expert engine (resident expert pool, split/upload paths).
 
-Use (arXiv 2611.11533, Sections 2-3; DESIGN.md "The native engine")::
+Use (arXiv 2611.11533, Sections 2-3; docs/design.md "The native engine")::
 
     rt = ExpertRuntime.prepare(model_path, settings)   # reads the residency set, checks the config
     model = rt.load(path, mparams) if rt else ...      # the patched loader builds the pool

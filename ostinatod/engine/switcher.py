@@ -1,4 +1,4 @@
-"""Residency-set swaps in the engine worker, at request boundaries only (DESIGN.md "Planning").
+"""Residency-set swaps in the engine worker, at request boundaries only (docs/design.md "Planning").
 
 - an explicit switch (control API, background re-plan) is queued; the loop runs it as soon as no
   request is generating and admits no new request while it waits, so it cannot be starved; after

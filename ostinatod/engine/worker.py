@@ -12,7 +12,7 @@ slots) and then prefill chunks of waiting slots, one ubatch (``n_ubatch`` tokens
 a cancelled request stops between ubatches. Around it:
 :mod:`.loading` (model, context, expert runtime), :mod:`.sampling` (the sampler of a request),
 :mod:`.text` (UTF-8 hold-back, stop strings on new text only) and :mod:`.switcher` (residency-set
-swaps at request boundaries; DESIGN.md "Planning").
+swaps at request boundaries; docs/design.md "Planning").
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Worker:
         self.max_piece_bytes = loading.max_piece_bytes(self.vocab)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         # recurrent or hybrid attention (qwen35moe's linear-attention layers): the memory cannot drop
-        # a suffix, so prefix reuse goes through whole-state checkpoints (issue 13 item 3)
+        # a suffix, so prefix reuse goes through whole-state checkpoints (docs/engine.md)
         self.uncuttable = bool(llama_cpp.llama_model_is_recurrent(self.model)
                                or llama_cpp.llama_model_is_hybrid(self.model))
         if probe_np and self.rt is not None and self.rt.wants_np_probe():

@@ -1,5 +1,6 @@
 """Layer mix of a cut: which kinds of layers a synthetic file with fewer layers than the real model
-keeps, and the check that a file's mix is the real model's in proportion (issue 42, item 1).
+keeps, and the check that a file's mix is the real model's in proportion, so that a cut's
+figures stand for the real model's.
 
 A layer has a kind on two axes: ``ffn`` (``dense``: a dense FFN; ``hash``: MoE routed by token id,
 deepseek4's ``ffn_gate_tid2eid``; ``moe``: MoE routed by a learned router) and ``attn``

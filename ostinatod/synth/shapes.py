@@ -109,7 +109,7 @@ SHAPES: dict[str, Shape] = {
     # 256 experts, k = 6, 1 shared expert, moe_intermediate 2048, hc_mult 4 (20 Sinkhorn
     # iterations), 3 hash-routed layers, indexer 64 heads x 128 (top-k 512), sliding window 128,
     # compress_ratios [0, 0] + [4, 128] * 20 + [4], 1M context. Experts MXFP4 (13.4 MB each,
-    # as in DESIGN.md).
+    # as in the paper, docs/design.md).
     "deepseek-v4-flash": Shape(n_layer=43, n_embd=4096, n_head=64, n_head_kv=1, head_dim=512,
                                n_expert=256, n_expert_used=6, n_ff_exp=2048, n_ctx_train=1048576,
                                n_expert_shared=1, n_layer_dense_lead=0, q_lora_rank=1024,

@@ -202,7 +202,7 @@ def _embedding(cx: _Ctx) -> np.ndarray:
 #
 # A random-weight model's greedy tokens are a fixed function of the previous token: every turn's
 # reply walks the same few tokens, whose routes the planner learns from the development turns,
-# so decode steps route almost only to hot experts (issue 25, item 5). The copy head makes a
+# so decode steps route almost only to hot experts, and the bench would not see the CPU branch. The copy head makes a
 # generated token a copy of a token of its own context instead: one attention head (the first
 # full-attention layer) with sharp scores (std ``copy_sharpness``) picks a context position
 # from the current token and the relative positions, and writes that token's values into the

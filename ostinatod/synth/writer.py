@@ -1,5 +1,5 @@
 """Synthetic MoE GGUF writer: real llama.cpp architectures, a real tokenizer, random weights and
-content-dependent, skewed expert routing (issue 2, item 5; DESIGN.md "Testing and measuring").
+content-dependent, skewed expert routing (docs/design.md "Testing and measuring").
 
 The files load and generate in the llama.cpp that llama-cpp-python 0.3.36 vendors (commit
 0c1e57098). Their text is gibberish; their *routing* is built to look like a real MoE's on agent
