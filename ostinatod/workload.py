@@ -1,5 +1,5 @@
 """Per-workload residency upkeep: re-plan residency sets in the background when the daemon is idle
-and a workload's routing traces have moved (issue "desktop daemon", part 2).
+and a workload's routing traces have moved (docs/design.md, "Planning").
 
 Started by the control server (:func:`ostinatod.control.start_control_server`) inside the daemon,
 so it needs nothing from the daemon but its :class:`~ostinatod.server.state.DaemonState`.
