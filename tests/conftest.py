@@ -277,3 +277,15 @@ def run_launch(daemon: LiveDaemon, agent: str, exe: Path, node_env: dict, args: 
                PYTHONPATH=child_pythonpath(), **extra_env)
     return subprocess.run([sys.executable, "-m", "ostinatod.cli", "launch", agent, "--", *args], env=env,
                           cwd=work, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+
+
+COST_FOLDERS = ("unit", "engine", "daemon", "agents")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries the marker of its folder (tests/unit, engine, daemon, agents: what it costs),
+    so ``pytest -m unit`` runs the pure tests alone."""
+    for item in items:
+        folder = item.path.parent.name
+        if folder in COST_FOLDERS:
+            item.add_marker(getattr(pytest.mark, folder))

@@ -1,7 +1,7 @@
 """pytest plugin that runs llama.cpp's own server tests (tools/server/tests/unit, from the pinned
 llama-cpp-python sdist) against a running Ostinato daemon instead of a llama-server they start.
 
-Loaded by tests/test_llama_server_suite.py in a pytest of its own (``-p llama_server_plugin``):
+Loaded by tests/daemon/test_llama_server_suite.py in a pytest of its own (``-p llama_server_plugin``):
 their ``ServerProcess.start`` points the test at the daemon named by ``OSTINATO_SUITE_URL`` (no
 process is started, ``stop`` stops nothing), and the tests listed in docs/api.md ("Deliberate
 differences") are deselected by id: ``file::test`` deselects every parametrization of that test,

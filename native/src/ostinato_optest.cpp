@@ -5,7 +5,7 @@
 // test-backend-ops: a negative expert id in mul_mat_id means "a route computed by another branch":
 // the CPU skips it and writes an exact-zero row; add_id adds no bias there. Every other row must be
 // bitwise what the unpatched op computes. Exported from libostinato as ostinato_optest_negative_ids
-// (tests/test_native_ops.py calls it through ctypes).
+// (tests/engine/test_native_ops.py calls it through ctypes).
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"

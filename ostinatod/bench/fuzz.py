@@ -1,7 +1,7 @@
 """HTTP and control-socket fuzzing with hypothesis: strategies for request bodies and headers of
 every route, a raw HTTP sender that never raises, and a runner that counts answers.
 
-Used by ``tests/test_fuzz.py`` (a few hundred requests, fast) and by ``ostinato bench
+Used by ``tests/daemon/test_fuzz.py`` (a few hundred requests, fast) and by ``ostinato bench
 reliability`` (``ostinatod/bench/bench_reliability.py``, thousands). ``hypothesis`` is a test
 extra (``pip install 'ostinato[test]'``); it is imported only here.
 

@@ -41,7 +41,7 @@ log = logging.getLogger("ostinatod.experts")
 
 # Architectures whose MoE layers the engine splits (up/gate/down or merged gate_up expert tensors;
 # expert biases, as in gpt-oss, get per-slot bias rows in the pool). Each is exact against stock on
-# the CPU and on the H200 (tests/test_exactness.py, docs/benchmarks/runs/2026-11-30-exactness-h200.txt).
+# the CPU and on the H200 (tests/engine/test_exactness.py, docs/benchmarks/runs/2026-11-30-exactness-h200.txt).
 SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss", "glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
 
 

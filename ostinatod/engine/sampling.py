@@ -60,7 +60,7 @@ def sample(smpl: Any, ctx: Any, idx: int) -> int:
 # itself; a call cut here ends as "length", never as a finished turn).
 DEMO_CALL_MAX_TOKENS = 512
 # bias on a JSON answer's closers with the demo model: the end-of-turn bias alone left random strings
-# open for 200 tokens in 1 of 3 tries (tests/test_agents_ask.py::test_demo_json_mode_is_json)
+# open for 200 tokens in 1 of 3 tries (tests/agents/test_agents_ask.py::test_demo_json_mode_is_json)
 DEMO_JSON_CLOSE_BIAS = 20.0
 
 

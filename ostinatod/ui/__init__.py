@@ -1,5 +1,5 @@
 """The UI clients: `ostinato tui` (Textual) and the tray icon (pystray).
 
 They talk to the daemon only through the control API (:mod:`ostinatod.control.client`) and never
-import the engine (tests/test_import_rules.py pins that).
+import the engine (tests/unit/test_import_rules.py pins that).
 """

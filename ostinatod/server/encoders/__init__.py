@@ -4,7 +4,7 @@ Pure functions and small state machines (no aiohttp, no engine client): given th
 one request (and the usage known at that point) they return the JSON body of a non-streaming
 answer, or the SSE frames of a stream. The HTTP handlers (``openai_api``, ``responses_api``,
 ``anthropic_api``) only write what these return. Golden request/response fixtures per protocol are
-in tests/fixtures/encoders/ (tests/test_encoders.py).
+in tests/fixtures/encoders/ (tests/unit/test_encoders.py).
 
 - :mod:`.openai_chat`: ``/v1/chat/completions`` and ``/v1/completions``;
 - :mod:`.responses`: ``/v1/responses``;

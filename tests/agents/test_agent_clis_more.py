@@ -7,7 +7,7 @@ only Qwen Code's runs by default (installed with npm into the test cache, confte
 runs with OSTINATO_TEST_AGENT_RUNS=1; Aider and the OpenHands CLI (PyPI programs with large
 dependency trees; OpenHands needs Python >= 3.12) run where ``aider`` / ``openhands`` is on PATH or
 named by OSTINATO_TEST_AIDER / OSTINATO_TEST_OPENHANDS. What each is told is checked in
-tests/test_launch.py without them.
+tests/unit/test_launch.py without them.
 """
 
 from __future__ import annotations

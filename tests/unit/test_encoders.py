@@ -4,7 +4,7 @@ Each file in tests/fixtures/encoders/ holds one case: the encoder, its arguments
 echoed request fields), the engine events with the usage known at each (or the final ``done`` for
 non-streaming answers) and the expected answer: the JSON body, or the SSE frames of the stream.
 Ids come from a counter so the files are stable. Regenerate after an intended wire change with
-``python tests/test_encoders.py`` and review the diff.
+``python tests/unit/test_encoders.py`` and review the diff.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from ostinatod.engine.types import EngineEvent
 from ostinatod.server.encoders import anthropic, openai_chat, responses
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "encoders"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "encoders"
 
 
 def _ids():

@@ -11,7 +11,7 @@ import pytest
 from ostinatod import cpus, hardware
 from ostinatod import profile as prof
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "profiles" / "hardware.schema.json").read_text())
 
 

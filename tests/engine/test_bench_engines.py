@@ -270,7 +270,7 @@ def test_plot_from_stored_json_without_sweep(tmp_path):
     baselines as lines (no engine, no GPU needed)."""
     from ostinatod.bench import bench_plot
 
-    runs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "runs"
+    runs = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "runs"
     stored = runs / "2026-11-29-engines-h200-L24.json"
     out = tmp_path / "p.svg"
     assert bench_plot.main([str(stored), "-o", str(out)]) == 0
@@ -284,7 +284,7 @@ def test_report_gives_each_variant_its_breakdown_and_the_decode_prefetch():
     """The stored H200 run of the decode prefetch A/B (docs/benchmarks/runs): the report shows each
     ``ostinato-*`` variant's own per-step breakdown beside Ostinato's, with the decode prefetch's
     staged experts, cold routes on the GPU and MB copied per decode step where it staged any."""
-    runs = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "runs"
+    runs = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "runs"
     result = json.loads((runs / "2026-12-03-engines-h200-qwen35moe-45-dprefetch.json").read_text())
     md = bench_report.markdown(result)
     assert "Ostinato per-step breakdown" in md and "ostinato-no-dprefetch per-step breakdown" in md
@@ -563,7 +563,7 @@ def test_plot_redraws_a_stored_skew_sweep(tmp_path):
     skew for Ostinato, the best peer and the limit, the figures of the JSON in the table."""
     from ostinatod.bench import bench_plot
 
-    stored = Path(__file__).resolve().parents[1] / "docs/benchmarks/runs/2026-12-03-engines-h200-L8-skew-sweep.json"
+    stored = Path(__file__).resolve().parents[2] / "docs/benchmarks/runs/2026-12-03-engines-h200-L8-skew-sweep.json"
     sweep = json.loads(stored.read_text())
     rows = sweep["skew_sweep"]["rows"]
     src = tmp_path / "sweep.json"

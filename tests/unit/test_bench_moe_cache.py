@@ -17,7 +17,7 @@ from ostinatod.bench import bench_moe_cache as mc
 from ostinatod.bench.bench_common import CHOICES, ENGINES, MOE_CACHE, BenchError, is_peer
 
 # the recorded sessions: the shared folder here, the carried copy on the GPU machine
-SESSIONS = next((p for p in (Path("/work/shared/sessions"), Path(__file__).resolve().parents[1] / ".carry/sessions")
+SESSIONS = next((p for p in (Path("/work/shared/sessions"), Path(__file__).resolve().parents[2] / ".carry/sessions")
                  if p.is_dir()), Path("/work/shared/sessions"))
 MIB = 2**20
 

@@ -36,7 +36,7 @@ from conftest import launch_daemon
 from ostinatod.control.client import ControlAPIError, call
 from ostinatod.residency.sets import make_residency, model_block, read_residency, write_residency
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CODE = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)"
 PROSE = "Hello, I would like to change the delivery address of my order to my new apartment, please."
 

@@ -1,9 +1,9 @@
 """Golden fixtures of the request side of the three protocols: an HTTP body (and headers) in, the
-one internal request (GenRequest) out -- the counterpart of tests/test_encoders.py.
+one internal request (GenRequest) out -- the counterpart of tests/unit/test_encoders.py.
 
 Each file in tests/fixtures/requests/ holds ``protocol`` (openai_chat, responses, anthropic),
 ``headers``, ``body`` and ``expected`` (the GenRequest as a dict, without its random ``id``).
-Regenerate after an intended change with ``python tests/test_request_fixtures.py`` and review
+Regenerate after an intended change with ``python tests/unit/test_request_fixtures.py`` and review
 the diff.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from multidict import CIMultiDict
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "requests"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "requests"
 CASES = sorted(FIXTURES.glob("*.json"))
 
 

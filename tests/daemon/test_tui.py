@@ -21,7 +21,7 @@ import pytest
 
 from ostinatod.ui.tui import OstinatoTUI, heat_color, heat_strip
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def _until(pilot, cond, timeout: float = 30.0) -> None:

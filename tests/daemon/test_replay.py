@@ -14,7 +14,7 @@ import pytest
 
 from ostinatod.bench import replay, sessions
 
-SESSIONS = Path(__file__).resolve().parents[2] / "shared" / "sessions"
+SESSIONS = Path(__file__).resolve().parents[3] / "shared" / "sessions"
 if not SESSIONS.is_dir():  # checkout elsewhere: the shared tree's usual place
     SESSIONS = Path("/work/shared/sessions")
 SWE, TAU2 = SESSIONS / "swe.jsonl", SESSIONS / "tau2.jsonl"

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from ostinatod.settings import Settings, load_settings, settings_markdown
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 
 
 def test_file_env_and_override_precedence(tmp_path, monkeypatch):

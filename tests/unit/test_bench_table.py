@@ -11,7 +11,7 @@ import pytest
 from ostinatod.bench import bench_table
 
 pytestmark = pytest.mark.unit
-RUNS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "runs"
+RUNS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "runs"
 PEERS = RUNS / "2026-12-03-engines-h200-qwen35moe-45-peers.json"
 FULL = RUNS / "2026-12-01-engines-h200-16c-L48-poll-full100.json"
 
