@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "scikit-build-core[pyproject]>=0.9.2" "cmake>=3.21" ninja
+.venv/bin/python -m pip install -q "scikit-build-core>=0.9.2" "cmake>=3.21" ninja
 .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/ostinato build "$@"
 echo "Installed. Start the daemon with: .venv/bin/ostinatod start"

@@ -447,7 +447,7 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
 BINARIES = {"claude": "claude", "opencode": "opencode", "codex": "codex", "openhands": "openhands",
             "mini": "mini", "qwen": "qwen", "aider": "aider", "cline": "cline"}  # openhands-sdk: the command after --
 INSTALL = {"claude": "npm install -g @anthropic-ai/claude-code", "opencode": "npm install -g opencode-ai",
-           "codex": "npm install -g @openai/codex", "openhands": "uv tool install openhands",
+           "codex": "npm install -g @openai/codex", "openhands": "pip install openhands (Python >= 3.12)",
            "mini": "pip install mini-swe-agent", "openhands-sdk": "pip install openhands-sdk",
            "qwen": "npm install -g @qwen-code/qwen-code", "aider": "pipx install aider-chat",
            "cline": "npm install -g cline"}
@@ -540,7 +540,7 @@ def unreachable(url: str, timeout: float = 3.0) -> Optional[str]:
 def list_agents() -> str:
     """The text of ``ostinato launch`` without an agent: every entry, whether its program is on
     PATH, and how to install it where it is not."""
-    lines = ["ostinato launch AGENT [--config-only] [--write] [-- ARGS]   agents:"]
+    lines = ["usage: ostinato launch AGENT [--config-only] [--write] [-- ARGS]", "", "agents:"]
     for agent in AGENTS:
         exe = BINARIES.get(agent)
         where = ("" if exe is None else f"  [{exe}: " + ("on PATH]" if shutil.which(exe) else
@@ -560,8 +560,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "daemon (URL, model, context and key from the running daemon); "
                                  "arguments after -- go to the agent.")
     ap.add_argument("agent", nargs="?", choices=AGENTS, help="the agent to start; none: list them")
-    ap.add_argument("--config-only", action="store_true", help="print the configuration, do not "
-                    "start the agent")
+    ap.add_argument("--config-only", action="store_true", help="print the configuration (and write the files of "
+                    "Ostinato's own it names, under the config dir's agents/), do not start the agent")
     ap.add_argument("--write", action="store_true", help="also write/merge the agent's config file")
     ap.add_argument("--docker", action="store_true", help="openhands: the configuration for its Docker "
                     "container (host.docker.internal); implies --config-only")

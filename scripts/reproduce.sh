@@ -16,7 +16,8 @@
 # Env: SESSIONS_DIR (recorded agent sessions: swe.jsonl, format in docs/benchmarks/METHOD.md;
 # default: the bench's own search), OUT (./bench-out), WORK (/tmp/ostinato-repro: models, work dirs),
 # POOL (0.45), SESSIONS (2), TURNS (6), ENGINES (ostinato,stock-all-gpu,llama-server,stock-layers),
-# NAME (repro-<family>), PY (.venv/bin/python), INSTALL=0 (skip step 1). Peers built elsewhere: OSTINATO_IK_SERVER,
+# NAME (repro-<family>), PY (.venv/bin/python), INSTALL=0 (skip step 1), ALLOW_CPU=1 (run without a GPU).
+# Peers built elsewhere: OSTINATO_IK_SERVER,
 # OSTINATO_MOE_CACHE_SERVER (docs/benchmarks/METHOD.md, "Peer engines").
 #
 # Sourced with REPRO_LIB=1 (scripts/device-run.sh, the lent GPU machine's stages) it only defines
@@ -75,14 +76,22 @@ fi
 
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; esac
 FAMILY=${1:-qwen3.5-35b-a3b}; shift || true
 repro_family "$FAMILY" || exit 2
+if ! command -v nvidia-smi > /dev/null && [ "${ALLOW_CPU:-0}" != 1 ]; then
+  echo "no nvidia-smi: this reproduces a GPU figure and needs an NVIDIA GPU and driver (ALLOW_CPU=1 runs it on the CPU anyway)" >&2
+  exit 2
+fi
+command -v nvcc > /dev/null || [ -x /usr/local/cuda/bin/nvcc ] || echo "warning: no nvcc (CUDA toolkit): the build is CPU-only" >&2
+if [ -n "${SESSIONS_DIR:-}" ] && [ ! -f "$SESSIONS_DIR/swe.jsonl" ]; then
+  echo "no $SESSIONS_DIR/swe.jsonl: SESSIONS_DIR names a folder of recorded sessions (docs/benchmarks/METHOD.md, \"Recorded sessions\")" >&2
+  exit 2
+fi
 OUT=$(mkdir -p "${OUT:-bench-out}" && cd "${OUT:-bench-out}" && pwd)
 WORK=${WORK:-/tmp/ostinato-repro}; mkdir -p "$WORK"
 NAME=${NAME:-repro-$FAMILY}
 export PYTHONUNBUFFERED=1
-command -v nvidia-smi > /dev/null || echo "warning: no nvidia-smi: the engine builds CPU-only and the figures are not the page's" >&2
-command -v nvcc > /dev/null || [ -x /usr/local/cuda/bin/nvcc ] || echo "warning: no nvcc (CUDA toolkit): the build is CPU-only" >&2
 
 if [ "${INSTALL:-1}" != 0 ]; then
   echo "[1/4] install with the stock llama-server"

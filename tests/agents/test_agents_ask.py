@@ -150,7 +150,7 @@ def test_json_object_with_schema_is_enforced(oai, model):
 # --- 14. Anthropic clients posting to <base>/messages -----------------------------------------------
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
-    from test_http_errors import post
+    from helpers import post
     return post(url, json.dumps(body).encode())
 
 

@@ -14,15 +14,8 @@ import openai
 import pytest
 
 from conftest import LIVE_N_CTX
+from helpers import post
 
-
-def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=body, headers={"content-type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_malformed_json_openai_and_anthropic_shapes(live_daemon):

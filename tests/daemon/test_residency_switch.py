@@ -133,7 +133,7 @@ def test_control_switch_changes_the_hot_set(sw, tiny_model):
 
 
 def test_foreign_model_set_is_refused_and_serving_goes_on(sw, tiny_model, tmp_path):
-    from test_control import write_moe_gguf
+    from helpers import write_moe_gguf
     other = model_block(write_moe_gguf(tmp_path / "other.gguf"))
     foreign = make_residency(other, {0: [1, 2]}, workload="foreign")
     before = residency(sw)

@@ -94,7 +94,7 @@ def xdisplay():
 def server(tmp_path, monkeypatch):
     import tempfile
     from pathlib import Path
-    from test_control import ControlThread
+    from helpers import ControlThread
     from ostinatod.server.state import DaemonState
     from ostinatod.settings import load_settings
     monkeypatch.setenv("OSTINATO_HOME", tempfile.mkdtemp(prefix="ost-", dir="/tmp"))
@@ -165,7 +165,7 @@ def test_tray_docks_and_follows_the_daemon(xdisplay, server, monkeypatch, tmp_pa
         assert app.icon.title.startswith("Ostinato: busy")
 
         # Pause/Resume through the menu item (as a click would): unload, then load back
-        from test_control import write_tiny_gguf
+        from helpers import write_tiny_gguf
         g = write_tiny_gguf(tmp_path / "m.gguf")
         from ostinatod.control.client import call
         call("POST", "/models/load", {"path": str(g)}, socket=server.socket)

@@ -45,7 +45,7 @@ def test_heat_strip_colours_follow_share():
 def planned_server(monkeypatch):
     """Control server; the state's model is a metadata-only MoE GGUF (6 layers x 16 experts),
     with a coding trace and no residency set yet."""
-    from test_control import ControlThread, write_moe_gguf
+    from helpers import ControlThread, write_moe_gguf
     from ostinatod.residency.planner import read_model_shape
     from ostinatod.residency.traces import Trace, trace_path
     from ostinatod.server.state import DaemonState

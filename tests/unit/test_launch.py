@@ -103,7 +103,7 @@ def test_broken_existing_config_is_not_overwritten(env, capsys):
 
 
 def test_facts_come_from_the_running_daemon(env, capsys):
-    from test_control import ControlThread
+    from helpers import ControlThread
     from ostinatod.server.state import DaemonState
     from ostinatod.settings import load_settings
 

@@ -225,7 +225,7 @@ def test_plan_refuses_foreign_traces_and_missing_budget():
 
 
 def _write_tiny_moe(path: Path) -> Path:
-    from test_control import write_moe_gguf  # the one metadata-only MoE GGUF writer of the tests
+    from helpers import write_moe_gguf  # the one metadata-only MoE GGUF writer of the tests
 
     return write_moe_gguf(path, n_layer=3, n_expert=8, k=2, n_embd=32, n_ff=16)
 
