@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from ..residency.model import ModelInfo
 from ..settings import Settings
-from . import determinism, grammar, limits, loading, logprobs, sampling
+from . import determinism, grammar, limits, loading, logprobs, patterns, sampling
 from .protocol import Op
 from .prefix_cache import (PrefixCache, make_prefix_cache, restore_checkpoint, rewind_to_checkpoint,
                            save_slot_checkpoint, save_state, use_host_cache)
@@ -94,6 +94,10 @@ class Worker:
         self.dcache: Any = None  # its states on disk (settings.cache_disk_mb; .disk_cache)
         self._persisted: dict[int, int] = {}  # slot id -> tokens of its state last written to disk
         self.uncuttable = False  # the memory cannot drop a suffix (recurrent/hybrid): checkpoints
+        # progress of the loop, read by the liveness check from another thread (progress()):
+        # forward passes so far, and (what, since, request ids) of the native call running now
+        self.steps = 0
+        self._busy: Optional[tuple[str, float, tuple[str, ...]]] = None
 
     # ---- loading --------------------------------------------------------------------------------
 
@@ -236,6 +240,17 @@ class Worker:
                                    self.templates, self.n_ctx_slot, self.rt is not None, len(self.slots),
                                    self.max_piece_bytes, self.n_ctx_reason)
 
+    def progress(self) -> dict[str, Any]:
+        """What the loop is doing, for the liveness check (any thread, never waits): ``{"steps"
+        (forward passes so far), "busy": None or {"what" ("forward pass" | "sampling"), "for_s"
+        (seconds inside that one native call so far), "requests" (ids of the requests in it)}}``."""
+        busy = self._busy  # one read: the loop replaces the tuple, never changes it
+        out: dict[str, Any] = {"steps": self.steps, "busy": None}
+        if busy is not None:
+            out["busy"] = {"what": busy[0], "for_s": round(time.monotonic() - busy[1], 3),
+                           "requests": list(busy[2])}
+        return out
+
     def stats(self) -> dict[str, Any]:
         """Counters, slot states and the expert runtime's stats (merged under "experts")."""
         with self._lock:
@@ -286,8 +301,7 @@ class Worker:
         tokenizing. Raises EngineError("invalid_request" | "template_error" | "schema_too_large"
         | "context_length_exceeded").
         """
-        limits.check_schema_size(req.tools, req.json_schema, self.settings.max_schema_nodes,
-                                 self.settings.max_schema_properties)
+        self.check_grammar_cost(req, with_grammar=False)
         limits.check_text_fits(limits.message_text_bytes(req.messages, req.prompt), self.max_piece_bytes,
                                self.n_ctx_slot)
         if req.infill is not None:
@@ -321,6 +335,17 @@ class Worker:
             else:
                 out.append(int(p))
         return out
+
+    def check_grammar_cost(self, req: GenRequest, with_grammar: bool = True) -> None:
+        """Refuse a request whose grammar work is too large before any of it is done: the size of
+        its tool definitions and response schema (:func:`.limits.check_schema_size`) and the cost
+        of its regex patterns and, ``with_grammar``, of its own GBNF ``grammar``
+        (:func:`.patterns.check_request_grammar`). Raises EngineError 400 ``schema_too_large``,
+        ``grammar_too_complex`` or ``invalid_request`` (a pattern llama.cpp cannot enforce)."""
+        limits.check_schema_size(req.tools, req.json_schema, self.settings.max_schema_nodes,
+                                 self.settings.max_schema_properties)
+        patterns.check_request_grammar(req.tools, req.json_schema, req.grammar if with_grammar else None,
+                                       patterns.limits_of(self.settings))
 
     def infill_prompt(self, req: GenRequest) -> list[int]:
         """Prompt tokens of a fill-in-the-middle request (:mod:`.infill`). Raises EngineError 400
@@ -373,8 +398,7 @@ class Worker:
         """The prompt text the chat template makes of ``req`` (llama-server's /apply-template), on
         a prepare thread within ``template_timeout_s``. Raises EngineError as :meth:`render`."""
         def text() -> str:
-            limits.check_schema_size(req.tools, req.json_schema, self.settings.max_schema_nodes,
-                                     self.settings.max_schema_properties)
+            self.check_grammar_cost(req, with_grammar=False)
             return self.templates.render(req.messages or [], req.tools, req.tool_choice,
                                          req.parallel_tool_calls, req.enable_thinking,
                                          req.json_schema).prompt
@@ -573,6 +597,7 @@ class Worker:
             raise EngineError("invalid_request", "max_tokens must be >= 0")
         if req.demo and not req.ignore_eos:
             sampling.demo_choice(req)
+        self.check_grammar_cost(req)  # before the schema's grammar is built
         if req.grammar is not None:
             grammar.check_grammar(self.vocab, req.grammar)
         elif req.json_schema is not None and req.messages is None:  # no template makes its grammar
@@ -734,7 +759,10 @@ class Worker:
         if n == 0:
             return
         b.n_tokens = n
+        self._busy = ("forward pass", time.monotonic(), tuple(t.req.id for t, _ in plan))
         rc = llama_cpp.llama_decode(self.ctx, b)
+        self._busy = None
+        self.steps += 1
         with self._lock:
             self._counters["decode_calls"] += 1
             self._counters["busy_slot_steps"] += len(plan)  # slots in this forward pass
@@ -775,14 +803,42 @@ class Worker:
                 t.t_first = t.t_last = time.monotonic()
                 self._end(t, "length")
                 continue
-            tok = sampling.sample(t.sampler, self.ctx, idx)
-            if tok < 0:
-                from . import native
-                self._end(t, None, error=("sampling_failed", native.last_error() or "sampling failed"))
-                continue
-            self._on_token(t, tok, idx)
+            t0 = time.monotonic()
+            self._busy = ("sampling", t0, (t.req.id,))  # and the output parser, in _on_token
+            try:
+                tok = sampling.sample(t.sampler, self.ctx, idx)
+                dt = time.monotonic() - t0
+                if dt > self.settings.grammar_token_timeout_s and self._has_grammar(t):
+                    self._grammar_too_slow(t, dt)
+                elif tok < 0:
+                    from . import native
+                    self._end(t, None, error=("sampling_failed", native.last_error() or "sampling failed"))
+                else:
+                    self._on_token(t, tok, idx)
+            finally:
+                self._busy = None
         for t in [t for t in self._active if t.finished]:
             self._active.remove(t)
+
+    @staticmethod
+    def _has_grammar(t: Task) -> bool:
+        """The request samples under a grammar (its own, a schema's or its tools')."""
+        return bool(t.req.grammar or t.req.json_schema is not None
+                    or (t.rendered is not None and getattr(t.rendered, "grammar", None)))
+
+    def _grammar_too_slow(self, t: Task, seconds: float) -> None:
+        """End ``t`` (400 ``grammar_too_slow``): one token under its grammar took ``seconds``,
+        more than ``grammar_token_timeout_s``; the others are served on."""
+        lim = self.settings.grammar_token_timeout_s
+        msg = (f"sampling one token under the request's grammar took {seconds:.1f} s (limit "
+               f"grammar_token_timeout_s = {lim:g}); simplify its patterns, schema or grammar")
+        log.warning("request %s: %s", t.req.id, msg)
+        t.finished = True
+        t.next_token = None
+        if t in self._active:
+            self._active.remove(t)
+        self._release(t)
+        self._fail(t, "grammar_too_slow", msg, 400)
 
     @staticmethod
     def _put(b: Any, i: int, tok: int, pos: int, seq: int, logits: bool) -> None:

@@ -69,8 +69,8 @@ def main() -> int:
     calls = ThreadPoolExecutor(2, thread_name_prefix="ostinato-calls")
 
     def call(msg: P.Call) -> None:
-        if msg.op is P.Op.PING:
-            send(P.Reply(msg.rid, True))
+        if msg.op is P.Op.PING:  # with the loop's progress: liveness is progress, not this answer
+            send(P.Reply(msg.rid, worker.progress()))
             return
         if msg.op is P.Op.SWITCH_RESIDENCY:
             def done(info, err, rid=msg.rid) -> None:

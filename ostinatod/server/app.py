@@ -214,6 +214,7 @@ async def metrics(request: web.Request) -> web.Response:
         except Exception as e:  # noqa: BLE001 - metrics must answer even if the worker is restarting
             log.debug("engine stats unavailable: %r", e)
     state.metrics.n_ctx_slot = int(state.model_info.get("n_ctx") or 0)
+    state.metrics.set_stall(state.engine_health().get("stall") if state.engine_state == "stalled" else None)
     return web.Response(body=state.metrics.render(), headers={
         "Content-Type": CONTENT_TYPE, "Process-Start-Time-Unix": str(int(state.started_at))})
 
