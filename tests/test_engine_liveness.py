@@ -40,12 +40,13 @@ def _alts(k: int) -> str:
 
 @pytest.fixture(scope="module")
 def stall_daemon(start_daemon, tiny_model):
-    """Grammar cost checks off (so a stalling grammar gets through), a 4 s stall bound and a
-    0.1 s bound per grammar token."""
+    """Grammar cost checks off (so a stalling grammar gets through), a 4 s stall bound, a 0.1 s
+    bound per grammar token; schema-size limit off and 3 s to render (slow renders)."""
     return start_daemon("--model", str(tiny_model), "--n-ctx", "1024", "--n-slots", "2", "--n-threads", "1",
                         "--engine-mode", "subprocess", "--max-pattern-ambiguity", "1000000",
                         "--engine-stall-timeout-s", "4", "--grammar-token-timeout-s", "0.1",
-                        "--max-tokens-default", "8")
+                        "--max-tokens-default", "8", "--max-schema-properties", "1000000",
+                        "--template-timeout-s", "3")
 
 
 def test_a_stalled_sampling_call_is_reported_failed_and_the_worker_restarted(stall_daemon):
@@ -94,3 +95,30 @@ def test_a_slow_grammar_token_ends_its_request_and_the_engine_goes_on(stall_daem
     code, r = _post(d.url, "/completion", {"prompt": "x", "n_predict": 4, "grammar": 'root ::= "a"{4}'})
     assert code == 200 and r["content"] == "aaaa"
     assert json.loads(_get(d.url + "/health")[1])["restarts"] == restarts  # no restart needed
+
+
+def test_template_timeout_under_load_is_503_with_retry_after(stall_daemon):
+    """Two slow renders at once (1,200-property tools: about 8 s each on a 2-core machine): the
+    3 s limit passes while the other one renders too, so the timeout is load, a 503 to retry."""
+    from ostinatod.bench.bench_reliability import big_tool
+    d = stall_daemon
+    out: list = []
+
+    def attack(i: int) -> None:
+        req = urllib.request.Request(d.url + "/v1/chat/completions", headers={"content-type": "application/json"},
+                                     data=json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2,
+                                                      "tools": [big_tool(1200, f"big{i}")]}).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                out.append((r.status, {}, {}))
+        except urllib.error.HTTPError as e:
+            out.append((e.code, json.loads(e.read()), dict(e.headers)))
+    threads = [threading.Thread(target=attack, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    for code, body, headers in out:
+        assert code == 503 and body["error"]["code"] == "template_timeout", body
+        assert headers.get("Retry-After") and "other requests" in body["error"]["message"]

@@ -97,6 +97,7 @@ class Worker:
         # progress of the loop, read by the liveness check from another thread (progress()):
         # forward passes so far, and (what, since, request ids) of the native call running now
         self.steps = 0
+        self._render_starts: dict[object, float] = {}  # running renders' start times (under _lock)
         self._busy: Optional[tuple[str, float, tuple[str, ...]]] = None
 
     # ---- loading --------------------------------------------------------------------------------
@@ -402,11 +403,12 @@ class Worker:
             return self.templates.render(req.messages or [], req.tools, req.tool_choice,
                                          req.parallel_tool_calls, req.enable_thinking,
                                          req.json_schema).prompt
-        fut = self._prep_pool.submit(text)
+        box: list = []
+        fut = self._prep_pool.submit(self._rendering, box, text)
         try:
             return fut.result(timeout=self.settings.template_timeout_s)
         except FutureTimeout:
-            raise self._timeout_error() from None
+            raise self._timeout_error(self._loaded(box)) from None
 
     def chat_parser(self, req: GenRequest, rendered: Any) -> Any:
         """The output parser of a chat request (:func:`.chat.parser_for`)."""
@@ -417,14 +419,47 @@ class Worker:
         """Tokens of the rendered prompt of ``req`` (any thread but the loop's). Rendered on a
         prepare thread within ``template_timeout_s``; raises EngineError as :meth:`render` does,
         or ``template_timeout`` (400)."""
-        fut = self._prep_pool.submit(self.render, req)
+        box: list = []
+        fut = self._prep_pool.submit(self._rendering, box, self.render, req)
         try:
             return len(fut.result(timeout=self.settings.template_timeout_s)[0])
         except FutureTimeout:
-            raise self._timeout_error() from None
+            raise self._timeout_error(self._loaded(box)) from None
 
-    def _timeout_error(self) -> EngineError:
+    def _rendering(self, box: list, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on a prepare thread, its start time in ``_render_starts`` (and appended
+        to ``box``) while it runs: the load a timeout is judged by (:meth:`_loaded`)."""
+        key = object()
+        t0 = time.monotonic()
+        box.append(t0)
+        with self._lock:
+            self._render_starts[key] = t0
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._render_starts.pop(key, None)
+
+    def _loaded(self, box: list) -> bool:
+        """Whether a render that timed out did so under load: it never got a prepare thread
+        (``box`` empty), or another render, still within its own time limit, ran at the middle
+        of its time (a render that had already timed out before is that client's, not load)."""
+        if not box:
+            return True
+        limit = self.settings.template_timeout_s
+        mid = box[0] + limit / 2
+        with self._lock:
+            starts = list(self._render_starts.values())
+        return sum(1 for t0 in starts if t0 <= mid < t0 + limit) > 1  # itself and another
+
+    def _timeout_error(self, loaded: bool = False) -> EngineError:
+        """``template_timeout``: 400 when the request's own render is too slow, 503 (retry, the
+        answer carries Retry-After) when ``loaded``: other renders ran beside it."""
         s = self.settings.template_timeout_s
+        if loaded:
+            return EngineError("template_timeout", f"rendering the request's chat template, grammar and "
+                               f"prompt took longer than {s:g} s (limit template_timeout_s = {s:g}) while "
+                               "the engine was rendering other requests; retry shortly", 503)
         return EngineError("template_timeout", f"rendering the request's chat template, grammar and "
                            f"prompt took longer than {s:g} s (limit template_timeout_s = {s:g}); send "
                            "fewer or smaller tools or a shorter prompt", 400)
@@ -569,7 +604,7 @@ class Worker:
         now = time.monotonic()
         for t in self._preparing:
             if not t.finished and t.t_render and now - t.t_render > limit:
-                e = self._timeout_error()
+                e = self._timeout_error(self._loaded([t.t_render]))
                 log.warning("request %s: %s", t.req.id, e.message)
                 self._fail(t, e.code, e.message, e.status)
 
@@ -578,6 +613,9 @@ class Worker:
         parser; then hand it back to the loop (:meth:`_prepared`), with ``prep_error`` set when it
         cannot be served."""
         t.t_render = time.monotonic()
+        key = object()
+        with self._lock:
+            self._render_starts[key] = t.t_render
         try:
             self._prepare_task(t)
         except EngineError as e:
@@ -589,6 +627,9 @@ class Worker:
             log.warning("request %s: cannot be prepared: %r", t.req.id, e)
             log.debug("request %s: preparation traceback", t.req.id, exc_info=True)
             t.prep_error = ("invalid_request", f"request cannot be prepared: {e}", 400, {})
+        finally:
+            with self._lock:
+                self._render_starts.pop(key, None)
         self._inbox.put((_PREPARED, t))
 
     def _prepare_task(self, t: Task) -> None:
