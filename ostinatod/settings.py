@@ -41,6 +41,11 @@ class Settings(BaseSettings):
                                          "(slow or half-open clients; 0: no limit).")
     http_body_timeout_s: float = Field(60.0, gt=0, description="A request body must arrive within "
                                        "this many seconds, else 408 request_timeout.")
+    http_body_min_rate: int = Field(1024, ge=0, description="A request body must arrive at this many "
+                                    "bytes per second at least, measured from 2 s after its "
+                                    "headers, else 408 request_timeout and the connection is closed; "
+                                    "at the connection cap the bodies furthest behind this rate are "
+                                    "closed first (0: no minimum).")
     http_keepalive_timeout_s: float = Field(15.0, gt=0, description="A kept-alive connection "
                                             "idle this many seconds after its last answer is closed "
                                             "(clients reconnect; idle connections cannot hold the "
