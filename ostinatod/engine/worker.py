@@ -9,7 +9,8 @@ The loop is shaped like llama-server's ``update_slots``: each step admits waitin
 free KV slots (:func:`.slots.choose_slot`: the longest cached prefix, without evicting another
 conversation), then builds one batch: one token for each generating slot (batched decode across
 slots) and then prefill chunks of waiting slots, one ubatch (``n_ubatch`` tokens) per step so that
-a cancelled request stops between ubatches. Around it:
+a cancelled request stops between ubatches, and fewer while other slots generate
+(``prefill_chunk_target_s``: their tokens come between the chunks of a long prompt). Around it:
 :mod:`.loading` (model, context, expert runtime), :mod:`.sampling` (the sampler of a request),
 :mod:`.text` (UTF-8 hold-back, stop strings on new text only) and :mod:`.switcher` (residency-set
 swaps at request boundaries; docs/design.md "Planning").
@@ -44,6 +45,7 @@ log = logging.getLogger("ostinatod.engine")
 # within seconds of its last (its tool ran); a clean shutdown writes them anyway.
 PERSIST_IDLE_S = 20.0
 
+PREFILL_MIN_CHUNK = 32  # prompt tokens a step carries at least (chunks smaller waste passes)
 PREPARE_THREADS = 4  # requests rendered at once, off the loop (a slow one leaves the others theirs)
 _PREPARED = "prepared"  # inbox kind: a task back from its preparation thread
 
@@ -97,6 +99,7 @@ class Worker:
         # progress of the loop, read by the liveness check from another thread (progress()):
         # forward passes so far, and (what, since, request ids) of the native call running now
         self.steps = 0
+        self._s_per_prefill_token = 0.0  # measured cost of a prompt token in a forward pass (EMA)
         self._render_starts: dict[object, float] = {}  # running renders' start times (under _lock)
         self._busy: Optional[tuple[str, float, tuple[str, ...]]] = None
 
@@ -780,8 +783,9 @@ class Worker:
                 rows.append((t, n))
                 n += 1
         # prefill: at most one ubatch of prompt tokens per step (the forward pass llama_decode
-        # would cut anyway), so a cancel (client gone) is seen between ubatches, not after n_batch
-        budget = n + self.n_prefill_step
+        # would cut anyway), so a cancel (client gone) is seen between ubatches, not after n_batch;
+        # fewer while other slots generate, so that their next token is not held for long
+        budget = n + self._prefill_budget(decoding=n > 0)
         for t in active:
             if t.pending and n < budget and not (self.deterministic and n):
                 k = min(len(t.pending), budget - n)
@@ -800,10 +804,16 @@ class Worker:
         if n == 0:
             return
         b.n_tokens = n
-        self._busy = ("forward pass", time.monotonic(), tuple(t.req.id for t, _ in plan))
+        t0 = time.monotonic()
+        self._busy = ("forward pass", t0, tuple(t.req.id for t, _ in plan))
         rc = llama_cpp.llama_decode(self.ctx, b)
         self._busy = None
         self.steps += 1
+        n_prefill = n - sum(1 for t, toks in plan if toks == [t.next_token] and not t.pending)
+        if n_prefill > 0 and rc == 0:  # seconds per prefill token, as the positions grow
+            per = (time.monotonic() - t0) / n_prefill
+            self._s_per_prefill_token = per if not self._s_per_prefill_token else \
+                0.5 * self._s_per_prefill_token + 0.5 * per
         with self._lock:
             self._counters["decode_calls"] += 1
             self._counters["busy_slot_steps"] += len(plan)  # slots in this forward pass
@@ -860,6 +870,21 @@ class Worker:
                 self._busy = None
         for t in [t for t in self._active if t.finished]:
             self._active.remove(t)
+
+    def _prefill_budget(self, decoding: bool) -> int:
+        """Prompt tokens of the next step: one ubatch (``n_prefill_step``, the cost model's
+        choice) unless that would make the step longer than its time target at the measured
+        seconds per prefill token: ``prefill_chunk_target_s`` while other slots generate (their
+        next token waits for the step), a quarter of ``engine_stall_timeout_s`` alone. At least
+        :data:`PREFILL_MIN_CHUNK`; whole ubatches in ``deterministic`` mode (its chunk rules)."""
+        full = self.n_prefill_step
+        per = self._s_per_prefill_token
+        if self.deterministic or per <= 0:
+            return full
+        target = self.settings.prefill_chunk_target_s if decoding else self.settings.engine_stall_timeout_s / 4
+        if target <= 0:
+            return full
+        return max(min(PREFILL_MIN_CHUNK, full), min(full, int(target / per)))
 
     @staticmethod
     def _has_grammar(t: Task) -> bool:
