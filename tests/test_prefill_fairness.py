@@ -78,3 +78,27 @@ def test_alone_a_prefill_keeps_whole_ubatches(engine):
     done = loop.run_until_complete(go())[-1].data
     prefilled = done["usage"]["prefilled_tokens"]
     assert done["prefill"]["passes"] == -(-prefilled // UBATCH)
+
+
+def test_a_short_prompt_is_not_queued_behind_a_huge_one(engine):
+    """Prompts are prefilled shortest first: a short request admitted while a huge prompt is being
+    prefilled gets its answer before the huge one finishes."""
+    loop, eng = engine
+    huge = " ".join(("hello", "world", "again")[i % 3] for i in range(3400))  # about 14 ubatches
+
+    async def go():
+        order: list[str] = []
+        started = asyncio.Event()
+
+        async def one(rid: str, prompt: str) -> None:
+            async for ev in eng.generate(GenRequest(id=rid, prompt=prompt, max_tokens=1, temperature=0.0)):
+                if ev.type in ("start", "error"):
+                    started.set()
+                if ev.type in ("done", "error"):
+                    order.append(rid if ev.type == "done" else f"{rid}: {ev.data}")
+        big = asyncio.ensure_future(one("huge", huge))
+        await asyncio.wait_for(started.wait(), 120)
+        await one("short", "hello there")
+        await big
+        return order
+    assert loop.run_until_complete(go()) == ["short", "huge"]

@@ -100,6 +100,7 @@ class Worker:
         # forward passes so far, and (what, since, request ids) of the native call running now
         self.steps = 0
         self._s_per_prefill_token = 0.0  # measured cost of a prompt token in a forward pass (EMA)
+        self._s_step_base = 0.0  # measured cost of a step without prompt tokens (EMA)
         self._render_starts: dict[object, float] = {}  # running renders' start times (under _lock)
         self._busy: Optional[tuple[str, float, tuple[str, ...]]] = None
 
@@ -786,7 +787,10 @@ class Worker:
         # would cut anyway), so a cancel (client gone) is seen between ubatches, not after n_batch;
         # fewer while other slots generate, so that their next token is not held for long
         budget = n + self._prefill_budget(decoding=n > 0)
-        for t in active:
+        # the shortest prompt first: a small request beside a huge prompt is not queued behind it
+        # (stable: equal ones keep their order; deterministic mode keeps the slots' turns)
+        prefilling = active if self.deterministic else sorted(active, key=lambda t: len(t.pending))
+        for t in prefilling:
             if t.pending and n < budget and not (self.deterministic and n):
                 k = min(len(t.pending), budget - n)
                 if self.deterministic:
@@ -809,11 +813,9 @@ class Worker:
         rc = llama_cpp.llama_decode(self.ctx, b)
         self._busy = None
         self.steps += 1
-        n_prefill = n - sum(1 for t, toks in plan if toks == [t.next_token] and not t.pending)
-        if n_prefill > 0 and rc == 0:  # seconds per prefill token, as the positions grow
-            per = (time.monotonic() - t0) / n_prefill
-            self._s_per_prefill_token = per if not self._s_per_prefill_token else \
-                0.5 * self._s_per_prefill_token + 0.5 * per
+        if rc == 0:
+            self._learn_step_cost(n - sum(1 for t, toks in plan if toks == [t.next_token] and not t.pending),
+                                  time.monotonic() - t0)
         with self._lock:
             self._counters["decode_calls"] += 1
             self._counters["busy_slot_steps"] += len(plan)  # slots in this forward pass
@@ -871,12 +873,23 @@ class Worker:
         for t in [t for t in self._active if t.finished]:
             self._active.remove(t)
 
+    def _learn_step_cost(self, n_prefill: int, seconds: float) -> None:
+        """Update the step cost model ``seconds = base + per_token * n_prefill`` (moving averages):
+        ``base`` from steps without prompt tokens (decode only: it grows with the context the
+        batch attends over), ``per_token`` from the others, net of ``base``."""
+        if n_prefill <= 0:
+            self._s_step_base = seconds if not self._s_step_base else 0.7 * self._s_step_base + 0.3 * seconds
+            return
+        per = max(0.0, seconds - self._s_step_base) / n_prefill
+        self._s_per_prefill_token = per if not self._s_per_prefill_token else \
+            0.5 * self._s_per_prefill_token + 0.5 * per
+
     def _prefill_budget(self, decoding: bool) -> int:
         """Prompt tokens of the next step: one ubatch (``n_prefill_step``, the cost model's
-        choice) unless that would make the step longer than its time target at the measured
-        seconds per prefill token: ``prefill_chunk_target_s`` while other slots generate (their
-        next token waits for the step), a quarter of ``engine_stall_timeout_s`` alone. At least
-        :data:`PREFILL_MIN_CHUNK`; whole ubatches in ``deterministic`` mode (its chunk rules)."""
+        choice) unless that would make the step longer than its time target by the measured
+        step cost (:meth:`_learn_step_cost`): ``prefill_chunk_target_s`` while other slots
+        generate (their next token waits for the step), a quarter of ``engine_stall_timeout_s``
+        alone. At least :data:`PREFILL_MIN_CHUNK`; whole ubatches in ``deterministic`` mode."""
         full = self.n_prefill_step
         per = self._s_per_prefill_token
         if self.deterministic or per <= 0:
@@ -884,7 +897,8 @@ class Worker:
         target = self.settings.prefill_chunk_target_s if decoding else self.settings.engine_stall_timeout_s / 4
         if target <= 0:
             return full
-        return max(min(PREFILL_MIN_CHUNK, full), min(full, int(target / per)))
+        room = target - (self._s_step_base if decoding else 0.0)
+        return max(min(PREFILL_MIN_CHUNK, full), min(full, int(room / per)))
 
     @staticmethod
     def _has_grammar(t: Task) -> bool:
