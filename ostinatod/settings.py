@@ -171,7 +171,9 @@ class Settings(BaseSettings):
     prefill_chunk_target_s: float = Field(0.5, gt=0, description="While other requests generate, a "
                                           "long prompt is prefilled in chunks sized so that one step "
                                           "takes about this long (their tokens come between the "
-                                          "chunks); alone it is prefilled one ubatch per step.")
+                                          "chunks); alone it is prefilled one ubatch per step "
+                                          "(smaller only where one would take half of "
+                                          "engine_stall_timeout_s).")
     template_timeout_s: float = Field(5.0, gt=0, description="Rendering a request's chat template, "
                                       "grammar and prompt tokens may take this many seconds; longer is "
                                       "refused with 400 template_timeout (other requests are served "

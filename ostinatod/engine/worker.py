@@ -888,13 +888,14 @@ class Worker:
         """Prompt tokens of the next step: one ubatch (``n_prefill_step``, the cost model's
         choice) unless that would make the step longer than its time target by the measured
         step cost (:meth:`_learn_step_cost`): ``prefill_chunk_target_s`` while other slots
-        generate (their next token waits for the step), a quarter of ``engine_stall_timeout_s``
+        generate (their next token waits for the step), half of ``engine_stall_timeout_s``
         alone. At least :data:`PREFILL_MIN_CHUNK`; whole ubatches in ``deterministic`` mode."""
         full = self.n_prefill_step
         per = self._s_per_prefill_token
         if self.deterministic or per <= 0:
             return full
-        target = self.settings.prefill_chunk_target_s if decoding else self.settings.engine_stall_timeout_s / 4
+        # alone only a pass near the stall bound is cut (chunk boundaries change rounding)
+        target = self.settings.prefill_chunk_target_s if decoding else self.settings.engine_stall_timeout_s / 2
         if target <= 0:
             return full
         room = target - (self._s_step_base if decoding else 0.0)
