@@ -167,7 +167,7 @@ class Settings(BaseSettings):
                                           "seconds; past it the request in that step fails with "
                                           "engine_stalled, the worker is restarted and the other "
                                           "requests run again (0: no bound). /health says 'stalled' "
-                                          "after 2 s.")
+                                          "after a third of it.")
     prefill_chunk_target_s: float = Field(0.5, gt=0, description="While other requests generate, a "
                                           "long prompt is prefilled in chunks sized so that one step "
                                           "takes about this long (their tokens come between the "

@@ -284,7 +284,8 @@ class SubprocessEngine:
         """Liveness is progress. Every second (at most every ``worker_ping_timeout_s / 2``) while
         it is ready the worker is pinged; its pipe reader answers with the loop's progress
         (:meth:`.worker.Worker.progress`: the native call it is inside and for how long). A loop
-        inside one call for :data:`STALL_S` is "stalled" (``status()["stall"]`` names the call
+        inside one call for a third of ``engine_stall_timeout_s`` (at least :data:`STALL_S`) is
+        "stalled" (``status()["stall"]`` names the call
         and the request ids; /health and /metrics show them; new requests wait as for a
         restart); past ``engine_stall_timeout_s`` the worker is killed: the requests in that call
         end with ``engine_stalled`` and the others run again on the restarted worker, as after a
@@ -336,7 +337,10 @@ class SubprocessEngine:
         ``engine_stall_timeout_s``."""
         busy = progress.get("busy") if isinstance(progress, dict) else None
         for_s = float(busy.get("for_s") or 0) if isinstance(busy, dict) else 0.0
-        if for_s < STALL_S:
+        bound = float(self.settings.engine_stall_timeout_s)
+        # an honest long forward pass (a deep context on a CPU) is not reported before a third
+        # of the bound (5 s by default)
+        if for_s < max(STALL_S, bound / 3):
             if self.state == "stalled":
                 log.info("engine worker (pid %s) makes progress again", proc.pid)
                 self.state = "ready"
@@ -348,7 +352,6 @@ class SubprocessEngine:
                         for_s, busy.get("what"), ", ".join(ids) or "-")
         self.state = "stalled"
         self.stall = {"what": busy.get("what"), "for_s": round(for_s, 1), "requests": ids}
-        bound = float(self.settings.engine_stall_timeout_s)
         if bound > 0 and for_s >= bound and proc.returncode is None and not self._stopping:
             log.error("engine worker (pid %s): %.1f s in one %s of request(s) %s (limit "
                       "engine_stall_timeout_s = %g); failing them and restarting the worker", proc.pid,
