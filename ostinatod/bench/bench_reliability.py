@@ -19,7 +19,7 @@ model (or ``--model``), then, in order:
    reason given, and whether the served model stayed;
 8. crashes: ``--kills`` times kill -9 of the worker in the middle of a stream, then one SIGSTOP
    of the worker; each time the seconds until /health is 200 again (recovery);
-9. grammar (issue 43): a regex pattern of 64 ``(a|b|c)*`` groups on every route that takes a
+9. grammar: a regex pattern of 64 ``(a|b|c)*`` groups on every route that takes a
    schema or grammar, and a tool with a 20,000-value enum, while a bystander streams;
 10. huge prompt: a prompt of about 80% of the context while a bystander streams (its longest
     token gap, and alone);
@@ -323,11 +323,11 @@ class _Bystander:
                    if self.stream else {})}
 
 
-STALL_PATTERN = "^" + "(a|b|c)*" * 64 + "$"  # issue 43: one sampling call for minutes
+STALL_PATTERN = "^" + "(a|b|c)*" * 64 + "$"  # held one sampling call for minutes
 
 
 def _grammar_attacks(d: Daemon) -> dict[str, Any]:
-    """The grammar attacks of issue 43 while a bystander streams: the 64-group regex pattern on
+    """The grammar attacks while a bystander streams: the 64-group regex pattern on
     every route that takes a schema or grammar, and a tool with a 20,000-value enum; their
     statuses and seconds, the bystander's longest token gap, worker restarts."""
     restarts0 = _health_body(d.url).get("restarts", 0)
@@ -399,7 +399,7 @@ def _huge_prompt(d: Daemon, n_ctx: int) -> dict[str, Any]:
 
 def _slow_bodies(d: Daemon, n: int, interval: float = 4.0, hold_s: float = 12.0) -> dict[str, Any]:
     """``n`` connections that send complete headers (``Content-Length: 100000``) and then one
-    byte every ``interval`` s (the issue's flood, one thread, non-blocking sockets); a new client's
+    byte every ``interval`` s (a flood seen in an attack, one thread, non-blocking sockets); a new client's
     chat is timed meanwhile. Counts how the flood's connections ended."""
     import selectors
     import socket

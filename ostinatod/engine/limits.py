@@ -21,7 +21,7 @@ def schema_size(values: Iterable[Any], cap: int) -> tuple[int, int]:
     (tool definitions, a response schema), counted without recursion; counting stops once the
     first passes ``cap`` (it is then ``cap + 1``). Every member of an array counts, scalars too:
     an ``enum`` of 20,000 integers is 20,000 alternatives of the grammar and 20,000 values in the
-    prompt, not one node (issue 43)."""
+    prompt, not one node."""
     n = widest = 0
     stack = [v for v in values if isinstance(v, (dict, list))]
     while stack:

@@ -3,8 +3,7 @@
 Why: llama.cpp's grammar sampler keeps one parse stack for every way the text so far can be split
 among the grammar's open repetitions, and advances all of them on every candidate token. A regex
 ``pattern`` of many adjacent repeated alternations (``(a|b|c)*`` 32 times) makes that work grow
-with the number of ways: 32 groups kept one native call busy for 13 s and 64 for minutes (issue
-43). Nested repetitions (``((a|b)*)*``) and deep nesting grow it the same way, and a counted
+with the number of ways: 32 groups kept one native call busy for 13 s and 64 for minutes. Nested repetitions (``((a|b)*)*``) and deep nesting grow it the same way, and a counted
 repetition ``x{0,100000}`` is expanded by llama.cpp into that many copies of ``x``. An ``enum``
 is one alternation of all its values and its text goes into the prompt: it is counted by values.
 

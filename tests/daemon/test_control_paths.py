@@ -1,4 +1,4 @@
-"""The control API and the daemon's own files under hostile input (issue 43 item 5): paths that are
+"""The control API and the daemon's own files under hostile input: paths that are
 not regular files are named for what they are and never a 500, a render that times out under load
 is a 503 with Retry-After, SIGTERM removes the control socket and answers queued requests with a
 structured ``engine_stopped``, lock files are 0600 and log lines valid UTF-8."""

@@ -1,4 +1,4 @@
-"""A huge prompt cannot hold other slots still (issue 43 item 3): while other slots generate, its
+"""A huge prompt cannot hold other slots still: while other slots generate, its
 prefill proceeds in chunks sized by ``prefill_chunk_target_s`` from the measured cost of a
 prompt token, between their decode steps; alone it keeps the cost model's ubatch per step. The
 real engine in-process on the tiny model (a tiny target makes the chunking visible on a fast

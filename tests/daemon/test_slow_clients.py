@@ -1,6 +1,6 @@
-"""Slow request bodies cannot lock anyone out (issue 43 item 4): a body must arrive above a minimum
+"""Slow request bodies cannot lock anyone out: a body must arrive above a minimum
 rate (``http_body_min_rate``) within ``http_body_timeout_s``, and at the connection cap the
-bodies furthest behind are closed first. The issue's flood is 600 connections against the cap of
+bodies furthest behind are closed first. The attack's flood is 600 connections against the cap of
 512; here the same mechanism with a cap of 16 and 40 connections (real sockets on loopback)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _port(d) -> int:
 
 
 def _slow_body(port: int, stop: threading.Event, answers: list) -> None:
-    """Complete headers, then one byte a second (the issue's attack, faster)."""
+    """Complete headers, then one byte a second (the attack, faster)."""
     try:
         s = socket.create_connection(("127.0.0.1", port), timeout=30)
     except OSError:

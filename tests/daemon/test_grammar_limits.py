@@ -1,4 +1,4 @@
-"""Grammar work is bounded before it starts (issue 43 item 2): regex patterns, GBNF grammars and
+"""Grammar work is bounded before it starts: regex patterns, GBNF grammars and
 enums are judged for cost (:mod:`ostinatod.engine.patterns`, :mod:`ostinatod.engine.limits`) and
 refused with a 400 naming the parameter and the limit, the same way on every route. Pure parts
 first, then the shared live daemon (real HTTP, subprocess worker)."""
@@ -15,7 +15,7 @@ from ostinatod.engine import limits, patterns
 from ostinatod.engine.patterns import GrammarLimits, gbnf_cost, regex_cost, unenforceable
 from ostinatod.engine.types import EngineError
 
-STALL_PATTERN = "^" + "(a|b|c)*" * 64 + "$"  # the issue's 702-byte request stalled the engine
+STALL_PATTERN = "^" + "(a|b|c)*" * 64 + "$"  # a 702-byte request that stalled the engine
 SEMVER = (r"^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(?:-((?:0|[1-9][0-9]*|[0-9]*[a-zA-Z-]"
           r"[0-9a-zA-Z-]*)(?:\.(?:0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*))?(?:\+([0-9a-zA-Z-]+"
           r"(?:\.[0-9a-zA-Z-]+)*))?$")

@@ -1,4 +1,4 @@
-"""Liveness is progress (issue 43 item 1): the watchdog reads the engine loop's own progress (the
+"""Liveness is progress: the watchdog reads the engine loop's own progress (the
 native call it is inside, and for how long), not a ping another thread answers. A request whose
 grammar keeps one sampling call busy is reported "stalled" with its id by /health and /metrics,
 ends with ``engine_stalled`` past ``engine_stall_timeout_s``, and the restarted worker serves the
