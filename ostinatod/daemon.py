@@ -48,6 +48,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._runners: list[Any] = []
         self._lock = asyncio.Lock()
+        self._control_bound = False  # the control socket file is ours to remove at shutdown
 
     def request_stop(self) -> None:
         """Ask :meth:`serve` to shut down."""
@@ -157,6 +158,7 @@ class Daemon:
         from .control.server import start_control_server
         try:
             self._runners.append(await start_control_server(st, self.paths.control_socket))
+            self._control_bound = True
         except OSError as e:
             log.error("control socket %s: %s", self.paths.control_socket, e)
         try:
@@ -213,6 +215,7 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         log.info("shutting down")
+        self.state.phase = "stopping"  # requests from now on: 503 engine_stopped
         eng, self.state.engine = self.state.engine, None
         if eng is not None:
             try:
@@ -221,12 +224,15 @@ class Daemon:
                 log.warning("engine stop: %r", e)
         for r in reversed(self._runners):
             await r.cleanup()
-        for f in (self.paths.pid_file, self.paths.runtime / "ostinatod.json"):
+        owned = [self.paths.control_socket] if self._control_bound else []  # aiohttp leaves it
+        for f in [self.paths.pid_file, self.paths.runtime / "ostinatod.json", *owned]:
             try:
                 if f.name != "ostinatod.pid" or f.read_text().strip() == str(os.getpid()):
                     f.unlink()
             except FileNotFoundError:
                 pass
+            except OSError as e:  # shutting down anyway: one line
+                log.warning("cannot remove %s: %s", f, e.strerror or e)
 
 
 def _version() -> str:

@@ -125,6 +125,15 @@ def _flags_of(ns: argparse.Namespace) -> list[str]:
     return out
 
 
+def utf8_stderr() -> None:
+    """Make ``sys.stderr`` write UTF-8, escaping what cannot be encoded (lone surrogates), so
+    every line the daemon or its worker logs there is valid UTF-8."""
+    try:
+        sys.stderr.reconfigure(encoding="utf-8", errors="backslashreplace")  # type: ignore[union-attr]
+    except (AttributeError, ValueError):  # replaced by a stream without reconfigure
+        pass
+
+
 def setup_logging(settings: Settings, paths: Paths) -> None:
     """Log to ``<state>/ostinatod.log`` and, unless started detached by `start`, to stderr."""
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -133,9 +142,12 @@ def setup_logging(settings: Settings, paths: Paths) -> None:
     for h in list(root.handlers):
         root.removeHandler(h)
     private_file(paths.log_file)
-    fh = logging.FileHandler(paths.log_file)
+    # UTF-8 whatever the locale; a lone surrogate from a client's text is escaped, not an
+    # encoding error that loses the line and prints a traceback
+    fh = logging.FileHandler(paths.log_file, encoding="utf-8", errors="backslashreplace")
     fh.setFormatter(fmt)
     root.addHandler(fh)
+    utf8_stderr()
     if not os.environ.get(DETACHED_ENV):
         sh = logging.StreamHandler(sys.stderr)
         sh.setFormatter(fmt)

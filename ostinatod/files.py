@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -62,3 +63,48 @@ def write_json_atomic(path: Path, doc: Any, indent: int | None = None) -> Path:
     """``doc`` as JSON (``indent``: pretty; None: compact), written by :func:`write_atomic`."""
     sep = None if indent is not None else (",", ":")
     return write_atomic(path, json.dumps(doc, indent=indent, separators=sep) + ("\n" if indent else ""))
+
+
+class NotRegularFile(OSError):
+    """A path that does not name a readable regular file. ``kind`` says what it is instead:
+    ``missing``, ``directory``, ``FIFO``, ``character device``, ``block device``, ``socket``,
+    ``name too long``, ``invalid name`` (a NUL byte, not encodable) or ``unreadable`` (any
+    other OSError: permissions, a loop of links); the message names the path (shortened)."""
+
+    def __init__(self, path: Any, kind: str, detail: str = ""):
+        shown = str(path).replace("\x00", "\\0")
+        shown = shown if len(shown) <= 200 else shown[:120] + f"...({len(shown)} characters)"
+        what = {"missing": "no such file", "invalid name": "not a valid file name",
+                "name too long": "the file name is too long"}.get(kind, f"a {kind}, not a regular file")
+        if kind == "unreadable":
+            what = f"cannot be read ({detail})" if detail else "cannot be read"
+        super().__init__(f"{shown}: {what}")
+        self.kind = kind
+        self.shown = shown  # the path as the message shows it
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def regular_file(path: Any) -> Path:
+    """``path`` (``~`` expanded) when it names a regular file (links followed); else raises
+    :class:`NotRegularFile` saying what it is (a FIFO, a directory, ``/dev/zero``, missing, a
+    name too long or with a NUL byte). Never opens the file (a FIFO would block)."""
+    try:
+        p = Path(str(path)).expanduser()
+        st = os.stat(p)
+    except ValueError:  # an embedded NUL byte
+        raise NotRegularFile(path, "invalid name") from None
+    except UnicodeEncodeError:
+        raise NotRegularFile(path, "invalid name") from None
+    except OSError as e:
+        kind = {errno.ENOENT: "missing", errno.ENOTDIR: "missing",
+                errno.ENAMETOOLONG: "name too long"}.get(e.errno or 0, "unreadable")
+        raise NotRegularFile(path, kind, e.strerror or "") from None
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return p
+    kind = ("directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else
+            "character device" if stat.S_ISCHR(mode) else "block device" if stat.S_ISBLK(mode) else
+            "socket" if stat.S_ISSOCK(mode) else "special file")
+    raise NotRegularFile(path, kind)

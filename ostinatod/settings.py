@@ -41,6 +41,11 @@ class Settings(BaseSettings):
                                          "(slow or half-open clients; 0: no limit).")
     http_body_timeout_s: float = Field(60.0, gt=0, description="A request body must arrive within "
                                        "this many seconds, else 408 request_timeout.")
+    http_body_min_rate: int = Field(1024, ge=0, description="A request body must arrive at this many "
+                                    "bytes per second at least, measured from 2 s after its "
+                                    "headers, else 408 request_timeout and the connection is closed; "
+                                    "at the connection cap the bodies furthest behind this rate are "
+                                    "closed first (0: no minimum).")
     http_keepalive_timeout_s: float = Field(15.0, gt=0, description="A kept-alive connection "
                                             "idle this many seconds after its last answer is closed "
                                             "(clients reconnect; idle connections cannot hold the "
@@ -137,6 +142,38 @@ class Settings(BaseSettings):
                                        "properties; more is refused with 400 schema_too_large (the "
                                        "grammar of one object costs far more than linear in them: "
                                        "1,000 take about 8 s).")
+    max_pattern_depth: int = Field(16, ge=1, description="Groups in a regex pattern (JSON schema "
+                                   "'pattern' of tools and response formats) or a GBNF grammar may nest "
+                                   "this deep; deeper is refused with 400 grammar_too_complex.")
+    max_pattern_ambiguity: int = Field(24, ge=1, description="Adjacent repetitions in one sequence of "
+                                       "a pattern or grammar, each counting 1 + its alternatives "
+                                       "([abc]* 2, (a|b|c)* 4): the grammar sampler's work per token "
+                                       "grows steeply with it (64 adjacent (a|b|c)* stall it for "
+                                       "minutes); more is refused with 400 grammar_too_complex.")
+    max_pattern_star_height: int = Field(3, ge=1, description="Repetitions nested in one another in a "
+                                         "pattern or grammar; more is refused with 400 "
+                                         "grammar_too_complex.")
+    max_pattern_expansion: int = Field(4096, ge=1, description="Grammar elements of a pattern (or of "
+                                       "one grammar rule) once counted repetitions x{m,n} are expanded; "
+                                       "more is refused with 400 grammar_too_complex.")
+    max_pattern_length: int = Field(2048, ge=1, description="Characters of one regex pattern; longer "
+                                    "is refused with 400 grammar_too_complex.")
+    grammar_token_timeout_s: float = Field(2.0, gt=0, description="Sampling one token under a "
+                                           "request's grammar may take this many seconds; a request "
+                                           "over it ends with the error grammar_too_slow and the engine "
+                                           "goes on serving the others.")
+    engine_stall_timeout_s: float = Field(15.0, ge=0, description="One step of the engine loop "
+                                          "(a forward pass, sampling a token) may take this many "
+                                          "seconds; past it the request in that step fails with "
+                                          "engine_stalled, the worker is restarted and the other "
+                                          "requests run again (0: no bound). /health says 'stalled' "
+                                          "after a third of it.")
+    prefill_chunk_target_s: float = Field(0.5, gt=0, description="While other requests generate, a "
+                                          "long prompt is prefilled in chunks sized so that one step "
+                                          "takes about this long (their tokens come between the "
+                                          "chunks); alone it is prefilled one ubatch per step "
+                                          "(smaller only where one would take half of "
+                                          "engine_stall_timeout_s).")
     template_timeout_s: float = Field(5.0, gt=0, description="Rendering a request's chat template, "
                                       "grammar and prompt tokens may take this many seconds; longer is "
                                       "refused with 400 template_timeout (other requests are served "

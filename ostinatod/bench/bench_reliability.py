@@ -19,12 +19,21 @@ model (or ``--model``), then, in order:
    reason given, and whether the served model stayed;
 8. crashes: ``--kills`` times kill -9 of the worker in the middle of a stream, then one SIGSTOP
    of the worker; each time the seconds until /health is 200 again (recovery);
+9. grammar: a regex pattern of 64 ``(a|b|c)*`` groups on every route that takes a
+   schema or grammar, and a tool with a 20,000-value enum, while a bystander streams;
+10. huge prompt: a prompt of about 80% of the context while a bystander streams (its longest
+    token gap, and alone);
+11. slow bodies: ``--slow-bodies`` connections that send complete headers and then a byte every
+    4 s, while a new client's chat is timed;
+12. control paths: load and residency switch naming a FIFO, a directory, /dev/zero, a
+    5,000-character path, a 300-character file name and a NUL byte;
 
 and prints the figures: requests, 5xx, hangs, daemon and worker alive, RSS (daemon + worker)
 before and after, recovery times, and the tracebacks in the daemon's log and stdio (malformed HTTP
 must be one line each). Exit code 0 when there were no 5xx, no hangs, no traceback, both processes are
 alive, RSS grew less than 10% (fuzzing, and the distinct tools), the engine was never killed by
-the schema stall, the bystander and the new client were served, every bad GGUF left the model
+the schema stall or the grammar attacks, the bystanders and the new clients were served, every
+grammar attack was a 4xx, no control path answer was a 5xx, every bad GGUF left the model
 served, and, with ``--deterministic``, no concurrent greedy output differed from the sequential
 ones; 1 otherwise. ``--json FILE`` writes the figures. Every attack is bounded in count and time
 and goes to 127.0.0.1 only.
@@ -258,6 +267,221 @@ def _schema_stall(d: Daemon, n: int) -> dict[str, Any]:
             "engine_kills": restarts1 - restarts0}
 
 
+class _Bystander:
+    """A thread sending small chats (``stream``: one streamed answer of many tokens at a time,
+    timing the gaps between its tokens) until :meth:`stop`; counts and the slowest answer or
+    longest token gap."""
+
+    def __init__(self, d: Daemon, stream: bool = False):
+        self.d, self.stream = d, stream
+        self.answers: list[tuple[int, float]] = []
+        self.gaps: list[float] = []
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._run, daemon=True)
+        self._th.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            if self.stream:
+                code = self._streamed()
+            else:
+                code, _ = _post(self.d.url + "/v1/chat/completions", {
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=60)
+            self.answers.append((code, time.monotonic() - t0))
+            time.sleep(0.2)
+
+    def _streamed(self) -> int:
+        body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 200, "ignore_eos": True,
+                "stream": True}
+        req = urllib.request.Request(self.d.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                last = None
+                for line in r:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    now = time.monotonic()
+                    if last is not None:
+                        self.gaps.append(now - last)
+                    last = now
+                    if self._stop.is_set():
+                        break
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return -1
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._th.join(130)
+        return {"requests": len(self.answers), "ok": sum(1 for c, _ in self.answers if c == 200),
+                "max_s": round(max((s for _, s in self.answers), default=0.0), 2),
+                **({"tokens": len(self.gaps) + 1, "max_token_gap_s": round(max(self.gaps, default=0.0), 3)}
+                   if self.stream else {})}
+
+
+STALL_PATTERN = "^" + "(a|b|c)*" * 64 + "$"  # held one sampling call for minutes
+
+
+def _grammar_attacks(d: Daemon) -> dict[str, Any]:
+    """The grammar attacks while a bystander streams: the 64-group regex pattern on
+    every route that takes a schema or grammar, and a tool with a 20,000-value enum; their
+    statuses and seconds, the bystander's longest token gap, worker restarts."""
+    restarts0 = _health_body(d.url).get("restarts", 0)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": STALL_PATTERN}}}
+    msgs = [{"role": "user", "content": "hi"}]
+    enum_tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "enum": list(range(20000))}}}}}
+    attacks = {
+        "chat response_format": ("/v1/chat/completions", {"messages": msgs, "max_tokens": 8, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
+        "chat tool parameter": ("/v1/chat/completions", {"messages": msgs, "max_tokens": 8, "tool_choice": "required",
+                                                         "tools": [{"type": "function", "function": {
+                                                             "name": "t", "parameters": schema}}]}),
+        "completions json_schema": ("/v1/completions", {"prompt": "x", "max_tokens": 8, "json_schema": schema}),
+        "llama-server grammar": ("/completion", {"prompt": "x", "n_predict": 8,
+                                                 "grammar": "root ::= " + '("a" | "b" | "c")* ' * 64}),
+        "responses text.format": ("/v1/responses", {"input": "hi", "max_output_tokens": 8, "text": {"format": {
+            "type": "json_schema", "name": "x", "schema": schema}}}),
+        "anthropic tool": ("/v1/messages", {"model": "claude-x", "max_tokens": 8, "messages": msgs, "tools": [
+            {"name": "t", "input_schema": schema}]}),
+        "20,000-value enum": ("/v1/chat/completions", {"messages": msgs, "max_tokens": 8, "tools": [enum_tool]}),
+    }
+    by = _Bystander(d, stream=True)
+    time.sleep(1.0)
+    out: dict[str, Any] = {}
+    for name, (path, body) in attacks.items():
+        t0 = time.monotonic()
+        code, _ = _post(d.url + path, body, timeout=120)
+        out[name] = {"status": code, "seconds": round(time.monotonic() - t0, 2)}
+    time.sleep(1.0)
+    bystander = by.stop()
+    return {"attacks": out, "bystander": bystander,
+            "engine_kills": _health_body(d.url).get("restarts", 0) - restarts0}
+
+
+def _served_ctx(d: Daemon) -> int:
+    """The context per slot the daemon serves (``/v1/models``), 0 if unknown."""
+    try:
+        with urllib.request.urlopen(d.url + "/v1/models", timeout=10) as r:
+            return int(json.loads(r.read())["data"][0].get("context_length") or 0)
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0
+
+
+def _huge_prompt(d: Daemon, n_ctx: int) -> dict[str, Any]:
+    """A prompt of about 80% of the served context per slot (``n_ctx`` if unknown) while a
+    bystander streams: the bystander's longest token gap before (alone) and while the prompt is
+    prefilled, and the prompt's own time."""
+    n_ctx = _served_ctx(d) or n_ctx
+    alone = _Bystander(d, stream=True)
+    time.sleep(3.0)
+    base = alone.stop()
+    by = _Bystander(d, stream=True)
+    time.sleep(0.5)
+    n_words = int(n_ctx * 0.8)
+    for _ in range(4):  # about a token a word; fewer words while the prompt does not fit
+        words = " ".join(("hello", "world", "again", "there")[i % 4] for i in range(n_words))
+        t0 = time.monotonic()
+        code, body = _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": words}],
+                                                            "max_tokens": 2}, timeout=600)
+        secs = time.monotonic() - t0
+        if code != 400:
+            break
+        n_words //= 2
+    during = by.stop()
+    return {"prompt_tokens": (body.get("usage") or {}).get("prompt_tokens"), "status": code,
+            "seconds": round(secs, 2), "bystander_alone": base, "bystander_during": during}
+
+
+def _slow_bodies(d: Daemon, n: int, interval: float = 4.0, hold_s: float = 12.0) -> dict[str, Any]:
+    """``n`` connections that send complete headers (``Content-Length: 100000``) and then one
+    byte every ``interval`` s (a flood seen in an attack, one thread, non-blocking sockets); a new client's
+    chat is timed meanwhile. Counts how the flood's connections ended."""
+    import selectors
+    import socket
+
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n")
+    socks = []
+    for _ in range(n):
+        try:
+            s = socket.create_connection(("127.0.0.1", d.port), timeout=5)
+            s.sendall(head)
+            s.setblocking(False)
+            socks.append(s)
+        except OSError:
+            break
+    ended: dict[str, int] = {}
+    sel = selectors.DefaultSelector()
+    for s in socks:
+        sel.register(s, selectors.EVENT_READ)
+    stop = threading.Event()
+
+    def feed() -> None:
+        nxt = time.monotonic()
+        while not stop.is_set() and sel.get_map():
+            if time.monotonic() >= nxt:
+                for key in list(sel.get_map().values()):
+                    try:
+                        key.fileobj.send(b" ")
+                    except OSError:
+                        pass
+                nxt = time.monotonic() + interval
+            for key, _ in sel.select(timeout=0.2):
+                s = key.fileobj
+                try:
+                    data = s.recv(4096)
+                except OSError:
+                    data = b""
+                what = data.split(b"\r\n", 1)[0].decode(errors="replace")[:20] if data else "closed"
+                ended[what] = ended.get(what, 0) + 1
+                sel.unregister(s)
+                s.close()
+    th = threading.Thread(target=feed, daemon=True)
+    th.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    code, _ = _post(d.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2}, timeout=60)
+    client_s = time.monotonic() - t0
+    time.sleep(max(0.0, hold_s - (time.monotonic() - t0)))
+    stop.set()
+    th.join(10)
+    still = len(sel.get_map())
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()
+    return {"opened": len(socks), "new_client_status": code, "new_client_seconds": round(client_s, 3),
+            "flood_ended": ended, "flood_still_open": still}
+
+
+def _control_paths(d: Daemon) -> dict[str, Any]:
+    """Load and residency-switch requests naming paths that are not regular files (a FIFO, a
+    directory, /dev/zero, a 5,000-character path, a 300-character file name, a NUL byte): the
+    status and code of each answer (none may be 5xx)."""
+    from ..control.client import ControlAPIError, call
+
+    fifo = d.home / "fifo.gguf"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    paths = {"FIFO": str(fifo), "directory": str(d.home), "/dev/zero": "/dev/zero",
+             "5,000-character path": "/m/" + "a" * 5000, "300-character name": str(d.home / ("r" * 300)),
+             "NUL byte": "/m/a\0b"}
+    out: dict[str, Any] = {}
+    for route in ("/models/load", "/residency/switch"):
+        for name, p in paths.items():
+            try:
+                call("POST", route, {"path": p}, socket=Path(d.socket))
+                said = "200"
+            except ControlAPIError as e:
+                said = f"{e.status} {e.code}"
+            out[f"{route} {name}"] = said
+    return {"answers": out, "n_5xx": sum(1 for v in out.values() if v.startswith("5"))}
+
+
 def _keepalive(d: Daemon, n: int) -> dict[str, Any]:
     """``n`` connections that each sent one GET /health, read the answer and stay open; then a
     new client's /health."""
@@ -441,6 +665,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         rss1 = _rss(d.proc.pid)  # before the crashes and loads: a restarted worker starts from scratch
         out["schema_stall"] = _schema_stall(d, a.stalls)
         out["keepalive"] = _keepalive(d, a.keepalive)
+        out["grammar"] = _grammar_attacks(d)
+        out["huge_prompt"] = _huge_prompt(d, a.n_ctx)
+        out["slow_bodies"] = _slow_bodies(d, a.slow_bodies)
+        out["control_paths"] = _control_paths(d)
         out["tools"] = _tool_rss(d, a.tool_requests)
         out["bad_gguf"] = _bad_ggufs(d, model)
         out["crashes"] = _crashes(d, a.kills)
@@ -453,6 +681,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         out["log"] = _log_noise(d.home / "state")
     f, r = out.get("fuzz", {}), out.get("rss", {})
     st, ka, tl, g = (out.get(k, {}) for k in ("schema_stall", "keepalive", "tools", "greedy"))
+    gr, hp, sb, cp = (out.get(k, {}) for k in ("grammar", "huge_prompt", "slow_bodies", "control_paths"))
+    grb, hpb = gr.get("bystander", {}), hp.get("bystander_during", {})
     out["ok"] = bool(f and f["http_5xx"] == 0 and f["control_5xx"] == 0 and f["http_hangs"] == 0
                      and f["control_hangs"] == 0 and all(out["alive"].values())
                      and out["log"]["traceback_lines"] == 0
@@ -461,7 +691,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                      and ka.get("health_status_meanwhile") == 200
                      and (tl.get("growth_pct") or 0) < 10 and tl.get("same_worker")
                      and all(v["reason_named"] and v["model_stayed"] for v in out.get("bad_gguf", {}).values())
-                     and (not a.deterministic or g.get("concurrent_differing") == 0))
+                     and (not a.deterministic or g.get("concurrent_differing") == 0)
+                     and gr.get("engine_kills") == 0 and grb.get("ok") == grb.get("requests")
+                     and all(400 <= v["status"] < 500 for v in gr.get("attacks", {}).values())
+                     and hp.get("status") in (200, 400) and hpb.get("ok") == hpb.get("requests")
+                     and sb.get("new_client_status") == 200 and cp.get("n_5xx") == 0)
     return out
 
 
@@ -497,6 +731,8 @@ def _tiny_model() -> Path:
 def report(out: dict[str, Any]) -> str:
     f, g, s, c, r, al = (out.get(k, {}) for k in ("fuzz", "greedy", "slow_connections", "crashes", "rss", "alive"))
     st, ka, tl = (out.get(k, {}) for k in ("schema_stall", "keepalive", "tools"))
+    gr, hp, sb, cp = (out.get(k, {}) for k in ("grammar", "huge_prompt", "slow_bodies", "control_paths"))
+    grb, hpa, hpd = gr.get("bystander", {}), hp.get("bystander_alone", {}), hp.get("bystander_during", {})
     lines = [
         f"model            {out['model']}{'  (deterministic = true)' if out.get('deterministic') else ''}",
         f"fuzzed requests  HTTP {f.get('http_requests')} ({f.get('http_5xx')} 5xx, {f.get('http_hangs')} hangs), "
@@ -516,6 +752,17 @@ def report(out: dict[str, Any]) -> str:
         f"{st.get('bystander_ok')}/{st.get('bystander_requests')} served, slowest {st.get('bystander_max_s')} s",
         f"keep-alive       {ka.get('held')} idle kept-alive connections held; new client /health "
         f"{ka.get('health_status_meanwhile')} in {ka.get('health_seconds')} s",
+        *[f"grammar          {k}: {v['status']} in {v['seconds']} s" for k, v in gr.get("attacks", {}).items()],
+        f"  meanwhile      engine kills {gr.get('engine_kills')}; streaming bystander {grb.get('ok')}/"
+        f"{grb.get('requests')} served, longest token gap {grb.get('max_token_gap_s')} s",
+        f"huge prompt      {hp.get('prompt_tokens')} tokens: {hp.get('status')} in {hp.get('seconds')} s; "
+        f"bystander's longest token gap {hpd.get('max_token_gap_s')} s ({hpd.get('ok')}/{hpd.get('requests')} "
+        f"served), alone {hpa.get('max_token_gap_s')} s",
+        f"slow bodies      {sb.get('opened')} connections sending a byte every 4 s; new client "
+        f"{sb.get('new_client_status')} in {sb.get('new_client_seconds')} s; flood ended {sb.get('flood_ended')}, "
+        f"{sb.get('flood_still_open')} still open",
+        f"control paths    {cp.get('n_5xx')} 5xx: " + ", ".join(f"{k}: {v}" for k, v in
+                                                           (cp.get("answers") or {}).items()),
         f"distinct tools   {tl.get('requests')} requests {tl.get('statuses')} in {tl.get('seconds')} s; worker RSS "
         f"{tl.get('worker_rss_after_first_tenth_bytes', 0) / 2**20:.0f} MiB after the first tenth, "
         f"{tl.get('worker_rss_end_bytes', 0) / 2**20:.0f} MiB at the end ({tl.get('growth_pct')}%)",
@@ -544,6 +791,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kills", type=int, default=3, help="kill -9 of the worker mid-stream")
     ap.add_argument("--stalls", type=int, default=8, help="requests with a 3,000-property tool (schema stall)")
     ap.add_argument("--keepalive", type=int, default=600, help="idle kept-alive connections held open")
+    ap.add_argument("--slow-bodies", type=int, default=600, help="connections sending a body a byte every 4 s")
     ap.add_argument("--tool-requests", type=int, default=10000, help="requests with distinct tool definitions")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None, help="engine CPU threads")

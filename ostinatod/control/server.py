@@ -42,7 +42,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
-from ..files import WriteFailed
+from ..files import NotRegularFile, WriteFailed, regular_file
 from ..residency.traces import valid_workload
 from ..hardware import gpu_memory
 from ..engine.types import EngineError
@@ -163,10 +163,23 @@ async def h_models(request: web.Request) -> web.Response:
                               "available": files, "models_dir": str(d)})
 
 
+def _file(path: Any, missing_code: str, hint: str = "") -> Path:
+    """``path`` when it names a regular file; else ControlError: 404 ``missing_code`` (no such
+    file), 400 ``invalid_path`` (a name too long or with a NUL byte) or 400 ``not_a_file``
+    (a directory, FIFO, device or socket, named as such)."""
+    try:
+        return regular_file(path)
+    except NotRegularFile as e:
+        if e.kind == "missing":
+            what = "no residency set" if missing_code == "residency_not_found" else "no such file:"
+            raise ControlError(404, missing_code, f"{what} {e.shown}{hint}") from None
+        code = "invalid_path" if e.kind in ("name too long", "invalid name") else (
+            "file_unreadable" if e.kind == "unreadable" else "not_a_file")
+        raise ControlError(400, code, str(e)) from None
+
+
 def _check_gguf(path: Path) -> Path:
-    path = path.expanduser()
-    if not path.is_file():
-        raise ControlError(404, "model_not_found", f"no such file: {path}")
+    path = _file(path, "model_not_found")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -290,15 +303,13 @@ async def h_switch(request: web.Request) -> web.Response:
     st = _state(request)
     body = await _body(request)
     if body.get("path"):
-        path = Path(str(body["path"])).expanduser()
+        path = body["path"] if isinstance(body["path"], str) else str(body["path"])
         workload = body.get("workload") and _workload_name(body["workload"])
     else:
         workload = _workload_name(body.get("workload"))
         path = st.desk.set_path(await st.desk.fingerprint(), workload)
-    if not path.is_file():
-        raise ControlError(404, "residency_not_found",
-                           f"no residency set {path}" + (f"; plan one first: ostinato residency plan "
-                                                         f"{workload}" if workload else ""))
+    path = _file(path, "residency_not_found", f"; plan one first: ostinato residency plan {workload}"
+                 if workload else "")
     if st.engine is None or st.engine_state != "ready":
         raise ControlError(409, "model_not_loaded", f"engine is {st.engine_state}")
     try:

@@ -227,14 +227,16 @@ def _fd2_captured():
             sys.stderr.write(data)
 
 
-def _refuse_incomplete_schema(said: str, schema: dict[str, Any]) -> None:
-    """EngineError 400 when llama.cpp could not enforce a part of the response's JSON schema (a
-    regex ``pattern`` it cannot express as a grammar is otherwise replaced by "any string")."""
+def _refuse_incomplete_schema(said: str, schema: Any) -> None:
+    """EngineError 400 when llama.cpp could not enforce a part of the response's JSON schema or,
+    ``schema`` a list, of the tools' parameters (a regex ``pattern`` it cannot express as a
+    grammar is otherwise replaced by "any string")."""
     for line in said.splitlines():
         if _INCOMPLETE_SCHEMA in line:
             what = line.split(_INCOMPLETE_SCHEMA, 1)[1].strip()
-            raise EngineError("invalid_request", "response_format: the JSON schema cannot be enforced: "
-                              f"{what.replace(', accepting any string', '')}", 400)
+            where = "tools" if isinstance(schema, list) else "response_format"
+            raise EngineError("invalid_request", f"{where}: the JSON schema cannot be enforced: "
+                              f"{what.replace(', accepting any string', '')}", 400, {"param": where})
 
 
 class _NativeHandle:
@@ -316,8 +318,13 @@ class ChatTemplates(_NativeHandle):
             req["tools"] = normalize_tools(tools)
         if json_schema is not None:
             req["json_schema"] = json_schema
+        # llama.cpp reports a schema it cannot enforce only on stderr: watched where a schema asks
+        # for a pattern (tools' parameters too: their calls are grammar-constrained)
+        from .patterns import schema_patterns
+        watched = json_schema if json_schema is not None else (
+            req["tools"] if any(True for t in tools for _ in schema_patterns(t, "")) else None)
         try:
-            res = self._apply(req, json_schema)
+            res = self._apply(req, watched)
         except EngineError as e:
             if tools:
                 self._blame_tool(req, e)
@@ -350,8 +357,10 @@ class ChatTemplates(_NativeHandle):
                 raise EngineError(e.code, f"tools[{i}] ({name!r}): its parameters schema cannot be used: "
                                   f"{why}", e.status, {"param": f"tools.{i}"}) from err
 
-    def _apply(self, req: dict[str, Any], json_schema: Optional[dict[str, Any]]) -> dict[str, Any]:
-        """The shim's apply result of one request dict. Raises EngineError."""
+    def _apply(self, req: dict[str, Any], json_schema: Any) -> dict[str, Any]:
+        """The shim's apply result of one request dict; with ``json_schema`` (the response schema,
+        or the tools whose schemas hold a pattern) llama.cpp's stderr is watched for parts it
+        cannot enforce. Raises EngineError."""
         if self._h is None:
             raise EngineError("model_not_loaded", "chat templates are closed", 503)
         if json_schema is not None:

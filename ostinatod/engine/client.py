@@ -244,6 +244,8 @@ class SubprocessEngine:
         self.last_exit: Optional[dict[str, Any]] = None  # {"code", "at", "reason"} of the last crash
         self.next_restart_at: Optional[float] = None  # wall time of the pending restart
         self._kill_reason: Optional[str] = None
+        self.stall: Optional[dict[str, Any]] = None  # {"what", "for_s", "requests"} while stalled
+        self._stalled: Optional[dict[str, Any]] = None  # the stall the worker was killed for
         self._load_failed = False  # the worker reported that the model cannot be loaded
         self._watchdog: Optional[asyncio.Task] = None
         self._crash_times: list[float] = []
@@ -279,54 +281,99 @@ class SubprocessEngine:
             self._watchdog = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
-        """Liveness: ping the worker every second (at most every ``worker_ping_timeout_s / 2``)
-        while it is ready. One that has not answered within :data:`STALL_S` is "stalled" (seen in
-        /health; new requests wait for it as for a restart); one without an answer for
-        ``worker_ping_timeout_s`` (a stopped or wedged process) is killed, which restarts it like
-        a crash. The pipe reader answers pings and does no request work (worker_main): a long
-        prefill step or a slow render does not count as a hang."""
+        """Liveness is progress. Every second (at most every ``worker_ping_timeout_s / 2``) while
+        it is ready the worker is pinged; its pipe reader answers with the loop's progress
+        (:meth:`.worker.Worker.progress`: the native call it is inside and for how long). A loop
+        inside one call for a third of ``engine_stall_timeout_s`` (at least :data:`STALL_S`) is
+        "stalled" (``status()["stall"]`` names the call
+        and the request ids; /health and /metrics show them; new requests wait as for a
+        restart); past ``engine_stall_timeout_s`` the worker is killed: the requests in that call
+        end with ``engine_stalled`` and the others run again on the restarted worker, as after a
+        crash. A worker that does not answer at all (stopped, wedged process) is "stalled" after
+        :data:`STALL_S` too and killed after ``worker_ping_timeout_s``."""
         timeout = float(self.settings.worker_ping_timeout_s)
         while not self._stopping:
             await asyncio.sleep(min(1.0, timeout / 2))
             proc = self._proc
-            if self.state != "ready" or proc is None or proc.returncode is not None:
+            if self.state not in ("ready", "stalled") or proc is None or proc.returncode is not None:
                 continue
-            ping = asyncio.ensure_future(self._call(P.Op.PING, force=True))
             try:
-                done, _ = await asyncio.wait({ping}, timeout=min(STALL_S, timeout))
-                if not done:  # this loop may have been busy itself (a huge body): read what came
-                    done, _ = await asyncio.wait({ping}, timeout=0.2)
-                if not done and proc is self._proc and self.state == "ready":
-                    log.warning("engine worker (pid %s) has not answered a ping for %.0f s: stalled",
-                                proc.pid, STALL_S)
-                    self.state = "stalled"
-                if not done:
-                    done, _ = await asyncio.wait({ping}, timeout=max(0.0, timeout - STALL_S))
-                    if not done:
-                        done, _ = await asyncio.wait({ping}, timeout=0.2)
-                if not done:
-                    ping.cancel()
-                    raise asyncio.TimeoutError
-                ping.result()
-                if self.state == "stalled" and proc is self._proc:
-                    log.info("engine worker (pid %s) answers again", proc.pid)
-                    self.state = "ready"
+                progress = await self._ping(proc, timeout)
             except asyncio.TimeoutError:
                 if proc is self._proc and proc.returncode is None and not self._stopping:
                     log.error("engine worker (pid %s) did not answer a ping within %.0f s (stopped or "
                               "hung); killing it", proc.pid, timeout)
                     self._kill_reason = f"did not answer a liveness ping within {timeout:.0f} s"
-                    try:
-                        proc.kill()
-                    except ProcessLookupError:
-                        pass
+                    self._kill(proc)
+                continue
             except EngineError:
-                pass
+                continue
+            if proc is self._proc:
+                self._judge_progress(proc, progress)
+
+    async def _ping(self, proc: asyncio.subprocess.Process, timeout: float) -> Any:
+        """The worker's answer to one ping (its progress); "stalled" meanwhile when it takes
+        longer than :data:`STALL_S`. Raises asyncio.TimeoutError after ``timeout`` s."""
+        ping = asyncio.ensure_future(self._call(P.Op.PING, force=True))
+        done, _ = await asyncio.wait({ping}, timeout=min(STALL_S, timeout))
+        if not done:  # this loop may have been busy itself (a huge body): read what came
+            done, _ = await asyncio.wait({ping}, timeout=0.2)
+        if not done and proc is self._proc and self.state == "ready":
+            log.warning("engine worker (pid %s) has not answered a ping for %.0f s: stalled",
+                        proc.pid, STALL_S)
+            self.state = "stalled"
+            self.stall = {"what": "no answer to liveness pings", "for_s": STALL_S, "requests": []}
+        if not done:
+            done, _ = await asyncio.wait({ping}, timeout=max(0.0, timeout - STALL_S))
+            if not done:
+                done, _ = await asyncio.wait({ping}, timeout=0.2)
+        if not done:
+            ping.cancel()
+            raise asyncio.TimeoutError
+        return ping.result()
+
+    def _judge_progress(self, proc: asyncio.subprocess.Process, progress: Any) -> None:
+        """Stalled or not from the worker's progress (see :meth:`_watch`); kill it past
+        ``engine_stall_timeout_s``."""
+        busy = progress.get("busy") if isinstance(progress, dict) else None
+        for_s = float(busy.get("for_s") or 0) if isinstance(busy, dict) else 0.0
+        bound = float(self.settings.engine_stall_timeout_s)
+        # an honest long forward pass (a deep context on a CPU) is not reported before a third
+        # of the bound (5 s by default)
+        if for_s < max(STALL_S, bound / 3):
+            if self.state == "stalled":
+                log.info("engine worker (pid %s) makes progress again", proc.pid)
+                self.state = "ready"
+            self.stall = None
+            return
+        ids = [str(i) for i in busy.get("requests") or []]
+        if self.state != "stalled":
+            log.warning("engine worker (pid %s) stalled: %.1f s in one %s of request(s) %s", proc.pid,
+                        for_s, busy.get("what"), ", ".join(ids) or "-")
+        self.state = "stalled"
+        self.stall = {"what": busy.get("what"), "for_s": round(for_s, 1), "requests": ids}
+        if bound > 0 and for_s >= bound and proc.returncode is None and not self._stopping:
+            log.error("engine worker (pid %s): %.1f s in one %s of request(s) %s (limit "
+                      "engine_stall_timeout_s = %g); failing them and restarting the worker", proc.pid,
+                      for_s, busy.get("what"), ", ".join(ids) or "-", bound)
+            self._kill_reason = (f"stalled {for_s:.0f} s in one {busy.get('what')} of request(s) "
+                                 f"{', '.join(ids) or '-'}")
+            self._stalled = {"ids": set(ids), "what": str(busy.get("what")), "for_s": for_s}
+            self._kill(proc)
+
+    @staticmethod
+    def _kill(proc: asyncio.subprocess.Process) -> None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
 
     def status(self) -> dict[str, Any]:
         """Supervision facts for /health and the control API's status."""
         out: dict[str, Any] = {"restarts": self.restarts, "last_exit": self.last_exit,
                                "error": self.error.message if self.error is not None else None}
+        if self.stall is not None and self.state == "stalled":
+            out["stall"] = dict(self.stall)
         if self.state == "restarting" and self.next_restart_at is not None:
             out["next_restart_in_s"] = round(max(0.0, self.next_restart_at - time.time()), 1)
         return out
@@ -389,10 +436,24 @@ class SubprocessEngine:
         await self._on_exit(proc, rc, path)
 
     async def _on_exit(self, proc: asyncio.subprocess.Process, rc: int, path: Path) -> None:
-        # every in-flight request learns that its worker is gone
-        for q in list(self._streams.values()):
-            q.put_nowait(_error_event("engine_crashed", f"the engine worker exited (code {rc}); it is "
-                                      "being restarted, retry the request", 503))
+        # every in-flight request learns that its worker is gone; the ones it was killed for
+        # (a stalled call) end with engine_stalled, the others run again (generate)
+        stalled, self._stalled = self._stalled, None
+        self.stall = None
+        for rid, q in list(self._streams.items()):
+            if stalled is not None and rid in stalled["ids"]:
+                bound = self.settings.engine_stall_timeout_s
+                what = stalled["what"]
+                cause = (" (under the request's grammar: simplify its patterns, schema or grammar)"
+                         if what == "sampling" else "")
+                q.put_nowait(EngineEvent("error", {
+                    "code": "engine_stalled", "status": 400 if what == "sampling" else 503,
+                    "message": f"the engine spent {stalled['for_s']:.0f} s in one {what} of this request "
+                               f"(limit engine_stall_timeout_s = {bound:g}){cause}; the request was ended "
+                               "and the engine worker restarted"}))
+            else:
+                q.put_nowait(_error_event("engine_crashed", f"the engine worker exited (code {rc}); it is "
+                                          "being restarted, retry the request", 503))
         self._streams.clear()
         for fut in list(self._replies.values()):
             if not fut.done():

@@ -17,9 +17,11 @@ from .types import EngineError
 
 
 def schema_size(values: Iterable[Any], cap: int) -> tuple[int, int]:
-    """(JSON objects and arrays, most ``properties`` of one object) in ``values`` (tool
-    definitions, a response schema), counted without recursion; counting stops once the first
-    passes ``cap`` (it is then ``cap + 1``)."""
+    """(JSON objects, arrays and array members, most ``properties`` of one object) in ``values``
+    (tool definitions, a response schema), counted without recursion; counting stops once the
+    first passes ``cap`` (it is then ``cap + 1``). Every member of an array counts, scalars too:
+    an ``enum`` of 20,000 integers is 20,000 alternatives of the grammar and 20,000 values in the
+    prompt, not one node."""
     n = widest = 0
     stack = [v for v in values if isinstance(v, (dict, list))]
     while stack:
@@ -33,23 +35,28 @@ def schema_size(values: Iterable[Any], cap: int) -> tuple[int, int]:
                 widest = max(widest, len(props))
             items: Iterable[Any] = v.values()
         else:
+            n += sum(1 for x in v if not isinstance(x, (dict, list)))  # scalars: enum values
+            if n > cap:
+                break
             items = v
         stack.extend(x for x in items if isinstance(x, (dict, list)))
-    return n, widest
+    return min(n, cap + 1), widest
 
 
 def check_schema_size(tools: Optional[list[Any]], json_schema: Optional[Any], max_nodes: int,
                       max_properties: int) -> None:
     """Raise EngineError 400 ``schema_too_large`` when the request's tool definitions and response
-    schema hold more than ``max_nodes`` JSON objects and arrays (setting ``max_schema_nodes``) or
+    schema hold more than ``max_nodes`` JSON objects, arrays and array members (setting
+    ``max_schema_nodes``; :func:`schema_size`) or
     an object with more than ``max_properties`` properties (``max_schema_properties``: llama.cpp's
     grammar of an object grows faster than its property count, measured in the module doc)."""
     vals = list(tools or []) + ([json_schema] if json_schema is not None else [])
     n, widest = schema_size(vals, max_nodes)
     if n > max_nodes:
         raise EngineError("schema_too_large", f"the request's tool definitions and response schema hold "
-                          f"more than {max_nodes} JSON objects and arrays (limit max_schema_nodes = "
-                          f"{max_nodes}); send fewer or smaller tools", 400)
+                          f"more than {max_nodes} JSON objects, arrays and array values such as enum "
+                          f"members (limit max_schema_nodes = {max_nodes}); send fewer or smaller tools",
+                          400)
     if widest > max_properties:
         raise EngineError("schema_too_large", f"an object in the request's tool definitions or response "
                           f"schema has {widest} properties (limit max_schema_properties = {max_properties}): "

@@ -9,7 +9,8 @@ The loop is shaped like llama-server's ``update_slots``: each step admits waitin
 free KV slots (:func:`.slots.choose_slot`: the longest cached prefix, without evicting another
 conversation), then builds one batch: one token for each generating slot (batched decode across
 slots) and then prefill chunks of waiting slots, one ubatch (``n_ubatch`` tokens) per step so that
-a cancelled request stops between ubatches. Around it:
+a cancelled request stops between ubatches, and fewer while other slots generate
+(``prefill_chunk_target_s``: their tokens come between the chunks of a long prompt). Around it:
 :mod:`.loading` (model, context, expert runtime), :mod:`.sampling` (the sampler of a request),
 :mod:`.text` (UTF-8 hold-back, stop strings on new text only) and :mod:`.switcher` (residency-set
 swaps at request boundaries; docs/design.md "Planning").
@@ -28,7 +29,7 @@ from typing import Any, Optional
 
 from ..residency.model import ModelInfo
 from ..settings import Settings
-from . import determinism, grammar, limits, loading, logprobs, sampling
+from . import determinism, grammar, limits, loading, logprobs, patterns, sampling
 from .protocol import Op
 from .prefix_cache import (PrefixCache, make_prefix_cache, restore_checkpoint, rewind_to_checkpoint,
                            save_slot_checkpoint, save_state, use_host_cache)
@@ -44,6 +45,7 @@ log = logging.getLogger("ostinatod.engine")
 # within seconds of its last (its tool ran); a clean shutdown writes them anyway.
 PERSIST_IDLE_S = 20.0
 
+PREFILL_MIN_CHUNK = 32  # prompt tokens a step carries at least (chunks smaller waste passes)
 PREPARE_THREADS = 4  # requests rendered at once, off the loop (a slow one leaves the others theirs)
 _PREPARED = "prepared"  # inbox kind: a task back from its preparation thread
 
@@ -94,6 +96,13 @@ class Worker:
         self.dcache: Any = None  # its states on disk (settings.cache_disk_mb; .disk_cache)
         self._persisted: dict[int, int] = {}  # slot id -> tokens of its state last written to disk
         self.uncuttable = False  # the memory cannot drop a suffix (recurrent/hybrid): checkpoints
+        # progress of the loop, read by the liveness check from another thread (progress()):
+        # forward passes so far, and (what, since, request ids) of the native call running now
+        self.steps = 0
+        self._s_per_prefill_token = 0.0  # measured cost of a prompt token in a forward pass (EMA)
+        self._s_step_base = 0.0  # measured cost of a step without prompt tokens (EMA)
+        self._render_starts: dict[object, float] = {}  # running renders' start times (under _lock)
+        self._busy: Optional[tuple[str, float, tuple[str, ...]]] = None
 
     # ---- loading --------------------------------------------------------------------------------
 
@@ -236,6 +245,17 @@ class Worker:
                                    self.templates, self.n_ctx_slot, self.rt is not None, len(self.slots),
                                    self.max_piece_bytes, self.n_ctx_reason)
 
+    def progress(self) -> dict[str, Any]:
+        """What the loop is doing, for the liveness check (any thread, never waits): ``{"steps"
+        (forward passes so far), "busy": None or {"what" ("forward pass" | "sampling"), "for_s"
+        (seconds inside that one native call so far), "requests" (ids of the requests in it)}}``."""
+        busy = self._busy  # one read: the loop replaces the tuple, never changes it
+        out: dict[str, Any] = {"steps": self.steps, "busy": None}
+        if busy is not None:
+            out["busy"] = {"what": busy[0], "for_s": round(time.monotonic() - busy[1], 3),
+                           "requests": list(busy[2])}
+        return out
+
     def stats(self) -> dict[str, Any]:
         """Counters, slot states and the expert runtime's stats (merged under "experts")."""
         with self._lock:
@@ -286,8 +306,7 @@ class Worker:
         tokenizing. Raises EngineError("invalid_request" | "template_error" | "schema_too_large"
         | "context_length_exceeded").
         """
-        limits.check_schema_size(req.tools, req.json_schema, self.settings.max_schema_nodes,
-                                 self.settings.max_schema_properties)
+        self.check_grammar_cost(req, with_grammar=False)
         limits.check_text_fits(limits.message_text_bytes(req.messages, req.prompt), self.max_piece_bytes,
                                self.n_ctx_slot)
         if req.infill is not None:
@@ -321,6 +340,17 @@ class Worker:
             else:
                 out.append(int(p))
         return out
+
+    def check_grammar_cost(self, req: GenRequest, with_grammar: bool = True) -> None:
+        """Refuse a request whose grammar work is too large before any of it is done: the size of
+        its tool definitions and response schema (:func:`.limits.check_schema_size`) and the cost
+        of its regex patterns and, ``with_grammar``, of its own GBNF ``grammar``
+        (:func:`.patterns.check_request_grammar`). Raises EngineError 400 ``schema_too_large``,
+        ``grammar_too_complex`` or ``invalid_request`` (a pattern llama.cpp cannot enforce)."""
+        limits.check_schema_size(req.tools, req.json_schema, self.settings.max_schema_nodes,
+                                 self.settings.max_schema_properties)
+        patterns.check_request_grammar(req.tools, req.json_schema, req.grammar if with_grammar else None,
+                                       patterns.limits_of(self.settings))
 
     def infill_prompt(self, req: GenRequest) -> list[int]:
         """Prompt tokens of a fill-in-the-middle request (:mod:`.infill`). Raises EngineError 400
@@ -373,16 +403,16 @@ class Worker:
         """The prompt text the chat template makes of ``req`` (llama-server's /apply-template), on
         a prepare thread within ``template_timeout_s``. Raises EngineError as :meth:`render`."""
         def text() -> str:
-            limits.check_schema_size(req.tools, req.json_schema, self.settings.max_schema_nodes,
-                                     self.settings.max_schema_properties)
+            self.check_grammar_cost(req, with_grammar=False)
             return self.templates.render(req.messages or [], req.tools, req.tool_choice,
                                          req.parallel_tool_calls, req.enable_thinking,
                                          req.json_schema).prompt
-        fut = self._prep_pool.submit(text)
+        box: list = []
+        fut = self._prep_pool.submit(self._rendering, box, text)
         try:
             return fut.result(timeout=self.settings.template_timeout_s)
         except FutureTimeout:
-            raise self._timeout_error() from None
+            raise self._timeout_error(self._loaded(box)) from None
 
     def chat_parser(self, req: GenRequest, rendered: Any) -> Any:
         """The output parser of a chat request (:func:`.chat.parser_for`)."""
@@ -393,14 +423,47 @@ class Worker:
         """Tokens of the rendered prompt of ``req`` (any thread but the loop's). Rendered on a
         prepare thread within ``template_timeout_s``; raises EngineError as :meth:`render` does,
         or ``template_timeout`` (400)."""
-        fut = self._prep_pool.submit(self.render, req)
+        box: list = []
+        fut = self._prep_pool.submit(self._rendering, box, self.render, req)
         try:
             return len(fut.result(timeout=self.settings.template_timeout_s)[0])
         except FutureTimeout:
-            raise self._timeout_error() from None
+            raise self._timeout_error(self._loaded(box)) from None
 
-    def _timeout_error(self) -> EngineError:
+    def _rendering(self, box: list, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on a prepare thread, its start time in ``_render_starts`` (and appended
+        to ``box``) while it runs: the load a timeout is judged by (:meth:`_loaded`)."""
+        key = object()
+        t0 = time.monotonic()
+        box.append(t0)
+        with self._lock:
+            self._render_starts[key] = t0
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._render_starts.pop(key, None)
+
+    def _loaded(self, box: list) -> bool:
+        """Whether a render that timed out did so under load: it never got a prepare thread
+        (``box`` empty), or another render, still within its own time limit, ran at the middle
+        of its time (a render that had already timed out before is that client's, not load)."""
+        if not box:
+            return True
+        limit = self.settings.template_timeout_s
+        mid = box[0] + limit / 2
+        with self._lock:
+            starts = list(self._render_starts.values())
+        return sum(1 for t0 in starts if t0 <= mid < t0 + limit) > 1  # itself and another
+
+    def _timeout_error(self, loaded: bool = False) -> EngineError:
+        """``template_timeout``: 400 when the request's own render is too slow, 503 (retry, the
+        answer carries Retry-After) when ``loaded``: other renders ran beside it."""
         s = self.settings.template_timeout_s
+        if loaded:
+            return EngineError("template_timeout", f"rendering the request's chat template, grammar and "
+                               f"prompt took longer than {s:g} s (limit template_timeout_s = {s:g}) while "
+                               "the engine was rendering other requests; retry shortly", 503)
         return EngineError("template_timeout", f"rendering the request's chat template, grammar and "
                            f"prompt took longer than {s:g} s (limit template_timeout_s = {s:g}); send "
                            "fewer or smaller tools or a shorter prompt", 400)
@@ -545,7 +608,7 @@ class Worker:
         now = time.monotonic()
         for t in self._preparing:
             if not t.finished and t.t_render and now - t.t_render > limit:
-                e = self._timeout_error()
+                e = self._timeout_error(self._loaded([t.t_render]))
                 log.warning("request %s: %s", t.req.id, e.message)
                 self._fail(t, e.code, e.message, e.status)
 
@@ -554,6 +617,9 @@ class Worker:
         parser; then hand it back to the loop (:meth:`_prepared`), with ``prep_error`` set when it
         cannot be served."""
         t.t_render = time.monotonic()
+        key = object()
+        with self._lock:
+            self._render_starts[key] = t.t_render
         try:
             self._prepare_task(t)
         except EngineError as e:
@@ -565,6 +631,9 @@ class Worker:
             log.warning("request %s: cannot be prepared: %r", t.req.id, e)
             log.debug("request %s: preparation traceback", t.req.id, exc_info=True)
             t.prep_error = ("invalid_request", f"request cannot be prepared: {e}", 400, {})
+        finally:
+            with self._lock:
+                self._render_starts.pop(key, None)
         self._inbox.put((_PREPARED, t))
 
     def _prepare_task(self, t: Task) -> None:
@@ -573,6 +642,7 @@ class Worker:
             raise EngineError("invalid_request", "max_tokens must be >= 0")
         if req.demo and not req.ignore_eos:
             sampling.demo_choice(req)
+        self.check_grammar_cost(req)  # before the schema's grammar is built
         if req.grammar is not None:
             grammar.check_grammar(self.vocab, req.grammar)
         elif req.json_schema is not None and req.messages is None:  # no template makes its grammar
@@ -714,9 +784,13 @@ class Worker:
                 rows.append((t, n))
                 n += 1
         # prefill: at most one ubatch of prompt tokens per step (the forward pass llama_decode
-        # would cut anyway), so a cancel (client gone) is seen between ubatches, not after n_batch
-        budget = n + self.n_prefill_step
-        for t in active:
+        # would cut anyway), so a cancel (client gone) is seen between ubatches, not after n_batch;
+        # fewer while other slots generate, so that their next token is not held for long
+        budget = n + self._prefill_budget(decoding=n > 0)
+        # the shortest prompt first: a small request beside a huge prompt is not queued behind it
+        # (stable: equal ones keep their order; deterministic mode keeps the slots' turns)
+        prefilling = active if self.deterministic else sorted(active, key=lambda t: len(t.pending))
+        for t in prefilling:
             if t.pending and n < budget and not (self.deterministic and n):
                 k = min(len(t.pending), budget - n)
                 if self.deterministic:
@@ -734,7 +808,14 @@ class Worker:
         if n == 0:
             return
         b.n_tokens = n
+        t0 = time.monotonic()
+        self._busy = ("forward pass", t0, tuple(t.req.id for t, _ in plan))
         rc = llama_cpp.llama_decode(self.ctx, b)
+        self._busy = None
+        self.steps += 1
+        if rc == 0:
+            self._learn_step_cost(n - sum(1 for t, toks in plan if toks == [t.next_token] and not t.pending),
+                                  time.monotonic() - t0)
         with self._lock:
             self._counters["decode_calls"] += 1
             self._counters["busy_slot_steps"] += len(plan)  # slots in this forward pass
@@ -775,14 +856,70 @@ class Worker:
                 t.t_first = t.t_last = time.monotonic()
                 self._end(t, "length")
                 continue
-            tok = sampling.sample(t.sampler, self.ctx, idx)
-            if tok < 0:
-                from . import native
-                self._end(t, None, error=("sampling_failed", native.last_error() or "sampling failed"))
-                continue
-            self._on_token(t, tok, idx)
+            t0 = time.monotonic()
+            self._busy = ("sampling", t0, (t.req.id,))  # and the output parser, in _on_token
+            try:
+                tok = sampling.sample(t.sampler, self.ctx, idx)
+                dt = time.monotonic() - t0
+                if dt > self.settings.grammar_token_timeout_s and self._has_grammar(t):
+                    self._grammar_too_slow(t, dt)
+                elif tok < 0:
+                    from . import native
+                    self._end(t, None, error=("sampling_failed", native.last_error() or "sampling failed"))
+                else:
+                    self._on_token(t, tok, idx)
+            finally:
+                self._busy = None
         for t in [t for t in self._active if t.finished]:
             self._active.remove(t)
+
+    def _learn_step_cost(self, n_prefill: int, seconds: float) -> None:
+        """Update the step cost model ``seconds = base + per_token * n_prefill`` (moving averages):
+        ``base`` from steps without prompt tokens (decode only: it grows with the context the
+        batch attends over), ``per_token`` from the others, net of ``base``."""
+        if n_prefill <= 0:
+            self._s_step_base = seconds if not self._s_step_base else 0.7 * self._s_step_base + 0.3 * seconds
+            return
+        per = max(0.0, seconds - self._s_step_base) / n_prefill
+        self._s_per_prefill_token = per if not self._s_per_prefill_token else \
+            0.5 * self._s_per_prefill_token + 0.5 * per
+
+    def _prefill_budget(self, decoding: bool) -> int:
+        """Prompt tokens of the next step: one ubatch (``n_prefill_step``, the cost model's
+        choice) unless that would make the step longer than its time target by the measured
+        step cost (:meth:`_learn_step_cost`): ``prefill_chunk_target_s`` while other slots
+        generate (their next token waits for the step), half of ``engine_stall_timeout_s``
+        alone. At least :data:`PREFILL_MIN_CHUNK`; whole ubatches in ``deterministic`` mode."""
+        full = self.n_prefill_step
+        per = self._s_per_prefill_token
+        if self.deterministic or per <= 0:
+            return full
+        # alone only a pass near the stall bound is cut (chunk boundaries change rounding)
+        target = self.settings.prefill_chunk_target_s if decoding else self.settings.engine_stall_timeout_s / 2
+        if target <= 0:
+            return full
+        room = target - (self._s_step_base if decoding else 0.0)
+        return max(min(PREFILL_MIN_CHUNK, full), min(full, int(room / per)))
+
+    @staticmethod
+    def _has_grammar(t: Task) -> bool:
+        """The request samples under a grammar (its own, a schema's or its tools')."""
+        return bool(t.req.grammar or t.req.json_schema is not None
+                    or (t.rendered is not None and getattr(t.rendered, "grammar", None)))
+
+    def _grammar_too_slow(self, t: Task, seconds: float) -> None:
+        """End ``t`` (400 ``grammar_too_slow``): one token under its grammar took ``seconds``,
+        more than ``grammar_token_timeout_s``; the others are served on."""
+        lim = self.settings.grammar_token_timeout_s
+        msg = (f"sampling one token under the request's grammar took {seconds:.1f} s (limit "
+               f"grammar_token_timeout_s = {lim:g}); simplify its patterns, schema or grammar")
+        log.warning("request %s: %s", t.req.id, msg)
+        t.finished = True
+        t.next_token = None
+        if t in self._active:
+            self._active.remove(t)
+        self._release(t)
+        self._fail(t, "grammar_too_slow", msg, 400)
 
     @staticmethod
     def _put(b: Any, i: int, tok: int, pos: int, seq: int, logits: bool) -> None:

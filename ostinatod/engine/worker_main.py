@@ -25,6 +25,10 @@ def main() -> int:
     """Serve one worker until shutdown or stdin EOF. Returns the exit code (1: load failed)."""
     proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
+    try:  # every logged line valid UTF-8 (a client's lone surrogate is escaped)
+        sys.stderr.reconfigure(encoding="utf-8", errors="backslashreplace")  # type: ignore[union-attr]
+    except (AttributeError, ValueError):
+        pass
     sys.stdout = sys.stderr
     wlock = threading.Lock()
 
@@ -69,8 +73,8 @@ def main() -> int:
     calls = ThreadPoolExecutor(2, thread_name_prefix="ostinato-calls")
 
     def call(msg: P.Call) -> None:
-        if msg.op is P.Op.PING:
-            send(P.Reply(msg.rid, True))
+        if msg.op is P.Op.PING:  # with the loop's progress: liveness is progress, not this answer
+            send(P.Reply(msg.rid, worker.progress()))
             return
         if msg.op is P.Op.SWITCH_RESIDENCY:
             def done(info, err, rid=msg.rid) -> None:

@@ -173,7 +173,10 @@ class Trace:
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lf:
+    # 0600 like the traces themselves: the lock file says which workloads are in use
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as lf:
+        os.fchmod(fd, 0o600)  # one made before (0644) is tightened too
         fcntl.flock(lf, fcntl.LOCK_EX)
         try:
             yield

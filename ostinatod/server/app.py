@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from typing import Awaitable, Callable
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from . import anthropic_api, llama_api, openai_api, responses_api
-from .request_input import INPUT_PHASE
+from .request_input import BODIES, INPUT_PHASE
 from .errors import ApiError, error_response, is_anthropic_path
 from .http_errors import JsonErrorsHandler
 from .metrics import CONTENT_TYPE
@@ -214,6 +215,7 @@ async def metrics(request: web.Request) -> web.Response:
         except Exception as e:  # noqa: BLE001 - metrics must answer even if the worker is restarting
             log.debug("engine stats unavailable: %r", e)
     state.metrics.n_ctx_slot = int(state.model_info.get("n_ctx") or 0)
+    state.metrics.set_stall(state.engine_health().get("stall") if state.engine_state == "stalled" else None)
     return web.Response(body=state.metrics.render(), headers={
         "Content-Type": CONTENT_TYPE, "Process-Start-Time-Unix": str(int(state.started_at))})
 
@@ -300,8 +302,9 @@ class _ConnectionGuard(asyncio.Protocol):
     a later request (slow or half-open clients; aiohttp's keep-alive timeout closes connections
     idle between requests). At most ``cap`` connections are open at once: at the cap a new
     connection closes the oldest idle kept-alive one (served, now waiting for nothing), else the
-    oldest that has not sent a whole request yet, or is refused when every one is busy with a
-    request (a file descriptor each)."""
+    oldest that has not sent a whole request yet, else the one whose request body is furthest
+    behind the minimum body rate, or is refused when every one is busy with a request (a file
+    descriptor each)."""
 
     open_now = 0
     # connections whose first request is not complete yet, oldest first (evicted at the cap)
@@ -309,12 +312,14 @@ class _ConnectionGuard(asyncio.Protocol):
     # every counted connection, oldest first (idle kept-alive ones are evicted first at the cap)
     opened: "dict[_ConnectionGuard, None]" = {}
 
-    def __init__(self, inner: asyncio.Protocol, cap: int, header_timeout: float):
+    def __init__(self, inner: asyncio.Protocol, cap: int, header_timeout: float, min_body_rate: float = 0):
         self.inner, self.cap, self.header_timeout = inner, cap, header_timeout
+        self.min_body_rate = min_body_rate
         self.transport: asyncio.BaseTransport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.armed_at = 0  # requests complete when the header timer was armed
         self.counted = False
+        self.inner_connected = False  # aiohttp's protocol has the connection (made, not yet lost)
 
     def _requests(self) -> int:
         return getattr(self.inner, "_request_count", 0)
@@ -334,14 +339,33 @@ class _ConnectionGuard(asyncio.Protocol):
         for c in _ConnectionGuard.opened:
             if c._idle_kept_alive():
                 return c
-        return next(iter(_ConnectionGuard.waiting), None)
+        waiting = next(iter(_ConnectionGuard.waiting), None)
+        if waiting is not None:
+            return waiting
+        return self._slowest_body()
+
+    def _slowest_body(self) -> "_ConnectionGuard | None":
+        """The connection whose request body is furthest behind ``min_body_rate`` (bytes/s since
+        its reading began), if one is behind at all: a flood of slow bodies cannot hold the cap."""
+        if not self.min_body_rate:
+            return None
+        now = time.monotonic()
+        worst, most = None, 0.0
+        for c in _ConnectionGuard.opened:
+            prog = BODIES.get(c.transport) if c.transport is not None else None
+            if prog is not None:
+                behind = prog.deficit(self.min_body_rate, now)
+                if behind > most:
+                    worst, most = c, behind
+        return worst
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         victim = self._victim() if _ConnectionGuard.open_now >= self.cap else None
         if victim is not None:
-            log.info("connection cap %d reached: closing the oldest %s", self.cap,
-                     "idle kept-alive connection" if victim._requests() else "connection without a request")
+            what = ("request body furthest behind the minimum rate" if BODIES.get(victim.transport)
+                    else "idle kept-alive connection" if victim._requests() else "connection without a request")
+            log.info("connection cap %d reached: closing the %s", self.cap, what)
             victim._drop()
         if _ConnectionGuard.open_now >= self.cap:
             log.warning("connection refused: %d connections open (cap %d)", _ConnectionGuard.open_now, self.cap)
@@ -353,6 +377,7 @@ class _ConnectionGuard(asyncio.Protocol):
         _ConnectionGuard.opened[self] = None
         self._arm()
         self.inner.connection_made(transport)
+        self.inner_connected = True
 
     def _arm(self) -> None:
         """The next request's headers must be complete within ``header_timeout`` from now."""
@@ -367,11 +392,24 @@ class _ConnectionGuard(asyncio.Protocol):
             self._drop()
 
     def _drop(self) -> None:
-        """Close the connection: counted as gone at once."""
+        """Close the connection: counted as gone at once; aiohttp's protocol learns it from the
+        transport's own connection_lost, a loop turn later (after its request loop has started:
+        a connection evicted in the turn it was made would otherwise fail an assertion there)."""
         transport = self.transport
-        self.connection_lost(None)
+        self._forget()
         if transport is not None:
             transport.abort()
+
+    def _forget(self) -> None:
+        """Stop counting this connection (its timer, the cap's books)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        _ConnectionGuard.waiting.pop(self, None)
+        _ConnectionGuard.opened.pop(self, None)
+        if self.counted:
+            self.counted = False
+            _ConnectionGuard.open_now -= 1
 
     def data_received(self, data: bytes) -> None:
         if not self.counted:
@@ -388,17 +426,12 @@ class _ConnectionGuard(asyncio.Protocol):
             self._arm()
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.counted else None
+        return self.inner.eof_received() if self.counted else None  # dropped: nothing to hand on
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        _ConnectionGuard.waiting.pop(self, None)
-        _ConnectionGuard.opened.pop(self, None)
-        if self.counted:
-            self.counted = False
-            _ConnectionGuard.open_now -= 1
+        self._forget()
+        if self.inner_connected:
+            self.inner_connected = False
             self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -426,9 +459,10 @@ class _GuardedSite(web.TCPSite):
         assert server is not None
         st = self._runner.app["state"]  # type: ignore[union-attr]
         cap, timeout = st.settings.http_max_connections, st.settings.http_header_timeout_s
+        rate = st.settings.http_body_min_rate
         self._server = await asyncio.get_running_loop().create_server(
             lambda: _ConnectionGuard(_JsonErrorsHandler(server, loop=server._loop, **server._kwargs), cap,
-                                     timeout), self._host, self._port,
+                                     timeout, rate), self._host, self._port,
             backlog=self._backlog, reuse_address=self._reuse_address, reuse_port=self._reuse_port)
 
 

@@ -197,12 +197,16 @@ async def ensure_engine(state: DaemonState) -> Any:
     Ends the request's input phase (see INPUT_PHASE): errors from here on are not the client's."""
     INPUT_PHASE.set(False)
     eng = state.engine
+    if state.phase == "stopping":
+        raise ApiError(503, "engine_stopped", "The daemon is shutting down.")
     if eng is None:
         raise ApiError(503, "model_not_loaded", "No model is loaded.")
     if eng.state in ("loading", "restarting", "stalled"):
         try:
             await eng.wait_ready(timeout=600)
         except (EngineError, asyncio.TimeoutError) as e:
+            if state.phase == "stopping" or getattr(e, "code", None) == "engine_stopped":
+                raise ApiError(503, "engine_stopped", "The daemon is shutting down.") from None
             raise ApiError(503, "model_not_loaded", f"Model failed to load: {e}") from None
     if eng.state not in ("ready",):
         raise ApiError(503, "model_not_loaded", f"Engine is {eng.state}; no model to serve.")

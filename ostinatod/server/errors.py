@@ -34,8 +34,9 @@ class ApiError(Exception):
         self.status = status
         self.code = code
         self.message = message
-        self.param = param
         self.extra = dict(extra or {})  # further fields of the error object (n_prompt_tokens, n_ctx)
+        # the engine names the offending parameter in its error's extra fields
+        self.param = param if param is not None else self.extra.pop("param", None)
 
 
 def openai_error_body(err: ApiError) -> dict[str, Any]:

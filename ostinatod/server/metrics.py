@@ -81,8 +81,24 @@ class _EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.snapshot: dict[str, Any] = {}
+        self.stall: dict[str, Any] | None = None  # the supervisor's stall record, None when not stalled
 
     def collect(self):
+        st = self.stall
+        g = GaugeMetricFamily("ostinato_engine_stalled", "1 while the engine loop is stalled in one "
+                              "native call (labels: what, and the request ids in it)",
+                              labels=["what", "request_id"])
+        if isinstance(st, dict):
+            for rid in st.get("requests") or ["-"]:
+                g.add_metric([str(st.get("what")), str(rid)], 1.0)
+        else:
+            g.add_metric(["-", "-"], 0.0)
+        yield g
+        if isinstance(st, dict):
+            s = GaugeMetricFamily("ostinato_engine_stall_seconds", "Seconds the engine loop has been "
+                                  "inside the stalled call")
+            s.add_metric([], float(st.get("for_s") or 0))
+            yield s
         ex = self.snapshot.get("experts")
         if isinstance(ex, dict) and "workload" in ex:
             g = GaugeMetricFamily("ostinato_residency_active", "1 for the workload of the active "
@@ -209,6 +225,11 @@ class Metrics:
     def set_engine_stats(self, stats: dict[str, Any]) -> None:
         """Replace the engine snapshot exported at the next scrape."""
         self._engine.snapshot = stats or {}
+
+    def set_stall(self, stall: dict[str, Any] | None) -> None:
+        """The engine's stall record (``{"what", "for_s", "requests"}``) or None, exported as
+        ``ostinato_engine_stalled`` at the next scrape."""
+        self._engine.stall = stall
 
     def render(self) -> bytes:
         """Prometheus text exposition of everything (llama-server's ``llamacpp:*`` series last)."""

@@ -68,6 +68,10 @@ class CompletionBody(_Base):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LEGACY)  # alternatives per token
     echo: bool = False
+    # llama-server's output constraints on its /v1/completions (the same as on /completion)
+    grammar: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = None
+    response_format: Optional[dict[str, Any]] = None
 
 
 def _sampling(state: DaemonState, b: _Base, req: GenRequest) -> None:
@@ -229,6 +233,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = GenRequest(id=new_id("cmpl-"), logprobs=b.logprobs,
                      **({"prompt_tokens": prompt} if isinstance(prompt, list) else {"prompt": prompt}))
     _sampling(state, b, req)
+    schema = b.json_schema if b.json_schema is not None else json_schema_of(b.response_format)
+    if b.grammar and schema is not None:
+        raise ApiError(400, "invalid_request", "Cannot use both json_schema and grammar", param="grammar")
+    req.grammar, req.json_schema = b.grammar or None, schema
     fill_common(state, request, req, b.model)
     gen = await Generation.open(state, req, "openai_completions")
     created = int(time.time())

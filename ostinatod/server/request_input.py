@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import time
 from typing import Any
 
 from aiohttp import web
@@ -54,6 +55,75 @@ def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
             stack.extend((x, depth + 1) for x in items)
 
 
+BODY_GRACE_S = 2.0  # the minimum body rate is measured from this long after the headers
+
+
+class BodyProgress:
+    """How far a request body has come: ``t0`` (monotonic, when reading began) and ``n`` (bytes
+    so far). The connection guard reads it to close the bodies furthest behind first."""
+
+    __slots__ = ("t0", "n")
+
+    def __init__(self) -> None:
+        self.t0, self.n = time.monotonic(), 0
+
+    def deficit(self, min_rate: float, now: float) -> float:
+        """Bytes this body is behind ``min_rate`` (counted from ``t0``; negative: ahead)."""
+        return min_rate * (now - self.t0) - self.n
+
+
+# bodies being read, by the transport of their connection (the connection guard's view)
+BODIES: dict[Any, BodyProgress] = {}
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole body of ``request`` within ``http_body_timeout_s`` and at ``http_body_min_rate``
+    bytes per second at least (after :data:`BODY_GRACE_S`); its progress is published in
+    :data:`BODIES` under the connection's transport while it arrives. Raises ApiError 408
+    ``request_timeout`` (the connection is closed after the answer), 499 ``client_disconnected``
+    (the connection closed meanwhile) or 413 (over the app's client_max_size)."""
+    s = request.app["state"].settings
+    limit = request.client_max_size
+    prog = BodyProgress()
+    proto = request.protocol
+    transport = request.transport
+    if transport is not None:
+        BODIES[transport] = prog
+    buf = bytearray()
+    try:
+        while True:
+            now = time.monotonic()
+            elapsed = now - prog.t0
+            why = None
+            if elapsed >= s.http_body_timeout_s:
+                why = f"did not arrive within {s.http_body_timeout_s:.0f} s"
+            elif s.http_body_min_rate and elapsed > BODY_GRACE_S and \
+                    prog.n < s.http_body_min_rate * (elapsed - BODY_GRACE_S):
+                why = (f"arrived slower than {s.http_body_min_rate} bytes/s ({prog.n} bytes in "
+                       f"{elapsed:.0f} s; setting http_body_min_rate)")
+            if why is not None:
+                if proto is not None:
+                    proto.keep_alive(False)  # closed after the answer: its body is not read on
+                raise ApiError(408, "request_timeout", f"The request body {why}.")
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(),
+                                               min(1.0, s.http_body_timeout_s - elapsed))
+            except asyncio.TimeoutError:
+                continue
+            except ConnectionError:  # the client went, or the cap closed it for being behind
+                raise ApiError(499, "client_disconnected", "The connection closed before the request "
+                               f"body arrived ({prog.n} bytes).") from None
+            if not chunk:
+                return bytes(buf)
+            buf += chunk
+            prog.n = len(buf)
+            if limit and len(buf) > limit:
+                raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(buf))
+    finally:
+        if transport is not None and BODIES.get(transport) is prog:
+            del BODIES[transport]
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
     """Parse the body as a JSON object. Raises ApiError 400: ``invalid_json`` (not JSON, NaN or
     Infinity, nested deeper than MAX_JSON_DEPTH, not an object), ``invalid_encoding`` (a body that
@@ -63,11 +133,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise ApiError(400, "invalid_encoding", f"Content-Encoding {enc!r} is not supported "
                        f"(one of {', '.join(e for e in DECODED_ENCODINGS if e)}, or none).")
     try:
-        state = request.app["state"]
-        raw = await asyncio.wait_for(request.read(), state.settings.http_body_timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(408, "request_timeout", "The request body did not arrive within "
-                       f"{state.settings.http_body_timeout_s:.0f} s.") from None
+        raw = await read_body(request)
     except RequestPayloadError as e:
         raise ApiError(400, "invalid_encoding", f"Request body cannot be read: {one_line(e)}") from None
     try:
