@@ -56,8 +56,11 @@ class ControlClient:
             self._session = None
 
     def _not_running(self, e: Exception) -> DaemonNotRunning:
-        return DaemonNotRunning(f"ostinatod is not running (no answer on {self.socket}: {e}); "
-                                f"start it with 'ostinatod start'")
+        if not Path(self.socket).exists():
+            why = f"no control socket at {self.socket}"
+        else:  # a socket file no process listens on (a daemon that was killed), or no permission
+            why = f"no answer on {self.socket}: {getattr(e, 'os_error', None) or e}"
+        return DaemonNotRunning(f"ostinatod is not running ({why}); start it with 'ostinatod start'")
 
     async def request(self, method: str, path: str, body: Optional[dict] = None) -> dict[str, Any]:
         """One call; returns the decoded JSON object of a 2xx answer."""
