@@ -112,7 +112,7 @@ def _post(url: str, path: str, body: dict) -> tuple[int, dict, dict]:
 
 
 def test_sigterm_removes_the_socket_answers_queued_requests_and_logs_utf8(start_daemon, tiny_model):
-    d = start_daemon("--model", str(tiny_model), "--n-ctx", "1024", "--n-slots", "1", "--n-threads", "1",
+    d = start_daemon("--model", str(tiny_model), "--n-ctx", "8192", "--n-slots", "1", "--n-threads", "1",
                      "--engine-mode", "subprocess")
     assert d.control_socket.exists()
     out: dict = {}
@@ -120,7 +120,7 @@ def test_sigterm_removes_the_socket_answers_queued_requests_and_logs_utf8(start_
     def ask(name: str, n: int) -> None:
         out[name] = _post(d.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                           "max_tokens": n, "ignore_eos": True})
-    threads = [threading.Thread(target=ask, args=(name, n)) for name, n in (("running", 900), ("queued", 4))]
+    threads = [threading.Thread(target=ask, args=(name, n)) for name, n in (("running", 8000), ("queued", 4))]
     for th in threads:
         th.start()
         time.sleep(0.4)
