@@ -83,10 +83,11 @@ def write_moe_gguf(path: Path, n_layer: int = 6, n_expert: int = 16, k: int = 4,
     return path
 
 
-def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+def post(url: str, body: bytes, headers: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
+    """POST ``body`` (JSON bytes) to ``url``: the status and the decoded JSON answer, whatever the status."""
     req = urllib.request.Request(url, data=body, headers={"content-type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())

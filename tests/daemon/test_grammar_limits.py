@@ -6,11 +6,10 @@ first, then the shared live daemon (real HTTP, subprocess worker)."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import pytest
 
+from helpers import post
 from ostinatod.engine import limits, patterns
 from ostinatod.engine.patterns import GrammarLimits, gbnf_cost, regex_cost, unenforceable
 from ostinatod.engine.types import EngineError
@@ -98,13 +97,7 @@ def test_schema_size_counts_enum_values():
 # ---- live: the same rule on every route ---------------------------------------------------------
 
 def _post(url: str, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post(url + path, json.dumps(body).encode(), headers)
 
 
 MSGS = [{"role": "user", "content": "hi"}]

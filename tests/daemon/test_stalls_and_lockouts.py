@@ -18,16 +18,11 @@ import pytest
 from ostinatod.engine import limits
 from ostinatod.engine.types import EngineError
 from ostinatod.bench.bench_reliability import BAD_GGUFS, big_tool, patch_gguf
+from helpers import post as post_json
 
 
 def post(url: str, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(url + path, json.dumps(body).encode(), timeout=timeout)
 
 
 def health(url: str) -> dict:
