@@ -392,22 +392,17 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
         doc["model_providers"] = t
         extra = f"# and export {key_env}=<your api_key>\n" if key_env else ""
         return f"# Codex (Responses API): {dest} (--write merges this)\n{tomlkit.dumps(doc)}{extra}"
-    if agent == "qwen":
-        files = agent_files(agent, facts, key)
-        (f, text), = files.items()
-        env = {**qwen_env(url, model, key), "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(f)}
-        return ("# Qwen Code: set these, then run `qwen`; the defaults file tells it the protocol, the model\n"
-                f"# and the served context (contextWindowSize). --write merges both into {dest} instead.\n" +
-                "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) +
-                f"# {f}:\n{text}")
-    if agent == "aider":
-        files = agent_files(agent, facts, key)
-        (f, text), = files.items()
-        env = {**aider_env(url, model, key), "AIDER_MODEL_METADATA_FILE": str(f)}
-        return ("# Aider: set these, then run `aider`; the metadata file gives it the served context.\n"
-                f"# --write merges the metadata into {dest}, which aider reads by itself.\n" +
-                "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) +
-                f"# {f}:\n{text}")
+    if agent in ("qwen", "aider"):
+        (f, text), = agent_files(agent, facts, key).items()
+        if agent == "qwen":
+            env = {**qwen_env(url, model, key), "QWEN_CODE_SYSTEM_DEFAULTS_PATH": str(f)}
+            head = ("# Qwen Code: set these, then run `qwen`; the defaults file tells it the protocol, the model\n"
+                    f"# and the served context (contextWindowSize). --write merges both into {dest} instead.\n")
+        else:
+            env = {**aider_env(url, model, key), "AIDER_MODEL_METADATA_FILE": str(f)}
+            head = ("# Aider: set these, then run `aider`; the metadata file gives it the served context.\n"
+                    f"# --write merges the metadata into {dest}, which aider reads by itself.\n")
+        return head + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()) + f"# {f}:\n{text}"
     if agent == "cline":
         files = agent_files(agent, facts, key)
         (pf, ptext), (mf, mtext) = files.items()
