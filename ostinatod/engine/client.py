@@ -26,7 +26,9 @@ from typing import Any, AsyncIterator, Optional
 from ..settings import Settings
 from . import limits
 from . import protocol as P
-from .types import TERMINAL, EngineError, EngineEvent, GenRequest
+from .events import TERMINAL, DeltaEvent, EngineEvent, ErrorEvent
+from .stats import EngineStats, LoopProgress, ModelFacts
+from .types import EngineError, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
 
@@ -38,8 +40,8 @@ def _resolve_model(settings: Settings, model_path: Optional[Path]) -> Path:
     return Path(p).expanduser()
 
 
-def _error_event(code: str, message: str, status: int) -> EngineEvent:
-    return EngineEvent("error", {"code": code, "message": message, "status": status})
+def _error_event(code: str, message: str, status: int) -> ErrorEvent:
+    return ErrorEvent(code, message, status)
 
 
 async def _until_terminal(q: "asyncio.Queue[EngineEvent]") -> AsyncIterator[EngineEvent]:
@@ -62,7 +64,7 @@ class InProcessEngine:
         self._worker = None
         self._thread: Optional[threading.Thread] = None
         self._loaded: Optional[asyncio.Future] = None
-        self._info: dict[str, Any] = {}
+        self._info: Optional[ModelFacts] = None
 
     async def start(self) -> None:
         """Start loading the model in the worker thread (returns at once; see wait_ready)."""
@@ -84,7 +86,7 @@ class InProcessEngine:
         def body() -> None:
             try:
                 worker.load()
-                self._info = worker.info()
+                self._info = ModelFacts.parse(worker.info())
             except EngineError as e:
                 loop.call_soon_threadsafe(self._set_loaded, loop, e)
                 worker.close()
@@ -183,14 +185,15 @@ class InProcessEngine:
         return self._worker
 
     async def info(self) -> dict[str, Any]:
-        """Loaded model facts ({} before the model is loaded)."""
-        return dict(self._info, state=self.state)
+        """Loaded model facts (:class:`.stats.ModelFacts` as JSON, with the ``state``; only the
+        state before the model is loaded)."""
+        return dict(self._info.wire if self._info is not None else {}, state=self.state)
 
-    async def stats(self) -> dict[str, Any]:
-        """Engine counters (see Worker.stats)."""
+    async def stats(self) -> EngineStats:
+        """Engine counters (see Worker.stats), parsed."""
         if self._worker is None or self.state != "ready":
-            return {"state": self.state}
-        return dict(self._worker.stats(), state=self.state)
+            return EngineStats.not_ready(self.state)
+        return EngineStats.parse(self._worker.stats()).with_state(self.state)
 
     async def switch_residency(self, path: Path, reason: str = "control") -> dict[str, Any]:
         """Swap the residency set to the file ``path`` at the next request boundary (see
@@ -256,7 +259,7 @@ class SubprocessEngine:
         self._rid = itertools.count(1)
         self._ready: Optional[asyncio.Event] = None
         self._stopping = False
-        self._info: dict[str, Any] = {}
+        self._info: Optional[ModelFacts] = None
 
     @property
     def pid(self) -> Optional[int]:
@@ -314,7 +317,7 @@ class SubprocessEngine:
     async def _ping(self, proc: asyncio.subprocess.Process, timeout: float) -> Any:
         """The worker's answer to one ping (its progress); "stalled" meanwhile when it takes
         longer than :data:`STALL_S`. Raises asyncio.TimeoutError after ``timeout`` s."""
-        ping = asyncio.ensure_future(self._call(P.Op.PING, force=True))
+        ping = asyncio.ensure_future(self._call(P.Ping, force=True))
         done, _ = await asyncio.wait({ping}, timeout=min(STALL_S, timeout))
         if not done:  # this loop may have been busy itself (a huge body): read what came
             done, _ = await asyncio.wait({ping}, timeout=0.2)
@@ -332,11 +335,11 @@ class SubprocessEngine:
             raise asyncio.TimeoutError
         return ping.result()
 
-    def _judge_progress(self, proc: asyncio.subprocess.Process, progress: Any) -> None:
+    def _judge_progress(self, proc: asyncio.subprocess.Process, progress: LoopProgress) -> None:
         """Stalled or not from the worker's progress (see :meth:`_watch`); kill it past
         ``engine_stall_timeout_s``."""
-        busy = progress.get("busy") if isinstance(progress, dict) else None
-        for_s = float(busy.get("for_s") or 0) if isinstance(busy, dict) else 0.0
+        busy = progress.busy
+        for_s = float(busy.for_s) if busy is not None else 0.0
         bound = float(self.settings.engine_stall_timeout_s)
         # an honest long forward pass (a deep context on a CPU) is not reported before a third
         # of the bound (5 s by default)
@@ -346,19 +349,20 @@ class SubprocessEngine:
                 self.state = "ready"
             self.stall = None
             return
-        ids = [str(i) for i in busy.get("requests") or []]
+        assert busy is not None
+        ids = [str(i) for i in busy.requests]
         if self.state != "stalled":
             log.warning("engine worker (pid %s) stalled: %.1f s in one %s of request(s) %s", proc.pid,
-                        for_s, busy.get("what"), ", ".join(ids) or "-")
+                        for_s, busy.what, ", ".join(ids) or "-")
         self.state = "stalled"
-        self.stall = {"what": busy.get("what"), "for_s": round(for_s, 1), "requests": ids}
+        self.stall = {"what": busy.what, "for_s": round(for_s, 1), "requests": ids}
         if bound > 0 and for_s >= bound and proc.returncode is None and not self._stopping:
             log.error("engine worker (pid %s): %.1f s in one %s of request(s) %s (limit "
                       "engine_stall_timeout_s = %g); failing them and restarting the worker", proc.pid,
-                      for_s, busy.get("what"), ", ".join(ids) or "-", bound)
-            self._kill_reason = (f"stalled {for_s:.0f} s in one {busy.get('what')} of request(s) "
+                      for_s, busy.what, ", ".join(ids) or "-", bound)
+            self._kill_reason = (f"stalled {for_s:.0f} s in one {busy.what} of request(s) "
                                  f"{', '.join(ids) or '-'}")
-            self._stalled = {"ids": set(ids), "what": str(busy.get("what")), "for_s": for_s}
+            self._stalled = {"ids": set(ids), "what": busy.what, "for_s": for_s}
             self._kill(proc)
 
     @staticmethod
@@ -386,7 +390,7 @@ class SubprocessEngine:
             sys.executable, "-m", "ostinatod.engine.worker_main",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
             limit=64 * 1024 * 1024)
-        await self._send(P.Init(self.settings.model_dump(mode="json"), str(path)))
+        await self._send(P.Init(self.settings, str(path)))
         self._reader = asyncio.create_task(self._read_loop(self._proc, path))
 
     async def _send(self, msg: P.Message) -> bool:
@@ -419,7 +423,7 @@ class SubprocessEngine:
                 if q is not None:
                     q.put_nowait(msg.event)
             elif isinstance(msg, P.Reply):
-                fut = self._replies.pop(msg.rid, None)
+                fut = self._replies.pop(msg.rid or "", None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             elif isinstance(msg, P.StateMsg):
@@ -446,11 +450,11 @@ class SubprocessEngine:
                 what = stalled["what"]
                 cause = (" (under the request's grammar: simplify its patterns, schema or grammar)"
                          if what == "sampling" else "")
-                q.put_nowait(EngineEvent("error", {
-                    "code": "engine_stalled", "status": 400 if what == "sampling" else 503,
-                    "message": f"the engine spent {stalled['for_s']:.0f} s in one {what} of this request "
-                               f"(limit engine_stall_timeout_s = {bound:g}){cause}; the request was ended "
-                               "and the engine worker restarted"}))
+                q.put_nowait(ErrorEvent(
+                    "engine_stalled",
+                    f"the engine spent {stalled['for_s']:.0f} s in one {what} of this request "
+                    f"(limit engine_stall_timeout_s = {bound:g}){cause}; the request was ended "
+                    "and the engine worker restarted", 400 if what == "sampling" else 503))
             else:
                 q.put_nowait(_error_event("engine_crashed", f"the engine worker exited (code {rc}); it is "
                                           "being restarted, retry the request", 503))
@@ -565,10 +569,10 @@ class SubprocessEngine:
                     return
                 output = False
                 async for ev in _until_terminal(q):
-                    if (attempt == 0 and not output and ev.type == "error"
-                            and ev.data.get("code") == "engine_crashed" and not self._stopping):
+                    if (attempt == 0 and not output and isinstance(ev, ErrorEvent)
+                            and ev.code == "engine_crashed" and not self._stopping):
                         break  # nothing reached the client: run it again on the restarted worker
-                    output = output or ev.type == "delta"
+                    output = output or isinstance(ev, DeltaEvent)
                     finished = ev.type in TERMINAL
                     yield ev
                 else:
@@ -587,72 +591,78 @@ class SubprocessEngine:
             if not finished:
                 await self._send(P.Cancel(req.id))
 
-    async def _call(self, op: P.Op, force: bool = False, **kw: Any) -> Any:
+    async def _call(self, kind: type[P.Call], force: bool = False, **kw: Any) -> Any:
+        """Send a call of ``kind`` (fields ``kw``) and return its typed result
+        (:meth:`.protocol.Call.result_of`). Raises EngineError (the worker's, or 503)."""
         if self.state != "ready" and not (force and self._proc is not None):
             raise EngineError("model_not_loaded", f"the engine is {self.state}", 503)
         rid = str(next(self._rid))
         fut = asyncio.get_running_loop().create_future()
         self._replies[rid] = fut
-        if not await self._send(P.Call(op, rid, **kw)):
+        call = kind(rid, **kw)
+        if not await self._send(call):
             self._replies.pop(rid, None)
             raise EngineError("engine_crashed", "the engine worker is not running", 503)
         reply: P.Reply = await fut
         if reply.error is not None:
             raise reply.error
-        return reply.result
+        return call.result_of(reply.result)
 
     async def count_tokens(self, req: GenRequest) -> int:
         """Tokens of the rendered prompt of ``req``. Raises EngineError."""
         self._check_size(req)
-        return int(await self._call(P.Op.COUNT_TOKENS, req=req))
+        return await self._call(P.CountTokens, req=req)
 
     async def tokenize(self, content: Any, add_special: bool = False, parse_special: bool = True,
                        with_pieces: bool = False) -> list[Any]:
         """llama-server's /tokenize of ``content``, in the worker process."""
-        return list(await self._call(P.Op.TOKENIZE, args={
-            "content": content, "add_special": add_special, "parse_special": parse_special,
-            "with_pieces": with_pieces}))
+        return await self._call(P.Tokenize, content=content, add_special=add_special,
+                                parse_special=parse_special, with_pieces=with_pieces)
 
     async def detokenize(self, tokens: list[int]) -> str:
         """The text of ``tokens``, in the worker process. Raises EngineError 400 for a bad id."""
-        return str(await self._call(P.Op.DETOKENIZE, args={"tokens": list(tokens)}))
+        return await self._call(P.Detokenize, tokens=list(tokens))
 
     async def apply_template(self, req: GenRequest) -> str:
         """The prompt the chat template makes of ``req``, in the worker process."""
         self._check_size(req)
-        return str(await self._call(P.Op.APPLY_TEMPLATE, req=req))
+        return await self._call(P.ApplyTemplate, req=req)
 
     def _check_size(self, req: GenRequest) -> None:
         """Refuse text that cannot fit the context (:func:`.limits.check_text_fits`) before it is
         sent down the pipe: decoding tens of MiB there would keep the worker's reader from
         answering pings."""
-        n_ctx, piece = self._info.get("n_ctx"), self._info.get("max_piece_bytes")
+        if self._info is None:
+            return
+        n_ctx, piece = self._info.n_ctx, self._info.max_piece_bytes
         if n_ctx and piece:
             limits.check_text_fits(limits.message_text_bytes(req.messages, req.prompt), piece, n_ctx)
 
     async def info(self) -> dict[str, Any]:
-        """Loaded model facts (from the worker at load time)."""
-        return dict(self._info, state=self.state, restarts=self.restarts)
+        """Loaded model facts (from the worker at load time: :class:`.stats.ModelFacts` as JSON),
+        with ``state`` and ``restarts``."""
+        return dict(self._info.wire if self._info is not None else {}, state=self.state,
+                    restarts=self.restarts)
 
-    async def stats(self) -> dict[str, Any]:
-        """Engine counters from the worker process."""
+    async def stats(self) -> EngineStats:
+        """Engine counters from the worker process, parsed (:class:`.stats.EngineStats`)."""
         if self.state != "ready":
-            return {"state": self.state, "restarts": self.restarts}
+            return EngineStats.not_ready(self.state, self.restarts)
         try:
-            st = await self._call(P.Op.STATS)
+            st: EngineStats = await self._call(P.GetStats)
         except EngineError:
-            return {"state": self.state, "restarts": self.restarts}
-        return dict(st, state=self.state, restarts=self.restarts)
+            return EngineStats.not_ready(self.state, self.restarts)
+        return st.with_state(self.state, self.restarts)
 
     async def switch_residency(self, path: Path, reason: str = "control") -> dict[str, Any]:
         """Swap the residency set in the worker process at its next request boundary; same answer
         and errors as :meth:`InProcessEngine.switch_residency` (``engine_crashed`` if the worker
         dies meanwhile)."""
-        return dict(await self._call(P.Op.SWITCH_RESIDENCY, path=str(path), reason=reason))
+        return await self._call(P.SwitchResidency, path=str(path), reason=reason)
 
     async def flush_traces(self) -> None:
         """Make the worker write its pending routing counts to the trace files."""
-        await self._call(P.Op.FLUSH_TRACES)
+        await self._call(P.FlushTraces)
 
 
 RERUN_WAIT_S = 300.0  # a re-run request waits this long for the restarted worker

@@ -37,7 +37,8 @@ from .slots import Slot, choose_slot
 from .task import Emit, Task
 from .switcher import ResidencySwitcher, SwitchDone
 from .text import StopScanner, merge_deltas, settle_tool_calls
-from .types import DEMO_NOTICE, EngineError, EngineEvent, EventType, GenRequest
+from .events import DeltaEvent, EngineEvent, ErrorEvent, ProgressEvent, StartEvent
+from .types import DEMO_NOTICE, EngineError, GenRequest
 
 log = logging.getLogger("ostinatod.engine")
 # Slots' states go to disk only after the loop has been idle this long (s): copying a slot's KV out
@@ -736,23 +737,16 @@ class Worker:
                 self._counters["prompt_tokens"] += len(t.prompt)
                 self._counters["cached_tokens"] += n_keep
             self._active.append(t)
-            start = {"prompt_tokens": len(t.prompt), "cached_tokens": n_keep, "slot": target.id}
-            if restored:
-                start["host_cache_tokens"] = restored
-            if t.residency_switch is not None:
-                start["residency_switch"] = t.residency_switch
-            if t.residency_skipped is not None:
-                start["residency_switch_skipped"] = t.residency_skipped
-            self._emit(t, EventType.START, start)
+            self._emit(t, StartEvent(len(t.prompt), n_keep, target.id, restored or None,
+                                     t.residency_switch, t.residency_skipped))
             self._progress(t)
 
     def _progress(self, t: Task) -> None:
         """The ``progress`` event of a request that asked for it (``return_progress``): prompt
         tokens, cached, processed so far (cached + prefilled), ms since its prefill began."""
         if t.req.return_progress:
-            self._emit(t, EventType.PROGRESS, {
-                "total": len(t.prompt), "cache": t.n_cached, "processed": len(t.prompt) - len(t.pending),
-                "time_ms": round((time.monotonic() - t.t_prefill_start) * 1000, 3)})
+            self._emit(t, ProgressEvent(len(t.prompt), t.n_cached, len(t.prompt) - len(t.pending),
+                                        round((time.monotonic() - t.t_prefill_start) * 1000, 3)))
 
     def _release(self, t: Task) -> None:
         if t.slot is not None:
@@ -996,7 +990,7 @@ class Worker:
         if len(t.logprobs) > t.logprobs_sent:
             d = dict(d, logprobs=t.logprobs[t.logprobs_sent:])
             t.logprobs_sent = len(t.logprobs)
-        self._emit(t, EventType.DELTA, d)
+        self._emit(t, DeltaEvent(**d))
 
     def _end(self, t: Task, reason: Optional[str], error: Optional[tuple[str, str]] = None) -> None:
         """Finish ``t``: final parse, done (or error) event, slot released."""
@@ -1026,40 +1020,39 @@ class Worker:
                 self._emit_delta(t, {})
             message = dict(message, content=DEMO_NOTICE + (message.get("content") or ""))
         message, reason = settle_tool_calls(message, reason, t.req.tool_choice)
-        data = t.done_data(reason, message, time.monotonic())
-        data["prefill"] = {"passes": t.prefill_passes, "ubatch": self.n_prefill_step}
-        if t.stop_sequence is not None:
-            data["stop_sequence"] = t.stop_sequence
+        done = t.done_event(reason, message, time.monotonic())
+        done.prefill = {"passes": t.prefill_passes, "ubatch": self.n_prefill_step}
+        done.stop_sequence = t.stop_sequence
         if self.rt is not None:
             try:
-                data["experts"] = self.rt.take_request_stats()
+                done.experts = self.rt.take_request_stats()
             except Exception as e:
-                data["experts"] = {"error": str(e)}
-            self.rt.follow_decode_graph(self.ctx, data["experts"])
+                done.experts = {"error": str(e)}
+            self.rt.follow_decode_graph(self.ctx, done.experts)
             if self.traces is not None:
-                self.traces.record_done(t.req.workload or self.settings.workload_default, data,
+                self.traces.record_done(t.req.workload or self.settings.workload_default, done.to_data(),
                                         n_tools=len(t.req.tools or []))
         self._release(t)
         with self._lock:
             self._counters["requests_ok"] += 1
-        self._emit(t, EventType.DONE, data)
+        self._emit(t, done)
 
     def _finish_bookkeeping(self, t: Task, cancelled: bool) -> None:
         t.finished = True
         if cancelled:
             with self._lock:
                 self._counters["requests_cancelled"] += 1
-            self._emit(t, EventType.ERROR, {"code": "cancelled", "message": "request cancelled", "status": 499})
+            self._emit(t, ErrorEvent("cancelled", "request cancelled", 499))
 
     def _fail(self, t: Task, code: str, message: str, status: int,
               extra: Optional[dict[str, Any]] = None) -> None:
         t.finished = True
         with self._lock:
             self._counters["requests_error"] += 1
-        self._emit(t, EventType.ERROR, {**(extra or {}), "code": code, "message": message, "status": status})
+        self._emit(t, ErrorEvent(code, message, status, dict(extra or {})))
 
-    def _emit(self, t: Task, typ: EventType, data: dict[str, Any]) -> None:
+    def _emit(self, t: Task, ev: EngineEvent) -> None:
         try:
-            t.emit(EngineEvent(typ, data))
+            t.emit(ev)
         except Exception:
             log.exception("request %s: event consumer failed", t.req.id)
