@@ -265,7 +265,7 @@ class ResidencyDesk:
         if st.engine is not None and st.engine_state == "ready":
             try:
                 stats = await asyncio.wait_for(st.engine.stats(), 5)
-                wl = (stats.get("experts") or {}).get("workload") if isinstance(stats, dict) else None
+                wl = stats.experts.workload if stats.experts is not None else None
                 if wl:
                     return str(wl)
             except Exception as e:  # restarting worker: the caller falls back to the default

@@ -139,8 +139,8 @@ async def h_status(request: web.Request) -> web.Response:
     out["gpus"] = gpu_memory()   # per GPU used/total bytes (NVML; [] without): the pool lines show it
     if st.engine is not None and st.engine_state == "ready":
         try:
-            stats = await asyncio.wait_for(st.engine.stats(), 5) or {}
-            if isinstance(stats.get("experts"), dict):  # stock engines have no residency set
+            stats = await asyncio.wait_for(st.engine.stats(), 5)
+            if stats.experts is not None:  # stock engines have no residency set
                 ex = expert_view(stats)
                 out["residency"] = {k: ex.get(k) for k in ("workload", "residency", "hot_experts",
                                                             "pool_bytes", "pools", "switches",
@@ -247,12 +247,12 @@ async def h_residency(request: web.Request) -> web.Response:
     """GET /residency: current workload and expert figures, sets, traces, background re-plans."""
     st = _state(request)
     out: dict[str, Any] = {"workload": st.settings.workload_default, "last_switch": st.last_residency_switch}
-    stats = {}
+    stats = None
     if st.engine is not None and st.engine_state == "ready":
         try:
             stats = await st.engine.stats()
         except Exception:
-            stats = {}
+            stats = None
     out["current"] = expert_view(stats)
     rp = _ctl(st).get("replanner")
     out["background_replan"] = {"idle_s": st.settings.replan_idle_s, "growth": st.settings.replan_growth,

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import psutil
 
+from ..engine.stats import EngineStats
 from ..hardware import gpu_memory
 
 
@@ -24,35 +25,44 @@ def _ctl(state) -> dict[str, Any]:
     return d
 
 
-def expert_view(stats: dict[str, Any]) -> dict[str, Any]:
-    """The expert-path figures the UIs show, from the engine's ``stats()``.
+def expert_view(stats: Optional[EngineStats]) -> dict[str, Any]:
+    """The expert-path figures the UIs show, from the engine's parsed ``stats()`` (None or without
+    ``experts``: stock llama.cpp, or no stats).
 
-    Accepts the counters either at the top level or under ``"experts"`` (the ExpertRuntime's
-    ``stats()`` as the worker embeds it). Returns ``{"mode", "hot_route_share" (0..1 or None),
-    "per_layer_hot_share" ([float] or None), "paths" ({"decode", "split", "upload", "stock"}
-    counts), "routes", "hot_routes", "cold_routes", "residency" (path of the active set or None),
-    "workload" (of the active set or None), "hot_experts", "pool_bytes", "pools" (per device:
-    ``{gpu, device, bytes, hot_experts}`` or None), "switches" (swaps since the model was loaded),
+    Returns ``{"hot_route_share" (0..1 or None), "per_layer_hot_share" (None: the engine has no
+    per-layer figures; :func:`metrics_snapshot` fills it from the routing traces), "paths"
+    ({"decode", "split", "upload", "stock"} counts), "routes", "hot_routes", "cold_routes",
+    "residency" (path of the active set or None), "workload" (of the active set or None),
+    "hot_experts", "pool_bytes", "pools" (per device: ``{gpu, device, bytes, hot_experts,
+    routes, hot_routes, hot_route_share}`` or None), "switches" (swaps since the model was loaded),
     "auto_switch" (setting residency_auto_switch)}``.
     """
-    ex = stats.get("experts") if isinstance(stats.get("experts"), dict) else stats
-    paths = ex.get("paths") or ex.get("path_counts") or {}
-    hot, routes = ex.get("hot_routes"), ex.get("routes")
-    share = ex.get("hot_route_share")
-    if share is None and routes:
-        share = (hot or 0) / routes
-    per_layer = ex.get("per_layer_hot_share") or ex.get("hot_route_share_per_layer")
+    ex = stats.experts if stats is not None else None
+    if ex is None:
+        return {"hot_route_share": None, "per_layer_hot_share": None,
+                "paths": {k: 0 for k in ("decode", "split", "upload", "stock")},
+                "routes": None, "hot_routes": None, "cold_routes": None, "residency": None,
+                "workload": None, "hot_experts": None, "pool_bytes": None, "pools": None,
+                "switches": None, "auto_switch": None}
+    share = ex.hot_route_share
+    if share is None and ex.routes:
+        share = (ex.hot_routes or 0) / ex.routes
     return {
-        "mode": ex.get("mode") or stats.get("experts_mode"),
         "hot_route_share": share,
-        "per_layer_hot_share": per_layer,
-        "paths": {k: int(paths.get(k, 0) or 0) for k in ("decode", "split", "upload", "stock")},
-        "routes": routes, "hot_routes": hot, "cold_routes": ex.get("cold_routes"),
-        "residency": ex.get("residency") or ex.get("residency_path"),
-        "workload": ex.get("workload"),
-        "hot_experts": ex.get("hot_experts"), "pool_bytes": ex.get("pool_bytes"),
-        "pools": ex.get("pools"), "switches": ex.get("switches"), "auto_switch": ex.get("auto_switch"),
+        "per_layer_hot_share": None,
+        "paths": {k: int(ex.paths.get(k, 0) or 0) for k in ("decode", "split", "upload", "stock")},
+        "routes": ex.routes, "hot_routes": ex.hot_routes, "cold_routes": ex.cold_routes,
+        "residency": ex.residency, "workload": ex.workload,
+        "hot_experts": ex.hot_experts, "pool_bytes": ex.pool_bytes,
+        "pools": [p.wire for p in ex.pools] if ex.pools is not None else None,
+        "switches": ex.switches, "auto_switch": ex.auto_switch,
     }
+
+
+# the keys of expert_view's answer (the TUI, the tray and the control API read these)
+EXPERT_VIEW_KEYS = ("hot_route_share", "per_layer_hot_share", "paths", "routes", "hot_routes",
+                    "cold_routes", "residency", "workload", "hot_experts", "pool_bytes", "pools",
+                    "switches", "auto_switch")
 
 
 def pool_lines(pools: Optional[list[dict[str, Any]]],
@@ -83,27 +93,27 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
     "paused", "requests": {"active", "total", "recent": [{"id", "workload", "status", "ttft_s",
     "tpot_s", "prompt_tokens", "cached_tokens", "completion_tokens", "residency_switch_s"}]},
     "experts": :func:`expert_view`, "last_residency_switch": the last swap (see
-    DaemonState.note_residency_switch) or None, "engine": raw ``stats()``, "memory": {"host":
+    DaemonState.note_residency_switch) or None, "engine": ``stats()`` as the engine sent it, "memory": {"host":
     {"total_bytes", "available_bytes", "daemon_rss_bytes" (daemon + engine worker)}, "gpus":
     :func:`gpu_memory`}}``. Times in seconds."""
-    stats: dict[str, Any] = {}
+    stats: Optional[EngineStats] = None
+    engine: dict[str, Any] = {}
     if state.engine is not None and state.engine_state == "ready":
         try:
-            stats = await asyncio.wait_for(state.engine.stats(), 2) or {}
+            stats = await asyncio.wait_for(state.engine.stats(), 2)
+            engine = stats.wire
             state.metrics.set_engine_stats(stats)
         except Exception as e:  # a crashed/restarting worker: report, do not fail the snapshot
-            stats = {"error": f"{type(e).__name__}: {e}"}
+            stats, engine = None, {"error": f"{type(e).__name__}: {e}"}
     keys = ("id", "workload", "status", "ttft_s", "tpot_s", "prompt_tokens", "cached_tokens",
             "completion_tokens", "client", "residency_switch_s")
     rec = [{k: r.get(k) for k in keys} for r in list(state.recent)[-recent:]]
     vm = psutil.virtual_memory()
     ex = expert_view(stats)
-    if ex["per_layer_hot_share"] is None:  # file reads (and a first fingerprint) off the loop
-        ex["per_layer_hot_share"] = await asyncio.get_running_loop().run_in_executor(
-            None, state.desk.per_layer_from_traces, ex.get("workload"), ex.get("residency"))
-        ex["per_layer_source"] = "traces" if ex["per_layer_hot_share"] else None
-    else:
-        ex["per_layer_source"] = "engine"
+    # the engine has no per-layer figures: the routing traces do (file reads off the loop)
+    ex["per_layer_hot_share"] = await asyncio.get_running_loop().run_in_executor(
+        None, state.desk.per_layer_from_traces, ex.get("workload"), ex.get("residency"))
+    ex["per_layer_source"] = "traces" if ex["per_layer_hot_share"] else None
     return {
         "time": time.time(),
         "engine_state": state.engine_state,
@@ -117,7 +127,7 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
                      "active_list": [{k: r.get(k) for k in keys} for r in state.active.values()],
                      "recent": rec},
         "experts": ex,
-        "engine": stats,
+        "engine": engine,
         "memory": {"host": {"total_bytes": vm.total, "available_bytes": vm.available,
                             "daemon_rss_bytes": _rss_with_children()},
                    "gpus": gpu_memory()},

@@ -1,7 +1,7 @@
 """The engine: the worker process and its clients (docs/architecture.md has the map).
 
 - clients (daemon side): :mod:`.client` (SubprocessEngine, InProcessEngine), :mod:`.protocol` (the
-  worker pipe), :mod:`.types` (GenRequest, EngineEvent, EngineError, EngineClient);
+  worker pipe), :mod:`.types` (GenRequest, EngineError, EngineClient), :mod:`.events` (the typed events), :mod:`.stats` (typed stats and model facts), :mod:`.supervisor` (SubprocessEngine);
 - the worker process: :mod:`.worker_main`, :mod:`.worker` (the loop), :mod:`.loading`,
   :mod:`.slots`, :mod:`.task`, :mod:`.text`, :mod:`.sampling`, :mod:`.switcher`, :mod:`.runtime`,
   :mod:`.placement`, :mod:`.chat`, :mod:`.native` (the one ctypes loader);

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 from .types import EngineError
 
@@ -384,7 +387,7 @@ def tool_where(i: int, tool: Any) -> str:
     return f"tools[{i}]" + (f" ({name})" if isinstance(name, str) else "") + ".parameters"
 
 
-def limits_of(settings: Any) -> GrammarLimits:
+def limits_of(settings: Settings) -> GrammarLimits:
     """The :class:`GrammarLimits` of a :class:`~ostinatod.settings.Settings`."""
     return GrammarLimits(settings.max_pattern_depth, settings.max_pattern_ambiguity,
                          settings.max_pattern_star_height, settings.max_pattern_expansion,

@@ -16,9 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .slots import Slot, SlotChoice, common_prefix
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 log = logging.getLogger("ostinatod.engine")
 
@@ -109,7 +112,7 @@ class PrefixCache:
                 "dropped": self.dropped}
 
 
-def prefix_cache_budget(settings: Any) -> int:
+def prefix_cache_budget(settings: Settings) -> int:
     """Bytes the host-memory prefix cache may hold: ``settings.cache_ram_mb`` MiB (None: 1/8 of the
     RAM, at most 8 GiB; 0: no cache)."""
     mb = settings.cache_ram_mb
@@ -119,7 +122,7 @@ def prefix_cache_budget(settings: Any) -> int:
     return int(mb) * 2 ** 20
 
 
-def make_prefix_cache(settings: Any) -> Optional[PrefixCache]:
+def make_prefix_cache(settings: Settings) -> Optional[PrefixCache]:
     """The cache of :func:`prefix_cache_budget` bytes (None when that is 0)."""
     budget = prefix_cache_budget(settings)
     return PrefixCache(budget) if budget else None

@@ -1,4 +1,4 @@
-"""A request inside the engine worker (:class:`Task`) and the facts of its ``done`` event."""
+"""A request inside the engine worker (:class:`Task`) and its ``done`` event."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any, Callable, Optional
 
 from .slots import Slot
 from .text import StopScanner, Utf8Text
-from .types import EngineEvent, GenRequest
+from .events import DoneEvent, EngineEvent, Timings, Usage
+from .types import GenRequest
 
 Emit = Callable[[EngineEvent], None]
 
@@ -49,19 +50,20 @@ class Task:
     logprobs: list = field(default_factory=list)  # entries of the generated tokens (req.logprobs)
     logprobs_sent: int = 0  # of them, how many went out with a delta
 
-    def done_data(self, reason: Optional[str], message: dict[str, Any], now: float) -> dict[str, Any]:
-        """The ``done`` event's data: ``finish_reason``, ``message``, ``usage``, ``timings`` (s,
-        from the monotonic clock; ``now`` is the end), ``text`` and ``slot``."""
+    def done_event(self, reason: Optional[str], message: dict[str, Any], now: float) -> DoneEvent:
+        """The ``done`` event of this request: ``finish_reason``, ``message``, ``usage``,
+        ``timings`` (s, from the monotonic clock; ``now`` is the end), ``text``, ``slot`` and, with
+        ``logprobs``, every token's entry (the worker adds ``prefill``, ``stop_sequence`` and
+        ``experts``)."""
         ttft = (self.t_first - self.t_arrival) if self.t_first else None
         tpot = ((self.t_last - self.t_first) / (self.n_gen - 1)) if self.n_gen > 1 else None
-        return {
-            "finish_reason": reason, "message": message,
-            "usage": {"prompt_tokens": len(self.prompt), "completion_tokens": self.n_gen,
-                      "cached_tokens": self.n_cached, "prefilled_tokens": len(self.prompt) - self.n_cached},
-            "timings": {"ttft_s": ttft, "tpot_s": tpot,
-                        "prefill_s": (self.t_first - self.t_prefill_start) if self.t_first else None,
-                        "decode_s": (self.t_last - self.t_first) if self.t_first else None,
-                        "total_s": now - self.t_arrival, "queue_s": self.t_prefill_start - self.t_arrival},
-            "text": self.text.text, "slot": self.slot.id if self.slot else None,
-            **({"logprobs": self.logprobs} if self.req.logprobs is not None else {}),
-        }
+        return DoneEvent(
+            finish_reason=reason, message=message,
+            usage=Usage(prompt_tokens=len(self.prompt), completion_tokens=self.n_gen,
+                        cached_tokens=self.n_cached, prefilled_tokens=len(self.prompt) - self.n_cached),
+            timings=Timings(ttft_s=ttft, tpot_s=tpot,
+                            prefill_s=(self.t_first - self.t_prefill_start) if self.t_first else None,
+                            decode_s=(self.t_last - self.t_first) if self.t_first else None,
+                            total_s=now - self.t_arrival, queue_s=self.t_prefill_start - self.t_arrival),
+            text=self.text.text, slot=self.slot.id if self.slot else None,
+            logprobs=self.logprobs if self.req.logprobs is not None else None)

@@ -13,8 +13,10 @@ Messages use the OpenAI chat shape, which is also what llama.cpp's ``common/chat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, AsyncIterator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol
+
+if TYPE_CHECKING:
+    from .stats import EngineStats
 
 
 @dataclass
@@ -80,62 +82,9 @@ class GenRequest:
 
 DEMO_NOTICE = "[Ostinato demo model: random weights, the words that follow mean nothing] "
 
-class EventType(str, Enum):
-    """Event types streamed by EngineClient.generate(), in order:
-
-    - ``start`` once: {"prompt_tokens", "cached_tokens"} after the prompt is tokenised and matched
-    - ``delta`` 0..n: {"content": str, "reasoning": str, "tool_calls": [ToolCallDelta]} (any subset)
-      and, when the request asked for ``logprobs``, "logprobs": the entries of the tokens generated
-      since the previous delta (:mod:`.logprobs`)
-    - ``done`` once at the end: {"finish_reason", "message", "usage", "timings"} and, when a
-      client's stop string ended the output, "stop_sequence" (that string); with ``logprobs``,
-      "logprobs": the entries of every generated token
-    - ``error`` instead of ``done`` on failure: {"code", "message", "status"} and, for
-      ``context_length_exceeded``, "n_prompt_tokens" and "n_ctx" (llama-server's fields)
-    - ``progress`` (only when the request asked ``return_progress``), once when its slot is given
-      and after each prefill step: {"total", "cache", "processed", "time_ms"} (prompt tokens, of
-      them cached, cached + prefilled so far, ms since the prefill began)
-
-    ``ping`` is never sent by an engine: the HTTP front end makes it while it waits (heartbeat).
-    Members compare, hash and print as their string value ("done" == EventType.DONE).
-    """
-
-    START = "start"
-    DELTA = "delta"
-    DONE = "done"
-    ERROR = "error"
-    PROGRESS = "progress"
-    PING = "ping"
-
-    __hash__ = str.__hash__
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-
-TERMINAL = (EventType.DONE, EventType.ERROR)
-
-
-@dataclass
-class EngineEvent:
-    """One event of a generation stream; ``data`` keys depend on ``type`` (see module comments).
-
-    ``delta`` tool call entries: ``{"index": int, "id": str|None, "name": str|None,
-    "arguments": str}`` where ``arguments`` is the new text of the JSON argument string (a diff,
-    as in OpenAI streaming). ``done.message`` is the final parsed assistant message in OpenAI shape
-    (``content``, ``reasoning_content``, ``tool_calls`` with full arguments). ``done.usage`` is
-    ``{"prompt_tokens", "completion_tokens", "cached_tokens", "prefilled_tokens"}``; ``done.timings``
-    is ``{"ttft_s", "tpot_s", "prefill_s", "decode_s", "total_s"}``. ``finish_reason`` is one of
-    "stop", "length", "tool_calls"; ``done.message`` is final: its tool calls are valid (a cut or
-    malformed call is in its content as text, :func:`.text.settle_tool_calls`), so adapters send the
-    calls of ``done.message``, not the streamed call deltas. ``error.code`` is a stable string such as
-    "context_length_exceeded", "invalid_request", "engine_crashed", "model_not_loaded".
-    """
-
-    type: EventType
-    data: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.type = EventType(self.type)
+# the events of a stream, typed (one class per event type): :mod:`.events`
+from .events import (EVENT_CLASSES, TERMINAL, DeltaEvent, DoneEvent, EngineEvent,  # noqa: E402,F401
+                     ErrorEvent, EventType, PingEvent, ProgressEvent, StartEvent, event_from_data)
 
 
 class EngineError(Exception):
@@ -194,8 +143,9 @@ class EngineClient(Protocol):
         "eog_tokens" (ids of the end-of-generation tokens), "infill" (the vocabulary has FIM
         tokens), "ftype" (llama.cpp's name of the file type), ...}."""
 
-    async def stats(self) -> dict[str, Any]:
-        """Engine counters: slots, requests, tokens, expert-path counts and hot-route share."""
+    async def stats(self) -> "EngineStats":
+        """Engine counters: slots, requests, tokens, expert-path counts and hot-route share, parsed
+        once from the worker's JSON (:class:`.stats.EngineStats`)."""
 
     async def switch_residency(self, path: Any, reason: str = "control") -> dict[str, Any]:
         """Swap the residency set to the file ``path`` at the next request boundary; returns the

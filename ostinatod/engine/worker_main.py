@@ -47,11 +47,11 @@ def main() -> int:
     init = P.decode(first)
     if not isinstance(init, P.Init):
         return 1
-    from ..settings import Settings
+    from .stats import ModelFacts
     from .types import EngineError
     from .worker import Worker
 
-    settings = Settings(**{k: v for k, v in init.settings.items() if v is not None})
+    settings = init.settings  # validated into Settings by protocol.decode
     logging.basicConfig(level=getattr(logging, settings.log_level, logging.INFO), stream=sys.stderr,
                         format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
     from ..hardware import apply_cpu_placement
@@ -66,20 +66,20 @@ def main() -> int:
         send(P.StateMsg("error", error=e))
         worker.close()
         return 1
-    send(P.StateMsg("ready", info=worker.info()))
+    send(P.StateMsg("ready", info=ModelFacts.parse(worker.info())))
 
     # the pipe reader answers pings and only hands everything else on: request work (rendering,
     # tokens, stats, trace files) runs on these threads, so no request can delay a ping
     calls = ThreadPoolExecutor(2, thread_name_prefix="ostinato-calls")
 
     def call(msg: P.Call) -> None:
-        if msg.op is P.Op.PING:  # with the loop's progress: liveness is progress, not this answer
+        if isinstance(msg, P.Ping):  # with the loop's progress: liveness is progress, not this answer
             send(P.Reply(msg.rid, worker.progress()))
             return
-        if msg.op is P.Op.SWITCH_RESIDENCY:
+        if isinstance(msg, P.SwitchResidency):
             def done(info, err, rid=msg.rid) -> None:
                 send(P.Reply(rid, info) if err is None else P.Reply(rid, error=err))
-            worker.switch_residency(Path(msg.path or ""), done, reason=str(msg.reason or "control"))
+            worker.switch_residency(Path(msg.path), done, reason=msg.reason)
             return
         try:
             calls.submit(answer, msg)
@@ -88,26 +88,27 @@ def main() -> int:
 
     def answer(msg: P.Call) -> None:
         try:
-            if msg.op is P.Op.COUNT_TOKENS:
-                result: Any = worker.count_tokens(msg.req)
-            elif msg.op is P.Op.APPLY_TEMPLATE:
-                result = worker.apply_template(msg.req)
-            elif msg.op is P.Op.TOKENIZE:
-                a = msg.args or {}
-                result = worker.tokenize_content(a.get("content", ""), bool(a.get("add_special")),
-                                                 bool(a.get("parse_special", True)), bool(a.get("with_pieces")))
-            elif msg.op is P.Op.DETOKENIZE:
-                result = worker.detokenize(list((msg.args or {}).get("tokens") or []))
-            elif msg.op is P.Op.FLUSH_TRACES:
-                worker.flush_traces()
-                result = True
-            else:
-                result = worker.stats()
-            send(P.Reply(msg.rid, result))
+            send(P.Reply(msg.rid, result_of(msg)))
         except EngineError as e:
             send(P.Reply(msg.rid, error=e))
         except Exception as e:
             send(P.Reply(msg.rid, error=EngineError("internal_error", str(e), 500)))
+
+    def result_of(msg: P.Call) -> Any:
+        if isinstance(msg, P.ApplyTemplate):
+            return worker.apply_template(msg.req)
+        if isinstance(msg, P.CountTokens):
+            return worker.count_tokens(msg.req)
+        if isinstance(msg, P.Tokenize):
+            return worker.tokenize_content(msg.content, msg.add_special, msg.parse_special, msg.with_pieces)
+        if isinstance(msg, P.Detokenize):
+            return worker.detokenize(msg.tokens)
+        if isinstance(msg, P.FlushTraces):
+            worker.flush_traces()
+            return True
+        if isinstance(msg, P.GetStats):
+            return worker.stats()
+        raise EngineError("internal_error", f"unknown call {msg.op.value}", 500)
 
     def reader() -> None:
         for line in sys.stdin:

@@ -15,7 +15,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 from aiohttp import web
 from pydantic import BaseModel
 
-from ..engine.types import EngineError, EngineEvent, EventType, GenRequest
+from ..engine.events import DoneEvent, EngineEvent, ErrorEvent, PingEvent, StartEvent
+from ..engine.types import EngineError, GenRequest
 from ..residency.traces import valid_workload
 from .encoders import Frame
 from .errors import ApiError
@@ -262,9 +263,9 @@ class Generation:
         self.t0 = time.monotonic()
         self.t_first: Optional[float] = None
         self.n_deltas = 0
-        self.start: dict[str, Any] = {}
+        self.start: Optional[StartEvent] = None
         self.done: Optional[dict[str, Any]] = None
-        self.error: Optional[dict[str, Any]] = None
+        self.error: Optional[ErrorEvent] = None
         self._it: Optional[AsyncIterator[EngineEvent]] = None
         self._pending: Optional[EngineEvent] = None
         self._next_task: Optional[asyncio.Future] = None
@@ -293,15 +294,14 @@ class Generation:
         if first is None:
             gen.close("engine_crashed", "engine ended the stream without a result")
             raise ApiError(503, "engine_crashed", "The engine ended the stream without a result.")
-        if first.type == "error":
-            d = first.data
-            gen.close(d.get("code", "engine_error"), d.get("message"))
-            status, code, message = int(d.get("status") or 500), d.get("code", "engine_error"), d.get("message") or "engine error"
-            extra = error_extra(d)
+        if isinstance(first, ErrorEvent):
+            gen.close(first.code, first.message)
+            status, code, message = first.status, first.code, first.message
+            extra = dict(first.extra)
             param = extra.pop("param", None) or engine_error_param(protocol, code, message)
             raise ApiError(status, code, message, param=param if status < 500 else None, extra=extra)
-        if first.type == "start":
-            gen._on_start(first.data)
+        if isinstance(first, StartEvent):
+            gen._on_start(first)
         else:
             gen._pending = first
         return gen
@@ -324,22 +324,21 @@ class Generation:
         except StopAsyncIteration:
             return None
 
-    def _on_start(self, d: dict[str, Any]) -> None:
-        self.start = d
-        sw = d.get("residency_switch")
+    def _on_start(self, ev: StartEvent) -> None:
+        self.start = ev
+        sw = ev.residency_switch
         if isinstance(sw, dict):  # the engine swapped this request's workload set in first
             self.rec["residency_switch_s"] = sw.get("seconds")
             self.state.note_residency_switch(sw, request_id=self.req.id)
-        if d.get("residency_switch_skipped"):
+        if ev.residency_switch_skipped:
             logging.getLogger("ostinatod.residency").warning("request %s: %s", self.req.id,
-                                                             d["residency_switch_skipped"])
-        self.rec["prompt_tokens"] = d.get("prompt_tokens")
-        self.rec["cached_tokens"] = d.get("cached_tokens")
-        if d.get("prompt_tokens") is not None and d.get("cached_tokens") is not None:
-            self.rec["prefilled_tokens"] = d["prompt_tokens"] - d["cached_tokens"]
+                                                             ev.residency_switch_skipped)
+        self.rec["prompt_tokens"] = ev.prompt_tokens
+        self.rec["cached_tokens"] = ev.cached_tokens
+        self.rec["prefilled_tokens"] = ev.prompt_tokens - ev.cached_tokens
 
     async def _next_or_ping(self, heartbeat: Optional[float]) -> Optional[EngineEvent]:
-        """Next engine event, or EngineEvent("ping") after ``heartbeat`` s without one (the pending
+        """Next engine event, or a PingEvent after ``heartbeat`` s without one (the pending
         read is kept, not cancelled, so no event is lost)."""
         if heartbeat is None:
             return await self._next()
@@ -347,7 +346,7 @@ class Generation:
             self._next_task = asyncio.ensure_future(self._next())
         done, _ = await asyncio.wait({self._next_task}, timeout=heartbeat)
         if not done:
-            return EngineEvent(EventType.PING, {})
+            return PingEvent()
         task, self._next_task = self._next_task, None
         return task.result()
 
@@ -364,15 +363,14 @@ class Generation:
                 raise ApiError(499, "client_disconnected", "the client closed the connection")
             if ev.type == "ping":
                 continue
-            if ev.type == "error":
-                raise ApiError(int(ev.data.get("status") or 503), ev.data.get("code", "engine_error"),
-                               ev.data.get("message") or "engine error", extra=error_extra(ev.data))
+            if isinstance(ev, ErrorEvent):
+                raise ApiError(ev.status, ev.code, ev.message, extra=dict(ev.extra))
         return self.done or {}
 
     async def events(self, heartbeat: Optional[float] = None) -> AsyncIterator[EngineEvent]:
         """Remaining events; ends after "done" or "error" (a vanished stream becomes an error).
 
-        With ``heartbeat`` (seconds), an ``EngineEvent("ping")`` is yielded whenever the engine is
+        With ``heartbeat`` (seconds), a ``PingEvent`` is yielded whenever the engine is
         silent that long (long prefills), so streaming adapters can keep the connection alive."""
         while True:
             if self._pending is not None:
@@ -381,12 +379,11 @@ class Generation:
                 try:
                     ev = await self._next_or_ping(heartbeat)
                 except EngineError as e:
-                    ev = EngineEvent("error", {"code": e.code, "message": e.message, "status": e.status})
+                    ev = ErrorEvent(e.code, e.message, e.status)
                 if ev is None:
-                    ev = EngineEvent("error", {"code": "engine_crashed", "status": 503,
-                                               "message": "The engine ended the stream without a result."})
-            if ev.type == "start":
-                self._on_start(ev.data)
+                    ev = ErrorEvent("engine_crashed", "The engine ended the stream without a result.", 503)
+            if isinstance(ev, StartEvent):
+                self._on_start(ev)
                 continue
             if ev.type == "ping":
                 yield ev
@@ -399,21 +396,20 @@ class Generation:
                 # live progress for `ostinato ps` / the TUI: deltas so far, a lower bound of the
                 # tokens (a delta can hold several); the exact count replaces it at "done"
                 self.rec["completion_tokens"] = self.n_deltas
-            elif ev.type == "done":
-                self._on_done(ev.data)
-            elif ev.type == "error":
-                self.error = ev.data
+            elif isinstance(ev, DoneEvent):
+                self._on_done(ev)
+            elif isinstance(ev, ErrorEvent):
+                self.error = ev
             yield ev
             if ev.type in ("done", "error"):
                 return
 
-    def _on_done(self, d: dict[str, Any]) -> None:
-        self.done = d
-        u = d.get("usage") or {}
-        t = d.get("timings") or {}
+    def _on_done(self, ev: DoneEvent) -> None:
+        self.done = ev.data  # what the wire encoders take (the message is in OpenAI shape)
+        u, t = ev.usage, ev.timings
         for k in ("prompt_tokens", "cached_tokens", "prefilled_tokens", "completion_tokens"):
             if u.get(k) is not None:
-                self.rec[k] = u[k]
+                self.rec[k] = u[k]  # type: ignore[literal-required]
         if self.rec["prefilled_tokens"] is None and self.rec["prompt_tokens"] is not None:
             self.rec["prefilled_tokens"] = self.rec["prompt_tokens"] - (self.rec["cached_tokens"] or 0)
         now = time.monotonic()
@@ -454,18 +450,12 @@ class Generation:
         self._closed = True
         if status is None:
             if self.error is not None:
-                status, error = self.error.get("code", "engine_error"), self.error.get("message")
+                status, error = self.error.code, self.error.message
             elif self.done is not None:
                 status = "ok"
             else:
                 status, error = "client_disconnected", error or "stream abandoned"
         self.state.finish_request(self.rec, status, error)
-
-
-def error_extra(d: dict[str, Any]) -> dict[str, Any]:
-    """The fields of an engine error event beyond code, message and status (llama-server's
-    ``n_prompt_tokens`` and ``n_ctx`` of a context overflow)."""
-    return {k: v for k, v in d.items() if k not in ("code", "message", "status")}
 
 
 HEARTBEAT_S = 10.0  # keep-alive interval of streams while the engine is silent (long prefill)
@@ -548,9 +538,9 @@ async def respond(request: web.Request, gen: Generation, stream: bool,
         code = e.code if isinstance(e, ApiError) else "internal_error"
         status = e.status if isinstance(e, ApiError) else 500
         logging.getLogger("ostinatod.http").warning("request %s: error inside its stream: %r", gen.req.id, e)
-        gen.error = {"code": code, "message": str(e), "status": status}
+        gen.error = ErrorEvent(code, str(e), status)
         try:
-            for f in enc.feed(EngineEvent("error", gen.error), gen.usage):
+            for f in enc.feed(gen.error, gen.usage):
                 await resp.write(f.encode())
             for f in (enc.end() if hasattr(enc, "end") else []):
                 await resp.write(f.encode())

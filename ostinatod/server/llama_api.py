@@ -414,8 +414,8 @@ async def slots(request: web.Request) -> web.Response:
     eng = await ensure_engine(state)
     st = await eng.stats()
     n_ctx = state.model_info.get("n_ctx")
-    out = [{"id": sl.get("id"), "n_ctx": n_ctx, "is_processing": bool(sl.get("busy")),
-            "n_tokens": sl.get("n_tokens", 0)} for sl in st.get("slots") or []]
+    out = [{"id": sl.id, "n_ctx": n_ctx, "is_processing": sl.busy, "n_tokens": sl.n_tokens}
+           for sl in st.slots]
     if request.query.get("fail_on_no_slot") and out and all(s["is_processing"] for s in out):
         raise ApiError(503, "no_slot_available", "no slot available")
     return web.json_response(out)

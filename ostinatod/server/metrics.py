@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..engine.stats import EngineStats
 from ..hardware import gpu_memory
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -222,9 +223,10 @@ class Metrics:
         lm["predicted_seconds"] += float(rec.get("tpot_s") or 0.0) * max(0, n_out - 1)
         lm["n_tokens_max"] = max(lm["n_tokens_max"], float(int(rec.get("prompt_tokens") or 0) + n_out))
 
-    def set_engine_stats(self, stats: dict[str, Any]) -> None:
-        """Replace the engine snapshot exported at the next scrape."""
-        self._engine.snapshot = stats or {}
+    def set_engine_stats(self, stats: Optional[EngineStats]) -> None:
+        """Replace the engine snapshot exported at the next scrape (its counters flattened as
+        the engine sent them)."""
+        self._engine.snapshot = stats.wire if stats is not None else {}
 
     def set_stall(self, stall: dict[str, Any] | None) -> None:
         """The engine's stall record (``{"what", "for_s", "requests"}``) or None, exported as

@@ -64,7 +64,6 @@ def heat_strip(shares: Optional[list[float]], source: Optional[str] = None) -> T
 def residency_line(ex: dict[str, Any], mode: Optional[str] = None) -> str:
     """The active residency set from :func:`ostinatod.control.snapshots.expert_view` (``mode``: the model's
     experts_mode): ``coding set, 96 hot experts, 1.5 MiB, 3 swaps, auto`` (or what is missing)."""
-    mode = ex.get("mode") or mode
     if mode == "stock" or (ex.get("switches") is None and ex.get("hot_experts") is None):
         return "-  (stock engine: no residency sets)" if mode == "stock" else "-"
     wl = ex.get("workload")

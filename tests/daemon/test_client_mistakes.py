@@ -175,10 +175,10 @@ class _FailingEngine:
     state = "ready"
 
     async def generate(self, req):
-        from ostinatod.engine.types import EngineEvent
+        from ostinatod.engine.events import event_from_data
 
-        yield EngineEvent("start", {"prompt_tokens": 1, "cached_tokens": 0})
-        yield EngineEvent("delta", {"text": "hi"})
+        yield event_from_data("start", {"prompt_tokens": 1, "cached_tokens": 0})
+        yield event_from_data("delta", {})  # an empty delta, as before the events were typed
         raise RuntimeError("boom")
 
 

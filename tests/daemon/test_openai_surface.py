@@ -92,8 +92,8 @@ def test_legacy_call_comes_back_as_function_call():
     assert c["finish_reason"] == "function_call" and "tool_calls" not in c["message"]
     assert c["message"]["function_call"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     s = enc.ChatStream("id", "m", 0, False, legacy=True)
-    from ostinatod.engine.types import EngineEvent
-    frames = [f.data for f in s.feed(EngineEvent("done", done), u)]
+    from ostinatod.engine.events import event_from_data
+    frames = [f.data for f in s.feed(event_from_data("done", done), u)]
     deltas = [ch["choices"][0] for ch in frames if isinstance(ch, dict) and ch.get("choices")]
     assert any(d["delta"].get("function_call", {}).get("name") == "get_weather" for d in deltas)
     assert deltas[-1]["finish_reason"] == "function_call"

@@ -310,11 +310,11 @@ def test_automatic_swap_can_be_turned_off(tiny_model, tmp_path, monkeypatch):
             req = GenRequest(id="r1", prompt="def add(a, b):", max_tokens=2, workload="coding")
             evs = [ev async for ev in eng.generate(req)]
             assert evs[-1].type == "done" and "residency_switch" not in evs[0].data
-            st = (await eng.stats())["experts"]
-            assert (st["workload"], st["switches"], st["auto_switch"]) == (None, 0, False)
+            st = (await eng.stats()).experts
+            assert (st.workload, st.switches, st.auto_switch) == (None, 0, False)
             info = await eng.switch_residency(planned)
             assert info["workload"] == "coding" and info["hot_experts"] == 4 and info["reason"] == "control"
-            assert (await eng.stats())["experts"]["workload"] == "coding"
+            assert (await eng.stats()).experts.workload == "coding"
         finally:
             await eng.stop()
     asyncio.run(go())

@@ -190,7 +190,7 @@ def test_concurrent_requests_in_two_slots(loop, engine):
 
 def test_cancel_stops_generation(loop, engine):
     async def go():
-        before = (await engine.stats())["requests_cancelled"]
+        before = (await engine.stats()).requests_cancelled
         gen = engine.generate(req(messages=[{"role": "user", "content": "Write a long story."}],
                                   max_tokens=500, ignore_eos=True))
         async for e in gen:
@@ -199,12 +199,12 @@ def test_cancel_stops_generation(loop, engine):
         await gen.aclose()
         for _ in range(100):
             st = await engine.stats()
-            if st["requests_cancelled"] > before and st["active"] == 0:
+            if st.requests_cancelled > before and st.active == 0:
                 return st
             await asyncio.sleep(0.05)
         return await engine.stats()
     st = loop.run_until_complete(go())
-    assert st["active"] == 0 and st["requests_cancelled"] >= 1
+    assert st.active == 0 and st.requests_cancelled >= 1
     assert done_of(run(loop, engine, req(messages=[{"role": "user", "content": "still there?"}])))
 
 
@@ -220,7 +220,7 @@ def test_info_and_stats(loop, engine):
     assert info["is_demo"] is True and info["arch"] == "qwen3moe" and info["n_expert"] == 8
     assert info["n_ctx"] == N_CTX
     st = loop.run_until_complete(engine.stats())
-    assert len(st["slots"]) == 2 and st["generated_tokens"] > 0
+    assert len(st.slots) == 2 and st.generated_tokens > 0
 
 
 @pytest.mark.parametrize("kind", ["truncated", "foreign", "missing"])
@@ -266,7 +266,7 @@ def test_subprocess_worker_killed_midstream_recovers(loop, tiny_model):
         assert after[-1].type == "done" and after[-1].data["usage"]["completion_tokens"] == 3
         assert (await eng.count_tokens(req(messages=[{"role": "user", "content": "Back?"}]))) > 0
         st = await eng.stats()
-        assert st["restarts"] == 1 and len(st["slots"]) == 2
+        assert st.restarts == 1 and len(st.slots) == 2
         # a consumer that goes away (client disconnect) stops the generation in the worker process
         gen = eng.generate(req(messages=[{"role": "user", "content": "Long."}], max_tokens=900, ignore_eos=True))
         async for e in gen:
@@ -275,11 +275,11 @@ def test_subprocess_worker_killed_midstream_recovers(loop, tiny_model):
         await gen.aclose()
         for _ in range(200):
             st = await eng.stats()
-            if st.get("requests_cancelled") and st["active"] == 0:
+            if st.requests_cancelled and st.active == 0:
                 break
             await asyncio.sleep(0.05)
-        assert st["requests_cancelled"] == 1 and st["active"] == 0
-        assert st["generated_tokens"] < 900 + 3
+        assert st.requests_cancelled == 1 and st.active == 0
+        assert st.generated_tokens < 900 + 3
         await eng.stop()
         assert eng.state == "stopped"
     loop.run_until_complete(go())
@@ -320,7 +320,7 @@ def test_prefill_stops_between_ubatches_when_cancelled(loop, tiny_model):
             evs = [e async for e in eng.generate(req(prompt="word " * 900, max_tokens=1))]
             s1 = await eng.stats()
             n_prompt = evs[0].data["prompt_tokens"]
-            assert s1["decode_calls"] - s0["decode_calls"] >= -(-n_prompt // 64)  # one step per ubatch
+            assert s1.decode_calls - s0.decode_calls >= -(-n_prompt // 64)  # one step per ubatch
             gen = eng.generate(req(prompt="other " * 900, max_tokens=1))
             async for e in gen:
                 if e.type == "start":  # admitted: prefill running; the client goes away
@@ -328,8 +328,8 @@ def test_prefill_stops_between_ubatches_when_cancelled(loop, tiny_model):
             await gen.aclose()
             for _ in range(200):
                 s2 = await eng.stats()
-                if s2["requests_cancelled"] > s1["requests_cancelled"] and s2["active"] == 0:
-                    return n_prompt, s2["prefilled_tokens"] - s1["prefilled_tokens"]
+                if s2.requests_cancelled > s1.requests_cancelled and s2.active == 0:
+                    return n_prompt, s2.prefilled_tokens - s1.prefilled_tokens
                 await asyncio.sleep(0.01)
             raise AssertionError("not cancelled")
         n_prompt, prefilled = loop.run_until_complete(go())
@@ -386,7 +386,7 @@ def test_deterministic_setting_one_sequence_per_pass_and_same_outputs(loop, tiny
             s0 = await eng.stats()
             conc = await asyncio.gather(*[one(p) for p in prompts])
             s1 = await eng.stats()
-            return first, again, [text(c) for c in conc], s1["decode_calls"] - s0["decode_calls"]
+            return first, again, [text(c) for c in conc], s1.decode_calls - s0.decode_calls
         first, again, conc, calls = loop.run_until_complete(go())
         assert first == again == conc
         assert calls >= 4 * 12  # every generated token in a pass of its own: nothing batched across slots
@@ -407,6 +407,6 @@ def test_done_says_the_prefills_passes_and_ubatch(loop, tiny_model):
         n = d["usage"]["prefilled_tokens"]
         assert d["prefill"] == {"passes": -(-n // 64), "ubatch": 64} and n > 128
         st = loop.run_until_complete(eng.stats())
-        assert st["ubatch"] == {"tokens": 64, "reason": "set"}
+        assert st.ubatch == {"tokens": 64, "reason": "set"}
     finally:
         loop.run_until_complete(eng.stop())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ostinatod.engine.types import EngineEvent
+from ostinatod.engine.events import event_from_data
 from ostinatod.server.encoders import anthropic, openai_chat, responses
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "encoders"
@@ -30,7 +30,7 @@ def _stream(enc, start, events) -> list[dict]:
     """Frames of a stream as they go on the wire (each serialised when it is produced)."""
     out = [f.to_json() for f in start]
     for e in events:
-        frames = enc.feed(EngineEvent(e["type"], e.get("data") or {}), e.get("usage") or {})
+        frames = enc.feed(event_from_data(e["type"], e.get("data") or {}), e.get("usage") or {})
         out += [json.loads(json.dumps(f.to_json())) for f in frames]
     if hasattr(enc, "end"):
         out += [f.to_json() for f in enc.end()]

@@ -8,7 +8,9 @@ import random
 from ostinatod.engine import protocol as P
 from ostinatod.engine.slots import SAME_SESSION_SHARE, Slot, SlotChoice, choose_slot, common_prefix
 from ostinatod.engine.text import StopScanner, find_stop, partial_stop_len
-from ostinatod.engine.types import EngineError, EngineEvent, EventType, GenRequest
+from ostinatod.engine.events import DeltaEvent, ErrorEvent, EventType, StartEvent, event_from_data
+from ostinatod.engine.types import EngineError, GenRequest
+from ostinatod.settings import Settings
 
 
 def test_common_prefix():
@@ -89,13 +91,22 @@ def test_stop_scanner_reads_only_new_text():
 
 def test_pipe_messages_round_trip():
     req = GenRequest(id="r1", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
-    msgs = [P.Init({"n_ctx": 512}, "/m.gguf"), P.Generate(req), P.Cancel("r1"), P.Shutdown(),
-            P.Call(P.Op.COUNT_TOKENS, "7", req=req), P.Call(P.Op.SWITCH_RESIDENCY, "8", path="/s.json", reason="x"),
-            P.Call(P.Op.STATS, "9"), P.StateMsg("ready", info={"n_ctx": 512}),
-            P.Event("r1", EngineEvent(EventType.DELTA, {"content": "é"})), P.Reply("7", 12)]
+    msgs = [P.Init(Settings(n_ctx=512), "/m.gguf"), P.Generate(req), P.Cancel("r1"), P.Shutdown(),
+            P.CountTokens("7", req), P.SwitchResidency("8", "/s.json", "x"), P.GetStats("9"),
+            P.Tokenize("10", ["a", 3], add_special=True, with_pieces=True), P.Detokenize("11", [1, 2]),
+            P.ApplyTemplate("12", req), P.FlushTraces("13"), P.Ping("14"),
+            P.Event("r1", DeltaEvent(content="é")), P.Reply("7", 12),
+            P.Event("r1", ErrorEvent("context_length_exceeded", "long", 400, {"n_ctx": 8})),
+            P.Event("r1", StartEvent(3, 1, slot=0))]
     for m in msgs:
         back = P.decode(P.encode(m))
         assert back == m, (m, back)
+    assert P.GetStats("9").result_of({"state": "ready"}).state == "ready"   # replies typed by their call
+    assert P.CountTokens("7", req).result_of(12) == 12
+    assert P.Ping("14").result_of({"steps": 3, "busy": None}).steps == 3
+    # a renamed key of an event fails on the daemon's end as an error event of the request, not later
+    bad = P.decode('{"op": "event", "id": "r1", "type": "start", "data": {"prompt_tokns": 3}}')
+    assert isinstance(bad.event, ErrorEvent) and bad.event.code == "internal_error"
     err = P.decode(P.encode(P.Reply("9", error=EngineError("residency_busy", "busy", 409))))
     assert (err.error.code, err.error.message, err.error.status) == ("residency_busy", "busy", 409)
     st = P.decode('{"op": "state", "state": "error"}')
@@ -104,7 +115,7 @@ def test_pipe_messages_round_trip():
 
 
 def test_event_types_compare_as_strings():
-    ev = EngineEvent("done", {})
+    ev = event_from_data("done", {})
     assert ev.type is EventType.DONE and ev.type == "done" and f"{ev.type}" == "done"
     assert {"done": 1}[ev.type] == 1
 

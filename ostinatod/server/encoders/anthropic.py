@@ -12,7 +12,7 @@ import hashlib
 import json
 from typing import Any, Optional
 
-from ...engine.types import EngineEvent
+from ...engine.events import EngineEvent, ErrorEvent
 from . import Frame, IdFactory, new_id
 from .calls import TOOL_DELTAS_PER_PING, final_message, unsent_text
 
@@ -169,8 +169,7 @@ class MessageStream:
             self._delta(ev.data)
         elif ev.type == "done":
             self._done(ev.data, u)
-        elif ev.type == "error":
+        elif isinstance(ev, ErrorEvent):
             self._close_block()
-            self._emit("error", {"error": {"type": "api_error",
-                                           "message": f"{ev.data.get('message')} ({ev.data.get('code')})"}})
+            self._emit("error", {"error": {"type": "api_error", "message": f"{ev.message} ({ev.code})"}})
         return self._take()

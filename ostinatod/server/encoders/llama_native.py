@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ...engine.events import DeltaEvent, ErrorEvent
 from . import Frame
 
 
@@ -128,13 +129,13 @@ class CompletionStream:
             if self.timings_per_token:
                 c["timings"] = progress_timings(ev.data)
             return [Frame(c)]
-        if ev.type == "delta":
-            text = ev.data.get("content") or ""
-            lp = ev.data.get("logprobs") or []
+        if isinstance(ev, DeltaEvent):
+            text = ev.content or ""
+            lp = ev.logprobs or []
             if not text and not lp:
                 return []
             self.n += 1
-            c: dict[str, Any] = {"index": 0, "content": text, "tokens": list(ev.data.get("tokens") or []),
+            c: dict[str, Any] = {"index": 0, "content": text, "tokens": [],
                                  "stop": False, "id_slot": -1,
                                  "tokens_predicted": u.get("completion_tokens", 0),
                                  "tokens_evaluated": u.get("prompt_tokens", 0)}
@@ -147,8 +148,7 @@ class CompletionStream:
             final = completion(ev.data, self.model, self.prompt, self.settings)
             final["content"] = ""  # streamed already
             return [Frame(final)]
-        if ev.type == "error":
-            d = ev.data
-            return [Frame({"error": {"code": int(d.get("status") or 500), "message": d.get("message") or "",
-                                     "type": d.get("code") or "engine_error"}})]
+        if isinstance(ev, ErrorEvent):
+            return [Frame({"error": {"code": ev.status, "message": ev.message or "",
+                                     "type": ev.code or "engine_error"}})]
         return []

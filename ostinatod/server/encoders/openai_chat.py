@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from ...engine.types import EngineEvent
+from ...engine.events import DeltaEvent, DoneEvent, EngineEvent
 from . import DONE_SENTINEL, PING_COMMENT, Frame, IdFactory, new_id
 from .calls import TOOL_DELTAS_PER_PING, final_message, unsent_text
 from .llama_native import progress_timings, prompt_progress
@@ -153,16 +153,16 @@ class _Stream:
             if self.timings_per_token:
                 f.data["timings"] = progress_timings(ev.data)
             return [f]
-        if ev.type == "delta":
-            if "logprobs" in ev.data:
-                self.lp_pending = (self.lp_pending or []) + ev.data["logprobs"]
+        if isinstance(ev, DeltaEvent):
+            if ev.logprobs is not None:
+                self.lp_pending = (self.lp_pending or []) + ev.logprobs
             out = self._delta(ev.data)
             if self.timings_per_token and self.timings is not None and out and isinstance(out[-1].data, dict):
                 out[-1].data["timings"] = self.timings()
             return out
-        if ev.type == "done":
-            if "logprobs" in ev.data:  # the done event's list is whole: what no delta carried
-                self.lp_pending = ev.data["logprobs"][self.lp_sent:]
+        if isinstance(ev, DoneEvent):
+            if ev.logprobs is not None:  # the done event's list is whole: what no delta carried
+                self.lp_pending = ev.logprobs[self.lp_sent:]
             out = self._finish(ev.data)
             if self.include_usage:
                 out.append(Frame({"id": self.rid, "object": self.object, "created": self.created,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from ...engine.types import EngineEvent
+from ...engine.events import EngineEvent, ErrorEvent
 from . import PING_COMMENT, Frame, IdFactory, new_id
 from .calls import TOOL_DELTAS_PER_PING, final_message, unsent_text
 from .llama_native import progress_timings, prompt_progress
@@ -243,8 +243,8 @@ class ResponseStream:
                 "incomplete" if inc else "completed", usage(u), inc)})
             if self.timings is not None:
                 self._add_timings(self.timings())
-        elif ev.type == "error":
+        elif isinstance(ev, ErrorEvent):
             self._close_item()
-            err = {"code": ev.data.get("code", "engine_error"), "message": ev.data.get("message") or "engine error"}
+            err = {"code": ev.code, "message": ev.message or "engine error"}
             self._emit("response.failed", {"response": self._obj("failed", usage(u), error=err)})
         return self._take()
