@@ -36,13 +36,16 @@ import tempfile
 from pathlib import Path
 
 from .paths import get_paths, install_data_dir
+from .errors import MessageError
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 STAMP_NAME = "ostinato_build.json"
 
 
-class BuildError(RuntimeError):
+class BuildError(MessageError, RuntimeError):
     """The native build could not be completed (message says which step and why)."""
+
+    code, status = "build_failed", 500
 
 
 def repo_native_dir() -> Path:

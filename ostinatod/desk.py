@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .errors import OstinatoError
 from .paths import residency_file, trace_file
 from .residency.model import cached_description
 from .residency.sets import model_fingerprint
@@ -25,12 +26,11 @@ from .residency.sets import model_fingerprint
 log = logging.getLogger("ostinatod.residency")
 
 
-class DeskError(Exception):
-    """What the desk cannot do, as the control API answers it: HTTP ``status``, ``code``, ``message``."""
+class DeskError(OstinatoError):
+    """What the desk cannot do, as the control API answers it: ``code``, ``message``, HTTP ``status``."""
 
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+    def __init__(self, code: str, message: str, status: int):
+        super().__init__(code, message, status)
 
 
 # --- staleness of planned sets (pure file reads) ------------------------------------------------
@@ -136,7 +136,7 @@ class ResidencyDesk:
         st = self.state
         p = st.model_info.get("path") or st.settings.model
         if not p:
-            raise DeskError(409, "model_not_loaded", "no model is loaded")
+            raise DeskError("model_not_loaded", "no model is loaded", 409)
         return Path(p)
 
     def set_path(self, fingerprint: str, workload: str) -> Path:
@@ -153,7 +153,7 @@ class ResidencyDesk:
         try:
             return await asyncio.get_running_loop().run_in_executor(None, model_fingerprint, path)
         except (OSError, ValueError) as e:
-            raise DeskError(409, "model_unreadable", str(e))
+            raise DeskError("model_unreadable", str(e), 409)
 
     def fingerprint_nowait(self, path: Path) -> Optional[str]:
         """The fingerprint if the model description is cached, else None while a background

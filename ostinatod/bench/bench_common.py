@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import time
 
+from ..errors import MessageError
+
 ENGINES = ("ostinato", "stock-all-gpu", "stock-layers", "stock-cpu", "llama-server")
 STOCK = ("stock-layers", "stock-cpu", "llama-server")  # the baselines at equal GPU memory
 LIMIT = "stock-all-gpu"  # every expert on the GPU: the reference limit, never a baseline
@@ -112,8 +114,10 @@ METRICS = (("decode", "decode_ms_per_token"), ("ttft_after_tool", "ttft_after_to
 _T0 = time.monotonic()
 
 
-class BenchError(RuntimeError):
+class BenchError(MessageError, RuntimeError):
     """The benchmark cannot continue (missing model writer, engine failed to start, ...)."""
+
+    code, status = "bench_failed", 500
 
 
 def parse_list(text: str | None, option: str, what: str, ok, bounds: str) -> list[float]:

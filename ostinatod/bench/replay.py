@@ -43,12 +43,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .sessions import SessionError, Turn, assistant_text, assistant_turns, load_sessions, workload_of
+from ..errors import MessageError
 
 REPLAY_FORMAT = "ostinato-replay/1"
 
 
-class ReplayError(RuntimeError):
+class ReplayError(MessageError, RuntimeError):
     """The replay cannot run at all (bad arguments, no sessions selected)."""
+
+    code, status = "replay_failed", 500
 
 
 # --------------------------------------------------------------------------------------------

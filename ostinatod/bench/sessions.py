@@ -15,9 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..errors import MessageError
 
-class SessionError(ValueError):
+
+class SessionError(MessageError, ValueError):
     """A sessions file is missing or malformed (the message names the file and line)."""
+
+    code, status = "sessions_invalid", 400
 
 
 

@@ -173,7 +173,7 @@ def cmd_residency(argv: list[str]) -> int:
             d = call("POST", "/residency/plan", {"workload": a.workload} if a.workload else {})
             return json.dumps(d, indent=2) if a.json else f"planned {d.get('workload')}: {d.get('path')}"
         if not a.workload and not a.path:
-            raise ControlAPIError(400, "invalid_request", "switch needs a WORKLOAD or --path FILE")
+            raise ControlAPIError("invalid_request", "switch needs a WORKLOAD or --path FILE", 400)
         body = {"workload": a.workload} if a.workload else {}
         if a.path:
             body["path"] = str(a.path.expanduser().resolve())

@@ -42,6 +42,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
+from ..errors import OstinatoError
 from ..files import NotRegularFile, WriteFailed, regular_file
 from ..residency.traces import valid_workload
 from ..hardware import gpu_memory
@@ -60,12 +61,11 @@ STOPPING_KEY = web.AppKey("stopping", asyncio.Event)
 CONTROL_SHUTDOWN_S = 5.0  # what is still open this long after the shutdown began is closed
 
 
-class ControlError(Exception):
+class ControlError(OstinatoError):
     """An error answered as ``{"error": {"code", "message"}}`` with HTTP ``status``."""
 
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+    def __init__(self, code: str, message: str, status: int):
+        super().__init__(code, message, status)
 
 
 def _err(e: ControlError | DeskError) -> web.Response:
@@ -81,10 +81,10 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException as e:  # unknown route / method: JSON too
         if e.status < 400:
             raise
-        return _err(ControlError(e.status, "not_found" if e.status == 404 else "bad_request", e.reason))
+        return _err(ControlError("not_found" if e.status == 404 else "bad_request", e.reason, e.status))
     except Exception as e:  # a bug here must not kill the daemon; say what it was
         log.exception("control API %s %s failed", request.method, request.path)
-        return _err(ControlError(500, "internal_error", f"{type(e).__name__}: {e}"))
+        return _err(ControlError("internal_error", f"{type(e).__name__}: {e}", 500))
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -93,17 +93,17 @@ async def _body(request: web.Request) -> dict[str, Any]:
     try:
         data = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ControlError(400, "invalid_json", f"request body is not valid JSON: {e}")
+        raise ControlError("invalid_json", f"request body is not valid JSON: {e}", 400)
     except RequestPayloadError as e:  # a Content-Encoding the body does not have, a cut body
-        raise ControlError(400, "invalid_encoding", f"request body cannot be read: {one_line(e)}") from None
+        raise ControlError("invalid_encoding", f"request body cannot be read: {one_line(e)}", 400) from None
     except RecursionError:
-        raise ControlError(400, "invalid_json", "request body nests too deeply") from None
+        raise ControlError("invalid_json", "request body nests too deeply", 400) from None
     if not isinstance(data, dict):
-        raise ControlError(400, "invalid_request", "request body must be a JSON object")
+        raise ControlError("invalid_request", "request body must be a JSON object", 400)
     try:
         check_json_value(data)
     except ApiError as e:
-        raise ControlError(400, e.code, e.message) from None
+        raise ControlError(e.code, e.message, 400) from None
     return data
 
 
@@ -115,8 +115,8 @@ def _state(request: web.Request):
 
 def _workload_name(name: Any) -> str:
     if not valid_workload(name):  # the one rule of workload names (1-64 plain characters)
-        raise ControlError(400, "invalid_workload", "workload must be 1-64 letters, digits, '.', '_' or "
-                           f"'-', starting with a letter or digit; got {str(name)[:80]!r}")
+        raise ControlError("invalid_workload", "workload must be 1-64 letters, digits, '.', '_' or "
+                           f"'-', starting with a letter or digit; got {str(name)[:80]!r}", 400)
     return name
 
 
@@ -172,10 +172,10 @@ def _file(path: Any, missing_code: str, hint: str = "") -> Path:
     except NotRegularFile as e:
         if e.kind == "missing":
             what = "no residency set" if missing_code == "residency_not_found" else "no such file:"
-            raise ControlError(404, missing_code, f"{what} {e.shown}{hint}") from None
+            raise ControlError(missing_code, f"{what} {e.shown}{hint}", 404) from None
         code = "invalid_path" if e.kind in ("name too long", "invalid name") else (
             "file_unreadable" if e.kind == "unreadable" else "not_a_file")
-        raise ControlError(400, code, str(e)) from None
+        raise ControlError(code, str(e), 400) from None
 
 
 def _check_gguf(path: Path) -> Path:
@@ -184,19 +184,19 @@ def _check_gguf(path: Path) -> Path:
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError as e:
-        raise ControlError(400, "model_unreadable", f"cannot read {path}: {e}")
+        raise ControlError("model_unreadable", f"cannot read {path}: {e}", 400)
     if magic != b"GGUF":
-        raise ControlError(400, "not_gguf", f"{path} is not a GGUF file (magic {magic!r})")
+        raise ControlError("not_gguf", f"{path} is not a GGUF file (magic {magic!r})", 400)
     return path.resolve()
 
 
 async def _reload(st, path: Optional[Path]) -> None:
     if st.reload is None:
-        raise ControlError(501, "not_implemented", "this daemon cannot load or unload models")
+        raise ControlError("not_implemented", "this daemon cannot load or unload models", 501)
     try:
         await st.reload(path)
     except EngineError as e:  # the daemon keeps running without a model; say why
-        raise ControlError(e.status if 400 <= e.status < 600 else 400, e.code, e.message)
+        raise ControlError(e.code, e.message, e.status if 400 <= e.status < 600 else 400)
 
 
 async def h_load(request: web.Request) -> web.Response:
@@ -204,7 +204,7 @@ async def h_load(request: web.Request) -> web.Response:
     st = _state(request)
     body = await _body(request)
     if not isinstance(body.get("path"), str):
-        raise ControlError(400, "invalid_request", "body must be {\"path\": \"/path/to/model.gguf\"}")
+        raise ControlError("invalid_request", "body must be {\"path\": \"/path/to/model.gguf\"}", 400)
     path = _check_gguf(Path(body["path"]))
     await _reload(st, path)
     _ctl(st)["paused_model"] = None
@@ -226,7 +226,7 @@ async def h_pause(request: web.Request) -> web.Response:
     if c["paused_model"] is None:
         path = st.model_info.get("path") or st.settings.model
         if st.engine is None or not path:
-            raise ControlError(409, "model_not_loaded", "no model is loaded; nothing to pause")
+            raise ControlError("model_not_loaded", "no model is loaded; nothing to pause", 409)
         await _reload(st, None)
         c["paused_model"] = str(path)
     return web.json_response({"ok": True, "paused": True, "state": st.engine_state})
@@ -281,9 +281,9 @@ async def h_plan(request: web.Request) -> web.Response:
         res, path, secs = await st.desk.plan(model, workload)
     except ValueError as e:  # PlanError / TraceError: missing traces, budget too small, ...
         code = "no_traces" if "no routing traces" in str(e) else "plan_failed"
-        raise ControlError(404 if code == "no_traces" else 400, code, str(e))
+        raise ControlError(code, str(e), 404 if code == "no_traces" else 400)
     except WriteFailed as e:  # disk full, read-only, ...: the earlier set stays, no temp file left
-        raise ControlError(507, "disk_full" if e.no_space else "write_failed", str(e)) from None
+        raise ControlError("disk_full" if e.no_space else "write_failed", str(e), 507) from None
     out = {"ok": True, "workload": workload, "path": str(path),
            "seconds": round(secs, 3),
            "expected_hot_route_share": (res.get("plan") or {}).get("expected_hot_route_share")}
@@ -311,11 +311,11 @@ async def h_switch(request: web.Request) -> web.Response:
     path = _file(path, "residency_not_found", f"; plan one first: ostinato residency plan {workload}"
                  if workload else "")
     if st.engine is None or st.engine_state != "ready":
-        raise ControlError(409, "model_not_loaded", f"engine is {st.engine_state}")
+        raise ControlError("model_not_loaded", f"engine is {st.engine_state}", 409)
     try:
         info = await st.desk.switch(path, reason="control")
     except EngineError as e:  # refused (another model's set, stock engine, ...): old set stays active
-        raise ControlError(e.status if 400 <= e.status < 600 else 500, e.code, e.message)
+        raise ControlError(e.code, e.message, e.status if 400 <= e.status < 600 else 500)
     if workload:
         st.settings.workload_default = workload
     return web.json_response({"ok": True, **info})
@@ -326,7 +326,7 @@ async def h_profile(request: web.Request) -> web.Response:
     from ..profile import load_profile
     p = load_profile(_state(request).paths.hardware_profile)
     if p is None:
-        raise ControlError(404, "no_profile", "no hardware profile yet; run 'ostinato profile'")
+        raise ControlError("no_profile", "no hardware profile yet; run 'ostinato profile'", 404)
     return web.json_response(p)
 
 
@@ -355,7 +355,7 @@ async def h_requests(request: web.Request) -> web.Response:
     try:
         limit = max(1, int(request.query.get("limit", "50")))
     except ValueError:
-        raise ControlError(400, "invalid_request", "limit must be an integer")
+        raise ControlError("invalid_request", "limit must be an integer", 400)
     return web.json_response({"active": list(st.active.values()), "recent": list(st.recent)[-limit:][::-1]})
 
 
@@ -366,7 +366,7 @@ async def h_events(request: web.Request) -> web.StreamResponse:
         interval = min(60.0, max(0.05, float(request.query.get("interval", "1"))))
         count = int(request.query["count"]) if "count" in request.query else None
     except ValueError:
-        raise ControlError(400, "invalid_request", "interval must be a number, count an integer")
+        raise ControlError("invalid_request", "interval must be a number, count an integer", 400)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     n = 0
@@ -436,7 +436,7 @@ class _ControlErrorsHandler(JsonErrorsHandler):
     __slots__ = ()
 
     def error_body(self, path: str, status: int, text: str) -> web.Response:
-        return _err(ControlError(status, "invalid_http", f"malformed HTTP request: {text}"))
+        return _err(ControlError("invalid_http", f"malformed HTTP request: {text}", status))
 
 
 async def start_control_server(state, path: Optional[Path] = None, replan: bool = True,

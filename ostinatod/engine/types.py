@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, AsyncIterator, Optional, Protocol
 
+from ..errors import OstinatoError
+
 
 @dataclass
 class GenRequest:
@@ -138,18 +140,14 @@ class EngineEvent:
         self.type = EventType(self.type)
 
 
-class EngineError(Exception):
+class EngineError(OstinatoError):
     """A request the engine cannot serve. ``status`` is the HTTP status the front end should use;
     ``extra``: further fields of the error answer (``n_prompt_tokens``, ``n_ctx`` of a context
     overflow)."""
 
     def __init__(self, code: str, message: str, status: int = 400,
                  extra: Optional[dict[str, Any]] = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.status = status
-        self.extra = dict(extra or {})
+        super().__init__(code, message, status, extra)
 
 
 class EngineClient(Protocol):

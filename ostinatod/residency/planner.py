@@ -37,6 +37,7 @@ from ..paths import residency_file
 from .model import ModelInfo, describe_model, require_arch
 from .sets import RESIDENCY_FORMAT, write_residency
 from .traces import Trace, TraceError, load_traces, trace_path
+from ..errors import MessageError
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ MiB = 1 << 20
 DEFAULT_MARGIN_MB = 1024  # kept free at peak on every GPU (capacity test)
 
 
-class PlanError(ValueError):
+class PlanError(MessageError, ValueError):
     """The plan cannot be made (no traces, capacity test failed, bad arguments)."""
+
+    code, status = "plan_failed", 400
 
 
 def read_model_shape(path: Path) -> ModelInfo:

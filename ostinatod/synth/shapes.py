@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as QT
 
+from ..errors import MessageError
+
 
 SYNTH_FORMAT = "ostinato-synth/3"  # 2: the copy head (old branch files), 3: only on the real-model shapes
 VOCAB_NAME = "ggml-vocab-qwen2.gguf"
@@ -21,8 +23,10 @@ CLASS_NAMES = ("code", "prose", "other")
 COARSE_OF = (CODE, CODE, PROSE, PROSE, OTHER, OTHER)
 
 
-class SynthError(RuntimeError):
+class SynthError(MessageError, RuntimeError):
     """A synthetic model cannot be written (bad arguments, vocabulary not found)."""
+
+    code, status = "synth_failed", 500
 
 
 @dataclass(frozen=True)
