@@ -3,8 +3,10 @@
 :class:`Daemon` binds the HTTP API (:mod:`ostinatod.server.app`) and the control socket
 (:mod:`ostinatod.control.server`), prepares the model (the generated demo model when none is set),
 loads it into an engine client (:mod:`ostinatod.engine.client`; reloads on the control API's
-load/unload) and shuts everything down on :meth:`Daemon.request_stop`. The ``ostinatod`` command
-line (run, start, stop, status, install, uninstall) is :mod:`ostinatod.daemon_cli`.
+load/unload) and shuts everything down on :meth:`Daemon.request_stop`. It also owns what runs beside
+serving (:meth:`Daemon.start_upkeep`): the background re-planner (:class:`ostinatod.workload.Replanner`)
+and the first-start hardware profile. The ``ostinatod`` command line (run, start, stop, status,
+install, uninstall) is :mod:`ostinatod.daemon_cli`.
 
 Files (ostinatod.paths): ``<runtime>/ostinatod.pid`` (the pid), ``<runtime>/ostinatod.json``
 (``{"pid", "http_url", "log_file", "control_socket"}``, written once the HTTP port is bound).
@@ -21,7 +23,9 @@ from typing import Any, Optional
 
 from .files import write_atomic, write_json_atomic
 from .paths import Paths, get_paths
+from .profile import ensure_profile
 from .settings import Settings
+from .workload import Replanner
 
 log = logging.getLogger("ostinatod")
 
@@ -32,6 +36,21 @@ def make_engine(settings: Settings, model_path: Path) -> Any:
     from .engine import client as engine_client
 
     return engine_client.make_engine(settings.model_copy(update={"model": model_path}), model_path)
+
+
+def first_start_profile(path: Path) -> None:
+    """Record the hardware profile in ``path`` when there is none or the hardware changed
+    (:func:`ostinatod.profile.ensure_profile`; the calibration is left to ``ostinato calibrate``).
+    Logs what it did; never raises (a profile problem must not stop the daemon)."""
+    try:
+        p = ensure_profile(path, recalibrate=False)
+        if p.get("changed"):
+            cal = p.get("calibration") or {}
+            hint = "" if cal and not cal.get("error") and not cal.get("stale") else \
+                "; run 'ostinato calibrate' to calibrate the engine on this hardware"
+            log.info("hardware profile recorded in %s%s", path, hint)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("hardware profile not recorded: %s: %s", type(e).__name__, e)
 
 
 class Daemon:
@@ -49,6 +68,24 @@ class Daemon:
         self._runners: list[Any] = []
         self._lock = asyncio.Lock()
         self._control_bound = False  # the control socket file is ours to remove at shutdown
+        self._profile: Optional[asyncio.Future] = None  # the first-start profile, in a worker thread
+
+    def start_upkeep(self) -> None:
+        """Start what runs beside serving, on the running event loop: the background re-planner
+        (``state.replanner``; settings ``replan_idle_s``/``replan_growth``) and the first-start
+        hardware profile (:func:`first_start_profile` in a worker thread). :meth:`stop_upkeep`
+        stops the re-planner; the profile thread is not waited for."""
+        rp = Replanner(self.state)
+        self.state.replanner = rp
+        rp.start()
+        self._profile = asyncio.get_running_loop().run_in_executor(
+            None, first_start_profile, self.paths.hardware_profile)
+
+    async def stop_upkeep(self) -> None:
+        """Stop the background re-planner (waits for its task to end; idempotent)."""
+        rp = self.state.replanner
+        if rp is not None:
+            await rp.stop()
 
     def request_stop(self) -> None:
         """Ask :meth:`serve` to shut down."""
@@ -161,6 +198,7 @@ class Daemon:
             self._control_bound = True
         except OSError as e:
             log.error("control socket %s: %s", self.paths.control_socket, e)
+        self.start_upkeep()
         try:
             self._write_runtime_files()
         except OSError as e:  # a full disk: one line naming the file (start reports it too)
@@ -216,6 +254,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         log.info("shutting down")
         self.state.phase = "stopping"  # requests from now on: 503 engine_stopped
+        await self.stop_upkeep()  # first: a re-plan must not reach for the engine being stopped
         eng, self.state.engine = self.state.engine, None
         if eng is not None:
             try:

@@ -225,10 +225,9 @@ class ResidencyDesk:
     async def flush_traces(self) -> None:
         """Ask the engine to write its pending routing counts, so a plan sees the latest requests."""
         st = self.state
-        fn = getattr(st.engine, "flush_traces", None) if st.engine is not None else None
-        if fn is not None and st.engine_state == "ready":
+        if st.engine is not None and st.engine_state == "ready":
             try:
-                await asyncio.wait_for(fn(), 30)
+                await asyncio.wait_for(st.engine.flush_traces(), 30)
             except Exception as e:  # plan from what is on disk
                 log.warning("flushing routing traces before planning: %s", e)
 
@@ -246,10 +245,10 @@ class ResidencyDesk:
         return res, path, time.perf_counter() - t0
 
     def can_switch(self) -> bool:
-        """Whether the engine exists, is ready and can swap residency sets."""
+        """Whether the engine exists and is ready to swap residency sets (every EngineClient has
+        ``switch_residency``; one running stock answers 409 ``residency_unavailable``)."""
         st = self.state
-        return (st.engine is not None and st.engine_state == "ready"
-                and getattr(st.engine, "switch_residency", None) is not None)
+        return st.engine is not None and st.engine_state == "ready"
 
     async def switch(self, path: Path, reason: str) -> dict[str, Any]:
         """Swap the engine's set to ``path`` (at its next request boundary) and note the swap in

@@ -50,7 +50,7 @@ from ..engine.types import EngineError
 from ..server.request_input import check_json_value
 from ..server.errors import ApiError
 from ..server.http_errors import JsonErrorsHandler, JsonErrorsUnixSite, one_line
-from .snapshots import _ctl, expert_view, metrics_snapshot
+from .snapshots import expert_view, metrics_snapshot
 
 log = logging.getLogger("ostinatod.control")
 
@@ -131,7 +131,7 @@ async def h_status(request: web.Request) -> web.Response:
     st = _state(request)
     out = st.status()
     out["workload"] = st.settings.workload_default
-    out["paused"] = _ctl(st)["paused_model"] is not None
+    out["paused"] = st.paused_model is not None
     out["control_socket"] = str(st.paths.control_socket)
     out["log_file"] = str(st.paths.log_file)
     out["last_residency_switch"] = st.last_residency_switch
@@ -207,7 +207,7 @@ async def h_load(request: web.Request) -> web.Response:
         raise ControlError("invalid_request", "body must be {\"path\": \"/path/to/model.gguf\"}", 400)
     path = _check_gguf(Path(body["path"]))
     await _reload(st, path)
-    _ctl(st)["paused_model"] = None
+    st.paused_model = None
     return web.json_response({"ok": True, "state": st.engine_state, "model": {"id": st.model_name,
                                                                               **st.model_info}})
 
@@ -222,24 +222,22 @@ async def h_unload(request: web.Request) -> web.Response:
 async def h_pause(request: web.Request) -> web.Response:
     """POST /pause: unload, remembering the model path for /resume (idempotent)."""
     st = _state(request)
-    c = _ctl(st)
-    if c["paused_model"] is None:
+    if st.paused_model is None:
         path = st.model_info.get("path") or st.settings.model
         if st.engine is None or not path:
             raise ControlError("model_not_loaded", "no model is loaded; nothing to pause", 409)
         await _reload(st, None)
-        c["paused_model"] = str(path)
+        st.paused_model = str(path)
     return web.json_response({"ok": True, "paused": True, "state": st.engine_state})
 
 
 async def h_resume(request: web.Request) -> web.Response:
     """POST /resume: load the model unloaded by /pause (no-op when not paused)."""
     st = _state(request)
-    c = _ctl(st)
-    p = c["paused_model"]
+    p = st.paused_model
     if p is not None:
         await _reload(st, Path(p))
-        c["paused_model"] = None
+        st.paused_model = None
     return web.json_response({"ok": True, "paused": False, "state": st.engine_state})
 
 
@@ -254,7 +252,7 @@ async def h_residency(request: web.Request) -> web.Response:
         except Exception:
             stats = {}
     out["current"] = expert_view(stats)
-    rp = _ctl(st).get("replanner")
+    rp = st.replanner
     out["background_replan"] = {"idle_s": st.settings.replan_idle_s, "growth": st.settings.replan_growth,
                                 "planned": rp.planned[-10:] if rp else []}
     try:
@@ -416,20 +414,6 @@ def make_app(state) -> web.Application:
     return app
 
 
-def _first_start_profile(path: Path) -> None:
-    """Hardware profile at daemon start (first start or changed hardware); logs, never raises."""
-    try:
-        from ..profile import ensure_profile
-        p = ensure_profile(path, recalibrate=False)
-        if p.get("changed"):
-            cal = p.get("calibration") or {}
-            hint = "" if cal and not cal.get("error") and not cal.get("stale") else \
-                "; run 'ostinato calibrate' to calibrate the engine on this hardware"
-            log.info("hardware profile recorded in %s%s", path, hint)
-    except Exception as e:  # a profile problem must not stop the daemon
-        log.warning("hardware profile not recorded: %s: %s", type(e).__name__, e)
-
-
 class _ControlErrorsHandler(JsonErrorsHandler):
     """The control socket's connections: malformed HTTP answered ``{"error": {"code", "message"}}``."""
 
@@ -439,14 +423,10 @@ class _ControlErrorsHandler(JsonErrorsHandler):
         return _err(ControlError("invalid_http", f"malformed HTTP request: {text}", status))
 
 
-async def start_control_server(state, path: Optional[Path] = None, replan: bool = True,
-                               profile: bool = True) -> web.AppRunner:
+async def start_control_server(state, path: Optional[Path] = None) -> web.AppRunner:
     """Serve the control API on the Unix socket ``path`` (default ``state.paths.control_socket``).
-
-    With ``replan`` it also runs the background re-planner (:class:`ostinatod.workload.Replanner`,
-    settings ``replan_idle_s``/``replan_growth``) for the lifetime of the runner. With ``profile``
-    it records the hardware profile in a worker thread when there is none or the hardware changed
-    (:func:`ostinatod.profile.ensure_profile`; the calibration is left to ``ostinato calibrate``).
+    It only serves routes: the background re-planner and the first-start hardware profile are the
+    daemon's (:meth:`ostinatod.daemon.Daemon.start_upkeep`).
 
     A stale socket file is replaced; the socket is made mode 0600 and its directory 0700.
     Returns the started runner; ``await runner.cleanup()`` stops it (the socket file is removed).
@@ -457,22 +437,6 @@ async def start_control_server(state, path: Optional[Path] = None, replan: bool 
     if path.exists() or path.is_symlink():
         path.unlink()
     app = make_app(state)
-    if replan:
-        from ..workload import Replanner
-        rp = Replanner(state)
-        _ctl(state)["replanner"] = rp
-
-        async def _start_rp(_app):
-            rp.start()
-
-        async def _stop_rp(_app):
-            await rp.stop()
-        app.on_startup.append(_start_rp)
-        app.on_cleanup.append(_stop_rp)
-    if profile:
-        async def _profile(_app):
-            asyncio.get_running_loop().run_in_executor(None, _first_start_profile, state.paths.hardware_profile)
-        app.on_startup.append(_profile)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=CONTROL_SHUTDOWN_S)
     await runner.setup()
     old = os.umask(0o177)  # no window where the socket is reachable by others
