@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..errors import MessageError
+from .errors import MessageError
 
 
 class SessionError(MessageError, ValueError):
@@ -174,7 +174,7 @@ def split_sessions(file: str | Path | Iterable[dict[str, Any]], held_out_frac: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ostinatod.bench.sessions FILE [--held-out-frac F] [--seed S]``: print the split."""
+    """``python -m ostinatod.sessions FILE [--held-out-frac F] [--seed S]``: print the split."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="ostinato sessions", description="dev / held-out split by task")

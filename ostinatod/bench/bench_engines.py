@@ -5,7 +5,7 @@ One command (docs/design.md "Testing and measuring"; paper arXiv 2611.11533 Sect
 1. writes (or reuses) a synthetic real-shape MoE model (Qwen3-30B-A3B shape, Q4_0 experts,
    ``--layers`` 24 by default) with :func:`ostinatod.synth.writer.write_synthetic_moe`;
 2. splits the recorded sessions into development and held-out sets by task
-   (:func:`ostinatod.bench.sessions.split_sessions`);
+   (:func:`ostinatod.sessions.split_sessions`);
 3. collects development routing traces by replaying a few turns of dev sessions through the
    Ostinato engine (in process, all experts cold: only the route counts matter);
 4. plans a residency set with the pool budget at ``--budget-frac`` (45%) of the expert bytes;
@@ -107,7 +107,7 @@ from .bench_prepare import (collect_dev_traces, engine_counts, layer_mix, one_gp
 from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, hot_shares, machine_info,
                            markdown, ratios, ratios_vs_limit, replay_turns, summarize_breakdown, timeline_summary)
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
-from .sessions import WORKLOAD_OF_SESSION, assistant_turns
+from ..sessions import WORKLOAD_OF_SESSION, assistant_turns
 
 # seconds past --time-limit before an engine still replaying is stopped (its last turn may end)
 DEADLINE_GRACE_S = 15.0

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from ..paths import get_paths
 from .bench_common import BenchError, say, skew_tag
-from .sessions import assistant_turns
+from ..sessions import assistant_turns
 
 
 def prepare_model(a: argparse.Namespace) -> Path:
@@ -66,7 +66,7 @@ def select_sessions(a: argparse.Namespace) -> tuple[Path, list[dict], list[dict]
 
     Sessions with tool schemas (function calling) come first, so that turns follow tool outputs.
     """
-    from .sessions import split_sessions
+    from ..sessions import split_sessions
 
     f = Path(a.sessions_dir or default_sessions_dir()) / a.sessions_file
     if not f.is_file():
@@ -152,7 +152,7 @@ def _replay_counts(w, block: dict[str, Any], label: str, sessions: list[dict], t
                    workload: str):
     from ..engine.types import GenRequest
     from ..residency.traces import Trace, counts_from_stats
-    from .sessions import assistant_text
+    from ..sessions import assistant_text
 
     trace = Trace.empty(block, workload)
     for si, sess in enumerate(sessions):

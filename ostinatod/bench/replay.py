@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .sessions import SessionError, Turn, assistant_text, assistant_turns, load_sessions, workload_of
+from ..sessions import SessionError, Turn, assistant_text, assistant_turns, load_sessions, workload_of
 from ..errors import MessageError
 
 REPLAY_FORMAT = "ostinato-replay/1"

@@ -207,7 +207,7 @@ def routing_report(model_path: str | os.PathLike, session_files: list[str | os.P
     the planner sees them), and ``per_phase`` gives the held-out share of each phase. Returns a
     JSON-able dict.
     """
-    from ..bench.sessions import split_sessions
+    from ..sessions import split_sessions
 
     if decode and not engine:
         raise SynthError("decode steps are counted by the engine only (engine=True)")
@@ -270,7 +270,7 @@ def designed_shares(shape: str, strengths: list[float], session_file: str | os.P
     split of ``session_file``, tokenized with the qwen2 vocabulary. Returns {A: share}."""
     from dataclasses import replace
 
-    from ..bench.sessions import split_sessions
+    from ..sessions import split_sessions
     from .shapes import QUANTS, SHAPES, Routing
     from .tensors import _Ctx, _embedding, _router
     from .vocab import find_vocab, load_tokenizer

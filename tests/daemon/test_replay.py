@@ -111,7 +111,7 @@ def test_replay_records_errors(tmp_path: Path):
 
 
 def test_sessions_map_to_daemon_workloads():
-    from ostinatod.bench.sessions import workload_of
+    from ostinatod.sessions import workload_of
 
     assert workload_of({"workload": "swe"}) == "coding"
     assert workload_of({"workload": "tau2"}) == "customer-service"
