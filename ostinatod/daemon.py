@@ -14,6 +14,7 @@ Files (ostinatod.paths): ``<runtime>/ostinatod.pid`` (the pid), ``<runtime>/osti
 
 from __future__ import annotations
 
+from importlib.metadata import version
 import asyncio
 import logging
 import os
@@ -21,6 +22,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .control.server import start_control_server
+from .demo import demo_model_path, ensure_demo_model
+from .engine import client as engine_client
+from .engine.types import EngineError
+from .residency.model import ModelFileError, check_model_file
+from .server.app import cors_refusal, open_bind_refusal, raise_fd_limit, start_http
+from .server.state import DaemonState
 from .files import write_atomic, write_json_atomic
 from .paths import Paths, get_paths
 from .profile import ensure_profile
@@ -33,8 +41,6 @@ log = logging.getLogger("ostinatod")
 # --- engine -----------------------------------------------------------------------------------
 def make_engine(settings: Settings, model_path: Path) -> Any:
     """An EngineClient for ``model_path`` per ``settings.engine_mode`` (ostinatod/engine/client.py)."""
-    from .engine import client as engine_client
-
     return engine_client.make_engine(settings.model_copy(update={"model": model_path}), model_path)
 
 
@@ -58,8 +64,6 @@ class Daemon:
     :meth:`request_stop` (SIGTERM/SIGINT)."""
 
     def __init__(self, settings: Settings, paths: Optional[Paths] = None):
-        from .server.state import DaemonState
-
         self.settings = settings
         self.paths = (paths or get_paths()).ensure()
         self.state = DaemonState(settings, paths=self.paths)
@@ -98,10 +102,6 @@ class Daemon:
         vocab-only); a bad file raises EngineError and the served model stays. A file that passes
         but that llama.cpp refuses raises EngineError too, with llama.cpp's reason; the model
         served before is then loaded again (without one, ``state.model_error`` says why)."""
-        from .engine.types import EngineError
-
-        from .residency.model import ModelFileError, check_model_file
-
         async with self._lock:
             st = self.state
             if path is not None:
@@ -145,7 +145,6 @@ class Daemon:
                 raise
             st.phase = None
             st.model_error = None
-            from .demo import demo_model_path
 
             st.demo = path == demo_model_path(self.settings, self.paths)
             st.settings = st.settings.model_copy(update={"model": path})
@@ -170,9 +169,6 @@ class Daemon:
         Returns the exit code: 0 after a stop, 1 when the port cannot be bound or the demo model
         cannot be prepared. A model that fails to load leaves the daemon running without one
         (``state.model_error`` says why)."""
-        from .engine.types import EngineError
-        from .server.app import cors_refusal, open_bind_refusal, start_http
-
         st = self.state
         s = self.settings
         refusal = (open_bind_refusal(s.host, s.api_key, s.allow_open_bind)
@@ -182,7 +178,6 @@ class Daemon:
             print(f"ostinatod: {refusal}", file=sys.stderr)
             return 2
         st.phase = "starting"
-        from .server.app import raise_fd_limit
 
         log.debug("open-files limit %d", raise_fd_limit())
         try:
@@ -192,7 +187,6 @@ class Daemon:
                       e.strerror or e)
             return 1
         self._runners.append(runner)
-        from .control.server import start_control_server
         try:
             self._runners.append(await start_control_server(st, self.paths.control_socket))
             self._control_bound = True
@@ -213,8 +207,6 @@ class Daemon:
         try:
             model = self.settings.model
             if model is None:
-                from .demo import ensure_demo_model
-
                 st.phase = "generating demo model"
                 model = await asyncio.get_running_loop().run_in_executor(
                     None, ensure_demo_model, self.settings, self.paths)
@@ -276,8 +268,6 @@ class Daemon:
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("ostinato")
     except Exception:  # noqa: BLE001
         return "dev"

@@ -18,9 +18,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from .errors import OstinatoError
 from .paths import residency_file, trace_file
 from .residency.model import cached_description
+from .residency.planner import plan_for_model
 from .residency.sets import model_fingerprint
 
 log = logging.getLogger("ostinatod.residency")
@@ -106,8 +109,6 @@ def per_layer_share(rpath: Path, tpath: Path) -> list[float]:
     """Per-layer hot-route share of the set in ``rpath`` over the trace in ``tpath``:
     ``sum(counts[l, hot_l]) / sum(counts[l])`` for each layer l (Rule 1's objective per layer,
     paper Sec. 3.1)."""
-    import numpy as np
-
     res, tr = json.loads(rpath.read_text()), json.loads(tpath.read_text())
     counts = np.asarray(tr["counts_prefill"], dtype=np.float64) + np.asarray(tr["counts_decode"])
     hot = np.zeros_like(counts, dtype=bool)
@@ -235,8 +236,6 @@ class ResidencyDesk:
         """Plan ``workload``'s set for ``model`` in a worker thread (budget from the settings) and
         write it. Returns (residency dict, path, seconds). Raises PlanError/TraceError/ValueError
         or OSError as the planner does."""
-        from .residency.planner import plan_for_model
-
         st = self.state
         t0 = time.perf_counter()
         res, path = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_for_model(

@@ -41,6 +41,9 @@ previous file is saved once as ``<file>.bak``). Facts in ../shared/CLIENTS.md:
 from __future__ import annotations
 
 import argparse
+import datetime
+import urllib.error
+import urllib.request
 import json
 import os
 import shlex
@@ -49,6 +52,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import tomlkit
+
+from .control.client import call
+from .paths import get_paths
 from .settings import Settings, load_settings
 
 AGENTS = ("claude", "opencode", "openhands", "openhands-sdk", "codex", "mini", "qwen", "aider", "cline")
@@ -77,7 +84,6 @@ def _daemon_facts(settings: Settings) -> dict[str, Any]:
     n_ctx, key, reason = settings.n_ctx, settings.api_key, None
     running = False
     try:
-        from .control.client import call
         c = call("GET", "/connection")
         running = True
         url = (c.get("http_url") or url).rstrip("/")
@@ -200,7 +206,6 @@ def aider_env(url: str, model: str, key: str) -> dict[str, str]:
 def cline_settings(url: str, model: str, key: str, n_ctx: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """Cline CLI's ``providers.json`` and the ``models.json`` beside it: the ``openai-compatible``
     provider on our base URL, and the model's context window (Cline assumes 128000 otherwise)."""
-    import datetime
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
     providers = {"version": 1, "lastUsedProvider": CLINE_PROVIDER, "modes": {},
                  "providers": {CLINE_PROVIDER: {"settings": {"provider": CLINE_PROVIDER, "apiKey": key,
@@ -246,7 +251,6 @@ def config_path(agent: str, docker: bool = False) -> Path:
         return Path(os.environ.get("CLINE_DIR") or home / ".cline") / "data" / "settings" / "providers.json"
     if agent == "openhands" and not docker:
         return Path(os.environ.get("OPENHANDS_PERSISTENCE_DIR") or home / ".openhands") / "agent_settings.json"
-    from .paths import get_paths
     if agent == "mini":
         return get_paths().config / "mini-swe-agent.env"
     return get_paths().config / ("openhands-docker.env" if docker else "openhands.env")
@@ -271,7 +275,6 @@ def agent_files(agent: str, facts: dict[str, Any], key: str) -> dict[Path, str]:
     """The files :func:`agent_command` writes for ``agent`` under the config dir's ``agents/``
     (qwen, aider, cline, openhands), by path; the agent is pointed at them, the user's own
     configuration is not touched."""
-    from .paths import get_paths
     url, model, n_ctx = facts["url"], facts["model"], facts["n_ctx"]
     d = get_paths().config / "agents"
     dump = lambda v: json.dumps(v, indent=2) + "\n"  # noqa: E731
@@ -328,7 +331,6 @@ def write_config(agent: str, facts: dict[str, Any], key: str, key_env: Optional[
     elif agent == "opencode":
         text = json.dumps(opencode_config(facts, key, _read_json(path)), indent=2) + "\n"
     elif agent == "codex":
-        import tomlkit
         try:
             doc = tomlkit.parse(path.read_text()) if path.exists() else tomlkit.document()
         except tomlkit.exceptions.ParseError as e:
@@ -382,7 +384,6 @@ def render(agent: str, facts: dict[str, Any], key: str, key_env: Optional[str],
         body = opencode_config(facts, key)
         return f"// OpenCode: {dest} (--write merges this provider)\n{json.dumps(body, indent=2)}\n"
     if agent == "codex":
-        import tomlkit
         doc = tomlkit.document()
         doc["model"], doc["model_provider"] = model, PROVIDER
         for k, v in codex_context(facts["n_ctx"]).items():
@@ -466,14 +467,12 @@ def agent_command(agent: str, facts: dict[str, Any], key: str, args: list[str],
             env.pop("ANTHROPIC_API_KEY", None)  # it would be sent instead of the daemon's token
         env.update(ours)
     elif agent == "opencode":
-        from .paths import get_paths
         path = get_paths().config / "agents" / "opencode.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(opencode_config(facts, key), indent=2) + "\n")
         path.chmod(0o600)  # carries the key
         env["OPENCODE_CONFIG"] = str(path)  # merged over the user's own configuration
     elif agent == "codex":
-        import tomlkit
         prov = tomlkit.inline_table()
         prov.update(codex_provider(url, "OSTINATO_API_KEY"))
         for kv in [f"model_provider={json.dumps(PROVIDER)}", f"model={json.dumps(model)}",
@@ -520,9 +519,6 @@ def agent_url(agent: str, facts: dict[str, Any], env: dict[str, str]) -> str:
 def unreachable(url: str, timeout: float = 3.0) -> Optional[str]:
     """Why nothing answers HTTP at ``url`` (None when something does: any status counts, an
     HTTP error is an answer)."""
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout):
             return None

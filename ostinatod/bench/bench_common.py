@@ -7,6 +7,7 @@ import re
 import time
 
 from ..errors import MessageError
+from ..hardware import default_threads
 
 ENGINES = ("ostinato", "stock-all-gpu", "stock-layers", "stock-cpu", "llama-server")
 STOCK = ("stock-layers", "stock-cpu", "llama-server")  # the baselines at equal GPU memory
@@ -28,8 +29,6 @@ def _quarter_pool() -> dict:
     otherwise shorten every wait to 100 spins and sleep (docs/engine.md, "Decode graph", threads).
     The default since the 16-core H200 run (hardware.expert_engine_threads): kept to compare a
     machine's calibrated or set counts with it."""
-    from ..hardware import default_threads
-
     p = default_threads()
     q = max(1, p // 4)
     return {"decode_threads": q, "n_threads": max(1, p - q)}

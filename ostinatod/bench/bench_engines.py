@@ -92,7 +92,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..residency.planner import PlanError
+from ..residency.planner import PlanError, hot_route_share, read_model_shape
 from ..synth.shapes import SHAPES, Routing, SynthError
 from ..synth.skew import router_strength
 from .bench_common import (CHOICES, ENGINES, IK, LIMIT, MOE_CACHE, ONE_GPU, VARIANTS, BenchError, say,
@@ -102,6 +102,8 @@ from .bench_ik import start_ik_server
 from .bench_launch import (PEER_UBATCH, StepRecorder, expert_stats, llama_server_binary, replay,
                            start_daemon, start_llama_server)
 from .bench_moe_cache import cache_figures, start_moe_cache_server
+from .bench_plot import write_plot, write_skew_plot
+from .bench_skew import parse_skews, run_skew_sweep, skew_markdown, sub_argv
 from .bench_prepare import (collect_dev_traces, engine_counts, layer_mix, one_gpu_plan, plan, prepare_model,
                             select_sessions)
 from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, hot_shares, machine_info,
@@ -225,8 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
 def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, Any]:
     """The whole benchmark; returns the result dict. ``on_progress(result)`` gets the result so far
     after every engine (``main`` writes it, so that an interrupted run keeps what it measured)."""
-    from ..residency.planner import read_model_shape
-
     t_start = time.monotonic()
     if a.layers is None and a.shape == "qwen3-30b-a3b" and not a.model:
         a.layers = 24
@@ -438,8 +438,6 @@ def hot_shares_only(a: argparse.Namespace, argv: list[str], model: Path, block: 
     each); the dev counts give the plan, exactly as in a full run, and the held-out counts per phase
     on the plan's hot experts give the shares (what the engine counts as hot with that pool).
     Returns the result dict (``hot_shares``: :func:`.bench_report.hot_shares`, with its warnings)."""
-    from ..residency.planner import hot_route_share
-
     say(f"hot shares: dev {len(dev)} x {a.dev_turns} turns, held-out {len(held)} x {a.turns} turns "
         f"through the Ostinato engine (all cold, in process)")
     tr = engine_counts(model, block, [("dev", dev, a.dev_turns, a.dev_max_gen),
@@ -519,8 +517,6 @@ def write_result(result: dict[str, Any], out_dir: Path, plot: bool = True) -> Pa
         return jpath
     jpath.with_suffix(".md").write_text(markdown(result))
     if plot and result.get("sweep"):
-        from .bench_plot import write_plot
-
         write_plot([result], jpath.with_suffix(".svg"))
     return jpath
 
@@ -550,9 +546,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _main_skew_sweep(a: argparse.Namespace, argv: list[str]) -> int:
     """``--skew-sweep``: :func:`.bench_skew.run_skew_sweep` with this module's run and writer."""
-    from .bench_plot import write_skew_plot
-    from .bench_skew import parse_skews, run_skew_sweep, skew_markdown, sub_argv
-
     def one(sub: argparse.Namespace) -> dict[str, Any]:
         sub_args = sub_argv(argv, sub.skew, sub.name)
         return run(sub, sub_args, on_progress=lambda r: write_result(r, a.out_dir, plot=False))

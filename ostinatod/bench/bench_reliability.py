@@ -45,6 +45,8 @@ import argparse
 import json
 import os
 import signal
+import selectors
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +57,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
+
+from . import fuzz
+from ..control.client import ControlAPIError, call
+from ..synth.writer import write_synthetic_moe
 from .bench_launch import terminate
 
 
@@ -91,8 +98,6 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, di
 def _rss(pid: int) -> int:
     """RSS of the daemon plus its engine worker (other short-lived children, e.g. a hardware probe,
     are not counted)."""
-    import psutil
-
     try:
         p = psutil.Process(pid)
         total = p.memory_info().rss
@@ -108,8 +113,6 @@ def _rss(pid: int) -> int:
 
 
 def _workers(pid: int) -> list[int]:
-    import psutil
-
     try:
         return [c.pid for c in psutil.Process(pid).children()]
     except psutil.NoSuchProcess:
@@ -182,8 +185,6 @@ def _greedy(d: Daemon, clients: int, prompts: int, max_tokens: int = 8) -> dict[
 def _hold(d: Daemon, n: int, prime: Any) -> tuple[int, int, float]:
     """Open ``n`` connections, ``prime(socket)`` each, and time a new client's /health while
     they are held: (connections held, its status, its seconds)."""
-    import socket
-
     socks = []
     for _ in range(n):
         try:
@@ -401,9 +402,6 @@ def _slow_bodies(d: Daemon, n: int, interval: float = 4.0, hold_s: float = 12.0)
     """``n`` connections that send complete headers (``Content-Length: 100000``) and then one
     byte every ``interval`` s (a flood seen in an attack, one thread, non-blocking sockets); a new client's
     chat is timed meanwhile. Counts how the flood's connections ended."""
-    import selectors
-    import socket
-
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100000\r\n\r\n")
     socks = []
@@ -462,8 +460,6 @@ def _control_paths(d: Daemon) -> dict[str, Any]:
     """Load and residency-switch requests naming paths that are not regular files (a FIFO, a
     directory, /dev/zero, a 5,000-character path, a 300-character file name, a NUL byte): the
     status and code of each answer (none may be 5xx)."""
-    from ..control.client import ControlAPIError, call
-
     fifo = d.home / "fifo.gguf"
     if not fifo.exists():
         os.mkfifo(fifo)
@@ -500,8 +496,6 @@ def _keepalive(d: Daemon, n: int) -> dict[str, Any]:
 def _tool_rss(d: Daemon, n: int, threads: int = 4) -> dict[str, Any]:
     """``n`` chat requests, each with a tool no other request had; the worker's RSS after the
     first tenth of them (caches warm) and at the end."""
-    import psutil
-
     worker = next(iter(_workers(d.proc.pid)), None)
     counter = iter(range(n))
     lock = threading.Lock()
@@ -568,8 +562,6 @@ def patch_gguf(src: Path, dst: Path, swaps: list[tuple[bytes, bytes]] = (), no_t
 def _bad_ggufs(d: Daemon, model: Path) -> dict[str, Any]:
     """Load each spoilt copy of ``model`` through the control API; what the answer said and
     whether the model stayed served."""
-    from ..control.client import ControlAPIError, call
-
     out: dict[str, Any] = {}
     cases = {k: (sw, word, False) for k, (sw, word) in BAD_GGUFS.items()}
     cases["vocab-only"] = ([], "vocab-only", True)
@@ -636,8 +628,6 @@ def _crashes(d: Daemon, kills: int) -> dict[str, Any]:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
-    from . import fuzz
-
     model = Path(a.model) if a.model else _tiny_model()
     d = Daemon(model, ["--n-ctx", str(a.n_ctx), "--n-slots", "2", "--max-tokens-default", "4",
                        "--worker-ping-timeout-s", "3"] + (["--n-threads", str(a.threads)] if a.threads else [])
@@ -718,8 +708,6 @@ def _log_noise(state: Path) -> dict[str, Any]:
 
 
 def _tiny_model() -> Path:
-    from ..synth.writer import write_synthetic_moe
-
     cache = Path(os.environ.get("OSTINATO_TEST_CACHE", Path.home() / ".cache" / "ostinato-test"))
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / "tiny-qwen3moe.gguf"

@@ -9,6 +9,9 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
+
+from ..residency import planner
 from .bench_common import LIMIT, METRICS, ONE_GPU, STOCK, is_peer
 
 BUCKETS = ((0, 128, "<128"), (128, 512, "128-511"), (512, 2048, "512-2047"), (2048, 1 << 62, ">=2048"))
@@ -405,9 +408,6 @@ def ratios(engines: dict[str, dict[str, Any]], o: Optional[dict[str, Any]] = Non
 
 def machine_info() -> dict[str, Any]:
     """CPU, RAM and GPUs of this machine (psutil, pynvml)."""
-    import psutil
-
-    from ..residency.planner import detect_gpus
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -419,7 +419,7 @@ def machine_info() -> dict[str, Any]:
         pass
     return {"cpu": cpu, "physical_cores": psutil.cpu_count(logical=False),
             "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "gpus": [{"name": g.name, "free_gib": round((g.free_bytes or 0) / 2**30, 1)} for g in detect_gpus()],
+            "gpus": [{"name": g.name, "free_gib": round((g.free_bytes or 0) / 2**30, 1)} for g in planner.detect_gpus()],
             "platform": platform.platform()}
 
 

@@ -44,6 +44,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from ..desk import DeskError
 from ..errors import OstinatoError
 from ..files import NotRegularFile, WriteFailed, regular_file
+from ..profile import load_profile
 from ..residency.traces import valid_workload
 from ..hardware import gpu_memory
 from ..engine.types import EngineError
@@ -321,7 +322,6 @@ async def h_switch(request: web.Request) -> web.Response:
 
 async def h_profile(request: web.Request) -> web.Response:
     """GET /profile: the stored hardware profile (404 before the first one)."""
-    from ..profile import load_profile
     p = load_profile(_state(request).paths.hardware_profile)
     if p is None:
         raise ControlError("no_profile", "no hardware profile yet; run 'ostinato profile'", 404)

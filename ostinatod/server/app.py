@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import time
 from typing import Awaitable, Callable
@@ -52,8 +53,6 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "ip6-localhost", "host.docker
 
 
 def _is_ip(name: str) -> bool:
-    import ipaddress
-
     try:
         ipaddress.ip_address(name)
         return True
@@ -502,7 +501,6 @@ def _doubled_v1(handler: Handler, hint: str = _DOUBLED_V1_HINT) -> Handler:
 
 def is_loopback(host: str) -> bool:
     """True for a loopback bind address (127.0.0.0/8, ::1, localhost)."""
-    import ipaddress
     if host.strip("[]").lower() in ("localhost", "localhost.localdomain"):
         return True
     try:

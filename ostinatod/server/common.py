@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from ..engine.types import EngineError, EngineEvent, EventType, GenRequest
 from ..residency.traces import valid_workload
 from .encoders import Frame
+from .encoders.llama_native import timings
 from .errors import ApiError
 from .request_input import INPUT_PHASE, no_constant, read_json, validate
 from .state import DaemonState
@@ -309,7 +310,6 @@ class Generation:
     def timings(self) -> dict[str, Any]:
         """llama-server's ``timings`` of this generation so far (:func:`.encoders.llama_native.timings`):
         the engine's own figures once it is done, the ones measured here before."""
-        from .encoders.llama_native import timings
         if self.done is not None:
             return timings(self.done)
         now = time.monotonic()

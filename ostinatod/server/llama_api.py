@@ -11,6 +11,7 @@ every other protocol.
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 import asyncio
 from typing import Any, Optional, Union
 
@@ -392,7 +393,6 @@ async def props(request: web.Request) -> web.Response:
 
 
 def _build_info() -> str:
-    from importlib.metadata import PackageNotFoundError, version
     try:
         return f"ostinato {version('ostinato')} (llama-cpp-python {version('llama_cpp_python')})"
     except PackageNotFoundError:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ostinatod.bench import replay, sessions
+from ostinatod import sessions
+from ostinatod.bench import replay
 
 SESSIONS = Path(__file__).resolve().parents[3] / "shared" / "sessions"
 if not SESSIONS.is_dir():  # checkout elsewhere: the shared tree's usual place
