@@ -17,7 +17,7 @@ import pytest
 
 from ostinatod.engine import limits
 from ostinatod.engine.types import EngineError
-from ostinatod.bench.bench_reliability import BAD_GGUFS, big_tool, patch_gguf
+from ostinatod.bench.bench_reliability_attacks import BAD_GGUFS, big_tool, patch_gguf
 from helpers import post as post_json
 
 
