@@ -14,11 +14,11 @@ Files (ostinatod.paths): ``<runtime>/ostinatod.pid`` (the pid), ``<runtime>/osti
 
 from __future__ import annotations
 
-from importlib.metadata import version
 import asyncio
 import logging
 import os
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
 

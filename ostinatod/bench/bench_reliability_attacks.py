@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import selectors
+import signal
 import socket
 import threading
 import time

@@ -6,8 +6,8 @@ Pure functions (numpy only); tested without GPUs through :func:`simulate_layer_s
 
 from __future__ import annotations
 
-from typing import Any, Optional
 import bisect
+from typing import Any, Optional
 
 import numpy as np
 

@@ -11,8 +11,8 @@ every other protocol.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 import asyncio
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional, Union
 
 from aiohttp import web

@@ -3,15 +3,14 @@ by the real engine's counters, and the routing report (``ostinato synth --report
 
 from __future__ import annotations
 
-from dataclasses import replace
 import ctypes
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 import gguf
+import numpy as np
 
 from ..engine import native
 from ..engine.placement import experts_config

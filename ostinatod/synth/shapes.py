@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import MessageError

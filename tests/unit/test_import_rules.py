@@ -70,7 +70,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("control", ("ostinatod.control",)),
     ("daemon", ("ostinatod.daemon",)),
     ("apps", ("ostinatod.daemon_cli", "ostinatod.installer", "ostinatod.cli", "ostinatod.launch",
-              "ostinatod.build", "ostinatod.bench", "ostinatod.ui")),
+              "ostinatod.agent_config", "ostinatod.build", "ostinatod.bench", "ostinatod.ui")),
 ]
 
 
