@@ -3,6 +3,8 @@ error and the progress line."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import re
 import time
 
@@ -137,3 +139,12 @@ def parse_list(text: str | None, option: str, what: str, ok, bounds: str) -> lis
 def say(msg: str) -> None:
     """Progress line with elapsed seconds (stdout, flushed: the lead watches it live)."""
     print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def fmt(v: Any, unit: str = "", nd: int = 2) -> str:
+    """``v`` for a markdown table: floats with ``nd`` decimals, then ``unit``; "n/a" for None."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}{unit}"
+    return f"{v}{unit}"

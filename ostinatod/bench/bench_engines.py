@@ -77,8 +77,9 @@ after, and at its first decode step).
 Modules: this one (the command line, the run, the result), :mod:`.bench_prepare` (model, sessions,
 development traces, plan), :mod:`.bench_launch` (the engines on loopback, the replay client, the
 daemon's expert stats), :mod:`.bench_fit` (whether the limit fits, time estimates),
-:mod:`.bench_sweep` (the budget sweep), :mod:`.bench_report` (metrics, ratios, step breakdown,
-markdown), :mod:`.bench_common` (engine names, metrics, errors, progress).
+:mod:`.bench_sweep` (the budget sweep), :mod:`.bench_report` (metrics, ratios,
+markdown), :mod:`.bench_breakdown` (the per-step breakdown), :mod:`.bench_common` (engine names,
+metrics, errors, progress, table cells).
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ from .bench_plot import write_plot, write_skew_plot
 from .bench_skew import parse_skews, run_skew_sweep, skew_markdown, sub_argv
 from .bench_prepare import (collect_dev_traces, engine_counts, layer_mix, one_gpu_plan, plan, prepare_model,
                             select_sessions)
-from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, hot_shares, machine_info,
-                           markdown, ratios, ratios_vs_limit, replay_turns, summarize_breakdown, timeline_summary)
+from .bench_breakdown import decode_path_warning, hot_shares, summarize_breakdown
+from .bench_report import (engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown, ratios, ratios_vs_limit,
+                           replay_turns, timeline_summary)
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
 from ..sessions import WORKLOAD_OF_SESSION, assistant_turns
 
@@ -437,7 +439,7 @@ def hot_shares_only(a: argparse.Namespace, argv: list[str], model: Path, block: 
     turns and the held-out turns (``--sessions`` x ``--turns``, at most ``--dev-max-gen`` tokens
     each); the dev counts give the plan, exactly as in a full run, and the held-out counts per phase
     on the plan's hot experts give the shares (what the engine counts as hot with that pool).
-    Returns the result dict (``hot_shares``: :func:`.bench_report.hot_shares`, with its warnings)."""
+    Returns the result dict (``hot_shares``: :func:`.bench_breakdown.hot_shares`, with its warnings)."""
     say(f"hot shares: dev {len(dev)} x {a.dev_turns} turns, held-out {len(held)} x {a.turns} turns "
         f"through the Ostinato engine (all cold, in process)")
     tr = engine_counts(model, block, [("dev", dev, a.dev_turns, a.dev_max_gen),

@@ -26,7 +26,7 @@ from ..residency import planner
 from ..settings import load_settings
 from .replay import run_replay
 from .bench_common import BenchError, crash_lines, say
-from .bench_report import turn_breakdown
+from .bench_breakdown import turn_breakdown
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ostinatod.bench import bench_engines as be
-from ostinatod.bench import bench_fit, bench_launch, bench_prepare, bench_report, bench_sweep
+from ostinatod.bench import bench_breakdown, bench_fit, bench_launch, bench_prepare, bench_report, bench_sweep
 from ostinatod.bench.bench_common import BenchError
 
 SESSIONS = Path("/work/shared/sessions")
@@ -71,7 +71,7 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
         [_pass("decode", 1, total_ms=4.0, cpu_branch_ms=2.0, wait_ms=0.5)] * 5
     cur = {"passes": 16, "tokens": 805, "paths": {"decode": 13, "split": 2, "upload": 1},
            "total_ms": 150.0, "cpu_branch_ms": 50.0, "last_passes": (prev["last_passes"] + turn)[-32:]}
-    r = bench_report.turn_breakdown(prev, cur)
+    r = bench_breakdown.turn_breakdown(prev, cur)
     assert r["exact"] and r["passes"] == 6 and r["decode_steps"] == 5 and r["prefill_passes"] == 1
     assert r["prefill_paths"] == {"upload": 1} and r["prefill_tokens"] == 300
     assert r["prefill_ms"]["total_ms"] == pytest.approx(30.0)
@@ -83,7 +83,7 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     long_turn = [_pass("decode", 1, total_ms=4.0)] * 32
     cur2 = {"passes": 16 + 41, "tokens": 805 + 200 + 40, "paths": {"decode": 13 + 40, "split": 3, "upload": 1},
             "total_ms": 150.0 + 50.0 + 160.0, "cpu_branch_ms": 50.0, "last_passes": long_turn}
-    r2 = bench_report.turn_breakdown(cur, cur2)
+    r2 = bench_breakdown.turn_breakdown(cur, cur2)
     assert not r2["exact"] and r2["decode_steps"] == 40 and r2["decode_seen"] == 32
     assert r2["decode_ms"]["total_ms"] == pytest.approx(160.0)
     assert r2["prefill_ms"]["total_ms"] == pytest.approx(50.0) and r2["prefill_tokens"] == 200
@@ -91,11 +91,11 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     # the split exact (decode = delta - prefill), whatever the decode steps did meanwhile
     mid = {"passes": 16 + 1 + 3, "last_passes": (cur["last_passes"] + [_pass("split", 200, total_ms=45.0)]
                                                  + [_pass("decode", 1, total_ms=9.0)] * 3)[-32:]}
-    r3 = bench_report.turn_breakdown(cur, cur2, mid)
+    r3 = bench_breakdown.turn_breakdown(cur, cur2, mid)
     assert r3["exact"] and r3["seen"] == 36 and r3["prefill_tokens"] == 200
     assert r3["prefill_ms"]["total_ms"] == pytest.approx(45.0)
     assert r3["decode_ms"]["total_ms"] == pytest.approx(360.0 - 150.0 - 45.0)
-    s = bench_report.summarize_breakdown([r, None, r2], [{"after": "tool"}, {"after": "tool"}, {"after": "user"}])
+    s = bench_breakdown.summarize_breakdown([r, None, r2], [{"after": "tool"}, {"after": "tool"}, {"after": "user"}])
     assert s["decode_step"]["steps"] == 45 and s["decode_step"]["mean_ms"]["total_ms"] == pytest.approx(4.0)
     assert s["prefill"]["prefills"] == 2 and s["prefill"]["mean_ms"]["total_ms"] == pytest.approx(40.0)
     assert s["prefill"]["exact_share"] == 0.5 and s["prefill"]["paths"] == {"upload": 1, "split": 1}
@@ -103,7 +103,7 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     # counts per prefill only from turns whose prefill passes were all seen (r, not r2)
     assert r2["prefill_sums"] == {} and s["prefill"]["mean_counts"]["prefetch_hits"] == 7
     assert "wait_ms" in s["decode_step"]["mean_ms"]
-    md = "\n".join(bench_report.breakdown_md(s, "Ostinato"))
+    md = "\n".join(bench_breakdown.breakdown_md(s, "Ostinato"))
     assert "| total_ms |" in md and "| wait_ms |" in md
     # hot share per phase: decode over the 37 steps seen (1 cold of 2 routes each), prefill over
     # the prefill of r only (r2's were not all seen)
@@ -112,31 +112,31 @@ def test_turn_breakdown_exact_estimated_and_unknown_keys():
     assert s["prefill"]["cold_routes_per_prefill"] == 1 and s["prefill"]["cold_routes_per_token"] == pytest.approx(0.003)
     assert "| hot-route share | 0.500 | 0.998 | 0.998 |" in md
     # decode hotter or colder than prefill by more than 5 points: a warning; within 5 points: none
-    assert "0.500 is 49.8 points below the prefill after tool" in bench_report.phase_skew_warning(s)
+    assert "0.500 is 49.8 points below the prefill after tool" in bench_breakdown.phase_skew_warning(s)
     hot_decode = {**s, "decode_step": {**s["decode_step"], "hot_route_share": 0.99},
                   "prefill_after_tool": {**s["prefill_after_tool"], "hot_route_share": 0.90}}
-    w = bench_report.phase_skew_warning(hot_decode, "ostinato")
+    w = bench_breakdown.phase_skew_warning(hot_decode, "ostinato")
     assert w.startswith("ostinato: decode hot-route share 0.990 is 9.0 points above the prefill after tool")
     near = {**hot_decode, "decode_step": {**s["decode_step"], "hot_route_share": 0.94}}
-    assert bench_report.phase_skew_warning(near) is None
+    assert bench_breakdown.phase_skew_warning(near) is None
 
 
 def test_decode_path_warning_names_steps_outside_the_graph_and_the_kernel():
     ok = {"paths": {"decode": 671}, "decode_graph_steps": 671,
           "decode_graph": {"mode": "auto", "broken": False, "failed": False, "active": True,
                            "cpu_kernel": {"on": True, "layers_kernel": 40, "layers_ggml": 0}}}
-    assert bench_report.decode_path_warning(ok) is None
+    assert bench_breakdown.decode_path_warning(ok) is None
     # a CPU build: no graph, no step in it
-    assert bench_report.decode_path_warning({"paths": {"decode": 9}, "decode_graph_steps": 0,
+    assert bench_breakdown.decode_path_warning({"paths": {"decode": 9}, "decode_graph_steps": 0,
                                              "decode_graph": {"mode": "auto", "broken": False,
                                                               "failed": False}}) is None
-    assert bench_report.decode_path_warning({"error": "control API: refused"}) is None
+    assert bench_breakdown.decode_path_warning({"error": "control API: refused"}) is None
     # what the run with the unexplained 54 ms decode could not say: which path its steps took
     bad = {"paths": {"decode": 671}, "decode_graph_steps": 12,
            "decode_graph": {"mode": "auto", "broken": True, "failed": False, "active": True,
                             "cpu_kernel": {"on": True, "layers_kernel": 0, "layers_ggml": 40,
                                            "unmatched": "ids not contiguous I32"}}}
-    w = bench_report.decode_path_warning(bad, "ostinato-x")
+    w = bench_breakdown.decode_path_warning(bad, "ostinato-x")
     assert w == ("ostinato-x: a lost wait turned the decode graph off; 659 of 671 decode steps ran outside the "
                  "decode graph; a CPU-branch graph the kernel does not match (ids not contiguous I32): its "
                  "decode figures are not the kernel's")
@@ -144,7 +144,7 @@ def test_decode_path_warning_names_steps_outside_the_graph_and_the_kernel():
     # through the graph) are no warning
     tiled = {**ok, "decode_graph": {**ok["decode_graph"], "cpu_kernel": {"on": True, "layers_kernel": 900,
                                                                          "layers_ggml": 31}}}
-    assert bench_report.decode_path_warning(tiled) is None
+    assert bench_breakdown.decode_path_warning(tiled) is None
 
 
 def test_parse_budgets_and_estimates():
@@ -291,7 +291,7 @@ def test_report_gives_each_variant_its_breakdown_and_the_decode_prefetch():
     rows = [ln for ln in md.splitlines() if ln.startswith("| decode prefetch: experts staged")]
     assert len(rows) == 1 and rows[0].split("|")[2].strip() == "49.1 / 45.0 / 95.4"   # only where it staged
     means = result["engines"]["ostinato"]["step_breakdown"]["decode_step"]["means"]
-    assert set(bench_report.DECODE_MEAN_KEYS) <= set(means)
+    assert set(bench_breakdown.DECODE_MEAN_KEYS) <= set(means)
 
 
 def test_gpus_vs_one_gpu_ratios_and_when_the_one_gpu_engine_runs(tiny_model, tmp_path, monkeypatch):
