@@ -26,12 +26,12 @@ from .control.server import start_control_server
 from .demo import demo_model_path, ensure_demo_model
 from .engine import client as engine_client
 from .engine.types import EngineError
-from .residency.model import ModelFileError, check_model_file
-from .server.app import cors_refusal, open_bind_refusal, raise_fd_limit, start_http
-from .server.state import DaemonState
 from .files import write_atomic, write_json_atomic
 from .paths import Paths, get_paths
 from .profile import ensure_profile
+from .residency.model import ModelFileError, check_model_file
+from .server.app import cors_refusal, open_bind_refusal, raise_fd_limit, start_http
+from .server.state import DaemonState
 from .settings import Settings
 from .workload import Replanner
 

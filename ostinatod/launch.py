@@ -56,12 +56,12 @@ from typing import Any, Optional
 
 import tomlkit
 
-from .control.client import call
-from .paths import get_paths
-from .settings import Settings, load_settings
 from .agent_config import (PROVIDER, port_of, aider_env, aider_metadata, claude_context_note, claude_env,
                            cline_settings, codex_context, codex_provider, config_path, mini_env,
                            opencode_provider, openhands_env, openhands_settings, qwen_defaults, qwen_env)
+from .control.client import call
+from .paths import get_paths
+from .settings import Settings, load_settings
 
 
 AGENTS = ("claude", "opencode", "openhands", "openhands-sdk", "codex", "mini", "qwen", "aider", "cline")

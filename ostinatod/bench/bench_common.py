@@ -3,10 +3,9 @@ error and the progress line."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
 import time
+from typing import Any
 
 from ..errors import MessageError
 from ..hardware import default_threads

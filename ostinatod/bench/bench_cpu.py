@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..engine import native
+from ..engine.native import ExpertEngineError
 from ..hardware import default_threads
 from ..residency.cost import fit_cpu_bandwidth
-from ..engine.native import ExpertEngineError
 from ..synth.shapes import SynthError
 from ..synth.writer import write_synthetic_moe
 from .bench_common import BenchError, say

@@ -94,8 +94,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..residency.planner import PlanError, hot_route_share, read_model_shape
+from ..sessions import WORKLOAD_OF_SESSION, assistant_turns
 from ..synth.shapes import SHAPES, Routing, SynthError
 from ..synth.skew import router_strength
+from .bench_breakdown import decode_path_warning, hot_shares, summarize_breakdown
 from .bench_common import (CHOICES, ENGINES, IK, LIMIT, MOE_CACHE, ONE_GPU, VARIANTS, BenchError, say,
                            variant_settings)
 from .bench_fit import Estimator, limit_fit
@@ -104,14 +106,12 @@ from .bench_launch import (PEER_UBATCH, StepRecorder, expert_stats, llama_server
                            start_daemon, start_llama_server)
 from .bench_moe_cache import cache_figures, start_moe_cache_server
 from .bench_plot import write_plot, write_skew_plot
-from .bench_skew import parse_skews, run_skew_sweep, skew_markdown, sub_argv
 from .bench_prepare import (collect_dev_traces, engine_counts, layer_mix, one_gpu_plan, plan, prepare_model,
                             select_sessions)
-from .bench_breakdown import decode_path_warning, hot_shares, summarize_breakdown
 from .bench_report import (engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown, ratios, ratios_vs_limit,
                            replay_turns, timeline_summary)
+from .bench_skew import parse_skews, run_skew_sweep, skew_markdown, sub_argv
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
-from ..sessions import WORKLOAD_OF_SESSION, assistant_turns
 
 # seconds past --time-limit before an engine still replaying is stopped (its last turn may end)
 DEADLINE_GRACE_S = 15.0

@@ -24,9 +24,9 @@ from ..hardware import cpu_placement, default_threads
 from ..paths import get_paths, home_paths
 from ..residency import planner
 from ..settings import load_settings
-from .replay import run_replay
-from .bench_common import BenchError, crash_lines, say
 from .bench_breakdown import turn_breakdown
+from .bench_common import BenchError, crash_lines, say
+from .replay import run_replay
 
 
 def free_port() -> int:

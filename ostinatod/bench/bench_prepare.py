@@ -12,19 +12,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..paths import get_paths
 from ..engine.types import GenRequest
 from ..engine.worker import Worker
+from ..paths import get_paths
 from ..residency.gguf_header import read_header
 from ..residency.planner import plan_residency, read_model_shape, resolve_gpus, staging_regions_for
 from ..residency.sets import make_residency, write_residency
 from ..residency.traces import Trace, counts_from_stats
+from ..sessions import assistant_text, assistant_turns, split_sessions
 from ..settings import load_settings
 from ..synth.mix import check_file_mix
 from ..synth.shapes import ARCH_SHAPES, Routing, SYNTH_FORMAT
 from ..synth.writer import write_synthetic_moe
 from .bench_common import BenchError, say, skew_tag
-from ..sessions import assistant_text, assistant_turns, split_sessions
 
 
 def prepare_model(a: argparse.Namespace) -> Path:

@@ -54,10 +54,10 @@ from typing import Any, Optional
 
 from . import fuzz
 from ..synth.writer import write_synthetic_moe
-from .bench_reliability_daemon import Daemon, post_json, rss_of, wait_healthy, worker_pids
 from .bench_reliability_attacks import (phase_bad_ggufs, phase_control_paths, phase_crashes, phase_grammar,
                                         phase_greedy, phase_huge_prompt, phase_keepalive, phase_schema_stall,
                                         phase_slow, phase_slow_bodies, phase_tool_rss)
+from .bench_reliability_daemon import Daemon, post_json, rss_of, wait_healthy, worker_pids
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:

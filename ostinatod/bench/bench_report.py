@@ -12,8 +12,8 @@ from typing import Any, Optional
 import psutil
 
 from ..residency import planner
-from .bench_common import LIMIT, METRICS, ONE_GPU, STOCK, fmt, is_peer
 from .bench_breakdown import breakdown_md
+from .bench_common import LIMIT, METRICS, ONE_GPU, STOCK, fmt, is_peer
 
 
 BUCKETS = ((0, 128, "<128"), (128, 512, "128-511"), (512, 2048, "512-2047"), (2048, 1 << 62, ">=2048"))

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..sessions import SessionError, Turn, assistant_text, assistant_turns, load_sessions, workload_of
 from ..errors import MessageError
+from ..sessions import SessionError, Turn, assistant_text, assistant_turns, load_sessions, workload_of
 from ..settings import load_settings
 
 REPLAY_FORMAT = "ostinato-replay/1"

@@ -42,15 +42,15 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
+from ..engine.types import EngineError
 from ..errors import OstinatoError
 from ..files import NotRegularFile, WriteFailed, regular_file
+from ..hardware import gpu_memory
 from ..profile import load_profile
 from ..residency.traces import valid_workload
-from ..hardware import gpu_memory
-from ..engine.types import EngineError
-from ..server.request_input import check_json_value
 from ..server.errors import ApiError
 from ..server.http_errors import JsonErrorsHandler, JsonErrorsUnixSite, one_line
+from ..server.request_input import check_json_value
 from .snapshots import expert_view, metrics_snapshot
 
 log = logging.getLogger("ostinatod.control")
