@@ -36,13 +36,18 @@ import tempfile
 from pathlib import Path
 
 from .paths import get_paths, install_data_dir
+from .errors import MessageError
+from .synth.shapes import SynthError, VOCAB_NAME
+from .synth.vocab import find_vocab
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 STAMP_NAME = "ostinato_build.json"
 
 
-class BuildError(RuntimeError):
+class BuildError(MessageError, RuntimeError):
     """The native build could not be completed (message says which step and why)."""
+
+    code, status = "build_failed", 500
 
 
 def repo_native_dir() -> Path:
@@ -171,9 +176,6 @@ def install_vocab() -> Path | None:
     :func:`ostinatod.synth.vocab.find_vocab` finds for this user. Returns the installed file, or
     None (logged on stderr) when there is no source or the prefix is not writable: the build
     still succeeds, only this user's data dir then has the vocabulary."""
-    from .synth.shapes import SynthError, VOCAB_NAME
-    from .synth.vocab import find_vocab
-
     dest = install_data_dir() / "vocab"
     if (dest / VOCAB_NAME).is_file():
         return dest / VOCAB_NAME

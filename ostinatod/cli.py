@@ -7,6 +7,7 @@ that subcommands stay independent. ``ostinato help`` lists them.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # name -> (module, function, one-line help)
@@ -64,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return dispatch("ostinato", COMMANDS, argv)
     except BrokenPipeError:  # `ostinato ps | head`: the reader left; quiet exit like other tools
-        import os
 
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit

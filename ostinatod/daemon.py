@@ -3,8 +3,10 @@
 :class:`Daemon` binds the HTTP API (:mod:`ostinatod.server.app`) and the control socket
 (:mod:`ostinatod.control.server`), prepares the model (the generated demo model when none is set),
 loads it into an engine client (:mod:`ostinatod.engine.client`; reloads on the control API's
-load/unload) and shuts everything down on :meth:`Daemon.request_stop`. The ``ostinatod`` command
-line (run, start, stop, status, install, uninstall) is :mod:`ostinatod.daemon_cli`.
+load/unload) and shuts everything down on :meth:`Daemon.request_stop`. It also owns what runs beside
+serving (:meth:`Daemon.start_upkeep`): the background re-planner (:class:`ostinatod.workload.Replanner`)
+and the first-start hardware profile. The ``ostinatod`` command line (run, start, stop, status,
+install, uninstall) is :mod:`ostinatod.daemon_cli`.
 
 Files (ostinatod.paths): ``<runtime>/ostinatod.pid`` (the pid), ``<runtime>/ostinatod.json``
 (``{"pid", "http_url", "log_file", "control_socket"}``, written once the HTTP port is bound).
@@ -16,12 +18,22 @@ import asyncio
 import logging
 import os
 import sys
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional
 
+from .control.server import start_control_server
+from .demo import demo_model_path, ensure_demo_model
+from .engine import client as engine_client
+from .engine.types import EngineError
 from .files import write_atomic, write_json_atomic
 from .paths import Paths, get_paths
+from .profile import ensure_profile
+from .residency.model import ModelFileError, check_model_file
+from .server.app import cors_refusal, open_bind_refusal, raise_fd_limit, start_http
+from .server.state import DaemonState
 from .settings import Settings
+from .workload import Replanner
 
 log = logging.getLogger("ostinatod")
 
@@ -29,9 +41,22 @@ log = logging.getLogger("ostinatod")
 # --- engine -----------------------------------------------------------------------------------
 def make_engine(settings: Settings, model_path: Path) -> Any:
     """An EngineClient for ``model_path`` per ``settings.engine_mode`` (ostinatod/engine/client.py)."""
-    from .engine import client as engine_client
-
     return engine_client.make_engine(settings.model_copy(update={"model": model_path}), model_path)
+
+
+def first_start_profile(path: Path) -> None:
+    """Record the hardware profile in ``path`` when there is none or the hardware changed
+    (:func:`ostinatod.profile.ensure_profile`; the calibration is left to ``ostinato calibrate``).
+    Logs what it did; never raises (a profile problem must not stop the daemon)."""
+    try:
+        p = ensure_profile(path, recalibrate=False)
+        if p.get("changed"):
+            cal = p.get("calibration") or {}
+            hint = "" if cal and not cal.get("error") and not cal.get("stale") else \
+                "; run 'ostinato calibrate' to calibrate the engine on this hardware"
+            log.info("hardware profile recorded in %s%s", path, hint)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("hardware profile not recorded: %s: %s", type(e).__name__, e)
 
 
 class Daemon:
@@ -39,8 +64,6 @@ class Daemon:
     :meth:`request_stop` (SIGTERM/SIGINT)."""
 
     def __init__(self, settings: Settings, paths: Optional[Paths] = None):
-        from .server.state import DaemonState
-
         self.settings = settings
         self.paths = (paths or get_paths()).ensure()
         self.state = DaemonState(settings, paths=self.paths)
@@ -49,6 +72,24 @@ class Daemon:
         self._runners: list[Any] = []
         self._lock = asyncio.Lock()
         self._control_bound = False  # the control socket file is ours to remove at shutdown
+        self._profile: Optional[asyncio.Future] = None  # the first-start profile, in a worker thread
+
+    def start_upkeep(self) -> None:
+        """Start what runs beside serving, on the running event loop: the background re-planner
+        (``state.replanner``; settings ``replan_idle_s``/``replan_growth``) and the first-start
+        hardware profile (:func:`first_start_profile` in a worker thread). :meth:`stop_upkeep`
+        stops the re-planner; the profile thread is not waited for."""
+        rp = Replanner(self.state)
+        self.state.replanner = rp
+        rp.start()
+        self._profile = asyncio.get_running_loop().run_in_executor(
+            None, first_start_profile, self.paths.hardware_profile)
+
+    async def stop_upkeep(self) -> None:
+        """Stop the background re-planner (waits for its task to end; idempotent)."""
+        rp = self.state.replanner
+        if rp is not None:
+            await rp.stop()
 
     def request_stop(self) -> None:
         """Ask :meth:`serve` to shut down."""
@@ -61,10 +102,6 @@ class Daemon:
         vocab-only); a bad file raises EngineError and the served model stays. A file that passes
         but that llama.cpp refuses raises EngineError too, with llama.cpp's reason; the model
         served before is then loaded again (without one, ``state.model_error`` says why)."""
-        from .engine.types import EngineError
-
-        from .residency.model import ModelFileError, check_model_file
-
         async with self._lock:
             st = self.state
             if path is not None:
@@ -108,7 +145,6 @@ class Daemon:
                 raise
             st.phase = None
             st.model_error = None
-            from .demo import demo_model_path
 
             st.demo = path == demo_model_path(self.settings, self.paths)
             st.settings = st.settings.model_copy(update={"model": path})
@@ -133,9 +169,6 @@ class Daemon:
         Returns the exit code: 0 after a stop, 1 when the port cannot be bound or the demo model
         cannot be prepared. A model that fails to load leaves the daemon running without one
         (``state.model_error`` says why)."""
-        from .engine.types import EngineError
-        from .server.app import cors_refusal, open_bind_refusal, start_http
-
         st = self.state
         s = self.settings
         refusal = (open_bind_refusal(s.host, s.api_key, s.allow_open_bind)
@@ -145,7 +178,6 @@ class Daemon:
             print(f"ostinatod: {refusal}", file=sys.stderr)
             return 2
         st.phase = "starting"
-        from .server.app import raise_fd_limit
 
         log.debug("open-files limit %d", raise_fd_limit())
         try:
@@ -155,12 +187,12 @@ class Daemon:
                       e.strerror or e)
             return 1
         self._runners.append(runner)
-        from .control.server import start_control_server
         try:
             self._runners.append(await start_control_server(st, self.paths.control_socket))
             self._control_bound = True
         except OSError as e:
             log.error("control socket %s: %s", self.paths.control_socket, e)
+        self.start_upkeep()
         try:
             self._write_runtime_files()
         except OSError as e:  # a full disk: one line naming the file (start reports it too)
@@ -175,8 +207,6 @@ class Daemon:
         try:
             model = self.settings.model
             if model is None:
-                from .demo import ensure_demo_model
-
                 st.phase = "generating demo model"
                 model = await asyncio.get_running_loop().run_in_executor(
                     None, ensure_demo_model, self.settings, self.paths)
@@ -216,6 +246,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         log.info("shutting down")
         self.state.phase = "stopping"  # requests from now on: 503 engine_stopped
+        await self.stop_upkeep()  # first: a re-plan must not reach for the engine being stopped
         eng, self.state.engine = self.state.engine, None
         if eng is not None:
             try:
@@ -237,8 +268,6 @@ class Daemon:
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
         return version("ostinato")
     except Exception:  # noqa: BLE001
         return "dev"

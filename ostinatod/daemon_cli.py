@@ -25,13 +25,15 @@ import sys
 import time
 import types
 import typing
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import psutil
 from pydantic import ValidationError
 
-from .daemon import Daemon
+from . import installer
 from .paths import Paths, get_paths
 from .settings import Settings, SettingsError, load_settings
 
@@ -214,8 +216,6 @@ def private_file(path: Path) -> None:
 # --- commands ---------------------------------------------------------------------------------
 def _running_pid(paths: Paths) -> Optional[int]:
     """Pid of a live daemon from the pid file, else None (a stale file is ignored)."""
-    import psutil
-
     try:
         pid = int(paths.pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
@@ -239,8 +239,6 @@ def _runtime_info(paths: Paths) -> dict[str, Any]:
 
 def _get_json(url: str, timeout: float = 3.0) -> tuple[int, dict[str, Any]]:
     """(status, body) of a GET; (0, {"error": ...}) when unreachable."""
-    import urllib.error
-
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"{}")
@@ -282,6 +280,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if settings.model is not None and not Path(settings.model).is_file():
         log.error("model file not found: %s", settings.model)
         return 1
+
+    # lazy: only `run` serves; start, stop and status need not import the server stack
+    from .daemon import Daemon
 
     async def main() -> int:
         d = Daemon(settings, paths)
@@ -375,8 +376,6 @@ def _new_log(path: Path, offset: int, n: int = 30) -> str:
 
 def cmd_stop(ns: argparse.Namespace) -> int:
     """SIGTERM the daemon and wait for it to exit (SIGKILL after ``--timeout``)."""
-    import psutil
-
     paths = get_paths()
     pid = _running_pid(paths)
     if pid is None:
@@ -423,15 +422,11 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 def cmd_install(ns: argparse.Namespace) -> int:
     """Install the login service (ostinatod/installer.py)."""
-    from . import installer
-
     return int(installer.install() or 0)
 
 
 def cmd_uninstall(ns: argparse.Namespace) -> int:
     """Remove the login service (ostinatod/installer.py)."""
-    from . import installer
-
     return int(installer.uninstall() or 0)
 
 

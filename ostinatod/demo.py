@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .paths import Paths
 from .settings import Settings
+from .synth.writer import write_synthetic_moe
 
 log = logging.getLogger("ostinatod.demo")
 
@@ -32,7 +33,6 @@ def ensure_demo_model(settings: Settings, paths: Paths) -> Path:
         log.warning("serving the DEMO model %s: it has RANDOM WEIGHTS (output is gibberish); "
                     "set --model PATH.gguf or 'model' in settings.toml to serve a real model", path)
         return path
-    from .synth.writer import write_synthetic_moe
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     log.warning("no model configured: generating the DEMO model (qwen3moe, shape %r) with RANDOM "

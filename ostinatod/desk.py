@@ -18,19 +18,22 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
+from .errors import OstinatoError
 from .paths import residency_file, trace_file
 from .residency.model import cached_description
+from .residency.planner import plan_for_model
 from .residency.sets import model_fingerprint
 
 log = logging.getLogger("ostinatod.residency")
 
 
-class DeskError(Exception):
-    """What the desk cannot do, as the control API answers it: HTTP ``status``, ``code``, ``message``."""
+class DeskError(OstinatoError):
+    """What the desk cannot do, as the control API answers it: ``code``, ``message``, HTTP ``status``."""
 
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+    def __init__(self, code: str, message: str, status: int):
+        super().__init__(code, message, status)
 
 
 # --- staleness of planned sets (pure file reads) ------------------------------------------------
@@ -106,8 +109,6 @@ def per_layer_share(rpath: Path, tpath: Path) -> list[float]:
     """Per-layer hot-route share of the set in ``rpath`` over the trace in ``tpath``:
     ``sum(counts[l, hot_l]) / sum(counts[l])`` for each layer l (Rule 1's objective per layer,
     paper Sec. 3.1)."""
-    import numpy as np
-
     res, tr = json.loads(rpath.read_text()), json.loads(tpath.read_text())
     counts = np.asarray(tr["counts_prefill"], dtype=np.float64) + np.asarray(tr["counts_decode"])
     hot = np.zeros_like(counts, dtype=bool)
@@ -136,7 +137,7 @@ class ResidencyDesk:
         st = self.state
         p = st.model_info.get("path") or st.settings.model
         if not p:
-            raise DeskError(409, "model_not_loaded", "no model is loaded")
+            raise DeskError("model_not_loaded", "no model is loaded", 409)
         return Path(p)
 
     def set_path(self, fingerprint: str, workload: str) -> Path:
@@ -153,7 +154,7 @@ class ResidencyDesk:
         try:
             return await asyncio.get_running_loop().run_in_executor(None, model_fingerprint, path)
         except (OSError, ValueError) as e:
-            raise DeskError(409, "model_unreadable", str(e))
+            raise DeskError("model_unreadable", str(e), 409)
 
     def fingerprint_nowait(self, path: Path) -> Optional[str]:
         """The fingerprint if the model description is cached, else None while a background
@@ -225,10 +226,9 @@ class ResidencyDesk:
     async def flush_traces(self) -> None:
         """Ask the engine to write its pending routing counts, so a plan sees the latest requests."""
         st = self.state
-        fn = getattr(st.engine, "flush_traces", None) if st.engine is not None else None
-        if fn is not None and st.engine_state == "ready":
+        if st.engine is not None and st.engine_state == "ready":
             try:
-                await asyncio.wait_for(fn(), 30)
+                await asyncio.wait_for(st.engine.flush_traces(), 30)
             except Exception as e:  # plan from what is on disk
                 log.warning("flushing routing traces before planning: %s", e)
 
@@ -236,8 +236,6 @@ class ResidencyDesk:
         """Plan ``workload``'s set for ``model`` in a worker thread (budget from the settings) and
         write it. Returns (residency dict, path, seconds). Raises PlanError/TraceError/ValueError
         or OSError as the planner does."""
-        from .residency.planner import plan_for_model
-
         st = self.state
         t0 = time.perf_counter()
         res, path = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_for_model(
@@ -246,10 +244,10 @@ class ResidencyDesk:
         return res, path, time.perf_counter() - t0
 
     def can_switch(self) -> bool:
-        """Whether the engine exists, is ready and can swap residency sets."""
+        """Whether the engine exists and is ready to swap residency sets (every EngineClient has
+        ``switch_residency``; one running stock answers 409 ``residency_unavailable``)."""
         st = self.state
-        return (st.engine is not None and st.engine_state == "ready"
-                and getattr(st.engine, "switch_residency", None) is not None)
+        return st.engine is not None and st.engine_state == "ready"
 
     async def switch(self, path: Path, reason: str) -> dict[str, Any]:
         """Swap the engine's set to ``path`` (at its next request boundary) and note the swap in

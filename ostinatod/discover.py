@@ -29,6 +29,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from .engine.runtime import SUPPORTED_ARCHS
+from .hardware import probe_gpus
+from .paths import get_paths
+from .residency.gguf_header import read_header
+from .residency.model import ModelFileError, check_model_file
+from .residency.planner import estimate_gpu_need, staging_regions_for
+from .settings import load_settings
+
 GIB = 1024 ** 3
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
@@ -145,7 +153,6 @@ def ollama() -> Iterator[tuple[str, Path]]:
 def ostinato(models_dir: Optional[Path] = None) -> Iterator[tuple[str, Path]]:
     """(name, path) of the GGUF files in Ostinato's own models directory."""
     if models_dir is None:
-        from .paths import get_paths
         models_dir = get_paths().models_dir
     if models_dir.is_dir():
         for p in _ggufs(models_dir):
@@ -157,7 +164,6 @@ SOURCES = {"huggingface": huggingface, "lmstudio": lmstudio, "ollama": ollama, "
 
 def quant_of(path: Path) -> Optional[str]:
     """The quantisation of a GGUF (``general.file_type``; else the type holding most bytes)."""
-    from .residency.gguf_header import read_header
     hdr = read_header(path)
     ft = hdr.kv.get("general.file_type")
     if isinstance(ft, int) and ft in FILE_TYPES:
@@ -175,7 +181,6 @@ def suggested_pool(info: Any, gpus: list[dict[str, Any]], n_ctx: int,
     buffers, :func:`.residency.planner.staging_regions_for`; 10% kept free)."""
     if not gpus:
         return None, "no GPU: experts run on the CPU"
-    from .residency.planner import estimate_gpu_need
     free = sum(int(g.get("memory_free_bytes") or 0) for g in gpus)
     need = estimate_gpu_need(info, range(info.n_layer), n_ctx, last=True,
                              staging_regions=staging_regions)["total"]
@@ -190,8 +195,6 @@ def describe(name: str, source: str, path: Path, gpus: list[dict[str, Any]], n_c
              staging_regions: int = 1) -> FoundModel:
     """One :class:`FoundModel` (never raises: an unreadable file says why in ``engine``);
     ``staging_regions`` as :func:`suggested_pool` takes it."""
-    from .engine.runtime import SUPPORTED_ARCHS
-    from .residency.model import ModelFileError, check_model_file
     fm = FoundModel(name=name, source=source, path=str(path))
     try:
         fm.size_bytes = path.stat().st_size
@@ -217,13 +220,10 @@ def find_models(sources: Optional[list[str]] = None, n_ctx: Optional[int] = None
                 gpus: Optional[list[dict[str, Any]]] = None) -> list[FoundModel]:
     """Every model found on disk (see module doc), described; ``gpus`` default: those found now."""
     if gpus is None:
-        from .hardware import probe_gpus
         try:
             gpus = probe_gpus()
         except Exception:  # no NVML: no GPU
             gpus = []
-    from .residency.planner import staging_regions_for
-    from .settings import load_settings
     settings = load_settings()   # once for every file
     if n_ctx is None:
         n_ctx = settings.n_ctx

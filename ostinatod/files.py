@@ -16,19 +16,26 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .errors import OstinatoError
+
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-class WriteFailed(OSError):
+class WriteFailed(OstinatoError, OSError):
     """A file could not be written (an ``OSError`` with the same errno). ``path`` is the file
-    that was to be written; ``no_space`` is true for a full disk or quota (ENOSPC, EDQUOT)."""
+    that was to be written; ``no_space`` is true for a full disk or quota (ENOSPC, EDQUOT);
+    ``code`` is "disk_full" then, else "write_failed" (status 507)."""
+
+    status = 507
 
     def __init__(self, path: Path, cause: OSError):
-        code = errno.errorcode.get(cause.errno, "") if cause.errno is not None else ""
+        name = errno.errorcode.get(cause.errno, "") if cause.errno is not None else ""
         reason = cause.strerror or str(cause) or type(cause).__name__
-        super().__init__(cause.errno, f"cannot write {path}: {reason}" + (f" ({code})" if code else ""))
+        message = f"cannot write {path}: {reason}" + (f" ({name})" if name else "")
+        OSError.__init__(self, cause.errno, message)  # errno and strerror as OSError has them
         self.path = Path(path)
         self.no_space = cause.errno in _NO_SPACE
+        self.code, self.message, self.extra = ("disk_full" if self.no_space else "write_failed"), message, {}
 
     def __str__(self) -> str:
         return self.strerror
@@ -65,11 +72,14 @@ def write_json_atomic(path: Path, doc: Any, indent: int | None = None) -> Path:
     return write_atomic(path, json.dumps(doc, indent=indent, separators=sep) + ("\n" if indent else ""))
 
 
-class NotRegularFile(OSError):
+class NotRegularFile(OstinatoError, OSError):
     """A path that does not name a readable regular file. ``kind`` says what it is instead:
     ``missing``, ``directory``, ``FIFO``, ``character device``, ``block device``, ``socket``,
     ``name too long``, ``invalid name`` (a NUL byte, not encodable) or ``unreadable`` (any
-    other OSError: permissions, a loop of links); the message names the path (shortened)."""
+    other OSError: permissions, a loop of links); the message names the path (shortened).
+    ``code`` is "not_a_file" (status 400)."""
+
+    status = 400
 
     def __init__(self, path: Any, kind: str, detail: str = ""):
         shown = str(path).replace("\x00", "\\0")
@@ -78,7 +88,9 @@ class NotRegularFile(OSError):
                 "name too long": "the file name is too long"}.get(kind, f"a {kind}, not a regular file")
         if kind == "unreadable":
             what = f"cannot be read ({detail})" if detail else "cannot be read"
-        super().__init__(f"{shown}: {what}")
+        message = f"{shown}: {what}"
+        OSError.__init__(self, message)
+        self.code, self.message, self.extra = "not_a_file", message, {}
         self.kind = kind
         self.shown = shown  # the path as the message shows it
 

@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import datetime as _dt
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import psutil
 
 from .cpus import (CpuTopology, choose_cpu_placement, format_cpulist, gpu_numa_node, parse_cpulist,
@@ -54,7 +56,7 @@ def probe_gpus() -> list[dict[str, Any]]:
     say). No NVML library or no driver: ``[]`` (a CPU-only machine), never an exception.
     """
     try:
-        import pynvml
+        import pynvml  # lazy: optional (NVIDIA driver)
         pynvml.nvmlInit()
     except Exception as e:  # NVMLError_LibraryNotFound / DriverNotLoaded / ImportError
         log.debug("no NVML: %s", e)
@@ -164,8 +166,6 @@ def measure_host_read_bandwidth(size_mb: int = 512, threads: Optional[int] = Non
     above the last-level cache (the default 512 MiB) for a meaningful number.
     Returns ``{"gbps", "size_bytes", "threads"}``.
     """
-    import numpy as np
-
     threads = threads or psutil.cpu_count(logical=False) or 1
     n = max(threads, size_mb * (1 << 20) // 8)
     a = np.ones(n, dtype=np.float64)  # touch every page before timing
@@ -185,7 +185,6 @@ def _find_cudart() -> Optional[str]:
     system library search path."""
     cands: list[str] = []
     try:
-        import importlib.util
         spec = importlib.util.find_spec("llama_cpp")
         if spec and spec.origin:
             cands += sorted(str(p) for p in (Path(spec.origin).parent / "lib").glob("libcudart.so*"))
@@ -322,7 +321,7 @@ def gpu_memory() -> list[dict[str, Any]]:
     if _nvml_ok is False:
         return []
     try:
-        import pynvml
+        import pynvml  # lazy: optional (NVIDIA driver)
         if not _nvml_ok:
             pynvml.nvmlInit()
             _nvml_ok = True

@@ -10,6 +10,7 @@ nothing fails. ``ostinatod uninstall`` disables and removes it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import shutil
@@ -19,6 +20,8 @@ from pathlib import Path
 from string import Template
 from typing import Callable, Optional
 from xml.sax.saxutils import escape
+
+from .paths import get_paths
 
 UNIT_NAME = "ostinatod.service"
 LAUNCHD_LABEL = "dev.ostinato.ostinatod"
@@ -67,7 +70,6 @@ def render_systemd_unit(command: Optional[list[str]] = None, env: Optional[dict[
 def render_launchd_plist(command: Optional[list[str]] = None, env: Optional[dict[str, str]] = None,
                          log: Optional[Path] = None) -> str:
     """The launchd agent plist text (template ``installers/dev.ostinato.ostinatod.plist``)."""
-    from .paths import get_paths
     command = command or daemon_command()
     env = _env() if env is None else env
     log = log or get_paths().state / "launchd.log"
@@ -159,7 +161,6 @@ def uninstall(out: Callable[[str], None] = print) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ostinatod.installer install|uninstall|print [--no-enable]``."""
-    import argparse
     ap = argparse.ArgumentParser(prog="ostinatod install")
     ap.add_argument("action", choices=["install", "uninstall", "print"])
     ap.add_argument("--no-enable", action="store_true", help="write the file only")

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .engine.calibrate import run_calibration
 from .files import write_json_atomic
 from .hardware import GIB, collect_profile
 from .paths import get_paths
@@ -51,8 +52,6 @@ def load_profile(path: Optional[Path] = None) -> Optional[dict[str, Any]]:
 def _recalibrate(path: Path) -> bool:
     """Run the engine calibration (it stores its section into ``path``); True when it ran.
     ``run_calibration`` never raises."""
-    from .engine.calibrate import run_calibration
-
     log.info("hardware changed: re-running the engine calibration")
     cal = run_calibration(profile_path=path)
     if cal.get("error"):

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from .paths import get_paths
+from .errors import MessageError
 
 
 class Settings(BaseSettings):
@@ -377,8 +378,10 @@ class Settings(BaseSettings):
 SETTINGS_MAX_BYTES = 1 << 20  # a settings file is a few KiB; a bigger one is a mistake
 
 
-class SettingsError(ValueError):
+class SettingsError(MessageError, ValueError):
     """Settings that cannot be used; the message is one line naming the file, key or cause."""
+
+    code, status = "invalid_settings", 400
 
 
 def _number_types(annotation: Any) -> tuple:

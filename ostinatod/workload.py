@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from .engine.types import EngineError
+
 log = logging.getLogger("ostinatod.workload")
 
 
@@ -121,7 +123,6 @@ class Replanner:
         return await self.state.desk.active_workload() or self.state.settings.workload_default
 
     async def _plan(self, model: Path, workload: str, active: Optional[str] = None) -> Optional[dict[str, Any]]:
-        from .engine.types import EngineError
         st = self.state
         desk = st.desk
         try:

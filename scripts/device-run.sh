@@ -194,13 +194,13 @@ if has build; then
 fi
 if has exact; then
   OSTINATO_TEST_GPU=1 timeout 200 python3 -X faulthandler -m pytest -q -s -x -p no:cacheprovider \
-    tests/engine/test_native_ops.py tests/engine/test_exactness.py > "$OUT/exactness-gpu.txt" 2>&1
+    tests/engine/test_native_ops.py tests/engine/exactness > "$OUT/exactness-gpu.txt" 2>&1
   rc=$?; echo "[$(el)s] exactness rc=$rc: $(tail -1 "$OUT/exactness-gpu.txt")"
   grep -E "max \|d|delta|Δ" "$OUT/exactness-gpu.txt" | head -20
   if [ $rc -ne 0 ]; then
     grep -nE "error|Error|ERROR|assert|Abort|abort" "$OUT/exactness-gpu.txt" | head -30
     CUDA_LAUNCH_BLOCKING=1 OSTINATO_TEST_GPU=1 timeout 120 python3 -X faulthandler -m pytest -q -s -x \
-      -p no:cacheprovider tests/engine/test_native_ops.py tests/engine/test_exactness.py > "$OUT/exactness-gpu-blocking.txt" 2>&1
+      -p no:cacheprovider tests/engine/test_native_ops.py tests/engine/exactness > "$OUT/exactness-gpu-blocking.txt" 2>&1
     grep -nE "CUDA error|current device|in function|ggml_|GGML_ASSERT" "$OUT/exactness-gpu-blocking.txt" | head -30
   fi
 fi
@@ -212,13 +212,13 @@ if has exact2; then
   tail -4 "$OUT/topology.txt"
   # every two-GPU case, no -x: one failing path must not hide the others
   OSTINATO_TEST_GPU=1 OSTINATO_TEST_GPUS=2 timeout 300 python3 -X faulthandler -m pytest -q -s -rs \
-    -p no:cacheprovider -m two_gpu tests/engine/test_exactness.py > "$OUT/exactness-2gpu.txt" 2>&1
+    -p no:cacheprovider -m two_gpu tests/engine/exactness > "$OUT/exactness-2gpu.txt" 2>&1
   rc=$?; echo "[$(el)s] two-GPU exactness rc=$rc: $(tail -1 "$OUT/exactness-2gpu.txt")"
   grep -E "^\[exactness|SKIPPED|FAILED|PASSED" "$OUT/exactness-2gpu.txt" | head -40
   if [ $rc -ne 0 ]; then
     grep -nE "error|Error|assert|Abort" "$OUT/exactness-2gpu.txt" | head -30
     CUDA_LAUNCH_BLOCKING=1 OSTINATO_TEST_GPU=1 OSTINATO_TEST_GPUS=2 timeout 150 python3 -X faulthandler \
-      -m pytest -q -s -x -p no:cacheprovider -m two_gpu tests/engine/test_exactness.py \
+      -m pytest -q -s -x -p no:cacheprovider -m two_gpu tests/engine/exactness \
       > "$OUT/exactness-2gpu-blocking.txt" 2>&1
     grep -nE "CUDA error|current device|in function|ggml_|GGML_ASSERT" "$OUT/exactness-2gpu-blocking.txt" | head -30
   fi

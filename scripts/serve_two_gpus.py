@@ -38,7 +38,7 @@ from ostinatod.bench import bench_engines  # noqa: E402
 from ostinatod.bench.bench_common import BenchError, say  # noqa: E402
 from ostinatod.bench.bench_launch import control_metrics, replay, start_daemon  # noqa: E402
 from ostinatod.bench.bench_prepare import collect_dev_traces, plan, select_sessions  # noqa: E402
-from ostinatod.bench.sessions import WORKLOAD_OF_SESSION, assistant_turns  # noqa: E402
+from ostinatod.sessions import WORKLOAD_OF_SESSION, assistant_turns  # noqa: E402
 
 OOM = re.compile(r"out of memory|cudaMalloc|CUDA error|failed to allocate|OOM|GGML_ASSERT|Traceback",
                  re.IGNORECASE)

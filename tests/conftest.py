@@ -283,9 +283,14 @@ COST_FOLDERS = ("unit", "engine", "daemon", "agents")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each test carries the marker of its folder (tests/unit, engine, daemon, agents: what it costs),
-    so ``pytest -m unit`` runs the pure tests alone."""
+    """Each test carries the marker of its folder (tests/unit, engine, daemon, agents: what it costs;
+    a subfolder such as tests/engine/exactness takes its parent's), so ``pytest -m unit`` runs the
+    pure tests alone."""
+    tests = Path(__file__).resolve().parent
     for item in items:
-        folder = item.path.parent.name
+        try:
+            folder = item.path.resolve().relative_to(tests).parts[0]
+        except ValueError:  # a test outside tests/
+            continue
         if folder in COST_FOLDERS:
             item.add_marker(getattr(pytest.mark, folder))

@@ -22,7 +22,7 @@ class ControlThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.state = self.run(self._mk(state_factory))
-        self.runner = self.run(start_control_server(self.state, profile=False))
+        self.runner = self.run(start_control_server(self.state))
         self.socket = self.state.paths.control_socket
 
     async def _mk(self, factory):

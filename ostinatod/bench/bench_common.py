@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
+
+from ..errors import MessageError
+from ..hardware import default_threads
 
 ENGINES = ("ostinato", "stock-all-gpu", "stock-layers", "stock-cpu", "llama-server")
 STOCK = ("stock-layers", "stock-cpu", "llama-server")  # the baselines at equal GPU memory
@@ -26,8 +30,6 @@ def _quarter_pool() -> dict:
     otherwise shorten every wait to 100 spins and sleep (docs/engine.md, "Decode graph", threads).
     The default since the 16-core H200 run (hardware.expert_engine_threads): kept to compare a
     machine's calibrated or set counts with it."""
-    from ..hardware import default_threads
-
     p = default_threads()
     q = max(1, p // 4)
     return {"decode_threads": q, "n_threads": max(1, p - q)}
@@ -112,8 +114,10 @@ METRICS = (("decode", "decode_ms_per_token"), ("ttft_after_tool", "ttft_after_to
 _T0 = time.monotonic()
 
 
-class BenchError(RuntimeError):
+class BenchError(MessageError, RuntimeError):
     """The benchmark cannot continue (missing model writer, engine failed to start, ...)."""
+
+    code, status = "bench_failed", 500
 
 
 def parse_list(text: str | None, option: str, what: str, ok, bounds: str) -> list[float]:
@@ -134,3 +138,12 @@ def parse_list(text: str | None, option: str, what: str, ok, bounds: str) -> lis
 def say(msg: str) -> None:
     """Progress line with elapsed seconds (stdout, flushed: the lead watches it live)."""
     print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def fmt(v: Any, unit: str = "", nd: int = 2) -> str:
+    """``v`` for a markdown table: floats with ``nd`` decimals, then ``unit``; "n/a" for None."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}{unit}"
+    return f"{v}{unit}"

@@ -38,6 +38,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..engine import native
+from ..engine.native import ExpertEngineError
+from ..hardware import default_threads
+from ..residency.cost import fit_cpu_bandwidth
+from ..synth.shapes import SynthError
+from ..synth.writer import write_synthetic_moe
 from .bench_common import BenchError, say
 
 
@@ -68,7 +74,6 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         g = ggml.get((r["experts"], r["tokens"], r["threads"]))
         if r.get("kernel_ms") and g:
             r["speedup_vs_ggml"] = g / r["kernel_ms"]
-    from ..residency.cost import fit_cpu_bandwidth
 
     fits = []
     def key(r: dict[str, Any]) -> tuple:
@@ -89,10 +94,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 def _load(path: Path) -> Any:
     """A llama_model of ``path`` with every tensor in host memory and CPU repacking off (the
     layout the CPU branch reads)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
 
     try:
-        import llama_cpp._logger as llog
+        import llama_cpp._logger as llog  # lazy: the native engine, loaded only where it runs
         llog.set_verbose(False)   # llama.cpp's load log would bury the table
     except Exception:  # pragma: no cover - logging only
         pass
@@ -109,9 +114,7 @@ def _load(path: Path) -> Any:
 
 def run(models: Sequence[Path], args: dict[str, Any]) -> list[dict[str, Any]]:
     """The native bench on each model; returns one summarized result per model."""
-    import llama_cpp
-
-    from ..engine import native
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
 
     out = []
     for path in models:
@@ -197,8 +200,6 @@ def _team(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``ostinato bench cpu-branch`` (see the module docstring). 0 on success, 1 when an output
     differs from ggml's (bitwise_equal false), 2 on bad arguments or a model that cannot be used."""
-    from ..hardware import default_threads
-
     ap = argparse.ArgumentParser(prog="ostinato bench cpu-branch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, action="append", default=[],
                     help="GGUF whose expert tensors to use (repeatable); default: synthetic models per --quants")
@@ -252,9 +253,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         if not models:
-            from ..synth.shapes import SynthError
-            from ..synth.writer import write_synthetic_moe
-
             work = a.work_dir or Path(tempfile.mkdtemp(prefix="ost-cpu-branch-"))
             work.mkdir(parents=True, exist_ok=True)
             for q in [q for q in a.quants.split(",") if q]:
@@ -286,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
             args["swiglu_limit"] = a.swiglu_limit
         results = run(models, args)
     except (BenchError, Exception) as e:   # a native refusal, a file llama.cpp will not load
-        from ..engine.native import ExpertEngineError
 
         if not isinstance(e, (BenchError, ExpertEngineError)):
             raise

@@ -5,7 +5,7 @@ One command (docs/design.md "Testing and measuring"; paper arXiv 2611.11533 Sect
 1. writes (or reuses) a synthetic real-shape MoE model (Qwen3-30B-A3B shape, Q4_0 experts,
    ``--layers`` 24 by default) with :func:`ostinatod.synth.writer.write_synthetic_moe`;
 2. splits the recorded sessions into development and held-out sets by task
-   (:func:`ostinatod.bench.sessions.split_sessions`);
+   (:func:`ostinatod.sessions.split_sessions`);
 3. collects development routing traces by replaying a few turns of dev sessions through the
    Ostinato engine (in process, all experts cold: only the route counts matter);
 4. plans a residency set with the pool budget at ``--budget-frac`` (45%) of the expert bytes;
@@ -77,8 +77,9 @@ after, and at its first decode step).
 Modules: this one (the command line, the run, the result), :mod:`.bench_prepare` (model, sessions,
 development traces, plan), :mod:`.bench_launch` (the engines on loopback, the replay client, the
 daemon's expert stats), :mod:`.bench_fit` (whether the limit fits, time estimates),
-:mod:`.bench_sweep` (the budget sweep), :mod:`.bench_report` (metrics, ratios, step breakdown,
-markdown), :mod:`.bench_common` (engine names, metrics, errors, progress).
+:mod:`.bench_sweep` (the budget sweep), :mod:`.bench_report` (metrics, ratios,
+markdown), :mod:`.bench_breakdown` (the per-step breakdown), :mod:`.bench_common` (engine names,
+metrics, errors, progress, table cells).
 """
 
 from __future__ import annotations
@@ -92,9 +93,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..residency.planner import PlanError
+from ..residency.planner import PlanError, hot_route_share, read_model_shape
+from ..sessions import WORKLOAD_OF_SESSION, assistant_turns
 from ..synth.shapes import SHAPES, Routing, SynthError
 from ..synth.skew import router_strength
+from .bench_breakdown import decode_path_warning, hot_shares, summarize_breakdown
 from .bench_common import (CHOICES, ENGINES, IK, LIMIT, MOE_CACHE, ONE_GPU, VARIANTS, BenchError, say,
                            variant_settings)
 from .bench_fit import Estimator, limit_fit
@@ -102,12 +105,13 @@ from .bench_ik import start_ik_server
 from .bench_launch import (PEER_UBATCH, StepRecorder, expert_stats, llama_server_binary, replay,
                            start_daemon, start_llama_server)
 from .bench_moe_cache import cache_figures, start_moe_cache_server
+from .bench_plot import write_plot, write_skew_plot
 from .bench_prepare import (collect_dev_traces, engine_counts, layer_mix, one_gpu_plan, plan, prepare_model,
                             select_sessions)
-from .bench_report import (decode_path_warning, engine_metrics, fmt, gpus_vs_one_gpu, hot_shares, machine_info,
-                           markdown, ratios, ratios_vs_limit, replay_turns, summarize_breakdown, timeline_summary)
+from .bench_report import (engine_metrics, fmt, gpus_vs_one_gpu, machine_info, markdown, ratios, ratios_vs_limit,
+                           replay_turns, timeline_summary)
+from .bench_skew import parse_skews, run_skew_sweep, skew_markdown, sub_argv
 from .bench_sweep import parse_budgets, plan_sweep, sweep_block, sweep_tag
-from .sessions import WORKLOAD_OF_SESSION, assistant_turns
 
 # seconds past --time-limit before an engine still replaying is stopped (its last turn may end)
 DEADLINE_GRACE_S = 15.0
@@ -225,8 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
 def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, Any]:
     """The whole benchmark; returns the result dict. ``on_progress(result)`` gets the result so far
     after every engine (``main`` writes it, so that an interrupted run keeps what it measured)."""
-    from ..residency.planner import read_model_shape
-
     t_start = time.monotonic()
     if a.layers is None and a.shape == "qwen3-30b-a3b" and not a.model:
         a.layers = 24
@@ -437,9 +439,7 @@ def hot_shares_only(a: argparse.Namespace, argv: list[str], model: Path, block: 
     turns and the held-out turns (``--sessions`` x ``--turns``, at most ``--dev-max-gen`` tokens
     each); the dev counts give the plan, exactly as in a full run, and the held-out counts per phase
     on the plan's hot experts give the shares (what the engine counts as hot with that pool).
-    Returns the result dict (``hot_shares``: :func:`.bench_report.hot_shares`, with its warnings)."""
-    from ..residency.planner import hot_route_share
-
+    Returns the result dict (``hot_shares``: :func:`.bench_breakdown.hot_shares`, with its warnings)."""
     say(f"hot shares: dev {len(dev)} x {a.dev_turns} turns, held-out {len(held)} x {a.turns} turns "
         f"through the Ostinato engine (all cold, in process)")
     tr = engine_counts(model, block, [("dev", dev, a.dev_turns, a.dev_max_gen),
@@ -519,8 +519,6 @@ def write_result(result: dict[str, Any], out_dir: Path, plot: bool = True) -> Pa
         return jpath
     jpath.with_suffix(".md").write_text(markdown(result))
     if plot and result.get("sweep"):
-        from .bench_plot import write_plot
-
         write_plot([result], jpath.with_suffix(".svg"))
     return jpath
 
@@ -550,9 +548,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _main_skew_sweep(a: argparse.Namespace, argv: list[str]) -> int:
     """``--skew-sweep``: :func:`.bench_skew.run_skew_sweep` with this module's run and writer."""
-    from .bench_plot import write_skew_plot
-    from .bench_skew import parse_skews, run_skew_sweep, skew_markdown, sub_argv
-
     def one(sub: argparse.Namespace) -> dict[str, Any]:
         sub_args = sub_argv(argv, sub.skew, sub.name)
         return run(sub, sub_args, on_progress=lambda r: write_result(r, a.out_dir, plot=False))

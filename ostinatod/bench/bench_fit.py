@@ -8,6 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional
 
+from ..residency import planner
+from ..residency.planner import estimate_gpu_need, read_model_shape
 from .bench_common import LIMIT
 
 # seconds per replayed turn on the H200 machine at 48 layers (first H200 runs: session s / 16 turns); only
@@ -27,9 +29,8 @@ def limit_fit(model: Path, a: argparse.Namespace, gpus: Optional[list] = None) -
 
     Returns ``{"run": bool, "gpu": bool (False: no GPU, runs CPU-only), "need_bytes", "free_bytes",
     "note": str or None}``."""
-    from ..residency.planner import detect_gpus, estimate_gpu_need, read_model_shape
 
-    found = detect_gpus() if gpus is None else gpus
+    found = planner.detect_gpus() if gpus is None else gpus
     n = str(getattr(a, "gpus", 1))
     used = found if not n.isdigit() else found[: int(n)]
     shape = read_model_shape(model)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .bench_common import IK, BenchError
+from .bench_launch import Server, free_port, gpu_env, peer_batch_flags, server_placement
 
 IK_ENV = "OSTINATO_IK_SERVER"
 IK_ARGS_ENV = "OSTINATO_IK_ARGS"
@@ -89,8 +90,6 @@ def ik_server_command(binary: Path, model: Path, port: int, n_cpu_moe: int, thre
 def start_ik_server(model: Path, n_cpu_moe: int, run_dir: Path, a: argparse.Namespace):
     """Start ``ik-llama-server`` on a free loopback port (a :class:`.bench_launch.Server`); its
     environment is ours without our llama.cpp's library path (it links its own ggml)."""
-    from .bench_launch import Server, free_port, gpu_env, peer_batch_flags, server_placement
-
     binary = ik_server_binary()
     threads, cpus = server_placement(a)
     port = free_port()

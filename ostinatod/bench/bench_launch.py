@@ -5,6 +5,7 @@ through its control API (totals after a run, snapshots around every turn for the
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shutil
@@ -21,8 +22,11 @@ from typing import Any, Optional
 
 from ..hardware import cpu_placement, default_threads
 from ..paths import get_paths, home_paths
+from ..residency import planner
+from ..settings import load_settings
+from .bench_breakdown import turn_breakdown
 from .bench_common import BenchError, crash_lines, say
-from .bench_report import turn_breakdown
+from .replay import run_replay
 
 
 def free_port() -> int:
@@ -181,9 +185,8 @@ def gpu_env(a: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     n = str(getattr(a, "gpus", 1))
     if "CUDA_VISIBLE_DEVICES" in env or not n.isdigit():
         return env
-    from ..residency.planner import detect_gpus
 
-    if len(detect_gpus()) > int(n):
+    if len(planner.detect_gpus()) > int(n):
         env = dict(env, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(int(n))))
     return env
 
@@ -223,8 +226,6 @@ def server_placement(a: argparse.Namespace) -> tuple[int, Optional[list[int]]]:
     worker (:func:`ostinatod.hardware.cpu_placement`: the NUMA-local physical cores on a host with
     several nodes; ``--threads`` or the physical cores), so every engine runs at equal CPUs.
     Returns (threads, CPUs to pin the process to, or None: unpinned)."""
-    from ..settings import load_settings
-
     cpu_set = load_settings().cpu_set   # the daemons' setting (file or OSTINATO_CPU_SET)
     place = cpu_placement(cpu_set)
     return a.threads or default_threads(cpu_set), place["cpus"] if place["pin"] else None
@@ -255,7 +256,7 @@ def start_llama_server(binary: Path, model: Path, n_cpu_moe: int, run_dir: Path,
            "--cache-reuse", "0"]
     env = gpu_env(a, dict(os.environ))
     try:
-        import llama_cpp
+        import llama_cpp  # lazy: the native engine, loaded only where it runs
 
         lib = Path(llama_cpp.__file__).parent / "lib"
         env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
@@ -279,8 +280,6 @@ def replay(url: str, sessions_file: Path, held: list[dict], a: argparse.Namespac
     (:func:`ostinatod.bench.replay.run_replay`, what ``ostinato bench replay`` runs); the result
     JSON is also written to ``out``. ``on_turn()`` runs after every turn (outside its timing),
     ``on_first_token()`` in every turn once its first token arrived (after its TTFT was taken)."""
-    from .replay import run_replay
-
     log_lines: list[str] = []
 
     def log(line: str) -> None:
@@ -300,8 +299,6 @@ def replay(url: str, sessions_file: Path, held: list[dict], a: argparse.Namespac
 def control_metrics(home: Path, timeout: float = 10.0) -> dict[str, Any]:
     """The daemon's ``/metrics`` snapshot through the control API (HTTP on its Unix socket; plain
     http.client: cheap enough to poll). Raises on failure."""
-    import http.client
-
     class _Unix(http.client.HTTPConnection):
         def connect(self) -> None:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

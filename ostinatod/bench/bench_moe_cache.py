@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .bench_common import MOE_CACHE, BenchError
+from .bench_launch import Server, free_port, gpu_env, peer_batch_flags, server_placement
 
 MOE_CACHE_ENV = "OSTINATO_MOE_CACHE_SERVER"
 MOE_CACHE_ARGS_ENV = "OSTINATO_MOE_CACHE_ARGS"
@@ -115,8 +116,6 @@ def start_moe_cache_server(model: Path, pool_bytes: int, run_dir: Path, a: argpa
     """Start ``llama-server-moe-cache`` on a free loopback port (a :class:`.bench_launch.Server`)
     with a MoE cache of ``pool_bytes`` (Ostinato's pool); its environment is ours without our
     llama.cpp's library path (it links its own ggml)."""
-    from .bench_launch import Server, free_port, gpu_env, peer_batch_flags, server_placement
-
     binary = moe_cache_server_binary()
     threads, cpus = server_placement(a)
     port = free_port()

@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Optional
+
+from .bench_skew import skew_markdown
 
 PANELS = (("decode_ms_per_token", "decode ms/token"), ("ttft_after_tool_median_s", "TTFT after tool (s)"))
 COLORS = {"stock-all-gpu": "#2ca02c", "stock-layers": "#ff7f0e", "llama-server": "#d62728",
@@ -56,7 +59,6 @@ def collect(results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[s
 def _nice_max(v: float) -> float:
     if v <= 0:
         return 1.0
-    import math
 
     e = 10 ** math.floor(math.log10(v))
     for f in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10):
@@ -238,8 +240,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     sweep = _skew_sweep(a.json)
     if sweep is not None:
-        from .bench_skew import skew_markdown
-
         out = write_skew_plot(sweep, a.out or a.json[0].with_suffix(".svg"))
         md = out.with_suffix(".md")
         md.write_text(skew_markdown(sweep))

@@ -6,14 +6,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from ..engine.types import GenRequest
+from ..engine.worker import Worker
 from ..paths import get_paths
+from ..residency.gguf_header import read_header
+from ..residency.planner import plan_residency, read_model_shape, resolve_gpus, staging_regions_for
+from ..residency.sets import make_residency, write_residency
+from ..residency.traces import Trace, counts_from_stats
+from ..sessions import assistant_text, assistant_turns, split_sessions
+from ..settings import load_settings
+from ..synth.mix import check_file_mix
+from ..synth.shapes import ARCH_SHAPES, Routing, SYNTH_FORMAT
+from ..synth.writer import write_synthetic_moe
 from .bench_common import BenchError, say, skew_tag
-from .sessions import assistant_turns
 
 
 def prepare_model(a: argparse.Namespace) -> Path:
@@ -23,8 +34,6 @@ def prepare_model(a: argparse.Namespace) -> Path:
         if not Path(a.model).is_file():
             raise BenchError(f"model not found: {a.model}")
         return Path(a.model).resolve()
-    from ..synth.shapes import ARCH_SHAPES, SYNTH_FORMAT, Routing
-    from ..synth.writer import write_synthetic_moe
 
     d = get_paths().models_dir
     d.mkdir(parents=True, exist_ok=True)
@@ -66,8 +75,6 @@ def select_sessions(a: argparse.Namespace) -> tuple[Path, list[dict], list[dict]
 
     Sessions with tool schemas (function calling) come first, so that turns follow tool outputs.
     """
-    from .sessions import split_sessions
-
     f = Path(a.sessions_dir or default_sessions_dir()) / a.sessions_file
     if not f.is_file():
         raise BenchError(f"sessions file not found: {f}")
@@ -92,9 +99,6 @@ def layer_mix(model: Path, a: argparse.Namespace) -> Optional[dict[str, Any]]:
     that is not a synthetic file of a real model's shape). Raises BenchError when its mix departs
     from the real model's proportions, unless ``a.no_mix_check`` (then the problems stay in the
     returned dict, with ``"overridden": True``)."""
-    from ..residency.gguf_header import read_header
-    from ..synth.mix import check_file_mix
-
     mix = check_file_mix(read_header(model).kv)
     if mix and mix["problems"]:
         if not getattr(a, "no_mix_check", False):
@@ -122,10 +126,6 @@ def engine_counts(model: Path, block: dict[str, Any], groups: list[tuple[str, li
     through the Ostinato engine in this process (one load; all experts cold: an empty residency
     set; greedy, ``min(max_gen, recorded reply)`` tokens per turn) and return ``{label: Trace}``,
     the engine's route counts per phase. Raises BenchError."""
-    from ..residency.sets import make_residency, write_residency
-    from ..engine.worker import Worker
-    from ..settings import load_settings
-
     empty = write_residency(make_residency(block, {}, workload=workload), run_dir / "residency-empty.json")
     s = load_settings(model=model, experts="ostinato", residency=empty, n_slots=1, n_ctx=a.n_ctx,
                       n_threads=a.threads, engine_mode="inprocess", prefill_threshold=a.prefill_threshold)
@@ -150,10 +150,6 @@ def engine_counts(model: Path, block: dict[str, Any], groups: list[tuple[str, li
 
 def _replay_counts(w, block: dict[str, Any], label: str, sessions: list[dict], turns: int, max_gen: int,
                    workload: str):
-    from ..engine.types import GenRequest
-    from ..residency.traces import Trace, counts_from_stats
-    from .sessions import assistant_text
-
     trace = Trace.empty(block, workload)
     for si, sess in enumerate(sessions):
         for turn in assistant_turns(sess)[:turns]:
@@ -176,8 +172,6 @@ def _replay_counts(w, block: dict[str, Any], label: str, sessions: list[dict], t
 
 
 def _run_one(w, req, timeout: float = 900) -> dict[str, Any]:
-    import queue
-
     q: "queue.Queue" = queue.Queue()
     w.submit(req, q.put)
     deadline = time.monotonic() + timeout
@@ -193,9 +187,6 @@ def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str,
          budget_frac: Optional[float] = None, file_name: str = "residency.json") -> tuple[dict, Path, dict]:
     """Plan the residency set at ``budget_frac`` (default ``a.budget_frac``); returns (residency,
     path, stock placement at equal memory)."""
-    from ..residency.planner import (plan_residency, read_model_shape, resolve_gpus, staging_regions_for,
-                                     write_residency)
-
     shape = read_model_shape(model)
     frac = a.budget_frac if budget_frac is None else budget_frac
     # the daemon's settings (prefetch on by default): the staging regions its pools will hold

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from ..synth.shapes import SHAPES
 from .bench_common import LIMIT, METRICS
 from .bench_report import best_of, is_peer, ratios, ratios_vs_limit
 
@@ -42,7 +43,6 @@ def family(result: dict[str, Any]) -> dict[str, Any]:
     """``{"family", "arch", "layers", "real_layers", "quant"}`` of a run's model, parsed from the
     synthetic file's name (``ostinato-demo ARCH SHAPE NL QUANT (random weights)``); the family is
     the shape's name where it is not one of :data:`FAMILIES`, None where the name has no shape."""
-    from ..synth.shapes import SHAPES
     m = result.get("model") or {}
     words = (m.get("name") or "").split()
     shape = words[2] if len(words) > 4 and words[0] == "ostinato-demo" else None

@@ -42,13 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .sessions import SessionError, Turn, assistant_text, assistant_turns, load_sessions, workload_of
+from ..errors import MessageError
+from ..sessions import SessionError, Turn, assistant_text, assistant_turns, load_sessions, workload_of
+from ..settings import load_settings
 
 REPLAY_FORMAT = "ostinato-replay/1"
 
 
-class ReplayError(RuntimeError):
+class ReplayError(MessageError, RuntimeError):
     """The replay cannot run at all (bad arguments, no sessions selected)."""
+
+    code, status = "replay_failed", 500
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,12 +401,12 @@ def run_replay(sessions: list[dict[str, Any]], base_url: str, client: str = "ope
     if base.endswith("/v1"):
         base = base[:-3]
     if client == "openai":
-        import openai
+        import openai  # lazy: optional client SDK
 
         cl = openai.OpenAI(base_url=base + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
         one = _openai_turn
     else:
-        import anthropic
+        import anthropic  # lazy: optional client SDK
 
         cl = anthropic.Anthropic(base_url=base, api_key=api_key, timeout=timeout, max_retries=0)
         one = _anthropic_turn
@@ -513,8 +517,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no per-turn lines")
     a = ap.parse_args(argv)
     try:
-        from ..settings import load_settings
-
         st = load_settings()
         base = a.base_url or f"http://127.0.0.1:{st.port}"
         key = a.api_key or st.api_key or "ostinato"

@@ -14,19 +14,25 @@ from typing import Any, AsyncIterator, Optional
 
 import aiohttp
 
+from ..errors import MessageError, OstinatoError
 from ..paths import get_paths
 
 
-class DaemonNotRunning(Exception):
+class DaemonNotRunning(MessageError):
     """No daemon answers on the control socket (message says how to start one)."""
 
+    code, status = "daemon_not_running", 503
 
-class ControlAPIError(Exception):
-    """The daemon answered with an error: ``status`` (HTTP), ``code`` (stable string), ``message``."""
 
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(f"{message} ({code})")
-        self.status, self.code, self.message = status, code, message
+class ControlAPIError(OstinatoError):
+    """The daemon answered with an error: ``code`` (stable string), ``message``, ``status`` (HTTP).
+    ``str()`` is ``"message (code)"``."""
+
+    def __init__(self, code: str, message: str, status: int):
+        super().__init__(code, message, status)
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.code})"
 
 
 class ControlClient:
@@ -75,12 +81,12 @@ class ControlClient:
         except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as e:
             raise self._not_running(e) from None
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
-            raise ControlAPIError(504, "timeout", f"ostinatod did not answer {method} {path} within "
+            raise ControlAPIError("timeout", f"ostinatod did not answer {method} {path} within "
                                   f"{self.timeout:.0f} s (it may still carry it out; see 'ostinato "
-                                  "status' and 'ostinato logs')") from None
+                                  "status' and 'ostinato logs')", 504) from None
         if r.status >= 400:
             err = (data or {}).get("error") or {}
-            raise ControlAPIError(r.status, err.get("code", "error"), err.get("message", str(data)))
+            raise ControlAPIError(err.get("code", "error"), err.get("message", str(data)), r.status)
         return data
 
     async def get(self, path: str) -> dict[str, Any]:

@@ -114,6 +114,8 @@ def cmd_load(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     path = Path(a.path).expanduser()
     if not path.is_file() and not a.path.startswith(("/", ".", "~")):  # a name, or a relative path
+        # lazy here and in cmd_models: the disk scan pulls the engine and planner modules, which
+        # the other commands (status, ps, ...) need not import
         from ..discover import find_models, resolve_name
         try:
             path = Path(resolve_name(a.path, find_models(gpus=[])).path)
@@ -128,7 +130,7 @@ def cmd_load(argv: list[str]) -> int:
 
 def cmd_models(argv: list[str]) -> int:
     """``ostinato models [--json] [--source S]``: GGUF models on disk (needs no daemon)."""
-    from ..discover import SOURCES, find_models, format_table
+    from ..discover import SOURCES, find_models, format_table  # lazy: see cmd_load
     ap = _parser("models", "GGUF models already on disk (Hugging Face cache, LM Studio, Ollama, "
                  "Ostinato's models directory) with architecture, size, quantisation, engine support "
                  "and a suggested expert pool; 'ostinato load NAME' serves one.")
@@ -173,7 +175,7 @@ def cmd_residency(argv: list[str]) -> int:
             d = call("POST", "/residency/plan", {"workload": a.workload} if a.workload else {})
             return json.dumps(d, indent=2) if a.json else f"planned {d.get('workload')}: {d.get('path')}"
         if not a.workload and not a.path:
-            raise ControlAPIError(400, "invalid_request", "switch needs a WORKLOAD or --path FILE")
+            raise ControlAPIError("invalid_request", "switch needs a WORKLOAD or --path FILE", 400)
         body = {"workload": a.workload} if a.workload else {}
         if a.path:
             body["path"] = str(a.path.expanduser().resolve())

@@ -42,14 +42,16 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..desk import DeskError
-from ..files import NotRegularFile, WriteFailed, regular_file
-from ..residency.traces import valid_workload
-from ..hardware import gpu_memory
 from ..engine.types import EngineError
-from ..server.request_input import check_json_value
+from ..errors import OstinatoError
+from ..files import NotRegularFile, WriteFailed, regular_file
+from ..hardware import gpu_memory
+from ..profile import load_profile
+from ..residency.traces import valid_workload
 from ..server.errors import ApiError
 from ..server.http_errors import JsonErrorsHandler, JsonErrorsUnixSite, one_line
-from .snapshots import _ctl, expert_view, metrics_snapshot
+from ..server.request_input import check_json_value
+from .snapshots import expert_view, metrics_snapshot
 
 log = logging.getLogger("ostinatod.control")
 
@@ -60,12 +62,11 @@ STOPPING_KEY = web.AppKey("stopping", asyncio.Event)
 CONTROL_SHUTDOWN_S = 5.0  # what is still open this long after the shutdown began is closed
 
 
-class ControlError(Exception):
+class ControlError(OstinatoError):
     """An error answered as ``{"error": {"code", "message"}}`` with HTTP ``status``."""
 
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+    def __init__(self, code: str, message: str, status: int):
+        super().__init__(code, message, status)
 
 
 def _err(e: ControlError | DeskError) -> web.Response:
@@ -81,10 +82,10 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException as e:  # unknown route / method: JSON too
         if e.status < 400:
             raise
-        return _err(ControlError(e.status, "not_found" if e.status == 404 else "bad_request", e.reason))
+        return _err(ControlError("not_found" if e.status == 404 else "bad_request", e.reason, e.status))
     except Exception as e:  # a bug here must not kill the daemon; say what it was
         log.exception("control API %s %s failed", request.method, request.path)
-        return _err(ControlError(500, "internal_error", f"{type(e).__name__}: {e}"))
+        return _err(ControlError("internal_error", f"{type(e).__name__}: {e}", 500))
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -93,17 +94,17 @@ async def _body(request: web.Request) -> dict[str, Any]:
     try:
         data = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ControlError(400, "invalid_json", f"request body is not valid JSON: {e}")
+        raise ControlError("invalid_json", f"request body is not valid JSON: {e}", 400)
     except RequestPayloadError as e:  # a Content-Encoding the body does not have, a cut body
-        raise ControlError(400, "invalid_encoding", f"request body cannot be read: {one_line(e)}") from None
+        raise ControlError("invalid_encoding", f"request body cannot be read: {one_line(e)}", 400) from None
     except RecursionError:
-        raise ControlError(400, "invalid_json", "request body nests too deeply") from None
+        raise ControlError("invalid_json", "request body nests too deeply", 400) from None
     if not isinstance(data, dict):
-        raise ControlError(400, "invalid_request", "request body must be a JSON object")
+        raise ControlError("invalid_request", "request body must be a JSON object", 400)
     try:
         check_json_value(data)
     except ApiError as e:
-        raise ControlError(400, e.code, e.message) from None
+        raise ControlError(e.code, e.message, 400) from None
     return data
 
 
@@ -115,8 +116,8 @@ def _state(request: web.Request):
 
 def _workload_name(name: Any) -> str:
     if not valid_workload(name):  # the one rule of workload names (1-64 plain characters)
-        raise ControlError(400, "invalid_workload", "workload must be 1-64 letters, digits, '.', '_' or "
-                           f"'-', starting with a letter or digit; got {str(name)[:80]!r}")
+        raise ControlError("invalid_workload", "workload must be 1-64 letters, digits, '.', '_' or "
+                           f"'-', starting with a letter or digit; got {str(name)[:80]!r}", 400)
     return name
 
 
@@ -131,7 +132,7 @@ async def h_status(request: web.Request) -> web.Response:
     st = _state(request)
     out = st.status()
     out["workload"] = st.settings.workload_default
-    out["paused"] = _ctl(st)["paused_model"] is not None
+    out["paused"] = st.paused_model is not None
     out["control_socket"] = str(st.paths.control_socket)
     out["log_file"] = str(st.paths.log_file)
     out["last_residency_switch"] = st.last_residency_switch
@@ -172,10 +173,10 @@ def _file(path: Any, missing_code: str, hint: str = "") -> Path:
     except NotRegularFile as e:
         if e.kind == "missing":
             what = "no residency set" if missing_code == "residency_not_found" else "no such file:"
-            raise ControlError(404, missing_code, f"{what} {e.shown}{hint}") from None
+            raise ControlError(missing_code, f"{what} {e.shown}{hint}", 404) from None
         code = "invalid_path" if e.kind in ("name too long", "invalid name") else (
             "file_unreadable" if e.kind == "unreadable" else "not_a_file")
-        raise ControlError(400, code, str(e)) from None
+        raise ControlError(code, str(e), 400) from None
 
 
 def _check_gguf(path: Path) -> Path:
@@ -184,19 +185,19 @@ def _check_gguf(path: Path) -> Path:
         with open(path, "rb") as f:
             magic = f.read(4)
     except OSError as e:
-        raise ControlError(400, "model_unreadable", f"cannot read {path}: {e}")
+        raise ControlError("model_unreadable", f"cannot read {path}: {e}", 400)
     if magic != b"GGUF":
-        raise ControlError(400, "not_gguf", f"{path} is not a GGUF file (magic {magic!r})")
+        raise ControlError("not_gguf", f"{path} is not a GGUF file (magic {magic!r})", 400)
     return path.resolve()
 
 
 async def _reload(st, path: Optional[Path]) -> None:
     if st.reload is None:
-        raise ControlError(501, "not_implemented", "this daemon cannot load or unload models")
+        raise ControlError("not_implemented", "this daemon cannot load or unload models", 501)
     try:
         await st.reload(path)
     except EngineError as e:  # the daemon keeps running without a model; say why
-        raise ControlError(e.status if 400 <= e.status < 600 else 400, e.code, e.message)
+        raise ControlError(e.code, e.message, e.status if 400 <= e.status < 600 else 400)
 
 
 async def h_load(request: web.Request) -> web.Response:
@@ -204,10 +205,10 @@ async def h_load(request: web.Request) -> web.Response:
     st = _state(request)
     body = await _body(request)
     if not isinstance(body.get("path"), str):
-        raise ControlError(400, "invalid_request", "body must be {\"path\": \"/path/to/model.gguf\"}")
+        raise ControlError("invalid_request", "body must be {\"path\": \"/path/to/model.gguf\"}", 400)
     path = _check_gguf(Path(body["path"]))
     await _reload(st, path)
-    _ctl(st)["paused_model"] = None
+    st.paused_model = None
     return web.json_response({"ok": True, "state": st.engine_state, "model": {"id": st.model_name,
                                                                               **st.model_info}})
 
@@ -222,24 +223,22 @@ async def h_unload(request: web.Request) -> web.Response:
 async def h_pause(request: web.Request) -> web.Response:
     """POST /pause: unload, remembering the model path for /resume (idempotent)."""
     st = _state(request)
-    c = _ctl(st)
-    if c["paused_model"] is None:
+    if st.paused_model is None:
         path = st.model_info.get("path") or st.settings.model
         if st.engine is None or not path:
-            raise ControlError(409, "model_not_loaded", "no model is loaded; nothing to pause")
+            raise ControlError("model_not_loaded", "no model is loaded; nothing to pause", 409)
         await _reload(st, None)
-        c["paused_model"] = str(path)
+        st.paused_model = str(path)
     return web.json_response({"ok": True, "paused": True, "state": st.engine_state})
 
 
 async def h_resume(request: web.Request) -> web.Response:
     """POST /resume: load the model unloaded by /pause (no-op when not paused)."""
     st = _state(request)
-    c = _ctl(st)
-    p = c["paused_model"]
+    p = st.paused_model
     if p is not None:
         await _reload(st, Path(p))
-        c["paused_model"] = None
+        st.paused_model = None
     return web.json_response({"ok": True, "paused": False, "state": st.engine_state})
 
 
@@ -254,7 +253,7 @@ async def h_residency(request: web.Request) -> web.Response:
         except Exception:
             stats = None
     out["current"] = expert_view(stats)
-    rp = _ctl(st).get("replanner")
+    rp = st.replanner
     out["background_replan"] = {"idle_s": st.settings.replan_idle_s, "growth": st.settings.replan_growth,
                                 "planned": rp.planned[-10:] if rp else []}
     try:
@@ -281,9 +280,9 @@ async def h_plan(request: web.Request) -> web.Response:
         res, path, secs = await st.desk.plan(model, workload)
     except ValueError as e:  # PlanError / TraceError: missing traces, budget too small, ...
         code = "no_traces" if "no routing traces" in str(e) else "plan_failed"
-        raise ControlError(404 if code == "no_traces" else 400, code, str(e))
+        raise ControlError(code, str(e), 404 if code == "no_traces" else 400)
     except WriteFailed as e:  # disk full, read-only, ...: the earlier set stays, no temp file left
-        raise ControlError(507, "disk_full" if e.no_space else "write_failed", str(e)) from None
+        raise ControlError("disk_full" if e.no_space else "write_failed", str(e), 507) from None
     out = {"ok": True, "workload": workload, "path": str(path),
            "seconds": round(secs, 3),
            "expected_hot_route_share": (res.get("plan") or {}).get("expected_hot_route_share")}
@@ -311,11 +310,11 @@ async def h_switch(request: web.Request) -> web.Response:
     path = _file(path, "residency_not_found", f"; plan one first: ostinato residency plan {workload}"
                  if workload else "")
     if st.engine is None or st.engine_state != "ready":
-        raise ControlError(409, "model_not_loaded", f"engine is {st.engine_state}")
+        raise ControlError("model_not_loaded", f"engine is {st.engine_state}", 409)
     try:
         info = await st.desk.switch(path, reason="control")
     except EngineError as e:  # refused (another model's set, stock engine, ...): old set stays active
-        raise ControlError(e.status if 400 <= e.status < 600 else 500, e.code, e.message)
+        raise ControlError(e.code, e.message, e.status if 400 <= e.status < 600 else 500)
     if workload:
         st.settings.workload_default = workload
     return web.json_response({"ok": True, **info})
@@ -323,10 +322,9 @@ async def h_switch(request: web.Request) -> web.Response:
 
 async def h_profile(request: web.Request) -> web.Response:
     """GET /profile: the stored hardware profile (404 before the first one)."""
-    from ..profile import load_profile
     p = load_profile(_state(request).paths.hardware_profile)
     if p is None:
-        raise ControlError(404, "no_profile", "no hardware profile yet; run 'ostinato profile'")
+        raise ControlError("no_profile", "no hardware profile yet; run 'ostinato profile'", 404)
     return web.json_response(p)
 
 
@@ -355,7 +353,7 @@ async def h_requests(request: web.Request) -> web.Response:
     try:
         limit = max(1, int(request.query.get("limit", "50")))
     except ValueError:
-        raise ControlError(400, "invalid_request", "limit must be an integer")
+        raise ControlError("invalid_request", "limit must be an integer", 400)
     return web.json_response({"active": list(st.active.values()), "recent": list(st.recent)[-limit:][::-1]})
 
 
@@ -366,7 +364,7 @@ async def h_events(request: web.Request) -> web.StreamResponse:
         interval = min(60.0, max(0.05, float(request.query.get("interval", "1"))))
         count = int(request.query["count"]) if "count" in request.query else None
     except ValueError:
-        raise ControlError(400, "invalid_request", "interval must be a number, count an integer")
+        raise ControlError("invalid_request", "interval must be a number, count an integer", 400)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     n = 0
@@ -416,37 +414,19 @@ def make_app(state) -> web.Application:
     return app
 
 
-def _first_start_profile(path: Path) -> None:
-    """Hardware profile at daemon start (first start or changed hardware); logs, never raises."""
-    try:
-        from ..profile import ensure_profile
-        p = ensure_profile(path, recalibrate=False)
-        if p.get("changed"):
-            cal = p.get("calibration") or {}
-            hint = "" if cal and not cal.get("error") and not cal.get("stale") else \
-                "; run 'ostinato calibrate' to calibrate the engine on this hardware"
-            log.info("hardware profile recorded in %s%s", path, hint)
-    except Exception as e:  # a profile problem must not stop the daemon
-        log.warning("hardware profile not recorded: %s: %s", type(e).__name__, e)
-
-
 class _ControlErrorsHandler(JsonErrorsHandler):
     """The control socket's connections: malformed HTTP answered ``{"error": {"code", "message"}}``."""
 
     __slots__ = ()
 
     def error_body(self, path: str, status: int, text: str) -> web.Response:
-        return _err(ControlError(status, "invalid_http", f"malformed HTTP request: {text}"))
+        return _err(ControlError("invalid_http", f"malformed HTTP request: {text}", status))
 
 
-async def start_control_server(state, path: Optional[Path] = None, replan: bool = True,
-                               profile: bool = True) -> web.AppRunner:
+async def start_control_server(state, path: Optional[Path] = None) -> web.AppRunner:
     """Serve the control API on the Unix socket ``path`` (default ``state.paths.control_socket``).
-
-    With ``replan`` it also runs the background re-planner (:class:`ostinatod.workload.Replanner`,
-    settings ``replan_idle_s``/``replan_growth``) for the lifetime of the runner. With ``profile``
-    it records the hardware profile in a worker thread when there is none or the hardware changed
-    (:func:`ostinatod.profile.ensure_profile`; the calibration is left to ``ostinato calibrate``).
+    It only serves routes: the background re-planner and the first-start hardware profile are the
+    daemon's (:meth:`ostinatod.daemon.Daemon.start_upkeep`).
 
     A stale socket file is replaced; the socket is made mode 0600 and its directory 0700.
     Returns the started runner; ``await runner.cleanup()`` stops it (the socket file is removed).
@@ -457,22 +437,6 @@ async def start_control_server(state, path: Optional[Path] = None, replan: bool 
     if path.exists() or path.is_symlink():
         path.unlink()
     app = make_app(state)
-    if replan:
-        from ..workload import Replanner
-        rp = Replanner(state)
-        _ctl(state)["replanner"] = rp
-
-        async def _start_rp(_app):
-            rp.start()
-
-        async def _stop_rp(_app):
-            await rp.stop()
-        app.on_startup.append(_start_rp)
-        app.on_cleanup.append(_stop_rp)
-    if profile:
-        async def _profile(_app):
-            asyncio.get_running_loop().run_in_executor(None, _first_start_profile, state.paths.hardware_profile)
-        app.on_startup.append(_profile)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=CONTROL_SHUTDOWN_S)
     await runner.setup()
     old = os.umask(0o177)  # no window where the socket is reachable by others

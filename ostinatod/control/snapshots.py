@@ -17,14 +17,6 @@ from ..engine.stats import EngineStats
 from ..hardware import gpu_memory
 
 
-def _ctl(state) -> dict[str, Any]:
-    """Control-API private state kept on the DaemonState object (paused model path)."""
-    d = state.__dict__.get("_control")
-    if d is None:
-        d = state.__dict__["_control"] = {"paused_model": None}
-    return d
-
-
 def expert_view(stats: Optional[EngineStats]) -> dict[str, Any]:
     """The expert-path figures the UIs show, from the engine's parsed ``stats()`` (None or without
     ``experts``: stock llama.cpp, or no stats).
@@ -119,7 +111,7 @@ async def metrics_snapshot(state, recent: int = 60) -> dict[str, Any]:
         "engine_state": state.engine_state,
         "model": {"id": state.model_name, **state.model_info},
         **_current_workload(state, ex),
-        "paused": _ctl(state).get("paused_model") is not None,
+        "paused": state.paused_model is not None,
         "phase": getattr(state, "phase", None),
         "engine_health": state.engine_health(),  # restarts, last_exit, error (why it does not serve)
         "last_residency_switch": state.last_residency_switch,

@@ -12,6 +12,10 @@ Layers above (HTTP front end, protocol adapters, control API) talk to it only th
 :class:`ostinatod.engine.types.EngineClient` and the request/event types in that module.
 """
 
+import ctypes
+import ctypes.util
+import sys
+
 
 def _preload_libstdcxx() -> None:
     """Put libstdc++ into the process's global symbol scope before llama_cpp loads its libraries.
@@ -23,10 +27,6 @@ def _preload_libstdcxx() -> None:
     and earlier in a library's static initialisers). Loading libstdc++ first restores the normal
     binding, as LD_PRELOAD=libstdc++.so.6 did there. No-op where it is not found (macOS: libc++).
     """
-    import ctypes
-    import ctypes.util
-    import sys
-
     if "llama_cpp" in sys.modules or not sys.platform.startswith("linux"):
         return
     name = ctypes.util.find_library("stdc++") or "libstdc++.so.6"

@@ -28,15 +28,23 @@ import datetime as _dt
 import json
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..hardware import apply_cpu_placement, default_threads
 from ..paths import get_paths
 from ..residency.calibration import CALIBRATION_FORMAT, h2d_from_profile, store_calibration
 from ..residency.cost import CalibrationError, PrefillPoint, solve_calibration
+from . import native
+from ..residency.planner import read_model_shape
+from ..residency.sets import make_residency, write_residency
+from ..residency.traces import Trace
+from ..settings import load_settings
+from .worker import Worker
 from .np_probe import Passes, cpu_branch_bandwidth
 
 log = logging.getLogger(__name__)
@@ -47,8 +55,6 @@ log = logging.getLogger(__name__)
 
 def _default_model() -> Optional[Path]:
     try:
-        from ..settings import load_settings
-
         m = load_settings().model
         if m and Path(m).is_file():
             return Path(m)
@@ -62,8 +68,6 @@ def _default_model() -> Optional[Path]:
 def _hot_sets(block: dict[str, Any], fracs: Sequence[float]) -> list[tuple[float, dict[int, list[int]]]]:
     """Hot sets keeping ``frac`` of each layer's experts: the most routed ones when a trace of this
     model exists (any workload), else the lowest ids. Returns [(frac, {layer: ids})]."""
-    from ..residency.traces import Trace
-
     counts = None
     tdir = get_paths().traces_dir / block["fingerprint"]
     for p in sorted(tdir.glob("*.json")) if tdir.is_dir() else []:
@@ -98,15 +102,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
     "cpu_placement" (the CPUs it ran on: hardware.apply_cpu_placement), "expert_bytes",
     "model"}. Raises CalibrationError when the engine or the model cannot be used.
     """
-    import tempfile
-
-    import llama_cpp
-
-    from ..residency.planner import read_model_shape
-    from ..residency.sets import make_residency, write_residency
-    from ..settings import load_settings
-    from . import native
-    from .worker import Worker
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
 
     say = progress or (lambda s: None)
     block = read_model_shape(model_path).model_block()
@@ -122,7 +118,6 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
     s = load_settings(model=model_path, experts="ostinato", residency=paths[0], n_slots=1,
                       n_ctx=max(512, n_max + decode_steps + 64), n_batch=n_max, n_ubatch=max(32, n_max),
                       n_threads=n_threads, engine_mode="inprocess")
-    from ..hardware import apply_cpu_placement, default_threads
 
     place = apply_cpu_placement(s.cpu_set)   # measured on the CPUs the engine worker will run on
     w = Worker(s, model_path)
@@ -221,10 +216,7 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
     :func:`measure`. Restores the decode graph to auto, overlap on and the thread counts. Returns
     [{"graph", "overlap", "threads", "median_ms"}] ("overlap" is None for graph rows).
     """
-    from . import native
-    import llama_cpp
-
-    from ..hardware import default_threads
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
 
     p = int(w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None)))
     # every core but one: the default of the CPU branch's own kernel (hardware.expert_engine_threads)

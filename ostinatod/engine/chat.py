@@ -12,6 +12,7 @@ tools, tool_choice) or ``template_error`` (the template failed to render).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from . import native
+from .patterns import schema_patterns
 from .types import EngineError
 
 log = logging.getLogger("ostinatod.engine")
@@ -193,7 +195,6 @@ def model_output_unlogged():
     match the format makes ``common_chat_peg_parse`` print the model's raw output at warning level
     on stderr, which docs/api.md keeps to debug level (the worker logs the parse error at debug).
     The threshold is common_log's global; a no-op where the library does not export it."""
-    import ctypes
     try:
         thold = ctypes.c_int.in_dll(native.lib(), "common_log_verbosity_thold")
     except (ValueError, OSError, AttributeError):
@@ -320,7 +321,6 @@ class ChatTemplates(_NativeHandle):
             req["json_schema"] = json_schema
         # llama.cpp reports a schema it cannot enforce only on stderr: watched where a schema asks
         # for a pattern (tools' parameters too: their calls are grammar-constrained)
-        from .patterns import schema_patterns
         watched = json_schema if json_schema is not None else (
             req["tools"] if any(True for t in tools for _ in schema_patterns(t, "")) else None)
         try:
@@ -383,9 +383,8 @@ def grammar_sampler(model_ptr: int, rendered: RenderedPrompt) -> Any:
     """
     if not rendered.grammar:
         return None
-    import ctypes
 
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     ptr = native.fn("ostinato_chat_grammar_sampler")(model_ptr, rendered.raw.encode())
     if not ptr:
         raise EngineError("invalid_request", native.last_error() or "grammar failed to compile")

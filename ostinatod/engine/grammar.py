@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from .chat import stderr_captured
+from .loading import log_errors_captured
 from .types import EngineError
 
 _PARSE_ERROR = "error parsing grammar: "
@@ -22,10 +24,7 @@ def check_grammar(vocab: Any, gbnf: str) -> None:
     """Raise EngineError 400 ``invalid_grammar`` when llama.cpp's parser refuses ``gbnf`` (the
     message is llama.cpp's: e.g. ``expecting ')' at …``, ``Undefined rule identifier 'x'``,
     ``grammar does not contain a 'root' symbol``). Thread-safe."""
-    import llama_cpp
-
-    from .chat import stderr_captured
-    from .loading import log_errors_captured
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
 
     # llama.cpp prints a parse error on fd 2 and the other refusals through its log
     with stderr_captured() as said, log_errors_captured() as logged:
@@ -52,6 +51,7 @@ def schema_grammar(schema: dict[str, Any]) -> str:
     """GBNF of a JSON schema for a raw prompt (no chat template to make it): llama.cpp's
     json-schema-to-grammar as llama-cpp-python ships it. Raises EngineError 400
     ``invalid_request`` for a schema it cannot convert."""
+    # lazy: the native engine, loaded only where it runs
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     try:

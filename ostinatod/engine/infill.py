@@ -34,7 +34,7 @@ class FimTokens:
 
     @classmethod
     def of_vocab(cls, vocab: Any) -> "FimTokens":
-        import llama_cpp
+        import llama_cpp  # lazy: the native engine, loaded only where it runs
         bos = llama_cpp.llama_vocab_bos(vocab) if llama_cpp.llama_vocab_get_add_bos(vocab) else None
         return cls(llama_cpp.llama_vocab_fim_pre(vocab), llama_cpp.llama_vocab_fim_suf(vocab),
                    llama_cpp.llama_vocab_fim_mid(vocab), llama_cpp.llama_vocab_fim_rep(vocab),

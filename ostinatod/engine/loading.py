@@ -10,20 +10,27 @@ worker); a residency set the expert engine refuses is an error, other expert-eng
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from ..hardware import default_threads
+import psutil
+
+from ..hardware import default_threads, probe_gpus
 from ..residency.model import ModelFileError, ModelInfo, check_model_file
 from ..residency.sets import ResidencyError
 from ..settings import Settings
-from . import native
+from . import chat, native
 from .context_fit import ContextFit, fit_context
 from .native import ExpertEngineError
 from .prefill_plan import SMALL_UBATCH, UbatchChoice, choose_ubatch
+from ..residency.planner import DEFAULT_MARGIN_MB, estimate_gpu_need
+from .infill import FimTokens
+from .prefix_cache import prefix_cache_budget
+from .runtime import ExpertRuntime
 from .types import EngineError
 
 log = logging.getLogger("ostinatod.engine")
@@ -84,8 +91,8 @@ def restate_context_line(text: bytes, served: Optional[tuple[int, int]]) -> Opti
 def _capturing_callback() -> Any:
     """A llama.cpp log callback that keeps the ERROR lines while a load is captured and passes
     every line on to llama-cpp-python's own callback (made once; kept referenced)."""
-    import llama_cpp
-    import llama_cpp._logger as llog
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
+    import llama_cpp._logger as llog  # lazy: the native engine, loaded only where it runs
 
     if _log_capture["cb"] is None:
         @llama_cpp.llama_log_callback
@@ -108,7 +115,7 @@ def _capturing_callback() -> Any:
 def log_errors_captured() -> Iterator[list[str]]:
     """Collect llama.cpp's ERROR log lines while the block runs (yields the list they go to);
     one capture at a time (the log callback is the process's)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
 
     with _capture_lock:
         lines: list[str] = []
@@ -151,8 +158,6 @@ def _load_weights(rt: Any, model_path: Path, mparams: Any) -> Any:
 
 
 def _expert_runtime(settings: Settings, model_path: Path) -> Any:
-    from .runtime import ExpertRuntime
-
     try:
         return ExpertRuntime.prepare(model_path, settings)
     except EngineError:
@@ -168,8 +173,6 @@ def _expert_runtime(settings: Settings, model_path: Path) -> Any:
 
 def compute_bytes(gguf: ModelInfo, n_ubatch: int) -> int:
     """One forward pass's compute buffers at ``n_ubatch`` tokens (the planner's estimate)."""
-    from ..residency.planner import estimate_gpu_need
-
     return int(estimate_gpu_need(gguf, [], 0, n_ubatch=n_ubatch, last=True)["compute"])
 
 
@@ -196,18 +199,12 @@ def served_context(settings: Settings, gguf: ModelInfo, n_ctx_train: int, n_slot
     host's available memory. Kept free: one ubatch's compute buffers
     (:func:`..residency.planner.estimate_gpu_need`'s figure) and the planner's margin, and on the
     host also the prefix cache's budget. NVML missing on a GPU build: the setting is served as is."""
-    from ..residency.planner import DEFAULT_MARGIN_MB
-
     reserve = compute_bytes(gguf, min(settings.n_ubatch or SMALL_UBATCH, settings.n_batch)) + DEFAULT_MARGIN_MB * (1 << 20)
     if on_gpu:
-        from ..hardware import probe_gpus
         gpus = probe_gpus()
         free = sum(int(g["memory_free_bytes"]) for g in gpus) if gpus else None
         where = "GPU memory"
     else:
-        import psutil
-
-        from .prefix_cache import prefix_cache_budget
         free = int(psutil.virtual_memory().available)
         reserve += prefix_cache_budget(settings)
         where = "host memory"
@@ -220,12 +217,10 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
     Raises EngineError("model_not_loaded") with a clear message on any failure (nothing is left
     allocated then).
     """
-    import llama_cpp
-
-    from . import chat
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
 
     try:
-        import llama_cpp._logger as llog
+        import llama_cpp._logger as llog  # lazy: the native engine, loaded only where it runs
         llog.set_verbose(settings.log_level == "DEBUG")
     except Exception:  # pragma: no cover - logging only
         pass
@@ -303,7 +298,7 @@ def load_model(settings: Settings, model_path: Path) -> Loaded:
 
 def free_model(templates: Any, rt: Any, batch: Any, ctx: Any, model: Any) -> None:
     """Free what :func:`load_model` made (and the worker's batch); any of them may be None."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
 
     if templates is not None:
         templates.close()
@@ -323,7 +318,7 @@ def free_model(templates: Any, rt: Any, batch: Any, ctx: Any, model: Any) -> Non
 def tokenize(vocab: Any, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
     """Tokens of ``text`` (special tokens parsed unless ``parse_special`` is false). Thread-safe
     (the vocab is read-only)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     data = text.encode("utf-8")
     n_max = len(data) + 16
     buf = (llama_cpp.llama_token * n_max)()
@@ -337,9 +332,7 @@ def tokenize(vocab: Any, text: str, add_special: bool = True, parse_special: boo
 
 def piece(vocab: Any, token: int, special: bool = False) -> bytes:
     """Bytes of one token (``special``: render control tokens too)."""
-    import ctypes
-
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     buf = ctypes.create_string_buffer(64)
     n = llama_cpp.llama_token_to_piece(vocab, token, buf, 64, 0, special)
     if n < 0:
@@ -351,7 +344,7 @@ def piece(vocab: Any, token: int, special: bool = False) -> bytes:
 def max_piece_bytes(vocab: Any) -> int:
     """Bytes of the longest token text of the vocabulary, control tokens included (one pass over
     it at load; a bound of how much text one token can stand for)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     n = llama_cpp.llama_vocab_n_tokens(vocab)
     return max((len(piece(vocab, t, special=True)) for t in range(n)), default=1) or 1
 
@@ -374,7 +367,7 @@ def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templa
                 n_ctx_reason: Optional[str] = None) -> dict[str, Any]:
     """The loaded model's facts (see EngineClient.info); ``n_ctx_reason``: why the context per slot
     is below the setting (:class:`Loaded`)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     tinfo = templates.info if templates else {}
     return {"name": settings.model_alias or model_path.stem, "path": str(model_path),
             "arch": (g.arch or "unknown") if g else None, "n_ctx": n_ctx_slot,
@@ -395,7 +388,7 @@ def model_facts(settings: Settings, model_path: Path, g: Any, model: Any, templa
 
 def _token_text(model: Any, which: str) -> str:
     """The text of the model's BOS or EOS token ("" without one)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     if not model:
         return ""
     vocab = llama_cpp.llama_model_get_vocab(model)
@@ -405,7 +398,7 @@ def _token_text(model: Any, which: str) -> str:
 
 def _ftype(model: Any) -> str:
     """llama.cpp's name of the file's type (``Q4_K - Medium``, ``BF16``, ...; "" without a model)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     if not model:
         return ""
     name = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(model))
@@ -415,7 +408,7 @@ def _ftype(model: Any) -> str:
 def _eog_tokens(model: Any) -> list[int]:
     """The ids of the vocabulary's end-of-generation tokens (what ``ignore_eos`` bans; about 0.1 s
     for a 150K vocabulary)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     if not model:
         return []
     vocab = llama_cpp.llama_model_get_vocab(model)
@@ -424,6 +417,5 @@ def _eog_tokens(model: Any) -> list[int]:
 
 def _has_fim(model: Any) -> bool:
     """True when the vocabulary has the FIM prefix, suffix and middle tokens (/infill)."""
-    from .infill import FimTokens
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     return bool(model) and not FimTokens.of_vocab(llama_cpp.llama_model_get_vocab(model)).missing()

@@ -25,17 +25,23 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from ..errors import MessageError
+
 c_void_p = ctypes.c_void_p
 c_char_p = ctypes.c_char_p
 c_int = ctypes.c_int
 
 
-class NativeError(RuntimeError):
+class NativeError(MessageError, RuntimeError):
     """libostinato.so cannot be loaded (engine not built) or lacks a symbol (stale build)."""
 
+    code, status = "native_unavailable", 500
 
-class ExpertEngineError(RuntimeError):
+
+class ExpertEngineError(MessageError, RuntimeError):
     """The native expert engine is missing (stale build) or refused a configuration."""
+
+    code, status = "expert_engine_error", 500
 
 
 _lock = threading.Lock()

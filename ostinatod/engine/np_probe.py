@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from ..hardware import default_threads
 from ..residency.calibration import DEFAULT_NP
 from ..residency.cost import CalibrationError, PrefillPoint, fit_cpu_bandwidth, measured_switch_point
 from . import native
@@ -29,7 +30,7 @@ class Passes:
     time of ``llama_decode`` + synchronize in ms and raises CalibrationError when it fails."""
 
     def __init__(self, w: Any, n_max: int, seed: int = 0):
-        import llama_cpp
+        import llama_cpp  # lazy: the native engine, loaded only where it runs
 
         self._llama, self.w = llama_cpp, w
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(w.vocab))
@@ -82,7 +83,7 @@ def probe_np(w: Any, sizes: Sequence[int] = PROBE_SIZES) -> dict[str, Any]:
     48-layer 30B shape. Returns ``{"np_tokens", "points": [PrefillPoint as dicts], "seconds"}``.
     Raises CalibrationError when a pass fails or the context's batch is smaller than a size.
     """
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
 
     t0 = time.monotonic()
     # one pass per size: within the context's ubatch (a larger pass would be several forward passes)
@@ -119,7 +120,6 @@ def _cpu_branch(w: Any) -> list[dict[str, Any]]:
     """The CPU branch's kernel at the prefill's thread count on this model's experts
     (:func:`cpu_branch_bandwidth`): what the prefill's CPU/upload split needs
     (:func:`..residency.calibration.cpu_split_inputs`). [] when it cannot be measured (logged)."""
-    from ..hardware import default_threads
     threads = w.rt.batch_threads or w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None))
     try:
         return cpu_branch_bandwidth(w, counts=[int(threads)])
@@ -136,8 +136,6 @@ def cpu_branch_bandwidth(w: Any, counts: Optional[Sequence[int]] = None) -> list
     and the host's read bandwidth at that count, measured in the same call
     (``native.cpu_branch_bench``). Returns [{"threads", "alpha_us", "bw_gbps", "host_read_gbps"}];
     [] when the engine cannot run it (logged)."""
-    from ..hardware import default_threads
-
     p = int(w.settings.n_threads or default_threads(getattr(w.settings, "cpu_set", None)))
     counts = sorted({int(c) for c in counts} if counts else {1, max(1, p // 4), max(1, p // 2), max(1, p - 1), p})
     try:

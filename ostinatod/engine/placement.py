@@ -6,7 +6,10 @@ Pure functions (numpy only); tested without GPUs through :func:`simulate_layer_s
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Optional
+
+import numpy as np
 
 from ..residency.sets import ResidencyError, ResidencySet
 
@@ -108,10 +111,6 @@ def simulate_layer_split(tensor_split: list[float], n_layer: int, n_gpu_layers: 
     """Device index per layer 0..n_layer (the last entry is the output layer; -1 = CPU) as
     llama.cpp's layer split computes it from ``tensor_split`` (float32, as in C++), for checking
     :func:`tensor_split_for` without GPUs."""
-    import bisect
-
-    import numpy as np
-
     nd = len(tensor_split)
     g = n_layer + 1 if n_gpu_layers < 0 else int(n_gpu_layers)
     start, act = max(n_layer + 1 - g, 0), min(g, n_layer + 1)

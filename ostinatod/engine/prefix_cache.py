@@ -13,10 +13,13 @@ does the llama.cpp calls for the worker.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import psutil
 
 from .slots import Slot, SlotChoice, common_prefix
 
@@ -117,7 +120,6 @@ def prefix_cache_budget(settings: Settings) -> int:
     RAM, at most 8 GiB; 0: no cache)."""
     mb = settings.cache_ram_mb
     if mb is None:
-        import psutil
         mb = min(8192, psutil.virtual_memory().total // 8 // 2 ** 20)
     return int(mb) * 2 ** 20
 
@@ -158,7 +160,7 @@ def restore_checkpoint(pc: Optional[PrefixCache], ctx: Any, mem: Any, prompt: Se
     ``prompt`` from scratch, put back the latest checkpoint (:meth:`PrefixCache.checkpoint`) that
     is wholly a prefix of ``prompt`` and no longer than ``n_keep``. Returns the tokens now in
     ``target`` (0: it was emptied; prefill everything)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     hit = pc.best(prompt, whole=True, at_most=min(n_keep, len(prompt) - 1)) if pc is not None else None
     if hit is not None and restore_state(ctx, mem, target, pc.take(hit[0], hit[1])):
         target.tokens = list(hit[0].tokens)
@@ -171,9 +173,7 @@ def restore_checkpoint(pc: Optional[PrefixCache], ctx: Any, mem: Any, prompt: Se
 
 def save_state(ctx: Any, seq: int) -> Any:
     """The KV state of sequence ``seq`` (a ctypes byte array), or None when it cannot be read."""
-    import ctypes
-
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     try:
         n = llama_cpp.llama_state_seq_get_size(ctx, seq)
         buf = (ctypes.c_uint8 * n)()
@@ -188,7 +188,7 @@ def save_state(ctx: Any, seq: int) -> Any:
 
 def restore_state(ctx: Any, mem: Any, slot: Slot, data: Any) -> bool:
     """Put a saved state into ``slot``'s sequence (emptied first; left empty on failure)."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     llama_cpp.llama_memory_seq_rm(mem, slot.id, -1, -1)
     slot.tokens = []
     slot.checkpoint = None
@@ -229,9 +229,7 @@ def save_slot_checkpoint(ctx: Any, slot: Slot) -> bool:
     """Save ``slot``'s recurrent state as its :class:`SlotCheckpoint` (worker loop thread; replaces
     the previous one). Tries the device form first, then the host form. False (and no checkpoint)
     when llama.cpp cannot save it; never raises."""
-    import ctypes
-
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     slot.checkpoint = None
     for flags in (STATE_PARTIAL_ONLY | STATE_ON_DEVICE, STATE_PARTIAL_ONLY):
         try:
@@ -255,7 +253,7 @@ def rewind_to_checkpoint(ctx: Any, mem: Any, slot: Slot) -> bool:
     the checkpoint's tokens dropped; ``slot.tokens`` cut to match. False when the slot has no valid
     checkpoint (its tokens no longer start with the checkpoint's) or llama.cpp refuses; a refusal
     after the state was touched leaves the slot empty, never half restored."""
-    import llama_cpp
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     ck = slot.checkpoint
     n = len(ck.tokens) if ck is not None else 0
     if ck is None or len(slot.tokens) < n or slot.tokens[:n] != ck.tokens:

@@ -10,7 +10,7 @@ import json
 from typing import Any, Optional
 
 from ..settings import Settings
-from . import grammar, native
+from . import grammar, loading, native
 from .types import EngineError, GenRequest
 
 
@@ -88,8 +88,7 @@ def demo_turn(req: GenRequest, vocab: Any, settings: Settings) -> Optional[int]:
     (``response_format``) are not capped that way: their strings get a bias on the closing quote (so
     random weights end them; a JSON answer keeps the end-of-turn bias too) and the cap is
     :data:`DEMO_CALL_MAX_TOKENS`, reached only as "length"."""
-    import llama_cpp
-    from . import loading
+    import llama_cpp  # lazy: the native engine, loaded only where it runs
     forced = bool(req.tools) and req.tool_choice not in (None, "auto", "none")
     json_answer = req.json_schema is not None
     if forced or json_answer:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol
 if TYPE_CHECKING:
     from .stats import EngineStats
 
+from ..errors import OstinatoError
+
 
 @dataclass
 class GenRequest:
@@ -87,18 +89,14 @@ from .events import (EVENT_CLASSES, TERMINAL, DeltaEvent, DoneEvent, EngineEvent
                      ErrorEvent, EventType, PingEvent, ProgressEvent, StartEvent, event_from_data)
 
 
-class EngineError(Exception):
+class EngineError(OstinatoError):
     """A request the engine cannot serve. ``status`` is the HTTP status the front end should use;
     ``extra``: further fields of the error answer (``n_prompt_tokens``, ``n_ctx`` of a context
     overflow)."""
 
     def __init__(self, code: str, message: str, status: int = 400,
                  extra: Optional[dict[str, Any]] = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.status = status
-        self.extra = dict(extra or {})
+        super().__init__(code, message, status, extra)
 
 
 class EngineClient(Protocol):

@@ -7,12 +7,14 @@ are described in docs/calibration.md.
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import logging
 from pathlib import Path
 from typing import Any, Optional
 
 from ..files import write_json_atomic
+from ..hardware import collect_profile
 from ..paths import get_paths
 
 log = logging.getLogger("ostinatod.calibrate")
@@ -69,7 +71,6 @@ def store_prefill_probe(probe: dict[str, Any], model: dict[str, Any], path: Opti
     been written since the probe started): then nothing is written and None is returned."""
     if _is_full(load_calibration(path)):
         return None
-    import datetime as _dt
 
     rec = {"format": CALIBRATION_FORMAT, "source": SOURCE, "kind": PROBE_KIND, "gpu_terms": True,
            "np_tokens": int(probe["np_tokens"]), "prefill": {"points": probe.get("points", [])},
@@ -100,7 +101,6 @@ def store_calibration(cal: dict[str, Any], path: Optional[Path] = None) -> Path:
         prof = {}
     if not prof.get("fingerprint"):
         try:
-            from ..hardware import collect_profile
             prof = {**collect_profile(measure=False), **prof}
         except Exception as e:  # noqa: BLE001 - the calibration is still worth storing
             log.warning("hardware probe for the profile failed: %s", e)

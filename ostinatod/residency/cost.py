@@ -25,11 +25,14 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from .calibration import CALIBRATION_FORMAT, DEFAULT_NP, SOURCE
+from ..errors import MessageError
 
 log = logging.getLogger("ostinatod.calibrate")
 
-class CalibrationError(RuntimeError):
+class CalibrationError(MessageError, RuntimeError):
     """Calibration could not measure or fit (no engine, no model, too few samples)."""
+
+    code, status = "calibration_failed", 500
 
 
 # --------------------------------------------------------------------------------------------

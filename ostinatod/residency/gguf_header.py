@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
+
 # gguf.GGUFValueType -> struct format, for the scalar types
 _SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
                11: "<q", 12: "<d"}
@@ -35,7 +37,6 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        import gguf
         return gguf.GGMLQuantizationType(self.ggml_type).name
 
 
@@ -65,8 +66,6 @@ class GGUFHeader:
 
 
 def _parse(path: Path) -> GGUFHeader:
-    import gguf
-
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         pos = 0
         size = len(mm)

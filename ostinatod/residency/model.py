@@ -18,12 +18,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .gguf_header import GGUFHeader, read_header
+from ..errors import MessageError
 
 _EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_[a-z_]*exps\.(weight|bias)$")
 
 
-class ModelFileError(ValueError):
+class ModelFileError(MessageError, ValueError):
     """A model file that cannot be described: missing, not a GGUF, damaged or truncated."""
+
+    code, status = "model_invalid", 400
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,11 @@ import numpy as np
 
 from ..hardware import GpuSpec, detect_gpus
 from ..paths import residency_file
+from ..settings import load_settings
 from .model import ModelInfo, describe_model, require_arch
 from .sets import RESIDENCY_FORMAT, write_residency
 from .traces import Trace, TraceError, load_traces, trace_path
+from ..errors import MessageError
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,10 @@ MiB = 1 << 20
 DEFAULT_MARGIN_MB = 1024  # kept free at peak on every GPU (capacity test)
 
 
-class PlanError(ValueError):
+class PlanError(MessageError, ValueError):
     """The plan cannot be made (no traces, capacity test failed, bad arguments)."""
+
+    code, status = "plan_failed", 400
 
 
 def read_model_shape(path: Path) -> ModelInfo:
@@ -108,8 +112,6 @@ def staging_regions_for(settings: Any = None) -> int:
     ``prefill_prefetch``, default on, and ``prefill_prefetch_depth``, default 2; docs/engine.md
     "Prefetch"), 1 with the prefetch off. ``settings`` defaults to the loaded settings."""
     if settings is None:
-        from ..settings import load_settings
-
         settings = load_settings()
     return 1 + prefetch_depth_setting(settings)
 
@@ -327,7 +329,6 @@ def plan_for_model(model_path: Path, workload: str, *, traces: Sequence[Path] = 
                         f"sessions through the daemon with this model and workload first)")
     dev = load_traces(tpaths, shape.fingerprint)
     held = load_traces([Path(p) for p in heldout_traces], shape.fingerprint) if heldout_traces else None
-    from ..settings import load_settings
 
     s = load_settings()
     if budget_frac is None and budget_mb is None:

@@ -25,12 +25,15 @@ from typing import Any, Optional
 
 from ..files import write_json_atomic
 from .model import ModelFileError, describe_model, require_arch
+from ..errors import MessageError
 
 RESIDENCY_FORMAT = "ostinato-residency/1"
 
 
-class ResidencyError(ValueError):
+class ResidencyError(MessageError, ValueError):
     """A residency set that cannot be used: unreadable, malformed, or for another model."""
+
+    code, status = "residency_refused", 400
 
 
 def model_fingerprint(path: Path) -> str:

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..files import write_json_atomic
 from ..paths import trace_file
+from ..errors import MessageError
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,10 @@ TRACE_FORMAT = "ostinato-trace/1"
 MAX_REQUEST_RECORDS = 20000  # the request list is for the capacity test; keep the file bounded
 
 
-class TraceError(ValueError):
+class TraceError(MessageError, ValueError):
     """A trace file or request-stats dict that cannot be used (wrong format, shape or model)."""
+
+    code, status = "trace_invalid", 400
 
 
 def trace_path(fingerprint: str, workload: str, data_dir: Optional[Path] = None) -> Path:

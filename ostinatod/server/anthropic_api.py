@@ -71,7 +71,7 @@ def convert_messages(body: MessagesBody) -> list[dict[str, Any]]:
     for i, m in enumerate(body.messages):
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ("user", "assistant", "system"):
-            raise ApiError(400, "invalid_request", f"messages.{i}.role must be user, assistant or system",
+            raise ApiError("invalid_request", f"messages.{i}.role must be user, assistant or system", 400,
                            param=f"messages.{i}.role")
         content = m.get("content")
         if role == "system":
@@ -81,16 +81,16 @@ def convert_messages(body: MessagesBody) -> list[dict[str, Any]]:
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
-            raise ApiError(400, "invalid_request", f"messages.{i}.content must be a string or a list of "
-                           "content blocks", param=f"messages.{i}.content")
+            raise ApiError("invalid_request", f"messages.{i}.content must be a string or a list of "
+                           "content blocks", 400, param=f"messages.{i}.content")
         texts: list[str] = []
         if role == "user":
             for j, blk in enumerate(content):
                 t = blk.get("type") if isinstance(blk, dict) else None
                 if t == "tool_result":
                     if not blk.get("tool_use_id"):
-                        raise ApiError(400, "invalid_request", f"messages.{i}.content.{j}.tool_use_id "
-                                       "is required", param=f"messages.{i}.content.{j}")
+                        raise ApiError("invalid_request", f"messages.{i}.content.{j}.tool_use_id "
+                                       "is required", 400, param=f"messages.{i}.content.{j}")
                     text = _text_of(blk.get("content"))
                     if blk.get("is_error"):
                         text = f"Error: {text}"
@@ -100,8 +100,8 @@ def convert_messages(body: MessagesBody) -> list[dict[str, Any]]:
                 elif t in ("image", "document"):
                     texts.append(_text_of([blk]))
                 elif t is None:
-                    raise ApiError(400, "invalid_request", f"messages.{i}.content.{j} is not a content "
-                                   "block", param=f"messages.{i}.content.{j}")
+                    raise ApiError("invalid_request", f"messages.{i}.content.{j} is not a content "
+                                   "block", 400, param=f"messages.{i}.content.{j}")
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
         else:
@@ -115,8 +115,8 @@ def convert_messages(body: MessagesBody) -> list[dict[str, Any]]:
                     reasoning.append(blk.get("thinking") or "")
                 elif t == "tool_use":
                     if not blk.get("name"):
-                        raise ApiError(400, "invalid_request", f"messages.{i}.content.{j}.name is "
-                                       "required", param=f"messages.{i}.content.{j}")
+                        raise ApiError("invalid_request", f"messages.{i}.content.{j}.name is "
+                                       "required", 400, param=f"messages.{i}.content.{j}")
                     calls.append({"id": blk.get("id") or new_id("toolu_"), "type": "function",
                                   "function": {"name": blk["name"],
                                                "arguments": json.dumps(blk.get("input") or {},
@@ -165,7 +165,7 @@ def convert_tools(tools: Optional[list[dict[str, Any]]], messages: Optional[list
         if not isinstance(t, dict) or "input_schema" not in t:
             continue
         if not t.get("name"):
-            raise ApiError(400, "invalid_request", "every tool needs a name", param="tools")
+            raise ApiError("invalid_request", "every tool needs a name", 400, param="tools")
         if t.get("defer_loading") is True:
             if loaded is None:
                 loaded = loaded_tool_names(messages or [])
@@ -190,7 +190,7 @@ def convert_tool_choice(tc: Optional[dict[str, Any]]) -> tuple[Any, bool]:
         return "none", parallel
     if kind == "tool":
         return {"type": "function", "function": {"name": tc.get("name")}}, parallel
-    raise ApiError(400, "invalid_request", f"tool_choice.type {kind!r} is not one of auto, any, tool, none",
+    raise ApiError("invalid_request", f"tool_choice.type {kind!r} is not one of auto, any, tool, none", 400,
                    param="tool_choice")
 
 
@@ -201,8 +201,8 @@ def build_request(state: DaemonState, request: web.Request, b: MessagesBody, rid
     if isinstance(choice, dict):
         names = {t["function"]["name"] for t in tools or []}
         if choice["function"]["name"] not in names:
-            raise ApiError(400, "invalid_request", f"tool_choice names unknown tool "
-                           f"{choice['function']['name']!r}", param="tool_choice")
+            raise ApiError("invalid_request", f"tool_choice names unknown tool "
+                           f"{choice['function']['name']!r}", 400, param="tool_choice")
     req = GenRequest(id=rid, messages=convert_messages(b), tools=tools, tool_choice=choice,
                      parallel_tool_calls=parallel,
                      max_tokens=b.max_tokens or state.settings.max_tokens_default,
@@ -222,7 +222,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
     def build(state: DaemonState, request: web.Request, b: MessagesBody) -> GenRequest:
         if b.max_tokens is None:
-            raise ApiError(400, "invalid_request", "max_tokens: Field required", param="max_tokens")
+            raise ApiError("invalid_request", "max_tokens: Field required", 400, param="max_tokens")
         return build_request(state, request, b, new_id("msg_"))
     b, req, gen = await open_generation(request, MessagesBody, build, "anthropic")
     rid = req.id
@@ -257,6 +257,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     try:
         n = await eng.count_tokens(req)
     except EngineError as e:
-        raise ApiError(e.status, e.code, e.message) from None
+        raise ApiError(e.code, e.message, e.status) from None
     return web.json_response({"input_tokens": int(n)})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import time
 from typing import Awaitable, Callable
@@ -52,8 +53,6 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "ip6-localhost", "host.docker
 
 
 def _is_ip(name: str) -> bool:
-    import ipaddress
-
     try:
         ipaddress.ip_address(name)
         return True
@@ -88,17 +87,17 @@ def check_origin(state: DaemonState, request: web.Request) -> None:
     names = _allowed_names(state)
     host = request.headers.get("Host")
     if host is not None and "*" not in names and _hostname(host) not in names and not _is_ip(_hostname(host)):
-        raise ApiError(403, "forbidden_host", f"Host {host!r} is not served here (allowed: loopback names "
-                       "and the allowed_hosts setting).")
+        raise ApiError("forbidden_host", f"Host {host!r} is not served here (allowed: loopback names "
+                       "and the allowed_hosts setting).", 403)
     origin = request.headers.get("Origin")
     if origin is not None and not state.settings.cors and "*" not in names and _hostname(origin) not in names:
-        raise ApiError(403, "forbidden_origin", f"Origin {origin!r} is not allowed (browser pages may "
-                       "not use this API; see the cors and allowed_hosts settings).")
+        raise ApiError("forbidden_origin", f"Origin {origin!r} is not allowed (browser pages may "
+                       "not use this API; see the cors and allowed_hosts settings).", 403)
     if request.method == "POST" and request.path not in _OPEN_PATHS:
         ctype = request.content_type.lower()
         if ctype != "application/json" and not ctype.endswith("+json"):
-            raise ApiError(415, "unsupported_media_type", f"POST bodies must be JSON: send "
-                           f"'Content-Type: application/json' (got {ctype!r}).")
+            raise ApiError("unsupported_media_type", f"POST bodies must be JSON: send "
+                           f"'Content-Type: application/json' (got {ctype!r}).", 415)
 
 
 # Exceptions that, raised while a request is being read and translated (INPUT_PHASE), come from a
@@ -117,18 +116,18 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         key = state.settings.api_key
         if key and request.path not in _OPEN_PATHS and request.method != "OPTIONS":
             if not _key_ok(_key_of(request) or "", key):
-                raise ApiError(401, "invalid_api_key", "Missing or wrong API key (send 'Authorization: "
-                               "Bearer KEY' or 'x-api-key: KEY').")
+                raise ApiError("invalid_api_key", "Missing or wrong API key (send 'Authorization: "
+                               "Bearer KEY' or 'x-api-key: KEY').", 401)
         return await handler(request)
     except ApiError as e:
         return _refused(state, request, e)
     except web.HTTPRequestEntityTooLarge as e:
-        return _refused(state, request, ApiError(413, "request_too_large", e.text or "Request too large"))
+        return _refused(state, request, ApiError("request_too_large", e.text or "Request too large", 413))
     except web.HTTPMethodNotAllowed:
-        return _refused(state, request, ApiError(405, "method_not_allowed",
-                                                 f"{request.method} is not allowed on {request.path}"))
+        return _refused(state, request, ApiError("method_not_allowed",
+                                                 f"{request.method} is not allowed on {request.path}", 405))
     except web.HTTPNotFound:
-        return _refused(state, request, ApiError(404, "not_found", not_found_message(state, request)))
+        return _refused(state, request, ApiError("not_found", not_found_message(state, request), 404))
     except web.HTTPException:
         raise
     except (ConnectionResetError, ConnectionError):
@@ -136,14 +135,14 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except _INPUT_ERRORS as e:
         if not INPUT_PHASE.get():
             log.exception("internal error on %s %s", request.method, request.path)
-            return error_response(request.path, ApiError(500, "internal_error", f"Internal error: {e!r}"))
+            return error_response(request.path, ApiError("internal_error", f"Internal error: {e!r}", 500))
         err = _input_error(e)
         state.metrics.http_errors.labels(_protocol(request.path), err.code).inc()
         log.info("%s %s -> 400 %s: %s", request.method, request.path, err.code, err.message)
         return error_response(request.path, err)
     except Exception as e:  # a bug in the daemon, never model output: logged with traceback
         log.exception("internal error on %s %s", request.method, request.path)
-        return error_response(request.path, ApiError(500, "internal_error", f"Internal error: {e!r}"))
+        return error_response(request.path, ApiError("internal_error", f"Internal error: {e!r}", 500))
 
 
 def not_found_message(state: DaemonState, request: web.Request) -> str:
@@ -171,12 +170,12 @@ def _input_error(e: BaseException) -> ApiError:
     if isinstance(e, ValidationError):
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
-        return ApiError(400, "invalid_request", f"Invalid request: {loc}: {first.get('msg')}", param=loc or None)
+        return ApiError("invalid_request", f"Invalid request: {loc}: {first.get('msg')}", 400, param=loc or None)
     if isinstance(e, UnicodeError):
-        return ApiError(400, "invalid_encoding", f"Invalid request: text that cannot be encoded: {e}")
+        return ApiError("invalid_encoding", f"Invalid request: text that cannot be encoded: {e}", 400)
     if isinstance(e, RecursionError):
-        return ApiError(400, "invalid_json", "Invalid request: the body nests too deeply.")
-    return ApiError(400, "invalid_request", f"Invalid request: a field has an unexpected shape ({e})")
+        return ApiError("invalid_json", "Invalid request: the body nests too deeply.", 400)
+    return ApiError("invalid_request", f"Invalid request: a field has an unexpected shape ({e})", 400)
 
 
 def _protocol(path: str) -> str:
@@ -447,7 +446,7 @@ class _JsonErrorsHandler(JsonErrorsHandler):
     __slots__ = ()
 
     def error_body(self, path: str, status: int, text: str) -> web.Response:
-        return error_response(path, ApiError(status, "invalid_http", f"Malformed HTTP request: {text}"))
+        return error_response(path, ApiError("invalid_http", f"Malformed HTTP request: {text}", status))
 
 
 class _GuardedSite(web.TCPSite):
@@ -502,7 +501,6 @@ def _doubled_v1(handler: Handler, hint: str = _DOUBLED_V1_HINT) -> Handler:
 
 def is_loopback(host: str) -> bool:
     """True for a loopback bind address (127.0.0.0/8, ::1, localhost)."""
-    import ipaddress
     if host.strip("[]").lower() in ("localhost", "localhost.localdomain"):
         return True
     try:

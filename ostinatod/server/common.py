@@ -19,6 +19,7 @@ from ..engine.events import DoneEvent, EngineEvent, ErrorEvent, PingEvent, Start
 from ..engine.types import EngineError, GenRequest
 from ..residency.traces import valid_workload
 from .encoders import Frame
+from .encoders.llama_native import timings
 from .errors import ApiError
 from .request_input import INPUT_PHASE, no_constant, read_json, validate
 from .state import DaemonState
@@ -131,7 +132,7 @@ def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool 
     """
     if not requested:
         if anthropic:
-            raise ApiError(400, "invalid_request", "Field 'model' is required.", param="model")
+            raise ApiError("invalid_request", "Field 'model' is required.", 400, param="model")
         return state.model_name, None
     base, workload = requested, None
     if WORKLOAD_SEP in requested:
@@ -146,8 +147,8 @@ def resolve_model(state: DaemonState, requested: Optional[str], anthropic: bool 
         names.add(DEMO_MODEL_ID)
     if base in names or (anthropic and base.startswith("claude")) or state.settings.any_model_name:
         return requested, workload
-    raise ApiError(404, "model_not_found", f"Model {requested!r} is not served here; "
-                   f"this daemon serves {state.model_name!r} (GET /v1/models).", param="model")
+    raise ApiError("model_not_found", f"Model {requested!r} is not served here; "
+                   f"this daemon serves {state.model_name!r} (GET /v1/models).", 404, param="model")
 
 
 def request_workload(state: DaemonState, request: web.Request, suffix_workload: Optional[str],
@@ -158,8 +159,8 @@ def request_workload(state: DaemonState, request: web.Request, suffix_workload: 
     header = request.headers.get(WORKLOAD_HEADER)
     for given, where in ((header, WORKLOAD_HEADER), (suffix_workload, "model")):
         if given and not valid_workload(given):
-            raise ApiError(400, "invalid_workload", f"Invalid workload name {given!r} (in {where}): use "
-                           "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.",
+            raise ApiError("invalid_workload", f"Invalid workload name {given!r} (in {where}): use "
+                           "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.", 400,
                            param=where)
     return state.admit_workload(header or suffix_workload or client_workload or state.settings.workload_default)
 
@@ -183,7 +184,7 @@ def fill_common(state: DaemonState, request: web.Request, req: GenRequest, reque
         except (json.JSONDecodeError, RecursionError):
             extra = None
         if not isinstance(extra, dict):
-            raise ApiError(400, "invalid_request", f"{LOGIT_BIAS_HEADER} must be a JSON object",
+            raise ApiError("invalid_request", f"{LOGIT_BIAS_HEADER} must be a JSON object", 400,
                            param=LOGIT_BIAS_HEADER)
         body_bias = getattr(req, "logit_bias", None) or {}
         apply_logit_bias(req, extra)
@@ -199,18 +200,18 @@ async def ensure_engine(state: DaemonState) -> Any:
     INPUT_PHASE.set(False)
     eng = state.engine
     if state.phase == "stopping":
-        raise ApiError(503, "engine_stopped", "The daemon is shutting down.")
+        raise ApiError("engine_stopped", "The daemon is shutting down.", 503)
     if eng is None:
-        raise ApiError(503, "model_not_loaded", "No model is loaded.")
+        raise ApiError("model_not_loaded", "No model is loaded.", 503)
     if eng.state in ("loading", "restarting", "stalled"):
         try:
             await eng.wait_ready(timeout=600)
         except (EngineError, asyncio.TimeoutError) as e:
             if state.phase == "stopping" or getattr(e, "code", None) == "engine_stopped":
-                raise ApiError(503, "engine_stopped", "The daemon is shutting down.") from None
-            raise ApiError(503, "model_not_loaded", f"Model failed to load: {e}") from None
+                raise ApiError("engine_stopped", "The daemon is shutting down.", 503) from None
+            raise ApiError("model_not_loaded", f"Model failed to load: {e}", 503) from None
     if eng.state not in ("ready",):
-        raise ApiError(503, "model_not_loaded", f"Engine is {eng.state}; no model to serve.")
+        raise ApiError("model_not_loaded", f"Engine is {eng.state}; no model to serve.", 503)
     return eng
 
 
@@ -286,20 +287,20 @@ class Generation:
             gen.close(e.code, e.message)
             extra = dict(e.extra)
             param = extra.pop("param", None) or engine_error_param(protocol, e.code, e.message)
-            raise ApiError(e.status, e.code, e.message, param=param if e.status < 500 else None,
+            raise ApiError(e.code, e.message, e.status, param=param if e.status < 500 else None,
                            extra=extra) from None
         except BaseException as e:  # every record is closed, whatever fails (then re-raised)
             gen.close("internal_error", repr(e))
             raise
         if first is None:
             gen.close("engine_crashed", "engine ended the stream without a result")
-            raise ApiError(503, "engine_crashed", "The engine ended the stream without a result.")
+            raise ApiError("engine_crashed", "The engine ended the stream without a result.", 503)
         if isinstance(first, ErrorEvent):
             gen.close(first.code, first.message)
             status, code, message = first.status, first.code, first.message
             extra = dict(first.extra)
             param = extra.pop("param", None) or engine_error_param(protocol, code, message)
-            raise ApiError(status, code, message, param=param if status < 500 else None, extra=extra)
+            raise ApiError(code, message, status, param=param if status < 500 else None, extra=extra)
         if isinstance(first, StartEvent):
             gen._on_start(first)
         else:
@@ -309,7 +310,6 @@ class Generation:
     def timings(self) -> dict[str, Any]:
         """llama-server's ``timings`` of this generation so far (:func:`.encoders.llama_native.timings`):
         the engine's own figures once it is done, the ones measured here before."""
-        from .encoders.llama_native import timings
         if self.done is not None:
             return timings(self.done)
         now = time.monotonic()
@@ -360,11 +360,11 @@ class Generation:
         async for ev in self.events(heartbeat=1.0 if request is not None else None):
             if request is not None and (request.transport is None or request.transport.is_closing()):
                 await self.aclose()
-                raise ApiError(499, "client_disconnected", "the client closed the connection")
+                raise ApiError("client_disconnected", "the client closed the connection", 499)
             if ev.type == "ping":
                 continue
             if isinstance(ev, ErrorEvent):
-                raise ApiError(ev.status, ev.code, ev.message, extra=dict(ev.extra))
+                raise ApiError(ev.code, ev.message, ev.status, extra=dict(ev.extra))
         return self.done or {}
 
     async def events(self, heartbeat: Optional[float] = None) -> AsyncIterator[EngineEvent]:
@@ -468,14 +468,14 @@ def apply_logit_bias(req: GenRequest, bias: Any) -> None:
     if not bias:
         return
     if not isinstance(bias, dict):
-        raise ApiError(400, "invalid_request", "logit_bias must map token ids to numbers", param="logit_bias")
+        raise ApiError("invalid_request", "logit_bias must map token ids to numbers", 400, param="logit_bias")
     try:
         out = {int(k): float(v) for k, v in bias.items()}
     except (TypeError, ValueError):
-        raise ApiError(400, "invalid_request", "logit_bias must map token ids to numbers",
+        raise ApiError("invalid_request", "logit_bias must map token ids to numbers", 400,
                        param="logit_bias") from None
     if any(not -100 <= v <= 100 for v in out.values()) or any(k < 0 for k in out):
-        raise ApiError(400, "invalid_request", "logit_bias values must be in [-100, 100]", param="logit_bias")
+        raise ApiError("invalid_request", "logit_bias values must be in [-100, 100]", 400, param="logit_bias")
     req.logit_bias = out  # type: ignore[attr-defined]
 
 

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from aiohttp import web
 
+from ..errors import OstinatoError
+
 # OpenAI error "type" by HTTP status.
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
@@ -24,18 +26,15 @@ _ANTHROPIC_TYPE = {400: "invalid_request_error", 401: "authentication_error", 40
                    500: "api_error", 502: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
-class ApiError(Exception):
+class ApiError(OstinatoError):
     """An error answered to the client. ``code`` is a stable machine string
-    (e.g. "invalid_json", "model_not_found", "context_length_exceeded", "engine_crashed")."""
+    (e.g. "invalid_json", "model_not_found", "context_length_exceeded", "engine_crashed");
+    ``extra``: further fields of the error object (n_prompt_tokens, n_ctx); ``param``: the
+    offending parameter (else taken from ``extra["param"]``, where the engine names it)."""
 
-    def __init__(self, status: int, code: str, message: str, param: Optional[str] = None,
-                 extra: Optional[dict[str, Any]] = None):
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.extra = dict(extra or {})  # further fields of the error object (n_prompt_tokens, n_ctx)
-        # the engine names the offending parameter in its error's extra fields
+    def __init__(self, code: str, message: str, status: int, extra: Optional[dict[str, Any]] = None,
+                 param: Optional[str] = None):
+        super().__init__(code, message, status, extra)
         self.param = param if param is not None else self.extra.pop("param", None)
 
 

@@ -12,6 +12,7 @@ every other protocol.
 from __future__ import annotations
 
 import asyncio
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional, Union
 
 from aiohttp import web
@@ -85,12 +86,12 @@ async def _logit_bias(state: DaemonState, bias: Any) -> Optional[dict[str, float
     out: dict[str, float] = {}
     for p in pairs:
         if not isinstance(p, (list, tuple)) or len(p) != 2:
-            raise ApiError(400, "invalid_request", "logit_bias entries must be [token, bias] pairs",
+            raise ApiError("invalid_request", "logit_bias entries must be [token, bias] pairs", 400,
                            param="logit_bias")
         tok, b = p
         value = -100.0 if b is False else b
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ApiError(400, "invalid_request", "a logit_bias value must be a number or false",
+            raise ApiError("invalid_request", "a logit_bias value must be a number or false", 400,
                            param="logit_bias")
         if isinstance(tok, str) and not tok.lstrip("-").isdigit():
             eng = await ensure_engine(state)
@@ -120,7 +121,7 @@ async def _sampling(state: DaemonState, b: _Sampling, req: GenRequest) -> None:
     req.ignore_eos = b.ignore_eos
     req.logprobs = b.n_probs or None
     if b.grammar and b.json_schema is not None:
-        raise ApiError(400, "invalid_request", "Cannot use both json_schema and grammar", param="grammar")
+        raise ApiError("invalid_request", "Cannot use both json_schema and grammar", 400, param="grammar")
     req.grammar = b.grammar or None
     req.json_schema = b.json_schema
     req.return_progress = b.return_progress
@@ -188,22 +189,22 @@ def prompts(prompt: Any) -> list[Union[str, list[Any]]]:
     def one(p: Any) -> Union[str, list[Any]]:
         if isinstance(p, dict) and "prompt_string" in p:
             if p.get("multimodal_data"):
-                raise ApiError(400, "invalid_request", "Multimodal data provided, but the model does not "
-                               "support multimodal requests.", param="prompt")
+                raise ApiError("invalid_request", "Multimodal data provided, but the model does not "
+                               "support multimodal requests.", 400, param="prompt")
             p = p["prompt_string"]
         if isinstance(p, str) and p:
             return p
         if isinstance(p, list) and p and any(_is_id(x) for x in p) and all(_is_id(x) or isinstance(x, str) for x in p):
             return p
-        raise ApiError(400, "invalid_request", '"prompt" elements must be a non-empty string, a list of tokens, '
-                       "a JSON object containing a prompt string, or a list of mixed strings & tokens.",
+        raise ApiError("invalid_request", '"prompt" elements must be a non-empty string, a list of tokens, '
+                       "a JSON object containing a prompt string, or a list of mixed strings & tokens.", 400,
                        param="prompt")
     if isinstance(prompt, list) and not any(_is_id(x) for x in prompt):
         if not prompt:
-            raise ApiError(400, "invalid_request", '"prompt" must not be empty', param="prompt")
+            raise ApiError("invalid_request", '"prompt" must not be empty', 400, param="prompt")
         if len(prompt) > MAX_PROMPTS:
-            raise ApiError(400, "invalid_request", f"at most {MAX_PROMPTS} prompts in one request, got "
-                           f"{len(prompt)}", param="prompt")
+            raise ApiError("invalid_request", f"at most {MAX_PROMPTS} prompts in one request, got "
+                           f"{len(prompt)}", 400, param="prompt")
         return [one(p) for p in prompt]
     return [one(prompt)]
 
@@ -227,7 +228,7 @@ async def _prompt_request(state: DaemonState, p: Union[str, list[Any]]) -> tuple
         try:
             texts.append(part if isinstance(part, str) else await eng.detokenize(part))
         except EngineError as e:
-            raise ApiError(e.status, e.code, e.message, param="prompt") from None
+            raise ApiError(e.code, e.message, e.status, param="prompt") from None
     return GenRequest(id=new_id("cmpl-"), prompt_tokens=list(p)), "".join(texts)
 
 
@@ -243,8 +244,8 @@ async def completion(request: web.Request) -> web.StreamResponse:
         await _sampling(state, b, req)
         return await _generate(request, req, b, text, "llama_completion")
     if b.stream:
-        raise ApiError(400, "invalid_request", "several prompts in one request cannot be streamed here: "
-                       "send one request per prompt", param="stream")
+        raise ApiError("invalid_request", "several prompts in one request cannot be streamed here: "
+                       "send one request per prompt", 400, param="stream")
     reqs = [await _prompt_request(state, p) for p in ps]
     for req, _ in reqs:
         await _sampling(state, b, req)
@@ -274,11 +275,11 @@ async def infill(request: web.Request) -> web.StreamResponse:
     b = validate(InfillBody, await read_json(request))
     for i, chunk in enumerate(b.input_extra):
         if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
-            raise ApiError(400, "invalid_request", 'extra_context chunk must contain a "text" field with '
-                           "a string value", param=f"input_extra.{i}")
+            raise ApiError("invalid_request", 'extra_context chunk must contain a "text" field with '
+                           "a string value", 400, param=f"input_extra.{i}")
         if "filename" in chunk and not isinstance(chunk["filename"], str):
-            raise ApiError(400, "invalid_request", "extra_context chunk's \"filename\" field must be a "
-                           "string", param=f"input_extra.{i}.filename")
+            raise ApiError("invalid_request", "extra_context chunk's \"filename\" field must be a "
+                           "string", 400, param=f"input_extra.{i}.filename")
     req = GenRequest(id=new_id("cmpl-"), infill={"input_prefix": b.input_prefix, "input_suffix": b.input_suffix,
                                                  "input_extra": b.input_extra, "prompt": b.prompt})
     await _sampling(state, b, req)
@@ -298,14 +299,14 @@ async def tokenize(request: web.Request) -> web.Response:
         return web.json_response({"tokens": []})
     if not isinstance(content, (str, list)) or (isinstance(content, list) and not all(
             isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool)) for p in content)):
-        raise ApiError(400, "invalid_request", "content must be a string or a list of strings and token ids",
+        raise ApiError("invalid_request", "content must be a string or a list of strings and token ids", 400,
                        param="content")
     eng = await ensure_engine(state)
     try:
         toks = await eng.tokenize(content, bool(body.get("add_special", False)),
                                   bool(body.get("parse_special", True)), bool(body.get("with_pieces", False)))
     except EngineError as e:
-        raise ApiError(e.status, e.code, e.message) from None
+        raise ApiError(e.code, e.message, e.status) from None
     return web.json_response({"tokens": toks})
 
 
@@ -315,12 +316,12 @@ async def detokenize(request: web.Request) -> web.Response:
     body = await read_json(request)
     tokens = body.get("tokens") or []
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise ApiError(400, "invalid_request", "tokens must be a list of token ids", param="tokens")
+        raise ApiError("invalid_request", "tokens must be a list of token ids", 400, param="tokens")
     eng = await ensure_engine(state)
     try:
         text = await eng.detokenize(tokens)
     except EngineError as e:
-        raise ApiError(e.status, e.code, e.message) from None
+        raise ApiError(e.code, e.message, e.status) from None
     return web.json_response({"content": text})
 
 
@@ -338,7 +339,7 @@ async def apply_template(request: web.Request) -> web.Response:
     try:
         prompt = await eng.apply_template(req)
     except EngineError as e:
-        raise ApiError(e.status, e.code, e.message, extra=e.extra) from None
+        raise ApiError(e.code, e.message, e.status, extra=e.extra) from None
     return web.json_response({"prompt": prompt})
 
 
@@ -351,7 +352,7 @@ async def input_tokens(request: web.Request) -> web.Response:
     try:
         n = await eng.count_tokens(req)
     except EngineError as e:
-        raise ApiError(e.status, e.code, e.message, extra=e.extra) from None
+        raise ApiError(e.code, e.message, e.status, extra=e.extra) from None
     return web.json_response({"input_tokens": int(n)})
 
 
@@ -392,7 +393,6 @@ async def props(request: web.Request) -> web.Response:
 
 
 def _build_info() -> str:
-    from importlib.metadata import PackageNotFoundError, version
     try:
         return f"ostinato {version('ostinato')} (llama-cpp-python {version('llama_cpp_python')})"
     except PackageNotFoundError:
@@ -402,8 +402,8 @@ def _build_info() -> str:
 async def props_post(request: web.Request) -> web.Response:
     """POST /props: refused as llama-server refuses it without ``--props`` (501, the properties
     are read-only; the settings change them)."""
-    raise ApiError(501, "not_supported", "This server does not support changing global properties: "
-                   "change them with the settings (docs/settings.md).")
+    raise ApiError("not_supported", "This server does not support changing global properties: "
+                   "change them with the settings (docs/settings.md).", 501)
 
 
 async def slots(request: web.Request) -> web.Response:
@@ -417,5 +417,5 @@ async def slots(request: web.Request) -> web.Response:
     out = [{"id": sl.id, "n_ctx": n_ctx, "is_processing": sl.busy, "n_tokens": sl.n_tokens}
            for sl in st.slots]
     if request.query.get("fail_on_no_slot") and out and all(s["is_processing"] for s in out):
-        raise ApiError(503, "no_slot_available", "no slot available")
+        raise ApiError("no_slot_available", "no slot available", 503)
     return web.json_response(out)

@@ -21,26 +21,26 @@ def chat_extensions(body: Any, req: GenRequest) -> None:
     x = body.model_extra or {}
     grammar, schema = x.get("grammar"), x.get("json_schema")
     if grammar is not None and not isinstance(grammar, str):
-        raise ApiError(400, "invalid_request", "grammar must be a string (GBNF)", param="grammar")
+        raise ApiError("invalid_request", "grammar must be a string (GBNF)", 400, param="grammar")
     if schema is not None and not isinstance(schema, dict):
-        raise ApiError(400, "invalid_request", "json_schema must be an object", param="json_schema")
+        raise ApiError("invalid_request", "json_schema must be an object", 400, param="json_schema")
     if grammar and (schema is not None or req.json_schema is not None):
-        raise ApiError(400, "invalid_request", "Cannot use both json_schema and grammar", param="grammar")
+        raise ApiError("invalid_request", "Cannot use both json_schema and grammar", 400, param="grammar")
     if grammar and req.tools and req.tool_choice != "none":
-        raise ApiError(400, "invalid_request", "Cannot use custom grammar constraints with tools.",
+        raise ApiError("invalid_request", "Cannot use custom grammar constraints with tools.", 400,
                        param="grammar")
     msgs = req.messages or []
     cont = x.get("continue_final_message")
     if cont:
         if x.get("add_generation_prompt", True):
-            raise ApiError(400, "invalid_request", "Cannot set both add_generation_prompt and "
-                           "continue_final_message to true.", param="continue_final_message")
+            raise ApiError("invalid_request", "Cannot set both add_generation_prompt and "
+                           "continue_final_message to true.", 400, param="continue_final_message")
         if msgs and msgs[-1].get("role") == "assistant" and msgs[-1].get("tool_calls"):
-            raise ApiError(400, "invalid_request", "Cannot continue an assistant message that contains "
-                           "tool calls.", param="continue_final_message")
+            raise ApiError("invalid_request", "Cannot continue an assistant message that contains "
+                           "tool calls.", 400, param="continue_final_message")
     elif len(msgs) >= 2 and msgs[-1].get("role") == "assistant" and msgs[-2].get("role") == "assistant":
-        raise ApiError(400, "invalid_request", "Cannot have 2 or more assistant messages at the end of "
-                       "the list.", param="messages")
+        raise ApiError("invalid_request", "Cannot have 2 or more assistant messages at the end of "
+                       "the list.", 400, param="messages")
     if grammar:
         req.grammar = grammar
     if schema is not None and req.json_schema is None:

@@ -97,10 +97,10 @@ def json_schema_of(fmt: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         js = fmt.get("json_schema") or {}
         schema = js.get("schema", fmt.get("schema"))
         if not isinstance(schema, dict):
-            raise ApiError(400, "invalid_request", "response_format.json_schema.schema must be an object",
+            raise ApiError("invalid_request", "response_format.json_schema.schema must be an object", 400,
                            param="response_format")
         return schema
-    raise ApiError(400, "invalid_request", f"Unsupported response_format type {fmt.get('type')!r}",
+    raise ApiError("invalid_request", f"Unsupported response_format type {fmt.get('type')!r}", 400,
                    param="response_format")
 
 
@@ -110,16 +110,16 @@ def check_tools(tools: Optional[list[dict[str, Any]]], tool_choice: Any) -> None
     for i, t in enumerate(tools or []):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ApiError(400, "invalid_request", f"tools[{i}] needs type 'function' and "
-                           "function.name", param=f"tools.{i}")
+            raise ApiError("invalid_request", f"tools[{i}] needs type 'function' and "
+                           "function.name", 400, param=f"tools.{i}")
         names.add(fn["name"])
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
         if name not in names:
-            raise ApiError(400, "invalid_request", f"tool_choice names unknown tool {name!r}",
+            raise ApiError("invalid_request", f"tool_choice names unknown tool {name!r}", 400,
                            param="tool_choice")
     elif tool_choice == "required" and not names:
-        raise ApiError(400, "invalid_request", "tool_choice 'required' needs tools", param="tool_choice")
+        raise ApiError("invalid_request", "tool_choice 'required' needs tools", 400, param="tool_choice")
 
 
 def legacy_functions(b: ChatBody) -> None:
@@ -130,13 +130,13 @@ def legacy_functions(b: ChatBody) -> None:
         return
     for i, f in enumerate(b.functions):
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-            raise ApiError(400, "invalid_request", f"functions[{i}] needs a name", param=f"functions.{i}.name")
+            raise ApiError("invalid_request", f"functions[{i}] needs a name", 400, param=f"functions.{i}.name")
     b.tools = [{"type": "function", "function": f} for f in b.functions]
     fc = b.function_call
     if isinstance(fc, dict):
         if not isinstance(fc.get("name"), str):
-            raise ApiError(400, "invalid_request", "function_call must be \"auto\", \"none\" or "
-                           "{\"name\": ...}", param="function_call")
+            raise ApiError("invalid_request", "function_call must be \"auto\", \"none\" or "
+                           "{\"name\": ...}", 400, param="function_call")
         b.tool_choice = {"type": "function", "function": {"name": fc["name"]}}
     elif fc is not None:
         b.tool_choice = fc
@@ -169,13 +169,13 @@ def chat_request(state: DaemonState, request: web.Request, b: ChatBody) -> GenRe
     for i, m in enumerate(b.messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool",
                                                             "function"):
-            raise ApiError(400, "invalid_request", f"messages[{i}].role must be system, developer, "
-                           "user, assistant, tool or function", param=f"messages.{i}.role")
+            raise ApiError("invalid_request", f"messages[{i}].role must be system, developer, "
+                           "user, assistant, tool or function", 400, param=f"messages.{i}.role")
     legacy_functions(b)
     msgs = [dict(m, role="system") if m["role"] == "developer" else dict(m) for m in legacy_messages(b.messages)]
     check_tools(b.tools, b.tool_choice)
     if b.top_logprobs is not None and not b.logprobs:  # OpenAI's rule
-        raise ApiError(400, "invalid_request", "top_logprobs needs logprobs: true", param="top_logprobs")
+        raise ApiError("invalid_request", "top_logprobs needs logprobs: true", 400, param="top_logprobs")
     req = GenRequest(id=new_id("chatcmpl-"), messages=msgs, tools=b.tools or None,
                      tool_choice=b.tool_choice, parallel_tool_calls=b.parallel_tool_calls,
                      json_schema=json_schema_of(b.response_format),
@@ -218,24 +218,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt: Any = b.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
         if len(prompt) != 1:
-            raise ApiError(400, "invalid_request", "Only one prompt per request is supported.", param="prompt")
+            raise ApiError("invalid_request", "Only one prompt per request is supported.", 400, param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, list):  # token ids
         if not prompt:
-            raise ApiError(400, "invalid_request", "prompt holds no tokens", param="prompt")
+            raise ApiError("invalid_request", "prompt holds no tokens", 400, param="prompt")
         n_vocab = int(state.model_info.get("n_vocab") or 0)
         bad = next((t for t in prompt if t < 0 or (n_vocab and t >= n_vocab)), None)
         if bad is not None:
-            raise ApiError(400, "invalid_request", f"prompt token id {bad} is not in the vocabulary "
-                           f"(0..{n_vocab - 1})", param="prompt")
+            raise ApiError("invalid_request", f"prompt token id {bad} is not in the vocabulary "
+                           f"(0..{n_vocab - 1})", 400, param="prompt")
     if b.echo:  # the prompt's own logprobs would need a prompt pass with logits on every row
-        raise ApiError(400, "invalid_request", "echo is not supported", param="echo")
+        raise ApiError("invalid_request", "echo is not supported", 400, param="echo")
     req = GenRequest(id=new_id("cmpl-"), logprobs=b.logprobs,
                      **({"prompt_tokens": prompt} if isinstance(prompt, list) else {"prompt": prompt}))
     _sampling(state, b, req)
     schema = b.json_schema if b.json_schema is not None else json_schema_of(b.response_format)
     if b.grammar and schema is not None:
-        raise ApiError(400, "invalid_request", "Cannot use both json_schema and grammar", param="grammar")
+        raise ApiError("invalid_request", "Cannot use both json_schema and grammar", 400, param="grammar")
     req.grammar, req.json_schema = b.grammar or None, schema
     fill_common(state, request, req, b.model)
     gen = await Generation.open(state, req, "openai_completions")

@@ -32,7 +32,7 @@ INPUT_PHASE: contextvars.ContextVar[bool] = contextvars.ContextVar("ostinato_inp
 
 def no_constant(name: str) -> Any:
     """``json.loads`` parse_constant: NaN and Infinity are not JSON numbers (ApiError 400)."""
-    raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {name} is not a JSON number.")
+    raise ApiError("invalid_json", f"Request body is not valid JSON: {name} is not a JSON number.", 400)
 
 
 def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
@@ -46,11 +46,11 @@ def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError:
-                raise ApiError(400, "invalid_encoding", "Request body holds a string that is not valid "
-                               "Unicode (a lone surrogate such as \\ud800).") from None
+                raise ApiError("invalid_encoding", "Request body holds a string that is not valid "
+                               "Unicode (a lone surrogate such as \\ud800).", 400) from None
         elif isinstance(v, (dict, list)):
             if depth > max_depth:
-                raise ApiError(400, "invalid_json", f"Request body nests deeper than {max_depth} levels.")
+                raise ApiError("invalid_json", f"Request body nests deeper than {max_depth} levels.", 400)
             items = list(v.keys()) + list(v.values()) if isinstance(v, dict) else v
             stack.extend((x, depth + 1) for x in items)
 
@@ -104,15 +104,15 @@ async def read_body(request: web.Request) -> bytes:
             if why is not None:
                 if proto is not None:
                     proto.keep_alive(False)  # closed after the answer: its body is not read on
-                raise ApiError(408, "request_timeout", f"The request body {why}.")
+                raise ApiError("request_timeout", f"The request body {why}.", 408)
             try:
                 chunk = await asyncio.wait_for(request.content.readany(),
                                                min(1.0, s.http_body_timeout_s - elapsed))
             except asyncio.TimeoutError:
                 continue
             except ConnectionError:  # the client went, or the cap closed it for being behind
-                raise ApiError(499, "client_disconnected", "The connection closed before the request "
-                               f"body arrived ({prog.n} bytes).") from None
+                raise ApiError("client_disconnected", "The connection closed before the request "
+                               f"body arrived ({prog.n} bytes).", 499) from None
             if not chunk:
                 return bytes(buf)
             buf += chunk
@@ -130,20 +130,20 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     cannot be decoded: bad Content-Encoding, invalid UTF-8 or lone surrogates)."""
     enc = request.headers.get("Content-Encoding", "")
     if enc.lower() not in DECODED_ENCODINGS:  # aiohttp would pass the body on undecoded
-        raise ApiError(400, "invalid_encoding", f"Content-Encoding {enc!r} is not supported "
-                       f"(one of {', '.join(e for e in DECODED_ENCODINGS if e)}, or none).")
+        raise ApiError("invalid_encoding", f"Content-Encoding {enc!r} is not supported "
+                       f"(one of {', '.join(e for e in DECODED_ENCODINGS if e)}, or none).", 400)
     try:
         raw = await read_body(request)
     except RequestPayloadError as e:
-        raise ApiError(400, "invalid_encoding", f"Request body cannot be read: {one_line(e)}") from None
+        raise ApiError("invalid_encoding", f"Request body cannot be read: {one_line(e)}", 400) from None
     try:
         body = json.loads(raw, parse_constant=no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, "invalid_json", f"Request body is not valid JSON: {e}") from None
+        raise ApiError("invalid_json", f"Request body is not valid JSON: {e}", 400) from None
     except RecursionError:
-        raise ApiError(400, "invalid_json", f"Request body nests deeper than {MAX_JSON_DEPTH} levels.") from None
+        raise ApiError("invalid_json", f"Request body nests deeper than {MAX_JSON_DEPTH} levels.", 400) from None
     if not isinstance(body, dict):
-        raise ApiError(400, "invalid_json", "Request body must be a JSON object.")
+        raise ApiError("invalid_json", "Request body must be a JSON object.", 400)
     check_json_value(body)
     return body
 
@@ -156,5 +156,5 @@ def validate(model_cls: type[BaseModel], body: dict[str, Any]) -> Any:
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise ApiError(400, "invalid_request", f"Invalid request: {loc}: {first.get('msg')}",
+        raise ApiError("invalid_request", f"Invalid request: {loc}: {first.get('msg')}", 400,
                        param=loc or None) from None

@@ -81,7 +81,7 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
         msgs.append({"role": "user", "content": b.input})
         return msgs
     if not b.input:
-        raise ApiError(400, "invalid_request", "input must be a string or a non-empty list of items",
+        raise ApiError("invalid_request", "input must be a string or a non-empty list of items", 400,
                        param="input")
     pending_reasoning: Optional[str] = None
 
@@ -96,12 +96,12 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
 
     for i, item in enumerate(b.input):
         if not isinstance(item, dict):
-            raise ApiError(400, "invalid_request", f"input.{i} must be an object", param=f"input.{i}")
+            raise ApiError("invalid_request", f"input.{i} must be an object", 400, param=f"input.{i}")
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise ApiError(400, "invalid_request", f"input.{i}.role {role!r} is not supported",
+                raise ApiError("invalid_request", f"input.{i}.role {role!r} is not supported", 400,
                                param=f"input.{i}.role")
             text = _part_text(item.get("content"))
             if role == "assistant":
@@ -117,7 +117,7 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
                 msgs.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             if not item.get("name") or not item.get("call_id"):
-                raise ApiError(400, "invalid_request", f"input.{i}: function_call needs name and call_id",
+                raise ApiError("invalid_request", f"input.{i}: function_call needs name and call_id", 400,
                                param=f"input.{i}")
             m = last_assistant()
             m.setdefault("tool_calls", []).append({
@@ -133,16 +133,16 @@ def convert_input(b: ResponsesBody) -> list[dict[str, Any]]:
                 # namespace "agent"); the model reads them as that tool's output.
                 tool["name"] = _flat_name(item)
             else:
-                raise ApiError(400, "invalid_request",
+                raise ApiError("invalid_request",
                                f"input.{i}: function_call_output needs call_id (or, for an output no call "
-                               "asked for, name)", param=f"input.{i}")
+                               "asked for, name)", 400, param=f"input.{i}")
             msgs.append(tool)
         elif kind == "reasoning":
             text = _part_text(item.get("content")) or "".join(
                 s.get("text", "") for s in item.get("summary") or [] if isinstance(s, dict))
             pending_reasoning = (pending_reasoning or "") + text if text else pending_reasoning
         else:
-            raise ApiError(400, "invalid_request", f"input.{i}.type {kind!r} is not supported",
+            raise ApiError("invalid_request", f"input.{i}.type {kind!r} is not supported", 400,
                            param=f"input.{i}.type")
     return msgs
 
@@ -199,8 +199,8 @@ def _echoed(b: ResponsesBody) -> dict[str, Any]:
 def responses_request(state: DaemonState, request: web.Request, b: ResponsesBody) -> GenRequest:
     """The internal request of a validated Responses body. Raises ApiError."""
     if b.previous_response_id:
-        raise ApiError(400, "invalid_request", "previous_response_id is not supported: this server is "
-                       "stateless; send the whole conversation in 'input'.", param="previous_response_id")
+        raise ApiError("invalid_request", "previous_response_id is not supported: this server is "
+                       "stateless; send the whole conversation in 'input'.", 400, param="previous_response_id")
     warnings: list[str] = []
     tools = convert_tools(b.tools, warnings)
     choice = convert_tool_choice(b.tool_choice)

@@ -34,6 +34,7 @@ from ..desk import ResidencyDesk
 from ..engine.types import EngineClient
 from ..paths import Paths, get_paths
 from ..settings import Settings
+from ..workload import Replanner
 from .metrics import Metrics
 
 log = logging.getLogger("ostinatod.requests")
@@ -49,7 +50,9 @@ class DaemonState:
     ``await state.reload(path_or_None)`` replaces the engine with one serving ``path`` (None:
     unload); the control API's load/unload use it. ``model_info`` is the engine's ``info()``
     cached at load (name, path, arch, n_ctx, is_demo, ...). ``http_url`` is set once the HTTP
-    site is bound (the actual port when port 0 was asked).
+    site is bound (the actual port when port 0 was asked). ``paused_model`` is the model path the
+    control API's /pause unloaded (None when not paused); ``replanner`` the daemon's background
+    re-planner (None when the daemon runs none, e.g. a control server alone in a test).
     """
 
     settings: Settings
@@ -73,6 +76,8 @@ class DaemonState:
     model_error: Optional[str] = None
     warned: set = field(default_factory=set)  # warnings logged once (see warn_once)
     workloads: set = field(default_factory=set)  # workload names learnt from requests (admit_workload)
+    paused_model: Optional[str] = None  # set by /pause, cleared by /resume and /models/load
+    replanner: Optional[Replanner] = None  # set by the daemon (Daemon.start_upkeep)
 
     def __post_init__(self) -> None:
         if self.recent is None:

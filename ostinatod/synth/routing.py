@@ -3,15 +3,21 @@ by the real engine's counters, and the routing report (``ostinato synth --report
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
+import gguf
 import numpy as np
 
-import gguf
-
-from .shapes import TOKEN_IM_END, TOKEN_IM_START, SynthError
+from ..engine import native
+from ..engine.placement import experts_config
+from ..sessions import split_sessions
+from .tensors import _Ctx, _embedding, _router
+from .vocab import find_vocab, load_tokenizer
+from .shapes import QUANTS, Routing, SHAPES, SynthError, TOKEN_IM_END, TOKEN_IM_START
 
 # qwen2 vocabulary ids of "\n" and "assistant" (the generation prompt "<|im_start|>assistant\n")
 _NEWLINE, _ASSISTANT = (198,), (77091,)
@@ -23,9 +29,7 @@ _NEWLINE, _ASSISTANT = (198,), (77091,)
 
 def tokenize(model_path: str | os.PathLike, text: str) -> np.ndarray:
     """Token ids of ``text`` with the model's own tokenizer (llama.cpp, vocab-only load)."""
-    import ctypes
-
-    import llama_cpp as L
+    import llama_cpp as L  # lazy: the native engine, loaded only where it runs
 
     mp = L.llama_model_default_params()
     mp.vocab_only = True
@@ -105,10 +109,7 @@ def engine_phase_counts(model_path: str | os.PathLike, token_ids: np.ndarray, wi
     stream. Raises SynthError when the native expert engine is not built, llama.cpp fails or the
     model has a single MoE layer.
     """
-    import llama_cpp as L
-
-    from ..engine import native
-    from ..engine.placement import experts_config
+    import llama_cpp as L  # lazy: the native engine, loaded only where it runs
 
     if not native.experts_available():
         raise SynthError("the native expert engine is not built (ostinato build)")
@@ -207,8 +208,6 @@ def routing_report(model_path: str | os.PathLike, session_files: list[str | os.P
     the planner sees them), and ``per_phase`` gives the held-out share of each phase. Returns a
     JSON-able dict.
     """
-    from ..bench.sessions import split_sessions
-
     if decode and not engine:
         raise SynthError("decode steps are counted by the engine only (engine=True)")
     rep: dict = {"model": str(model_path), "hot_frac": hot_frac, "max_chars": max_chars,
@@ -268,13 +267,6 @@ def designed_shares(shape: str, strengths: list[float], session_file: str | os.P
     head add to the residual; the engine's counts on cut files stay within a few points of it
     (docs/synthetic-models.md, "Skew as a knob"). Text: ``max_chars`` per side of the task-grouped
     split of ``session_file``, tokenized with the qwen2 vocabulary. Returns {A: share}."""
-    from dataclasses import replace
-
-    from ..bench.sessions import split_sessions
-    from .shapes import QUANTS, SHAPES, Routing
-    from .tensors import _Ctx, _embedding, _router
-    from .vocab import find_vocab, load_tokenizer
-
     shp = SHAPES[shape] if n_layer is None else replace(SHAPES[shape], n_layer=int(n_layer))
     dev, held = split_sessions(session_file, seed=seed)
     ids = [tokenize(find_vocab(), "\n".join(_session_text(s) for s in ss)[:max_chars]) for ss in (dev, held)]

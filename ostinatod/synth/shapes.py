@@ -3,10 +3,11 @@ the routing knobs (see :mod:`ostinatod.synth` for the method)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from dataclasses import dataclass, replace
 
 from gguf import GGMLQuantizationType as QT
+
+from ..errors import MessageError
 
 
 SYNTH_FORMAT = "ostinato-synth/3"  # 2: the copy head (old branch files), 3: only on the real-model shapes
@@ -21,8 +22,10 @@ CLASS_NAMES = ("code", "prose", "other")
 COARSE_OF = (CODE, CODE, PROSE, PROSE, OTHER, OTHER)
 
 
-class SynthError(RuntimeError):
+class SynthError(MessageError, RuntimeError):
     """A synthetic model cannot be written (bad arguments, vocabulary not found)."""
+
+    code, status = "synth_failed", 500
 
 
 @dataclass(frozen=True)
@@ -146,8 +149,6 @@ def narrow_shape(s: Shape) -> Shape:
     kinds, expert count and k (what the routing depends on: the skew mechanism is the same), with
     the widths of the ``ci`` shape (hidden 256, heads of 64, experts of 64; rows of 256 so every
     quant recipe fits). Its per-layer sizes are not the real model's: for routing figures only."""
-    from dataclasses import replace
-
     return replace(s, n_embd=256, n_head=4, n_head_kv=min(s.n_head_kv, 2), head_dim=64, n_ff_exp=64,
                    n_ff_dense=256 if s.n_ff_dense or s.n_layer_dense_lead else 0,
                    n_ff_shexp=64 if s.n_ff_shexp else 0, q_lora_rank=64 if s.q_lora_rank else 0,

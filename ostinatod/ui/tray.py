@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..control.client import ControlAPIError, DaemonNotRunning, call
+from ..paths import get_paths
 
 log = logging.getLogger("ostinatod.tray")
 
@@ -56,7 +58,7 @@ def tray_state(snap: Optional[dict[str, Any]]) -> str:
 def draw_icon(state: str, size: int = 64):
     """The icon image (Pillow RGBA, ``size`` px square): a disc in the state colour with a white
     ring, and a white bar per state level so the states differ in shape too (colour-blind users)."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # lazy: optional (tray)
 
     if state not in COLORS:
         raise ValueError(f"unknown tray state {state!r}; one of {STATES}")
@@ -79,7 +81,6 @@ def draw_icon(state: str, size: int = 64):
 def _terminal_command(cmd: list[str]) -> Optional[list[str]]:
     """argv that runs ``cmd`` in a new terminal window, or None when no terminal is known."""
     if sys.platform == "darwin":
-        import shlex
         return ["osascript", "-e", f'tell application "Terminal" to do script "{shlex.join(cmd)}"']
     for term, flag in (("x-terminal-emulator", "-e"), ("gnome-terminal", "--"), ("konsole", "-e"),
                        ("xfce4-terminal", "-x"), ("kitty", ""), ("alacritty", "-e"), ("xterm", "-e")):
@@ -200,7 +201,6 @@ class TrayApp:
 
     def view_logs(self) -> None:
         """Open the daemon log with the desktop's viewer (xdg-open / open), else in a terminal."""
-        from ..paths import get_paths
         path = str(get_paths().log_file)
         op = _opener()
         cmd = [op, path] if op else _terminal_command(["less", "+F", path])

@@ -264,20 +264,29 @@ def test_background_replan_when_idle_and_traces_moved(home):
     asyncio.run(go())
 
 
-def test_control_server_records_the_profile_at_first_start(home):
-    from ostinatod.server.state import DaemonState
+def test_the_daemon_runs_the_replanner_and_records_the_profile_at_first_start(home):
+    """The control server only serves routes; the daemon's upkeep runs the re-planner (named in
+    /residency) and records the hardware profile, and its shutdown stops the re-planner before the
+    control server goes (no task left pending, the socket removed)."""
+    from ostinatod.daemon import Daemon
     from ostinatod.settings import load_settings
 
     async def go():
-        st = DaemonState(settings=load_settings())
-        runner = await start_control_server(st, profile=True, replan=False)
-        try:
-            for _ in range(600):
-                if st.paths.hardware_profile.exists():
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await runner.cleanup()
+        d = Daemon(load_settings())
+        st = d.state
+        d._runners.append(await start_control_server(st, d.paths.control_socket))
+        d._control_bound = True
+        assert st.replanner is None  # the control server alone starts nothing
+        d.start_upkeep()
+        rp = st.replanner
+        for _ in range(600):
+            if st.paths.hardware_profile.exists():
+                break
+            await asyncio.sleep(0.05)
+        async with ControlClient(d.paths.control_socket) as c:
+            assert (await c.get("/residency"))["background_replan"]["planned"] == []
+        await d._shutdown()
+        assert rp._task.done() and not d.paths.control_socket.exists()
         return json.loads(st.paths.hardware_profile.read_text())
     p = asyncio.run(go())
     assert p["format"] == "ostinato-hardware/1" and p["bandwidth"]["host_read_gbps"] > 0

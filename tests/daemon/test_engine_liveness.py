@@ -97,7 +97,7 @@ def test_a_slow_grammar_token_ends_its_request_and_the_engine_goes_on(stall_daem
 def test_template_timeout_under_load_is_503_with_retry_after(stall_daemon):
     """Two slow renders at once (1,200-property tools: 2.5-8 s each on a 2-core machine): the
     1 s limit passes while the other one renders too, so the timeout is load, a 503 to retry."""
-    from ostinatod.bench.bench_reliability import big_tool
+    from ostinatod.bench.bench_reliability_attacks import big_tool
     d = stall_daemon
     out: list = []
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ostinatod.bench import replay, sessions
+from ostinatod import sessions
+from ostinatod.bench import replay
 
 SESSIONS = Path(__file__).resolve().parents[3] / "shared" / "sessions"
 if not SESSIONS.is_dir():  # checkout elsewhere: the shared tree's usual place
@@ -111,7 +112,7 @@ def test_replay_records_errors(tmp_path: Path):
 
 
 def test_sessions_map_to_daemon_workloads():
-    from ostinatod.bench.sessions import workload_of
+    from ostinatod.sessions import workload_of
 
     assert workload_of({"workload": "swe"}) == "coding"
     assert workload_of({"workload": "tau2"}) == "customer-service"

@@ -1,5 +1,8 @@
-"""The import rules of the package, read from the source with ast (nothing is imported):
+"""The import rules of the package, read from the source with ast (nothing is imported; imports
+inside functions count as much as those at the top):
 
+- every module belongs to one layer of :data:`LAYERS` and imports only modules of its own layer or
+  of a lower one (docs/architecture.md, "Layers");
 - the UI (ostinatod/ui) never imports the engine, the server or the daemon: it talks to the daemon
   through the control API client only;
 - the residency domain (ostinatod/residency) imports neither the engine nor the server, the control
@@ -53,6 +56,36 @@ def imports_of(name: str) -> set[str]:
     return out
 
 
+# The layers, lowest first: a module imports only modules of its own layer or a lower one. Each
+# entry names modules or packages (every submodule); every module of the package is in one layer.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("ostinatod", "ostinatod.errors", "ostinatod.paths", "ostinatod.files", "ostinatod.settings",
+              "ostinatod.cpus", "ostinatod.hardware", "ostinatod.sessions")),
+    ("residency", ("ostinatod.residency",)),
+    ("engine", ("ostinatod.engine",)),
+    ("synth", ("ostinatod.synth",)),
+    ("services", ("ostinatod.desk", "ostinatod.workload", "ostinatod.profile", "ostinatod.discover",
+                  "ostinatod.demo")),
+    ("server", ("ostinatod.server",)),
+    ("control", ("ostinatod.control",)),
+    ("daemon", ("ostinatod.daemon",)),
+    ("apps", ("ostinatod.daemon_cli", "ostinatod.installer", "ostinatod.cli", "ostinatod.launch",
+              "ostinatod.agent_config", "ostinatod.build", "ostinatod.bench", "ostinatod.ui")),
+]
+
+
+def layer_of(name: str) -> int:
+    """Index in :data:`LAYERS` of module ``name`` (the longest matching entry); KeyError if none."""
+    best, found = -1, None
+    for i, (_, entries) in enumerate(LAYERS):
+        for e in entries:
+            if (name == e or (e != "ostinatod" and name.startswith(e + "."))) and len(e) > best:
+                best, found = len(e), i
+    if found is None:
+        raise KeyError(name)
+    return found
+
+
 def _internal(name: str) -> set[str]:
     return {m for m in imports_of(name) if m in MODULES and m != name}
 
@@ -65,6 +98,22 @@ def _violations(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
                 if any(m == f or m.startswith(f + ".") for f in forbidden):
                     bad.append(f"{name} imports {m}")
     return bad
+
+
+def test_every_module_has_a_layer():
+    missing = []
+    for name in MODULES:
+        try:
+            layer_of(name)
+        except KeyError:
+            missing.append(name)
+    assert missing == [], "add these modules to LAYERS: " + ", ".join(sorted(missing))
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    bad = [f"{n} ({LAYERS[layer_of(n)][0]}) imports {m} ({LAYERS[layer_of(m)][0]})"
+           for n in sorted(MODULES) for m in sorted(_internal(n)) if layer_of(m) > layer_of(n)]
+    assert bad == []
 
 
 def test_ui_never_imports_the_engine():
@@ -120,3 +169,5 @@ def test_the_rules_see_imports():  # the reader itself: relative, absolute and i
     assert "ostinatod.control.client" in imports_of("ostinatod.ui.tui")
     assert "ostinatod.residency.sets" in imports_of("ostinatod.engine.runtime")
     assert "llama_cpp" in imports_of("ostinatod.engine.loading")
+    assert LAYERS[layer_of("ostinatod.residency.planner")][0] == "residency"
+    assert LAYERS[layer_of("ostinatod")][0] == "base" and LAYERS[layer_of("ostinatod.daemon_cli")][0] == "apps"

@@ -1,6 +1,6 @@
 """Several GPUs without GPUs: the layer split that puts each layer's dense weights on the GPU of its
 expert pool (llama.cpp's split_mode LAYER, simulated), the residency set's layer-to-GPU map, and the
-benchmark's plan over two GPUs. The engine side (two pools, exactness) is in test_exactness.py."""
+benchmark's plan over two GPUs. The engine side (two pools, exactness) is in tests/engine/exactness/test_exact_two_gpus.py."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from ostinatod.bench import bench_report
+from ostinatod.bench import bench_breakdown
 from ostinatod.synth import archs, mix
 from ostinatod.synth.shapes import SHAPES, narrow_shape
 
@@ -88,20 +88,20 @@ def test_hot_shares_warn_outside_the_papers_skew_and_on_a_phase_gap():
             out["prefill_after_tool"] = {"hot_route_share": after}
         return out
 
-    ok = bench_report.hot_shares(b(0.85, 0.83), 0.45)
+    ok = bench_breakdown.hot_shares(b(0.85, 0.83), 0.45)
     assert ok["checked"] and ok["warnings"] == [] and ok["decode_minus_prefill"] == pytest.approx(-0.02)
     assert ok["target"] == [0.81, 0.87]
     # the 6-layer DeepSeek-V4-Flash file measured first: both phases below, decode 8 points colder
-    w = bench_report.hot_shares(b(0.69, 0.61), 0.45)["warnings"]
+    w = bench_breakdown.hot_shares(b(0.69, 0.61), 0.45)["warnings"]
     assert len(w) == 3 and "prefill hot-route share 0.690" in w[0] and "points below" in w[2]
     # outside the 42-47% pools the range is not checked; the phase gap is
-    far = bench_report.hot_shares(b(0.95, 0.97), 0.85)
+    far = bench_breakdown.hot_shares(b(0.95, 0.97), 0.85)
     assert not far["checked"] and far["warnings"] == []
-    assert len(bench_report.hot_shares(b(0.95, 0.80), 0.85)["warnings"]) == 1
+    assert len(bench_breakdown.hot_shares(b(0.95, 0.80), 0.85)["warnings"]) == 1
     # the gap is taken against the prefills after tool outputs when there are some
-    assert bench_report.hot_shares(b(0.84, 0.84, after=0.90), 0.44)["warnings"][0].startswith(
+    assert bench_breakdown.hot_shares(b(0.84, 0.84, after=0.90), 0.44)["warnings"][0].startswith(
         "ostinato: decode hot-route share 0.840 is 6.0 points below the prefill after tool")
-    assert bench_report.hot_shares(None, 0.45)["warnings"] == []
+    assert bench_breakdown.hot_shares(None, 0.45)["warnings"] == []
 
 
 def test_written_narrow_cut_has_the_representative_keys(tmp_path):

@@ -8,6 +8,7 @@ it (the README's replay note), and the recorded message is the completion for th
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
@@ -15,9 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from .errors import MessageError
 
-class SessionError(ValueError):
+
+class SessionError(MessageError, ValueError):
     """A sessions file is missing or malformed (the message names the file and line)."""
+
+    code, status = "sessions_invalid", 400
 
 
 
@@ -170,9 +175,7 @@ def split_sessions(file: str | Path | Iterable[dict[str, Any]], held_out_frac: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ostinatod.bench.sessions FILE [--held-out-frac F] [--seed S]``: print the split."""
-    import argparse
-
+    """``python -m ostinatod.sessions FILE [--held-out-frac F] [--seed S]``: print the split."""
     ap = argparse.ArgumentParser(prog="ostinato sessions", description="dev / held-out split by task")
     ap.add_argument("file")
     ap.add_argument("--held-out-frac", type=float, default=1 / 3)
