@@ -27,13 +27,18 @@ def _restore(cls: type, args: tuple, state: dict[str, Any]) -> "OstinatoError":
 
 class OstinatoError(Exception):
     """Base of the package's errors: ``code`` (str), ``message`` (str), ``status`` (int HTTP
-    status; the class's default when None), ``extra`` (dict of further answer fields, copied)."""
+    status; the class's default when None), ``extra`` (dict of further answer fields, copied).
+    Raises TypeError when ``code`` is an int or ``status`` a string: arguments in the order some
+    classes had before, ``(status, code, message)``."""
 
     code: str = "error"
     status: int = 500
 
     def __init__(self, code: str, message: str, status: Optional[int] = None,
                  extra: Optional[dict[str, Any]] = None):
+        if isinstance(code, int) or isinstance(status, str):  # an older class's order, not a value
+            raise TypeError(f"{type(self).__name__}(code, message, status, extra): got code {code!r}, "
+                            f"status {status!r}")
         super().__init__(message)
         self.code = code
         self.message = message

@@ -7,6 +7,8 @@ import ast
 import pickle
 from pathlib import Path
 
+import pytest
+
 from ostinatod.control.client import ControlAPIError
 from ostinatod.engine.types import EngineError
 from ostinatod.errors import OstinatoError
@@ -45,6 +47,8 @@ def test_one_argument_order_and_fields():
         assert (e.code, e.message, e.status, e.extra) == ("model_not_found", "no such model", 404, {})
         assert isinstance(e, OstinatoError)
     assert EngineError("x", "y").status == 400  # the engine's default stays
+    with pytest.raises(TypeError):  # the order some classes had before: (status, code, message)
+        ApiError(400, "invalid_request", "bad")
     assert str(ControlAPIError("busy", "try later", 503)) == "try later (busy)"
     e = PlanError("no routing traces")
     assert isinstance(e, ValueError) and str(e) == "no routing traces" and e.code == "plan_failed"
