@@ -9,6 +9,7 @@ skipped routes and the sum of both branches. Max |delta logit| per path is print
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -19,9 +20,10 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from ostinatod.engine import native, placement, runtime  # noqa: E402
+from ostinatod.engine.options import EngineOptionsC, c_struct, split_fields  # noqa: E402
 from ostinatod.residency.sets import (ResidencyError, make_residency, model_block,  # noqa: E402
                                         write_residency)
-from ostinatod.settings import Settings  # noqa: E402
+from ostinatod.settings import EngineSettings, Settings  # noqa: E402
 
 if not native.experts_available():  # pragma: no cover - stale build
     pytest.skip("native engine built without the expert engine (run 'ostinato build')",
@@ -40,19 +42,31 @@ TOL = 0.25 if GPU else 1e-3
 
 ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
 # the daemon's pool layout (setting pool_whole_expert_slots); the native library's own default is off
-WHOLE_SLOTS = Settings.model_fields["pool_whole_expert_slots"].default
+WHOLE_SLOTS = EngineSettings.model_fields["pool_whole_expert_slots"].default
+
+
+# The options of the shared runners' engine and of the next Runner load: the library's defaults with
+# the daemon's pool layout; _opt changes both (a test's options then hold for the pools it builds, by
+# a load or a switch, as for the engine running now).
+_NEXT = [native.library_options().with_(pool_whole_expert_slots=WHOLE_SLOTS)]
+
+
+def _opt(**changes):
+    """Change the engine's options (native.reconfigure, when an engine is active) and those of the
+    next Runner load. ValueError (pydantic's) for a value EngineOptions refuses."""
+    _NEXT[0] = _NEXT[0].with_(**changes)
+    if native.experts_active():
+        native.configure(**changes)
 
 
 @pytest.fixture(autouse=True)
 def _daemon_pool_layout():
     """Every test builds its pools with the daemon's layout, and with the prefill and decode
-    prefetch off (the native defaults) unless it turns them on: the native flags are process-wide
-    and an ExpertRuntime load sets them from the settings, so without this a test's layout and
-    paths would depend on the tests that ran before it (a GPU failure of the decode prefetch on
-    deepseek4 showed only after a runtime test had left it on)."""
-    native.set_whole_slots(WHOLE_SLOTS)
-    native.set_prefetch(0)
-    native.set_decode_prefetch(0)
+    prefetch off (the native defaults) unless it turns them on: the shared runners' engine keeps its
+    options from test to test, so without this a test's layout and paths would depend on the tests
+    that ran before it (a GPU failure of the decode prefetch on deepseek4 showed only after a
+    runtime test had left it on)."""
+    _opt(pool_whole_expert_slots=WHOLE_SLOTS, prefetch_depth=0, decode_prefetch_experts=0)
     yield
 
 
@@ -114,7 +128,7 @@ class Runner:
         if rt is not None:
             self.model = rt.load(path, mp)  # adjusts mp, loads with its placement, checks the pool
         else:
-            self.model, _, _ = native.load_model(path, mp, cfg)
+            self.model, _, _ = native.load_model(path, mp, cfg, _NEXT[0] if cfg else None)
         assert self.model, "model load failed"
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = 64, 32, 32
@@ -219,14 +233,14 @@ def _switch(hot, layer_device=None):
 def test_paths_match_stock(moe, stock, path, np_tokens, force):
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(np_tokens)
-    native.force_path(force)
+    _opt(prefill_threshold=np_tokens)
+    _opt(force_path=force)
     native.llama_fn("ostinato_experts_reset_stats")()
     try:
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
-        native.force_path("auto")
+        _opt(force_path="auto")
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d_prefill = float(np.max(np.abs(logits[0] - ref_logits[0])))
     d_decode = float(np.max(np.abs(logits[1:] - ref_logits[1:])))
@@ -251,20 +265,20 @@ def test_upload_copies_take_whole_experts(moe, stock):
     so only a misplaced byte could move them), the same bytes uploaded in fewer copy calls."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(8)
+    _opt(prefill_threshold=8)
     r.all_logits = True
     runs = {}
     try:
         for on in (False, True):
-            native.set_copy_2d(on)
+            _opt(upload_copy_2d=on)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             runs[on] = (toks, logits, _stats()["last_passes"][0])
         info = native.experts_json("ostinato_experts_info")
     finally:
         r.all_logits = False
-        native.set_copy_2d(True)
-        native.set_prefill_threshold(512)
+        _opt(upload_copy_2d=True)
+        _opt(prefill_threshold=512)
     ref_toks, _ = stock[PROMPT_LEN]
     (toks_1d, logits_1d, p_1d), (toks_2d, logits_2d, p_2d) = runs[False], runs[True]
     d = float(np.max(np.abs(logits_2d - logits_1d)))
@@ -297,20 +311,20 @@ def test_whole_expert_slots_change_where_not_what(moe, stock, share):
     runs, infos = {}, {}
     try:
         for whole in (False, True):
-            native.set_whole_slots(whole)
+            _opt(pool_whole_expert_slots=whole)
             _switch(hot)   # a pool build: the layout follows the setting
             infos[whole] = native.experts_json("ostinato_experts_info")
             for np_tokens, graph in cases:
-                native.set_prefill_threshold(np_tokens)
-                native.set_decode_graph(graph)
+                _opt(prefill_threshold=np_tokens)
+                _opt(decode_graph=graph)
                 native.llama_fn("ostinato_experts_reset_stats")()
                 toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
                 runs[(whole, np_tokens, graph)] = (toks, logits, _stats()["last_passes"][0])
     finally:
         r.all_logits = False
-        native.set_whole_slots(WHOLE_SLOTS)
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(pool_whole_expert_slots=WHOLE_SLOTS)
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)
         _switch(half_hot(moe))
     ref_toks, _ = stock[PROMPT_LEN]
     assert all(c["whole_slots"] for c in infos[True]["size_classes"]) and infos[True]["size_classes"]
@@ -346,27 +360,27 @@ def test_pool_views_match_stock_and_the_whole_class(moe, stock, np_tokens, force
     output, so that the last MoE layer (deepseek2's tiny shape has one) sees the whole prompt too."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(np_tokens)
-    native.force_path(force)
-    native.set_decode_graph(False)
+    _opt(prefill_threshold=np_tokens)
+    _opt(force_path=force)
+    _opt(decode_graph=False)
     r.all_logits = True
     try:
-        native.set_views(False)
+        _opt(pool_views=False)
         native.llama_fn("ostinato_experts_reset_stats")()
         base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         base = _stats()
-        native.set_views(True)
-        native.set_upload_cpu_share(0.0)   # every cold expert uploaded, as without views (the hybrid: below)
+        _opt(pool_views=True)
+        _opt(upload_cpu_share=0.0)   # every cold expert uploaded, as without views (the hybrid: below)
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
         r.all_logits = False
-        native.set_upload_cpu_share(0.0)
-        native.set_views(True)
-        native.force_path("auto")
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(upload_cpu_share=0.0)
+        _opt(pool_views=True)
+        _opt(force_path="auto")
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d = float(np.max(np.abs(logits - ref_logits)))
     d_base = float(np.max(np.abs(logits - base_logits)))
@@ -389,15 +403,15 @@ def _upload_pass_and_whole_class(moe, hybrid, undo):
     pass stats, info)."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(8)
-    native.set_decode_graph(False)
+    _opt(prefill_threshold=8)
+    _opt(decode_graph=False)
     r.all_logits = True
     try:
-        native.set_views(False)
+        _opt(pool_views=False)
         native.llama_fn("ostinato_experts_reset_stats")()
         base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), 1)
         base = _stats()["last_passes"][0]
-        native.set_views(True)
+        _opt(pool_views=True)
         hybrid()
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), 1)
@@ -406,8 +420,8 @@ def _upload_pass_and_whole_class(moe, hybrid, undo):
     finally:
         r.all_logits = False
         undo()
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)
     return base_toks, base_logits, base, toks, logits, p, info
 
 
@@ -420,12 +434,12 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
     token) and the CPU branch works at > 0. With 6 rows for a 24-token pass the CPU branch takes only
     experts whose tokens fit (the rest is uploaded) and pads its rows with other tokens."""
     def hybrid():
-        native.set_upload_cpu_share(share)
-        native.set_hybrid_rows(rows)
+        _opt(upload_cpu_share=-1 if share is None else share)
+        _opt(hybrid_rows=rows)
 
     def undo():
-        native.set_hybrid_rows(64)
-        native.set_upload_cpu_share(0.0)
+        _opt(hybrid_rows=64)
+        _opt(upload_cpu_share=0.0)
 
     base_toks, base_logits, base, toks, logits, p, info = _upload_pass_and_whole_class(moe, hybrid, undo)
     ref_toks, ref_logits = stock[PROMPT_LEN]
@@ -465,13 +479,13 @@ def test_cost_model_split_matches_stock(moe, stock, cpu_gbps, kernel):
     split = {"alpha_us": 0.0, "cpu_gbps": cpu_gbps, "h2d_gbps": 10.0}
 
     def hybrid():
-        native.set_upload_cpu_share(0.0)
-        native.set_cpu_kernel(kernel)
-        native.set_cpu_split(split)
+        _opt(upload_cpu_share=0.0)
+        _opt(cpu_branch_kernel=kernel)
+        _opt(**split_fields(split))
 
     def undo():
-        native.set_cpu_split(None)
-        native.set_cpu_kernel(True)
+        _opt(**split_fields(None))
+        _opt(cpu_branch_kernel=True)
 
     base_toks, base_logits, base, toks, logits, p, info = _upload_pass_and_whole_class(moe, hybrid, undo)
     ref_toks, ref_logits = stock[PROMPT_LEN]
@@ -498,14 +512,14 @@ def _without_and_with_graph(r, with_counts=0):
     """Generates the test prompt without, then with the decode graph (max 32 tokens); returns
     (tokens, logits) of both and the stats of the run with the graph. Leaves the graph on auto."""
     try:
-        native.set_decode_graph(False)
+        _opt(decode_graph=False)
         base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
-        native.set_decode_graph(True, max_tokens=32)
+        _opt(decode_graph=True, decode_graph_max_tokens=32)
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         return base_toks, base_logits, toks, logits, _stats(with_counts)
     finally:
-        native.set_decode_graph(None)
+        _opt(decode_graph=None)
 
 
 @pytest.mark.parametrize("np_tokens", [512, 8])
@@ -517,7 +531,7 @@ def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     path and only the decode steps take the graph."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(np_tokens)
+    _opt(prefill_threshold=np_tokens)
     base_toks, base_logits, toks, logits, st = _without_and_with_graph(r)
     info = native.experts_json("ostinato_experts_info")
     ref_toks, ref_logits = stock[PROMPT_LEN]
@@ -551,7 +565,7 @@ def test_every_expert_resident_takes_the_stock_computation(moe, stock, np_tokens
     the comparison with the route-op path is within the GPU tolerance.)"""
     r = ost_runner(moe)
     _switch({il: list(range(moe[1]["n_expert"])) for il in moe[2]})
-    native.set_prefill_threshold(np_tokens)
+    _opt(prefill_threshold=np_tokens)
 
     def run():
         native.llama_fn("ostinato_experts_reset_stats")()
@@ -559,18 +573,18 @@ def test_every_expert_resident_takes_the_stock_computation(moe, stock, np_tokens
         return toks, logits, _stats(1)
 
     try:
-        native.set_resident_path(False)
-        native.set_decode_graph(False)
+        _opt(resident_path=False)
+        _opt(decode_graph=False)
         base = run()
-        native.set_decode_graph(True, max_tokens=32)
+        _opt(decode_graph=True, decode_graph_max_tokens=32)
         graph = run()
-        native.set_decode_graph(None)
-        native.set_resident_path(True)
+        _opt(decode_graph=None)
+        _opt(resident_path=True)
         toks, logits, st = run()
     finally:
-        native.set_decode_graph(None)
-        native.set_resident_path(True)
-        native.set_prefill_threshold(512)
+        _opt(decode_graph=None)
+        _opt(resident_path=True)
+        _opt(prefill_threshold=512)
         _switch(half_hot(moe))
     assert toks == stock[PROMPT_LEN][0] == base[0] == graph[0]
     assert np.array_equal(base[1], graph[1])
@@ -634,18 +648,18 @@ def test_decode_graph_pool_threads_change_between_passes(moe, stock):
     threads (the calibration's decode sweep relies on it); tokens stay stock's."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(512)
+    _opt(prefill_threshold=512)
     try:
-        native.set_decode_graph(True, max_tokens=32)
+        _opt(decode_graph=True, decode_graph_max_tokens=32)
         for n in (1, 2):
-            native.set_cpu_threads(n)
+            _opt(cpu_threads=n)
             toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
             info = native.experts_json("ostinato_experts_info")["decode_graph"]
             assert toks == stock[PROMPT_LEN][0]
             assert info["active"] and info["cpu_threads"] == n
     finally:
-        native.set_decode_graph(None)
-        native.set_cpu_threads(0)
+        _opt(decode_graph=None)
+        _opt(cpu_threads=0)
 
 
 @pytest.mark.parametrize("graph", [None, True])
@@ -656,15 +670,15 @@ def test_borrowed_decode_slots_change_where_not_what(moe, graph):
     the upload path hands every slot back first."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(8)
+    _opt(prefill_threshold=8)
     prompt = _prompt(PROMPT_LEN, seed=5)
-    native.set_decode_graph(graph)   # True: the device index table of the decode graph too (CPU build)
+    _opt(decode_graph=graph)   # True: the device index table of the decode graph too (CPU build)
     try:
-        native.set_borrow(False)
+        _opt(decode_borrow=False)
         native.llama_fn("ostinato_experts_reset_stats")()
         base_toks, base_logits = r.generate(prompt, 40)
         base_share = _stats()["hot_route_share"]
-        native.set_borrow(True)
+        _opt(decode_borrow=True)
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(prompt, 40)   # prompt: upload path (hands back), then 40 decode steps
         st, info = _stats(), native.experts_json("ostinato_experts_info")
@@ -672,8 +686,8 @@ def test_borrowed_decode_slots_change_where_not_what(moe, graph):
         r.generate(prompt, 1)                   # another upload-path prefill: everything handed back
         info2 = native.experts_json("ostinato_experts_info")
     finally:
-        native.set_borrow(True)
-        native.set_decode_graph(None)
+        _opt(decode_borrow=True)
+        _opt(decode_graph=None)
     print(f"\n[exactness] {moe[1]['arch']} (decode graph {graph}) borrowed slots: {info['borrowed']}, borrowed routes "
           f"{st['borrowed_routes']}, hot-route share {base_share:.3f} -> {st['hot_route_share']:.3f}")
     assert toks == base_toks
@@ -701,22 +715,22 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
     if len(moe[2]) < 2:
         pytest.skip("one MoE layer (deepseek2's tiny shape): no next layer to predict")
     r = ost_runner(moe)
-    native.set_prefetch(2)   # the pool's third staging region: regions 1 and 2 take the staged experts
+    _opt(prefetch_depth=2)   # the pool's third staging region: regions 1 and 2 take the staged experts
     _switch(half_hot(moe))
-    native.set_decode_graph(True, max_tokens=32)
+    _opt(decode_graph=True, decode_graph_max_tokens=32)
     runs = {}
     try:
         for n in (0, experts):
-            native.set_decode_prefetch(n)
-            native.set_decode_prefetch_blocks(32 if n == 1 else 8)
+            _opt(decode_prefetch_experts=n)
+            _opt(decode_prefetch_copy_blocks=32 if n == 1 else 8)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             runs[n] = (toks, logits, _stats(), native.experts_json("ostinato_experts_info"))
     finally:
-        native.set_decode_prefetch(0)
-        native.set_decode_prefetch_blocks(8)
-        native.set_decode_graph(None)
-        native.set_prefetch(0)
+        _opt(decode_prefetch_experts=0)
+        _opt(decode_prefetch_copy_blocks=8)
+        _opt(decode_graph=None)
+        _opt(prefetch_depth=0)
         _switch(half_hot(moe))
     (t0, l0, s0, _), (t1, l1, s1, info) = runs[0], runs[experts]
     ref_toks, _ = stock[PROMPT_LEN]
@@ -753,9 +767,9 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
     if not GPU:
         assert tl1["chain_late"] == 0 and tl1["chain_wait_ms"] == 0
     with pytest.raises(ValueError):
-        native.set_decode_prefetch(17)   # more than a stage list holds (OSTINATO_STAGE_MAX)
+        _opt(decode_prefetch_experts=17)   # more than a stage list holds (OSTINATO_STAGE_MAX)
     with pytest.raises(ValueError):
-        native.set_decode_prefetch_blocks(0)
+        _opt(decode_prefetch_copy_blocks=0)
 
 
 def test_decode_timeline_marks_every_layer_of_each_decode_step(moe, stock):
@@ -769,13 +783,13 @@ def test_decode_timeline_marks_every_layer_of_each_decode_step(moe, stock):
         pytest.skip("one MoE layer (deepseek2's tiny shape): no interval between two layers")
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_decode_graph(True, max_tokens=32)
+    _opt(decode_graph=True, decode_graph_max_tokens=32)
     try:
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
-        native.set_decode_graph(None)
+        _opt(decode_graph=None)
     tl, layers = st["decode_timeline"], moe[2]
     pairs = sum(1 for a, b in zip(layers, layers[1:]) if b == a + 1)
     steps = st["paths"]["decode"]
@@ -806,10 +820,10 @@ def _every_path_matches(r, ref_toks, decode_prefetch=0):
         passes.append((512, True, None, decode_prefetch))
     try:
         for np_tokens, graph, cpu_split, dpf in passes:
-            native.set_prefill_threshold(np_tokens)
-            native.set_decode_graph(graph)
-            native.set_cpu_split(cpu_split)
-            native.set_decode_prefetch(dpf)
+            _opt(prefill_threshold=np_tokens)
+            _opt(decode_graph=graph)
+            _opt(**split_fields(cpu_split))
+            _opt(decode_prefetch_experts=dpf)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
@@ -817,10 +831,10 @@ def _every_path_matches(r, ref_toks, decode_prefetch=0):
             assert 0 < st["hot_routes"] < st["routes"], st   # both branches did work
         return st
     finally:
-        native.set_decode_prefetch(0)
-        native.set_cpu_split(None)
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(decode_prefetch_experts=0)
+        _opt(**split_fields(None))
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)
 
 
 def merge_gate_up(src, dst):
@@ -910,7 +924,7 @@ def test_newer_architectures_through_the_engine(arch):
         ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), N_NEW)
     finally:
         ref.close()
-    native.set_prefetch(2)   # three staging regions: the decode prefetch stages in two of them
+    _opt(prefetch_depth=2)   # three staging regions: the decode prefetch stages in two of them
     r = Runner(path, hot=hot, prefill_threshold=512)
     try:
         info = native.experts_json("ostinato_experts_info")
@@ -926,7 +940,7 @@ def test_newer_architectures_through_the_engine(arch):
             assert st["decode_prefetch_staged"] > 0 and st["decode_prefetch_routes"] > 0
     finally:
         r.close()
-        native.set_prefetch(0)
+        _opt(prefetch_depth=0)
 
 
 @pytest.mark.parametrize("np_tokens", [2, 512])
@@ -936,7 +950,7 @@ def test_all_cold_and_all_hot_match_stock(moe, stock, np_tokens):
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]
     r = ost_runner(moe)
-    native.set_prefill_threshold(np_tokens)
+    _opt(prefill_threshold=np_tokens)
     first = min(moe[2])
     try:
         for hot in ({}, {il: list(range(n)) for il in moe[2]},
@@ -950,14 +964,14 @@ def test_all_cold_and_all_hot_match_stock(moe, stock, np_tokens):
             assert (st["hot_routes"] == st["routes"]) if every else st["hot_routes"] < st["routes"]
     finally:
         _switch(half_hot(moe))
-        native.set_prefill_threshold(512)
+        _opt(prefill_threshold=512)
 
 
 def test_stats_are_consistent(moe):
     hot = half_hot(moe)
     r = ost_runner(moe)
     _switch(hot)
-    native.set_prefill_threshold(16)
+    _opt(prefill_threshold=16)
     native.llama_fn("ostinato_experts_reset_stats")()
     r.all_logits = True
     try:
@@ -968,7 +982,7 @@ def test_stats_are_consistent(moe):
         again = json.loads(native.llama_fn("ostinato_experts_take_request_stats")().decode())
     finally:
         r.all_logits = False
-        native.set_prefill_threshold(512)
+        _opt(prefill_threshold=512)
     k, L, n_exp = moe[1]["n_expert_used"], len(moe[2]), moe[1]["n_expert"]
     n_tok = PROMPT_LEN + 3
     assert st["tokens"] == n_tok and st["passes"] == 4
@@ -1054,22 +1068,22 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
         # a GPU): host work, not a decode-graph step even with the graph on; the route op's path
         # (resident path off) takes the graph when it is on
         try:
-            native.set_decode_graph(True, max_tokens=32)
+            _opt(decode_graph=True, decode_graph_max_tokens=32)
             assert llama_cpp.llama_decode(ctx, step(1, 1)) == 0
             assert rt.take_request_stats()["decode_graph_steps"] == 0
-            native.set_resident_path(False)
-            native.set_decode_graph(False)
+            _opt(resident_path=False)
+            _opt(decode_graph=False)
             assert llama_cpp.llama_decode(ctx, step(2, 2)) == 0
             st = rt.take_request_stats()
             assert st["paths"]["decode"] == 1 and st["decode_graph_steps"] == 0
             assert rt.follow_decode_graph(ctx, st) is True and rt.context_threads == (2, 2)
             assert llama_cpp.llama_n_threads(ctx) == 2
-            native.set_decode_graph(True, max_tokens=32)
+            _opt(decode_graph=True, decode_graph_max_tokens=32)
             assert llama_cpp.llama_decode(ctx, step(3, 3)) == 0
             st = rt.take_request_stats()
         finally:
-            native.set_decode_graph(None)
-            native.set_resident_path(True)
+            _opt(decode_graph=None)
+            _opt(resident_path=True)
         assert st["decode_graph_steps"] == 1
         assert rt.follow_decode_graph(ctx, st) is True and rt.context_threads == (1, 2)
         assert llama_cpp.llama_n_threads(ctx) == 1
@@ -1087,11 +1101,49 @@ def test_stock_setting_returns_none(moe):
     assert runtime.ExpertRuntime.prepare(moe[0], Settings(experts="stock")) is None
 
 
-def test_bad_config_is_a_clear_error():
+def test_bad_config_is_a_clear_error(moe):
     with pytest.raises(native.ExpertEngineError, match="force_path"):
         native.check_experts_config(placement.experts_config({0: [1]}, force_path="sideways"))
     with pytest.raises(ValueError):
-        native.set_prefill_threshold(0)
+        _opt(prefill_threshold=0)
+    # the native engine checks the struct itself (a caller without EngineOptions' validation)
+    r = ost_runner(moe)
+    bad = c_struct(native.engine_options())
+    bad.decode_prefetch_experts = 17
+    assert native.llama_fn("ostinato_experts_reconfigure")(ctypes.byref(bad)) == -1
+    assert "decode_prefetch_experts" in native.experts_error()
+    assert r.model and native.engine_options().decode_prefetch_experts == 0   # nothing changed
+
+
+def test_engine_options_reach_the_engine_field_by_field(moe):
+    """EngineOptions' C struct (generated from its fields) lands in the native struct field by field:
+    each changed value shows in the engine's info under its own name, and reads back the same."""
+    r = ost_runner(moe)
+    assert r.model
+    was = native.engine_options()
+    new = was.with_(prefill_threshold=77, force_path="split", decode_overlap=False, decode_graph=False,
+                    decode_graph_max_tokens=48, decode_borrow=False, pool_views=False, hybrid_rows=9,
+                    upload_copy_2d=False, upload_cpu_share=0.25, decode_prefetch_experts=3,
+                    decode_prefetch_copy_blocks=5, cpu_branch_kernel=False, cpu_branch_spins=300,
+                    cpu_branch_claims=False, cpu_branch_prefetch_rows=4, cpu_branch_row_pairs="avx2",
+                    **split_fields({"alpha_us": 1.5, "cpu_gbps": 2.5, "h2d_gbps": 3.5}))
+    try:
+        native.reconfigure(new)
+        assert native.engine_options() == new
+        info = native.experts_json("ostinato_experts_info")
+        assert (info["prefill_threshold"], info["force_path"], info["overlap"]) == (77, "split", False)
+        dg = info["decode_graph"]
+        assert (dg["mode"], dg["max_tokens"], dg["prefetch"]) == ("off", 48, {"max_experts": 3, "copy_blocks": 5})
+        pre = info["prefill"]
+        assert (pre["pool_views"], pre["hybrid_rows"], pre["copy_2d"], pre["upload_cpu_share"]) == (False, 9, False, 0.25)
+        assert info["borrowed"]["on"] is False
+        assert info["cpu_team"] == {"spins": 300, "claims": False, "prefetch_rows": 4, "row_pairs": 1}
+        native.reconfigure(new.with_(upload_cpu_share=0.0))
+        assert native.experts_json("ostinato_experts_info")["prefill"]["cpu_split"] == \
+            {"alpha_us": 1.5, "cpu_gbps": 2.5, "h2d_gbps": 3.5}
+    finally:
+        native.reconfigure(was)
+    assert native.experts_json("ostinato_experts_info")["cpu_team"]["spins"] == was.cpu_branch_spins
 
 
 # --- several GPUs on a CPU build: one pool per "GPU", both CPU buffers -------------------------
@@ -1134,7 +1186,7 @@ def test_two_pools_match_stock(moe, stock):
             assert sorted(pools) == [0, 1]
         ref_toks, ref_logits = stock[PROMPT_LEN]
         for np_tokens in (512, 8):  # split path, then upload path (staging slots of each pool)
-            native.set_prefill_threshold(np_tokens)
+            _opt(prefill_threshold=np_tokens)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
@@ -1154,7 +1206,7 @@ def test_two_pools_match_stock(moe, stock):
         n = len(st["pools"])
         assert len(lines) == (n if n > 1 else 0) and all("hot routes" in ln for ln in lines)
     finally:
-        native.set_prefill_threshold(512)
+        _opt(prefill_threshold=512)
         _switch(half_hot(moe))
     assert len(json.loads(native.llama_fn("ostinato_experts_info")().decode())["pools"]) == 1
 
@@ -1249,8 +1301,8 @@ def test_two_gpus_every_path_matches_stock_layer_split(arch, tmp_path):
         worst = 0.0
         for name, np_tokens, graph in (("split", 512, None), ("upload", 8, None),
                                        ("decode-graph", 512, True)):
-            native.set_prefill_threshold(np_tokens)
-            native.set_decode_graph(bool(graph), max_tokens=32)   # off: the split/upload paths proper
+            _opt(prefill_threshold=np_tokens)
+            _opt(decode_graph=bool(graph), decode_graph_max_tokens=32)   # off: the split/upload paths proper
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
@@ -1273,8 +1325,8 @@ def test_two_gpus_every_path_matches_stock_layer_split(arch, tmp_path):
                 assert graphs[-N_NEW:] == [True] * N_NEW, graphs
         print(f"\n[exactness-2gpu] {arch}: max|dlogit| over all paths {worst:.3g} (tolerance {TOL})")
     finally:
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)
         rt.close()
         r.close()
 
@@ -1290,21 +1342,21 @@ def _prefetch_runs(path, hot, share=0.0, split=None, depths=(0, 1, 2)):
     model's ``split``)."""
     runs = {}
     for depth in depths:
-        native.set_prefetch(depth)
+        _opt(prefetch_depth=depth)
         r = Runner(path, hot=hot, prefill_threshold=8)
-        native.set_decode_graph(False)
-        native.set_upload_cpu_share(share)
-        native.set_cpu_split(split)
+        _opt(decode_graph=False)
+        _opt(upload_cpu_share=share)
+        _opt(**split_fields(split))
         r.all_logits = True
         try:
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), 4)
             runs[depth] = (toks, logits, _stats()["last_passes"][0], native.experts_json("ostinato_experts_info"))
         finally:
-            native.set_prefetch(0)
-            native.set_decode_graph(None)
-            native.set_upload_cpu_share(0.0)
-            native.set_cpu_split(None)
+            _opt(prefetch_depth=0)
+            _opt(decode_graph=None)
+            _opt(upload_cpu_share=0.0)
+            _opt(**split_fields(None))
             r.close()
     return runs
 
@@ -1343,7 +1395,7 @@ def test_prefetch_matches_stock(arch, share):
     assert base["prefetch_hits"] == base["prefetch_misses"] == 0 and base_info["prefill"]["prefetch"] == 0
     for bad in (-1, 3):   # the graph predicts at most two layers ahead
         with pytest.raises(ValueError):
-            native.set_prefetch(bad)
+            _opt(prefetch_depth=bad)
     for depth in (1, 2):
         toks, logits, p, info = runs[depth]
         d = float(np.max(np.abs(logits[0] - ref_logits[0])))
