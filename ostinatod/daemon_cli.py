@@ -35,7 +35,7 @@ from pydantic import ValidationError
 
 from . import installer
 from .paths import Paths, get_paths
-from .settings import Settings, SettingsError, load_settings
+from .settings import ENGINE_KEYS, EngineSettings, Settings, SettingsError, load_settings
 
 log = logging.getLogger("ostinatod")
 
@@ -58,6 +58,13 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
+def _flag_fields() -> list[tuple[str, Any]]:
+    """(name, field) of every settings flag: the top-level settings, the [engine] table's by their own
+    names (``--decode-borrow``)."""
+    out = [(n, f) for n, f in Settings.model_fields.items() if n != "engine"]
+    return out + list(EngineSettings.model_fields.items())
+
+
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field (``--field-name``), help text = the field description.
 
@@ -66,7 +73,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name in SECRET_SETTINGS:  # accepted only to refuse them with a clear message
         group.add_argument("--" + name.replace("_", "-"), dest="secret_" + name, default=None,
                            help=argparse.SUPPRESS)
-    for name, f in Settings.model_fields.items():
+    for name, f in _flag_fields():
         if name in SECRET_SETTINGS:
             continue
         flag = "--" + name.replace("_", "-")
@@ -97,7 +104,11 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
                   f"local user can read process arguments); use OSTINATO_{name.upper()}, {name} in "
                   f"settings.toml or --{name.replace('_', '-')}-file (a chmod 600 file)", file=sys.stderr)
             raise SystemExit(2)
-    overrides = {name: getattr(ns, name, None) for name in Settings.model_fields if name not in SECRET_SETTINGS}
+    overrides = {name: getattr(ns, name, None) for name, _ in _flag_fields()
+                 if name not in SECRET_SETTINGS and name not in ENGINE_KEYS}
+    engine = {name: getattr(ns, name) for name in ENGINE_KEYS if getattr(ns, name, None) is not None}
+    if engine:   # the [engine] table's flags (--decode-borrow, ...): the file's and env's others stay
+        overrides["engine"] = engine
     try:
         return load_settings(**overrides)
     except ValidationError as e:
@@ -112,7 +123,7 @@ def settings_from_args(ns: argparse.Namespace) -> Settings:
 def _flags_of(ns: argparse.Namespace) -> list[str]:
     """The settings flags given on the command line, re-rendered for the `run` child of `start`."""
     out: list[str] = []
-    for name, f in Settings.model_fields.items():
+    for name, f in _flag_fields():
         v = getattr(ns, name, None)
         if v is None:
             continue

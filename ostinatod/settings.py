@@ -12,17 +12,166 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from .paths import get_paths
 from .errors import MessageError
 
 
+
+class EngineTuning(BaseModel):
+    """The engine options a user sets as they are (part of ``[engine]``; the engine's
+    :class:`ostinatod.engine.options.EngineOptions` takes these fields from here, in this order: the
+    native struct ``ostinato_engine_options`` lists them first, in the same order)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
+                                "upload path's staging slots hold the cold experts the CPU branch "
+                                "computed most lately; handed back before each long prefill.")
+    upload_copy_2d: bool = Field(True, description="Long prefills on a GPU pool: each cold expert's "
+                                 "weight matrices reach the GPU in one 2D copy rather than one copy "
+                                 "per matrix (same bytes, fewer and larger transfers), where the "
+                                 "pool's pitch is within the device's maximum (pools of under 2 GiB "
+                                 "per class tensor; docs/engine.md, \"Whole-expert copies\"). Off only "
+                                 "for measurements.")
+    pool_whole_expert_slots: bool = Field(True, description="Expert pool layout: each slot holds "
+                                          "its expert's weight matrices next to each other, so that "
+                                          "a long prefill's upload copies take one transfer per "
+                                          "expert at any pool size (docs/engine.md, \"Whole-expert "
+                                          "copies\"). Same memory and computation. Off only for "
+                                          "measurements (the layout with one tensor per matrix).")
+    upload_cpu_share: float = Field(0.0, ge=-1.0, le=1.0, description="Hybrid upload passes: the "
+                                    "share (0..1) of a long prefill's cold experts, those with the "
+                                    "fewest routes, that a CPU branch computes while the others are "
+                                    "uploaded; -1: adapted per layer. 0 (default): the cost model's "
+                                    "split (prefill_cpu_split) decides instead. Measurements only.")
+    decode_prefetch_experts: int = Field(2, ge=0, le=16, description="Decode prefetch: in each "
+                                         "decode step a layer predicts the next layer's routes (that "
+                                         "layer's router on its own input) and copies up to this many of "
+                                         "the predicted cold experts to the GPU while it computes; their "
+                                         "routes then run on the GPU instead of the CPU branch. The choice "
+                                         "depends on the model's computation only, so runs repeat exactly. "
+                                         "0: off. Needs prefill_prefetch_depth 2 (its staging regions; "
+                                         "docs/engine.md, \"Decode prefetch\").")
+    decode_prefetch_copy_blocks: int = Field(8, ge=1, le=1024, description="Decode prefetch: "
+                                             "blocks of 512 threads of the GPU kernel that copies the "
+                                             "staged experts over PCIe, beside the decode step's own "
+                                             "kernels. On the H200, 8 copied as fast as 32 and the step's "
+                                             "own kernels ran ~11 us per layer faster beside them (bench "
+                                             "variants ostinato-copy2, -copy4, -copy32; docs/engine.md, "
+                                             "\"Decode timeline\").")
+    cpu_branch_kernel: bool = Field(True, description="The decode graph's CPU branch computes a "
+                                    "layer's cold experts with its own kernel (ggml-cpu's dot products "
+                                    "row by row, each expert read once, on a thread team that spins "
+                                    "while a pass runs; bitwise what ggml computes) instead of ggml's "
+                                    "graph compute. Off only for measurements (docs/engine.md, "
+                                    "\"CPU branch kernel\").")
+    cpu_branch_prefetch_rows: int = Field(0, ge=0, le=64, description="The CPU branch kernel "
+                                          "prefetches the weight row this many rows ahead of the one it "
+                                          "computes (software prefetch; 0: off, the hardware prefetcher "
+                                          "alone). Changes when bytes are fetched, never what is computed. "
+                                          "Not yet measured on the GPU machine: `ostinato bench cpu-branch "
+                                          "--prefetch-rows 0,2,4` and the bench variant "
+                                          "ostinato-cpu-prefetch compare (docs/engine.md, \"CPU branch "
+                                          "kernel\").")
+    cpu_branch_row_pairs: Literal["off", "avx2", "avx512"] = Field(
+        "off", description="The CPU branch kernel's dot products: off (ggml-cpu's vec_dot row by row), "
+        "or two weight rows per pass in two AVX2 registers or one AVX-512 register, bitwise what vec_dot "
+        "gives (each type, q4_0, q8_0, q4_K, q5_K, q6_K, is checked against it on this machine at first "
+        "use and left to vec_dot if one bit differs; a CPU without AVX-512 takes AVX2; left out while "
+        "cpu_branch_prefetch_rows > 0). Measured on the H200 host, both made decode slower (CPU "
+        "branch 3.05 against 1.70 ms per step with avx512, 1.38 against 1.17 with avx2): bench "
+        "variants ostinato-pairs-avx2, ostinato-pairs-avx512 (docs/engine.md, \"Row pairs\").")
+    cpu_branch_spins: int = Field(256, ge=0, le=1 << 30, description="Pauses (x86 PAUSE, ~40 ns on "
+                                  "the H200 host's Xeon) a waiting thread of the CPU branch's team spins "
+                                  "before it yields on every further try. More keeps the team on its "
+                                  "cores between layers (on the H200 host's `ostinato bench cpu-branch` "
+                                  "never yielding took 4 Qwen3.5 experts from 226 to 154 us on 15 "
+                                  "threads) but costs whole time slices when more threads than cores "
+                                  "want to run (one run there took 10 ms). In the engine 32768 (bench "
+                                  "variant ostinato-cpu-spin) starved the decode step: a wait passed "
+                                  "20 s and the decode graph turned itself off; keep the default "
+                                  "(docs/engine.md, \"CPU branch kernel\").")
+    cpu_branch_claims: bool = Field(True, description="How the CPU branch's team takes a layer's "
+                                    "work: on (a claim board: the threads that are on a core take its "
+                                    "chunks of weight rows one at a time and the one completing a "
+                                    "phase opens the next, so a layer never waits for a thread the "
+                                    "scheduler took off its core) or off (every thread in every phase, "
+                                    "a barrier after each: the form before; bench variant "
+                                    "ostinato-barriers). The same arithmetic either way "
+                                    "(docs/engine.md, \"CPU branch kernel\").")
+
+    @field_validator("upload_cpu_share")
+    @classmethod
+    def _share_or_adapted(cls, v: float) -> float:
+        if not (0.0 <= v <= 1.0 or v == -1.0):
+            raise ValueError("upload_cpu_share is a share 0..1, or -1 (adapted)")
+        return v
+
+
+class EngineSettings(EngineTuning):
+    """The ``[engine]`` table of settings.toml (env ``OSTINATO_ENGINE__<FIELD>``): the expert engine's
+    tuning. The fields below are inputs that :func:`ostinatod.engine.options.resolve_options` combines
+    with the calibration and the hardware (unset: the calibration's choice)."""
+
+    decode_overlap: Optional[bool] = Field(None, description="Decode overlap: the CPU branch of a "
+                                           "layer runs while its GPU branch computes (true), or first "
+                                           "with one host round trip fewer (false). Default: the "
+                                           "faster one measured by the calibration, else true.")
+    decode_threads: Optional[int] = Field(None, ge=1, description="CPU threads for one-token decode "
+                                          "steps with the expert engine (prefill keeps n_threads). "
+                                          "Default: the calibration's fastest, else n_threads.")
+    decode_graph: Optional[bool] = Field(None, description="Decode graph: decode steps and short "
+                                         "split-path prefills run as one CUDA graph per GPU (route op "
+                                         "on the GPU, CPU branch on a resident thread pool). Default: "
+                                         "on when the expert pool is on a GPU; false turns it off.")
+    prefill_cpu_split: bool = Field(False, description="Experimental (off: slower and not stable on "
+                                    "the H200 runs, docs/engine.md \"Pool views and the hybrid upload pass\"): the "
+                                    "prefill after a tool output uses the CPU as a second path: per layer, "
+                                    "the cold experts with the fewest routes are computed by the CPU "
+                                    "branch's own kernel while the others are uploaded, as many as the cost "
+                                    "model (the calibration's CPU-branch bandwidth and pinned host->GPU "
+                                    "bandwidth) says finish no later than those uploads. Needs a calibration "
+                                    "or load probe and a pool on a GPU; false (default) uploads every cold "
+                                    "expert. A non-zero upload_cpu_share replaces it (measurements).")
+    prefill_prefetch: bool = Field(True, description="Prefetch for long prefills: the next layers' "
+                                   "routers applied to this layer's input predict their experts, whose "
+                                   "copies then start early (prefill_prefetch_depth layers ahead). Adds "
+                                   "staging regions to the pool (the planner reserves them). Measured "
+                                   "on the H200 (one layer ahead): TTFT "
+                                   "after a tool output 0.149 s against 0.201 s without "
+                                   "(docs/benchmarks/runs/2026-11-30-engines-h200-L48-ab).")
+    prefill_prefetch_depth: int = Field(2, ge=1, le=2, description="Layers ahead the prefill "
+                                        "prefetch predicts: 1 (the next layer) or 2 (the next two; a "
+                                        "layer's predicted set is the union of both predictions, and "
+                                        "its copies may start two layers early). The pool gets "
+                                        "depth + 1 staging regions (the planner reserves them). "
+                                        "Measured on the H200 at a 45% pool, one run: TTFT after a "
+                                        "tool output 0.146 s at depth 2 against 0.153 s at depth 1, "
+                                        "but 127.8 against 126.4 ms per such prefill in the engine "
+                                        "(3.5% more bytes copied, fewer misses): no clear winner "
+                                        "(docs/benchmarks/runs/"
+                                        "2026-12-01-engines-h200-16c-L48-prefetch2-headline).")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: Any) -> Any:
+        if isinstance(v, bool) and _number_types(cls.model_fields[info.field_name].annotation):
+            raise ValueError("a number is needed, not true/false")
+        return v
+
+
+# Settings that lived at the top level before the [engine] table: still read there (env and file),
+# moved into it with one warning naming the new place.
+ENGINE_KEYS = tuple(EngineSettings.model_fields)
+
 class Settings(BaseSettings):
     """Ostinato daemon settings (file + env ``OSTINATO_*``)."""
 
-    model_config = SettingsConfigDict(env_prefix="OSTINATO_", extra="forbid", validate_assignment=True)
+    model_config = SettingsConfigDict(env_prefix="OSTINATO_", env_nested_delimiter="__", extra="forbid",
+                                      validate_assignment=True)
 
     # --- HTTP front end -------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the HTTP API binds. Keep 127.0.0.1 unless an "
@@ -205,119 +354,8 @@ class Settings(BaseSettings):
     prefill_threshold: Optional[int] = Field(None, ge=1, description="Np: forward passes with at "
                                              "least this many tokens take the upload path. Default: "
                                              "from the calibration in the hardware profile.")
-    decode_overlap: Optional[bool] = Field(None, description="Decode overlap: the CPU branch of a "
-                                           "layer runs while its GPU branch computes (true), or first "
-                                           "with one host round trip fewer (false). Default: the "
-                                           "faster one measured by the calibration, else true.")
-    decode_threads: Optional[int] = Field(None, ge=1, description="CPU threads for one-token decode "
-                                          "steps with the expert engine (prefill keeps n_threads). "
-                                          "Default: the calibration's fastest, else n_threads.")
-    decode_graph: Optional[bool] = Field(None, description="Decode graph: decode steps and short "
-                                         "split-path prefills run as one CUDA graph per GPU (route op "
-                                         "on the GPU, CPU branch on a resident thread pool). Default: "
-                                         "on when the expert pool is on a GPU; false turns it off.")
-    cpu_branch_kernel: bool = Field(True, description="The decode graph's CPU branch computes a "
-                                    "layer's cold experts with its own kernel (ggml-cpu's dot products "
-                                    "row by row, each expert read once, on a thread team that spins "
-                                    "while a pass runs; bitwise what ggml computes) instead of ggml's "
-                                    "graph compute. Off only for measurements (docs/engine.md, "
-                                    "\"CPU branch kernel\").")
-    cpu_branch_prefetch_rows: int = Field(0, ge=0, le=64, description="The CPU branch kernel "
-                                          "prefetches the weight row this many rows ahead of the one it "
-                                          "computes (software prefetch; 0: off, the hardware prefetcher "
-                                          "alone). Changes when bytes are fetched, never what is computed. "
-                                          "Not yet measured on the GPU machine: `ostinato bench cpu-branch "
-                                          "--prefetch-rows 0,2,4` and the bench variant "
-                                          "ostinato-cpu-prefetch compare (docs/engine.md, \"CPU branch "
-                                          "kernel\").")
-    cpu_branch_row_pairs: Literal["off", "avx2", "avx512"] = Field(
-        "off", description="The CPU branch kernel's dot products: off (ggml-cpu's vec_dot row by row), "
-        "or two weight rows per pass in two AVX2 registers or one AVX-512 register, bitwise what vec_dot "
-        "gives (each type, q4_0, q8_0, q4_K, q5_K, q6_K, is checked against it on this machine at first "
-        "use and left to vec_dot if one bit differs; a CPU without AVX-512 takes AVX2; left out while "
-        "cpu_branch_prefetch_rows > 0). Measured on the H200 host, both made decode slower (CPU "
-        "branch 3.05 against 1.70 ms per step with avx512, 1.38 against 1.17 with avx2): bench "
-        "variants ostinato-pairs-avx2, ostinato-pairs-avx512 (docs/engine.md, \"Row pairs\").")
-    cpu_branch_spins: int = Field(256, ge=0, le=1 << 30, description="Pauses (x86 PAUSE, ~40 ns on "
-                                  "the H200 host's Xeon) a waiting thread of the CPU branch's team spins "
-                                  "before it yields on every further try. More keeps the team on its "
-                                  "cores between layers (on the H200 host's `ostinato bench cpu-branch` "
-                                  "never yielding took 4 Qwen3.5 experts from 226 to 154 us on 15 "
-                                  "threads) but costs whole time slices when more threads than cores "
-                                  "want to run (one run there took 10 ms). In the engine 32768 (bench "
-                                  "variant ostinato-cpu-spin) starved the decode step: a wait passed "
-                                  "20 s and the decode graph turned itself off; keep the default "
-                                  "(docs/engine.md, \"CPU branch kernel\").")
-    cpu_branch_claims: bool = Field(True, description="How the CPU branch's team takes a layer's "
-                                    "work: on (a claim board: the threads that are on a core take its "
-                                    "chunks of weight rows one at a time and the one completing a "
-                                    "phase opens the next, so a layer never waits for a thread the "
-                                    "scheduler took off its core) or off (every thread in every phase, "
-                                    "a barrier after each: the form before; bench variant "
-                                    "ostinato-barriers). The same arithmetic either way "
-                                    "(docs/engine.md, \"CPU branch kernel\").")
-    decode_prefetch_experts: int = Field(2, ge=0, le=16, description="Decode prefetch: in each "
-                                         "decode step a layer predicts the next layer's routes (that "
-                                         "layer's router on its own input) and copies up to this many of "
-                                         "the predicted cold experts to the GPU while it computes; their "
-                                         "routes then run on the GPU instead of the CPU branch. The choice "
-                                         "depends on the model's computation only, so runs repeat exactly. "
-                                         "0: off. Needs prefill_prefetch_depth 2 (its staging regions; "
-                                         "docs/engine.md, \"Decode prefetch\").")
-    decode_prefetch_copy_blocks: int = Field(8, ge=1, le=1024, description="Decode prefetch: "
-                                             "blocks of 512 threads of the GPU kernel that copies the "
-                                             "staged experts over PCIe, beside the decode step's own "
-                                             "kernels. On the H200, 8 copied as fast as 32 and the step's "
-                                             "own kernels ran ~11 us per layer faster beside them (bench "
-                                             "variants ostinato-copy2, -copy4, -copy32; docs/engine.md, "
-                                             "\"Decode timeline\").")
-    decode_borrow: bool = Field(True, description="Borrowed decode memory: during decode the "
-                                "upload path's staging slots hold the cold experts the CPU branch "
-                                "computed most lately; handed back before each long prefill.")
-    upload_cpu_share: float = Field(0.0, ge=-1.0, le=1.0, description="Hybrid upload passes: the "
-                                    "share (0..1) of a long prefill's cold experts, those with the "
-                                    "fewest routes, that a CPU branch computes while the others are "
-                                    "uploaded; -1: adapted per layer. 0 (default): the cost model's "
-                                    "split (prefill_cpu_split) decides instead. Measurements only.")
-    prefill_cpu_split: bool = Field(False, description="Experimental (off: slower and not stable on "
-                                    "the H200 runs, docs/engine.md \"Pool views and the hybrid upload pass\"): the "
-                                    "prefill after a tool output uses the CPU as a second path: per layer, "
-                                    "the cold experts with the fewest routes are computed by the CPU "
-                                    "branch's own kernel while the others are uploaded, as many as the cost "
-                                    "model (the calibration's CPU-branch bandwidth and pinned host->GPU "
-                                    "bandwidth) says finish no later than those uploads. Needs a calibration "
-                                    "or load probe and a pool on a GPU; false (default) uploads every cold "
-                                    "expert. A non-zero upload_cpu_share replaces it (measurements).")
-    prefill_prefetch: bool = Field(True, description="Prefetch for long prefills: the next layers' "
-                                   "routers applied to this layer's input predict their experts, whose "
-                                   "copies then start early (prefill_prefetch_depth layers ahead). Adds "
-                                   "staging regions to the pool (the planner reserves them). Measured "
-                                   "on the H200 (one layer ahead): TTFT "
-                                   "after a tool output 0.149 s against 0.201 s without "
-                                   "(docs/benchmarks/runs/2026-11-30-engines-h200-L48-ab).")
-    prefill_prefetch_depth: int = Field(2, ge=1, le=2, description="Layers ahead the prefill "
-                                        "prefetch predicts: 1 (the next layer) or 2 (the next two; a "
-                                        "layer's predicted set is the union of both predictions, and "
-                                        "its copies may start two layers early). The pool gets "
-                                        "depth + 1 staging regions (the planner reserves them). "
-                                        "Measured on the H200 at a 45% pool, one run: TTFT after a "
-                                        "tool output 0.146 s at depth 2 against 0.153 s at depth 1, "
-                                        "but 127.8 against 126.4 ms per such prefill in the engine "
-                                        "(3.5% more bytes copied, fewer misses): no clear winner "
-                                        "(docs/benchmarks/runs/"
-                                        "2026-12-01-engines-h200-16c-L48-prefetch2-headline).")
-    upload_copy_2d: bool = Field(True, description="Long prefills on a GPU pool: each cold expert's "
-                                 "weight matrices reach the GPU in one 2D copy rather than one copy "
-                                 "per matrix (same bytes, fewer and larger transfers), where the "
-                                 "pool's pitch is within the device's maximum (pools of under 2 GiB "
-                                 "per class tensor; docs/engine.md, \"Whole-expert copies\"). Off only "
-                                 "for measurements.")
-    pool_whole_expert_slots: bool = Field(True, description="Expert pool layout: each slot holds "
-                                          "its expert's weight matrices next to each other, so that "
-                                          "a long prefill's upload copies take one transfer per "
-                                          "expert at any pool size (docs/engine.md, \"Whole-expert "
-                                          "copies\"). Same memory and computation. Off only for "
-                                          "measurements (the layout with one tensor per matrix).")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="The expert engine's "
+                                   "tuning: the [engine] table (see the engine.* rows).")
     workload_default: str = Field("coding", description="Workload of requests that name none and "
                                   "come from no known client.")
     max_workloads: int = Field(16, ge=1, description="Workload names learnt from requests "
@@ -362,17 +400,33 @@ class Settings(BaseSettings):
             raise ValueError("api_key is empty: set a key, or leave it unset to run without one")
         return v
 
-    @field_validator("upload_cpu_share")
+    @model_validator(mode="before")
     @classmethod
-    def _share_or_adapted(cls, v: float) -> float:
-        if not (0.0 <= v <= 1.0 or v == -1.0):
-            raise ValueError("upload_cpu_share is a share 0..1, or -1 (adapted)")
-        return v
+    def _old_engine_keys(cls, data: Any) -> Any:
+        # a file, env var or override using a key from before the [engine] table keeps working
+        if not isinstance(data, dict):
+            return data
+        old = [k for k in data if k in ENGINE_KEYS]
+        if not old:
+            return data
+        data = dict(data)
+        eng = data.get("engine") or {}
+        eng = dict(eng) if isinstance(eng, dict) else eng.model_dump(exclude_unset=True)
+        for k in old:
+            v = data.pop(k)
+            eng.setdefault(k, v)   # the [engine] table's own value wins
+        data["engine"] = eng
+        import logging
+
+        logging.getLogger("ostinatod.settings").warning(
+            "settings %s moved to the [engine] table (settings.toml: [engine] %s = ...; env: "
+            "OSTINATO_ENGINE__<NAME>); read from the old place", ", ".join(old), old[0])
+        return data
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _TomlSource(settings_cls))
+        return (init_settings, env_settings, _OldEngineEnv(settings_cls), _TomlSource(settings_cls))
 
 
 SETTINGS_MAX_BYTES = 1 << 20  # a settings file is a few KiB; a bigger one is a mistake
@@ -390,6 +444,19 @@ def _number_types(annotation: Any) -> tuple:
 
     args = typing.get_args(annotation) or (annotation,)
     return tuple(a for a in args if a in (int, float))
+
+
+class _OldEngineEnv(PydanticBaseSettingsSource):
+    """``OSTINATO_<NAME>`` of an engine setting from before the [engine] table (now
+    ``OSTINATO_ENGINE__<NAME>``): read as before; :meth:`Settings._old_engine_keys` moves it."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        import os
+
+        return {k: os.environ[f"OSTINATO_{k.upper()}"] for k in ENGINE_KEYS if f"OSTINATO_{k.upper()}" in os.environ}
 
 
 class _TomlSource(PydanticBaseSettingsSource):
@@ -419,7 +486,7 @@ class _TomlSource(PydanticBaseSettingsSource):
             raise SettingsError(f"{path}: nests too deeply to be a settings file") from None
         except OSError as e:
             raise SettingsError(f"{path}: cannot be read: {e.strerror or e}") from None
-        unknown = [k for k in data if k not in self.settings_cls.model_fields]
+        unknown = [k for k in data if k not in self.settings_cls.model_fields and k not in ENGINE_KEYS]
         if unknown:
             import difflib
 
@@ -463,6 +530,13 @@ def settings_markdown() -> str:
     """Markdown table of all settings (docs/settings.md is generated from this)."""
     rows = ["| setting | env | default | description |", "|---|---|---|---|"]
     for name, f in Settings.model_fields.items():
+        if name == "engine":   # the [engine] table: a row per field
+            for ename, ef in EngineSettings.model_fields.items():
+                default = ef.get_default(call_default_factory=True)
+                default = default if default is not None else "(unset)"
+                rows.append(f"| `engine.{ename}` | `OSTINATO_ENGINE__{ename.upper()}` | `{default}` | "
+                            f"{ef.description} |")
+            continue
         default = f.get_default(call_default_factory=True)
         default = default if default is not None else "(unset)"
         rows.append(f"| `{name}` | `OSTINATO_{name.upper()}` | `{default}` | {f.description} |")

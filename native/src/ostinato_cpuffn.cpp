@@ -928,6 +928,7 @@ int ost_ffn_set_prefetch_rows(int rows) { return g_prefetch_rows.exchange(std::m
 bool ost_ffn_set_phase_timing(bool on) { return g_phase_timing.exchange(on); }
 int ost_ffn_set_spins(int spins) { return g_spins.exchange(std::max(0, spins)); }
 int ost_ffn_spins() { return g_spins.load(); }
+bool ost_ffn_claims() { return g_claims.load(); }
 int ost_ffn_prefetch_rows() { return g_prefetch_rows.load(); }
 
 int32_t ost_ffn_tiled_rows(ggml_type up, ggml_type gate, ggml_type down) {

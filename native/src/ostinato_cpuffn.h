@@ -96,6 +96,8 @@ struct ost_ffn_stats {
 // part in every phase, with a barrier after each (the form before 2026-12-03, for `ostinato bench
 // engines`' A/B). The same arithmetic either way. Returns the previous value.
 bool ost_ffn_set_claims(bool on);
+// The team's current mode (ost_ffn_set_claims).
+bool ost_ffn_claims();
 
 // Phase timing of ost_ffn_run (off by default; for `ostinato bench cpu-branch`): a few clock reads
 // per thread and phase. Returns the previous value.

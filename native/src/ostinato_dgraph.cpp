@@ -21,8 +21,6 @@
 #define OST_RELAX() std::this_thread::yield()
 #endif
 
-bool g_ffn_kernel = true;
-
 namespace {
 
 constexpr int64_t WAIT_TIMEOUT_NS = 20LL * 1000 * 1000 * 1000;   // a wait this long means a lost pass
@@ -258,7 +256,7 @@ bool prepare(ost_dgraph * dg, jobset_t & js) {
         // with the kernel on, ggml's compute serves only the layers it does not take: on a quarter
         // of the threads, as the OpenMP pool had (two OpenMP teams in one process with more threads
         // than cores make libgomp cut every wait short, prefill's too: docs/engine.md, Threads)
-        j.plan = ggml_graph_plan(j.g, g_ffn_kernel ? std::max(1, dg->n_threads / 4) : dg->n_threads, dg->tp);
+        j.plan = ggml_graph_plan(j.g, dg->cfg.ffn_kernel ? std::max(1, dg->n_threads / 4) : dg->n_threads, dg->tp);
         work = std::max(work, j.plan.work_size);
     }
     if (dg->work.size() < work) dg->work.resize(work);
@@ -438,6 +436,8 @@ void ost_dg_free(ost_dgraph * dg) {
 
 int ost_dg_max_tokens(const ost_dgraph * dg) { return dg ? dg->cfg.max_tokens : 0; }
 
+void ost_dg_set_ffn_kernel(ost_dgraph * dg, bool on) { if (dg) dg->cfg.ffn_kernel = on; }
+
 void ost_dg_info(const ost_dgraph * dg, int & n_threads, int64_t & mailbox_bytes) {
     n_threads = dg ? dg->n_threads : 0;
     mailbox_bytes = dg ? dg->mbx_bytes : 0;
@@ -577,9 +577,9 @@ void ost_dg_cpu_end(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tens
     j.g = ggml_new_graph_custom(j.ctx, MAX_CPU_NODES, false);
     ggml_build_forward_expand(j.g, out);
     std::string why;
-    j.fast = g_ffn_kernel && ost_ffn_match(out, j.ids, j.cur, j.ffn, why);
+    j.fast = dg->cfg.ffn_kernel && ost_ffn_match(out, j.ids, j.cur, j.ffn, why);
     if (j.fast) js->any_fast = true;
-    else if (g_ffn_kernel) dg->fast_note = why;
+    else if (dg->cfg.ffn_kernel) dg->fast_note = why;
 }
 
 ggml_tensor * ost_dg_join(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il) {

@@ -64,6 +64,7 @@ struct ost_dg_config {
     ggml_backend_buffer_type_t host_buft = nullptr;   // mailbox memory: the GPU's pinned host type, or CPU
     bool host_pool = false;        // the pools are host memory (CPU build): the CPU route op copies staged experts
     int copy_blocks = 0;           // decode prefetch: blocks of the stage copy kernel (GPU builds; >= 1, from the setting)
+    bool ffn_kernel = true;        // the CPU branch on its own kernel (ostinato_cpuffn.h), else ggml's graph compute
     std::vector<ost_dg_layer> layers;
     ost_dg_count_fn count = nullptr;
     void * count_ud = nullptr;
@@ -132,6 +133,6 @@ struct ost_dg_timeline {
 // read before and every layer of its graph has published (a pass still running is read as done
 // and dropped). Each call samples one pass; empty otherwise.
 ost_dg_timeline ost_dg_collect_timeline(ost_dgraph * dg);
-// The CPU branch's own kernel on (default) or off (ggml's graph compute for every layer; for
-// measurements). Read when a graph is built.
-extern bool    g_ffn_kernel;
+// The CPU branch's own kernel on or off (ggml's graph compute for every layer; for measurements):
+// cfg.ffn_kernel, read when a graph is built.
+void           ost_dg_set_ffn_kernel(ost_dgraph * dg, bool on);

@@ -38,8 +38,8 @@ struct config_t {
     std::map<int, std::vector<int>> hot;   // layer -> hot expert ids
     int device = -1;                       // GPU index among GPU devices, -1 = CPU pool
     std::map<int, int> layer_device;       // layer -> GPU index (several GPUs); absent layer: `device`
-    int64_t np = 512;                      // prefill threshold Np (tokens)
-    int force = FORCE_AUTO;
+    int64_t np = -1;                       // prefill threshold Np (tokens) named by the config, -1: none
+    int force = -1;                        // forced path named by the config, -1: none
 };
 
 struct size_class_t {
@@ -163,6 +163,7 @@ struct built_t {
 };
 
 struct engine_t {
+    ostinato_engine_options opts;              // the engine's options (load, switch, reconfigure)
     llama_model * model = nullptr;
     int n_layer = 0, n_expert = 0, k = 0;
     std::unordered_map<const ggml_tensor *, int> by_down;
@@ -185,8 +186,8 @@ struct engine_t {
     bool dg_running = false;                   // the current pass has decode-graph layers
     std::map<ggml_context *, built_t> built;   // per graph context (reset when a graph is built in it)
     double upload_cpu_share = 0.5;             // hybrid upload passes: adapted share of cold experts on the CPU
-    int prefetch = 0;                          // prefetch depth the pool was built for (g_prefetch at
-                                               // build): 0 off, d layers ahead with d + 1 staging regions
+    int prefetch = 0;                          // prefetch depth the pool was built for (opts.prefetch_depth
+                                               // at build): 0 off, d layers ahead with d + 1 staging regions
     std::vector<std::vector<int32_t>> pf_slot; // [layer][expert]: staging slot a prefetch put it in, or -1
     std::vector<uint8_t> pf_ran;               // [layer]: a prefetch ran for it in this pass (misses count)
     std::vector<uint8_t> pf_pending;           // [layer]: its prefetch copies are not joined yet
@@ -217,12 +218,14 @@ struct pinned_t {
 // guarded by g_mu
 extern std::mutex g_mu;
 extern pinned_t g_pin;
-extern int64_t    g_np;           // run-time: prefill threshold Np and forced path (kept across loads)
-extern int        g_force;
 extern engine_t * g_eng;
 extern std::string g_err;
-extern bool g_graph_dirty, g_timing, g_overlap, g_dgraph_broken, g_borrow, g_views, g_resident, g_copy_2d,
-            g_whole_slots;
+extern bool g_graph_dirty, g_dgraph_broken;
+// The options in force: the engine's, or the defaults where no engine is active. Caller holds g_mu.
+inline const ostinato_engine_options & opts_of(const engine_t * e) {
+    static const ostinato_engine_options defaults{};
+    return e ? e->opts : defaults;
+}
 
 // op_params slot and value with which a mul_mat_id is marked as holding negative ids (patch 21 reads
 // them in the CUDA backend; ggml's own use of a mul_mat_id's op_params ends at index 2 + GGML_MAX_SRC)
@@ -242,17 +245,12 @@ inline intptr_t op_ud(int il, bool views, bool hybrid = false) {
 inline int  op_ud_layer(void * ud) { return (int) ((intptr_t) ud >> 2); }
 inline bool op_ud_views(void * ud) { return ((intptr_t) ud & 1) != 0; }
 inline bool op_ud_hybrid(void * ud) { return ((intptr_t) ud & 2) != 0; }
-extern int  g_dgraph, g_dgraph_max, g_cpu_threads;
 // the adapted share of hybrid passes: its step, and the wait (us) that counts as one
 constexpr double ADAPT_STEP = 0.02, ADAPT_WAITED_US = 50;
-extern double g_upload_cpu_share;   // hybrid upload passes: fixed CPU share 0..1, or -1 (adapted)
-extern int g_hybrid_rows;           // hybrid upload passes: most tokens the CPU branch takes
-// hybrid upload passes' cost-model split (ostinato_experts_set_cpu_split): off while a bandwidth is 0
-extern double g_split_alpha_us, g_split_cpu_gbps, g_split_h2d_gbps;
-inline bool split_on() { return g_split_cpu_gbps > 0 && g_split_h2d_gbps > 0; }
-extern int g_prefetch;              // prefetch depth for upload passes with views, 0..2 (next pool build)
-extern int g_dprefetch;             // decode prefetch: most experts staged per layer and step (0: off)
-extern int g_dprefetch_blocks;      // decode prefetch: blocks of the stage copy kernel (1..OST_COPY_BLOCKS_MAX)
+// hybrid upload passes' cost-model split (the options' cpu_split_*): off while a bandwidth is 0
+inline bool split_on(const ostinato_engine_options & o) { return o.cpu_split_cpu_gbps > 0 && o.cpu_split_h2d_gbps > 0; }
+// upload passes with views are built hybrid (with a CPU branch)
+inline bool hybrid_on(const ostinato_engine_options & o) { return o.upload_cpu_share != 0 || split_on(o); }
 constexpr int OST_COPY_BLOCKS_MAX = 1024;
 
 // The tensor in a layer's "up" slot: merged gate_up rows when the file has them, else up; and its
@@ -308,7 +306,7 @@ void count_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void flush_counts(engine_t * e);
 // ostinato_pool.cpp
 void unpin(pinned_t & p);
-bool build_engine(llama_model * model, const config_t & cfg, std::string & err);
+bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engine_options & opts, std::string & err);
 void borrow_release(engine_t * e);
 void borrow_step(engine_t * e);
 

@@ -14,7 +14,8 @@
 // the CPU branch, whose inputs are all on the host already, runs while it computes (decode overlap);
 // the sum waits for both. The only GPU syncs per layer are the route op's and the sum's.
 //
-// This file: the engine's globals, the hooks called by the patched llama.cpp and the C API's setters.
+// This file: the engine's globals, the hooks called by the patched llama.cpp and the C API (its options:
+// ostinato_experts_reconfigure).
 // The pool is built in ostinato_pool.cpp, the CPU ops of the split/upload paths and the route counts
 // are in ostinato_paths.cpp, the info/stats JSON in ostinato_stats.cpp, the decode graph in
 // ostinato_dgraph.cpp (shared state: ostinato_engine.h).
@@ -37,28 +38,12 @@ pinned_t g_pin;
 // the placement of the model load running on this thread (ostinato_model_load), else null: the
 // config travels with the load call, as tensor_buft_overrides do, not through a global
 thread_local const config_t * t_load_cfg = nullptr;
-int64_t    g_np = 512;            // run-time: prefill threshold Np and forced path (kept across loads)
-int        g_force = FORCE_AUTO;
+// the options of that load (ostinato_model_load), likewise
+thread_local const ostinato_engine_options * t_load_opts = nullptr;
 engine_t * g_eng = nullptr;
 std::string g_err;
 bool g_graph_dirty = false;   // set by a residency switch: cached graphs reference the old pool
-bool g_timing = false;        // timing mode: GPU branches get a synchronising marker
-bool g_overlap = true;        // decode overlap: CPU branch after the GPU branch in the graph
-int  g_dgraph = -1;           // decode graph: -1 auto (on when a pool is on a GPU), 0 off, 1 on
 bool g_dgraph_broken = false; // a pass lost a wait: decode graph off until the next model load
-int  g_dgraph_max = 64;       // largest pass (tokens) that takes the decode graph
-int  g_cpu_threads = 0;       // CPU-branch threads of the decode graph (0: estimate physical cores)
-bool g_borrow = true;         // borrowed decode memory (staging slots lent to decode)
-bool g_views = true;          // per-layer pool views for passes of >= OSTINATO_VIEW_MIN_TOKENS tokens
-bool g_resident = true;       // all-resident layers take the stock computation over their resident tensors
-bool g_copy_2d = true;        // upload path: an expert's matrices in one 2D copy where the layout allows
-bool g_whole_slots = false;   // pools built with whole-expert slots (read at each pool build)
-double g_upload_cpu_share = 0;    // hybrid upload passes: fixed CPU share of the cold experts, -1 adapted; 0 = off
-int g_hybrid_rows = 64;           // hybrid upload passes: most tokens the CPU branch takes
-double g_split_alpha_us = 0, g_split_cpu_gbps = 0, g_split_h2d_gbps = 0;
-int g_prefetch = 0;               // prefetch depth for upload passes with views (depth + 1 staging regions)
-int g_dprefetch = 0;              // decode prefetch: most experts staged per layer and step (0: off)
-int g_dprefetch_blocks = 8;       // decode prefetch: blocks of the stage copy kernel
 
 int64_t now_us() {
     return std::chrono::duration_cast<std::chrono::microseconds>(
@@ -130,7 +115,7 @@ ggml_tensor * ostinato_moe_mark(ggml_context * ctx, ggml_tensor * after, int il,
 
 int ostinato_moe_hybrid(void) {
     std::lock_guard<std::mutex> lock(g_mu);
-    return g_upload_cpu_share != 0 || split_on() ? 1 : 0;
+    return hybrid_on(opts_of(g_eng)) ? 1 : 0;
 }
 
 namespace {
@@ -192,7 +177,8 @@ share_runner * share_runner_get() {
         auto * s = new share_runner();
         // the decode graph's CPU-branch threads (every core but one by default): a prefill's CPU
         // share and a decode step's CPU branch never run at once
-        int nt = g_cpu_threads > 0 ? g_cpu_threads : (int) std::thread::hardware_concurrency() - 1;
+        const int n_opt = g_eng ? g_eng->opts.cpu_threads : 0;   // a pass is running: the engine is there
+        int nt = n_opt > 0 ? n_opt : (int) std::thread::hardware_concurrency() - 1;
         s->team = ost_team_new(std::max(1, nt));
         s->th = std::thread(share_main, s);
         s->th.detach();
@@ -258,7 +244,7 @@ void share_wait_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     e->cur.cpu_kernel_layers++;
     e->cur.cpu_ms += ms_run / 1000.0;
     e->cur.cpu_wait_ms += (t1 - t0) / 1000.0;
-    if (g_upload_cpu_share < 0 && t1 - t0 > ADAPT_WAITED_US) {   // the CPU was the longer part
+    if (e->opts.upload_cpu_share < 0 && t1 - t0 > ADAPT_WAITED_US) {   // the CPU was the longer part
         e->upload_cpu_share = std::max(0.0, e->upload_cpu_share - ADAPT_STEP);
     }
 }
@@ -267,7 +253,7 @@ void share_wait_op(ggml_tensor * dst, int ith, int nth, void * ud) {
 
 ggml_tensor * ostinato_moe_cpu_share(ggml_context * ctx, ggml_tensor * out, ggml_tensor * ids, ggml_tensor * cur, int il) {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (!g_ffn_kernel || il < 0) return out;
+    if (!g_eng || !g_eng->opts.cpu_branch_kernel || il < 0) return out;
     ost_ffn f;
     std::string why;
     if (!ost_ffn_match(out, ids, cur, f, why)) return out;
@@ -314,7 +300,7 @@ bool routes_by_token(const engine_t * e, int il) {
 
 // Layer il takes the all-resident path (see ostinato_moe_resident). Caller holds g_mu.
 bool resident_layer(const engine_t * e, int il) {
-    if (!e || !g_resident || il < 0 || il >= e->n_layer) return false;
+    if (!e || !e->opts.resident_path || il < 0 || il >= e->n_layer) return false;
     const auto & l = e->layers[il];
     const int pi = e->layer_pool[il];
     return l.has_hot && l.n_hot == e->n_expert && l.resident[2] && pi >= 0 && e->pools[pi].counts;
@@ -343,7 +329,7 @@ ggml_tensor * ostinato_moe_prefetch_gate(int il, int64_t n_tokens, int dist, int
     const int nx = il + dist;
     // the last trunk layer may see only the output rows (no views): no prefetch for it (layers past
     // the trunk, e.g. MTP layers, are not in the forward pass)
-    if (!e || dist < 1 || dist > e->prefetch || !g_views || il < 0 || nx >= (int) e->model->hparams.n_layer() - 1 ||
+    if (!e || dist < 1 || dist > e->prefetch || !e->opts.pool_views || il < 0 || nx >= (int) e->model->hparams.n_layer() - 1 ||
         n_tokens < OSTINATO_VIEW_MIN_TOKENS) {
         return nullptr;
     }
@@ -373,7 +359,7 @@ ggml_tensor * ostinato_moe_upload(ggml_context * ctx, ggml_tensor * route, int i
     int64_t m = 0;   // the CPU branch's rows M (patch 13 reads them back from the op's size)
     if (hybrid) {
         std::lock_guard<std::mutex> lock(g_mu);
-        m = std::min<int64_t>(n, g_hybrid_rows);
+        m = std::min<int64_t>(n, opts_of(g_eng).hybrid_rows);
     }
     ggml_tensor * t = hybrid
         ? ggml_custom_4d(ctx, GGML_TYPE_I32, k * n + k * m + 2 * m, 1, 1, 1, args, 1, upload_op, 1,
@@ -395,7 +381,7 @@ ggml_tensor * ostinato_moe_upload_join(ggml_context * ctx, ggml_tensor * upload,
 int ostinato_moe_views(int il, int64_t n_tokens) {
     std::lock_guard<std::mutex> lock(g_mu);
     engine_t * e = g_eng;
-    if (!e || il < 0 || il >= e->n_layer || !g_views) return 0;
+    if (!e || il < 0 || il >= e->n_layer || !e->opts.pool_views) return 0;
     const auto & l = e->layers[il];
     return l.has_hot && l.views && n_tokens >= OSTINATO_VIEW_MIN_TOKENS ? 1 : 0;
 }
@@ -434,8 +420,8 @@ namespace {
 
 // Decode graph wanted for this engine (auto: a pool on a GPU); creates it on first use. Holds g_mu.
 ost_dgraph * dgraph_of(engine_t * e) {
-    if (!e || g_dgraph == 0 || g_dgraph_broken || g_timing || e->dg_failed) return nullptr;
-    if (g_dgraph < 0) {
+    if (!e || e->opts.decode_graph == 0 || g_dgraph_broken || e->opts.timing || e->dg_failed) return nullptr;
+    if (e->opts.decode_graph < 0) {
         bool gpu = false;
         for (auto & p : e->pools) gpu = gpu || ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU;
         if (!gpu) return nullptr;
@@ -444,8 +430,9 @@ ost_dgraph * dgraph_of(engine_t * e) {
     ost_dg_config c;
     c.n_layer = e->n_layer; c.n_expert = e->n_expert; c.k = e->k;
     c.n_embd = e->model->hparams.n_embd;
-    c.max_tokens = g_dgraph_max;
-    c.n_threads = g_cpu_threads;
+    c.max_tokens = e->opts.decode_graph_max_tokens;
+    c.n_threads = e->opts.cpu_threads;
+    c.ffn_kernel = e->opts.cpu_branch_kernel != 0;
     for (auto & p : e->pools) {
         if (ggml_backend_dev_type(p.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
             c.host_buft = ggml_backend_dev_host_buffer_type(p.dev);   // pinned, mapped into every GPU
@@ -466,17 +453,17 @@ ost_dgraph * dgraph_of(engine_t * e) {
         // borrowed decode slots), so the copies for layer il + 1 never land in slots that layer il's
         // GPU branch reads while they run
         const auto & ml = e->layers[il];
-        if (g_dprefetch > 0 && ml.has_hot && ml.n_stage > 0 && e->prefetch + 1 >= 3 && ml.n_hot < e->n_expert) {
+        if (e->opts.decode_prefetch_experts > 0 && ml.has_hot && ml.n_stage > 0 && e->prefetch + 1 >= 3 && ml.n_hot < e->n_expert) {
             l.stage_slot0 = ml.stage0 + (1 + (il & 1)) * ml.n_stage;
         }
     }
     c.host_pool = true;
-    c.copy_blocks = g_dprefetch_blocks;
+    c.copy_blocks = e->opts.decode_prefetch_copy_blocks;
     for (auto & p : e->pools) c.host_pool = c.host_pool && ggml_backend_dev_type(p.dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
     // each layer's prediction of the next one (decode prefetch): where both are on one pool and the
     // next layer's experts lie in host memory (the copies read them there)
     const int n_trunk = (int) e->model->hparams.n_layer();
-    for (int il = 0; il + 1 < n_trunk && il + 1 < e->n_layer && g_dprefetch > 0; ++il) {
+    for (int il = 0; il + 1 < n_trunk && il + 1 < e->n_layer && e->opts.decode_prefetch_experts > 0; ++il) {
         const int nx = il + 1;
         auto & l = c.layers[il];
         const auto & nl = c.layers[nx];
@@ -511,7 +498,7 @@ ost_dgraph * dgraph_of(engine_t * e) {
             cp.push_back(q);
         }
         if (!ok) continue;
-        l.next_max = std::min({ g_dprefetch, e->layers[nx].n_stage, OSTINATO_STAGE_MAX });
+        l.next_max = std::min({ (int) e->opts.decode_prefetch_experts, e->layers[nx].n_stage, OSTINATO_STAGE_MAX });
         l.next_slot0 = nl.stage_slot0;
         l.next_parts = cp;
         l.next_gate = gate->data;
@@ -661,20 +648,21 @@ void ostinato_graph_build_end(ggml_context * graph_ctx, ggml_cgraph * gf) {
 
 int ostinato_moe_overlap(void) {
     std::lock_guard<std::mutex> lock(g_mu);
-    return g_overlap ? 1 : 0;
+    return opts_of(g_eng).decode_overlap ? 1 : 0;
 }
 
 int ostinato_moe_timing(void) {
     std::lock_guard<std::mutex> lock(g_mu);
-    return g_timing ? 1 : 0;
+    return opts_of(g_eng).timing ? 1 : 0;
 }
 
 int ostinato_moe_upload_path(int64_t n_tokens) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (n_tokens <= 1) return 0;   // decode
-    if (g_force == FORCE_UPLOAD) return 1;
-    if (g_force == FORCE_SPLIT) return 0;
-    return n_tokens >= g_np ? 1 : 0;
+    const ostinato_engine_options & o = opts_of(g_eng);
+    if (o.force_path == FORCE_UPLOAD) return 1;
+    if (o.force_path == FORCE_SPLIT) return 0;
+    return n_tokens >= o.prefill_threshold ? 1 : 0;
 }
 
 bool ostinato_graph_reusable(void) {
@@ -711,10 +699,12 @@ void ostinato_pass_begin(int64_t n_tokens, ggml_context * graph_ctx) {
         e->cur.graph = bi != e->built.end() && bi->second.n_dev > 0 && bi->second.n_host == 0;
         dg = e->dg;
         // token boundary: borrowed slots are lent for decode and handed back before the upload path
-        const bool upload = n_tokens > 1 && (g_force == FORCE_UPLOAD || (g_force != FORCE_SPLIT && n_tokens >= g_np));
+        const ostinato_engine_options & o = e->opts;
+        const bool upload = n_tokens > 1 && (o.force_path == FORCE_UPLOAD ||
+                                             (o.force_path != FORCE_SPLIT && n_tokens >= o.prefill_threshold));
         // a pass that may take pool views computes only the layer's own hot slots on the GPU: hand the
         // borrowed ones back first (also before every upload pass, whose staging slots they are)
-        if (upload || !g_borrow || (g_views && n_tokens >= OSTINATO_VIEW_MIN_TOKENS)) borrow_release(e);
+        if (upload || !o.decode_borrow || (o.pool_views && n_tokens >= OSTINATO_VIEW_MIN_TOKENS)) borrow_release(e);
         else if (n_tokens == 1) borrow_step(e);
     }
     // outside g_mu: the decode graph's worker takes it to count routes
@@ -755,16 +745,26 @@ void ostinato_pass_end(int64_t n_tokens) {
 
 namespace {
 
-// Builds the engine for `model` with `cfg` (a load or a switch); false with g_err set on refusal.
-bool adopt(llama_model * model, const config_t & cfg) {
+// The CPU branch's thread team (process-wide: one kernel, one team per pool) takes the options'
+// spins, claims, prefetch distance and row pairs.
+void set_team(const ostinato_engine_options & o) {
+    ost_ffn_set_spins(o.cpu_branch_spins);
+    ost_ffn_set_claims(o.cpu_branch_claims != 0);
+    ost_ffn_set_prefetch_rows(o.cpu_branch_prefetch_rows);
+    ost_dot_set_mode(o.cpu_branch_row_pairs);
+}
+
+// Builds the engine for `model` with `cfg` and `opts` (a load or a switch); false with g_err set on refusal.
+bool adopt(llama_model * model, const config_t & cfg, const ostinato_engine_options & opts) {
     std::string err;
     const int64_t t0 = now_us();
     bool ok;
     {
         std::lock_guard<std::mutex> lock(g_mu);
         g_dgraph_broken = false;
-        ok = build_engine(model, cfg, err);
+        ok = build_engine(model, cfg, opts, err);
         if (!ok) g_err = err;
+        else set_team(opts);
     }
     if (!ok) {
         LLAMA_LOG_ERROR("ostinato: %s\n", err.c_str());
@@ -803,12 +803,11 @@ bool parse_config(const char * js, config_t & c, std::string & err) {
                 c.layer_device[std::stoi(kv.key())] = d;
             }
         }
-        std::lock_guard<std::mutex> lock(g_mu);
-        c.np = j.value("prefill_threshold", g_np);   // absent: keep the current value
-        if (c.np < 1) throw std::runtime_error("prefill_threshold must be >= 1");
-        const std::string f = j.value("force_path", std::string(
-            g_force == FORCE_SPLIT ? "split" : g_force == FORCE_UPLOAD ? "upload" : "auto"));
-        if (f == "auto") c.force = FORCE_AUTO;
+        c.np = j.value("prefill_threshold", (int64_t) -1);   // absent: the options'
+        if (j.contains("prefill_threshold") && c.np < 1) throw std::runtime_error("prefill_threshold must be >= 1");
+        const std::string f = j.value("force_path", std::string());
+        if (f.empty()) c.force = -1;
+        else if (f == "auto") c.force = FORCE_AUTO;
         else if (f == "split") c.force = FORCE_SPLIT;
         else if (f == "upload") c.force = FORCE_UPLOAD;
         else throw std::runtime_error("force_path must be auto, split or upload");
@@ -819,34 +818,75 @@ bool parse_config(const char * js, config_t & c, std::string & err) {
     }
 }
 
-// Np and the forced path of a config become the run-time values.
-void apply_runtime(const config_t & c) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (c.np != g_np || c.force != g_force) g_graph_dirty = true;
-    g_np = c.np;
-    g_force = c.force;
+// Options `o` with the Np and forced path a config names.
+ostinato_engine_options with_config(ostinato_engine_options o, const config_t & c) {
+    if (c.np > 0) o.prefill_threshold = c.np;
+    if (c.force >= 0) o.force_path = c.force;
+    return o;
 }
 
-// A setting that the decode graph's ops capture (decode prefetch's experts per layer, its copy
-// blocks): set between passes; a change frees the decode graph, which the next pass makes anew with
-// it. -1 outside [lo, hi].
-int set_dg_setting(int & var, int value, int lo, int hi) {
-    if (value < lo || value > hi) return -1;
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (value != var && g_eng && g_eng->dg) {
-        ost_dg_free(g_eng->dg);
-        g_eng->dg = nullptr;
-        g_graph_dirty = true;
+// Empty when `o` is valid, else what is wrong with it (the field's name first).
+std::string check_options(const ostinato_engine_options & o) {
+    auto bad = [](const char * f, const char * want) { return std::string(f) + " must be " + want; };
+    if (o.prefill_threshold < 1) return bad("prefill_threshold", ">= 1");
+    if (o.force_path < FORCE_AUTO || o.force_path > FORCE_UPLOAD) return bad("force_path", "0 (auto), 1 (split) or 2 (upload)");
+    if (o.decode_graph < -1 || o.decode_graph > 1) return bad("decode_graph", "-1 (auto), 0 or 1");
+    if (o.decode_graph_max_tokens < 1 || o.decode_graph_max_tokens > 4096) return bad("decode_graph_max_tokens", "1..4096");
+    if (o.cpu_threads < 0) return bad("cpu_threads", ">= 0");
+    if (o.hybrid_rows < 1 || o.hybrid_rows > 4096) return bad("hybrid_rows", "1..4096");
+    if (!(o.upload_cpu_share >= 0 && o.upload_cpu_share <= 1) && o.upload_cpu_share != -1) {
+        return bad("upload_cpu_share", "0..1 or -1 (adapted)");
     }
-    var = value;
-    return 0;
+    if (!std::isfinite(o.cpu_split_alpha_us) || !std::isfinite(o.cpu_split_cpu_gbps) || !std::isfinite(o.cpu_split_h2d_gbps) ||
+        o.cpu_split_alpha_us < 0 || o.cpu_split_cpu_gbps < 0 || o.cpu_split_h2d_gbps < 0 ||
+        (o.cpu_split_cpu_gbps > 0) != (o.cpu_split_h2d_gbps > 0)) {
+        return bad("cpu_split_*", "finite, >= 0, both bandwidths > 0 or both 0");
+    }
+    if (o.prefetch_depth < 0 || o.prefetch_depth > OSTINATO_PREFETCH_MAX_DEPTH) return bad("prefetch_depth", "0..2");
+    if (o.decode_prefetch_experts < 0 || o.decode_prefetch_experts > OSTINATO_STAGE_MAX) return bad("decode_prefetch_experts", "0..16");
+    if (o.decode_prefetch_copy_blocks < 1 || o.decode_prefetch_copy_blocks > OST_COPY_BLOCKS_MAX) {
+        return bad("decode_prefetch_copy_blocks", "1..1024");
+    }
+    if (o.cpu_branch_prefetch_rows < 0 || o.cpu_branch_prefetch_rows > OST_PREFETCH_ROWS_MAX) return bad("cpu_branch_prefetch_rows", "0..64");
+    if (o.cpu_branch_row_pairs < OST_DOT_OFF || o.cpu_branch_row_pairs > OST_DOT_AVX512) return bad("cpu_branch_row_pairs", "0, 1 or 2");
+    if (o.cpu_branch_spins < 0) return bad("cpu_branch_spins", ">= 0");
+    return "";
+}
+
+// The one place that decides what a change of engine e's options from e->opts to `n` needs (between
+// passes; caller holds g_mu). Cached graphs hold the path choice, timing markers, the branch order,
+// pool views, the all-resident path, the CPU-branch jobs (matched at graph build) and the hybrid
+// pass's CPU branch and shape: those rebuild. The decode graph captures its max tokens (mailbox), CPU
+// threads (pool), decode prefetch (staging, predictions) and copy blocks (a CUDA graph's launch shape):
+// freed, made anew at the next pass. The team takes its settings now. The pool's layout
+// (prefetch_depth, pool_whole_expert_slots) is read at its next build (load or residency switch);
+// borrow, copy_2d and the split's costs are read at each pass or copy.
+void apply_options(engine_t * e, const ostinato_engine_options & n) {
+    const ostinato_engine_options & w = e->opts;
+    const bool graphs = n.prefill_threshold != w.prefill_threshold || n.force_path != w.force_path ||
+                        n.timing != w.timing || n.decode_overlap != w.decode_overlap ||
+                        n.decode_graph != w.decode_graph || n.pool_views != w.pool_views ||
+                        n.resident_path != w.resident_path || n.cpu_branch_kernel != w.cpu_branch_kernel ||
+                        hybrid_on(n) != hybrid_on(w) || n.hybrid_rows != w.hybrid_rows;
+    const bool dgraph = n.decode_graph_max_tokens != w.decode_graph_max_tokens || n.cpu_threads != w.cpu_threads ||
+                        n.decode_prefetch_experts != w.decode_prefetch_experts ||
+                        n.decode_prefetch_copy_blocks != w.decode_prefetch_copy_blocks;
+    if (dgraph && e->dg) {
+        ost_dg_free(e->dg);
+        e->dg = nullptr;
+        g_graph_dirty = true;   // its ops point into the old mailbox
+    }
+    if (graphs) g_graph_dirty = true;
+    e->opts = n;
+    ost_dg_set_ffn_kernel(e->dg, n.cpu_branch_kernel != 0);
+    set_team(n);
 }
 
 }  // namespace
 
 bool ostinato_on_model_loaded(llama_model * model) {
     if (!t_load_cfg) return true;   // a stock load
-    return adopt(model, *t_load_cfg);
+    return adopt(model, *t_load_cfg, t_load_opts ? *t_load_opts : ostinato_engine_options{});
 }
 
 bool ostinato_keep_on_host(const char * name) {
@@ -877,11 +917,14 @@ int ostinato_experts_check(const char * js) {
     return ok ? 0 : -1;
 }
 
-struct llama_model * ostinato_model_load(const char * path, struct llama_model_params params, const char * js) {
+struct llama_model * ostinato_model_load(const char * path, struct llama_model_params params, const char * js,
+                                         const struct ostinato_engine_options * opts) {
     if (!js || !*js) return llama_model_load_from_file(path, params);
     config_t c;
     std::string err;
-    if (!parse_config(js, c, err)) {
+    const ostinato_engine_options base = opts ? *opts : ostinato_engine_options{};
+    if (parse_config(js, c, err)) err = check_options(base);
+    if (!err.empty()) {
         std::lock_guard<std::mutex> lock(g_mu);
         g_err = err;
         return nullptr;
@@ -890,29 +933,33 @@ struct llama_model * ostinato_model_load(const char * path, struct llama_model_p
         std::lock_guard<std::mutex> lock(g_mu);
         g_err.clear();
     }
-    apply_runtime(c);
+    const ostinato_engine_options o = with_config(base, c);
     t_load_cfg = &c;   // read by the loader hooks of this load (this thread) only
+    t_load_opts = &o;
     llama_model * model = llama_model_load_from_file(path, params);
     t_load_cfg = nullptr;
+    t_load_opts = nullptr;
     return model;
 }
 
-int ostinato_experts_switch(const char * js) {
+int ostinato_experts_switch(const char * js, const struct ostinato_engine_options * opts) {
     llama_model * model;
+    ostinato_engine_options base;
     {
         std::lock_guard<std::mutex> lock(g_mu);
         if (!g_eng) { g_err = "no model with an active expert engine"; return -1; }
         model = g_eng->model;
+        base = opts ? *opts : g_eng->opts;
     }
     config_t c;
     std::string err;
-    if (!parse_config(js ? js : "", c, err)) {
+    if (parse_config(js ? js : "", c, err)) err = check_options(base);
+    if (!err.empty()) {
         std::lock_guard<std::mutex> lock(g_mu);
         g_err = err;
         return -1;
     }
-    apply_runtime(c);
-    return adopt(model, c) ? 0 : -1;
+    return adopt(model, c, with_config(base, c)) ? 0 : -1;
 }
 
 int ostinato_experts_active(void) {
@@ -925,103 +972,25 @@ const char * ostinato_experts_last_error(void) {
     return g_err.c_str();
 }
 
-int ostinato_experts_set_threshold(int64_t np) {
-    if (np < 1) return -1;
+void ostinato_engine_options_default(struct ostinato_engine_options * out) {
+    if (out) *out = ostinato_engine_options{};
+}
+
+int ostinato_engine_options_size(void) { return (int) sizeof(ostinato_engine_options); }
+
+int ostinato_experts_options(struct ostinato_engine_options * out) {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (g_np != np) g_graph_dirty = true;   // the path is part of the cached graph
-    g_np = np;
+    if (!g_eng) { g_err = "no model with an active expert engine"; return -1; }
+    if (out) *out = g_eng->opts;
     return 0;
 }
 
-int ostinato_experts_force_path(const char * p) {
+int ostinato_experts_reconfigure(const struct ostinato_engine_options * o) {
+    const std::string err = o ? check_options(*o) : "no options";
     std::lock_guard<std::mutex> lock(g_mu);
-    const std::string f = p ? p : "auto";
-    if (f == "auto") g_force = FORCE_AUTO;
-    else if (f == "split") g_force = FORCE_SPLIT;
-    else if (f == "upload") g_force = FORCE_UPLOAD;
-    else return -1;
-    g_graph_dirty = true;
-    return 0;
-}
-
-int ostinato_experts_set_timing(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (g_timing != (on != 0)) g_graph_dirty = true;   // the markers are part of the graph
-    g_timing = on != 0;
-    return 0;
-}
-
-int ostinato_experts_set_overlap(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (g_overlap != (on != 0)) g_graph_dirty = true;   // the branch order is part of the graph
-    g_overlap = on != 0;
-    return 0;
-}
-
-int ostinato_experts_set_decode_graph(int mode, int max_tokens) {
-    if (mode < -1 || mode > 1 || max_tokens < 0 || max_tokens > 4096) return -1;
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (max_tokens > 0 && max_tokens != g_dgraph_max) {
-        g_dgraph_max = max_tokens;
-        if (g_eng && g_eng->dg) { ost_dg_free(g_eng->dg); g_eng->dg = nullptr; }   // mailbox size
-    }
-    g_dgraph = mode;
-    g_graph_dirty = true;
-    return 0;
-}
-
-int ostinato_experts_set_borrow(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_borrow = on != 0;
-    return 0;
-}
-
-int ostinato_experts_set_views(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (g_views != (on != 0)) g_graph_dirty = true;   // cached graphs were built with the other choice
-    g_views = on != 0;
-    return 0;
-}
-
-int ostinato_experts_set_whole_slots(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_whole_slots = on != 0;   // read at the next pool build (model load or residency switch)
-    return 0;
-}
-
-int ostinato_experts_set_copy_2d(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_copy_2d = on != 0;   // read by each copy; graphs are unaffected
-    return 0;
-}
-
-int ostinato_experts_set_upload_cpu_share(double share) {
-    if (!(share >= 0 && share <= 1) && share != -1) return -1;
-    std::lock_guard<std::mutex> lock(g_mu);
-    if ((g_upload_cpu_share != 0 || split_on()) != (share != 0 || split_on())) g_graph_dirty = true;   // the graph has a CPU branch or not
-    g_upload_cpu_share = share;
-    return 0;
-}
-
-int ostinato_experts_set_hybrid_rows(int rows) {
-    if (rows < 1 || rows > 4096) return -1;
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (rows != g_hybrid_rows) g_graph_dirty = true;   // the CPU branch's shape is in the graph
-    g_hybrid_rows = rows;
-    return 0;
-}
-
-int ostinato_experts_set_cpu_split(double alpha_us, double cpu_gbps, double h2d_gbps) {
-    if (!std::isfinite(alpha_us) || !std::isfinite(cpu_gbps) || !std::isfinite(h2d_gbps) || alpha_us < 0 ||
-        cpu_gbps < 0 || h2d_gbps < 0 || ((cpu_gbps > 0) != (h2d_gbps > 0))) {
-        return -1;
-    }
-    std::lock_guard<std::mutex> lock(g_mu);
-    const bool was = split_on();
-    g_split_alpha_us = alpha_us;
-    g_split_cpu_gbps = cpu_gbps;
-    g_split_h2d_gbps = h2d_gbps;
-    if (was != split_on() && g_upload_cpu_share == 0) g_graph_dirty = true;   // the graph has a CPU branch or not
+    if (!err.empty()) { g_err = "bad engine options: " + err; return -1; }
+    if (!g_eng) { g_err = "no model with an active expert engine"; return -1; }
+    apply_options(g_eng, *o);
     return 0;
 }
 
@@ -1033,67 +1002,6 @@ int ostinato_hybrid_split(const int32_t * routes, int m, int n_upload, double al
     c.beta_us = beta_us;
     c.upload_us = upload_us;
     return ost_split_experts(routes, m, n_upload, c);
-}
-
-int ostinato_experts_set_prefetch(int depth) {
-    if (depth < 0 || depth > OSTINATO_PREFETCH_MAX_DEPTH) return -1;
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_prefetch = depth;   // the pool's layout: at the next build
-    return 0;
-}
-
-int ostinato_experts_set_resident_path(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (g_resident != (on != 0)) g_graph_dirty = true;   // cached graphs were built with the other choice
-    g_resident = on != 0;
-    return 0;
-}
-
-int ostinato_experts_set_cpu_kernel(int on) {
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (g_ffn_kernel != (on != 0)) g_graph_dirty = true;   // the CPU-branch jobs are matched at graph build
-    g_ffn_kernel = on != 0;
-    return 0;
-}
-
-int ostinato_experts_set_cpu_spins(int spins) {
-    if (spins < 0) return -1;
-    return ost_ffn_set_spins(spins);
-}
-
-int ostinato_experts_set_cpu_claims(int on) { return ost_ffn_set_claims(on != 0) ? 1 : 0; }
-
-int ostinato_experts_set_cpu_prefetch(int rows) {
-    if (rows < 0 || rows > OST_PREFETCH_ROWS_MAX) return -1;
-    return ost_ffn_set_prefetch_rows(rows);
-}
-
-int ostinato_experts_set_cpu_row_pairs(int mode) {
-    if (mode < OST_DOT_OFF || mode > OST_DOT_AVX512) return -1;
-    return ost_dot_set_mode(mode);
-}
-
-int ostinato_experts_set_decode_prefetch(int max_experts) {
-    // the ops' staging regions and predictions
-    return set_dg_setting(g_dprefetch, max_experts, 0, OSTINATO_STAGE_MAX);
-}
-
-int ostinato_experts_set_decode_prefetch_blocks(int blocks) {
-    // the copy kernel's launch shape, captured in the CUDA graph
-    return set_dg_setting(g_dprefetch_blocks, blocks, 1, OST_COPY_BLOCKS_MAX);
-}
-
-int ostinato_experts_set_cpu_threads(int n) {
-    if (n < 0) return -1;
-    std::lock_guard<std::mutex> lock(g_mu);
-    if (n != g_cpu_threads && g_eng && g_eng->dg) {
-        // between passes: the decode graph's pool is made anew with n threads at the next pass
-        ost_dg_free(g_eng->dg);
-        g_eng->dg = nullptr;
-        g_graph_dirty = true;   // its ops point into the old mailbox
-    }
-    g_cpu_threads = n;
-    return 0;
 }
 
 }  // extern "C"

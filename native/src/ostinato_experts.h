@@ -88,7 +88,7 @@ ggml_tensor * ostinato_moe_cpu_share(ggml_context * ctx, ggml_tensor * out, ggml
 ggml_tensor * ostinato_moe_cpu_wait(ggml_context * ctx, ggml_tensor * out, ggml_tensor * gather, ggml_tensor * ids,
                                     ggml_tensor * cur, int il);
 // Hybrid upload pass (views and hybrid): the upload op returns I32 [k*n + k*M + 2*M] (n tokens, M =
-// min(n, ostinato_experts_set_hybrid_rows)): the staged routes' ids [k, n] (cold and uploaded -> slot - stage0,
+// min(n, the options' hybrid_rows)): the staged routes' ids [k, n] (cold and uploaded -> slot - stage0,
 // else -1); the CPU branch's ids [k, M] over M gathered tokens (cold experts computed on the CPU ->
 // expert id, else -1); the M tokens to gather for it; the M rows to scatter its output to. The CPU
 // takes the cold experts with the fewest routes (its share, at most M tokens); rows past the tokens
@@ -163,7 +163,7 @@ void           ostinato_moe_cpu_end(ggml_context * graph_ctx, int il, ggml_tenso
 ggml_tensor *  ostinato_moe_join(ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il);
 // 1 when every expert of layer il is resident in its pool (whose hot slots then hold them in expert
 // order, so that tensors over them take the router's ids as they are) and the all-resident path is
-// on (ostinato_experts_set_resident_path): the layer needs no route op on any path.
+// on (the options' resident_path): the layer needs no route op on any path.
 int  ostinato_moe_resident(int il);
 // Registers the routes of all-resident layer il (selected_experts [k, n] of a pass of n_tokens) for
 // the count op that ostinato_graph_build_end adds to the graph built in graph_ctx.
@@ -186,6 +186,51 @@ bool ostinato_on_model_loaded(llama_model * model);
 bool ostinato_keep_on_host(const char * name);
 void ostinato_on_model_free(llama_model * model);
 
+// Engine options: the expert engine's tuning, one value passed with the model load (ostinato_model_load)
+// and held by the engine; changed between passes with ostinato_experts_reconfigure. The member
+// initialisers are the library's defaults. ostinatod/engine/options.py (EngineOptions) mirrors it
+// field by field in this order (its ctypes Structure is generated from its fields): keep them in step.
+struct ostinato_engine_options {
+    // --- user-settable (ostinatod/settings.py EngineTuning, the [engine] table) ---
+    int32_t decode_borrow = 1;              // borrowed decode memory: during decode the upload path's staging
+                                            // slots hold the cold experts the CPU branch computed most lately
+    int32_t upload_copy_2d = 1;             // upload-path copies: an expert's weight matrices in one 2D copy where
+                                            // they sit at one pitch in host memory and in the pool; 0 one per matrix
+    int32_t pool_whole_expert_slots = 0;    // pools built with whole-expert slots (a slot = the expert's matrices,
+                                            // in host order) where a class's matrices hold the same bytes per expert
+    double  upload_cpu_share = 0;           // hybrid upload passes (pool views): share 0..1 of the distinct cold
+                                            // experts the CPU branch computes instead of uploading (fewest routes
+                                            // first), -1 adapted per layer; 0 builds them without a CPU branch
+    int32_t decode_prefetch_experts = 0;    // decode prefetch (docs/engine.md): most predicted cold experts staged
+                                            // per layer and step, 0..16; needs 3 staging regions (prefetch depth 2)
+    int32_t decode_prefetch_copy_blocks = 8;  // blocks (of 512 threads) of its copy kernel, 1..1024
+    int32_t cpu_branch_kernel = 1;          // the CPU branch on its own kernel (ostinato_cpuffn.h), 0 ggml's graph
+    int32_t cpu_branch_prefetch_rows = 0;   // the kernel's software prefetch distance in rows, 0..64 (0 off)
+    int32_t cpu_branch_row_pairs = 0;       // the kernel's row-pair dot products: 0 off, 1 AVX2, 2 AVX-512
+    int32_t cpu_branch_spins = 256;         // pauses a waiting team thread spins before it yields, >= 0
+    int32_t cpu_branch_claims = 1;          // the team takes a layer's work by claims (1) or with barriers (0)
+    // --- resolved at the load (ostinatod/engine/options.py EngineOptions) ---
+    int64_t prefill_threshold = 512;        // Np (tokens, >= 1): passes of >= Np tokens take the upload path
+    int32_t force_path = 0;                 // prefill passes: 0 auto (by Np), 1 split, 2 upload
+    int32_t timing = 0;                     // timing mode: GPU-branch times per pass, one sync per layer (calibration)
+    int32_t decode_overlap = 1;             // see ostinato_moe_overlap
+    int32_t decode_graph = -1;              // decode graph: -1 auto (on when a pool is on a GPU), 0 off, 1 on (also CPU builds: tests)
+    int32_t decode_graph_max_tokens = 64;   // largest pass (tokens, 1..4096) that takes the decode graph
+    int32_t cpu_threads = 0;                // threads of the decode graph's CPU branch (0: the physical cores, estimated)
+    int32_t pool_views = 1;                 // per-layer pool views for split and upload passes (ostinato_moe_views)
+    int32_t resident_path = 1;              // the all-resident path (ostinato_moe_resident); 0 for measurements
+    int32_t hybrid_rows = 64;               // most tokens (1..4096) a hybrid pass's CPU branch takes
+    // the cost-model split of hybrid upload passes (docs/engine.md "The prefill's CPU share"; used while
+    // upload_cpu_share is 0): per layer the CPU branch takes the cold experts with the fewest routes while
+    // alpha_us + routes * expert bytes / cpu_gbps stays under the uploads' time of the rest (expert bytes /
+    // h2d_gbps each), ostinato_split.h. GB/s (1e9 bytes/s); 0, 0, 0 turns it off
+    double  cpu_split_alpha_us = 0;
+    double  cpu_split_cpu_gbps = 0;
+    double  cpu_split_h2d_gbps = 0;
+    int32_t prefetch_depth = 0;             // prefetch for upload passes with views: 0 off, 1 or 2 layers ahead
+                                            // (OSTINATO_PREFETCH_MAX_DEPTH); the pool gets depth + 1 staging regions
+};
+
 extern "C" {
 #if defined(_WIN32)
 #  define OSTINATO_API __declspec(dllexport)
@@ -202,105 +247,35 @@ extern "C" {
 // checked and everything is as with one device. On a CPU-only build every pool is a CPU buffer.
 // Validates a config without loading anything: 0, or -1 (see ostinato_experts_last_error).
 OSTINATO_API int          ostinato_experts_check(const char * json);
-// llama_model_load_from_file with the expert engine's placement `json` for this load only (NULL or
-// "": a stock load); the config travels with the call like tensor_buft_overrides, no global is left
-// set. NULL on a bad config (last error says why) or a failed load. Np and the forced path of the
-// config become the run-time values.
+// llama_model_load_from_file with the expert engine's placement `json` and options `opts` (NULL: the
+// defaults) for this load only (json NULL or "": a stock load); both travel with the call like
+// tensor_buft_overrides, no global is left set, and the engine holds the options. NULL on a bad config
+// or bad options (last error says why) or a failed load. Np and the forced path named by the config
+// (optional keys) replace those of `opts`.
 OSTINATO_API struct llama_model * ostinato_model_load(const char * path, struct llama_model_params params,
-                                                      const char * json);
-// Rebuild the pool of the loaded model with another config (same JSON) at a request boundary.
-OSTINATO_API int          ostinato_experts_switch(const char * json);
+                                                      const char * json, const struct ostinato_engine_options * opts);
+// Rebuild the pool of the loaded model with another config (same JSON) and options `opts` (NULL: the
+// engine's current ones) at a request boundary; on failure the old pool and options stay.
+OSTINATO_API int          ostinato_experts_switch(const char * json, const struct ostinato_engine_options * opts);
 OSTINATO_API int          ostinato_experts_active(void);
 OSTINATO_API const char * ostinato_experts_last_error(void);
-// Np (tokens) and forced path ("auto", "split", "upload") at run time; 0 on success.
-OSTINATO_API int          ostinato_experts_set_threshold(int64_t np);
-OSTINATO_API int          ostinato_experts_force_path(const char * path);
-// Timing mode (1/0): GPU-branch times per pass at the cost of one sync per layer (calibration).
-OSTINATO_API int          ostinato_experts_set_timing(int on);
-// Decode overlap on (1) or off (0); see ostinato_moe_overlap.
-OSTINATO_API int          ostinato_experts_set_overlap(int on);
-// Decode graph: -1 auto (on when a pool is on a GPU), 0 off, 1 on (also in a CPU build: tests).
-// max_tokens (1..4096, 0 keeps) is the largest pass that takes it. Takes effect at the next graph.
-OSTINATO_API int          ostinato_experts_set_decode_graph(int mode, int max_tokens);
-// Borrowed decode memory on (1, default) or off (0): during decode the upload path's staging slots
-// hold the cold experts the CPU branch computed most lately; handed back before an upload pass.
-OSTINATO_API int          ostinato_experts_set_borrow(int on);
-// Per-layer pool views for split and upload passes (see ostinato_moe_views): on (1, default) or off
-// (0: every pass computes over the whole size class, as before; for measurements). Next graph.
-OSTINATO_API int          ostinato_experts_set_views(int on);
-// Upload-path copies: on (1, default), an expert's weight matrices go in one 2D copy (the GPU backend's,
-// which refuses a pitch above the device's maximum; row by row into a CPU pool) where they sit at one
-// pitch in host memory and in the pool (llama.cpp's layout: a layer's expert tensors are adjacent in
-// the file; the pool places its class tensors likewise); off (0), one copy per matrix (for
-// measurements). Takes effect at the next copy.
-OSTINATO_API int          ostinato_experts_set_copy_2d(int on);
-// Whole-expert slots: on (1), the pools built from now on (next model load or residency switch) give
-// each size class whose weight matrices hold the same bytes per expert one slot = [the expert's
-// matrices, in host order] (the class tensors strided by a whole slot), so that an upload copy of an
-// expert has a pitch of one matrix, within any device's 2D copy limit; off (0, default), one tensor
-// after the other (pitch: a whole class tensor). Computation is unchanged.
-OSTINATO_API int          ostinato_experts_set_whole_slots(int on);
-// Hybrid upload passes (pool views): share 0..1 of the distinct cold experts computed by the CPU
-// branch instead of uploaded (the ones with the fewest routes), or -1: adapted per layer so that the
-// CPU branch and the copies end together (0 where the pool has no upload stream: CPU pools). 0, the
-// default, builds upload passes without a CPU branch (measured on the H200: the CPU branch of a long
-// pass costs more than the copies it saves). Returns -1 (refused) for other values.
-OSTINATO_API int          ostinato_experts_set_upload_cpu_share(double share);
-// Most tokens a hybrid pass's CPU branch takes (1..4096; default 64); -1 (refused) otherwise.
-OSTINATO_API int          ostinato_experts_set_hybrid_rows(int rows);
-// The cost-model split of hybrid upload passes (docs/engine.md "The prefill's CPU share"; used while the share above is 0):
-// per layer, the CPU branch takes the cold experts with the fewest routes while its time
-// alpha_us + routes * expert bytes / cpu_gbps stays under the uploads' time of the rest (expert
-// bytes / h2d_gbps each), see ostinato_split.h. cpu_gbps and h2d_gbps in 1e9 bytes/s (from the
-// calibration); 0, 0, 0 (default) turns it off (no CPU branch in upload passes). -1 (refused) for
-// negative or non-finite values, or only one of the bandwidths.
-OSTINATO_API int          ostinato_experts_set_cpu_split(double alpha_us, double cpu_gbps, double h2d_gbps);
+// The library's default options (the member initialisers above) into *out; sizeof the struct (ctypes checks it).
+OSTINATO_API void         ostinato_engine_options_default(struct ostinato_engine_options * out);
+OSTINATO_API int          ostinato_engine_options_size(void);
+// The options of the active engine into *out; -1 (last error says why) without one.
+OSTINATO_API int          ostinato_experts_options(struct ostinato_engine_options * out);
+// Validates `o` (-1, last error naming the field, nothing changed), then makes it the active engine's
+// options. Call between passes. What a change needs is decided here: cached graphs rebuilt (the path
+// choice, timing, overlap, views, the all-resident path, the CPU kernel, the hybrid pass's shape, decode
+// graph mode), the decode graph made anew at the next pass (its max tokens, CPU threads, decode prefetch),
+// the CPU branch's team set (spins, claims, prefetch rows, row pairs: process-wide, the team's); the
+// pool's layout (prefetch_depth, pool_whole_expert_slots) takes effect at the next pool build (model load
+// or residency switch); the rest at the next pass or copy. -1 without an active engine.
+OSTINATO_API int          ostinato_experts_reconfigure(const struct ostinato_engine_options * o);
 // The split rule alone (ostinato_split.h) for tests: routes[0..m) ascending, n_upload experts to
 // upload without a CPU share; returns how many of the first experts the CPU takes.
 OSTINATO_API int          ostinato_hybrid_split(const int32_t * routes, int m, int n_upload, double alpha_us,
                                                 double beta_us, double upload_us);
-// Prefetch depth for upload passes with pool views: 0 (off, default), 1 (each layer predicts the next
-// one) or 2 (each layer predicts the next two; a layer's staged set is the union of both predictions).
-// The pool then has depth + 1 staging regions (layer il stages in region il % (depth + 1), so that the
-// copies for the next layers run while this layer's staged routes compute); takes effect at the next
-// load or residency switch. -1 (refused) outside 0..OSTINATO_PREFETCH_MAX_DEPTH.
-OSTINATO_API int          ostinato_experts_set_prefetch(int depth);
-// The all-resident path (see ostinato_moe_resident) on (1, default) or off (0: such layers take the
-// route op as any other; for measurements). Takes effect at the next graph.
-OSTINATO_API int          ostinato_experts_set_resident_path(int on);
-// Decode prefetch (docs/engine.md "Decode prefetch"): in decode steps each layer's route op predicts
-// the next layer's routes (its router on this layer's FFN input) and stages up to max_experts of the
-// predicted cold experts on the GPU (a copy kernel on a side stream, joined before the next route
-// op), whose routes the GPU branch then computes instead of the CPU branch. 0 (the library's
-// default) turns it off; at most OSTINATO_STAGE_MAX (16), else -1. Needs 3 staging regions (prefill
-// prefetch depth 2) and host experts the GPU can read; takes effect at the next pass (call between
-// passes).
-OSTINATO_API int          ostinato_experts_set_decode_prefetch(int max_experts);
-// Blocks (of 512 threads) of the decode prefetch's copy kernel on the GPU, 1..1024 (default 8);
-// -1 outside. Takes effect at the next pass (the decode graph is made anew).
-OSTINATO_API int          ostinato_experts_set_decode_prefetch_blocks(int blocks);
-// Threads of the decode graph's CPU branch (0: the physical cores, estimated); a change re-creates
-// the pool at the next pass (call between passes).
-OSTINATO_API int          ostinato_experts_set_cpu_threads(int n);
-// The decode graph's CPU branch on its own kernel (1, default: ostinato_cpuffn.h) or on ggml's graph
-// compute (0; for measurements). Takes effect at the next graph.
-OSTINATO_API int          ostinato_experts_set_cpu_kernel(int on);
-// The CPU branch kernel's software prefetch distance in weight rows (0 = off, at most
-// OST_PREFETCH_ROWS_MAX = 64; read once per phase of a run): docs/engine.md "CPU branch kernel".
-// Returns the previous distance, or -1 out of range (nothing changed).
-OSTINATO_API int          ostinato_experts_set_cpu_prefetch(int rows);
-// The CPU branch kernel's row-pair dot products: 0 off (ggml-cpu's vec_dot row by row, the default),
-// 1 AVX2, 2 AVX-512 (the next lower set where the CPU lacks it; process-wide): docs/engine.md "Row
-// pairs". Returns the previous mode, or -1 out of range (nothing changed).
-OSTINATO_API int          ostinato_experts_set_cpu_row_pairs(int mode);
-// Pauses a waiting thread of the CPU branch's team spins before it yields on every further try
-// (default 256; process-wide): docs/engine.md "CPU branch kernel". Returns the previous count, or -1
-// for a negative one (nothing changed).
-OSTINATO_API int          ostinato_experts_set_cpu_spins(int spins);
-// How the CPU branch's team takes a layer's work: 1 claims (the threads on a core take its items one at
-// a time, nobody waits for a thread that is not running; the default), 0 barriers (every thread in
-// every phase; process-wide): docs/engine.md "CPU branch kernel". Returns the previous mode.
-OSTINATO_API int          ostinato_experts_set_cpu_claims(int on);
 // The CPU branch alone on `model`'s expert tensors (loaded in host memory, not repacked): its own
 // kernel against llama.cpp's CPU MUL_MAT_ID graph on the same inputs, bit for bit, and the host's
 // read bandwidth. args: {"layer": -1 (first MoE layer), "experts": [E...], "tokens": [n...],

@@ -275,7 +275,7 @@ bool set_2d_host(ggml_backend_t, void * dst, size_t dpitch, const void * src, si
 // biases; one expert = one ne[2] slice of a weight tensor, one row of a bias tensor), asynchronously on
 // `stream` (a GPU pool's upload or prefetch backend), else (null: a CPU pool) synchronously; runs of
 // consecutive experts in consecutive slots go in one copy. With the pool's 2D copy (pool_t::set_2d: the
-// GPU backend's, or row by row into a CPU pool; g_copy_2d) a run's weight matrices go in one 2D copy
+// GPU backend's, or row by row into a CPU pool; the options' upload_copy_2d) a run's weight matrices go in one 2D copy
 // when they sit at one pitch in host memory and in the pool, as llama.cpp's files and build_engine's
 // pool layout put them: the copy
 // engine moves 2.65 MB per transfer instead of 0.88 MB on the 48-layer Qwen3-30B-A3B shape at Q4_0,
@@ -310,7 +310,7 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
     };
     size_class_t & cls = e->classes[e->layer_class[il]];
     auto put_2d = [&](int x0, int s0, int m) {
-        if (!pool.set_2d || !g_copy_2d || cls.copy_2d_refused) return false;
+        if (!pool.set_2d || !e->opts.upload_copy_2d || cls.copy_2d_refused) return false;
         rows_2d_t r;
         if (!copy_rows_2d(e, il, x0, s0, m, r)) return false;
         if (!pool.set_2d(stream, r.dst, r.dpitch, r.src, r.spitch, r.width, r.height)) {
@@ -354,9 +354,9 @@ size_t split_take(const engine_t * e, int il, const std::vector<int> & cand, con
     for (size_t i = 0; i < cand.size(); ++i) r[i] = routes[(size_t) cand[i]];
     const double bytes = (double) e->expert_bytes[il];
     ost_split_cost sc;
-    sc.alpha_us = g_split_alpha_us;
-    sc.beta_us = bytes / (g_split_cpu_gbps * 1e3);
-    sc.upload_us = bytes / (g_split_h2d_gbps * 1e3);
+    sc.alpha_us = e->opts.cpu_split_alpha_us;
+    sc.beta_us = bytes / (e->opts.cpu_split_cpu_gbps * 1e3);
+    sc.upload_us = bytes / (e->opts.cpu_split_h2d_gbps * 1e3);
     return (size_t) ost_split_experts(r.data(), (int) r.size(), n_upload, sc);
 }
 
@@ -407,8 +407,8 @@ void leave_to_cpu(const engine_t * e, int il, const ggml_tensor * pred, const st
             if (x >= 0 && x < e->n_expert && want[(size_t) x]) toks_of[(size_t) x].push_back((int32_t) t);
         }
     }
-    const std::vector<int> cand = cpu_candidates(routes, toks_of, pred->ne[1], std::min<int64_t>(pred->ne[1], g_hybrid_rows),
-                                                 g_ffn_kernel ? cpu_route_cap(e, il) : INT32_MAX, SIZE_MAX,
+    const std::vector<int> cand = cpu_candidates(routes, toks_of, pred->ne[1], std::min<int64_t>(pred->ne[1], e->opts.hybrid_rows),
+                                                 e->opts.cpu_branch_kernel ? cpu_route_cap(e, il) : INT32_MAX, SIZE_MAX,
                                                  [&](int x) { return want[(size_t) x] != 0; });
     const size_t take = split_take(e, il, cand, routes, count_cold(routes));
     for (size_t i = 0; i < take; ++i) want[(size_t) cand[i]] = 0;
@@ -443,7 +443,7 @@ void prefetch_op(ggml_tensor * dst, int ith, int nth, void * ud) {
             }
         }
     }
-    if (split_on() && g_upload_cpu_share == 0) leave_to_cpu(e, il, pred, routes, want);
+    if (split_on(e->opts) && e->opts.upload_cpu_share == 0) leave_to_cpu(e, il, pred, routes, want);
     int used = 0;   // slots of the region taken by earlier predictions for il
     for (int x = 0; x < e->n_expert; ++x) if (pf[x] >= 0) used = std::max(used, pf[x] - ol.view_stage0 + 1);
     std::vector<int32_t> slot(e->n_expert, -1);
@@ -549,14 +549,14 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
         // the cost model says end no later than the uploads of the rest (ostinato_split.h); not one
         // a prefetch is bringing over already, only ones whose tokens fit its M rows, and, where the
         // CPU branch's own kernel computes them, fewer routes than ggml-cpu would tile (its arithmetic)
-        const bool by_share = g_upload_cpu_share != 0;
+        const bool by_share = e->opts.upload_cpu_share != 0;
         const int n_cold = count_cold(tokens);   // the layer's copies: a prefetch's count as much as the upload op's own
         const size_t limit = by_share ? (size_t) std::lround(upload_share(e, upload_backend != nullptr) * (double) n_cold)
                                       : SIZE_MAX;
         std::vector<std::vector<int32_t>> toks_of(e->n_expert);   // tokens routed to each cold expert
         for (int64_t i = 0; i < k * n; ++i) if (c[i] >= 0 && c[i] < e->n_expert) toks_of[c[i]].push_back((int32_t) (i / k));
         // not one a prefetch is bringing over already
-        const std::vector<int> cand = cpu_candidates(tokens, toks_of, n, m_rows, g_ffn_kernel ? cpu_route_cap(e, il) : INT32_MAX,
+        const std::vector<int> cand = cpu_candidates(tokens, toks_of, n, m_rows, e->opts.cpu_branch_kernel ? cpu_route_cap(e, il) : INT32_MAX,
                                                      limit, [&](int x) { return e->pf_slot[il][x] < 0; });
         const size_t take = by_share ? cand.size() : split_take(e, il, cand, tokens, n_cold);
         for (size_t i = 0; i < take; ++i) {
@@ -602,11 +602,11 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     e->mark_us[il] = now_us();
 }
 
-// Share of a hybrid upload pass's distinct cold experts left to the CPU: the fixed value set through
-// the C API, else the engine's adapted one (upload_join_op); 0 without an upload stream (a CPU pool:
+// Share of a hybrid upload pass's distinct cold experts left to the CPU: the fixed share of the
+// options, else the engine's adapted one (upload_join_op); 0 without an upload stream (a CPU pool:
 // the "upload" is a memcpy). Caller holds g_mu.
 double upload_share(const engine_t * e, bool has_stream) {
-    if (g_upload_cpu_share >= 0) return g_upload_cpu_share;
+    if (e->opts.upload_cpu_share >= 0) return e->opts.upload_cpu_share;
     return has_stream ? e->upload_cpu_share : 0.0;
 }
 
@@ -632,7 +632,7 @@ void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     const int64_t t1 = now_us();
     e->cur.upload_ms += (t1 - t0) / 1000.0;
     e->mark_us[il] = t1;
-    if (g_upload_cpu_share < 0 && t1 - t0 > ADAPT_WAITED_US) {
+    if (e->opts.upload_cpu_share < 0 && t1 - t0 > ADAPT_WAITED_US) {
         e->upload_cpu_share = std::min(1.0, e->upload_cpu_share + ADAPT_STEP);
     }
 }

@@ -317,8 +317,9 @@ static ggml_backend_buffer_t alloc_pool(engine_t * e, pool_t & p, int pi) {
     return buf;
 }
 
-bool build_engine(llama_model * model, const config_t & cfg, std::string & err) {
+bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engine_options & opts, std::string & err) {
     auto * e = new engine_t();
+    e->opts = opts;
     auto fail = [&](const std::string & why) { err = why; free_engine(e); return false; };
     e->model = model;
     e->n_layer = (int) model->layers.size();
@@ -476,13 +477,13 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         ggml_context * ctx = e->pools[c.pool].ctx;
         // prefetch depth d: d + 1 staging regions, layer il stages in region il % (d + 1) in pool-view
         // passes (the copies for the next d layers never land in a region a layer still reads)
-        const int64_t n_slots = (int64_t) c.members.size() + e->k + c.n_stage * (g_prefetch + 1);
+        const int64_t n_slots = (int64_t) c.members.size() + e->k + c.n_stage * (e->opts.prefetch_depth + 1);
         c.up = ggml_new_tensor_3d(ctx, c.t_up, c.up0, c.up1, n_slots);
         if (c.has_gate) c.gate = ggml_new_tensor_3d(ctx, c.t_gate, c.up0, c.up1, n_slots);
         c.down = ggml_new_tensor_3d(ctx, c.t_down, c.down0, c.down1, n_slots);
         // whole-expert slots: where the weight parts hold the same bytes per expert (then their stride,
         // a whole slot, is a multiple of each part's block size)
-        c.whole_slots = g_whole_slots && c.up->nb[2] == c.down->nb[2] && (!c.gate || c.gate->nb[2] == c.up->nb[2]);
+        c.whole_slots = e->opts.pool_whole_expert_slots && c.up->nb[2] == c.down->nb[2] && (!c.gate || c.gate->nb[2] == c.up->nb[2]);
         if (c.whole_slots) set_slot_stride(c, true);
         if (c.has_bias) {
             c.b_up = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, c.up1, n_slots);
@@ -499,7 +500,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
         l.zero0 = (int) c.members.size();
         l.stage0 = l.zero0 + e->k;
         l.n_stage = c.n_stage;
-        l.view_stage0 = l.stage0 + (il % (g_prefetch + 1)) * c.n_stage;
+        l.view_stage0 = l.stage0 + (il % (e->opts.prefetch_depth + 1)) * c.n_stage;
         // members are in (layer, expert) order: the layer's hot slots are one run, in expert order
         l.hot0 = -1; l.n_hot = 0;
         for (size_t s = 0; s < c.members.size(); ++s) {
@@ -529,7 +530,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             p.upload_backend = ggml_backend_dev_init(p.dev, nullptr);
             p.set_2d = (set_2d_fn) ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(p.dev),
                                                                      "ggml_backend_set_2d_async");
-            if (g_prefetch > 0) {
+            if (e->opts.prefetch_depth > 0) {
                 // predicted copies on a stream of their own: a layer's misses never queue behind
                 // the copies predicted for the layers after it; an event per layer joins its copies
                 p.prefetch_backend = ggml_backend_dev_init(p.dev, nullptr);
@@ -607,7 +608,7 @@ bool build_engine(llama_model * model, const config_t & cfg, std::string & err) 
             e->pools[i].hot_routes = g_eng->pools[i].hot_routes;
         }
     }
-    e->prefetch = g_prefetch;
+    e->prefetch = e->opts.prefetch_depth;
     e->pf_slot.assign(e->n_layer, std::vector<int32_t>(e->n_expert, -1));
     e->pf_ran.assign(e->n_layer, 0);
     e->pf_pending.assign(e->n_layer, 0);

@@ -19,7 +19,8 @@ const char * keep(std::string & slot, const json & j) {
 // branch's threads and kernel layers): in info and in stats, so that a run's figures say which
 // path its decode steps took. Caller holds g_mu.
 json decode_graph_json() {
-    json d = json{{"mode", g_dgraph < 0 ? "auto" : g_dgraph ? "on" : "off"}, {"max_tokens", g_dgraph_max},
+    const ostinato_engine_options & o = opts_of(g_eng);
+    json d = json{{"mode", o.decode_graph < 0 ? "auto" : o.decode_graph ? "on" : "off"}, {"max_tokens", o.decode_graph_max_tokens},
                   {"broken", g_dgraph_broken}, {"failed", g_eng && g_eng->dg_failed}};
     if (g_eng && g_eng->dg) {
         int nt = 0; int64_t mb = 0;
@@ -29,19 +30,19 @@ json decode_graph_json() {
         d["mailbox_bytes"] = mb;
         int64_t nf = 0, ng = 0; std::string note;
         ost_dg_kernel_info(g_eng->dg, nf, ng, note);
-        d["cpu_kernel"] = json{{"on", g_ffn_kernel}, {"layers_kernel", nf}, {"layers_ggml", ng},
+        d["cpu_kernel"] = json{{"on", (bool) o.cpu_branch_kernel}, {"layers_kernel", nf}, {"layers_ggml", ng},
                                {"prefetch_rows", ost_ffn_prefetch_rows()},
                                {"row_pairs", json{{"mode", ost_dot_mode()}, {"isa", ost_dot_isa()},
                                                   {"types", ost_dot_types()}}}};
         if (!note.empty()) d["cpu_kernel"]["unmatched"] = note;
     }
     // decode prefetch: how many layers' route ops stage the next layer's predicted experts
-    json pf = json{{"max_experts", g_dprefetch}, {"copy_blocks", g_dprefetch_blocks}};
+    json pf = json{{"max_experts", o.decode_prefetch_experts}, {"copy_blocks", o.decode_prefetch_copy_blocks}};
     if (g_eng && g_eng->dg) {
         int n = 0;
         for (int il = 0; il < g_eng->n_layer; ++il) n += ost_dg_predicts(g_eng->dg, il) ? 1 : 0;
         pf["layers"] = n;
-        if (g_dprefetch > 0 && n == 0) {
+        if (o.decode_prefetch_experts > 0 && n == 0) {
             pf["note"] = g_eng->prefetch + 1 < 3 ? "needs 3 staging regions (prefill prefetch depth 2)"
                                                  : "no layer pair on one pool with cold experts in host memory";
         }
@@ -57,12 +58,16 @@ extern "C" {
 const char * ostinato_experts_info(void) {
     std::lock_guard<std::mutex> lock(g_mu);
     json j;
+    const ostinato_engine_options & o = opts_of(g_eng);
     j["active"] = g_eng != nullptr;
-    j["prefill_threshold"] = g_np;
-    j["force_path"] = g_force == FORCE_AUTO ? "auto" : g_force == FORCE_SPLIT ? "split" : "upload";
-    j["timing"] = g_timing;
-    j["overlap"] = g_overlap;
+    j["prefill_threshold"] = o.prefill_threshold;
+    j["force_path"] = o.force_path == FORCE_AUTO ? "auto" : o.force_path == FORCE_SPLIT ? "split" : "upload";
+    j["timing"] = (bool) o.timing;
+    j["overlap"] = (bool) o.decode_overlap;
     j["decode_graph"] = decode_graph_json();
+    // the CPU branch's thread team (process-wide, set from the options at a load or reconfigure)
+    j["cpu_team"] = json{{"spins", ost_ffn_spins()}, {"claims", ost_ffn_claims()},
+                         {"prefetch_rows", ost_ffn_prefetch_rows()}, {"row_pairs", ost_dot_mode()}};
     if (g_eng) {
         const engine_t & e = *g_eng;
         j["pool_device"] = e.pool_device;
@@ -98,19 +103,19 @@ const char * ostinato_experts_info(void) {
         j["moe_layers"] = moe_layers;
         int lent = 0;
         for (auto & c : e.classes) for (auto & b : c.borrowed) lent += b.first >= 0;
-        j["borrowed"] = json{{"on", g_borrow}, {"slots_lent", lent}, {"promotions", e.promotions},
+        j["borrowed"] = json{{"on", (bool) o.decode_borrow}, {"slots_lent", lent}, {"promotions", e.promotions},
                              {"handbacks", e.handbacks}};
         // prefill: pool views and the hybrid upload pass's CPU share (fixed, or the adapted value)
-        j["prefill"] = json{{"pool_views", g_views}, {"view_min_tokens", OSTINATO_VIEW_MIN_TOKENS},
+        j["prefill"] = json{{"pool_views", (bool) o.pool_views}, {"view_min_tokens", OSTINATO_VIEW_MIN_TOKENS},
                             {"upload_cpu_share", upload_share(&e, std::any_of(e.pools.begin(), e.pools.end(),
                                                      [](const pool_t & p) { return p.upload_backend != nullptr; }))},
-                            {"upload_cpu_share_adapted", g_upload_cpu_share < 0},
-                            {"hybrid_rows", g_hybrid_rows},
-                            {"cpu_split", split_on() && g_upload_cpu_share == 0
-                                              ? json{{"alpha_us", g_split_alpha_us}, {"cpu_gbps", g_split_cpu_gbps},
-                                                     {"h2d_gbps", g_split_h2d_gbps}}
+                            {"upload_cpu_share_adapted", o.upload_cpu_share < 0},
+                            {"hybrid_rows", o.hybrid_rows},
+                            {"cpu_split", split_on(o) && o.upload_cpu_share == 0
+                                              ? json{{"alpha_us", o.cpu_split_alpha_us}, {"cpu_gbps", o.cpu_split_cpu_gbps},
+                                                     {"h2d_gbps", o.cpu_split_h2d_gbps}}
                                               : json(nullptr)},
-                            {"prefetch", e.prefetch}, {"copy_2d", g_copy_2d},
+                            {"prefetch", e.prefetch}, {"copy_2d", (bool) o.upload_copy_2d},
                             {"whole_slots", std::any_of(e.classes.begin(), e.classes.end(),
                                                         [](const size_class_t & c) { return c.whole_slots; })}};
         j["notes"] = e.notes;

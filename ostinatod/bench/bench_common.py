@@ -36,8 +36,9 @@ def _quarter_pool() -> dict:
 
 
 # the Ostinato engine with the same plan and one option changed from its default (docs/engine.md
-# "Pool views and the hybrid upload pass", "Prefetch", "Decode graph"): its daemon settings, or a
-# function of the machine that returns them (never in the default list; see variant_settings)
+# "Pool views and the hybrid upload pass", "Prefetch", "Decode graph"): its daemon settings (the
+# [engine] table's by their names, settings.ENGINE_KEYS), or a function of the machine that returns
+# them (never in the default list; see variant_settings)
 VARIANTS = {"ostinato-no-prefetch": {"prefill_prefetch": False},
             "ostinato-prefetch1": {"prefill_prefetch_depth": 1},
             "ostinato-copy1d": {"upload_copy_2d": False},

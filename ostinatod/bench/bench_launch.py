@@ -23,7 +23,7 @@ from typing import Any, Optional
 from ..hardware import cpu_placement, default_threads
 from ..paths import get_paths, home_paths
 from ..residency import planner
-from ..settings import load_settings
+from ..settings import ENGINE_KEYS, load_settings
 from .bench_breakdown import turn_breakdown
 from .bench_common import BenchError, crash_lines, say
 from .replay import run_replay
@@ -203,8 +203,8 @@ def start_daemon(name: str, model: Path, settings: dict[str, Any], run_dir: Path
     base = {"model": model, "n_ctx": a.n_ctx, "n_slots": 2, "engine_mode": a.engine_mode,
             "n_threads": a.threads, "prefill_threshold": a.prefill_threshold, "log_level": "INFO"}
     for k, v in {**base, **settings}.items():
-        if v is not None:
-            env[f"OSTINATO_{k.upper()}"] = str(v)
+        if v is not None:   # the [engine] table's settings by their nested variable
+            env[f"OSTINATO_{'ENGINE__' if k in ENGINE_KEYS else ''}{k.upper()}"] = str(v)
     cmd = [sys.executable, "-m", "ostinatod.daemon_cli", "run", "--port", "0", "--host", "127.0.0.1"]
     paths = home_paths(home)
     srv = Server(name, cmd, env, run_dir / f"{name}.log", url_file=paths.runtime / "ostinatod.json")

@@ -130,10 +130,10 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
         n_moe = int(info.get("moe_layers") or block["n_layer"])
         passes = Passes(w, n_max)
         decode, toks, mem = passes.decode, passes.toks, passes.mem
-        w.rt.set_timing(True)   # GPU-branch times (one sync per layer; off again when serving)
-        # the all-resident path (every layer of the 100% set) has no route op and so no timing
-        # marks: the rows time the route op's path, which is what partly hot layers take
-        native.set_resident_path(False)
+        # timing mode: GPU-branch times (one sync per layer; off again when serving); the
+        # all-resident path (every layer of the 100% set) has no route op and so no timing marks:
+        # the rows time the route op's path, which is what partly hot layers take
+        w.rt.configure(timing=True, resident_path=False)
         # timing mode runs one-token steps on the split path: their CPU branch on the context's
         # threads, as served without the graph (the loader gave them 1 where the graph serves)
         n_ctx_threads = int(w.rt.batch_threads or s.n_threads or default_threads(s.cpu_set))
@@ -167,8 +167,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
                     if gpu:
                         gpu_ms.append(float(st.get("gpu_branch_ms", 0.0)) / n_moe)
                 say(f"calibration: decode with {f:.0%} hot experts: {decode_steps} steps")
-            w.rt.set_timing(False)   # serving conditions for the decode sweep
-            native.set_resident_path(True)
+            w.rt.configure(timing=False, resident_path=True)   # serving conditions for the decode sweep
             sweep = decode_sweep(w, paths[len(paths) // 2], decode, toks, steps=max(8, decode_steps // 2))
             say(f"calibration: decode overlap x threads: {len(sweep)} settings")
             cpu_bw = cpu_branch_bandwidth(w)
@@ -192,8 +191,7 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
                     say(f"calibration: prefill on the {path_name} path: sizes {list(prefill_sizes)}")
                 w.rt.force_path("auto")
         finally:
-            w.rt.set_timing(False)
-            native.set_resident_path(True)
+            w.rt.configure(timing=False, resident_path=True)
             passes.free()
         exp_bytes = info.get("expert_bytes")
         if isinstance(exp_bytes, list):
@@ -222,6 +220,7 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
     # every core but one: the default of the CPU branch's own kernel (hardware.expert_engine_threads)
     counts = sorted({max(1, p // 4), max(1, p // 2), max(1, p - 1), p})
     w.rt.switch(residency_path)
+    served_pool = w.rt.pool_threads
     mem = llama_cpp.llama_get_memory(w.ctx)
     out: list[dict[str, Any]] = []
 
@@ -233,22 +232,19 @@ def decode_sweep(w: Any, residency_path: Path, decode, toks, *, steps: int = 16)
     settings = ([(True, None)] if native.has_gpu() else []) + [(False, True), (False, False)]
     try:
         for graph, overlap in settings:
-            native.set_decode_graph(graph)
-            if overlap is not None:
-                w.rt.set_overlap(overlap)
+            w.rt.configure(decode_graph=graph, **({} if overlap is None else {"decode_overlap": overlap}))
             for n in counts:
                 if graph:
-                    native.set_cpu_threads(n)   # the graph's CPU-branch pool is made anew with n threads
+                    w.rt.configure(cpu_threads=n)   # the graph's CPU-branch pool is made anew with n threads
                     # the context as served with the graph (ExpertRuntime.context_decode_threads)
                     llama_cpp.llama_set_n_threads(w.ctx, w.rt.context_decode_threads(n, -1, graph=True), p)
                 else:
                     llama_cpp.llama_set_n_threads(w.ctx, n, p)
                 out.append({"graph": graph, "overlap": overlap, "threads": n, "median_ms": step_ms()})
     finally:
-        native.set_decode_graph(None)
-        # back to the served thread counts (hardware.expert_engine_threads, the loader's context)
-        native.set_cpu_threads(w.rt.pool_threads or max(1, p - 1))
-        w.rt.set_overlap(True)
+        # decode graph auto, overlap on, the served thread counts (hardware.expert_engine_threads,
+        # the loader's context)
+        w.rt.configure(decode_graph=None, cpu_threads=served_pool or max(1, p - 1), decode_overlap=True)
         llama_cpp.llama_set_n_threads(w.ctx, *(w.rt.context_threads or (p, p)))
     return out
 

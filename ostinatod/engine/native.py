@@ -6,11 +6,10 @@ Two libraries, one place:
   sampler; :func:`lib` returns it with every function's argtypes/restype declared, :func:`fn` one
   function (other modules may add declarations through :func:`declare`).
 * the expert engine (``ostinato_experts_*``), part of libllama because the patched llama.cpp calls
-  it, reached through llama-cpp-python's own handle of that library: :func:`llama_fn`. Its loader
-  config is a process-global that the next model load reads; only :func:`load_model`,
-  :func:`check_experts_config` and :func:`experts_switch` set it, under one lock, and clear it
-  before they return, so the placement travels with the load parameters and no other code
-  touches the global.
+  it, reached through llama-cpp-python's own handle of that library: :func:`llama_fn`. The
+  placement and the engine's options (:class:`.options.EngineOptions`) travel with the load
+  (:func:`load_model`) and a switch (:func:`experts_switch`); :func:`reconfigure` changes the
+  options between passes.
 
 Strings returned by the library (``char *``) are owned by it: use :func:`take_json`, which copies and
 frees them. Errors: :class:`NativeError` when the library or a symbol is missing.
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..errors import MessageError
+from .options import EngineOptions, EngineOptionsC, c_struct, from_c
 
 c_void_p = ctypes.c_void_p
 c_char_p = ctypes.c_char_p
@@ -167,34 +167,16 @@ def version() -> str:
 _C = ctypes.c_char_p
 _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_check": ([_C], ctypes.c_int),
-    "ostinato_experts_switch": ([_C], ctypes.c_int),
+    "ostinato_experts_switch": ([_C, ctypes.POINTER(EngineOptionsC)], ctypes.c_int),
     "ostinato_experts_active": ([], ctypes.c_int),
     "ostinato_experts_last_error": ([], _C),
-    "ostinato_experts_set_threshold": ([ctypes.c_int64], ctypes.c_int),
-    "ostinato_experts_force_path": ([_C], ctypes.c_int),
-    "ostinato_experts_set_timing": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_overlap": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_decode_graph": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_cpu_threads": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_cpu_kernel": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_cpu_prefetch": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_cpu_spins": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_cpu_claims": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_cpu_row_pairs": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_decode_prefetch": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_decode_prefetch_blocks": ([ctypes.c_int], ctypes.c_int),
     "ostinato_cpu_branch_bench": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p),
-    "ostinato_experts_set_borrow": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_views": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_copy_2d": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_whole_slots": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_resident_path": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_upload_cpu_share": ([ctypes.c_double], ctypes.c_int),
-    "ostinato_experts_set_hybrid_rows": ([ctypes.c_int], ctypes.c_int),
-    "ostinato_experts_set_cpu_split": ([ctypes.c_double, ctypes.c_double, ctypes.c_double], ctypes.c_int),
     "ostinato_hybrid_split": ([ctypes.POINTER(ctypes.c_int32), ctypes.c_int, ctypes.c_int, ctypes.c_double,
                                ctypes.c_double, ctypes.c_double], ctypes.c_int),
-    "ostinato_experts_set_prefetch": ([ctypes.c_int], ctypes.c_int),
+    "ostinato_engine_options_default": ([ctypes.POINTER(EngineOptionsC)], None),
+    "ostinato_engine_options_size": ([], ctypes.c_int),
+    "ostinato_experts_options": ([ctypes.POINTER(EngineOptionsC)], ctypes.c_int),
+    "ostinato_experts_reconfigure": ([ctypes.POINTER(EngineOptionsC)], ctypes.c_int),
     "ostinato_experts_info": ([], _C),
     "ostinato_experts_stats": ([ctypes.c_int], _C),
     "ostinato_experts_take_request_stats": ([], _C),
@@ -253,11 +235,17 @@ def check_experts_config(config: dict[str, Any]) -> None:
         raise ExpertEngineError(experts_error())
 
 
-def load_model(path: Path | str, mparams: Any, experts_config: Optional[dict[str, Any]] = None
-               ) -> tuple[Any, bool, str]:
-    """Load a model with the expert engine's placement ``experts_config`` (None: stock placement):
-    ``ostinato_model_load(path, mparams, config)``, which passes the placement with the load call
-    (as llama.cpp passes ``tensor_buft_overrides``), so no process-global is left set.
+def _opts_ptr(options: Optional[EngineOptions]) -> Any:
+    return None if options is None else ctypes.byref(c_struct(options))
+
+
+def load_model(path: Path | str, mparams: Any, experts_config: Optional[dict[str, Any]] = None,
+               options: Optional[EngineOptions] = None) -> tuple[Any, bool, str]:
+    """Load a model with the expert engine's placement ``experts_config`` (None: stock placement) and
+    ``options`` (None: the library's defaults, :func:`library_options`):
+    ``ostinato_model_load(path, mparams, config, options)``, which passes both with the load call
+    (as llama.cpp passes ``tensor_buft_overrides``), so no process-global is left set; the engine
+    holds the options. Np and the forced path the config names replace the options'.
 
     Returns (model pointer or NULL, whether the expert engine is active for it, the engine's last
     error). Raises ExpertEngineError when the native engine refuses the config (nothing loaded).
@@ -272,137 +260,60 @@ def load_model(path: Path | str, mparams: Any, experts_config: Optional[dict[str
         f = getattr(llama_cpp.llama_cpp._lib, "ostinato_model_load", None)
         if f is None:
             raise ExpertEngineError("libllama lacks ostinato_model_load: run 'ostinato build'")
-        f.argtypes = [ctypes.c_char_p, llama_cpp.llama_model_params, ctypes.c_char_p]
+        f.argtypes = [ctypes.c_char_p, llama_cpp.llama_model_params, ctypes.c_char_p,
+                      ctypes.POINTER(EngineOptionsC)]
         f.restype = llama_cpp.llama_model_p_ctypes   # a pointer (llama_model_p is only a type hint)
         _llama_bound["ostinato_model_load"] = f
-    model = f(str(path).encode(), mparams, json.dumps(experts_config).encode())
+    model = f(str(path).encode(), mparams, json.dumps(experts_config).encode(), _opts_ptr(options))
     return model, experts_active(), experts_error()
 
 
-def experts_switch(config: dict[str, Any]) -> None:
+def experts_switch(config: dict[str, Any], options: Optional[EngineOptions] = None) -> None:
     """Rebuild the loaded model's expert pool with ``config`` (the swap of a residency set, at a
-    request boundary). Raises ExpertEngineError; the old set then stays in use."""
-    if llama_fn("ostinato_experts_switch")(json.dumps(config).encode()) != 0:
+    request boundary) and ``options`` (None: the engine's current ones; the pool's layout fields,
+    prefetch depth and whole-expert slots, take effect here). Raises ExpertEngineError; the old set
+    and options then stay in use."""
+    if llama_fn("ostinato_experts_switch")(json.dumps(config).encode(), _opts_ptr(options)) != 0:
         raise ExpertEngineError(experts_error())
 
 
-def set_prefill_threshold(np_tokens: int) -> None:
-    """Set Np: forward passes of >= Np tokens take the upload path. Raises ValueError if < 1."""
-    if llama_fn("ostinato_experts_set_threshold")(int(np_tokens)) != 0:
-        raise ValueError(f"prefill threshold must be >= 1, got {np_tokens}")
+def library_options() -> EngineOptions:
+    """The native library's default options (what a load without options gets). Raises
+    ExpertEngineError when the build lacks them or the struct's size differs from
+    :class:`.options.EngineOptionsC` (a stale build)."""
+    size = llama_fn("ostinato_engine_options_size")()
+    if size != ctypes.sizeof(EngineOptionsC):
+        raise ExpertEngineError(f"the native engine's options are {size} bytes, EngineOptions' C form "
+                                f"{ctypes.sizeof(EngineOptionsC)}: rebuild with 'ostinato build'")
+    st = EngineOptionsC()
+    llama_fn("ostinato_engine_options_default")(ctypes.byref(st))
+    return from_c(st)
 
 
-def force_path(path: str) -> None:
-    """Force prefill passes onto one path: "split", "upload", or "auto" (by Np). Raises ValueError."""
-    if llama_fn("ostinato_experts_force_path")(path.encode()) != 0:
-        raise ValueError(f"path must be auto, split or upload, got {path!r}")
+def engine_options() -> EngineOptions:
+    """The active engine's options. Raises ExpertEngineError without an active engine."""
+    st = EngineOptionsC()
+    if llama_fn("ostinato_experts_options")(ctypes.byref(st)) != 0:
+        raise ExpertEngineError(experts_error())
+    return from_c(st)
 
 
-def set_timing(on: bool) -> None:
-    """Timing mode: GPU-branch times per forward pass (``gpu_branch_ms``, ``gpu_timed``) at the cost
-    of one GPU sync per MoE layer. Off while serving (the branches then overlap); on for calibration.
-    CPU-branch and upload times are measured in both modes."""
-    llama_fn("ostinato_experts_set_timing")(1 if on else 0)
+def reconfigure(options: EngineOptions) -> None:
+    """Make ``options`` the active engine's (``ostinato_experts_reconfigure``; call between passes):
+    the native engine decides what the change needs (cached graphs rebuilt, the decode graph made
+    anew, the CPU branch's team set; the pool's layout waits for its next build). Raises
+    ExpertEngineError without an active engine or for values it refuses."""
+    if llama_fn("ostinato_experts_reconfigure")(ctypes.byref(c_struct(options))) != 0:
+        raise ExpertEngineError(experts_error())
 
 
-def set_overlap(on: bool) -> None:
-    """Decode overlap on/off (docs/design.md, native engine item 5): with it the CPU branch of a layer runs while the GPU
-    branch computes; without it the CPU branch runs first, saving one host round trip per layer.
-    Which is faster depends on the machine; ``ostinato calibrate`` measures both."""
-    llama_fn("ostinato_experts_set_overlap")(1 if on else 0)
-
-
-def set_decode_graph(on: Optional[bool], max_tokens: int = 0) -> None:
-    """Decode graph (paper Sec. 3.4; docs/engine.md "Decode graph"): forward passes of at most
-    ``max_tokens`` tokens (0 keeps the current value, 64 at start) that are decode steps or split-path
-    prefills run with the route op on the GPU, the CPU branch on a resident thread pool fed through
-    mapped host memory, and a wait kernel joining the branches, so that the pass is one CUDA graph.
-    ``None``: on when a pool is on a GPU; ``True`` also on a CPU build (tests). Raises ValueError
-    for a max_tokens outside 0..4096. Takes effect at the next graph build."""
-    mode = -1 if on is None else int(bool(on))
-    if llama_fn("ostinato_experts_set_decode_graph")(mode, int(max_tokens)) != 0:
-        raise ValueError(f"decode graph max_tokens must be 0..4096, got {max_tokens}")
-
-
-def set_borrow(on: bool) -> None:
-    """Borrowed decode memory (docs/engine.md "Borrowed decode memory"): during decode
-    the upload path's staging slots hold the cold experts the CPU branch computed most lately
-    (decaying count), promoted at token boundaries and handed back before a pass that takes the
-    upload path. On by default."""
-    llama_fn("ostinato_experts_set_borrow")(1 if on else 0)
-
-
-def set_views(on: bool) -> None:
-    """Per-layer pool views (docs/engine.md "Pool views"): split and upload passes of 9
-    tokens or more compute the GPU routes over views of the layer's own pool slots (and the staging
-    slots), with -1 for the routes of the other branch, so that the GPU's grouped matrix product
-    scans one layer's experts rather than the whole size class. On by default; off only for
-    measurements. Takes effect at the next graph build."""
-    llama_fn("ostinato_experts_set_views")(1 if on else 0)
-
-
-def set_copy_2d(on: bool) -> None:
-    """Upload-path copies (docs/engine.md "Whole-expert copies"): on, an expert's up,
-    gate and down matrices (a run of consecutive experts: theirs) go in one 2D copy where they sit at
-    one pitch in host memory and in the pool, which llama.cpp's files and the pool layout give; off,
-    one copy per matrix. The bytes are the same; the copy engine moves them faster in fewer, larger
-    transfers (docs/benchmarks/runs/2026-12-01-h2d-h200.json); a CPU pool copies the same rows one by one. On by
-    default; off only for measurements. Takes effect at the next copy."""
-    llama_fn("ostinato_experts_set_copy_2d")(1 if on else 0)
-
-
-def set_whole_slots(on: bool) -> None:
-    """Whole-expert slots (docs/engine.md "Whole-expert copies"): pools built after this call (the
-    next model load or residency switch) give each size class whose weight matrices hold the same
-    bytes per expert slots that hold an expert's matrices next to each other (the class tensors
-    strided by a whole slot), so that an upload copy's pitch is one matrix, within the GPU's 2D copy
-    limit at any pool size. Same memory, same computation. The native default is off; the daemon
-    sets it at every load from the setting ``pool_whole_expert_slots`` (on by default)."""
-    llama_fn("ostinato_experts_set_whole_slots")(1 if on else 0)
-
-
-def set_resident_path(on: bool) -> None:
-    """All-resident layers (docs/engine.md "All-resident layers"): a layer whose experts are all in
-    the pool (its hot slots then hold them in expert order) computes as stock does, over tensors on
-    those slots with the router's ids, on every path and pass size: no route op, no host round trip; a
-    count op at the end of the graph counts its routes on the pool's device, read back at each stats
-    call. On by default; off only for measurements (such layers then take the route op like any
-    other). Takes effect at the next graph build."""
-    llama_fn("ostinato_experts_set_resident_path")(1 if on else 0)
-
-
-def set_upload_cpu_share(share: Optional[float]) -> None:
-    """Hybrid upload passes (docs/engine.md "Pool views and the hybrid upload pass"): the share 0..1 of
-    a pass's distinct cold experts that a CPU branch computes while the others are uploaded (the ones
-    with the fewest routes go to the CPU). 0 (the default) builds upload passes without a CPU
-    branch: measured on the H200 (48 layers, 354-token prefills) the CPU branch of a long pass cost
-    more than the copies it saved. ``None``: adapted per layer so that the CPU branch and the copies
-    end together (0 for a pool without an upload stream, i.e. on the CPU). Raises ValueError
-    outside 0..1."""
-    v = -1.0 if share is None else float(share)
-    if llama_fn("ostinato_experts_set_upload_cpu_share")(v) != 0:
-        raise ValueError(f"upload CPU share must be within 0..1, got {share}")
-
-
-def set_hybrid_rows(rows: int) -> None:
-    """Most tokens (1..4096, default 64) the CPU branch of a hybrid upload pass takes: it runs over
-    the tokens that have its routes only, gathered into that many rows (a cold expert whose tokens
-    would not fit is uploaded instead). Raises ValueError outside 1..4096. Next graph build."""
-    if llama_fn("ostinato_experts_set_hybrid_rows")(int(rows)) != 0:
-        raise ValueError(f"hybrid rows must be within 1..4096, got {rows}")
-
-
-def set_cpu_split(split: Optional[dict[str, float]]) -> None:
-    """The cost-model split of upload passes between the CPU branch and the uploads (docs/engine.md
-    "The prefill's CPU share"): ``split`` = {"alpha_us", "cpu_gbps", "h2d_gbps"}
-    (the CPU branch's fixed cost per layer and bandwidth at the prefill's thread count, the pinned
-    host->GPU bandwidth; :func:`ostinatod.residency.cost.cpu_split_params`), or None (off: upload
-    passes without a CPU branch). A fixed or adapted :func:`set_upload_cpu_share` other than 0 takes
-    precedence. Next graph build. Raises ValueError for negative or non-finite values."""
-    a, c, h = (0.0, 0.0, 0.0) if split is None else (float(split["alpha_us"]), float(split["cpu_gbps"]),
-                                                   float(split["h2d_gbps"]))
-    if llama_fn("ostinato_experts_set_cpu_split")(a, c, h) != 0:
-        raise ValueError(f"CPU split needs alpha >= 0 and both bandwidths > 0, got {split}")
+def configure(**changes: Any) -> EngineOptions:
+    """:func:`reconfigure` with the active engine's options changed by ``changes`` (field names of
+    :class:`.options.EngineOptions`); returns the options it had before (to restore them). Raises
+    ValueError (pydantic's, naming the field) for a bad value, ExpertEngineError as reconfigure."""
+    was = engine_options()
+    reconfigure(was.with_(**changes))
+    return was
 
 
 def hybrid_split(routes: Sequence[int], n_upload: int, alpha_us: float, beta_us: float,
@@ -413,97 +324,6 @@ def hybrid_split(routes: Sequence[int], n_upload: int, alpha_us: float, beta_us:
     arr = (ctypes.c_int32 * max(1, len(routes)))(*[int(r) for r in routes])
     return int(llama_fn("ostinato_hybrid_split")(arr, len(routes), int(n_upload), float(alpha_us),
                                                  float(beta_us), float(upload_us)))
-
-
-def set_prefetch(depth: int | bool) -> None:
-    """Prefetch depth for upload passes with pool views (docs/engine.md "Prefetch"): at each layer
-    the routers of the next ``depth`` layers (0 = off, 1 or 2; True = 1) applied to this layer's input
-    predict their routes, and the copies of their predicted cold experts start after this layer's own
-    on a stream of their own, so that they run while this layer's staged routes and the next layers'
-    attention compute. The pool gets depth + 1 staging regions (layer il stages in region
-    il % (depth + 1)). Off in the native engine until set; the runtime sets the settings'
-    (``prefill_prefetch``, ``prefill_prefetch_depth``). Takes effect at the next load or residency
-    switch. Raises ValueError outside 0..2."""
-    if llama_fn("ostinato_experts_set_prefetch")(int(depth)) != 0:
-        raise ValueError(f"prefetch depth must be within 0..2, got {depth}")
-
-
-def set_cpu_threads(n: int) -> None:
-    """Threads of the decode graph's CPU-branch pool (0: the physical cores). A change takes effect at
-    the next forward pass (the pool is made anew then); call it between passes."""
-    llama_fn("ostinato_experts_set_cpu_threads")(max(0, int(n)))
-
-
-def set_cpu_kernel(on: bool) -> None:
-    """The decode graph's CPU branch on its own kernel (True, the runtime's default from the setting
-    ``cpu_branch_kernel``) or on ggml's graph compute (False; measurements). The native default is on.
-    Takes effect at the next graph build (a change marks the cached graphs stale)."""
-    llama_fn("ostinato_experts_set_cpu_kernel")(1 if on else 0)
-
-
-def set_cpu_prefetch(rows: int) -> None:
-    """The CPU branch kernel's software prefetch distance in weight rows (0: off, the native
-    default; setting ``cpu_branch_prefetch_rows``): while a thread computes row r of its chunk it
-    prefetches row r + ``rows``. Process-wide, read once per phase of a run. Raises ValueError
-    outside 0..64 (the engine's OST_PREFETCH_ROWS_MAX)."""
-    if llama_fn("ostinato_experts_set_cpu_prefetch")(int(rows)) < 0:
-        raise ValueError(f"CPU branch prefetch rows must be 0..64, got {rows}")
-
-
-ROW_PAIRS = ("off", "avx2", "avx512")
-
-
-def set_cpu_row_pairs(mode: str) -> str:
-    """The CPU branch kernel's dot products (setting ``cpu_branch_row_pairs``): ``"off"`` (ggml-cpu's
-    vec_dot row by row, the native default), ``"avx2"`` or ``"avx512"`` (two weight rows per pass in
-    two 256-bit registers or one 512-bit one, bitwise vec_dot's: each type is checked against it on
-    this machine at first use; a CPU without AVX-512 takes AVX2). Process-wide, read per chunk of
-    rows; left out while the software prefetch is on (``set_cpu_prefetch`` > 0);
-    ``info()["decode_graph"]["cpu_kernel"]["row_pairs"]`` says the mode (0/1/2), the set used and
-    the types served. Returns the previous mode. Raises ValueError for another mode."""
-    if mode not in ROW_PAIRS:
-        raise ValueError(f"CPU branch row pairs must be one of {', '.join(ROW_PAIRS)}, got {mode!r}")
-    return ROW_PAIRS[llama_fn("ostinato_experts_set_cpu_row_pairs")(ROW_PAIRS.index(mode))]
-
-
-def set_cpu_spins(spins: int) -> int:
-    """Pauses a waiting thread of the CPU branch's team spins before it yields on every further try
-    (256: the native default; setting ``cpu_branch_spins``). Process-wide. Returns the previous count;
-    raises ValueError for a negative one."""
-    was = llama_fn("ostinato_experts_set_cpu_spins")(int(spins))
-    if was < 0:
-        raise ValueError(f"CPU branch spins must be >= 0, got {spins}")
-    return was
-
-
-def set_cpu_claims(on: bool) -> bool:
-    """How the CPU branch's team takes a layer's work (setting ``cpu_branch_claims``): True (the
-    default) on a claim board, where the threads that are on a core take its items (chunks of weight
-    rows, routes' activations) one at a time and the thread completing a phase opens the next, so no
-    phase waits for a thread the scheduler took off its core; False every thread in every phase with a
-    barrier after each. Same arithmetic either way. Process-wide. Returns the previous mode."""
-    return bool(llama_fn("ostinato_experts_set_cpu_claims")(1 if on else 0))
-
-
-def set_decode_prefetch(max_experts: int) -> None:
-    """Decode prefetch (docs/engine.md "Decode prefetch"): in a decode step each layer's route op
-    predicts the next layer's routes (that layer's router on this layer's FFN input) and stages up to
-    ``max_experts`` of the predicted cold experts on the GPU while this layer computes; their routes
-    then run in the GPU branch instead of the CPU branch. 0 (the native default) turns it off; the
-    runtime sets the setting ``decode_prefetch_experts``. Needs 3 staging regions (prefill prefetch
-    depth 2, read at the pool build). Takes effect at the next pass; call between passes. Raises
-    ValueError outside 0..16."""
-    if llama_fn("ostinato_experts_set_decode_prefetch")(int(max_experts)) != 0:
-        raise ValueError(f"decode prefetch experts must be within 0..16, got {max_experts}")
-
-
-def set_decode_prefetch_blocks(blocks: int) -> None:
-    """Blocks (of 512 threads) of decode prefetch's copy kernel on the GPU (setting
-    ``decode_prefetch_copy_blocks``, native default 8): it copies the staged experts over PCIe beside
-    the decode step's own kernels. ``info()["decode_graph"]["prefetch"]["copy_blocks"]`` says it. Takes
-    effect at the next pass; call between passes. Raises ValueError outside 1..1024."""
-    if llama_fn("ostinato_experts_set_decode_prefetch_blocks")(int(blocks)) != 0:
-        raise ValueError(f"decode prefetch copy blocks must be within 1..1024, got {blocks}")
 
 
 def cpu_branch_bench(model: Any, args: dict[str, Any]) -> dict[str, Any]:

@@ -25,16 +25,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from ..hardware import default_threads, expert_engine_threads
 from . import native
 from .native import ExpertEngineError
+from .options import EngineOptions, cpu_split_choice, prefetch_for, resolve_options, split_fields
 from .placement import check_devices, experts_config, full_layer_devices, tensor_split_for
 
 from ..paths import residency_file
-from ..residency.calibration import (DEFAULT_NP, cpu_split_inputs, decode_choices, decode_graph_choice,
-                                     prefill_threshold_choice)
-from ..residency.cost import cpu_split_params
-from ..residency.planner import prefetch_depth_setting, prefetch_room
 from ..residency.sets import ResidencySet, model_block, read_residency
 
 log = logging.getLogger("ostinatod.experts")
@@ -45,38 +41,16 @@ log = logging.getLogger("ostinatod.experts")
 SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss", "glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
 
 
-def prefetch_for(depth: int, residency: Optional[ResidencySet]) -> int:
-    """The prefill prefetch depth for a pool of ``residency``: ``depth`` (the settings',
-    :func:`..residency.planner.prefetch_depth_setting`; 0 = off), less where the set was planned to
-    the GPU's memory without room for its staging regions (:func:`..residency.planner.prefetch_room`;
-    logged: re-plan to get it)."""
-    if depth <= 0 or residency is None:
-        return max(0, depth)
-    room = prefetch_room(residency.raw.get("plan") or {}, depth)
-    if room < depth:
-        log.info("experts: prefill prefetch depth %d instead of %d for the residency set %s: it was "
-                 "planned to the GPU memory with %s staging region(s) (re-plan with `ostinato plan` "
-                 "for %d)", room, depth, residency.path or "(unnamed)",
-                 (residency.raw.get("plan") or {}).get("staging_regions", 1), depth + 1)
-    return room
-
-
-def _default_np(settings: Any, fingerprint: Optional[str]) -> tuple[int, str]:
-    try:
-        return prefill_threshold_choice(settings, model_fingerprint=fingerprint)
-    except Exception:  # an unreadable profile: the paper's PCIe 4.0 value
-        return DEFAULT_NP, "default"
-
-
 class ExpertRuntime:
     """One model's expert engine in the worker process (see module docstring)."""
 
     def __init__(self, model_path: Path, model: dict[str, Any], residency: Optional[ResidencySet],
-                 prefill_threshold: int, device: int, layer_device: Optional[list[int]] = None):
+                 options: EngineOptions, device: int, layer_device: Optional[list[int]] = None):
         self.model_path = Path(model_path)
         self.model = model
         self.residency = residency
-        self.prefill_threshold = prefill_threshold
+        # the engine's options (resolved once by options.resolve_options; changed by reconfigure)
+        self.options = options
         # where Np came from: "settings", "calibration", "probe" (measured at a load) or "default"
         self.prefill_threshold_source = "default"
         self.device = device
@@ -84,20 +58,15 @@ class ExpertRuntime:
         self.layer_device = layer_device
         self.tensor_split: Optional[list[float]] = None   # set by adjust_model_params (GPU build)
         self._ts_array: Any = None                         # keeps the ctypes array alive
-        self.forced = "auto"
         self.attached = False
         # CPU threads for decode steps (settings or calibration; None: n_threads), set by prepare
         self.decode_threads: Optional[int] = None
         # the context's threads for batches (prefill): hardware.expert_engine_threads
         self.batch_threads: Optional[int] = None
-        self.pool_threads: Optional[int] = None  # the decode graph's CPU-branch pool
-        # the decode graph setting served with (None: auto, on where the pool is on a GPU), set by prepare
-        self.decode_graph: Optional[bool] = None
         # the prefill prefetch depth the settings ask for (each set's pool gets what its plan leaves
-        # room for) and the depth the current set's pool was built with, set by prepare
+        # room for: options.prefetch_depth), set by prepare
         self.prefetch = 0
-        self.prefetch_applied = 0
-        # the prefill's CPU/upload split (residency.cost.cpu_split_params) and where it came from
+        # the prefill's CPU/upload split (residency.cost.cpu_split_params, with its threads) and where it came from
         self.cpu_split: Optional[dict[str, float]] = None
         self.cpu_split_source = "no GPU pool"
         # (one-token, batch) threads of the context, set by the loader; follows_graph: the loader
@@ -106,6 +75,28 @@ class ExpertRuntime:
         self.follows_graph = False
         # the placement passed with the model load (native.load_model), set by prepare
         self.load_config: Optional[dict[str, Any]] = None
+
+    # the options' values under the names the worker and the loader read
+    prefill_threshold = property(lambda self: self.options.prefill_threshold, doc="Np (tokens).")
+    forced = property(lambda self: self.options.force_path, doc="The forced prefill path, or auto.")
+    decode_graph = property(lambda self: self.options.decode_graph,
+                            doc="The decode graph served with (None: auto, on where the pool is on a GPU).")
+    pool_threads = property(lambda self: self.options.cpu_threads, doc="The decode graph's CPU-branch pool.")
+    prefetch_applied = property(lambda self: self.options.prefetch_depth,
+                                doc="The prefill prefetch depth of the current set's pool.")
+
+    def reconfigure(self, options: EngineOptions) -> None:
+        """Make ``options`` the engine's (:func:`.native.reconfigure` once the model is loaded; before
+        that they go with the load). Call between passes. Raises ExpertEngineError when refused."""
+        if self.attached:
+            native.reconfigure(options)
+        self.options = options
+
+    def configure(self, **changes: Any) -> EngineOptions:
+        """:meth:`reconfigure` with the options changed by ``changes``; returns the previous options."""
+        was = self.options
+        self.reconfigure(was.with_(**changes))
+        return was
 
     @classmethod
     def prepare(cls, model_path: Path, settings: Any, *, workload: Optional[str] = None
@@ -151,78 +142,42 @@ class ExpertRuntime:
         layer_dev = None
         if residency is not None and len(residency.devices) > 1:
             layer_dev = full_layer_devices(residency, int(model["n_layer"]))
-        np_tokens, np_source = _default_np(settings, model.get("fingerprint"))
-        config = experts_config(hot, device=dev, prefill_threshold=np_tokens,
+        gpu_pool = dev >= 0 and native.has_gpu()
+        res = resolve_options(settings, model, residency, gpu_pool=gpu_pool)
+        opts = res.options
+        config = experts_config(hot, device=dev, prefill_threshold=opts.prefill_threshold,
                                 layer_device=dict(enumerate(layer_dev)) if layer_dev else None)
         native.check_experts_config(config)
-        overlap, decode_threads = decode_choices(settings)
-        native.set_overlap(overlap)
-        graph = decode_graph_choice(settings)
-        native.set_decode_graph(graph)
-        native.set_borrow(getattr(settings, "decode_borrow", True))
-        native.set_cpu_kernel(getattr(settings, "cpu_branch_kernel", True))
-        native.set_cpu_prefetch(getattr(settings, "cpu_branch_prefetch_rows", 0))
-        native.set_cpu_row_pairs(getattr(settings, "cpu_branch_row_pairs", "off"))
-        native.set_cpu_spins(getattr(settings, "cpu_branch_spins", 256))
-        native.set_cpu_claims(getattr(settings, "cpu_branch_claims", True))
-        native.set_decode_prefetch(getattr(settings, "decode_prefetch_experts", 2))
-        native.set_decode_prefetch_blocks(getattr(settings, "decode_prefetch_copy_blocks", 8))
-        native.set_copy_2d(getattr(settings, "upload_copy_2d", True))
-        native.set_whole_slots(getattr(settings, "pool_whole_expert_slots", True))
-        # prefill: the hybrid pass's CPU share (-1: adapted) and the prefetch region (read at the pool build)
-        share = getattr(settings, "upload_cpu_share", 0.0)
-        native.set_upload_cpu_share(None if share == -1 else share)
-        rt_prefetch = prefetch_depth_setting(settings)
-        applied = prefetch_for(rt_prefetch, residency)
-        native.set_prefetch(applied)
-        # CPU-branch pool of the decode graph and the context's prefill threads: together no more
-        # than the cores unless set (hardware.expert_engine_threads); without the graph (CPU build,
-        # pool on the CPU, graph off) the context keeps every core
-        n_threads, cpu_set = getattr(settings, "n_threads", None), getattr(settings, "cpu_set", None)
-        if graph is not False and dev >= 0 and native.has_gpu():
-            batch_threads, pool_threads = expert_engine_threads(n_threads, decode_threads, cpu_set,
-                                                                kernel=getattr(settings, "cpu_branch_kernel", True))
-        else:
-            batch_threads = None
-            pool_threads = decode_threads or n_threads or max(1, default_threads(cpu_set) - 1)
-        native.set_cpu_threads(pool_threads)
         log.info("experts: %d hot experts from %s, Np = %d (%s)%s", sum(len(v) for v in hot.values()),
-                 res_path or "no residency set (all experts cold)", np_tokens, np_source,
+                 res_path or "no residency set (all experts cold)", opts.prefill_threshold, res.np_source,
                  f", GPUs {residency.devices}" if layer_dev else "")
-        rt = cls(Path(model_path), model, residency, np_tokens, dev, layer_dev)
-        rt.prefill_threshold_source = np_source
-        rt.decode_threads = decode_threads
-        rt.batch_threads = batch_threads
-        rt.pool_threads = pool_threads
-        rt.decode_graph = graph
-        rt.prefetch = rt_prefetch
-        rt.prefetch_applied = applied
-        rt.apply_cpu_split(settings)
+        rt = cls(Path(model_path), model, residency, opts, dev, layer_dev)
+        rt.prefill_threshold_source = res.np_source
+        rt.decode_threads = res.decode_threads
+        rt.batch_threads = res.batch_threads
+        rt.prefetch = res.prefetch_requested
+        rt.cpu_split, rt.cpu_split_source = res.cpu_split, res.cpu_split_source
+        rt._log_split()
         rt.load_config = config
         return rt
 
     def apply_cpu_split(self, settings: Any) -> None:
-        """Set the prefill's CPU/upload split (:func:`..residency.cost.cpu_split_params` of
-        :func:`..residency.calibration.cpu_split_inputs` at the context's prefill thread count) in the
-        native engine and in :attr:`cpu_split`; on a GPU pool only (on a CPU pool an "upload" is a
-        memcpy). A non-zero ``upload_cpu_share`` replaces it. Called at the load and after the load
-        probe measured the CPU branch."""
-        split, source = None, "no GPU pool"
-        if getattr(settings, "upload_cpu_share", 0.0):
-            source = "upload_cpu_share"
-        elif self.device >= 0 and native.has_gpu():
-            threads = self.batch_threads or getattr(settings, "n_threads", None) or \
-                default_threads(getattr(settings, "cpu_set", None))
-            rows, h2d, source = cpu_split_inputs(settings, model_fingerprint=self.model.get("fingerprint"))
-            split = cpu_split_params(rows, int(threads), h2d) if rows else None
-            if split is None and source in ("calibration", "probe"):
-                source = "not calibrated"
-        native.set_cpu_split(split)
+        """Set the prefill's CPU/upload split (:func:`.options.cpu_split_choice` at the context's
+        prefill thread count) in the engine's options and in :attr:`cpu_split`; on a GPU pool only.
+        A non-zero ``upload_cpu_share`` replaces it. Called at the load and after the load probe
+        measured the CPU branch."""
+        split, source = cpu_split_choice(settings, self.model.get("fingerprint"),
+                                         self.device >= 0 and native.has_gpu(), self.batch_threads)
+        self.configure(**split_fields(split))
         self.cpu_split, self.cpu_split_source = split, source
+        self._log_split()
+
+    def _log_split(self) -> None:
+        split = self.cpu_split
         if split:
             log.info("experts: prefill CPU share by the cost model (%s): %.1f us + routes x bytes / %.1f GB/s "
-                     "(%d threads) against uploads at %.1f GB/s", source, split["alpha_us"], split["cpu_gbps"],
-                     split["threads"], split["h2d_gbps"])
+                     "(%d threads) against uploads at %.1f GB/s", self.cpu_split_source, split["alpha_us"],
+                     split["cpu_gbps"], split["threads"], split["h2d_gbps"])
 
     def context_decode_threads(self, threads: int, n_gpu_layers: int, graph: Optional[bool] = None) -> int:
         """Threads of the llama context for one-token steps (``cparams.n_threads``; prefill keeps
@@ -313,7 +268,7 @@ class ExpertRuntime:
         ExpertEngineError with the native error when the loader did not build the pool (the model
         is freed)."""
         self.adjust_model_params(mparams)
-        model, active, err = native.load_model(path, mparams, self.load_config)
+        model, active, err = native.load_model(path, mparams, self.load_config, self.options)
         if model and not active:
             import llama_cpp
             llama_cpp.llama_model_free(model)
@@ -347,8 +302,7 @@ class ExpertRuntime:
     def set_prefill_threshold(self, np_tokens: int, source: Optional[str] = None) -> None:
         """Change Np at run time (calibration, the load probe, tests); ``source`` as in
         :attr:`prefill_threshold_source` (kept when None)."""
-        native.set_prefill_threshold(np_tokens)
-        self.prefill_threshold = int(np_tokens)
+        self.configure(prefill_threshold=int(np_tokens))
         if source is not None:
             self.prefill_threshold_source = source
 
@@ -360,16 +314,16 @@ class ExpertRuntime:
 
     def force_path(self, path: str) -> None:
         """Force "split" or "upload" for prefill passes, or "auto"."""
-        native.force_path(path)
-        self.forced = path
+        self.configure(force_path=path)
 
     def set_timing(self, on: bool) -> None:
-        """See :func:`.native.set_timing`."""
-        native.set_timing(on)
+        """Timing mode (:attr:`.options.EngineOptions.timing`): GPU-branch times per pass
+        (``gpu_branch_ms``) at one GPU sync per MoE layer; for calibration."""
+        self.configure(timing=bool(on))
 
     def set_overlap(self, on: bool) -> None:
-        """See :func:`.native.set_overlap`."""
-        native.set_overlap(on)
+        """Decode overlap on or off (:attr:`.options.EngineOptions.decode_overlap`)."""
+        self.configure(decode_overlap=bool(on))
 
     def switch(self, residency_path: Path, res: Optional[ResidencySet] = None) -> float:
         """Swap the residency set at a request boundary (no forward pass may be running: call it
@@ -394,19 +348,13 @@ class ExpertRuntime:
             # loaded across several GPUs, or a set across several: name every layer's GPU so that
             # the native engine checks it against where the dense weights were loaded
             layer_dev = full_layer_devices(res, int(self.model["n_layer"]))
-        old_prefetch = self.prefetch_applied
-        depth = prefetch_for(self.prefetch, res)
-        native.set_prefetch(depth)   # read at the pool's build
-        try:
-            native.experts_switch(experts_config(hot, device=self.device,
-                                                 prefill_threshold=self.prefill_threshold,
-                                                 force_path=self.forced,
-                                                 layer_device=dict(enumerate(layer_dev)) if layer_dev else None))
-        except Exception:
-            native.set_prefetch(old_prefetch)
-            raise
+        options = self.options.with_(prefetch_depth=prefetch_for(self.prefetch, res))   # the pool's layout
+        native.experts_switch(experts_config(hot, device=self.device, prefill_threshold=self.prefill_threshold,
+                                             force_path=self.forced,
+                                             layer_device=dict(enumerate(layer_dev)) if layer_dev else None),
+                              options)
         self.residency = res
-        self.prefetch_applied = depth
+        self.options = options
         return time.perf_counter() - t0
 
     def close(self) -> None:

@@ -111,6 +111,7 @@ def store_calibration(cal: dict[str, Any], path: Optional[Path] = None) -> Path:
 def decode_choices(settings: Any = None) -> tuple[bool, Optional[int]]:
     """(decode overlap, decode threads or None) to serve with: the settings if given, else the
     calibration's measured choice (``decode_overlap``, ``decode_threads``), else (True, None)."""
+    settings = getattr(settings, "engine", settings)   # Settings: its [engine] table
     overlap = getattr(settings, "decode_overlap", None)
     threads = getattr(settings, "decode_threads", None)
     if overlap is None or threads is None:
@@ -128,7 +129,7 @@ def decode_graph_choice(settings: Any = None) -> Optional[bool]:
     """Decode graph to serve with: the ``decode_graph`` setting if set, else the calibration's
     measured choice (``decode_graph``: whether a graph setting won the decode sweep; absent when the
     sweep could not run one, e.g. on a CPU build), else None (on when the pool is on a GPU)."""
-    choice = getattr(settings, "decode_graph", None)
+    choice = getattr(getattr(settings, "engine", settings), "decode_graph", None)
     if choice is None:
         cal = load_calibration() or {}
         if not cal.get("stale") and cal.get("decode_graph") is not None:
@@ -145,7 +146,7 @@ def cpu_split_inputs(settings: Any, path: Optional[Path] = None, model_fingerpri
     (``"calibration"``) or a load probe of this model (``"probe"``; any model when
     ``model_fingerprint`` is None); ``([], None, "settings")`` when ``prefill_cpu_split`` is false,
     ``([], None, "not calibrated")`` without such a record."""
-    if settings is not None and not settings.prefill_cpu_split:
+    if settings is not None and not getattr(settings, "engine", settings).prefill_cpu_split:
         return [], None, "settings"
     cal = load_calibration(path)
     if _is_full(cal):

@@ -119,9 +119,10 @@ def staging_regions_for(settings: Any = None) -> int:
 def prefetch_depth_setting(settings: Any) -> int:
     """The prefill prefetch depth the settings ask for: 0 (``prefill_prefetch`` off), else
     ``prefill_prefetch_depth`` (1 or 2)."""
-    if not getattr(settings, "prefill_prefetch", True):
+    eng = getattr(settings, "engine", settings)   # Settings: its [engine] table
+    if not getattr(eng, "prefill_prefetch", True):
         return 0
-    return int(getattr(settings, "prefill_prefetch_depth", 2))
+    return int(getattr(eng, "prefill_prefetch_depth", 2))
 
 
 def prefetch_room(plan: dict[str, Any], depth: int) -> int:

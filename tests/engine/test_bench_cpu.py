@@ -11,6 +11,14 @@ import pytest
 
 from ostinatod.residency.cost import fit_cpu_bandwidth
 from ostinatod.bench import bench_cpu
+from ostinatod.engine.options import EngineOptions
+
+
+def _team() -> dict:
+    """The CPU branch's thread team settings (process-wide; the engine's info says them)."""
+    from ostinatod.engine import native
+
+    return native.experts_json("ostinato_experts_info")["cpu_team"]
 
 
 def test_fit_recovers_fixed_cost_and_bandwidth():
@@ -77,9 +85,9 @@ def test_cpu_branch_bench_runs_the_kernel_at_each_prefetch_distance_bitwise(tmp_
     # ggml timed once per shape and thread count, at the first distance; every distance compared with it
     assert all(("ggml_ms" in r) == (r["prefetch_rows"] == 0) for r in res["rows"])
     assert all(r["speedup_vs_ggml"] > 0 for r in res["rows"])
-    assert native.llama_fn("ostinato_experts_set_cpu_prefetch")(0) == 0   # the previous: 0 again, not 3
+    assert _team()["prefetch_rows"] == 0   # the team's distance is back: 0 again, not 3
     with pytest.raises(ValueError):
-        native.set_cpu_prefetch(65)
+        EngineOptions(cpu_branch_prefetch_rows=65)
 
 
 def test_cpu_branch_bench_runs_the_kernel_with_claims_and_with_barriers_bitwise(tmp_path):
@@ -100,7 +108,7 @@ def test_cpu_branch_bench_runs_the_kernel_with_claims_and_with_barriers_bitwise(
         assert r["threads_used"] == 3 if r["claims"] == 0 else 1 <= r["threads_used"] <= 3
     from ostinatod.engine import native
 
-    assert native.set_cpu_claims(True) is True   # the engine's mode is back after the bench
+    assert _team()["claims"] is True   # the team's mode is back after the bench
 
 
 def test_cpu_branch_bench_runs_the_kernel_at_each_spin_count_bitwise(tmp_path):
@@ -115,9 +123,9 @@ def test_cpu_branch_bench_runs_the_kernel_at_each_spin_count_bitwise(tmp_path):
     assert sorted({(f["tokens"], f["spins"]) for f in res["fits"]}) == [(n, sp) for n in (1, 3) for sp in (0, 100000)]
     from ostinatod.engine import native
 
-    assert native.set_cpu_spins(256) == 256   # the engine's count is back after the bench, not 100000
+    assert _team()["spins"] == 256   # the team's count is back after the bench, not 100000
     with pytest.raises(ValueError):
-        native.set_cpu_spins(-1)
+        EngineOptions(cpu_branch_spins=-1)
 
 
 def test_cpu_branch_bench_reads_each_memory_kind_bitwise_and_times_the_phases(tmp_path, capsys):
@@ -177,7 +185,6 @@ def test_cpu_branch_bench_runs_the_kernel_with_each_row_pairs_mode_bitwise(tmp_p
     else:   # elsewhere every mode falls back to vec_dot row by row
         assert all(r["row_pairs_isa"] == "off" for r in res["rows"])
     assert all(("ggml_ms" in r) == (r["row_pairs"] == 0) for r in res["rows"])
-    assert native.llama_fn("ostinato_experts_set_cpu_row_pairs")(0) == 0   # the previous: off again, not 2
-    assert native.llama_fn("ostinato_experts_set_cpu_row_pairs")(3) == -1
+    assert _team()["row_pairs"] == 0   # the team's mode is back: off again, not 2
     with pytest.raises(ValueError):
-        native.set_cpu_row_pairs("avx1024")
+        EngineOptions(cpu_branch_row_pairs="avx1024")

@@ -342,9 +342,10 @@ def test_np_probe_on_the_engine_cpu(tiny_model, tmp_path, monkeypatch):
 
 def test_runtime_serves_the_split_of_the_probe_on_a_gpu_pool_only(tmp_path, monkeypatch):
     # the runtime's choice at load: the probe's CPU-branch row at the prefill's thread count, set in
-    # the native engine (info()["prefill"]["cpu_split"] needs a loaded engine; the native setter is
-    # real). has_gpu is forced only to reach the GPU-pool branch on this CPU machine.
+    # the engine's options (reaching the native engine once the model is loaded: info()["prefill"]
+    # ["cpu_split"] needs one). has_gpu is forced only to reach the GPU-pool branch on this CPU machine.
     from ostinatod.engine import native
+    from ostinatod.engine.options import EngineOptions
     from ostinatod.engine.runtime import ExpertRuntime
     from ostinatod.settings import Settings
 
@@ -354,22 +355,21 @@ def test_runtime_serves_the_split_of_the_probe_on_a_gpu_pool_only(tmp_path, monk
     data = json.loads(calibration.get_paths().hardware_profile.read_text())
     data["bandwidth"] = {"h2d_pinned": [{"device": 0, "gbps": 55.0}]}
     calibration.get_paths().hardware_profile.write_text(json.dumps(data))
-    rt = ExpertRuntime(tmp_path / "m.gguf", {"fingerprint": "fp1"}, None, 16, 0)
+    rt = ExpertRuntime(tmp_path / "m.gguf", {"fingerprint": "fp1"}, None, EngineOptions(prefill_threshold=16), 0)
     rt.batch_threads = 8   # no row of 8: the row of the most threads below (4)
-    try:
-        monkeypatch.setattr(native, "has_gpu", lambda: True)
-        # off by default (slower on the H200, docs/engine.md): the probe's row is not used
-        rt.apply_cpu_split(Settings())
-        assert (rt.cpu_split, rt.cpu_split_source) == (None, "settings")
-        rt.apply_cpu_split(Settings(prefill_cpu_split=True))
-        assert rt.cpu_split_source == "probe"
-        assert rt.cpu_split == {"alpha_us": 21.0, "cpu_gbps": 30.0, "h2d_gbps": 55.0, "threads": 4}
-        rt.apply_cpu_split(Settings(prefill_cpu_split=False))
-        assert (rt.cpu_split, rt.cpu_split_source) == (None, "settings")
-        rt.apply_cpu_split(Settings(prefill_cpu_split=True, upload_cpu_share=0.5))
-        assert (rt.cpu_split, rt.cpu_split_source) == (None, "upload_cpu_share")
-        monkeypatch.setattr(native, "has_gpu", lambda: False)
-        rt.apply_cpu_split(Settings(prefill_cpu_split=True))
-        assert (rt.cpu_split, rt.cpu_split_source) == (None, "no GPU pool")
-    finally:
-        native.set_cpu_split(None)
+    monkeypatch.setattr(native, "has_gpu", lambda: True)
+    # off by default (slower on the H200, docs/engine.md): the probe's row is not used
+    rt.apply_cpu_split(Settings())
+    assert (rt.cpu_split, rt.cpu_split_source) == (None, "settings")
+    rt.apply_cpu_split(Settings(engine={"prefill_cpu_split": True}))
+    assert rt.cpu_split_source == "probe"
+    assert rt.cpu_split == {"alpha_us": 21.0, "cpu_gbps": 30.0, "h2d_gbps": 55.0, "threads": 4}
+    assert rt.options.cpu_split == {"alpha_us": 21.0, "cpu_gbps": 30.0, "h2d_gbps": 55.0}
+    rt.apply_cpu_split(Settings(engine={"prefill_cpu_split": False}))
+    assert rt.options.cpu_split is None
+    assert (rt.cpu_split, rt.cpu_split_source) == (None, "settings")
+    rt.apply_cpu_split(Settings(engine={"prefill_cpu_split": True, "upload_cpu_share": 0.5}))
+    assert (rt.cpu_split, rt.cpu_split_source) == (None, "upload_cpu_share")
+    monkeypatch.setattr(native, "has_gpu", lambda: False)
+    rt.apply_cpu_split(Settings(engine={"prefill_cpu_split": True}))
+    assert (rt.cpu_split, rt.cpu_split_source) == (None, "no GPU pool")

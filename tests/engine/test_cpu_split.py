@@ -39,9 +39,19 @@ def test_split_is_the_brute_force_optimum():
         assert all(c > best + 1e-9 for c in cost[:j])   # the smallest optimal j (ties to fewer CPU experts)
 
 
-def test_set_cpu_split_refuses_bad_values():
+def test_cpu_split_options_refuse_bad_values():
+    # EngineOptions refuses them, and so does the native engine given the struct directly
+    import ctypes
+
+    from ostinatod.engine.options import EngineOptions, EngineOptionsC, split_fields
+
     for bad in ({"alpha_us": -1, "cpu_gbps": 10, "h2d_gbps": 10}, {"alpha_us": 0, "cpu_gbps": 10, "h2d_gbps": 0},
                 {"alpha_us": float("nan"), "cpu_gbps": 10, "h2d_gbps": 10}):
         with pytest.raises(ValueError):
-            native.set_cpu_split(bad)
-    native.set_cpu_split(None)
+            EngineOptions().with_(**split_fields(bad))
+        st = EngineOptionsC()
+        native.llama_fn("ostinato_engine_options_default")(ctypes.byref(st))
+        st.cpu_split_alpha_us, st.cpu_split_cpu_gbps, st.cpu_split_h2d_gbps = (bad["alpha_us"], bad["cpu_gbps"],
+                                                                               bad["h2d_gbps"])
+        assert native.llama_fn("ostinato_experts_reconfigure")(ctypes.byref(st)) == -1
+        assert "cpu_split" in native.experts_error()

@@ -157,8 +157,8 @@ def test_prefetch_depth_is_cut_to_the_staging_regions_a_set_has_room_for():
     """A set planned with fewer staging regions than the prefetch depth needs (1 + depth) against a
     GPU's free memory (the pool filled to the capacity) gets the depth its room allows: none with one
     region and no spare memory, depth 1 with two regions when depth 2 is asked for, the full depth
-    with every region planned or memory to spare, or for a hand-made set (runtime.prefetch_for)."""
-    from ostinatod.engine.runtime import prefetch_for
+    with every region planned or memory to spare, or for a hand-made set (options.prefetch_for)."""
+    from ostinatod.engine.options import prefetch_for
     from ostinatod.residency.sets import ResidencySet
     shape = _shape(n_layer=4, n_expert=8, expert_bytes=[MiB] * 4)
     dev = _trace(shape, _zipf_counts(4, 8, seed=4), max_tokens=4096)
@@ -188,11 +188,11 @@ def test_staging_regions_follow_the_prefetch_settings():
     with the prefetch off; the settings refuse depths outside 1..2."""
     from ostinatod.settings import Settings
     assert planner.staging_regions_for(Settings()) == 3
-    assert planner.staging_regions_for(Settings(prefill_prefetch_depth=1)) == 2
-    assert planner.staging_regions_for(Settings(prefill_prefetch=False)) == 1
+    assert planner.staging_regions_for(Settings(engine={"prefill_prefetch_depth": 1})) == 2
+    assert planner.staging_regions_for(Settings(engine={"prefill_prefetch": False})) == 1
     for bad in (0, 3):
         with pytest.raises(ValueError):
-            Settings(prefill_prefetch_depth=bad)
+            Settings(engine={"prefill_prefetch_depth": bad})
 
 
 def test_capacity_test_fails_with_clear_error_and_caps_pool():

@@ -21,8 +21,9 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from ostinatod.engine import native, placement  # noqa: E402
+from ostinatod.engine.options import split_fields  # noqa: E402
 from ostinatod.residency.sets import model_block  # noqa: E402
-from ostinatod.settings import Settings  # noqa: E402
+from ostinatod.settings import EngineSettings  # noqa: E402
 
 if not native.experts_available():  # pragma: no cover - stale build
     pytest.skip("native engine built without the expert engine (run 'ostinato build')",
@@ -41,19 +42,31 @@ TOL = 0.25 if GPU else 1e-3
 
 ARCHS = ("qwen3moe", "deepseek2", "gpt-oss")
 # the daemon's pool layout (setting pool_whole_expert_slots); the native library's own default is off
-WHOLE_SLOTS = Settings.model_fields["pool_whole_expert_slots"].default
+WHOLE_SLOTS = EngineSettings.model_fields["pool_whole_expert_slots"].default
+
+
+# The options of the shared runners' engine and of the next Runner load: the library's defaults with
+# the daemon's pool layout; _opt changes both (a test's options then hold for the pools it builds, by
+# a load or a switch, as for the engine running now).
+_NEXT = [native.library_options().with_(pool_whole_expert_slots=WHOLE_SLOTS)]
+
+
+def _opt(**changes):
+    """Change the engine's options (native.reconfigure, when an engine is active) and those of the
+    next Runner load. ValueError (pydantic's) for a value EngineOptions refuses."""
+    _NEXT[0] = _NEXT[0].with_(**changes)
+    if native.experts_active():
+        native.configure(**changes)
 
 
 @pytest.fixture(autouse=True)
 def _daemon_pool_layout():
     """Every test builds its pools with the daemon's layout, and with the prefill and decode
-    prefetch off (the native defaults) unless it turns them on: the native flags are process-wide
-    and an ExpertRuntime load sets them from the settings, so without this a test's layout and
-    paths would depend on the tests that ran before it (a GPU failure of the decode prefetch on
-    deepseek4 showed only after a runtime test had left it on)."""
-    native.set_whole_slots(WHOLE_SLOTS)
-    native.set_prefetch(0)
-    native.set_decode_prefetch(0)
+    prefetch off (the native defaults) unless it turns them on: the shared runners' engine keeps its
+    options from test to test, so without this a test's layout and paths would depend on the tests
+    that ran before it (a GPU failure of the decode prefetch on deepseek4 showed only after a
+    runtime test had left it on)."""
+    _opt(pool_whole_expert_slots=WHOLE_SLOTS, prefetch_depth=0, decode_prefetch_experts=0)
     yield
 
 
@@ -115,7 +128,7 @@ class Runner:
         if rt is not None:
             self.model = rt.load(path, mp)  # adjusts mp, loads with its placement, checks the pool
         else:
-            self.model, _, _ = native.load_model(path, mp, cfg)
+            self.model, _, _ = native.load_model(path, mp, cfg, _NEXT[0] if cfg else None)
         assert self.model, "model load failed"
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = 64, 32, 32
@@ -232,10 +245,10 @@ def _every_path_matches(r, ref_toks, decode_prefetch=0):
         passes.append((512, True, None, decode_prefetch))
     try:
         for np_tokens, graph, cpu_split, dpf in passes:
-            native.set_prefill_threshold(np_tokens)
-            native.set_decode_graph(graph)
-            native.set_cpu_split(cpu_split)
-            native.set_decode_prefetch(dpf)
+            _opt(prefill_threshold=np_tokens)
+            _opt(decode_graph=graph)
+            _opt(**split_fields(cpu_split))
+            _opt(decode_prefetch_experts=dpf)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
@@ -243,7 +256,7 @@ def _every_path_matches(r, ref_toks, decode_prefetch=0):
             assert 0 < st["hot_routes"] < st["routes"], st   # both branches did work
         return st
     finally:
-        native.set_decode_prefetch(0)
-        native.set_cpu_split(None)
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(decode_prefetch_experts=0)
+        _opt(**split_fields(None))
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)

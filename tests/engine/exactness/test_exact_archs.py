@@ -8,7 +8,7 @@ import pytest
 
 from ostinatod.engine import native
 from ostinatod.residency.sets import model_block
-from exact_helpers import (N_NEW, PROMPT_LEN, Runner, _every_path_matches, _moe_layers, _prompt, drop_ost,
+from exact_helpers import (_opt, N_NEW, PROMPT_LEN, Runner, _every_path_matches, _moe_layers, _prompt, drop_ost,
                            half_hot, moe)
 from exact_helpers import _daemon_pool_layout, _free_shared_runner  # noqa: F401 (fixtures)
 
@@ -100,7 +100,7 @@ def test_newer_architectures_through_the_engine(arch):
         ref_toks, _ = ref.generate(_prompt(PROMPT_LEN), N_NEW)
     finally:
         ref.close()
-    native.set_prefetch(2)   # three staging regions: the decode prefetch stages in two of them
+    _opt(prefetch_depth=2)   # three staging regions: the decode prefetch stages in two of them
     r = Runner(path, hot=hot, prefill_threshold=512)
     try:
         info = native.experts_json("ostinato_experts_info")
@@ -116,4 +116,4 @@ def test_newer_architectures_through_the_engine(arch):
             assert st["decode_prefetch_staged"] > 0 and st["decode_prefetch_routes"] > 0
     finally:
         r.close()
-        native.set_prefetch(0)
+        _opt(prefetch_depth=0)

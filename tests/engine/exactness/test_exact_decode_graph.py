@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ostinatod.engine import native
-from exact_helpers import (GPU, N_NEW, PROMPT_LEN, Runner, TOL, _prompt, _stats, _switch, drop_ost, half_hot,
+from exact_helpers import (_opt, GPU, N_NEW, PROMPT_LEN, Runner, TOL, _prompt, _stats, _switch, drop_ost, half_hot,
                            llama_cpp, ost_runner)
 from exact_helpers import _daemon_pool_layout, _free_shared_runner, moe, stock  # noqa: F401 (fixtures)
 
@@ -19,14 +19,14 @@ def _without_and_with_graph(r, with_counts=0):
     """Generates the test prompt without, then with the decode graph (max 32 tokens); returns
     (tokens, logits) of both and the stats of the run with the graph. Leaves the graph on auto."""
     try:
-        native.set_decode_graph(False)
+        _opt(decode_graph=False)
         base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
-        native.set_decode_graph(True, max_tokens=32)
+        _opt(decode_graph=True, decode_graph_max_tokens=32)
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         return base_toks, base_logits, toks, logits, _stats(with_counts)
     finally:
-        native.set_decode_graph(None)
+        _opt(decode_graph=None)
 
 
 @pytest.mark.parametrize("np_tokens", [512, 8])
@@ -38,7 +38,7 @@ def test_decode_graph_matches_stock_and_the_split_path(moe, stock, np_tokens):
     path and only the decode steps take the graph."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(np_tokens)
+    _opt(prefill_threshold=np_tokens)
     base_toks, base_logits, toks, logits, st = _without_and_with_graph(r)
     info = native.experts_json("ostinato_experts_info")
     ref_toks, ref_logits = stock[PROMPT_LEN]
@@ -72,7 +72,7 @@ def test_every_expert_resident_takes_the_stock_computation(moe, stock, np_tokens
     the comparison with the route-op path is within the GPU tolerance.)"""
     r = ost_runner(moe)
     _switch({il: list(range(moe[1]["n_expert"])) for il in moe[2]})
-    native.set_prefill_threshold(np_tokens)
+    _opt(prefill_threshold=np_tokens)
 
     def run():
         native.llama_fn("ostinato_experts_reset_stats")()
@@ -80,18 +80,18 @@ def test_every_expert_resident_takes_the_stock_computation(moe, stock, np_tokens
         return toks, logits, _stats(1)
 
     try:
-        native.set_resident_path(False)
-        native.set_decode_graph(False)
+        _opt(resident_path=False)
+        _opt(decode_graph=False)
         base = run()
-        native.set_decode_graph(True, max_tokens=32)
+        _opt(decode_graph=True, decode_graph_max_tokens=32)
         graph = run()
-        native.set_decode_graph(None)
-        native.set_resident_path(True)
+        _opt(decode_graph=None)
+        _opt(resident_path=True)
         toks, logits, st = run()
     finally:
-        native.set_decode_graph(None)
-        native.set_resident_path(True)
-        native.set_prefill_threshold(512)
+        _opt(decode_graph=None)
+        _opt(resident_path=True)
+        _opt(prefill_threshold=512)
         _switch(half_hot(moe))
     assert toks == stock[PROMPT_LEN][0] == base[0] == graph[0]
     assert np.array_equal(base[1], graph[1])
@@ -155,18 +155,18 @@ def test_decode_graph_pool_threads_change_between_passes(moe, stock):
     threads (the calibration's decode sweep relies on it); tokens stay stock's."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(512)
+    _opt(prefill_threshold=512)
     try:
-        native.set_decode_graph(True, max_tokens=32)
+        _opt(decode_graph=True, decode_graph_max_tokens=32)
         for n in (1, 2):
-            native.set_cpu_threads(n)
+            _opt(cpu_threads=n)
             toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
             info = native.experts_json("ostinato_experts_info")["decode_graph"]
             assert toks == stock[PROMPT_LEN][0]
             assert info["active"] and info["cpu_threads"] == n
     finally:
-        native.set_decode_graph(None)
-        native.set_cpu_threads(0)
+        _opt(decode_graph=None)
+        _opt(cpu_threads=0)
 
 
 @pytest.mark.parametrize("graph", [None, True])
@@ -177,15 +177,15 @@ def test_borrowed_decode_slots_change_where_not_what(moe, graph):
     the upload path hands every slot back first."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(8)
+    _opt(prefill_threshold=8)
     prompt = _prompt(PROMPT_LEN, seed=5)
-    native.set_decode_graph(graph)   # True: the device index table of the decode graph too (CPU build)
+    _opt(decode_graph=graph)   # True: the device index table of the decode graph too (CPU build)
     try:
-        native.set_borrow(False)
+        _opt(decode_borrow=False)
         native.llama_fn("ostinato_experts_reset_stats")()
         base_toks, base_logits = r.generate(prompt, 40)
         base_share = _stats()["hot_route_share"]
-        native.set_borrow(True)
+        _opt(decode_borrow=True)
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(prompt, 40)   # prompt: upload path (hands back), then 40 decode steps
         st, info = _stats(), native.experts_json("ostinato_experts_info")
@@ -193,8 +193,8 @@ def test_borrowed_decode_slots_change_where_not_what(moe, graph):
         r.generate(prompt, 1)                   # another upload-path prefill: everything handed back
         info2 = native.experts_json("ostinato_experts_info")
     finally:
-        native.set_borrow(True)
-        native.set_decode_graph(None)
+        _opt(decode_borrow=True)
+        _opt(decode_graph=None)
     print(f"\n[exactness] {moe[1]['arch']} (decode graph {graph}) borrowed slots: {info['borrowed']}, borrowed routes "
           f"{st['borrowed_routes']}, hot-route share {base_share:.3f} -> {st['hot_route_share']:.3f}")
     assert toks == base_toks
@@ -222,22 +222,22 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
     if len(moe[2]) < 2:
         pytest.skip("one MoE layer (deepseek2's tiny shape): no next layer to predict")
     r = ost_runner(moe)
-    native.set_prefetch(2)   # the pool's third staging region: regions 1 and 2 take the staged experts
+    _opt(prefetch_depth=2)   # the pool's third staging region: regions 1 and 2 take the staged experts
     _switch(half_hot(moe))
-    native.set_decode_graph(True, max_tokens=32)
+    _opt(decode_graph=True, decode_graph_max_tokens=32)
     runs = {}
     try:
         for n in (0, experts):
-            native.set_decode_prefetch(n)
-            native.set_decode_prefetch_blocks(32 if n == 1 else 8)
+            _opt(decode_prefetch_experts=n)
+            _opt(decode_prefetch_copy_blocks=32 if n == 1 else 8)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             runs[n] = (toks, logits, _stats(), native.experts_json("ostinato_experts_info"))
     finally:
-        native.set_decode_prefetch(0)
-        native.set_decode_prefetch_blocks(8)
-        native.set_decode_graph(None)
-        native.set_prefetch(0)
+        _opt(decode_prefetch_experts=0)
+        _opt(decode_prefetch_copy_blocks=8)
+        _opt(decode_graph=None)
+        _opt(prefetch_depth=0)
         _switch(half_hot(moe))
     (t0, l0, s0, _), (t1, l1, s1, info) = runs[0], runs[experts]
     ref_toks, _ = stock[PROMPT_LEN]
@@ -274,9 +274,9 @@ def test_decode_prefetch_changes_where_not_what(moe, stock, experts):
     if not GPU:
         assert tl1["chain_late"] == 0 and tl1["chain_wait_ms"] == 0
     with pytest.raises(ValueError):
-        native.set_decode_prefetch(17)   # more than a stage list holds (OSTINATO_STAGE_MAX)
+        _opt(decode_prefetch_experts=17)   # more than a stage list holds (OSTINATO_STAGE_MAX)
     with pytest.raises(ValueError):
-        native.set_decode_prefetch_blocks(0)
+        _opt(decode_prefetch_copy_blocks=0)
 
 
 def test_decode_timeline_marks_every_layer_of_each_decode_step(moe, stock):
@@ -290,13 +290,13 @@ def test_decode_timeline_marks_every_layer_of_each_decode_step(moe, stock):
         pytest.skip("one MoE layer (deepseek2's tiny shape): no interval between two layers")
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_decode_graph(True, max_tokens=32)
+    _opt(decode_graph=True, decode_graph_max_tokens=32)
     try:
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, _ = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
-        native.set_decode_graph(None)
+        _opt(decode_graph=None)
     tl, layers = st["decode_timeline"], moe[2]
     pairs = sum(1 for a, b in zip(layers, layers[1:]) if b == a + 1)
     steps = st["paths"]["decode"]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from ostinatod.engine import native
-from exact_helpers import (GPU, N_NEW, PROMPT_LEN, TOL, WHOLE_SLOTS, _prompt, _stats, _switch, half_hot,
+from ostinatod.engine.options import split_fields  # noqa: E402
+from exact_helpers import (_opt, GPU, N_NEW, PROMPT_LEN, TOL, WHOLE_SLOTS, _prompt, _stats, _switch, half_hot,
                            ost_runner)
 from exact_helpers import _daemon_pool_layout, _free_shared_runner, moe, stock  # noqa: F401 (fixtures)
 
@@ -21,14 +22,14 @@ from exact_helpers import _daemon_pool_layout, _free_shared_runner, moe, stock  
 def test_paths_match_stock(moe, stock, path, np_tokens, force):
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(np_tokens)
-    native.force_path(force)
+    _opt(prefill_threshold=np_tokens)
+    _opt(force_path=force)
     native.llama_fn("ostinato_experts_reset_stats")()
     try:
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
-        native.force_path("auto")
+        _opt(force_path="auto")
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d_prefill = float(np.max(np.abs(logits[0] - ref_logits[0])))
     d_decode = float(np.max(np.abs(logits[1:] - ref_logits[1:])))
@@ -53,20 +54,20 @@ def test_upload_copies_take_whole_experts(moe, stock):
     so only a misplaced byte could move them), the same bytes uploaded in fewer copy calls."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(8)
+    _opt(prefill_threshold=8)
     r.all_logits = True
     runs = {}
     try:
         for on in (False, True):
-            native.set_copy_2d(on)
+            _opt(upload_copy_2d=on)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             runs[on] = (toks, logits, _stats()["last_passes"][0])
         info = native.experts_json("ostinato_experts_info")
     finally:
         r.all_logits = False
-        native.set_copy_2d(True)
-        native.set_prefill_threshold(512)
+        _opt(upload_copy_2d=True)
+        _opt(prefill_threshold=512)
     ref_toks, _ = stock[PROMPT_LEN]
     (toks_1d, logits_1d, p_1d), (toks_2d, logits_2d, p_2d) = runs[False], runs[True]
     d = float(np.max(np.abs(logits_2d - logits_1d)))
@@ -99,20 +100,20 @@ def test_whole_expert_slots_change_where_not_what(moe, stock, share):
     runs, infos = {}, {}
     try:
         for whole in (False, True):
-            native.set_whole_slots(whole)
+            _opt(pool_whole_expert_slots=whole)
             _switch(hot)   # a pool build: the layout follows the setting
             infos[whole] = native.experts_json("ostinato_experts_info")
             for np_tokens, graph in cases:
-                native.set_prefill_threshold(np_tokens)
-                native.set_decode_graph(graph)
+                _opt(prefill_threshold=np_tokens)
+                _opt(decode_graph=graph)
                 native.llama_fn("ostinato_experts_reset_stats")()
                 toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
                 runs[(whole, np_tokens, graph)] = (toks, logits, _stats()["last_passes"][0])
     finally:
         r.all_logits = False
-        native.set_whole_slots(WHOLE_SLOTS)
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(pool_whole_expert_slots=WHOLE_SLOTS)
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)
         _switch(half_hot(moe))
     ref_toks, _ = stock[PROMPT_LEN]
     assert all(c["whole_slots"] for c in infos[True]["size_classes"]) and infos[True]["size_classes"]
@@ -148,27 +149,27 @@ def test_pool_views_match_stock_and_the_whole_class(moe, stock, np_tokens, force
     output, so that the last MoE layer (deepseek2's tiny shape has one) sees the whole prompt too."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(np_tokens)
-    native.force_path(force)
-    native.set_decode_graph(False)
+    _opt(prefill_threshold=np_tokens)
+    _opt(force_path=force)
+    _opt(decode_graph=False)
     r.all_logits = True
     try:
-        native.set_views(False)
+        _opt(pool_views=False)
         native.llama_fn("ostinato_experts_reset_stats")()
         base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         base = _stats()
-        native.set_views(True)
-        native.set_upload_cpu_share(0.0)   # every cold expert uploaded, as without views (the hybrid: below)
+        _opt(pool_views=True)
+        _opt(upload_cpu_share=0.0)   # every cold expert uploaded, as without views (the hybrid: below)
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
         st = _stats()
     finally:
         r.all_logits = False
-        native.set_upload_cpu_share(0.0)
-        native.set_views(True)
-        native.force_path("auto")
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(upload_cpu_share=0.0)
+        _opt(pool_views=True)
+        _opt(force_path="auto")
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)
     ref_toks, ref_logits = stock[PROMPT_LEN]
     d = float(np.max(np.abs(logits - ref_logits)))
     d_base = float(np.max(np.abs(logits - base_logits)))
@@ -191,15 +192,15 @@ def _upload_pass_and_whole_class(moe, hybrid, undo):
     pass stats, info)."""
     r = ost_runner(moe)
     _switch(half_hot(moe))
-    native.set_prefill_threshold(8)
-    native.set_decode_graph(False)
+    _opt(prefill_threshold=8)
+    _opt(decode_graph=False)
     r.all_logits = True
     try:
-        native.set_views(False)
+        _opt(pool_views=False)
         native.llama_fn("ostinato_experts_reset_stats")()
         base_toks, base_logits = r.generate(_prompt(PROMPT_LEN), 1)
         base = _stats()["last_passes"][0]
-        native.set_views(True)
+        _opt(pool_views=True)
         hybrid()
         native.llama_fn("ostinato_experts_reset_stats")()
         toks, logits = r.generate(_prompt(PROMPT_LEN), 1)
@@ -208,8 +209,8 @@ def _upload_pass_and_whole_class(moe, hybrid, undo):
     finally:
         r.all_logits = False
         undo()
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)
     return base_toks, base_logits, base, toks, logits, p, info
 
 
@@ -222,12 +223,12 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
     token) and the CPU branch works at > 0. With 6 rows for a 24-token pass the CPU branch takes only
     experts whose tokens fit (the rest is uploaded) and pads its rows with other tokens."""
     def hybrid():
-        native.set_upload_cpu_share(share)
-        native.set_hybrid_rows(rows)
+        _opt(upload_cpu_share=-1 if share is None else share)
+        _opt(hybrid_rows=rows)
 
     def undo():
-        native.set_hybrid_rows(64)
-        native.set_upload_cpu_share(0.0)
+        _opt(hybrid_rows=64)
+        _opt(upload_cpu_share=0.0)
 
     base_toks, base_logits, base, toks, logits, p, info = _upload_pass_and_whole_class(moe, hybrid, undo)
     ref_toks, ref_logits = stock[PROMPT_LEN]
@@ -267,13 +268,13 @@ def test_cost_model_split_matches_stock(moe, stock, cpu_gbps, kernel):
     split = {"alpha_us": 0.0, "cpu_gbps": cpu_gbps, "h2d_gbps": 10.0}
 
     def hybrid():
-        native.set_upload_cpu_share(0.0)
-        native.set_cpu_kernel(kernel)
-        native.set_cpu_split(split)
+        _opt(upload_cpu_share=0.0)
+        _opt(cpu_branch_kernel=kernel)
+        _opt(**split_fields(split))
 
     def undo():
-        native.set_cpu_split(None)
-        native.set_cpu_kernel(True)
+        _opt(**split_fields(None))
+        _opt(cpu_branch_kernel=True)
 
     base_toks, base_logits, base, toks, logits, p, info = _upload_pass_and_whole_class(moe, hybrid, undo)
     ref_toks, ref_logits = stock[PROMPT_LEN]
@@ -303,7 +304,7 @@ def test_all_cold_and_all_hot_match_stock(moe, stock, np_tokens):
     ref_toks, _ = stock[4]
     n = moe[1]["n_expert"]
     r = ost_runner(moe)
-    native.set_prefill_threshold(np_tokens)
+    _opt(prefill_threshold=np_tokens)
     first = min(moe[2])
     try:
         for hot in ({}, {il: list(range(n)) for il in moe[2]},
@@ -317,4 +318,4 @@ def test_all_cold_and_all_hot_match_stock(moe, stock, np_tokens):
             assert (st["hot_routes"] == st["routes"]) if every else st["hot_routes"] < st["routes"]
     finally:
         _switch(half_hot(moe))
-        native.set_prefill_threshold(512)
+        _opt(prefill_threshold=512)

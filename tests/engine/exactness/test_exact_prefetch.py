@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from ostinatod.engine import native
+from ostinatod.engine.options import split_fields  # noqa: E402
 from ostinatod.residency.sets import model_block
-from exact_helpers import GPU, PROMPT_LEN, Runner, TOL, _prompt, _stats, drop_ost
+from exact_helpers import _opt, GPU, PROMPT_LEN, Runner, TOL, _prompt, _stats, drop_ost
 from exact_helpers import _daemon_pool_layout, _free_shared_runner  # noqa: F401 (fixtures)
 
 
@@ -18,21 +19,21 @@ def _prefetch_runs(path, hot, share=0.0, split=None, depths=(0, 1, 2)):
     model's ``split``)."""
     runs = {}
     for depth in depths:
-        native.set_prefetch(depth)
+        _opt(prefetch_depth=depth)
         r = Runner(path, hot=hot, prefill_threshold=8)
-        native.set_decode_graph(False)
-        native.set_upload_cpu_share(share)
-        native.set_cpu_split(split)
+        _opt(decode_graph=False)
+        _opt(upload_cpu_share=share)
+        _opt(**split_fields(split))
         r.all_logits = True
         try:
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), 4)
             runs[depth] = (toks, logits, _stats()["last_passes"][0], native.experts_json("ostinato_experts_info"))
         finally:
-            native.set_prefetch(0)
-            native.set_decode_graph(None)
-            native.set_upload_cpu_share(0.0)
-            native.set_cpu_split(None)
+            _opt(prefetch_depth=0)
+            _opt(decode_graph=None)
+            _opt(upload_cpu_share=0.0)
+            _opt(**split_fields(None))
             r.close()
     return runs
 
@@ -71,7 +72,7 @@ def test_prefetch_matches_stock(arch, share):
     assert base["prefetch_hits"] == base["prefetch_misses"] == 0 and base_info["prefill"]["prefetch"] == 0
     for bad in (-1, 3):   # the graph predicts at most two layers ahead
         with pytest.raises(ValueError):
-            native.set_prefetch(bad)
+            _opt(prefetch_depth=bad)
     for depth in (1, 2):
         toks, logits, p, info = runs[depth]
         d = float(np.max(np.abs(logits[0] - ref_logits[0])))

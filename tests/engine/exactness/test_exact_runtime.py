@@ -4,15 +4,17 @@ exact_helpers.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 
 import numpy as np
 import pytest
 
 from ostinatod.engine import native, placement, runtime
+from ostinatod.engine.options import c_struct, split_fields  # noqa: E402
 from ostinatod.residency.sets import ResidencyError, make_residency, write_residency
 from ostinatod.settings import Settings
-from exact_helpers import PROMPT_LEN, _prompt, _stats, _switch, drop_ost, half_hot, llama_cpp, ost_runner
+from exact_helpers import _opt, PROMPT_LEN, _prompt, _stats, _switch, drop_ost, half_hot, llama_cpp, ost_runner
 from exact_helpers import _daemon_pool_layout, _free_shared_runner, moe  # noqa: F401 (fixtures)
 
 
@@ -20,7 +22,7 @@ def test_stats_are_consistent(moe):
     hot = half_hot(moe)
     r = ost_runner(moe)
     _switch(hot)
-    native.set_prefill_threshold(16)
+    _opt(prefill_threshold=16)
     native.llama_fn("ostinato_experts_reset_stats")()
     r.all_logits = True
     try:
@@ -31,7 +33,7 @@ def test_stats_are_consistent(moe):
         again = json.loads(native.llama_fn("ostinato_experts_take_request_stats")().decode())
     finally:
         r.all_logits = False
-        native.set_prefill_threshold(512)
+        _opt(prefill_threshold=512)
     k, L, n_exp = moe[1]["n_expert_used"], len(moe[2]), moe[1]["n_expert"]
     n_tok = PROMPT_LEN + 3
     assert st["tokens"] == n_tok and st["passes"] == 4
@@ -117,22 +119,22 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
         # a GPU): host work, not a decode-graph step even with the graph on; the route op's path
         # (resident path off) takes the graph when it is on
         try:
-            native.set_decode_graph(True, max_tokens=32)
+            _opt(decode_graph=True, decode_graph_max_tokens=32)
             assert llama_cpp.llama_decode(ctx, step(1, 1)) == 0
             assert rt.take_request_stats()["decode_graph_steps"] == 0
-            native.set_resident_path(False)
-            native.set_decode_graph(False)
+            _opt(resident_path=False)
+            _opt(decode_graph=False)
             assert llama_cpp.llama_decode(ctx, step(2, 2)) == 0
             st = rt.take_request_stats()
             assert st["paths"]["decode"] == 1 and st["decode_graph_steps"] == 0
             assert rt.follow_decode_graph(ctx, st) is True and rt.context_threads == (2, 2)
             assert llama_cpp.llama_n_threads(ctx) == 2
-            native.set_decode_graph(True, max_tokens=32)
+            _opt(decode_graph=True, decode_graph_max_tokens=32)
             assert llama_cpp.llama_decode(ctx, step(3, 3)) == 0
             st = rt.take_request_stats()
         finally:
-            native.set_decode_graph(None)
-            native.set_resident_path(True)
+            _opt(decode_graph=None)
+            _opt(resident_path=True)
         assert st["decode_graph_steps"] == 1
         assert rt.follow_decode_graph(ctx, st) is True and rt.context_threads == (1, 2)
         assert llama_cpp.llama_n_threads(ctx) == 1
@@ -150,8 +152,46 @@ def test_stock_setting_returns_none(moe):
     assert runtime.ExpertRuntime.prepare(moe[0], Settings(experts="stock")) is None
 
 
-def test_bad_config_is_a_clear_error():
+def test_bad_config_is_a_clear_error(moe):
     with pytest.raises(native.ExpertEngineError, match="force_path"):
         native.check_experts_config(placement.experts_config({0: [1]}, force_path="sideways"))
     with pytest.raises(ValueError):
-        native.set_prefill_threshold(0)
+        _opt(prefill_threshold=0)
+    # the native engine checks the struct itself (a caller without EngineOptions' validation)
+    r = ost_runner(moe)
+    bad = c_struct(native.engine_options())
+    bad.decode_prefetch_experts = 17
+    assert native.llama_fn("ostinato_experts_reconfigure")(ctypes.byref(bad)) == -1
+    assert "decode_prefetch_experts" in native.experts_error()
+    assert r.model and native.engine_options().decode_prefetch_experts == 0   # nothing changed
+
+
+def test_engine_options_reach_the_engine_field_by_field(moe):
+    """EngineOptions' C struct (generated from its fields) lands in the native struct field by field:
+    each changed value shows in the engine's info under its own name, and reads back the same."""
+    r = ost_runner(moe)
+    assert r.model
+    was = native.engine_options()
+    new = was.with_(prefill_threshold=77, force_path="split", decode_overlap=False, decode_graph=False,
+                    decode_graph_max_tokens=48, decode_borrow=False, pool_views=False, hybrid_rows=9,
+                    upload_copy_2d=False, upload_cpu_share=0.25, decode_prefetch_experts=3,
+                    decode_prefetch_copy_blocks=5, cpu_branch_kernel=False, cpu_branch_spins=300,
+                    cpu_branch_claims=False, cpu_branch_prefetch_rows=4, cpu_branch_row_pairs="avx2",
+                    **split_fields({"alpha_us": 1.5, "cpu_gbps": 2.5, "h2d_gbps": 3.5}))
+    try:
+        native.reconfigure(new)
+        assert native.engine_options() == new
+        info = native.experts_json("ostinato_experts_info")
+        assert (info["prefill_threshold"], info["force_path"], info["overlap"]) == (77, "split", False)
+        dg = info["decode_graph"]
+        assert (dg["mode"], dg["max_tokens"], dg["prefetch"]) == ("off", 48, {"max_experts": 3, "copy_blocks": 5})
+        pre = info["prefill"]
+        assert (pre["pool_views"], pre["hybrid_rows"], pre["copy_2d"], pre["upload_cpu_share"]) == (False, 9, False, 0.25)
+        assert info["borrowed"]["on"] is False
+        assert info["cpu_team"] == {"spins": 300, "claims": False, "prefetch_rows": 4, "row_pairs": 1}
+        native.reconfigure(new.with_(upload_cpu_share=0.0))
+        assert native.experts_json("ostinato_experts_info")["prefill"]["cpu_split"] == \
+            {"alpha_us": 1.5, "cpu_gbps": 2.5, "h2d_gbps": 3.5}
+    finally:
+        native.reconfigure(was)
+    assert native.experts_json("ostinato_experts_info")["cpu_team"]["spins"] == was.cpu_branch_spins

@@ -12,7 +12,7 @@ import pytest
 from ostinatod.engine import native, placement, runtime
 from ostinatod.residency.sets import make_residency, model_block, write_residency
 from ostinatod.settings import Settings
-from exact_helpers import (GPU, N_GPUS, N_NEW, PROMPT_LEN, Runner, TOL, _moe_layers, _prompt, _stats,
+from exact_helpers import (_opt, GPU, N_GPUS, N_NEW, PROMPT_LEN, Runner, TOL, _moe_layers, _prompt, _stats,
                            _switch, drop_ost, half_hot, ost_runner)
 from exact_helpers import _daemon_pool_layout, _free_shared_runner, moe, stock  # noqa: F401 (fixtures)
 
@@ -57,7 +57,7 @@ def test_two_pools_match_stock(moe, stock):
             assert sorted(pools) == [0, 1]
         ref_toks, ref_logits = stock[PROMPT_LEN]
         for np_tokens in (512, 8):  # split path, then upload path (staging slots of each pool)
-            native.set_prefill_threshold(np_tokens)
+            _opt(prefill_threshold=np_tokens)
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
@@ -77,7 +77,7 @@ def test_two_pools_match_stock(moe, stock):
         n = len(st["pools"])
         assert len(lines) == (n if n > 1 else 0) and all("hot routes" in ln for ln in lines)
     finally:
-        native.set_prefill_threshold(512)
+        _opt(prefill_threshold=512)
         _switch(half_hot(moe))
     assert len(json.loads(native.llama_fn("ostinato_experts_info")().decode())["pools"]) == 1
 
@@ -172,8 +172,8 @@ def test_two_gpus_every_path_matches_stock_layer_split(arch, tmp_path):
         worst = 0.0
         for name, np_tokens, graph in (("split", 512, None), ("upload", 8, None),
                                        ("decode-graph", 512, True)):
-            native.set_prefill_threshold(np_tokens)
-            native.set_decode_graph(bool(graph), max_tokens=32)   # off: the split/upload paths proper
+            _opt(prefill_threshold=np_tokens)
+            _opt(decode_graph=bool(graph), decode_graph_max_tokens=32)   # off: the split/upload paths proper
             native.llama_fn("ostinato_experts_reset_stats")()
             toks, logits = r.generate(_prompt(PROMPT_LEN), N_NEW)
             st = _stats()
@@ -196,8 +196,8 @@ def test_two_gpus_every_path_matches_stock_layer_split(arch, tmp_path):
                 assert graphs[-N_NEW:] == [True] * N_NEW, graphs
         print(f"\n[exactness-2gpu] {arch}: max|dlogit| over all paths {worst:.3g} (tolerance {TOL})")
     finally:
-        native.set_decode_graph(None)
-        native.set_prefill_threshold(512)
+        _opt(decode_graph=None)
+        _opt(prefill_threshold=512)
         rt.close()
         r.close()
 
