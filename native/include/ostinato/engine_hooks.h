@@ -1,13 +1,16 @@
 // Hooks of the Ostinato expert engine that the patched llama.cpp calls (C++ linkage, inside libllama):
 // native/patches/11 (the loader keeps routed experts on the host), 12 (model load/free, graph build,
-// forward pass), 13 (build_moe_ffn: the branches of a MoE layer). Found through the include path that native/CMakeLists.txt gives libllama.
+// forward pass), 13 (build_moe_ffn: the branches of a MoE layer, built by ostinato_moe_build_branches,
+// engine/moe_branches.cpp). Found through the include path that native/CMakeLists.txt gives libllama.
 // Not part of the C API (include/ostinato.h). Method: arXiv 2611.11533, Sections 2-3 and Appendix B.
 #pragma once
 
 #include "ggml.h"
+#include "ggml-backend.h"
 #include "llama.h"
 
 #include <cstdint>
+#include <functional>
 
 struct llama_model;
 struct ggml_cgraph;
@@ -185,3 +188,42 @@ bool ostinato_on_model_loaded(llama_model * model);
 // then keeps it in host memory.
 bool ostinato_keep_on_host(const char * name);
 void ostinato_on_model_free(llama_model * model);
+
+// The branches of a MoE layer (patch 13). build_moe_ffn, after the router, hands the engine what it
+// needs of the graph context: the graph, the layer, its input and routes, its expert tensors in host
+// memory and stock's expert FFN as a function of expert tensors and ids (the patch's moe_experts:
+// stock's ops, names and callbacks, over other tensors and ids).
+struct ostinato_moe_build {
+    ggml_context * ctx = nullptr;                  // the graph's context (llm_graph_context::ctx0)
+    ggml_cgraph * gf = nullptr;
+    ggml_backend_sched_t sched = nullptr;          // may be null (then nothing is pinned to the CPU)
+    ggml_backend_t backend_cpu = nullptr;          // may be null
+    int il = -1;
+    int64_t n_expert = 0;
+    int64_t n_expert_used = 0;
+    int64_t n_tokens = 0;                          // tokens of the pass (ubatch.n_tokens)
+    bool weight_before_ffn = false;                // llama4: router weights applied before the FFN
+    ggml_tensor * cur = nullptr;                   // FFN input [n_embd, 1, n] ([n_embd, k, n] with weight_before_ffn)
+    ggml_tensor * selected_experts = nullptr;      // the router's ids [k, n] (I32)
+    // the layer's expert tensors in host memory: up (a merged layer's gate_up), gate (null when
+    // merged), down, and their biases (null where absent)
+    ggml_tensor * up = nullptr;
+    ggml_tensor * gate = nullptr;
+    ggml_tensor * down = nullptr;
+    ggml_tensor * up_b = nullptr;
+    ggml_tensor * gate_b = nullptr;
+    ggml_tensor * down_b = nullptr;
+    // stock's expert FFN built in `ctx` over the expert tensors given (as the six above) and ids [k, n]
+    // for input x; on_cpu: its nodes pinned to the CPU backend; skips: its mul_mat_ids marked as
+    // holding negative ids (patch 21). Returns [n_embd, k, n].
+    std::function<ggml_tensor *(ggml_context * ctx, ggml_tensor * up, ggml_tensor * gate, ggml_tensor * down,
+                                ggml_tensor * up_b, ggml_tensor * gate_b, ggml_tensor * down_b,
+                                ggml_tensor * ids, ggml_tensor * x, bool on_cpu, bool skips)> experts;
+    std::function<void(ggml_tensor * t, const char * name, int il)> cb;   // the graph's tensor callback
+};
+// Builds the expert part of MoE layer a.il for the path of this pass (all-resident, decode graph, no
+// hot expert, upload path with or without pool views, hybrid, prefetch; split path / decode) in a.ctx
+// and a.gf: the route ops, each branch through a.experts, the join. Returns the experts' output
+// [n_embd, k, n] before the router weights are applied, or nullptr when the engine does not run this
+// layer (no pool for the model): the caller then builds stock's expert FFN. engine/moe_branches.cpp.
+ggml_tensor * ostinato_moe_build_branches(const ostinato_moe_build & a);
