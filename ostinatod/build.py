@@ -4,8 +4,9 @@ Steps (docs/design.md, "The native engine"):
 1. get the pinned sdist (``llama-cpp-python==0.3.36``): a local file/dir given by ``--sdist`` or
    ``OSTINATO_LLAMA_SDIST`` (tar.gz, tar.xz such as the one ../shared/tools/device-carry.sh makes,
    or an extracted directory), else ``pip download`` from PyPI;
-2. stage a tree: pristine sdist + ``native/patches/*.patch`` (sorted, ``patch -p1``) + our sources
-   ``native/src`` copied to ``ostinato_native/`` and added to the top CMakeLists.txt;
+2. stage a tree: pristine sdist + ``native/patches/*.patch`` (sorted, ``patch -p1``) + ``native/``
+   (less ``patches/``) copied to ``ostinato_native/``, set as ``OSTINATO_NATIVE_DIR`` and added to
+   the top CMakeLists.txt (native/CMakeLists.txt says what it builds);
 3. sync the staged tree into a persistent tree, rewriting only files whose bytes changed, and build
    it with a persistent CMake build dir so that a rebuild after a patch edit is incremental;
 4. install the wheel into the running Python and stamp it with the build key; keep the demo model's
@@ -202,9 +203,17 @@ def stage_tree(pristine: Path, native: Path, dest: Path) -> None:
                             "-i", str(patch)], cwd=dest, capture_output=True, text=True)
         if r.returncode != 0:
             raise BuildError(f"patch {patch.name} does not apply:\n{r.stdout[-3000:]}{r.stderr[-1000:]}")
-    shutil.copytree(native / "src", dest / "ostinato_native")
+    shutil.copytree(native, dest / "ostinato_native",
+                    ignore=shutil.ignore_patterns("patches", "README.md", "__pycache__"))
     cm = dest / "CMakeLists.txt"
-    cm.write_text(cm.read_text() + "\n# Ostinato native additions\nif (LLAMA_BUILD)\n"
+    text = cm.read_text()
+    anchor = "project(llama_cpp)\n"
+    if anchor not in text:
+        raise BuildError(f"{cm} has no '{anchor.strip()}' line to add the native additions after")
+    # OSTINATO_NATIVE_DIR before llama.cpp's directories: patch 20 adds a CUDA source from there
+    text = text.replace(anchor, anchor + "\n# Ostinato native additions (native/ of the repository)\n"
+                        'set(OSTINATO_NATIVE_DIR "${CMAKE_CURRENT_SOURCE_DIR}/ostinato_native")\n', 1)
+    cm.write_text(text + "\n# Ostinato native additions\nif (LLAMA_BUILD)\n"
                   "    add_subdirectory(ostinato_native)\nendif()\n")
 
 

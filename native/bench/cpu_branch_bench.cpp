@@ -1,12 +1,12 @@
 // The CPU branch alone on a loaded model's expert tensors (C API ostinato_cpu_branch_bench): the
-// CPU branch's own kernel (ostinato_cpuffn.h) against llama.cpp's own CPU MUL_MAT_ID graph on the
+// CPU branch's own kernel (cpu_branch/kernel.h) against llama.cpp's own CPU MUL_MAT_ID graph on the
 // same tensors, inputs and thread counts, and the host's read bandwidth, in one call. Serves
 // `ostinato bench cpu-branch`, the calibration (the CPU branch's bandwidth per thread count) and the
 // op-level test of the kernel and of native/patches/23 (outputs compared bit for bit).
-#include "ostinato_engine.h"
-#include "ostinato_cpuffn.h"
-#include "ostinato_dot.h"
-#include "ostinato_gemm.h"
+#include "engine/engine.h"
+#include "cpu_branch/kernel.h"
+#include "cpu_branch/dot.h"
+#include "cpu_branch/gemm.h"
 
 #include "ggml-cpu.h"
 
@@ -451,7 +451,7 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                             if (r >= 2) { ts.push_back(now_ms() - t0); sts.push_back(st); }
                         }
                         ost_team_free(team);
-                        row["kernel"] = kernel_ran;   // false: a tiled expert of a type ostinato_gemm.h does not serve
+                        row["kernel"] = kernel_ran;   // false: a tiled expert of a type cpu_branch/gemm.h does not serve
                         if (kernel_ran) {
                             const double ms = median(ts);
                             // experts computed as ggml's tiled kernel does, on which instruction set

@@ -10,7 +10,7 @@
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
-#include "ostinato_ops.h"
+#include "decode_graph/decode_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -287,7 +287,7 @@ extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_s
     return out.c_str();
 }
 
-// The prediction's score (ostinato_ops.h, ostinato_pred_score: decode prefetch's predict op) ranks a
+// The prediction's score (decode_graph/decode_ops.h, ostinato_pred_score: decode prefetch's predict op) ranks a
 // token's experts as llama.cpp's selection does: for each gating the score knows (the logit alone,
 // sigmoid, sqrt(softplus)), with and without a router bias and a selection bias, the top k of the
 // scores are the top k of the selection that build_moe_ffn builds on the same logits (router bias

@@ -2,7 +2,7 @@
 
 For each model (``--model``, or small synthetic ones per ``--quants`` at ``--shape``'s real per-layer
 sizes), one MoE layer's experts are loaded in host memory and, per (experts E, tokens n, threads T),
-the CPU branch's own kernel (native/src/ostinato_cpuffn.cpp) and llama.cpp's own CPU ``mul_mat_id``
+the CPU branch's own kernel (native/src/cpu_branch/kernel.cpp) and llama.cpp's own CPU ``mul_mat_id``
 graph compute the same routes from the same inputs; their outputs are compared bit for bit. In the
 same run the host's read bandwidth is measured per thread count. Reported per row: GB/s of expert
 bytes read (each distinct expert once) for both, the kernel's share of the read bandwidth, and per
@@ -187,7 +187,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
 
 
 def _tiled(r: dict[str, Any]) -> str:
-    """Experts of a row computed as ggml's tiled kernel does, and on what (native/src/ostinato_gemm.h)."""
+    """Experts of a row computed as ggml's tiled kernel does, and on what (native/src/cpu_branch/gemm.h)."""
     n = r.get("tiled_experts")
     return f"{n} {r.get('tiled_isa', '')}".strip() if n else "–"
 

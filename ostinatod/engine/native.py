@@ -1,6 +1,6 @@
 """The one ctypes loader of the package: our native additions.
 
-Two libraries, one place:
+Two product libraries, one place:
 
 * ``libostinato.so`` (built next to ``libllama.so``): the chat shim (``ostinato_chat_*``) and the
   sampler; :func:`lib` returns it with every function's argtypes/restype declared, :func:`fn` one
@@ -10,6 +10,9 @@ Two libraries, one place:
   placement and the engine's options (:class:`.options.EngineOptions`) travel with the load
   (:func:`load_model`) and a switch (:func:`experts_switch`); :func:`reconfigure` changes the
   options between passes.
+
+Beside them, :func:`side_lib` loads the bench and test libraries (libostinato_cpubench: the CPU-branch
+benchmark, :func:`cpu_branch_bench`; libostinato_optest: the op-level tests of the patches).
 
 Strings returned by the library (``char *``) are owned by it: use :func:`take_json`, which copies and
 frees them. Errors: :class:`NativeError` when the library or a symbol is missing.
@@ -109,6 +112,30 @@ def lib() -> ctypes.CDLL:
         return _lib
 
 
+_side: dict[str, ctypes.CDLL] = {}
+
+
+def side_lib(name: str) -> ctypes.CDLL:
+    """A library of the native additions outside the product's two, installed beside them and
+    loaded once per process on first use: ``"ostinato_cpubench"`` (the CPU-branch benchmark,
+    native/bench) or ``"ostinato_optest"`` (the op-level tests of the patches, native/tests). Each
+    links the libllama and ggml that ``llama_cpp`` has loaded, so it runs on the same engine. The
+    caller sets the argtypes/restype of what it calls. Raises NativeError when the library is not
+    there (a build older than the split) or cannot be loaded."""
+    with _lock:
+        loaded = _side.get(name)
+        if loaded is None:
+            path = lib_dir() / f"lib{name}.so"
+            if not path.exists():
+                raise NativeError(f"{path} not found: rebuild with 'ostinato build'")
+            try:
+                loaded = ctypes.CDLL(str(path))
+            except OSError as e:
+                raise NativeError(f"cannot load {path}: {e}") from e
+            _side[name] = loaded
+        return loaded
+
+
 def declare(name: str, argtypes: list[Any], restype: Any) -> None:
     """Register the signature of a libostinato function (applied now if already loaded)."""
     with _lock:
@@ -170,7 +197,6 @@ _LLAMA_DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_experts_switch": ([_C, ctypes.POINTER(EngineOptionsC)], ctypes.c_int),
     "ostinato_experts_active": ([], ctypes.c_int),
     "ostinato_experts_last_error": ([], _C),
-    "ostinato_cpu_branch_bench": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p),
     "ostinato_hybrid_split": ([ctypes.POINTER(ctypes.c_int32), ctypes.c_int, ctypes.c_int, ctypes.c_double,
                                ctypes.c_double, ctypes.c_double], ctypes.c_int),
     "ostinato_engine_options_default": ([ctypes.POINTER(EngineOptionsC)], None),
@@ -330,14 +356,21 @@ def cpu_branch_bench(model: Any, args: dict[str, Any]) -> dict[str, Any]:
     """The CPU branch alone on ``model``'s expert tensors (a llama_model pointer loaded in host memory
     with CPU repacking off): the engine's own kernel against llama.cpp's CPU ``mul_mat_id`` graph on
     the same tensors and inputs, bit for bit, per (experts, tokens, threads), and the host's read
-    bandwidth per thread count (``ostinato_cpu_branch_bench``, native/src/ostinato_cpubench.cpp).
+    bandwidth per thread count (``ostinato_cpu_branch_bench`` of libostinato_cpubench,
+    native/bench/cpu_branch_bench.cpp).
     ``args``: layer (-1: the first MoE layer), experts, tokens, threads (lists of ints), reps, ggml
     (bool), read_bw_bytes, flush_bytes (read before every timed run so that the experts come from
     memory, as in a decode step; default 256 MiB). Returns the JSON result: ``read_bw`` [{threads, ms, gbps}], ``rows``
     [{experts, tokens, threads, routes, bytes, kernel, kernel_ms, kernel_gbps, ggml_ms, ggml_gbps,
     bitwise_equal, max_abs_diff}], the layer's types and ``expert_bytes``. Raises ExpertEngineError
-    with the native reason (a layer without experts, tensors not in host memory)."""
-    raw = llama_fn("ostinato_cpu_branch_bench")(model, json.dumps(args).encode())
+    with the native reason (a layer without experts, tensors not in host memory) or when the bench
+    library is missing."""
+    try:
+        f = side_lib("ostinato_cpubench").ostinato_cpu_branch_bench
+    except (NativeError, AttributeError) as e:
+        raise ExpertEngineError(f"CPU-branch bench not available: {e}") from e
+    f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_char_p
+    raw = f(model, json.dumps(args).encode())
     out = json.loads(raw.decode())
     if "error" in out:
         raise ExpertEngineError(f"CPU-branch bench: {out['error']}")
@@ -346,7 +379,7 @@ def cpu_branch_bench(model: Any, args: dict[str, Any]) -> dict[str, Any]:
 
 def gpu_count() -> int:
     """GPU devices llama.cpp's backends see, counted as the expert engine counts a set's device
-    indexes (``pool_device`` in native/src/ostinato_pool.cpp); 0 on CPU builds or without llama_cpp."""
+    indexes (``pool_device`` in native/src/expert_pool/pool.cpp); 0 on CPU builds or without llama_cpp."""
     try:
         from llama_cpp import llama_cpp as _ll
         lib_ = _ll._lib

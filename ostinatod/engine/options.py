@@ -4,7 +4,7 @@
 user's, taken as they are from the ``[engine]`` settings table (:class:`..settings.EngineTuning`,
 whose defaults are declared there once); the rest are resolved at the load from the settings, the
 calibration and the hardware by :func:`resolve_options`. The native struct
-``ostinato_engine_options`` (native/src/ostinato_experts.h) mirrors it field by field, in this order:
+``ostinato_engine_options`` (native/include/ostinato.h) mirrors it field by field, in this order:
 :func:`c_struct` generates its ctypes Structure from the fields, so the field list exists once on
 the Python side. ``native.load_model`` passes it with the load, ``native.reconfigure`` changes it
 between passes (the native side decides what a change rebuilds).

@@ -122,7 +122,7 @@ def fit_cpu_bandwidth(rows: Sequence[dict[str, Any]]) -> Optional[dict[str, floa
 def cpu_split_params(bandwidth: Sequence[dict[str, Any]], threads: int,
                      h2d_gbps: Optional[float]) -> Optional[dict[str, float]]:
     """Parameters of the prefill's CPU/upload split (the engine options' ``cpu_split_*``, rule
-    in native/src/ostinato_split.h: per layer the CPU branch takes the cold experts with the fewest
+    in native/src/paths/hybrid_split.h: per layer the CPU branch takes the cold experts with the fewest
     routes while alpha + routes x expert bytes / cpu_gbps stays under the uploads of the rest at
     expert bytes / h2d_gbps each; paper Sec. 3.2's C(r) = alpha + beta r).
 

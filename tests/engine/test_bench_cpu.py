@@ -169,7 +169,7 @@ def test_cpu_branch_bench_refuses_bad_arguments(argv, capsys):
 
 
 def test_cpu_branch_bench_runs_the_kernel_with_each_row_pairs_mode_bitwise(tmp_path):
-    # the row-pair dot products (native/src/ostinato_dot.h) change how many rows one pass takes,
+    # the row-pair dot products (native/src/cpu_branch/dot.h) change how many rows one pass takes,
     # never what is computed: vec_dot row by row, AVX2 pairs and AVX-512 pairs (AVX2 where the CPU
     # lacks AVX-512) give llama.cpp's rows bit for bit; the engine's mode is back afterwards
     from ostinatod.engine import native

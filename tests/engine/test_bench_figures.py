@@ -210,14 +210,14 @@ def test_crash_lines_find_aborts_and_the_daemons_crash_lines_only():
         "2026-12-01 22:42:22,000 WARNING ostinatod.server: -> 400 invalid_request: GGML_ASSERT(x) CUDA error",
         "/src/ggml/src/ggml-cuda/ggml-cuda.cu:90: CUDA error",
         "  current device: 0, in function ggml_cuda_op at ggml-cuda.cu:1234",
-        "/src/native/ostinato_paths.cpp:570: GGML_ASSERT(used <= ol.n_stage) failed",
-        "/src/native/ostinato_paths.cpp:570: GGML_ASSERT(used <= ol.n_stage) failed",
+        "/src/native/paths/split_upload_ops.cpp:570: GGML_ASSERT(used <= ol.n_stage) failed",
+        "/src/native/paths/split_upload_ops.cpp:570: GGML_ASSERT(used <= ol.n_stage) failed",
         "2026-12-01 22:42:23,000 ERROR ostinatod.engine: engine worker exited with code -6 (1 crash in 120 s); "
         "restarting in 0.2 s",
     ])
     assert crash_lines(log) == [
         "/src/ggml/src/ggml-cuda/ggml-cuda.cu:90: CUDA error",
-        "/src/native/ostinato_paths.cpp:570: GGML_ASSERT(used <= ol.n_stage) failed",
+        "/src/native/paths/split_upload_ops.cpp:570: GGML_ASSERT(used <= ol.n_stage) failed",
         "2026-12-01 22:42:23,000 ERROR ostinatod.engine: engine worker exited with code -6 (1 crash in 120 s); "
         "restarting in 0.2 s"]
     assert crash_lines(log, limit=1) == ["/src/ggml/src/ggml-cuda/ggml-cuda.cu:90: CUDA error"]

@@ -1,4 +1,4 @@
-"""The prefill's CPU/upload split rule (native/src/ostinato_split.h): of a layer's
+"""The prefill's CPU/upload split rule (native/src/paths/hybrid_split.h): of a layer's
 cold experts in ascending route count, the CPU branch takes the first j that minimise
 max(alpha + beta * their routes, upload_us * (experts left to upload)). Through the C API."""
 

@@ -1,7 +1,8 @@
 """Op-level tests of the negative-expert-id capability (native/patches/10-ggml-negative-expert-ids.patch
 on the CPU, 21-ggml-cuda-negative-expert-ids.patch on a GPU backend) and of the GPU backend's 2D copy
 (22-ggml-cuda-set-2d-async.patch, last test),
-in the style of llama.cpp's test-backend-ops: ``ostinato_optest_negative_ids`` in libostinato builds
+in the style of llama.cpp's test-backend-ops: ``ostinato_optest_negative_ids`` in the test library
+libostinato_optest (native/tests/op_tests.cpp, not exported by the product libraries) builds
 ggml graphs of mul_mat_id and add_id with some ids set to -1 (F32, Q8_0 and Q4_0 experts; 1 and 2
 threads; one token, several tokens, every route skipped, none skipped) and compares them with the
 same ops on valid ids: skipped rows must be exact (+)zeros without bias, every other row bitwise
@@ -18,12 +19,30 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 
-def test_negative_expert_ids_skip_rows_and_leave_the_rest_bitwise_unchanged():
+def _optest(name: str, argtypes: tuple = ()):
+    """The op test ``name`` of libostinato_optest, returning its JSON report as bytes."""
     from ostinatod.engine import native
-    if not native.has("ostinato_optest_negative_ids"):
-        pytest.fail("libostinato lacks ostinato_optest_negative_ids: run 'ostinato build'")
-    native.declare("ostinato_optest_negative_ids", [], ctypes.c_char_p)
-    report = json.loads(native.fn("ostinato_optest_negative_ids")().decode())
+    f = getattr(native.side_lib("ostinato_optest"), name, None)
+    if f is None:
+        pytest.fail(f"libostinato_optest lacks {name}: run 'ostinato build'")
+    f.argtypes, f.restype = list(argtypes), ctypes.c_char_p
+    return f
+
+
+def test_op_tests_and_the_cpu_branch_bench_are_not_in_the_product_libraries():
+    """The op tests and the CPU-branch benchmark are libraries of their own, installed beside the
+    product's (libostinato: chat shim and sampler; libllama: the expert engine), which export
+    neither."""
+    from llama_cpp import llama_cpp as _ll
+    from ostinatod.engine import native
+    assert native.has("ostinato_chat_init") and not native.has("ostinato_optest_negative_ids")
+    assert hasattr(_ll._lib, "ostinato_experts_check") and not hasattr(_ll._lib, "ostinato_cpu_branch_bench")
+    assert hasattr(native.side_lib("ostinato_cpubench"), "ostinato_cpu_branch_bench")
+    assert hasattr(native.side_lib("ostinato_optest"), "ostinato_optest_negative_ids")
+
+
+def test_negative_expert_ids_skip_rows_and_leave_the_rest_bitwise_unchanged():
+    report = json.loads(_optest("ostinato_optest_negative_ids")().decode())
     bad = [c for c in report["cases"] if not c["ok"]]
     assert len(report["cases"]) == 24
     assert report["ok"] and not bad, bad
@@ -31,15 +50,11 @@ def test_negative_expert_ids_skip_rows_and_leave_the_rest_bitwise_unchanged():
 
 
 def test_prediction_score_ranks_experts_as_the_selection_does():
-    """Decode prefetch's score (native/src/ostinato_ops.h, ``ostinato_pred_score``) against the
+    """Decode prefetch's score (native/src/decode_graph/decode_ops.h, ``ostinato_pred_score``) against the
     selection graph llama.cpp's build_moe_ffn builds: for the logit alone, sigmoid and sqrt(softplus)
     gating, with and without a router bias and a selection bias, each token's top k of the scores is
     the selection's top k on the same logits (docs/engine.md, "Decode prefetch", scores)."""
-    from ostinatod.engine import native
-    if not native.has("ostinato_optest_pred_score"):
-        pytest.fail("libostinato lacks ostinato_optest_pred_score: run 'ostinato build'")
-    native.declare("ostinato_optest_pred_score", [], ctypes.c_char_p)
-    report = json.loads(native.fn("ostinato_optest_pred_score")().decode())
+    report = json.loads(_optest("ostinato_optest_pred_score")().decode())
     assert len(report["cases"]) == 10   # 3 gatings x router bias x selection bias, less softmax's biased 2
     assert {c["gating"] for c in report["cases"]} == {0, 1, 2}
     assert report["ok"] and all(c["mismatches"] == 0 for c in report["cases"]), report
@@ -52,12 +67,8 @@ def test_marked_mul_mat_id_skips_negative_ids_on_a_backend(device):
     +0 without bias, the others equal to the unmarked op on valid ids. device None: the first GPU
     (skipped where there is none; on the GPU machine it runs the CUDA kernels); "CPU": the same test
     on the CPU backend, where patch 10 gives these semantics."""
-    from ostinatod.engine import native
-    if not native.has("ostinato_optest_negative_ids_backend"):
-        pytest.fail("libostinato lacks ostinato_optest_negative_ids_backend: run 'ostinato build'")
-    native.declare("ostinato_optest_negative_ids_backend", [ctypes.c_char_p], ctypes.c_char_p)
     arg = device.encode() if device else None
-    report = json.loads(native.fn("ostinato_optest_negative_ids_backend")(arg).decode())
+    report = json.loads(_optest("ostinato_optest_negative_ids_backend", (ctypes.c_char_p,))(arg).decode())
     if report["backend"] is None:
         pytest.skip("no GPU backend in this build")
     bad = [c for c in report["cases"] if not c["ok"]]
@@ -73,11 +84,7 @@ def test_gpu_backend_2d_copy_moves_rows_at_two_pitches_and_refuses_the_rest():
     rows unchanged; the CPU backend, a pitch below the width and one above the device's maximum pitch
     (2^31 bytes: the driver would split such a copy into rows) are refused with nothing written.
     Skipped in a build without a GPU backend (the CPU build offers no 2D copy)."""
-    from ostinatod.engine import native
-    if not native.has("ostinato_optest_set_2d"):
-        pytest.fail("libostinato lacks ostinato_optest_set_2d: run 'ostinato build'")
-    native.declare("ostinato_optest_set_2d", [], ctypes.c_char_p)
-    report = json.loads(native.fn("ostinato_optest_set_2d")().decode())
+    report = json.loads(_optest("ostinato_optest_set_2d")().decode())
     if report["backend"] is None:
         assert not report["offered"]
         pytest.skip("no GPU backend in this build")
@@ -97,16 +104,16 @@ def test_gpu_backend_2d_copy_moves_rows_at_two_pitches_and_refuses_the_rest():
     ("qwen35moe", "ci", "ud-q4_k_xl", True, 0.5),
 ])
 def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shape, quant, merged, limit):
-    """The CPU branch's own kernel (native/src/ostinato_cpuffn.cpp, with ggml-cpu's SwiGLU row
+    """The CPU branch's own kernel (native/src/cpu_branch/kernel.cpp, with ggml-cpu's SwiGLU row
     kernel exported by native/patches/23) on a model's expert tensors: for 1-8 experts, 1, 3 and 16
     tokens and 1-3 threads, its output rows are bitwise those of llama.cpp's CPU graph (up and gate
     mul_mat_id, swiglu, down mul_mat_id) on the same inputs; separate and merged gate_up tensors,
     Q8_0, Q4_0 and K-quant mixes; with ggml-cpu's vec_dot row by row and with the row-pair dot
-    products (native/src/ostinato_dot.h, modes AVX2 and AVX-512; a CPU without AVX-512 runs AVX2 for
+    products (native/src/cpu_branch/dot.h, modes AVX2 and AVX-512; a CPU without AVX-512 runs AVX2 for
     both). With ``limit`` the activation is ggml's clamped SwiGLU (deepseek4's experts), at a limit
     that clamps part of the activation's inputs. An expert with 8 or more routes of a type that
     ggml-cpu computes with its tiled kernel is computed as that kernel computes it
-    (native/src/ostinato_gemm.h: AMX or AVX-512 VNNI) and is bitwise too; on a CPU without AVX-512
+    (native/src/cpu_branch/gemm.h: AMX or AVX-512 VNNI) and is bitwise too; on a CPU without AVX-512
     VNNI such rows are left to ggml (kernel false); every other row ran the kernel."""
     from ostinatod.engine import native
     from ostinatod.synth.writer import write_synthetic_moe
@@ -138,7 +145,7 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
             assert {"q4_0", "q8_0", "q4_K", "q5_K", "q6_K"} <= set(r["row_pairs_types"].split(",")), r
     tiled = res["type_up"].startswith(("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq")) or \
         res["type_down"].startswith(("q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq"))
-    gemm = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags   # ostinato_gemm.h serves
+    gemm = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags   # cpu_branch/gemm.h serves
     for r in rows:
         most = -(-r["routes"] // r["experts"])   # routes of the busiest expert
         if tiled and most >= 8 and not gemm:

@@ -1,6 +1,6 @@
-// Ostinato chat shim: see ostinato_chat.h. Thin glue over llama.cpp's common/chat; the template
+// Ostinato chat shim: see ostinato.h. Thin glue over llama.cpp's common/chat; the template
 // engine, tool-call grammars and the PEG output parsers are llama.cpp's own.
-#include "ostinato_chat.h"
+#include "ostinato.h"
 
 #include "chat.h"
 #include "common.h"

@@ -1,5 +1,5 @@
-// Row-pair dot products: dispatch by instruction set and the first-use check (ostinato_dot.h).
-#include "ostinato_dot.h"
+// Row-pair dot products: dispatch by instruction set and the first-use check (cpu_branch/dot.h).
+#include "cpu_branch/dot.h"
 
 #include "ggml-cpu.h"
 
@@ -18,13 +18,13 @@ namespace {
 enum isa_t { ISA_NONE, ISA_AVX2, ISA_AVX512 };
 static_assert((int) ISA_NONE == OST_DOT_OFF && (int) ISA_AVX2 == OST_DOT_AVX2 && (int) ISA_AVX512 == OST_DOT_AVX512,
               "the modes are the instruction sets");
-// ostinato_dot_x86.inc's dot_rows switches on these numbers
+// cpu_branch/dot_x86.inc's dot_rows switches on these numbers
 static_assert(GGML_TYPE_Q4_0 == 2 && GGML_TYPE_Q8_0 == 8 && GGML_TYPE_Q4_K == 12 && GGML_TYPE_Q5_K == 13 &&
               GGML_TYPE_Q6_K == 14, "ggml's type numbers");
 
 struct kind_t {
     ggml_type t;
-    size_t block_bytes;   // the layout ostinato_dot_x86.inc reads
+    size_t block_bytes;   // the layout cpu_branch/dot_x86.inc reads
     int64_t block_values;
 };
 // the served types: the quantisations of the expert tensors in the common GGUF recipes

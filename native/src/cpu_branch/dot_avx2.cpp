@@ -1,7 +1,7 @@
-// Row-pair dot products with AVX2 (two 256-bit registers per pair): ostinato_dot.h. Built with
-// -mavx2 -mfma -mf16c -ffp-contract=off (native/src/CMakeLists.txt); called only where the CPU has them.
+// Row-pair dot products with AVX2 (two 256-bit registers per pair): cpu_branch/dot.h. Built with
+// -mavx2 -mfma -mf16c -ffp-contract=off (native/CMakeLists.txt); called only where the CPU has them.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include "ostinato_dot_x86.inc"
+#include "cpu_branch/dot_x86.inc"
 
 namespace {
 

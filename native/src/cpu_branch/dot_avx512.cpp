@@ -1,8 +1,8 @@
 // Row-pair dot products with AVX-512 (one 512-bit register per pair, row 0 in its low half):
-// ostinato_dot.h. Built with -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c -ffp-contract=off
-// (native/src/CMakeLists.txt); called only where the CPU has them.
+// cpu_branch/dot.h. Built with -mavx512f -mavx512bw -mavx512vl -mavx2 -mfma -mf16c -ffp-contract=off
+// (native/CMakeLists.txt); called only where the CPU has them.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__) && defined(__F16C__)
-#include "ostinato_dot_x86.inc"
+#include "cpu_branch/dot_x86.inc"
 
 namespace {
 

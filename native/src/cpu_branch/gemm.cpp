@@ -1,6 +1,6 @@
 // Expert products of many tokens at once: the activation pack, dispatch by instruction set and the
-// first-use check against ggml-cpu's tiled kernel (ostinato_gemm.h).
-#include "ostinato_gemm.h"
+// first-use check against ggml-cpu's tiled kernel (cpu_branch/gemm.h).
+#include "cpu_branch/gemm.h"
 
 #include "ggml-cpu.h"
 
@@ -25,7 +25,7 @@ static_assert(GGML_TYPE_Q4_K == 12 && GGML_TYPE_Q5_K == 13 && GGML_TYPE_Q6_K == 
 
 struct kind_t {
     ggml_type t;
-    size_t block_bytes;   // the layout ostinato_gemm_avx512.cpp reads
+    size_t block_bytes;   // the layout cpu_branch/gemm_avx512.cpp reads
 };
 const kind_t KINDS[] = { {GGML_TYPE_Q4_K, 144}, {GGML_TYPE_Q5_K, 176}, {GGML_TYPE_Q6_K, 210} };
 
@@ -202,7 +202,7 @@ void ost_gemm_pack_token(void * pack, int K, int T, int j, const void * y_q8_K) 
         const uint8_t * qs = blk + 4;
         for (int c = 0; c < 4; ++c) {
             int8_t * tile = codes + ((size_t) tt * kc + (size_t) sb * 4 + c) * 1024 + n * 4;
-            // dword kk holds values kk's 4 bytes of the prepared weights' order (ostinato_gemm_avx512.cpp,
+            // dword kk holds values kk's 4 bytes of the prepared weights' order (cpu_branch/gemm_avx512.cpp,
             // prep_t): bytes 16 i + 0..7 are values 8 i + 0..7, bytes 16 i + 8..15 values 32 + 8 i + 0..7
             for (int kk = 0; kk < 16; ++kk) {
                 const int i = kk / 4, q = kk % 4;

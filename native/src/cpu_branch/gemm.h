@@ -1,4 +1,4 @@
-// Expert products of many tokens at once for the CPU branch kernel (ostinato_cpuffn.h): each weight
+// Expert products of many tokens at once for the CPU branch kernel (cpu_branch/kernel.h): each weight
 // row of an expert is read once for all of the expert's tokens, and the integer work runs on AMX
 // tiles where the CPU has them (Intel AMX-INT8, with the kernel's permission to use them), on
 // AVX-512 VNNI otherwise. Paper: arXiv 2611.11533, Sec. 3.2 (the CPU branch's cost is its expert

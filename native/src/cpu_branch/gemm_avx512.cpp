@@ -1,5 +1,5 @@
-// Expert products of many tokens at once, AVX-512 and AMX (ostinato_gemm.h). Built with AVX-512
-// (F, BW, VL, DQ, VNNI), AMX-TILE/INT8, F16C and -ffp-contract=off (native/src/CMakeLists.txt), so
+// Expert products of many tokens at once, AVX-512 and AMX (cpu_branch/gemm.h). Built with AVX-512
+// (F, BW, VL, DQ, VNNI), AMX-TILE/INT8, F16C and -ffp-contract=off (native/CMakeLists.txt), so
 // that every fused multiply-add is one the code asks for; called only where the CPU has AVX-512 (and
 // AMX only where the kernel lets this process use tiles).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \

@@ -1,7 +1,7 @@
-// The CPU branch's own kernel and thread team: see ostinato_cpuffn.h.
-#include "ostinato_cpuffn.h"
-#include "ostinato_dot.h"
-#include "ostinato_gemm.h"
+// The CPU branch's own kernel and thread team: see cpu_branch/kernel.h.
+#include "cpu_branch/kernel.h"
+#include "cpu_branch/dot.h"
+#include "cpu_branch/gemm.h"
 
 #include "ggml-cpu.h"
 
@@ -387,7 +387,7 @@ inline void vec_dot_row(run_t & r, int32_t q, int64_t row, const char * wr, cons
 }
 
 // Rows [row0, row1) of group g, one tensor, for every route of g: the row-pair dot products
-// (ostinato_dot.h; bitwise vec_dot's, two rows per pass) where they are on, serve the type and no
+// (cpu_branch/dot.h; bitwise vec_dot's, two rows per pass) where they are on, serve the type and no
 // software prefetch is asked for, else vec_dot row by row (each row read once for all the group's routes).
 void tensor_rows(run_t & r, const group_t & g, int64_t row0, int64_t row1, bool down, int64_t pf) {
     const ost_ffn & f = *r.f;
@@ -627,7 +627,7 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
     const size_t o_gu = pad((size_t) n_tok * r.xq_row);
     const size_t o_act = o_gu + pad((size_t) n_routes * 2 * f.n_ff * sizeof(float));
     size_t size = o_act + pad((size_t) n_routes * r.actq_row);
-    // the tiled groups' packed activations (ostinato_gemm.h): the input rows', the down rows'
+    // the tiled groups' packed activations (cpu_branch/gemm.h): the input rows', the down rows'
     for (group_t & g : r.groups) {
         if (g.gu_tiled) { g.gu_pack = size; size += pad(ost_gemm_pack_bytes((int) f.n_embd, g.nr)); }
         if (g.down_tiled) { g.down_pack = size; size += pad(ost_gemm_pack_bytes((int) f.n_ff, g.nr)); }

@@ -13,11 +13,11 @@
 // element in the operations of ggml-cpu's SWIGLU_CLAMP), -1 ids skipped. An expert tensor that
 // ggml-cpu computes with its tiled K-quant kernel (a type it tiles, >= 8 routes of the expert) is
 // computed as that kernel computes it, all the expert's tokens at once on AMX or AVX-512 VNNI
-// (ostinato_gemm.h). Only the order of the work differs: the experts' rows are taken in chunks by
+// (cpu_branch/gemm.h). Only the order of the work differs: the experts' rows are taken in chunks by
 // the team's threads, every row is read once for all of its expert's tokens, and instead of ggml's
 // per-op synchronisation the team takes a layer's items by claims on a board (no barriers;
 // ost_ffn_set_claims), or with three barriers. Graphs it does not match (biases, scales, other
-// activations, clamps other than SWIGLU_CLAMP's), and tiled experts of a type ostinato_gemm.h does
+// activations, clamps other than SWIGLU_CLAMP's), and tiled experts of a type cpu_branch/gemm.h does
 // not serve on this machine, keep ggml's graph compute.
 #pragma once
 
@@ -71,14 +71,14 @@ struct ost_ffn_job {
     float * out = nullptr;
     int k = 0, n = 0;
     bool zero_unrouted = false;   // also write 0 into the rows at a negative id
-    bool force = false;           // tiled experts of a type ostinato_gemm.h does not serve: vec_dot (not ggml's arithmetic)
+    bool force = false;           // tiled experts of a type cpu_branch/gemm.h does not serve: vec_dot (not ggml's arithmetic)
 };
 
 struct ost_ffn_stats {
     int64_t experts = 0;     // distinct experts computed
     int64_t routes = 0;      // routes computed
     int64_t bytes = 0;       // weight bytes read (each distinct expert once)
-    int64_t tiled_experts = 0;   // experts computed as ggml's tiled kernel does (ostinato_gemm.h)
+    int64_t tiled_experts = 0;   // experts computed as ggml's tiled kernel does (cpu_branch/gemm.h)
     // where a run's time went (ns; filled only while ost_ffn_set_phase_timing(true), ost_ffn_run):
     // the caller's grouping and scratch layout; the team's start (mean over its other threads of
     // their first step after the launch; on the claim board over those that took an item); the input
@@ -109,7 +109,7 @@ int ost_ffn_set_spins(int spins);
 int ost_ffn_spins();
 
 // False (nothing computed) when an expert of the job has as many routes as ggml-cpu's tiled kernel
-// takes for a weight type that ostinato_gemm.h does not serve here (bitwise equality could not be
+// takes for a weight type that cpu_branch/gemm.h does not serve here (bitwise equality could not be
 // promised): the caller then runs ggml's graph. `team` may be null (the caller alone).
 bool ost_ffn_run(ost_team * team, const ost_ffn_job & job, std::vector<uint8_t> & ws, ost_ffn_stats * st);
 
@@ -123,6 +123,6 @@ int ost_ffn_set_prefetch_rows(int rows);
 int ost_ffn_prefetch_rows();
 // Routes of one expert from which the kernel cannot compute these expert types as ggml-cpu does:
 // ggml-cpu computes the types it tiles with its tiled kernel from 8 routes (1 with
-// GGML_CPU_TILED_MM_FORCE=1); the kernel computes that arithmetic too for the types ostinato_gemm.h
+// GGML_CPU_TILED_MM_FORCE=1); the kernel computes that arithmetic too for the types cpu_branch/gemm.h
 // serves (INT32_MAX then), and for types ggml does not tile or with GGML_CPU_TILED_MM=0.
 int32_t          ost_ffn_tiled_rows(ggml_type up, ggml_type gate, ggml_type down);

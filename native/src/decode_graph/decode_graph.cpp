@@ -1,6 +1,6 @@
-// Decode graph of the expert engine: see ostinato_dgraph.h and ostinato_ops.h.
-#include "ostinato_dgraph.h"
-#include "ostinato_cpuffn.h"
+// Decode graph of the expert engine: see decode_graph/decode_graph.h and decode_graph/decode_ops.h.
+#include "decode_graph/decode_graph.h"
+#include "cpu_branch/kernel.h"
 
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"

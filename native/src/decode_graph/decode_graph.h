@@ -13,7 +13,7 @@
 
 #include "ggml.h"
 #include "ggml-backend.h"
-#include "ostinato_ops.h"
+#include "decode_graph/decode_ops.h"
 
 #include <cstdint>
 #include <string>
@@ -23,7 +23,7 @@ struct ost_dgraph;
 
 // Route counts of one layer in one pass, reported by the worker thread (under no lock of ours).
 // cpu_bytes: expert weight bytes the CPU branch read; kernel: 0 no CPU branch ran, 1 the CPU branch's
-// own kernel (ostinato_cpuffn.h), 2 ggml's graph compute.
+// own kernel (cpu_branch/kernel.h), 2 ggml's graph compute.
 struct ost_dg_layer_pass {
     int n = 0, n_cold = 0;          // tokens; cold routes left to the CPU branch
     int n_staged = 0;               // decode prefetch: experts staged for the layer in this pass
@@ -41,7 +41,7 @@ struct ost_dg_layer {
     int zero0 = 0;                 // first zero slot of its size class
     const int32_t * table = nullptr;   // [n_expert] slot or -1, in the memory of the layer's pool
     int32_t * scratch = nullptr;       // [OSTINATO_SCRATCH] zeroed, in the memory of the layer's pool
-    // decode prefetch (ostinato_ops.h): the layer's staging region (-1: none), and what its route op
+    // decode prefetch (decode_graph/decode_ops.h): the layer's staging region (-1: none), and what its route op
     // needs to stage the next layer's predicted experts (next_max 0: no prediction)
     int stage_slot0 = -1;
     int next_max = 0;
@@ -64,7 +64,7 @@ struct ost_dg_config {
     ggml_backend_buffer_type_t host_buft = nullptr;   // mailbox memory: the GPU's pinned host type, or CPU
     bool host_pool = false;        // the pools are host memory (CPU build): the CPU route op copies staged experts
     int copy_blocks = 0;           // decode prefetch: blocks of the stage copy kernel (GPU builds; >= 1, from the setting)
-    bool ffn_kernel = true;        // the CPU branch on its own kernel (ostinato_cpuffn.h), else ggml's graph compute
+    bool ffn_kernel = true;        // the CPU branch on its own kernel (cpu_branch/kernel.h), else ggml's graph compute
     std::vector<ost_dg_layer> layers;
     ost_dg_count_fn count = nullptr;
     void * count_ud = nullptr;
@@ -74,10 +74,10 @@ struct ost_dg_config {
 ost_dgraph *   ost_dg_new(const ost_dg_config & cfg, std::string & err);
 void           ost_dg_free(ost_dgraph * dg);
 int            ost_dg_max_tokens(const ost_dgraph * dg);
-// Graph building (called from the patched build_moe_ffn through ostinato_experts.cpp).
+// Graph building (called from the patched build_moe_ffn through engine/engine.cpp).
 void           ost_dg_build_begin(ost_dgraph * dg, ggml_context * graph_ctx);
 ggml_tensor *  ost_dg_route(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * selected, ggml_tensor * cur, int il);
-// Decode prefetch (ostinato_ops.h, predict op): the op of layer il over its FFN input cur [n_embd, 1]
+// Decode prefetch (decode_graph/decode_ops.h, predict op): the op of layer il over its FFN input cur [n_embd, 1]
 // (F32) that stages layer il + 1's predicted cold experts; a node to expand into the graph before the
 // layer's router. Null where layer il does not predict (ost_dg_predicts).
 ggml_tensor *  ost_dg_predict(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * cur, int il);

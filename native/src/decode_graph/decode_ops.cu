@@ -1,9 +1,9 @@
-// CUDA kernels of the decode-graph ops (see ostinato_ops.h). Compiled into ggml-cuda (native/patches
+// CUDA kernels of the decode-graph ops (see decode_graph/decode_ops.h). Compiled into ggml-cuda (native/patches
 // add this file to its sources and two cases to ggml-cuda.cu). Paper: arXiv 2611.11533, Section 3.4.
-#include "../vendor/llama.cpp/ggml/src/ggml-cuda/common.cuh"
-#include "../vendor/llama.cpp/ggml/src/ggml-impl.h"
-#include "ostinato_ops.h"
-#include "ostinato_ops_cuda.cuh"
+#include "ggml-cuda/common.cuh"   // ggml/src is on ggml-cuda's include path
+#include "ggml-impl.h"
+#include "decode_graph/decode_ops.h"
+#include "ostinato/cuda_ops.cuh"
 
 #include <algorithm>
 #include <climits>

@@ -1,5 +1,5 @@
-// Ostinato decode-graph ops: the layout shared by the expert engine (libllama, ostinato_experts.cpp)
-// and the CUDA backend (ggml-cuda, ostinato_ops.cu). Paper: arXiv 2611.11533, Section 3.4.
+// Ostinato decode-graph ops: the layout shared by the expert engine (libllama, engine/engine.cpp)
+// and the CUDA backend (ggml-cuda, decode_graph/decode_ops.cu). Paper: arXiv 2611.11533, Section 3.4.
 //
 // Two ggml custom ops per MoE layer keep a forward pass on the GPU with no host round trip:
 //   route (OSTINATO_OP_ROUTE): the index-table lookup as a kernel. In: selected_experts [k, n] (I32),
@@ -12,7 +12,7 @@
 //     cpu is the CPU branch's row for a cold position and 0.0f for a hot one (so the sum is what the
 //     split path's ggml_add computes). A position waits for the layer header's `done` == pass_seq
 //     only when it is cold; a layer with no cold route waits nowhere.
-// The CPU branch between them runs on the engine's resident thread pool (ostinato_experts.cpp),
+// The CPU branch between them runs on the engine's resident thread pool (engine/engine.cpp),
 // which polls the layer headers in layer order.
 //
 // A layer whose experts are all resident needs neither: its hot slots hold the experts in expert

@@ -1,4 +1,4 @@
-// Ostinato native expert engine (see ostinato_experts.h). Paper: arXiv 2611.11533, Sections 2-3.
+// Ostinato native expert engine (see ostinato.h). Paper: arXiv 2611.11533, Sections 2-3.
 //
 // At model load (ostinato_on_model_loaded, called by the patched loader) the hot experts named by the
 // configured residency set are copied into one expert pool per device, one set of pool tensors
@@ -16,14 +16,14 @@
 //
 // This file: the engine's globals, the hooks called by the patched llama.cpp and the C API (its options:
 // ostinato_experts_reconfigure).
-// The pool is built in ostinato_pool.cpp, the CPU ops of the split/upload paths and the route counts
-// are in ostinato_paths.cpp, the info/stats JSON in ostinato_stats.cpp, the decode graph in
-// ostinato_dgraph.cpp (shared state: ostinato_engine.h).
+// The pool is built in expert_pool/pool.cpp, the CPU ops of the split/upload paths and the route counts
+// are in paths/split_upload_ops.cpp, the info/stats JSON in engine/stats.cpp, the decode graph in
+// decode_graph/decode_graph.cpp (shared state: engine/engine.h).
 
-#include "ostinato_engine.h"
-#include "ostinato_cpuffn.h"
-#include "ostinato_dot.h"
-#include "ostinato_split.h"
+#include "engine/engine.h"
+#include "cpu_branch/kernel.h"
+#include "cpu_branch/dot.h"
+#include "paths/hybrid_split.h"
 
 #include <condition_variable>
 #include <memory>
@@ -784,7 +784,7 @@ bool adopt(llama_model * model, const config_t & cfg, const ostinato_engine_opti
     return true;
 }
 
-// Parses the JSON placement config (see ostinato_experts.h); false with `err` on bad input.
+// Parses the JSON placement config (see ostinato.h); false with `err` on bad input.
 bool parse_config(const char * js, config_t & c, std::string & err) {
     try {
         json j = json::parse(js);

@@ -1,11 +1,12 @@
 // Internal state of the expert engine, shared by its translation units (compiled into libllama):
-// ostinato_experts.cpp (hooks called by the patched llama.cpp, the C API), ostinato_pool.cpp (the
-// expert pool: build, pinning, borrowed decode slots), ostinato_paths.cpp (the CPU ops of the split
+// engine/engine.cpp (hooks called by the patched llama.cpp, the C API), expert_pool/pool.cpp (the
+// expert pool: build, pinning, borrowed decode slots), paths/split_upload_ops.cpp (the CPU ops of the split
 // and upload paths, route counting, stats). Paper: arXiv 2611.11533, Sections 2-3 and Appendix B.
 #pragma once
 
-#include "ostinato_experts.h"
-#include "ostinato_dgraph.h"
+#include "ostinato.h"
+#include "ostinato/engine_hooks.h"
+#include "decode_graph/decode_graph.h"
 
 #include "ggml-backend.h"
 #include "llama-model.h"
@@ -141,7 +142,7 @@ struct pool_t {
     std::vector<ggml_backend_event_t> pf_event;   // [layer]: recorded on it after a layer's prefetch copies
     ggml_tensor * table = nullptr;             // I32 [n_expert, n_layer]: index tables of the decode graph
     ggml_tensor * scratch = nullptr;           // I32 [OSTINATO_SCRATCH, n_layer]: the route kernel's counters
-                                               // and stage lists (ostinato_ops.h)
+                                               // and stage lists (decode_graph/decode_ops.h)
     ggml_tensor * pred = nullptr;              // F32 [n_expert]: the decode prefetch's logits (predict op)
     ggml_tensor * counts = nullptr;            // I32 [n_expert, n_layer, 2]: routes of all-resident layers
                                                // (plane 0 prefill, 1 decode), added to by the count op
@@ -279,7 +280,7 @@ inline std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> bias_parts(con
 
 int64_t now_us();
 void free_engine(engine_t * e);
-// ostinato_paths.cpp
+// paths/split_upload_ops.cpp
 void totals_init(totals_t & t, size_t n);
 json totals_json(const engine_t & e, const totals_t & t, bool with_counts);
 json pass_json(const pass_t & p);
@@ -304,7 +305,7 @@ double upload_share(const engine_t * e, bool has_stream);
 void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void count_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void flush_counts(engine_t * e);
-// ostinato_pool.cpp
+// expert_pool/pool.cpp
 void unpin(pinned_t & p);
 bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engine_options & opts, std::string & err);
 void borrow_release(engine_t * e);

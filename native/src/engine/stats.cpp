@@ -1,8 +1,8 @@
 // Expert engine: the JSON of the C API's info and stats calls (pool layout, decode graph, borrowed
-// slots, per-pass and cumulative route counts). See ostinato_experts.h and ostinato_engine.h.
-#include "ostinato_engine.h"
-#include "ostinato_cpuffn.h"
-#include "ostinato_dot.h"
+// slots, per-pass and cumulative route counts). See ostinato.h and engine/engine.h.
+#include "engine/engine.h"
+#include "cpu_branch/kernel.h"
+#include "cpu_branch/dot.h"
 
 using namespace ost;
 

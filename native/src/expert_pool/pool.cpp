@@ -1,6 +1,6 @@
 // Expert engine: the expert pool (size classes, slots, index tables), pinning of the host experts,
-// the several-GPU check and borrowed decode slots. See ostinato_engine.h.
-#include "ostinato_engine.h"
+// the several-GPU check and borrowed decode slots. See engine/engine.h.
+#include "engine/engine.h"
 
 namespace ost {
 

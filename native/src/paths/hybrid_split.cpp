@@ -1,5 +1,5 @@
-// See ostinato_split.h.
-#include "ostinato_split.h"
+// See paths/hybrid_split.h.
+#include "paths/hybrid_split.h"
 
 #include <algorithm>
 

@@ -1,8 +1,8 @@
 // Expert engine: the CPU custom ops of the split and upload paths (route, upload, timing marker),
-// route counting and the stats JSON. See ostinato_engine.h.
-#include "ostinato_engine.h"
-#include "ostinato_cpuffn.h"
-#include "ostinato_split.h"
+// route counting and the stats JSON. See engine/engine.h.
+#include "engine/engine.h"
+#include "cpu_branch/kernel.h"
+#include "paths/hybrid_split.h"
 
 namespace ost {
 
@@ -165,7 +165,7 @@ void route_op(ggml_tensor * dst, int ith, int nth, void * ud) {
 }
 
 // Count op on the CPU (a CPU pool's all-resident layers; n_tasks = 1; same effect as
-// ost_count_kernel, see ostinato_ops.h): adds each route of the source layers to the count table.
+// ost_count_kernel, see decode_graph/decode_ops.h): adds each route of the source layers to the count table.
 void count_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     (void) nth; (void) ud;
     if (ith != 0) return;
@@ -186,7 +186,7 @@ void count_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     }
 }
 
-// Reads each pool's count table (all-resident layers, see ostinato_ops.h) and adds what it gained
+// Reads each pool's count table (all-resident layers, see decode_graph/decode_ops.h) and adds what it gained
 // since the last read to the totals, the request's counts and the pool's routes (all hot). The table
 // only grows (modulo 2^32), so a read while a pass still runs loses nothing: the rest comes with the
 // next read. Caller holds g_mu.
@@ -345,7 +345,7 @@ int32_t cpu_route_cap(const engine_t * e, int il) {
     return ost_ffn_tiled_rows(up->type, gate->type, down->type);
 }
 
-// The cost model's split of layer il (ostinato_split.h) over `cand` (the experts the CPU may take,
+// The cost model's split of layer il (paths/hybrid_split.h) over `cand` (the experts the CPU may take,
 // in the order it takes them) with `routes` per expert and n_upload experts to copy without a CPU
 // share: how many of cand the CPU takes. Caller holds g_mu.
 size_t split_take(const engine_t * e, int il, const std::vector<int> & cand, const std::vector<int32_t> & routes,
@@ -486,7 +486,7 @@ void join_copies(engine_t * e, int il) {
 // views it indexes the staging view (cold -> slot - stage0, hot -> -1), and the hot routes, launched
 // before this op in graph order, compute while the copies run.
 //
-// A hybrid upload op (dst I32 [k*n + k*M + 2*M], layout in ostinato_experts.h) leaves distinct cold
+// A hybrid upload op (dst I32 [k*n + k*M + 2*M], layout in ostinato.h) leaves distinct cold
 // experts with the fewest routes (as many as the cost model's split gives, or a share, see
 // upload_share; touching at most M tokens) to a CPU branch over those M tokens only and uploads the
 // others. The copies are not joined here: the CPU
@@ -546,7 +546,7 @@ void upload_op(ggml_tensor * dst, int ith, int nth, void * ud) {
     if (hybrid) {
         // the CPU takes cold experts with the fewest routes (cheap there, while each upload costs a
         // whole expert's bytes): a share of them (fixed or adapted, for measurements) or as many as
-        // the cost model says end no later than the uploads of the rest (ostinato_split.h); not one
+        // the cost model says end no later than the uploads of the rest (paths/hybrid_split.h); not one
         // a prefetch is bringing over already, only ones whose tokens fit its M rows, and, where the
         // CPU branch's own kernel computes them, fewer routes than ggml-cpu would tile (its arithmetic)
         const bool by_share = e->opts.upload_cpu_share != 0;

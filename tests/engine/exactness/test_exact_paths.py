@@ -258,7 +258,7 @@ def test_hybrid_upload_pass_matches_stock(moe, stock, share, rows):
 
 @pytest.mark.parametrize("cpu_gbps, kernel", [(10.0, True), (10.0, False), (1e-6, True)])
 def test_cost_model_split_matches_stock(moe, stock, cpu_gbps, kernel):
-    """The prefill's CPU share from the cost model (native/src/ostinato_split.h):
+    """The prefill's CPU share from the cost model (native/src/paths/hybrid_split.h):
     per layer the CPU branch takes the cold experts with the fewest routes while its time
     alpha + routes x bytes / cpu_gbps stays under the uploads of the rest (bytes / h2d_gbps each).
     With a CPU branch as fast per route as an upload per expert it takes some, computed by its own
