@@ -87,6 +87,11 @@ ggml_context * ost_dg_cpu_begin(ost_dgraph * dg, ggml_context * graph_ctx, int i
                                 ggml_tensor ** ids, ggml_tensor ** cur_cpu);
 void           ost_dg_cpu_end(ost_dgraph * dg, ggml_context * graph_ctx, int il, ggml_tensor * out);
 ggml_tensor *  ost_dg_join(ost_dgraph * dg, ggml_context * ctx, ggml_tensor * ids_gpu, ggml_tensor * out_gpu, int il);
+// The route, join and predict ops on the CPU (decode_graph/cpu_ops.cpp): the custom ops' functions
+// (CPU builds), their userdata the layer's ostinato_op.
+void           route_cpu(ggml_tensor * dst, int ith, int nth, void * ud);
+void           join_cpu(ggml_tensor * dst, int ith, int nth, void * ud);
+void           predict_cpu(ggml_tensor * dst, int ith, int nth, void * ud);
 // Around each graph compute: begin hands the pass's CPU-branch jobs (if the graph built in
 // graph_ctx has any) to the worker; end waits for the worker. Returns false from begin when the
 // graph has no decode-graph layers.
