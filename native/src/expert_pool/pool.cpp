@@ -56,9 +56,6 @@ int dense_gpu(const llama_model * model, int il) {
 }
 }  // namespace
 
-// expert_pool/pinning.cpp
-void pin_experts(llama_model * model, ggml_backend_dev_t dev);
-
 // Several GPUs (config with "layer_device"): each MoE layer's pool must be on the device where
 // llama.cpp put the layer's dense weights (layer split), else every layer would move its hidden
 // states between GPUs twice. Reads the device of the layer's attention weight buffer; a layer whose
