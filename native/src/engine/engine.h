@@ -1,10 +1,10 @@
 // Internal state of the expert engine, shared by its translation units (compiled into libllama):
 // engine/engine.cpp (hooks called by the patched llama.cpp at graph build and per pass), engine/api.cpp
 // (the C API, the options' check/apply, the model load/free hooks), engine/cpu_share.cpp (the hybrid
-// pass's CPU share), expert_pool/pool.cpp (the expert pool: build, borrowed decode slots),
-// expert_pool/pinning.cpp (pinning), paths/split_upload_ops.cpp (the CPU ops of the split and upload
-// paths), paths/route_counts.cpp (route counting, stats). Paper: arXiv 2611.11533, Sections 2-3 and
-// Appendix B.
+// pass's CPU share), expert_pool/pool.cpp (the expert pool and its build), expert_pool/borrow.cpp
+// (borrowed decode slots), expert_pool/pinning.cpp (pinning), paths/split_upload_ops.cpp (the CPU ops
+// of the split and upload paths), paths/route_counts.cpp (route counting, stats).
+// Paper: arXiv 2611.11533, Sections 2-3 and Appendix B.
 #pragma once
 
 #include "ostinato.h"
@@ -313,7 +313,11 @@ void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void unpin(pinned_t & p);
 void pin_experts(llama_model * model, ggml_backend_dev_t dev);
 // expert_pool/pool.cpp
+// Copies expert x of layer il (weights and biases) from its host tensors into `slot` of class c's
+// pool tensors; synchronous.
+void copy_expert(const llama_model * model, const size_class_t & c, int il, int x, int slot);
 bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engine_options & opts, std::string & err);
+// expert_pool/borrow.cpp
 void borrow_release(engine_t * e);
 void borrow_step(engine_t * e);
 
