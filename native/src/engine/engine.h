@@ -1,7 +1,10 @@
 // Internal state of the expert engine, shared by its translation units (compiled into libllama):
-// engine/engine.cpp (hooks called by the patched llama.cpp, the C API), expert_pool/pool.cpp (the
-// expert pool: build, pinning, borrowed decode slots), paths/split_upload_ops.cpp (the CPU ops of the split
-// and upload paths, route counting, stats). Paper: arXiv 2611.11533, Sections 2-3 and Appendix B.
+// engine/engine.cpp (hooks called by the patched llama.cpp at graph build and per pass), engine/api.cpp
+// (the C API, the options' check/apply, the model load/free hooks), engine/cpu_share.cpp (the hybrid
+// pass's CPU share), expert_pool/pool.cpp (the expert pool and its build), expert_pool/borrow.cpp
+// (borrowed decode slots), expert_pool/pinning.cpp (pinning), paths/split_upload_ops.cpp (the CPU ops
+// of the split and upload paths), paths/route_counts.cpp (route counting, stats).
+// Paper: arXiv 2611.11533, Sections 2-3 and Appendix B.
 #pragma once
 
 #include "ostinato.h"
@@ -280,7 +283,7 @@ inline std::vector<std::pair<const ggml_tensor *, ggml_tensor *>> bias_parts(con
 
 int64_t now_us();
 void free_engine(engine_t * e);
-// paths/split_upload_ops.cpp
+// paths/route_counts.cpp
 void totals_init(totals_t & t, size_t n);
 json totals_json(const engine_t & e, const totals_t & t, bool with_counts);
 json pass_json(const pass_t & p);
@@ -290,6 +293,9 @@ void dg_count(void * ud, int il, int k, const int32_t * ids, const ost_dg_layer_
 // decode timeline of the latest pass (at a pass's begin, and where stats are reset or taken for a
 // request: a stats read from another thread could meet a pass still running). Caller holds g_mu.
 void collect_dg_stats(engine_t * e, bool timeline = false);
+void count_op(ggml_tensor * dst, int ith, int nth, void * ud);
+void flush_counts(engine_t * e);
+// paths/split_upload_ops.cpp
 void route_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_op(ggml_tensor * dst, int ith, int nth, void * ud);
 void upload_join_op(ggml_tensor * dst, int ith, int nth, void * ud);
@@ -303,11 +309,15 @@ void stage_experts(engine_t * e, int il, const std::vector<int32_t> & slot, cons
 void join_copies(engine_t * e, int il);
 double upload_share(const engine_t * e, bool has_stream);
 void mark_op(ggml_tensor * dst, int ith, int nth, void * ud);
-void count_op(ggml_tensor * dst, int ith, int nth, void * ud);
-void flush_counts(engine_t * e);
-// expert_pool/pool.cpp
+// expert_pool/pinning.cpp
 void unpin(pinned_t & p);
+void pin_experts(llama_model * model, ggml_backend_dev_t dev);
+// expert_pool/pool.cpp
+// Copies expert x of layer il (weights and biases) from its host tensors into `slot` of class c's
+// pool tensors; synchronous.
+void copy_expert(const llama_model * model, const size_class_t & c, int il, int x, int slot);
 bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engine_options & opts, std::string & err);
+// expert_pool/borrow.cpp
 void borrow_release(engine_t * e);
 void borrow_step(engine_t * e);
 

@@ -1,6 +1,8 @@
-// Expert engine: the expert pool (size classes, slots, index tables), the several-GPU check and
-// borrowed decode slots. See engine/engine.h.
+// Expert engine: the expert pool (size classes, slots, index tables, its build) and the several-GPU
+// check. See engine/engine.h.
 #include "engine/engine.h"
+
+#include <functional>
 
 namespace ost {
 
@@ -56,9 +58,6 @@ int dense_gpu(const llama_model * model, int il) {
 }
 }  // namespace
 
-// expert_pool/pinning.cpp
-void pin_experts(llama_model * model, ggml_backend_dev_t dev);
-
 // Several GPUs (config with "layer_device"): each MoE layer's pool must be on the device where
 // llama.cpp put the layer's dense weights (layer split), else every layer would move its hidden
 // states between GPUs twice. Reads the device of the layer's attention weight buffer; a layer whose
@@ -102,78 +101,6 @@ void copy_expert(const llama_model * model, const size_class_t & c, int il, int 
     const auto & L = model->layers[il];
     for (auto [src, dst] : weight_parts(L, c.up, c.gate, c.down)) put(src, dst);
     for (auto [src, dst] : bias_parts(L, c.b_up, c.b_gate, c.b_down)) put(src, dst);
-}
-
-// Sets one entry of the decode graph's index table (device memory of the layer's pool).
-void set_table(engine_t * e, int il, int x, int32_t v) {
-    const int pi = e->layer_pool[il];
-    if (pi < 0 || !e->pools[pi].table) return;
-    ggml_backend_tensor_set(e->pools[pi].table, &v, ((size_t) il * e->n_expert + x) * sizeof(int32_t), sizeof(int32_t));
-}
-
-// Borrowed decode memory (docs/engine.md): during decode, the staging slots that the upload path
-// reserves for the largest prefill hold extra experts, the cold ones the CPU branch computed most
-// often lately (a count of decode CPU uses that decays per step). Promotions happen at token
-// boundaries, both branches' index tables together (host slot map and the device table); every
-// borrowed slot is handed back before a pass that takes the upload path.
-constexpr float BORROW_DECAY    = 0.98f;   // per decode step: a use counts half after ~34 steps
-constexpr float BORROW_MIN_USES = 2.0f;    // decayed uses before an expert is promoted
-constexpr int   BORROW_EVERY    = 8;       // decode steps between promotion rounds
-constexpr int   BORROW_PER_ROUND = 2;      // promotions per round (each copies one expert)
-
-void borrow_release(engine_t * e) {
-    for (auto & c : e->classes) {
-        for (auto & b : c.borrowed) {
-            if (b.first < 0) continue;
-            e->slot[b.first][b.second] = -1;
-            set_table(e, b.first, b.second, -1);
-            b = {-1, -1};
-            e->handbacks++;
-        }
-    }
-}
-
-void borrow_step(engine_t * e) {
-    if (++e->decode_steps % BORROW_EVERY) return;
-    const float decay = std::pow(BORROW_DECAY, (float) BORROW_EVERY);
-    for (auto & u : e->cpu_use) u *= decay;
-    std::vector<std::pair<float, size_t>> cand;
-    for (size_t idx = 0; idx < e->cpu_use.size(); ++idx) {
-        if (e->cpu_use[idx] < BORROW_MIN_USES) continue;
-        const int il = (int) (idx / e->n_expert), x = (int) (idx % e->n_expert);
-        const int ci = e->layer_class[il];
-        if (ci < 0 || e->slot[il][x] >= 0 || e->classes[ci].borrowed.empty()) continue;
-        cand.push_back({e->cpu_use[idx], idx});
-    }
-    const size_t n = std::min(cand.size(), (size_t) BORROW_PER_ROUND);
-    std::partial_sort(cand.begin(), cand.begin() + n, cand.end(), std::greater<>());
-    for (size_t i = 0; i < n; ++i) {
-        const int il = (int) (cand[i].second / e->n_expert), x = (int) (cand[i].second % e->n_expert);
-        auto & c = e->classes[e->layer_class[il]];
-        int j = -1;
-        float low = 0;
-        for (size_t q = 0; q < c.borrowed.size(); ++q) {   // a free slot, else the least used borrowed one
-            if (c.borrowed[q].first < 0) { j = (int) q; break; }
-            const float u = e->cpu_use[(size_t) c.borrowed[q].first * e->n_expert + c.borrowed[q].second];
-            if (j < 0 || u < low) { j = (int) q; low = u; }
-        }
-        if (j < 0) continue;
-        auto & b = c.borrowed[j];
-        if (b.first >= 0) {
-            // overwriting a lent slot is safe here: the previous pass's output was read (sampling
-            // syncs the GPU) before this pass begins, so no kernel still reads the slot
-            if (cand[i].first < 2 * low) continue;   // hysteresis: replace only a clearly colder one
-            e->slot[b.first][b.second] = -1;
-            set_table(e, b.first, b.second, -1);
-            e->handbacks++;
-        }
-        const int slot = e->layers[il].stage0 + j;
-        copy_expert(e->model, c, il, x, slot);
-        b = {il, x};
-        e->slot[il][x] = slot;
-        set_table(e, il, x, slot);
-        e->promotions++;
-    }
 }
 
 // Sets the slot stride (nb[2], and nb[3] after it) of class c's weight tensors: a whole slot with
@@ -254,17 +181,12 @@ static ggml_backend_buffer_t alloc_pool(engine_t * e, pool_t & p, int pi) {
     return buf;
 }
 
-bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engine_options & opts, std::string & err) {
-    auto * e = new engine_t();
-    e->opts = opts;
-    auto fail = [&](const std::string & why) { err = why; free_engine(e); return false; };
-    e->model = model;
-    e->n_layer = (int) model->layers.size();
-    e->n_expert = (int) model->hparams.n_expert;
-    e->k = (int) model->hparams.n_expert_used();
-    if (e->n_expert <= 0 || e->k <= 0) {
-        return fail("model has no routed experts (dense model): run stock");
-    }
+// build_engine's phases, in order. A phase that refuses returns fail(why), which frees the engine.
+using fail_fn = std::function<bool(const std::string &)>;
+using pool_of_fn = std::function<int(int)>;   // a configured GPU index's pool (added on first use)
+
+// Sizes the per-layer tables; checks the residency set's and layer map's layers and experts.
+static bool check_config(engine_t * e, const config_t & cfg, const fail_fn & fail) {
     e->layers.resize(e->n_layer);
     e->hot.assign(e->n_layer, std::vector<uint8_t>(e->n_expert, 0));
     e->expert_bytes.assign(e->n_layer, 0);
@@ -288,17 +210,12 @@ bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engi
                   std::to_string(e->n_layer) + " layers");
         }
     }
-    // one pool per device in use, in order of first use by the layers (one-device config: one pool)
-    e->layer_pool.assign(e->n_layer, -1);
-    auto pool_of = [&](int gpu) {
-        for (size_t i = 0; i < e->pools.size(); ++i) if (e->pools[i].gpu == gpu) return (int) i;
-        pool_t p;
-        p.gpu = gpu;
-        e->pools.push_back(p);
-        return (int) e->pools.size() - 1;
-    };
-    // size classes over the layers that have hot experts and a supported expert layout
-    std::vector<int> layer_class(e->n_layer, -1);
+    return true;
+}
+
+// Gives each MoE layer its pool and, where it has hot experts of a supported layout, its size class.
+static void assign_layers(engine_t * e, llama_model * model, const config_t & cfg, const pool_of_fn & pool_of,
+                          std::vector<int> & layer_class) {
     for (int il = 0; il < e->n_layer && il < (int) model->layers.size(); ++il) {
         const auto & L = model->layers[il];
         if (!L.ffn_down_exps) continue;
@@ -364,7 +281,11 @@ bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engi
         layer_class[il] = ci;
         e->layers[il].has_hot = true;
     }
+}
 
+// Finds the pools' devices (checked against the layer map) and pins the host experts.
+static bool open_devices(engine_t * e, llama_model * model, const config_t & cfg, const pool_of_fn & pool_of,
+                         std::string & err, const fail_fn & fail) {
     for (int il = 0; il < e->n_layer; ++il) {
         const auto & L = model->layers[il];
         if (L.ffn_down_exps && L.ffn_down_exps->buffer) {
@@ -395,7 +316,11 @@ bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engi
         }
         pin_experts(model, pin_dev);
     }
+    return true;
+}
 
+// Makes the pools' tensors (tables, per size class its slots) and sets each layer's slots in them.
+static void lay_out_pools(engine_t * e, const std::vector<int> & layer_class) {
     for (auto & c : e->classes) e->pools[c.pool].n_classes++;
     for (auto & p : e->pools) {
         const size_t n_tensors = 6 * (size_t) p.n_classes + 5;   // up, gate, down + their bias rows; tables
@@ -449,6 +374,10 @@ bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engi
         l.views = on_cpu || (mmq_skips_negative_ids(c.t_up) && mmq_skips_negative_ids(c.t_down) &&
                              (!c.has_gate || mmq_skips_negative_ids(c.t_gate)));
     }
+}
+
+// Allocates each pool's buffer (cleared) and, on a GPU, its copy streams and prefetch events.
+static bool alloc_pools(engine_t * e, const fail_fn & fail) {
     for (size_t pi = 0; pi < e->pools.size(); ++pi) {
         pool_t & p = e->pools[pi];
         if (p.n_classes == 0 && p.layers.empty()) continue;
@@ -485,6 +414,11 @@ bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engi
             }
         }
     }
+    return true;
+}
+
+// Makes the all-resident layers' leaves over their hot slots.
+static void make_resident_leaves(engine_t * e) {
     // all-resident layers: leaves over their hot slots (see ostinato_moe_layer::resident)
     for (int il = 0; il < e->n_layer; ++il) {
         auto & l = e->layers[il];
@@ -510,6 +444,10 @@ bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engi
             l.resident[i] = r;
         }
     }
+}
+
+// Copies the hot experts into their slots and fills the index tables.
+static void fill_pools(engine_t * e, llama_model * model, const std::vector<int> & layer_class) {
     // copy hot experts into their slots; fill the index table
     e->slot.assign(e->n_layer, std::vector<int32_t>(e->n_expert, -1));
     e->layer_class = layer_class;
@@ -532,6 +470,10 @@ bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engi
         }
         ggml_backend_tensor_set(p.table, rows.data(), 0, rows.size() * sizeof(int32_t));
     }
+}
+
+// Sets up the counters (kept across a residency switch), prefetch state and 2D copy layouts.
+static void init_state(engine_t * e, llama_model * model) {
     const size_t nle = (size_t) e->n_layer * e->n_expert;
     totals_init(e->total, nle);
     totals_init(e->request, nle);
@@ -554,6 +496,38 @@ bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engi
     e->mark_us.assign(e->n_layer, 0);
     e->rows_2d.assign(e->n_layer, rows_2d_t());
     for (int il = 0; il < e->n_layer; ++il) if (e->layers[il].has_hot) e->rows_2d[il] = layout_2d(e, il);
+}
+
+bool build_engine(llama_model * model, const config_t & cfg, const ostinato_engine_options & opts, std::string & err) {
+    auto * e = new engine_t();
+    e->opts = opts;
+    auto fail = [&](const std::string & why) { err = why; free_engine(e); return false; };
+    e->model = model;
+    e->n_layer = (int) model->layers.size();
+    e->n_expert = (int) model->hparams.n_expert;
+    e->k = (int) model->hparams.n_expert_used();
+    if (e->n_expert <= 0 || e->k <= 0) {
+        return fail("model has no routed experts (dense model): run stock");
+    }
+    if (!check_config(e, cfg, fail)) return false;
+    // one pool per device in use, in order of first use by the layers (one-device config: one pool)
+    e->layer_pool.assign(e->n_layer, -1);
+    auto pool_of = [&](int gpu) {
+        for (size_t i = 0; i < e->pools.size(); ++i) if (e->pools[i].gpu == gpu) return (int) i;
+        pool_t p;
+        p.gpu = gpu;
+        e->pools.push_back(p);
+        return (int) e->pools.size() - 1;
+    };
+    // size classes over the layers that have hot experts and a supported expert layout
+    std::vector<int> layer_class(e->n_layer, -1);
+    assign_layers(e, model, cfg, pool_of, layer_class);
+    if (!open_devices(e, model, cfg, pool_of, err, fail)) return false;
+    lay_out_pools(e, layer_class);
+    if (!alloc_pools(e, fail)) return false;
+    make_resident_leaves(e);
+    fill_pools(e, model, layer_class);
+    init_state(e, model);
     free_engine(g_eng);
     g_eng = e;
     g_graph_dirty = true;
