@@ -20,6 +20,22 @@ from .errors import MessageError
 
 
 
+
+def _number_types(annotation: Any) -> tuple:
+    """The number types (int, float) an annotation admits, Optional[...] included."""
+    import typing
+
+    args = typing.get_args(annotation) or (annotation,)
+    return tuple(a for a in args if a in (int, float))
+
+
+def _reject_bool_numbers(cls: Any, v: Any, info: Any) -> Any:
+    """Field validator of every settings model: pydantic takes true for 1 in a number field
+    (`port = true` would bind port 1); ValueError there."""
+    if isinstance(v, bool) and _number_types(cls.model_fields[info.field_name].annotation):
+        raise ValueError("a number is needed, not true/false")
+    return v
+
 class EngineTuning(BaseModel):
     """The engine options a user sets as they are (part of ``[engine]``; the engine's
     :class:`ostinatod.engine.options.EngineOptions` takes these fields from here, in this order: the
@@ -155,12 +171,7 @@ class EngineSettings(EngineTuning):
                                         "(docs/benchmarks/runs/"
                                         "2026-12-01-engines-h200-16c-L48-prefetch2-headline).")
 
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, v: Any, info: Any) -> Any:
-        if isinstance(v, bool) and _number_types(cls.model_fields[info.field_name].annotation):
-            raise ValueError("a number is needed, not true/false")
-        return v
+    _no_bool_numbers = field_validator("*", mode="before")(_reject_bool_numbers)
 
 
 # Settings that lived at the top level before the [engine] table: still read there (env and file),
@@ -385,13 +396,7 @@ class Settings(BaseSettings):
     recent_requests: int = Field(200, ge=1, description="Requests kept for the control API's "
                                  "recent-requests list.")
 
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, v: Any, info: Any) -> Any:
-        # pydantic takes true for 1 in a number field (`port = true` would bind port 1)
-        if isinstance(v, bool) and _number_types(cls.model_fields[info.field_name].annotation):
-            raise ValueError("a number is needed, not true/false")
-        return v
+    _no_bool_numbers = field_validator("*", mode="before")(_reject_bool_numbers)
 
     @field_validator("api_key")
     @classmethod
@@ -438,12 +443,6 @@ class SettingsError(MessageError, ValueError):
     code, status = "invalid_settings", 400
 
 
-def _number_types(annotation: Any) -> tuple:
-    """The number types (int, float) an annotation admits, Optional[...] included."""
-    import typing
-
-    args = typing.get_args(annotation) or (annotation,)
-    return tuple(a for a in args if a in (int, float))
 
 
 class _OldEngineEnv(PydanticBaseSettingsSource):
