@@ -158,7 +158,8 @@ def test_copy_layer_by_architecture():
     assert tensors.copy_layer("glm4moe", shapes.SHAPES["glm-4.5-air"]) == 0
     assert tensors.copy_layer("qwen35moe", q35) == 3  # the first full-attention layer
     assert tensors.copy_layer("qwen35moe", shapes.Shape(**{**q35.__dict__, "n_layer": 2})) is None
-    assert tensors.copy_layer("deepseek4", shapes.SHAPES["deepseek-v4-flash"]) is None
+    assert tensors.copy_layer("deepseek4", shapes.SHAPES["deepseek-v4-flash"]) == 0  # the first sliding-window layer
+    assert tensors.copy_layer("deepseek2", shapes.SHAPES["small"]) is None
 
 
 def test_copy_head_only_on_the_real_shapes_by_default():
@@ -169,17 +170,19 @@ def test_copy_head_only_on_the_real_shapes_by_default():
 
 
 def test_copy_head_output_reads_the_copied_token():
-    """The copy subspace: no embedding, class direction or router weight in it; the output matrix
-    only in it, and its argmax on the copy head's write of token j is j (small shape, head_dim 32:
-    the narrowest copy of the shapes that write files for the bench)."""
+    """The copy subspace: no embedding, class direction or router weight in it (but the anchor, the
+    last dim, 1 in every embedding row); the output matrix only in it, and its argmax on the copy
+    head's write of token j is j (small shape, head_dim 32: the narrowest copy of the shapes that
+    write files for the bench)."""
     cx = _ctx(0, "small", copy_head=True)
     d, n = cx.shape.n_embd, cx.n_copy
     assert n == 64 and cx.copy_at == 0
     emb = tensors._embedding(cx)
-    assert not emb[:, d - n:].any() and not cx.C[:, d - n:].any()
+    assert not emb[:, d - n:d - 1].any() and (emb[:, d - 1] == 1).all() and not cx.C[:, d - n:].any()
     assert not tensors._router(cx, 1)[:, d - n:].any()
-    copies = cx._emb_v @ tensors._copy_out_rows(cx).T  # (n_vocab, n): head 0's write per token
+    copies = cx._copies.copy()  # (n_vocab, n): head 0's write per token
     out = tensors._copy_output(cx)
+    assert not out[:, d - 1].any()
     assert not out[:, :d - n].any()
     ids = np.random.default_rng(1).integers(0, cx.n_vocab, 400)
     assert np.mean((copies[ids] @ out[:, d - n:].T).argmax(axis=1) == ids) > 0.97
