@@ -200,7 +200,8 @@ class Routing:
     ``branch_scale``: attention/expert output size relative to the residual, for the whole depth;
     ``copy_dims``: width of the copy subspace (at most a quarter of the hidden size), ``copy_gain``:
     size of the copy relative to the embedding, ``copy_sharpness``: by how much the copy head's
-    score at distance ``copy_lag`` (the position it copies) beats its score at any other distance (see :mod:`ostinatod.synth.tensors`, "the copy head"): what makes a decode
+    score at the distance ``copy_lag`` (tokens back: the position it copies) beats its score at
+    any other distance (see :mod:`ostinatod.synth.tensors`, "the copy head"): what makes a decode
     step route like a prompt token; ``copy_head``: whether the file has one (None: by shape,
     :func:`copy_head_by_default`).
     """
