@@ -28,12 +28,12 @@ def _greedy(path: Path, prompt: bytes, n: int) -> list[int]:
     assert model, f"llama.cpp could not load {path}"
     try:
         cp = L.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 256, 256, 2, 2
+        cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 512, 512, 2, 2
         ctx = L.llama_init_from_model(model, cp)
         assert ctx
         vocab = L.llama_model_get_vocab(model)
-        buf = (L.llama_token * 128)()
-        n_prompt = L.llama_tokenize(vocab, prompt, len(prompt), buf, 128, False, True)
+        buf = (L.llama_token * 384)()
+        n_prompt = L.llama_tokenize(vocab, prompt, len(prompt), buf, 384, False, True)
         assert n_prompt > 0
         assert L.llama_decode(ctx, L.llama_batch_get_one(buf, n_prompt)) == 0
         n_vocab = L.llama_vocab_n_tokens(vocab)
@@ -227,8 +227,15 @@ def test_decode_steps_route_like_prompt_tokens_through_the_engine(tmp_path: Path
         pytest.skip("native expert engine not built")
     path = writer.write_synthetic_moe(tmp_path / "ci.gguf", arch="qwen3moe", shape="ci",
                                       routing=shapes.Routing(copy_head=True))
+    # longer than copy_lag (96 tokens): the copy head copies the token that far back
     prompt = b"def load(path):\n    with open(path) as f:\n        return json.load(f)\n" \
-             b"The file holds the user's orders, one per line.<|im_end|>\n<|im_start|>assistant\n"
+             b"The file holds the user's orders, one per line. Each order names a customer, " \
+             b"a date and the items bought, with their prices in euros.\n" \
+             b"def total(orders):\n    return sum(o['price'] * o['count'] for o in orders)\n" \
+             b"class Store:\n    def __init__(self, path):\n        self.orders = load(path)\n" \
+             b"    def report(self):\n        print(f'{len(self.orders)} orders, {total(self.orders):.2f} EUR')\n" \
+             b"Write a test for report() that reads a small file of three orders.<|im_end|>\n" \
+             b"<|im_start|>assistant\n"
     prompt_ids = set(routing.tokenize(path, prompt.decode()).tolist())
     out = _greedy(path, prompt, 24)
     assert np.mean([t in prompt_ids for t in out]) > 0.6 and len(set(out)) >= 6, out
