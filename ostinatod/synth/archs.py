@@ -23,8 +23,8 @@ from .shapes import Shape
 from .skew import router_strength
 from .tensors import (_PLANS as _BASE_PLANS, _Ctx, _T, _attn_gqa, _dense_ffn, _gauss, _kv_dims,
                       _kv_experts, _ones, _output_tensors, _probs_bias, _rng, _routed_experts,
-                      _router, _shared_experts, _token_embd, copy_peak, copy_qk, copy_qk_bias, float_tensor,
-                      qk_norm_weight)
+                      _router, _shared_experts, _token_embd, COPY_WRITES, copy_peak, copy_qk, copy_qk_bias,
+                      float_tensor, qk_norm_weight, rotary_dims)
 
 
 def _norm(name: str, n: int) -> _T:
@@ -47,12 +47,7 @@ def _probs_b(cx: _Ctx, p: str, il: int) -> _T:
     return _T(p + "exp_probs_b.bias", (cx.shape.n_expert,), QT.F32, (lambda il=il: _probs_bias(cx, il)))
 
 
-def _n_rot(s: Shape, arch: str) -> int:
-    if s.n_rot:
-        return s.n_rot
-    return {"glm4moe": s.head_dim // 2, "minimax-m2": s.head_dim // 2,
-            "qwen35moe": s.head_dim // 4,
-            "deepseek4": s.qk_rope_dim if s.qk_rope_dim < s.head_dim else s.head_dim // 2}.get(arch, s.head_dim)
+_n_rot = rotary_dims
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,6 +313,9 @@ def ds4_copies(cx: _Ctx, emb: np.ndarray) -> np.ndarray:
         kv = kv / np.sqrt((kv ** 2).mean(axis=1, keepdims=True) + 1e-6) * m["attn_kv_a_norm"]
         out[i:i + 16384] = (kv[:, :n_nope] @ wa.T) @ wb.T
     return out
+
+
+COPY_WRITES["deepseek4"] = ds4_copies
 
 
 def _ds4_attn(cx: _Ctx, p: str, name: str, shape: tuple[int, ...], std: float, role: str, il: int) -> _T:

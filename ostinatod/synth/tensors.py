@@ -196,12 +196,8 @@ def _embedding(cx: _Ctx) -> np.ndarray:
         out[i:i + step, :dn] += math.sqrt(d) * math.sqrt(1 - rho) * noise
     if cx.copy_at is not None:
         out[:, d - 1] = 1.0  # the anchor: the copy head's constant query and key
-        if cx.arch == "deepseek4":
-            from .archs import ds4_copies
-
-            cx._copies = ds4_copies(cx, out)
-        else:
-            cx._copies = (out @ _copy_value(cx).T) @ _copy_out_rows(cx).T
+        own = COPY_WRITES.get(cx.arch)
+        cx._copies = own(cx, out) if own else (out @ _copy_value(cx).T) @ _copy_out_rows(cx).T
     return out
 
 
@@ -227,6 +223,9 @@ def _embedding(cx: _Ctx) -> np.ndarray:
 
 COPY_ARCHS = ("qwen3moe", "glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
 COPY_SPAN = 4096  # distances over which copy_spectrum keeps the peak at the lag clear of the rest
+# arch -> f(cx, embedding) -> (n_vocab, n_copy): the copy head's write per token, for an arch whose
+# copy head is not head 0 of a GQA attention (:mod:`.archs` registers deepseek4's)
+COPY_WRITES: dict[str, Callable[["_Ctx", np.ndarray], np.ndarray]] = {}
 
 
 def copy_layer(arch: str, s: Shape) -> int | None:
@@ -236,10 +235,9 @@ def copy_layer(arch: str, s: Shape) -> int | None:
     if arch not in COPY_ARCHS:
         return None
     if arch == "deepseek4":
-        from .archs import compress_ratios
+        from .mix import shape_layer_kinds
 
-        ratios = list(s.compress_schedule) or compress_ratios(s.n_layer)
-        return next((il for il, r in enumerate(ratios) if r == 0), None)
+        return next((il for il, k in enumerate(shape_layer_kinds(arch, s)) if k["attn"] == "c0"), None)
     if arch == "qwen35moe":
         return next((il for il in range(s.n_layer) if (il + 1) % s.full_attn_interval == 0), None)
     return 0
@@ -276,12 +274,21 @@ def copy_spectrum(n_rot: int, base: float, lag: int, span: int = COPY_SPAN) -> t
     return best
 
 
+def rotary_dims(s: Shape, arch: str) -> int:
+    """Rotary dims of an attention head of ``arch`` at shape ``s`` (``rope.dimension_count``):
+    ``s.n_rot``, else the arch's rule (glm4moe, minimax-m2: half the head; qwen35moe: a quarter;
+    deepseek4: ``qk_rope_dim``; the others: the whole head)."""
+    if s.n_rot:
+        return s.n_rot
+    return {"glm4moe": s.head_dim // 2, "minimax-m2": s.head_dim // 2,
+            "qwen35moe": s.head_dim // 4,
+            "deepseek4": s.qk_rope_dim if s.qk_rope_dim < s.head_dim else s.head_dim // 2}.get(arch, s.head_dim)
+
+
 def _rope(cx: _Ctx) -> tuple[int, float]:
     """(rotary dims, rope base) of the copy layer's attention, as the writer's keys give them."""
-    from .archs import _n_rot
-
     base = {"qwen3moe": 1e6, "glm4moe": 1e6, "minimax-m2": 5e6, "qwen35moe": 1e7, "deepseek4": 1e4}[cx.arch]
-    n_rot = cx.shape.head_dim if cx.arch == "qwen3moe" else _n_rot(cx.shape, cx.arch)
+    n_rot = cx.shape.head_dim if cx.arch == "qwen3moe" else rotary_dims(cx.shape, cx.arch)
     return n_rot, base
 
 
