@@ -23,7 +23,8 @@ from .shapes import Shape
 from .skew import router_strength
 from .tensors import (_PLANS as _BASE_PLANS, _Ctx, _T, _attn_gqa, _dense_ffn, _gauss, _kv_dims,
                       _kv_experts, _ones, _output_tensors, _probs_bias, _rng, _routed_experts,
-                      _router, _shared_experts, _token_embd, qk_norm_weight)
+                      _router, _shared_experts, _token_embd, COPY_WRITES, copy_peak, copy_qk, copy_qk_bias,
+                      float_tensor, qk_norm_weight, rotary_dims)
 
 
 def _norm(name: str, n: int) -> _T:
@@ -46,12 +47,7 @@ def _probs_b(cx: _Ctx, p: str, il: int) -> _T:
     return _T(p + "exp_probs_b.bias", (cx.shape.n_expert,), QT.F32, (lambda il=il: _probs_bias(cx, il)))
 
 
-def _n_rot(s: Shape, arch: str) -> int:
-    if s.n_rot:
-        return s.n_rot
-    return {"glm4moe": s.head_dim // 2, "minimax-m2": s.head_dim // 2,
-            "qwen35moe": s.head_dim // 4,
-            "deepseek4": s.qk_rope_dim if s.qk_rope_dim < s.head_dim else s.head_dim // 2}.get(arch, s.head_dim)
+_n_rot = rotary_dims
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,8 +69,8 @@ def _plan_glm4moe(cx: _Ctx) -> list[_T]:
         p = f"blk.{il}."
         q, k, v, o = _attn_gqa(cx, p, il)
         ts += [_norm(p + "attn_norm", d),
-               q, _f32(cx, p + "attn_q.bias", (s.n_head * hd,), 0.02),
-               k, _f32(cx, p + "attn_k.bias", (s.n_head_kv * hd,), 0.02),
+               q, _T(p + "attn_q.bias", (s.n_head * hd,), QT.F32, copy_qk_bias(cx, il, "attn_q", s.n_head * hd, 0.02)),
+               k, _T(p + "attn_k.bias", (s.n_head_kv * hd,), QT.F32, copy_qk_bias(cx, il, "attn_k", s.n_head_kv * hd, 0.02)),
                v, _f32(cx, p + "attn_v.bias", (s.n_head_kv * hd,), 0.02),
                o, _norm(p + "post_attention_norm", d)]
         if il < _n_dense(s):
@@ -233,6 +229,103 @@ def _tid2eid(cx: _Ctx, il: int) -> np.ndarray:
     return out
 
 
+# The copy head of deepseek4 (tensors.py, "the copy head"): the first heads of the first output
+# groups of its first sliding-window layer. Their query (through the q LoRA's first rank, which
+# reads the anchor alone) and the key's rotary dims are constant, so they pick the position
+# ``copy_lag`` back in the window; the single KV head is also the value, so its unrotated dims
+# carry the token (read off the class directions, to tell tokens apart), kept small in the raw kv
+# so that its RMS norm hardly depends on the token, and scaled up by the norm's weight. Those
+# groups' low-rank output reads only the copy heads' unrotated dims and writes only the copy dims.
+
+_KV_ROPE_SHARE = 0.95  # share of the raw kv's energy in the constant rotary part
+
+
+def ds4_copy_groups(s: Shape) -> int:
+    """Output groups that carry deepseek4's copy: enough ranks for the key's unrotated dims."""
+    n_nope = s.head_dim - _n_rot(s, "deepseek4")
+    return max(1, min(s.o_groups, -(-n_nope // s.o_lora_rank)))
+
+
+def ds4_copy_mats(cx: _Ctx) -> dict[str, np.ndarray]:
+    """deepseek4's copy-layer attention as floats, numpy shapes of the plan: ``attn_q_a``
+    (q_lora, d), ``attn_q_b`` (H hd, q_lora), ``attn_kv`` (hd, d), ``attn_kv_a_norm`` (hd,),
+    ``attn_output_a`` (o_lora og, H hd / og), ``attn_output_b`` (d, og o_lora). Cached on ``cx``."""
+    if cx._ds4 is not None:
+        return cx._ds4
+    s = cx.shape
+    d, hd, H, qr, og, olr = s.n_embd, s.head_dim, s.n_head, s.q_lora_rank, s.o_groups, s.o_lora_rank
+    n_rot = _n_rot(s, "deepseek4")
+    n_nope, nhg, G, dn = hd - n_rot, H // og, ds4_copy_groups(s), d - cx.n_copy
+    p = f"blk.{cx.copy_at}."
+
+    def g(name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+        return _rng(cx.seed, p + name).standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    q0, k0 = copy_qk(cx)
+    qa = g("attn_q_a", (qr, d), d ** -0.5)
+    qa[0] = 0.0
+    qa[0, d - 1] = 1.0  # rank 0 of the q LoRA: the anchor alone
+    qb = g("attn_q_b", (H * hd, qr), qr ** -0.5)
+    for h in (gi * nhg for gi in range(G)):
+        qb[h * hd:(h + 1) * hd] = 0.0
+        qb[h * hd:(h + 1) * hd, 0] = q0 / np.linalg.norm(q0)
+    kv = np.zeros((hd, d), dtype=np.float32)
+    c = g("attn_kv", (n_nope, d), 1.0)
+    c[:, dn:] = 0.0
+    c -= (c @ cx.C.T) @ cx.C  # off the class directions: the copy tells tokens, not classes, apart
+    c *= np.float32(math.sqrt((1 - _KV_ROPE_SHARE) * hd / n_nope) / np.sqrt((c ** 2).sum(axis=1).mean()))
+    kv[:n_nope] = c
+    kv[n_nope:, d - 1] = k0[n_nope:] / np.linalg.norm(k0) * math.sqrt(_KV_ROPE_SHARE * hd)
+    norm = np.empty(hd, dtype=np.float32)
+    norm[:n_nope] = 1.0 / math.sqrt((1 - _KV_ROPE_SHARE) * hd / n_nope)
+    norm[n_nope:] = copy_peak(cx) / math.sqrt(_KV_ROPE_SHARE * hd)
+    ogd = H * hd // og
+    wa = g("attn_output_a", (olr * og, ogd), ogd ** -0.5)
+    for gi in range(G):
+        rows = slice(gi * olr, (gi + 1) * olr)
+        blk = wa[rows, :n_nope] * np.float32(math.sqrt(ogd / n_nope))
+        wa[rows] = 0.0
+        wa[rows, :n_nope] = blk  # the group's first head, unrotated dims
+    wb = g("attn_output_b", (d, og * olr), cx.out_std(og * olr))
+    std = cx.routing.copy_gain * math.sqrt(d / ((cx.n_copy - 1) * G * olr))
+    wb[:, :G * olr] = 0.0
+    wb[dn:d - 1, :G * olr] = _rng(cx.seed, "copy_head.out").standard_normal((d - 1 - dn, G * olr), dtype=np.float32) * np.float32(std)
+    wb[dn:, G * olr:] = 0.0
+    cx._ds4 = {"attn_q_a": qa, "attn_q_b": qb, "attn_kv": kv, "attn_kv_a_norm": norm,
+               "attn_output_a": wa, "attn_output_b": wb}
+    return cx._ds4
+
+
+def ds4_copies(cx: _Ctx, emb: np.ndarray) -> np.ndarray:
+    """What deepseek4's copy heads write into the copy dims for each token, float32 (n_vocab,
+    n_copy): the embedding ``emb`` (n_vocab, d) RMS-normed, through the copy layer's kv, its norm,
+    the unrotated dims and the copy groups' low-rank output (:func:`ds4_copy_mats`)."""
+    m, s = ds4_copy_mats(cx), cx.shape
+    n_nope = s.head_dim - _n_rot(s, "deepseek4")
+    G, olr, dn = ds4_copy_groups(s), s.o_lora_rank, s.n_embd - cx.n_copy
+    wa = np.concatenate([m["attn_output_a"][gi * olr:(gi + 1) * olr, :n_nope] for gi in range(G)])
+    wb = m["attn_output_b"][dn:, :G * olr]
+    out = np.empty((emb.shape[0], cx.n_copy), dtype=np.float32)
+    for i in range(0, emb.shape[0], 16384):
+        x = emb[i:i + 16384]
+        x = x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + 1e-6)
+        kv = x @ m["attn_kv"].T
+        kv = kv / np.sqrt((kv ** 2).mean(axis=1, keepdims=True) + 1e-6) * m["attn_kv_a_norm"]
+        out[i:i + 16384] = (kv[:, :n_nope] @ wa.T) @ wb.T
+    return out
+
+
+COPY_WRITES["deepseek4"] = ds4_copies
+
+
+def _ds4_attn(cx: _Ctx, p: str, name: str, shape: tuple[int, ...], std: float, role: str, il: int) -> _T:
+    """A deepseek4 attention matrix: the copy head's on the copy layer, else Gaussian."""
+    if il != cx.copy_at:
+        return cx.mat(p + name, shape, std, role, il)
+    qt = cx.qt(role, il, shape[-1])
+    return _T(p + name + ".weight", shape, qt, lambda: float_tensor(ds4_copy_mats(cx)[name], qt))
+
+
 def _plan_deepseek4(cx: _Ctx) -> list[_T]:
     """DeepSeek-V4-Flash layout (see the module docstring); every layer MoE with sqrt-softplus
     scoring, one shared expert; the first ``hash_layers`` layers route by token id
@@ -248,13 +341,14 @@ def _plan_deepseek4(cx: _Ctx) -> list[_T]:
         p = f"blk.{il}."
         ts += [_norm(p + "attn_norm", d),
                _f32(cx, p + "attn_sinks", (H,), 1.0),
-               cx.mat(p + "attn_q_a", (qr, d), d ** -0.5, "attn", il),
+               _ds4_attn(cx, p, "attn_q_a", (qr, d), d ** -0.5, "attn", il),
                _norm(p + "attn_q_a_norm", qr),
-               cx.mat(p + "attn_q_b", (H * hd, qr), qr ** -0.5, "attn_q", il),
-               cx.mat(p + "attn_kv", (hd, d), d ** -0.5, "attn_v", il),
-               _norm(p + "attn_kv_a_norm", hd),
-               cx.mat(p + "attn_output_a", (olr * og, H * hd // og), (H * hd // og) ** -0.5, "attn", il),
-               cx.mat(p + "attn_output_b", (d, og * olr), cx.out_std(og * olr), "attn_o", il)]
+               _ds4_attn(cx, p, "attn_q_b", (H * hd, qr), qr ** -0.5, "attn_q", il),
+               _ds4_attn(cx, p, "attn_kv", (hd, d), d ** -0.5, "attn_v", il),
+               _T(p + "attn_kv_a_norm.weight", (hd,), QT.F32,
+                  (lambda: ds4_copy_mats(cx)["attn_kv_a_norm"]) if il == cx.copy_at else _ones((hd,))),
+               _ds4_attn(cx, p, "attn_output_a", (olr * og, H * hd // og), (H * hd // og) ** -0.5, "attn", il),
+               _ds4_attn(cx, p, "attn_output_b", (d, og * olr), cx.out_std(og * olr), "attn_o", il)]
         for part in ("attn", "ffn"):
             ts += [_f32(cx, p + f"hc_{part}_fn", (mix, hc * d), 0.1 / math.sqrt(hc * d)),
                    _f32(cx, p + f"hc_{part}_base", (mix,), 0.1),

@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType as QT
 from ..errors import MessageError
 
 
-SYNTH_FORMAT = "ostinato-synth/3"  # 2: the copy head (old branch files), 3: only on the real-model shapes
+SYNTH_FORMAT = "ostinato-synth/4"  # 2: the copy head (old branch files), 3: only on the real-model shapes,
+# 4: the copy head picks its position by distance (copy_lag)
 VOCAB_NAME = "ggml-vocab-qwen2.gguf"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
@@ -199,8 +200,9 @@ class Routing:
     ``spread``: B, the per-token noise in the router logit;
     ``branch_scale``: attention/expert output size relative to the residual, for the whole depth;
     ``copy_dims``: width of the copy subspace (at most a quarter of the hidden size), ``copy_gain``:
-    size of the copy relative to the embedding, ``copy_sharpness``: the std of the copy head's
-    attention scores (see :mod:`ostinatod.synth.tensors`, "the copy head"): what makes a decode
+    size of the copy relative to the embedding, ``copy_sharpness``: by how much the copy head's
+    score at the distance ``copy_lag`` (tokens back: the position it copies) beats its score at
+    any other distance (see :mod:`ostinatod.synth.tensors`, "the copy head"): what makes a decode
     step route like a prompt token; ``copy_head``: whether the file has one (None: by shape,
     :func:`copy_head_by_default`).
     """
@@ -214,6 +216,7 @@ class Routing:
     copy_dims: int = 256
     copy_gain: float = 1.0
     copy_sharpness: float = 12.0
+    copy_lag: int = 96
     copy_head: bool | None = None
 
 

@@ -28,12 +28,12 @@ def _greedy(path: Path, prompt: bytes, n: int) -> list[int]:
     assert model, f"llama.cpp could not load {path}"
     try:
         cp = L.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 256, 256, 2, 2
+        cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 512, 512, 2, 2
         ctx = L.llama_init_from_model(model, cp)
         assert ctx
         vocab = L.llama_model_get_vocab(model)
-        buf = (L.llama_token * 128)()
-        n_prompt = L.llama_tokenize(vocab, prompt, len(prompt), buf, 128, False, True)
+        buf = (L.llama_token * 384)()
+        n_prompt = L.llama_tokenize(vocab, prompt, len(prompt), buf, 384, False, True)
         assert n_prompt > 0
         assert L.llama_decode(ctx, L.llama_batch_get_one(buf, n_prompt)) == 0
         n_vocab = L.llama_vocab_n_tokens(vocab)
@@ -158,7 +158,8 @@ def test_copy_layer_by_architecture():
     assert tensors.copy_layer("glm4moe", shapes.SHAPES["glm-4.5-air"]) == 0
     assert tensors.copy_layer("qwen35moe", q35) == 3  # the first full-attention layer
     assert tensors.copy_layer("qwen35moe", shapes.Shape(**{**q35.__dict__, "n_layer": 2})) is None
-    assert tensors.copy_layer("deepseek4", shapes.SHAPES["deepseek-v4-flash"]) is None
+    assert tensors.copy_layer("deepseek4", shapes.SHAPES["deepseek-v4-flash"]) == 0  # the first sliding-window layer
+    assert tensors.copy_layer("deepseek2", shapes.SHAPES["small"]) is None
 
 
 def test_copy_head_only_on_the_real_shapes_by_default():
@@ -169,17 +170,19 @@ def test_copy_head_only_on_the_real_shapes_by_default():
 
 
 def test_copy_head_output_reads_the_copied_token():
-    """The copy subspace: no embedding, class direction or router weight in it; the output matrix
-    only in it, and its argmax on the copy head's write of token j is j (small shape, head_dim 32:
-    the narrowest copy of the shapes that write files for the bench)."""
+    """The copy subspace: no embedding, class direction or router weight in it (but the anchor, the
+    last dim, 1 in every embedding row); the output matrix only in it, and its argmax on the copy
+    head's write of token j is j (small shape, head_dim 32: the narrowest copy of the shapes that
+    write files for the bench)."""
     cx = _ctx(0, "small", copy_head=True)
     d, n = cx.shape.n_embd, cx.n_copy
     assert n == 64 and cx.copy_at == 0
     emb = tensors._embedding(cx)
-    assert not emb[:, d - n:].any() and not cx.C[:, d - n:].any()
+    assert not emb[:, d - n:d - 1].any() and (emb[:, d - 1] == 1).all() and not cx.C[:, d - n:].any()
     assert not tensors._router(cx, 1)[:, d - n:].any()
-    copies = cx._emb_v @ tensors._copy_out_rows(cx).T  # (n_vocab, n): head 0's write per token
+    copies = cx._copies.copy()  # (n_vocab, n): head 0's write per token
     out = tensors._copy_output(cx)
+    assert not out[:, d - 1].any()
     assert not out[:, :d - n].any()
     ids = np.random.default_rng(1).integers(0, cx.n_vocab, 400)
     assert np.mean((copies[ids] @ out[:, d - n:].T).argmax(axis=1) == ids) > 0.97
@@ -224,8 +227,15 @@ def test_decode_steps_route_like_prompt_tokens_through_the_engine(tmp_path: Path
         pytest.skip("native expert engine not built")
     path = writer.write_synthetic_moe(tmp_path / "ci.gguf", arch="qwen3moe", shape="ci",
                                       routing=shapes.Routing(copy_head=True))
+    # longer than copy_lag (96 tokens): the copy head copies the token that far back
     prompt = b"def load(path):\n    with open(path) as f:\n        return json.load(f)\n" \
-             b"The file holds the user's orders, one per line.<|im_end|>\n<|im_start|>assistant\n"
+             b"The file holds the user's orders, one per line. Each order names a customer, " \
+             b"a date and the items bought, with their prices in euros.\n" \
+             b"def total(orders):\n    return sum(o['price'] * o['count'] for o in orders)\n" \
+             b"class Store:\n    def __init__(self, path):\n        self.orders = load(path)\n" \
+             b"    def report(self):\n        print(f'{len(self.orders)} orders, {total(self.orders):.2f} EUR')\n" \
+             b"Write a test for report() that reads a small file of three orders.<|im_end|>\n" \
+             b"<|im_start|>assistant\n"
     prompt_ids = set(routing.tokenize(path, prompt.decode()).tolist())
     out = _greedy(path, prompt, 24)
     assert np.mean([t in prompt_ids for t in out]) > 0.6 and len(set(out)) >= 6, out
