@@ -201,7 +201,9 @@ def start_daemon(name: str, model: Path, settings: dict[str, Any], run_dir: Path
         shutil.copy(prof, home / "data" / prof.name)
     env = gpu_env(a, dict(os.environ, OSTINATO_HOME=str(home), OSTINATOD_DETACHED="1"))
     base = {"model": model, "n_ctx": a.n_ctx, "n_slots": 2, "engine_mode": a.engine_mode,
-            "n_threads": a.threads, "prefill_threshold": a.prefill_threshold, "log_level": "INFO"}
+            "n_threads": a.threads, "prefill_threshold": a.prefill_threshold, "log_level": "INFO",
+            # a rerun in the same work dir must not restore the prompts of the last run from disk
+            "cache_disk_mb": 0}
     for k, v in {**base, **settings}.items():
         if v is not None:   # the [engine] table's settings by their nested variable
             env[f"OSTINATO_{'ENGINE__' if k in ENGINE_KEYS else ''}{k.upper()}"] = str(v)

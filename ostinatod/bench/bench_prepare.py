@@ -128,7 +128,8 @@ def engine_counts(model: Path, block: dict[str, Any], groups: list[tuple[str, li
     the engine's route counts per phase. Raises BenchError."""
     empty = write_residency(make_residency(block, {}, workload=workload), run_dir / "residency-empty.json")
     s = load_settings(model=model, experts="ostinato", residency=empty, n_slots=1, n_ctx=a.n_ctx,
-                      n_threads=a.threads, engine_mode="inprocess", prefill_threshold=a.prefill_threshold)
+                      n_threads=a.threads, engine_mode="inprocess", prefill_threshold=a.prefill_threshold,
+                      cache_disk_mb=0)   # a prompt restored from an earlier run's disk cache counts no routes
     w = Worker(s, model)
     w.load(probe_np=False)   # all experts cold here: an Np probed now would not be the served one
     if w.rt is None:

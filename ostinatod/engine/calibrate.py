@@ -117,7 +117,8 @@ def measure(model_path: Path, *, decode_steps: int = 24, prefill_sizes: Sequence
     n_max = max([32, *prefill_sizes])
     s = load_settings(model=model_path, experts="ostinato", residency=paths[0], n_slots=1,
                       n_ctx=max(512, n_max + decode_steps + 64), n_batch=n_max, n_ubatch=max(32, n_max),
-                      n_threads=n_threads, engine_mode="inprocess")
+                      n_threads=n_threads, engine_mode="inprocess",
+                      cache_disk_mb=0)   # every measured prefill computes (no earlier run's disk cache)
 
     place = apply_cpu_placement(s.cpu_set)   # measured on the CPUs the engine worker will run on
     w = Worker(s, model_path)

@@ -34,6 +34,9 @@ def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     sys.stdout.write(printed)  # the figures, for the log
     res = json.loads((out / "tiny.json").read_text())
     assert rc == 0, printed
+    # the engines and the dev traces ran without the disk prefix cache: a rerun in this work dir
+    # restores nothing of this run (its prefills would count no routes and take no time)
+    assert not [p for p in tmp_path.rglob("prefix-cache") if any(p.iterdir())]
     # --model: the file names the model; the synthetic defaults are not written as its shape
     assert res["model"]["file"] == tiny_model.name and res["model"]["shape"] is None
     # stock-all-gpu runs (CPU-only here, noted) or is skipped with a note when the model cannot fit
