@@ -86,6 +86,9 @@
 # headline/full/sweep each need their own device call (<= 10 min: the bench skips, with a note,
 # every engine whose estimate would pass the stage's time left, and writes its JSON after every
 # engine); each writes <name>.json, .md (.svg) and <name>.cmd.txt (the exact command) into $OUT.
+# OSTINATO_COMMIT: the commit the tree is (the lent machine's copy of .git may name an older one);
+# give it on the command line (OSTINATO_COMMIT=$(git rev-parse --short HEAD) here, written into the
+# call's command), else the stamps name git's HEAD there, with "+tree changes" where the tree differs.
 set -uo pipefail
 # the recipe's steps (repro_family, repro_model, repro_bench_cmd, repro_cmd_txt, repro_row)
 PY=python3; REPRO_LIB=1 source "$(dirname "$0")/reproduce.sh"
@@ -98,6 +101,10 @@ SCRIPT_ARGS="$LAYERS $*"
 STAGES=${STAGES:-build exact model calib bench}
 # DEVICE_T0: when the device call began (epoch s), where a command ran other work before this script
 T0=${DEVICE_T0:-$(date +%s)}; el() { echo $(( $(date +%s) - T0 )); }
+if [ -z "${OSTINATO_COMMIT:-}" ]; then
+  OSTINATO_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  git diff --quiet HEAD 2>/dev/null || OSTINATO_COMMIT="$OSTINATO_COMMIT+tree changes"
+fi
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 IK_BIN=/tmp/ik-build/bin/llama-server
 MC_BIN=/tmp/mc-build/bin/llama-server
@@ -243,7 +250,7 @@ if has cpubench; then
   # CB_ARGS replaces the grid (e.g. "--experts 1,2,4,8 --tokens 1 --threads 8,15,16 --reps 20")
   cmd=(python3 -m ostinatod.cli bench cpu-branch "${ms[@]}" ${CB_ARGS:---experts 1,16 --tokens 1,8,32,64
        --threads 8,16 --reps 10} --read-bw-mib 4096 --json "$OUT/cpu-branch-h200.json")
-  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $OSTINATO_COMMIT)" \
     "${cmd[*]}" > "$OUT/cpu-branch-h200.cmd.txt"
   timeout 240 "${cmd[@]}" > "$OUT/cpu-branch-h200.md" 2> "$OUT/cpu-branch-h200.log"
   rc=$?; echo "[$(el)s] cpubench rc=$rc"; grep -E "^\| (cb|model)|16 \| |15 \|" "$OUT/cpu-branch-h200.md" | head -40; tail -3 "$OUT/cpu-branch-h200.log"
@@ -302,7 +309,7 @@ if has archs; then
     cmd=(python3 -m ostinatod.cli bench engines --model "$m" --sessions-dir .carry/sessions --out-dir "$OUT"
          --work-dir "/tmp/bench-work-archs-$a" --name "archs-$a" --time-limit $(( left > 260 ? 230 : left - 25 ))
          --budget-frac 0.45 --sessions 1 --turns 6 --engines ostinato,stock-all-gpu,llama-server "$@")
-    printf '%s\n' "# stage of: STAGES=\"$STAGES\" ARCH_ROWS=\"$ARCH_ROWS\" bash scripts/device-run.sh $SCRIPT_ARGS; model: synth --arch $a --shape $shape --quant $quant --layers $nl (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+    printf '%s\n' "# stage of: STAGES=\"$STAGES\" ARCH_ROWS=\"$ARCH_ROWS\" bash scripts/device-run.sh $SCRIPT_ARGS; model: synth --arch $a --shape $shape --quant $quant --layers $nl (commit $OSTINATO_COMMIT)" \
       "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/archs-$a.cmd.txt"
     echo "[$(el)s] archs $a: ${cmd[*]}"
     timeout "$left" "${cmd[@]}" > "$OUT/archs-$a.log" 2>&1
@@ -341,7 +348,7 @@ if has skew; then
        --sessions-dir .carry/sessions --out-dir "$OUT" --work-dir /tmp/bench-work-skew --name "$name"
        --time-limit "$per" --budget-frac 0.45 --sessions 1 --turns "${SKEW_TURNS:-6}"
        --engines ostinato,stock-all-gpu,llama-server "$@")
-  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+  printf '%s\n' "# stage of: STAGES=\"$STAGES\" bash scripts/device-run.sh $SCRIPT_ARGS (commit $OSTINATO_COMMIT)" \
     "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/$name.cmd.txt"
   echo "[$(el)s] skew: ${cmd[*]}"
   timeout "$left" "${cmd[@]}" > "$OUT/$name.log" 2>&1
@@ -391,7 +398,7 @@ if has hot; then
     cmd=(python3 -m ostinatod.cli bench engines --model "$m" --hot-shares-only --sessions-dir .carry/sessions
          --out-dir "$OUT" --work-dir "/tmp/bench-work-hot-$a" --name "hot-$a" --budget-frac 0.45 --sessions 2
          --turns 6 "$@")
-    printf '%s\n' "# stage of: STAGES=\"$STAGES\" HOT_ROWS=\"${HOT_ROWS:-}\" bash scripts/device-run.sh $SCRIPT_ARGS; model: synth --arch $a --shape $shape --quant $quant --layers $nl (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+    printf '%s\n' "# stage of: STAGES=\"$STAGES\" HOT_ROWS=\"${HOT_ROWS:-}\" bash scripts/device-run.sh $SCRIPT_ARGS; model: synth --arch $a --shape $shape --quant $quant --layers $nl (commit $OSTINATO_COMMIT)" \
       "OSTINATO_HOME=$OSTINATO_HOME ${cmd[*]}" > "$OUT/hot-$a.cmd.txt"
     echo "[$(el)s] hot $a: ${cmd[*]}"
     timeout "$left" "${cmd[@]}" > "$OUT/hot-$a.log" 2>&1

@@ -59,7 +59,7 @@ repro_bench_cmd() {
 
 # repro_cmd_txt NAME NOTE: $OUT/NAME.cmd.txt, the exact command of the run with a first comment line
 repro_cmd_txt() {
-  printf '%s\n' "# $2 (commit $(git rev-parse --short HEAD 2>/dev/null))" \
+  printf '%s\n' "# $2 (commit ${OSTINATO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)})" \
     "OSTINATO_HOME=${OSTINATO_HOME:-} ${OSTINATO_IK_SERVER:+OSTINATO_IK_SERVER=$OSTINATO_IK_SERVER }${OSTINATO_MOE_CACHE_SERVER:+OSTINATO_MOE_CACHE_SERVER=$OSTINATO_MOE_CACHE_SERVER }${REPRO_CMD[*]}" \
     > "$OUT/$1.cmd.txt"
 }
