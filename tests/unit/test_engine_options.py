@@ -66,3 +66,20 @@ def test_resolution_takes_the_engine_table_and_defaults(tmp_path, monkeypatch):
     assert (res.decode_threads, o.cpu_threads, res.batch_threads) == (2, 2, None)   # the graph is off
     assert (o.prefetch_depth, o.upload_cpu_share, o.decode_borrow) == (0, 0.5, False)
     assert res.cpu_split_source == "upload_cpu_share"
+
+
+def test_the_native_header_lists_the_same_fields_in_the_same_order_and_types():
+    """The C struct in native/include/ostinato.h against the generated ctypes Structure, by name,
+    order and type: a field missing on one side, out of order or of another width would otherwise
+    pass unnoticed where it lands in padding (the size check of native.library_options sees only
+    the size)."""
+    import re
+    from pathlib import Path
+
+    header = (Path(__file__).resolve().parents[2] / "native" / "include" / "ostinato.h").read_text()
+    body = header[header.index("struct ostinato_engine_options {"):]
+    body = body[:body.index("\n};")]
+    c_types = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double}
+    native = [(m.group(2), c_types[m.group(1)])
+              for m in re.finditer(r"^\s*(int32_t|int64_t|double)\s+(\w+)\s*=", body, re.M)]
+    assert native == list(EngineOptionsC._fields_)
