@@ -37,6 +37,28 @@ class ControlThread:
         self.thread.join(5)
 
 
+def recording_control_server() -> ControlThread:
+    """A control server over a fresh DaemonState (settings from the environment) whose reload
+    records the paths the API asked to load in ``.loads`` (the daemon sets reload; here the test
+    reads what was asked) and names the model after the file. Stop it with ``.stop()``."""
+    from ostinatod.server.state import DaemonState
+    from ostinatod.settings import load_settings
+
+    loads: list = []
+
+    def factory():
+        st = DaemonState(settings=load_settings())
+
+        async def reload(path):
+            loads.append(path)
+            st.model_info = {"path": str(path), "name": Path(path).stem} if path else {}
+        st.reload = reload
+        return st
+    t = ControlThread(factory)
+    t.loads = loads
+    return t
+
+
 def write_tiny_gguf(path: Path) -> Path:
     """A minimal valid GGUF file (header + one tensor) written with the gguf package."""
     import gguf

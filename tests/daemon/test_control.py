@@ -18,7 +18,7 @@ from ostinatod.control import commands as ctl
 from ostinatod.control.server import start_control_server
 from ostinatod.control.client import ControlAPIError, ControlClient, DaemonNotRunning, call
 
-from helpers import ControlThread, write_moe_gguf, write_tiny_gguf  # noqa: E402,F401 (used here and by other tests)
+from helpers import ControlThread, recording_control_server, write_moe_gguf, write_tiny_gguf  # noqa: E402,F401 (used here and by other tests)
 
 
 @pytest.fixture()
@@ -34,21 +34,7 @@ def home(tmp_path, monkeypatch):
 
 @pytest.fixture()
 def server(home):
-    from ostinatod.server.state import DaemonState
-    from ostinatod.settings import load_settings
-
-    loads: list = []
-
-    def factory():
-        st = DaemonState(settings=load_settings())
-
-        async def reload(path):  # the daemon sets this; here we record what the API asked for
-            loads.append(path)
-            st.model_info = {"path": str(path), "name": Path(path).stem} if path else {}
-        st.reload = reload
-        return st
-    t = ControlThread(factory)
-    t.loads = loads
+    t = recording_control_server()
     yield t
     t.stop()
 

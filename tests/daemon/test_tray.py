@@ -93,23 +93,9 @@ def xdisplay():
 @pytest.fixture()
 def server(tmp_path, monkeypatch):
     import tempfile
-    from pathlib import Path
-    from helpers import ControlThread
-    from ostinatod.server.state import DaemonState
-    from ostinatod.settings import load_settings
+    from helpers import recording_control_server
     monkeypatch.setenv("OSTINATO_HOME", tempfile.mkdtemp(prefix="ost-", dir="/tmp"))
-    loads = []
-
-    def factory():
-        st = DaemonState(settings=load_settings())
-
-        async def reload(path):
-            loads.append(path)
-            st.model_info = {"path": str(path)} if path else {}
-        st.reload = reload
-        return st
-    t = ControlThread(factory)
-    t.loads = loads
+    t = recording_control_server()
     yield t
     t.stop()
 
