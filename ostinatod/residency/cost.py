@@ -10,6 +10,8 @@ Per MoE layer:
   ``Phi(n) = phi0 + phi1 n - phi2 u(n)`` (phi0 = a_s - a_u < 0, phi1 = c_s - c_u > 0, phi2 = w/B the
   time to upload one expert) is convex because u is concave (Lemma B.3), so the paths switch once
   (Proposition 3.2): ``Np = min{n : Phi(n) >= 0}``.
+* Planner ranking: the expected time a resident expert saves over traced decode steps and prefill
+  passes, priced per phase with these terms (:func:`expert_time_savings`, :class:`PhaseCosts`).
 
 Pure numpy (unit-tested with synthetic measurements); the measurement through the engine is
 :mod:`ostinatod.engine.calibrate`, the stored record :mod:`ostinatod.residency.calibration`.
