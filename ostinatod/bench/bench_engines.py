@@ -445,6 +445,8 @@ def hot_shares_only(a: argparse.Namespace, argv: list[str], model: Path, block: 
     tr = engine_counts(model, block, [("dev", dev, a.dev_turns, a.dev_max_gen),
                                       ("held-out", held, a.turns, a.dev_max_gen)], a, run_dir, workload)
     tr["dev"].save(run_dir / "trace-dev.json")
+    # the held-out counts do not depend on the plan (all experts cold): kept, a plan can be scored on them later
+    tr["held-out"].save(run_dir / "trace-held-out.json")
     res, _, stock = plan(model, tr["dev"], a, run_dir, workload)
     h = tr["held-out"]
 

@@ -16,7 +16,8 @@ from ..engine.types import GenRequest
 from ..engine.worker import Worker
 from ..paths import get_paths
 from ..residency.gguf_header import read_header
-from ..residency.planner import plan_residency, read_model_shape, resolve_gpus, staging_regions_for
+from ..residency.planner import (phase_costs_for, plan_residency, read_model_shape, resolve_gpus,
+                                 staging_regions_for)
 from ..residency.sets import make_residency, write_residency
 from ..residency.traces import Trace, counts_from_stats
 from ..sessions import assistant_text, assistant_turns, split_sessions
@@ -191,9 +192,12 @@ def plan(model: Path, dev, a: argparse.Namespace, run_dir: Path, workload: str,
     shape = read_model_shape(model)
     frac = a.budget_frac if budget_frac is None else budget_frac
     # the daemon's settings (prefetch on by default): the staging regions its pools will hold
+    # the phases priced as the served engine will run them: the bench's Np and ubatch where given
+    costs = phase_costs_for(np_tokens=getattr(a, "prefill_threshold", None),
+                            ubatch=getattr(a, "ubatch", None), model_fingerprint=shape.fingerprint)
     res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(getattr(a, "gpus", 1)),
                          budget_frac=frac, source_traces=[str(run_dir / "trace-dev.json")],
-                         staging_regions=staging_regions_for())
+                         staging_regions=staging_regions_for(), costs=costs)
     path = write_residency(res, run_dir / file_name)
     pool = res["plan"]["pool_bytes_total"]
     moe = shape.moe_layers

@@ -10,6 +10,8 @@ Per MoE layer:
   ``Phi(n) = phi0 + phi1 n - phi2 u(n)`` (phi0 = a_s - a_u < 0, phi1 = c_s - c_u > 0, phi2 = w/B the
   time to upload one expert) is convex because u is concave (Lemma B.3), so the paths switch once
   (Proposition 3.2): ``Np = min{n : Phi(n) >= 0}``.
+* Planner ranking: the expected time a resident expert saves over traced decode steps and prefill
+  passes, priced per phase with these terms (:func:`expert_time_savings`, :class:`PhaseCosts`).
 
 Pure numpy (unit-tested with synthetic measurements); the measurement through the engine is
 :mod:`ostinatod.engine.calibrate`, the stored record :mod:`ostinatod.residency.calibration`.
@@ -303,3 +305,130 @@ def solve_calibration(decode_rows: Sequence[Sequence[float]], gpu_ms_per_layer: 
         cal["residual_alpha_minus_g_ms"] = cb["alpha_ms"] - g  # delta of Prop. B.1
     cal["notes"] = notes
     return cal
+
+
+# --------------------------------------------------------------------------------------------
+# What a resident expert saves, per phase (the planner's ranking)
+# --------------------------------------------------------------------------------------------
+
+#: CPU branch's bandwidth (GB/s) without a calibration: the paper's beta = 0.184 ms per cold route of
+#: a 13.4 MB expert (DeepSeek-V4-Flash, Sec. 3.2), 13.4 MB / 0.184 ms
+DEFAULT_CPU_BRANCH_GBPS = 72.8
+#: pinned host->GPU bandwidth (GB/s) without a calibration or a measured profile: the paper's upload
+#: of a 13.4 MB expert in 0.53 ms on an idle PCIe 4.0 bus (Sec. 3.2, Rule 2)
+DEFAULT_H2D_GBPS = 25.3
+#: the largest prefill pass (tokens) the planner assumes when the ubatch is automatic: the automatic
+#: choice takes the largest of 512-4096 up to n_batch that fits (ostinatod/engine/prefill_plan.py)
+MAX_AUTO_UBATCH = 4096
+
+
+@dataclass(frozen=True)
+class PhaseCosts:
+    """The cost model's terms that price a cold expert in each phase (planner ranking).
+
+    ``cpu_gbps``: the CPU branch's bandwidth, expert bytes read per second per cold route (1e9
+    bytes/s; paper Sec. 3.2, beta = expert bytes / cpu_gbps); ``h2d_gbps``: pinned host->GPU
+    bandwidth (1e9 bytes/s; one upload costs expert bytes / h2d_gbps); ``np_tokens``: the prefill
+    threshold Np (passes of fewer tokens take the split path, Sec. 3.3); ``ubatch``: the largest
+    prefill pass (tokens; a prefill of n tokens runs as ceil(n / ubatch) passes); ``source``: where
+    each came from ({"cpu_gbps": "calibration" | "default", ...}), for the plan file.
+    """
+
+    cpu_gbps: float = DEFAULT_CPU_BRANCH_GBPS
+    h2d_gbps: float = DEFAULT_H2D_GBPS
+    np_tokens: int = DEFAULT_NP
+    ubatch: int = 2048
+    source: Optional[dict[str, str]] = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cpu_gbps": self.cpu_gbps, "h2d_gbps": self.h2d_gbps, "np_tokens": self.np_tokens,
+                "ubatch": self.ubatch, "source": dict(self.source or {})}
+
+
+def prefill_passes(new_tokens: Iterable[int], ubatch: int) -> list[int]:
+    """Token counts of the prefill passes of requests that prefilled ``new_tokens`` tokens each: a
+    prefill of n tokens runs as floor(n / ubatch) passes of ``ubatch`` and one of the rest (none for
+    n = 0). Raises ValueError for ubatch < 1."""
+    if ubatch < 1:
+        raise ValueError("ubatch must be >= 1")
+    out: list[int] = []
+    for n in new_tokens:
+        n = int(n)
+        full, rest = divmod(max(0, n), ubatch)
+        out.extend([ubatch] * full + ([rest] if rest else []))
+    return out
+
+
+def upload_pass_cost(lam: np.ndarray, cpu_s: float, upload_s: float) -> np.ndarray:
+    """Expected cost (seconds per byte of the expert) of a cold expert in an upload-path pass whose
+    routes to it are Poisson(``lam``): ``E[min(C cpu_s, 1{C > 0} upload_s)]``, C ~ Poisson(lam).
+
+    ``cpu_s``: seconds per byte of one route on the CPU branch (1 / CPU bandwidth); ``upload_s``:
+    seconds per byte of one upload (1 / link bandwidth). The min is the engine's per-expert choice
+    between computing an expert's routes in the CPU share and uploading it once
+    (native/src/paths/hybrid_split.h; paper Sec. 3.2 C(r) = alpha + beta r, alpha left out). Exact
+    for up to 256 routes below the upload's price (beyond, the CPU terms are cut there). Same shape
+    as ``lam``."""
+    lam = np.asarray(lam, dtype=float)
+    m = int(min(256, math.floor(upload_s / cpu_s))) if cpu_s > 0 else 0
+    pmf = np.exp(-lam)
+    p0 = pmf.copy()
+    routes = np.zeros_like(lam)   # E[C 1{1 <= C <= m}]
+    mass = np.zeros_like(lam)     # Pr[1 <= C <= m]
+    for c in range(1, m + 1):
+        pmf = pmf * lam / c
+        routes += c * pmf
+        mass += pmf
+    return cpu_s * routes + upload_s * np.clip(1.0 - p0 - mass, 0.0, None)
+
+
+def expert_time_savings(counts_prefill: np.ndarray, counts_decode: np.ndarray,
+                        expert_bytes: Sequence[int], pass_tokens: Sequence[int],
+                        costs: PhaseCosts) -> np.ndarray:
+    """Expected time (ms) that keeping each expert resident saves over the traced workload; the
+    planner fills the pool by this value per byte.
+
+    ``counts_prefill``/``counts_decode``: (n_layer, n_expert) route counts of the development traces
+    per phase; ``expert_bytes[l]``: bytes of one expert of layer l (0: dense layer, value 0);
+    ``pass_tokens``: token counts of the traces' prefill passes (:func:`prefill_passes`); ``costs``:
+    bandwidths, Np and ubatch (:class:`PhaseCosts`). Returns float64 (n_layer, n_expert), ms.
+
+    Cost model of arXiv 2611.11533 (Sec. 3.2 C(r) = alpha + beta r with beta = w_l / B_cpu, the
+    decode step's CPU branch, Rule 2; Sec. 3.3 the split path below Np and the upload path of one
+    copy w_l / B_link per distinct cold expert per pass, Rule 3 / Prop. 3.2), alpha left out as in
+    Prop. 3.1::
+
+        S[l,e] = w_l * ( D[l,e] / B_cpu + sum_p phi_p(lam[p,l,e]) ),   lam[p,l,e] = n_p P[l,e] / sum_q n_q
+        phi_p(lam) = lam / B_cpu                                   if n_p < Np  (split path: per route)
+        phi_p(lam) = E[min(C / B_cpu, 1{C>0} / B_link)], C~Poisson(lam)   if n_p >= Np (upload path)
+
+    D and P are the decode and prefill route counts, n_p the tokens of prefill pass p. A decode
+    route costs its expert's bytes over the CPU branch, per route and step; an upload pass pays an
+    expert once if any of its tokens touches it (or its routes on the CPU, when fewer are cheaper).
+    Spreading P over the passes in proportion to their tokens treats tokens as independent draws
+    (the stationary routes of Lemma B.3): it overstates how many passes touch an expert when routes
+    cluster. The value per byte, S / w_l, does not depend on the expert's size: bytes cost the same
+    time in every layer. With only split-path passes (or only decode) S / w_l is the route count /
+    B_cpu: Rule 1's ranking by routes (Prop. 3.1). Raises ValueError on shape mismatches or
+    bandwidths <= 0.
+    """
+    P = np.asarray(counts_prefill, dtype=float)
+    D = np.asarray(counts_decode, dtype=float)
+    w = np.asarray(expert_bytes, dtype=float)
+    if P.shape != D.shape or P.ndim != 2 or w.shape != (P.shape[0],):
+        raise ValueError(f"counts {P.shape} / {D.shape} and expert_bytes {w.shape} do not match")
+    if not (costs.cpu_gbps > 0 and costs.h2d_gbps > 0):
+        raise ValueError("bandwidths must be > 0")
+    cpu_s, up_s = 1e3 / (costs.cpu_gbps * 1e9), 1e3 / (costs.h2d_gbps * 1e9)   # ms per byte
+    per_byte = D * cpu_s
+    total = float(sum(pass_tokens))
+    if total > 0:
+        split = sum(n for n in pass_tokens if n < costs.np_tokens)
+        per_byte = per_byte + P * (split / total) * cpu_s
+        sizes: dict[int, int] = {}   # passes of equal size cost the same: one term each
+        for n in pass_tokens:
+            if n >= costs.np_tokens:
+                sizes[int(n)] = sizes.get(int(n), 0) + 1
+        for n, times in sizes.items():
+            per_byte = per_byte + times * upload_pass_cost(P * (n / total), cpu_s, up_s)
+    return per_byte * w[:, None]

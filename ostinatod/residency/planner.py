@@ -2,7 +2,16 @@
 
 Method of the paper (arXiv 2611.11533, Section 3.1 steps 1-3 and Appendix B):
 
-1. Rank the experts of every layer by the route counts of development traces (prefill + decode).
+1. Rank the experts of every layer by what keeping them resident saves on the development traces,
+   per phase (cost model of Sec. 3.2-3.3, :func:`.cost.expert_time_savings`): a decode route of a
+   cold expert costs its bytes over the CPU branch's bandwidth, per route and step; a prefill pass
+   below Np computes its cold routes on the CPU the same way; a pass at or above Np uploads each
+   distinct cold expert it touches once, over the link (or computes its few routes on the CPU, when
+   cheaper). Decode and prefill counts stay separate and are weighted by the traces' own mix of
+   decode steps and prefill passes, so a layer that prefill passes barely reach (llama.cpp computes
+   a standard transformer's last layer only for the rows that give logits) still gets the experts
+   its decode routes pay for. Traces without request sizes (no prefill passes to price) are ranked
+   by their route counts (prefill + decode), Rule 1 as the paper states it.
 2. Capacity test: per GPU, the longest development request (with the workload's tool definitions,
    which are part of its prompt tokens) must run with a margin free at peak. Its need is estimated
    as dense weights of the GPU's layers + KV cache at that length + compute buffers + the upload
@@ -10,10 +19,12 @@ Method of the paper (arXiv 2611.11533, Section 3.1 steps 1-3 and Appendix B):
    An explicit budget (``--budget-frac`` of the expert bytes, or ``--budget-mb`` per GPU) caps it;
    without a GPU the budget alone sets it (emulation, CI).
 3. Fill each GPU's slots with the highest-ranked experts of its layers *across* layers (one pool per
-   GPU, no per-layer quota). Rule 1 / Proposition 3.1: with equal-size slots, keeping the most
-   frequently routed experts minimises the expected number of cold routes. With layers of different
-   expert sizes (Appendix B, "Slots of two sizes") we rank globally by routes per byte and then fill
-   leftover space greedily, the usual knapsack rule.
+   GPU, no per-layer quota), by expected time saved per byte of pool, greedily (the knapsack rule;
+   Appendix B, "Slots of two sizes"). Rule 1 / Proposition 3.1: where every route costs the same
+   (decode and split-path prefill only, equal sizes), this keeps the most frequently routed experts,
+   which minimises the expected number of cold routes. Since a route costs its expert's bytes over a
+   bandwidth, time per byte does not depend on the expert's size; the count ranking of traces
+   without request sizes fills by routes per byte instead (as before).
 
 Layers are assigned to GPUs as contiguous ranges proportional to each GPU's free memory (unequal
 GPUs get unequal ranges). The result is written as an ``ostinato-residency/1`` file under
@@ -35,6 +46,9 @@ import numpy as np
 from ..hardware import GpuSpec, detect_gpus
 from ..paths import residency_file
 from ..settings import load_settings
+from .calibration import load_calibration, prefill_threshold_choice, h2d_from_profile
+from .cost import (DEFAULT_CPU_BRANCH_GBPS, DEFAULT_H2D_GBPS, MAX_AUTO_UBATCH, PhaseCosts,
+                   expert_time_savings, prefill_passes)
 from .model import ModelInfo, describe_model, require_arch
 from .sets import RESIDENCY_FORMAT, write_residency
 from .traces import Trace, TraceError, load_traces, trace_path
@@ -178,13 +192,15 @@ def estimate_gpu_need(shape: ModelInfo, layers: Sequence[int], max_tokens: int, 
 
 def fill_pool(counts: np.ndarray, expert_bytes: Sequence[int], layers: Sequence[int],
               budget_bytes: int) -> tuple[dict[int, list[int]], int]:
-    """Choose the hot experts of one GPU: highest route counts per byte first, across its layers.
+    """Choose the hot experts of one GPU: highest value per byte first, across its layers.
 
-    ``counts``: (n_layer, n_expert) route counts; ``expert_bytes[l]``: bytes of one expert of
-    layer l (0 = dense layer, skipped). Greedy in order of count/bytes (ties: more routes, lower
-    layer, lower expert id), skipping experts that no longer fit so smaller ones fill leftover space.
-    With equal sizes this is exactly Rule 1 (paper Prop. 3.1). Zero-count experts fill what is left
-    (adding a slot never adds cold routes). Returns ({layer: sorted expert ids}, bytes used).
+    ``counts``: (n_layer, n_expert) values, >= 0: route counts (Rule 1) or the expected time an
+    expert saves (:func:`.cost.expert_time_savings`, ms; floats); ``expert_bytes[l]``: bytes of one
+    expert of layer l (0 = dense layer, skipped). Greedy in order of value/bytes (ties: higher
+    value, lower layer, lower expert id), skipping experts that no longer fit so smaller ones fill
+    leftover space. With route counts and equal sizes this is exactly Rule 1 (paper Prop. 3.1).
+    Zero-value experts fill what is left (adding a slot never adds cold routes). Returns
+    ({layer: sorted expert ids}, bytes used).
     """
     cand = []
     for l in layers:
@@ -192,7 +208,7 @@ def fill_pool(counts: np.ndarray, expert_bytes: Sequence[int], layers: Sequence[
         if b <= 0:
             continue
         for e in range(counts.shape[1]):
-            c = int(counts[l, e])
+            c = float(counts[l, e])
             cand.append((-c / b, -c, l, e, b))
     cand.sort()
     used, hot = 0, {}
@@ -221,12 +237,94 @@ def hot_route_share(counts: np.ndarray, hot: dict[int, Sequence[int]] | list[dic
     return float(h / total)
 
 
+def phase_costs_for(settings: Any = None, path: Optional[Path] = None,
+                    model_fingerprint: Optional[str] = None, *, np_tokens: Optional[int] = None,
+                    ubatch: Optional[int] = None) -> PhaseCosts:
+    """The cost terms the planner prices each phase with (:class:`.cost.PhaseCosts`), from what this
+    machine has measured, else documented defaults; ``source`` says which.
+
+    ``cpu_gbps``: the fastest row of the calibration's (full or load probe, not stale)
+    ``cpu_branch_bandwidth`` (decode runs at the calibration's fastest threads), else
+    :data:`.cost.DEFAULT_CPU_BRANCH_GBPS` (the paper's beta); ``h2d_gbps``: the calibration's
+    ``h2d_pinned_gbps``, else the profile's measured pinned bandwidth, else
+    :data:`.cost.DEFAULT_H2D_GBPS`; ``np_tokens``: the argument, else
+    :func:`.calibration.prefill_threshold_choice` (settings, calibration, probe of this model, 512);
+    ``ubatch``: the argument if > 0, else the ``n_ubatch`` setting if > 0, else the largest the
+    automatic choice may take (``n_batch``, at most :data:`.cost.MAX_AUTO_UBATCH`). ``settings``
+    defaults to the loaded settings, ``path`` to the hardware profile. Never raises on a missing or
+    unreadable calibration (defaults then)."""
+    if settings is None:
+        settings = load_settings()
+    src: dict[str, str] = {}
+    cal = load_calibration(path)
+    if not isinstance(cal, dict) or cal.get("stale") or cal.get("error"):
+        cal = {}
+    rows = [r for r in cal.get("cpu_branch_bandwidth") or [] if isinstance(r, dict)
+            and isinstance(r.get("bw_gbps"), (int, float)) and 0 < r["bw_gbps"] < float("inf")]
+    cpu = max((float(r["bw_gbps"]) for r in rows), default=None)
+    src["cpu_gbps"] = "calibration" if cpu else "default (paper: 13.4 MB per 0.184 ms route)"
+    h2d = cal.get("h2d_pinned_gbps")
+    if isinstance(h2d, (int, float)) and h2d > 0:
+        src["h2d_gbps"] = "calibration"
+    else:
+        h2d = h2d_from_profile(path)
+        src["h2d_gbps"] = "profile" if h2d else "default (paper: 13.4 MB per 0.53 ms upload)"
+    if np_tokens:
+        src["np_tokens"] = "argument"
+    else:
+        np_tokens, src["np_tokens"] = prefill_threshold_choice(settings, path, model_fingerprint)
+    eng = getattr(settings, "engine", settings)
+    if ubatch and ubatch > 0:
+        src["ubatch"] = "argument"
+    elif int(getattr(eng, "n_ubatch", 0) or getattr(settings, "n_ubatch", 0) or 0) > 0:
+        ubatch = int(getattr(eng, "n_ubatch", 0) or getattr(settings, "n_ubatch", 0))
+        src["ubatch"] = "settings"
+    else:
+        n_batch = int(getattr(eng, "n_batch", 0) or getattr(settings, "n_batch", 0) or 2048)
+        ubatch = min(n_batch, MAX_AUTO_UBATCH)
+        src["ubatch"] = "automatic (n_batch, at most 4096)"
+    return PhaseCosts(cpu_gbps=float(cpu or DEFAULT_CPU_BRANCH_GBPS),
+                      h2d_gbps=float(h2d or DEFAULT_H2D_GBPS), np_tokens=int(np_tokens),
+                      ubatch=int(ubatch), source=src)
+
+
+def plan_values(shape: ModelInfo, dev: Trace, costs: Optional[PhaseCosts] = None
+                ) -> tuple[np.ndarray, dict[str, Any]]:
+    """What the planner ranks the experts by: ``(values, info)``, values of shape
+    (n_layer, n_expert) for :func:`fill_pool`.
+
+    Phase-aware (``info["ranking"] == "time"``): the expected ms each expert saves over the dev
+    traces, :func:`.cost.expert_time_savings` with ``costs`` (default :class:`.cost.PhaseCosts`(),
+    the documented defaults) and the prefill passes of the traces' request sizes (``new_tokens``
+    split by ``costs.ubatch``). Route counts, prefill + decode (``"routes"``, Rule 1 as before), when
+    the traces hold prefill routes but no request with prefilled tokens (hand-made or old files:
+    no passes to price them with). ``info`` adds the counts it used: ``decode_routes``,
+    ``prefill_routes``, ``prefill_passes``, ``upload_passes`` and the costs."""
+    counts = dev.counts
+    info: dict[str, Any] = {"prefill_routes": int(dev.counts_prefill.sum()),
+                            "decode_routes": int(dev.counts_decode.sum())}
+    costs = costs or PhaseCosts()
+    passes = prefill_passes((r.get("new_tokens", 0) for r in dev.requests), costs.ubatch)
+    if info["prefill_routes"] > 0 and not passes:
+        info["ranking"] = "routes"
+        info["why"] = "the traces hold no request sizes: prefill passes cannot be priced"
+        return counts, info
+    info.update(ranking="time", costs=costs.to_json(), prefill_passes=len(passes),
+                upload_passes=sum(1 for n in passes if n >= costs.np_tokens))
+    return expert_time_savings(dev.counts_prefill, dev.counts_decode, shape.expert_bytes, passes, costs), info
+
+
 def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
                    gpus: Sequence[GpuSpec], budget_frac: Optional[float] = None,
                    budget_mb: Optional[int] = None, margin_mb: int = DEFAULT_MARGIN_MB,
                    n_ubatch: int = 512, heldout: Optional[Trace] = None,
-                   source_traces: Sequence[str] = (), staging_regions: int = 1) -> dict[str, Any]:
+                   source_traces: Sequence[str] = (), staging_regions: int = 1,
+                   costs: Optional[PhaseCosts] = None) -> dict[str, Any]:
     """Plan a residency set; returns the ``ostinato-residency/1`` dict (not yet written).
+
+    Experts are ranked by :func:`plan_values` (expected time saved per phase, priced with ``costs``:
+    :func:`phase_costs_for` gives this machine's; None: the documented defaults of
+    :class:`.cost.PhaseCosts`).
 
     Budget per GPU j: ``budget_frac`` x the expert bytes of its layers, or ``budget_mb`` MiB, capped
     by the capacity test when the GPU's free memory is known (free - need(longest request) - margin;
@@ -247,6 +345,7 @@ def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
     counts = dev.counts
     if counts.sum() == 0:
         log.warning("development traces hold no routes: the plan is arbitrary")
+    values, ranking = plan_values(shape, dev, costs)
     known = [g.free_bytes is not None for g in gpus]
     weights = [g.free_bytes for g in gpus] if all(known) else [1.0] * len(gpus)
     ranges = split_layers(shape.n_layer, weights)
@@ -275,7 +374,7 @@ def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
                             "--budget-frac or --budget-mb; the daemon and 'ostinato residency plan': "
                             "the settings expert_budget_frac or expert_budget_mb, e.g. "
                             "OSTINATO_EXPERT_BUDGET_FRAC=0.45)")
-        hot, used = fill_pool(counts, shape.expert_bytes, layers, max(0, budget))
+        hot, used = fill_pool(values, shape.expert_bytes, layers, max(0, budget))
         out_gpus.append({"device": g.device, "layers": list(layers), "budget_bytes": int(budget),
                          "hot": {str(l): es for l, es in hot.items()}})
         capacity.append({"device": g.device, "name": g.name, "free_bytes": g.free_bytes,
@@ -286,11 +385,23 @@ def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
                          "test": "passed" if cap is not None else "emulated (free memory unknown)"})
     dev_share = hot_route_share(counts, out_gpus)
     held_share = hot_route_share(heldout.counts, out_gpus) if heldout is not None else None
+
+    def per_phase(t: Optional[Trace]) -> Optional[dict[str, Optional[float]]]:
+        if t is None:
+            return None
+        out = {}
+        for name, c in (("prefill", t.counts_prefill), ("decode", t.counts_decode)):
+            v = hot_route_share(c, out_gpus)
+            out[name] = None if v != v else v   # NaN (no routes of that phase): null in JSON
+        return out
     plan = {
         "source_traces": list(source_traces),
         "expected_hot_route_share": held_share if held_share is not None else dev_share,
         "dev_hot_route_share": dev_share,
         "heldout_hot_route_share": held_share,
+        "dev_hot_route_share_per_phase": per_phase(dev),
+        "heldout_hot_route_share_per_phase": per_phase(heldout),
+        "ranking": ranking,
         "dev_routes": int(counts.sum()),
         "heldout_routes": int(heldout.counts.sum()) if heldout is not None else None,
         "budget_frac": budget_frac, "budget_mb": budget_mb,
@@ -299,8 +410,12 @@ def plan_residency(shape: ModelInfo, dev: Trace, *, workload: str,
         "max_request_tokens": max_tokens,
         "staging_regions": staging_regions,
         "capacity": capacity,
-        "method": "rank by dev route counts (prefill+decode), fill each GPU by routes per byte "
-                  "across its layers (arXiv 2611.11533 Sec. 3.1, Rule 1 / Prop. 3.1, App. B)",
+        "method": ("rank by the expected time each expert saves, decode routes over the CPU branch and "
+                   "prefill passes by path (split: per route, upload: per distinct expert), fill each "
+                   "GPU by time per byte across its layers (arXiv 2611.11533 Sec. 3.1-3.3, Rule 1-3, "
+                   "App. B)" if ranking["ranking"] == "time" else
+                   "rank by dev route counts (prefill+decode), fill each GPU by routes per byte "
+                   "across its layers (arXiv 2611.11533 Sec. 3.1, Rule 1 / Prop. 3.1, App. B)"),
     }
     return {"format": RESIDENCY_FORMAT, "model": shape.model_block(), "workload": workload,
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -337,7 +452,8 @@ def plan_for_model(model_path: Path, workload: str, *, traces: Sequence[Path] = 
     res = plan_residency(shape, dev, workload=workload, gpus=resolve_gpus(gpus),
                          budget_frac=budget_frac, budget_mb=budget_mb, margin_mb=margin_mb,
                          heldout=held, source_traces=[str(p) for p in tpaths],
-                         staging_regions=staging_regions_for(s))
+                         staging_regions=staging_regions_for(s),
+                         costs=phase_costs_for(s, model_fingerprint=shape.fingerprint))
     path = Path(out) if out else residency_path(shape.fingerprint, workload, data_dir)
     return res, write_residency(res, path)
 
@@ -358,6 +474,23 @@ def summary(res: dict[str, Any]) -> str:
     lines.append(f"  hot-route share: dev {p['dev_hot_route_share']:.1%}" +
                  (f", held-out {p['heldout_hot_route_share']:.1%}"
                   if p["heldout_hot_route_share"] is not None else " (no held-out traces given)"))
+
+    def phases(d: Optional[dict]) -> str:
+        return ", ".join(f"{k} {v:.1%}" if v is not None else f"{k} n/a" for k, v in (d or {}).items())
+
+    for label, key in (("dev", "dev_hot_route_share_per_phase"),
+                       ("held-out", "heldout_hot_route_share_per_phase")):
+        if p.get(key):
+            lines.append(f"  {label} per phase: {phases(p[key])}")
+    r = p.get("ranking") or {}
+    if r.get("ranking") == "time":
+        c = r["costs"]
+        lines.append(f"  ranked by time saved: CPU branch {c['cpu_gbps']:.1f} GB/s, link "
+                     f"{c['h2d_gbps']:.1f} GB/s, Np {c['np_tokens']}, ubatch {c['ubatch']}; "
+                     f"{r['prefill_passes']} prefill passes ({r['upload_passes']} upload), "
+                     f"{r['decode_routes']} decode routes")
+    elif r.get("ranking") == "routes":
+        lines.append(f"  ranked by route counts: {r.get('why')}")
     return "\n".join(lines)
 
 
