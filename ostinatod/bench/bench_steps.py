@@ -30,21 +30,19 @@ def _r(x: Optional[float], nd: int = 4) -> Optional[float]:
 
 
 def _decode(pairs: list[tuple[dict[str, Any], dict[str, Any]]], native_ms: Optional[float]) -> dict[str, Any]:
-    rows = [r for r, _ in pairs if r["decode_steps"] > 0]
-    tot = _sum(rows) if rows else None
+    # the turns whose client ms/token is known: the worker's means and the client's over the same steps
+    pairs = [(r, t) for r, t in pairs if r["decode_steps"] > 0 and t.get("tpot_s") is not None
+             and not t.get("error")]
+    tot = _sum([r for r, _ in pairs]) if pairs else None
     m = per_step(tot, "decode") or {}
-    # the client's ms/token and what lies outside the worker, per turn (paired), median over turns
-    client, outside = [], []
-    for r, t in pairs:
-        w = per_step(r, "decode")
-        if w is not None and t.get("tpot_s") is not None and not t.get("error"):
-            client.append(1e3 * t["tpot_s"])
-            outside.append(1e3 * t["tpot_s"] - w["wall_ms"])
     out: dict[str, Any] = {"steps": tot["decode_steps"] if tot else 0, "tokens": tot["decode_tokens"] if tot else 0,
-                           **{k: _r(v) for k, v in m.items()},
-                           "client_ms": _r(statistics.median(client)) if client else None,
-                           "outside_ms": _r(statistics.median(outside)) if outside else None,
-                           "turns": len(client)}
+                           **{k: _r(v) for k, v in m.items()}, "turns": len(pairs)}
+    if pairs:
+        n = tot["decode_steps"]
+        client = sum(1e3 * t["tpot_s"] * r["decode_steps"] for r, t in pairs) / n
+        per_turn = [1e3 * t["tpot_s"] - r["decode_wall_ms"] / r["decode_steps"] for r, t in pairs]
+        out.update(client_ms=_r(client), outside_ms=_r(client - m["wall_ms"]),
+                   outside_turn_median_ms=_r(statistics.median(per_turn)))
     if native_ms is not None and m:
         out["native_pass_ms"] = _r(native_ms)
         out["call_outside_native_ms"] = _r(m["call_ms"] - native_ms)
@@ -77,11 +75,14 @@ def summarize_worker(rows: list[Optional[dict[str, Any]]], turns: list[dict[str,
     (:func:`.bench_breakdown.summarize_breakdown`: the native pass's ``total_ms``).
 
     Returns ``{"decode": {"steps", "tokens", "wall_ms", "call_ms", "wait_ms", "sample_ms",
-    "out_ms", "pipe_ms", "other_ms" (means per decode step, ms; :func:`.step_timing.per_step`),
-    "client_ms" (the client's ms/token, median over the turns with decode steps), "outside_ms"
-    (per turn the client's ms/token minus the worker's wall per decode step, median over those
-    turns), "turns", and with native stats "native_pass_ms" (the native pass's ``total_ms`` per
-    step) and "call_outside_native_ms" (``call_ms`` minus it)}, "prefill" and
+    "out_ms", "pipe_ms", "other_ms" (means per decode step over the turns with the client's
+    ms/token, ms; :func:`.step_timing.per_step`), "client_ms" (the client's ms/token of those turns,
+    weighted by their decode steps: a mean over the same steps), "outside_ms" (``client_ms`` minus
+    ``wall_ms``), "outside_turn_median_ms" (per turn the client's ms/token minus the worker's wall
+    per step, median over the turns), "turns", and with native stats "native_pass_ms" (the native
+    pass's ``total_ms`` per decode step, :func:`.bench_breakdown.summarize_breakdown`'s mean over
+    every decode step of the turns, the last of each included) and "call_outside_native_ms"
+    (``call_ms`` minus it)}, "prefill" and
     "prefill_after_tool": {"prefills", "passes", "tokens_per_pass", the same means per prefill pass,
     "per_prefill": {"wall_ms", "call_ms"[, "native_pass_ms", "call_outside_native_ms"]}},
     "turns", "turns_with_stats", "source"}``."""
@@ -102,7 +103,7 @@ def summarize_worker(rows: list[Optional[dict[str, Any]]], turns: list[dict[str,
 
 
 # (label, section, key, digits): the markdown's rows; a row without a value in any engine is left out
-ROWS = (("decode: client ms/token (median over turns)", "decode", "client_ms", 3),
+ROWS = (("decode: client ms/token (mean over the same steps)", "decode", "client_ms", 3),
         ("decode: wall at the worker per step", "decode", "wall_ms", 3),
         ("decode: llama_decode call to logits", "decode", "call_ms", 3),
         ("decode: of it the wait for the logits", "decode", "wait_ms", 3),
@@ -112,7 +113,7 @@ ROWS = (("decode: client ms/token (median over turns)", "decode", "client_ms", 3
         ("decode: token out (detokenise, stops, parser, delta)", "decode", "out_ms", 3),
         ("decode: of it the delta's write to the pipe", "decode", "pipe_ms", 3),
         ("decode: other worker (batch, bookkeeping, loop)", "decode", "other_ms", 3),
-        ("decode: outside the worker (client - worker, median over turns)", "decode", "outside_ms", 3),
+        ("decode: outside the worker (client - worker wall)", "decode", "outside_ms", 3),
         ("prefill pass: wall", "prefill", "wall_ms", 2),
         ("prefill pass: llama_decode call (to logits at the last)", "prefill", "call_ms", 2),
         ("prefill pass: around the call (wall - call)", "prefill", "around_ms", 2),

@@ -92,7 +92,7 @@ def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     assert 0 < o["step_breakdown"]["worker"]["decode"]["native_pass_ms"]
     for label in ("decode: wall at the worker per step", "decode: llama_decode call to logits",
                   "decode: sampling", "decode: other worker (batch, bookkeeping, loop)",
-                  "decode: outside the worker (client - worker, median over turns)",
+                  "decode: outside the worker (client - worker wall)",
                   "decode: of it the native pass (total_ms)", "prefill pass: wall"):
         assert f"| {label} |" in md, label
     head = next(line for line in md.splitlines() if line.startswith("| ms | ostinato"))

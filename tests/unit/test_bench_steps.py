@@ -35,8 +35,10 @@ def test_summary_means_per_step_and_outside_the_worker_per_turn():
     assert d["wall_ms"] == pytest.approx((60 + 210) / 40) and d["call_ms"] == pytest.approx((50 + 165) / 40)
     assert d["other_ms"] == pytest.approx(d["wall_ms"] - d["call_ms"] - d["sample_ms"] - d["out_ms"])
     assert d["call_ms"] + d["sample_ms"] + d["out_ms"] <= d["wall_ms"]
-    # per turn: 6.5 - 6.0 and 8.0 - 7.0, median 0.75; the turn without a snapshot is left out
-    assert d["outside_ms"] == pytest.approx(0.75) and d["client_ms"] == pytest.approx(7.25)
+    # the client's ms/token over the same steps (6.5 x 10 + 8.0 x 30) / 40, minus the worker's wall;
+    # per turn 6.5 - 6.0 and 8.0 - 7.0, median 0.75; the turn without a snapshot is left out
+    assert d["client_ms"] == pytest.approx(7.625) and d["outside_ms"] == pytest.approx(7.625 - 6.75)
+    assert d["outside_turn_median_ms"] == pytest.approx(0.75)
     assert "native_pass_ms" not in d   # no native stats: the row is absent, not 0
     p = w["prefill"]
     assert (p["prefills"], p["passes"], p["tokens_per_pass"]) == (2, 3, 300.0)
@@ -60,6 +62,6 @@ def test_native_pass_rows_and_the_markdown():
     row = {line.split(" | ")[0][2:]: line for line in md if line.startswith("| ")}
     assert row["decode: wall at the worker per step"].endswith("| 6.000 | 4.000 |")
     assert row["decode: of it the native pass (total_ms)"].endswith("| 4.500 |  |")   # empty for stock
-    assert row["decode: outside the worker (client - worker, median over turns)"].endswith("| 1.000 | 0.500 |")
+    assert row["decode: outside the worker (client - worker wall)"].endswith("| 1.000 | 0.500 |")
     assert row["prefill: passes / tokens per pass"].endswith("| 1 / 300.0 | 1 / 300.0 |")
     assert worker_md({"llama-server": {}}) == []
