@@ -72,13 +72,17 @@ limit (``ratios_vs_limit``: Ostinato / stock-all-gpu, the slowdown factor, 1 = t
 Ostinato engine, ``step_breakdown``: the native engine's per-pass times (``cpu_branch_ms``,
 ``gpu_branch_ms``, ``upload_ms``, ``total_ms`` and any other ``*_ms`` key) as means per decode step
 and per prefill, from snapshots of the daemon's expert stats around every replayed turn (before,
-after, and at its first decode step).
+after, and at its first decode step); for every daemon engine (Ostinato's and ``stock-*``),
+``step_breakdown.worker``: the engine worker's wall-clock parts of a decode step and a prefill pass
+(the ``llama_decode`` call to its logits, sampling, the token's way out, the rest of the loop) beside
+the client's ms/token, from the same snapshots before and after every turn.
 
 Modules: this one (the command line, the run, the result), :mod:`.bench_prepare` (model, sessions,
 development traces, plan), :mod:`.bench_launch` (the engines on loopback, the replay client, the
 daemon's expert stats), :mod:`.bench_fit` (whether the limit fits, time estimates),
 :mod:`.bench_sweep` (the budget sweep), :mod:`.bench_report` (metrics, ratios,
-markdown), :mod:`.bench_breakdown` (the per-step breakdown), :mod:`.bench_common` (engine names,
+markdown), :mod:`.bench_breakdown` (the per-step breakdown), :mod:`.bench_steps` (the worker's step
+timing), :mod:`.bench_common` (engine names,
 metrics, errors, progress, table cells).
 """
 
@@ -98,6 +102,7 @@ from ..sessions import WORKLOAD_OF_SESSION, assistant_turns
 from ..synth.shapes import SHAPES, Routing, SynthError
 from ..synth.skew import router_strength
 from .bench_breakdown import decode_path_warning, hot_shares, summarize_breakdown
+from .bench_steps import summarize_worker
 from .bench_common import (CHOICES, ENGINES, IK, LIMIT, MOE_CACHE, ONE_GPU, VARIANTS, BenchError, say,
                            variant_settings)
 from .bench_fit import Estimator, limit_fit
@@ -353,8 +358,9 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
             url = srv.wait_ready(a.start_timeout)
             load_s = time.monotonic() - t0
             say(f"engine {key}: ready at {url} after {load_s:.1f} s; replaying")
-            if name in ("ostinato", ONE_GPU) or name in VARIANTS:
-                rec = StepRecorder(run_dir / f"home-{key}")
+            native = name in ("ostinato", ONE_GPU) or name in VARIANTS
+            if native or name in (LIMIT, "stock-layers", "stock-cpu"):   # the daemon's engines
+                rec = StepRecorder(run_dir / f"home-{key}", native=native)
                 rec.start()
             t1 = time.monotonic()
             # a crashed or wedged engine is stopped (and named in the notes) instead of holding
@@ -399,6 +405,10 @@ def run(a: argparse.Namespace, argv: list[str], on_progress=None) -> dict[str, A
                 m["hot_route_share"] = None   # its cache's hit rate, in its log once it stopped (below)
             else:
                 m["hot_route_share"] = 0.0 if name == "stock-cpu" else stock["hot_route_share"]
+            if rec is not None:   # every daemon engine: the worker's step timing (bench_steps)
+                b = m.setdefault("step_breakdown", {})
+                b["worker"] = summarize_worker(rec.timing, turns, b if native else None)
+                (run_dir / f"timing-{key}.json").write_text(json.dumps(rec.timing, indent=1))
             if name in ("llama-server", IK, MOE_CACHE):
                 m["server_command"] = srv.cmd
             if name not in ("ostinato", ONE_GPU) and name not in VARIANTS:

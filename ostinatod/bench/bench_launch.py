@@ -25,6 +25,7 @@ from ..paths import get_paths, home_paths
 from ..residency import planner
 from ..settings import ENGINE_KEYS, load_settings
 from .bench_breakdown import turn_breakdown
+from .bench_steps import timing_turn
 from .bench_common import BenchError, crash_lines, say
 from .replay import run_replay
 
@@ -337,22 +338,32 @@ def expert_stats(home: Path) -> dict[str, Any]:
             "ubatch": (snap.get("engine") or {}).get("ubatch")}
 
 
+def _native(eng: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The native expert stats of an ``engine`` snapshot, or None (stock llama.cpp, no snapshot)."""
+    ex = (eng or {}).get("experts") or {}
+    return ex if "passes" in ex else None
+
+
 class StepRecorder:
-    """Snapshots of the Ostinato daemon's expert stats around every replayed turn (control API):
-    one before the first turn, one after every turn, and one per turn as soon as its first decode
+    """Snapshots of a daemon's engine stats around every replayed turn (control API): one before
+    the first turn and one after every turn, whose worker step timing (``step_timing``, every engine)
+    gives ``timing`` (:func:`.bench_steps.timing_turn` per turn); for an Ostinato engine
+    (``native``) the native expert stats give ``rows`` (:func:`.bench_breakdown.turn_breakdown`),
+    with one more snapshot per turn as soon as its first decode
     step has run (it catches the prefill passes in the ring of the last 32 passes). That one comes
     from a poller, every ``poll_s``, that starts when the turn's first token has arrived
     (:meth:`first_token`, the replay's ``on_first_token``), not before: a stats call takes the
     daemon's GIL and the engine's lock, and this process's GIL, so polling during the prefill could
-    add to the measured engine's TTFT alone (the baselines are never polled; the size of that was
-    not separable from run-to-run noise on the H200, docs/benchmarks/METHOD.md). It stops at the
-    first snapshot that shows a decode step of the turn."""
+    add to the measured engine's TTFT alone (the baselines are never polled within a turn, only
+    before and after it; the size of that was not separable from run-to-run noise on the H200,
+    docs/benchmarks/METHOD.md). It stops at the first snapshot that shows a decode step of the turn."""
 
-    def __init__(self, home: Path, poll_s: float = 0.025):
-        self.home, self.poll_s = home, poll_s
-        self.prev: Optional[dict[str, Any]] = None
+    def __init__(self, home: Path, poll_s: float = 0.025, native: bool = True):
+        self.home, self.poll_s, self.native = home, poll_s, native
+        self.prev: Optional[dict[str, Any]] = None   # the engine snapshot after the last turn
         self._mid: list[Optional[dict[str, Any]]] = [None]   # per armed turn: a late poller writes its own
         self.rows: list[Optional[dict[str, Any]]] = []
+        self.timing: list[Optional[dict[str, Any]]] = []
         self.errors = 0
         self._stop = threading.Event()
         self._go = threading.Event()
@@ -360,11 +371,10 @@ class StepRecorder:
 
     def _snap(self) -> Optional[dict[str, Any]]:
         try:
-            ex = (control_metrics(self.home).get("engine") or {}).get("experts") or {}
+            return control_metrics(self.home).get("engine") or {}
         except Exception:  # noqa: BLE001 - the breakdown is optional: count and go on
             self.errors += 1
             return None
-        return ex if "passes" in ex else None
 
     @property
     def mid(self) -> Optional[dict[str, Any]]:
@@ -373,8 +383,8 @@ class StepRecorder:
 
     def _arm(self) -> None:
         self._mid, self._stop, self._go = [None], threading.Event(), threading.Event()
-        base, stop, go, mid = self.prev, self._stop, self._go, self._mid
-        if base is None:
+        base, stop, go, mid = _native(self.prev), self._stop, self._go, self._mid
+        if base is None or not self.native:
             return
         n_dec = int((base.get("paths") or {}).get("decode", 0) or 0)
 
@@ -383,7 +393,7 @@ class StepRecorder:
                 if stop.is_set():
                     return
             while not stop.is_set():
-                snap = self._snap()
+                snap = _native(self._snap())
                 if snap and int((snap.get("paths") or {}).get("decode", 0) or 0) > n_dec:
                     mid[0] = snap
                     return
@@ -409,7 +419,10 @@ class StepRecorder:
     def turn(self) -> None:
         self._disarm()
         cur = self._snap()
-        self.rows.append(turn_breakdown(self.prev, cur, self.mid) if cur and self.prev else None)
+        if self.native:
+            pn, cn = _native(self.prev), _native(cur)
+            self.rows.append(turn_breakdown(pn, cn, self.mid) if cn and pn else None)
+        self.timing.append(timing_turn((self.prev or {}).get("step_timing"), (cur or {}).get("step_timing")))
         self.prev = cur
         self._arm()
 

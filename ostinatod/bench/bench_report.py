@@ -1,6 +1,7 @@
 """``ostinato bench engines``: the figures of a run and their reporting: per-engine metrics from the
 replay turns, ratios to the best stock engine and to the limit, the machine, and the markdown
-tables (the per-step breakdown of the Ostinato engine is :mod:`.bench_breakdown`)."""
+tables (the per-step breakdown of the Ostinato engine is :mod:`.bench_breakdown`, the worker's step
+timing of every daemon engine :mod:`.bench_steps`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import psutil
 from ..residency import planner
 from .bench_breakdown import breakdown_md
 from .bench_common import LIMIT, METRICS, ONE_GPU, STOCK, fmt, is_peer
+from .bench_steps import worker_md
 
 
 BUCKETS = ((0, 128, "<128"), (128, 512, "128-511"), (512, 2048, "512-2047"), (2048, 1 << 62, ">=2048"))
@@ -195,6 +197,7 @@ def markdown(result: dict[str, Any]) -> str:
     # the variants' own breakdowns: an A/B of an option reads per step what it changed
     for name in sorted(n for n in eng if n.startswith("ostinato-")):
         lines += breakdown_md((eng.get(name) or {}).get("step_breakdown"), name)
+    lines += worker_md(eng)   # every daemon engine, Ostinato's beside stock llama.cpp's
     lines += _sweep_md(result)
     lines.append("")
     for n in result.get("notes", []):

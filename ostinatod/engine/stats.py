@@ -105,10 +105,39 @@ class SlotStats(StatsModel):
     last_used: float
 
 
+class StepTiming(StatsModel):
+    """The wall-clock parts of the worker loop's steps, cumulative since load
+    (:meth:`.step_timing.StepClock.snapshot`; every engine, stock llama.cpp included): counts, and
+    sums in ms over the decode steps (``decode_*``) and the prefill passes (``prefill_*``) of the
+    forward pass's wall (``*_wall_ms``: a step's start to the next's), the ``llama_decode`` call with
+    the wait for its logits (``*_call_ms``, of it ``*_wait_ms``), sampling (``*_sample_ms``) and the
+    tokens' way out (``*_out_ms``, of it ``*_pipe_ms``: writing the delta events)."""
+
+    decode_steps: int
+    decode_tokens: int
+    decode_wall_ms: float
+    decode_call_ms: float
+    decode_wait_ms: float
+    decode_sample_ms: float
+    decode_out_ms: float
+    decode_pipe_ms: float
+    prefill_passes: int
+    prefill_tokens: int
+    prefill_sampled: int
+    prefill_wall_ms: float
+    prefill_call_ms: float
+    prefill_wait_ms: float
+    prefill_sample_ms: float
+    prefill_out_ms: float
+    prefill_pipe_ms: float
+    steps_before_idle: int
+
+
 class EngineStats(StatsModel):
     """``EngineClient.stats()``: the worker's counters (cumulative since load), its slots, the host
     and disk prefix caches, requests waiting and active, the prefill step (``ubatch``: ``{"tokens",
-    "reason"}``), the expert figures (None: stock llama.cpp) and, added by the client, the engine
+    "reason"}``), the steps' wall-clock parts (``step_timing``, :class:`StepTiming`), the expert
+    figures (None: stock llama.cpp) and, added by the client, the engine
     ``state`` and worker ``restarts``. An engine that is not ready has only those two
     (:meth:`not_ready`; its counters read 0)."""
 
@@ -130,6 +159,7 @@ class EngineStats(StatsModel):
     waiting: int = 0
     active: int = 0
     ubatch: Optional[dict[str, Any]] = None
+    step_timing: Optional[StepTiming] = None
     experts: Optional[ExpertStats] = None
     state: Optional[str] = None
     restarts: Optional[int] = None
@@ -163,7 +193,7 @@ class EngineStats(StatsModel):
 WORKER_KEYS = ("requests", "requests_ok", "requests_error", "requests_cancelled", "prompt_tokens",
                "cached_tokens", "prefilled_tokens", "generated_tokens", "decode_calls",
                "busy_slot_steps", "slot_checkpoints", "checkpoint_rewinds", "slots", "waiting",
-               "active", "ubatch")
+               "active", "ubatch", "step_timing")
 
 
 class LoopBusy(StatsModel):

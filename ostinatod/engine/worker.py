@@ -35,6 +35,7 @@ from . import grammar, loading, sampling
 from .protocol import Op
 from .prefix_cache import PrefixCache, make_prefix_cache
 from .slots import Slot
+from .step_timing import StepClock
 from .task import Emit, Task
 from .worker_admit import AdmitMixin
 from .worker_prompt import PromptMixin
@@ -106,6 +107,8 @@ class Worker(PromptMixin, AdmitMixin, StepMixin):
         self._s_step_base = 0.0  # measured cost of a step without prompt tokens (EMA)
         self._render_starts: dict[object, float] = {}  # running renders' start times (under _lock)
         self._busy: Optional[tuple[str, float, tuple[str, ...]]] = None
+        self.clock = StepClock()  # wall-clock parts of the steps (step_timing.py; stats "step_timing")
+        self._delta_write_ns = 0  # time spent writing delta events (ns, cumulative)
 
     # ---- loading --------------------------------------------------------------------------------
 
@@ -197,7 +200,9 @@ class Worker(PromptMixin, AdmitMixin, StepMixin):
         return out
 
     def stats(self) -> dict[str, Any]:
-        """Counters, slot states and the expert runtime's stats (merged under "experts")."""
+        """Counters, slot states, the steps' wall-clock parts (``step_timing``:
+        :meth:`.step_timing.StepClock.snapshot`, ms) and the expert runtime's stats (merged under
+        "experts")."""
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
         out["slots"] = [{"id": s.id, "n_tokens": len(s.tokens), "busy": s.task is not None,
@@ -209,6 +214,7 @@ class Worker(PromptMixin, AdmitMixin, StepMixin):
         out["waiting"] = len(self._waiting)
         out["active"] = len(self._active)
         out["ubatch"] = {"tokens": self.n_prefill_step, "reason": self.ubatch_reason}
+        out["step_timing"] = self.clock.snapshot()
         if self.rt is not None:
             try:
                 out["experts"] = self.rt.stats()
@@ -271,6 +277,8 @@ class Worker(PromptMixin, AdmitMixin, StepMixin):
         try:
             while not self._stop.is_set():
                 busy = bool(self._active)
+                if not busy:
+                    self.clock.idle()  # no next step follows the last one at once
                 if busy or self._waiting or self._preparing:
                     idle_since = None
                 elif idle_since is None:

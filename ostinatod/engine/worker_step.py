@@ -1,11 +1,13 @@
 """The worker's batched step: one forward pass of a token of each generating slot plus prefill chunks
 (their size from the measured step cost), sampling, and the streaming of a request's output
-(``delta`` events, stop strings, the final parse and the ``done``/``error`` event)."""
+(``delta`` events, stop strings, the final parse and the ``done``/``error`` event), and the wall-clock
+parts of each step (:mod:`.step_timing`: the forward pass, sampling, a token's way out)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from time import perf_counter_ns
 from typing import Any, Optional
 
 from . import determinism, logprobs, sampling
@@ -29,7 +31,7 @@ class StepMixin:
     def _step(self) -> None:
         import llama_cpp
         b = self._batch
-        n = 0
+        n = n_prompt = 0
         rows: list[tuple[Task, int]] = []  # (task, batch index whose logits it samples from)
         plan: list[tuple[Task, list[int]]] = []
         active = self._active
@@ -64,12 +66,17 @@ class StepMixin:
                 plan.append((t, chunk))
                 t.prefill_passes += 1
                 n += k
+                n_prompt += k
         if n == 0:
             return
         b.n_tokens = n
+        clk = self.clock
         t0 = time.monotonic()
         self._busy = ("forward pass", t0, tuple(t.req.id for t, _ in plan))
+        c0 = perf_counter_ns()
+        clk.begin(c0)   # the step before this one ends here (step_timing: its wall)
         rc = llama_cpp.llama_decode(self.ctx, b)
+        clk.called(c0, perf_counter_ns())
         self._busy = None
         self.steps += 1
         if rc == 0:
@@ -79,6 +86,7 @@ class StepMixin:
             self._counters["decode_calls"] += 1
             self._counters["busy_slot_steps"] += len(plan)  # slots in this forward pass
         if rc != 0:
+            clk.drop()
             msg = f"llama_decode failed ({rc}{': KV cache full' if rc == 1 else ''})"
             for t, _ in plan:
                 llama_cpp.llama_memory_seq_rm(self.mem, t.slot.id, -1, -1)
@@ -108,6 +116,7 @@ class StepMixin:
                     if save_slot_checkpoint(self.ctx, t.slot):
                         with self._lock:
                             self._counters["slot_checkpoints"] += 1
+        synced = False
         for t, idx in rows:
             if t.finished or t.cancelled:
                 continue
@@ -118,7 +127,14 @@ class StepMixin:
             t0 = time.monotonic()
             self._busy = ("sampling", t0, (t.req.id,))  # and the output parser, in _on_token
             try:
+                if not synced:   # the wait the sampler's first logits read would do here, timed apart
+                    c0 = perf_counter_ns()
+                    llama_cpp.llama_synchronize(self.ctx)
+                    clk.logits(c0, perf_counter_ns())
+                    synced = True
+                c0, pipe0 = perf_counter_ns(), self._delta_write_ns
                 tok = sampling.sample(t.sampler, self.ctx, idx)
+                c1 = perf_counter_ns()
                 dt = time.monotonic() - t0
                 if dt > self.settings.grammar_token_timeout_s and self._has_grammar(t):
                     self._grammar_too_slow(t, dt)
@@ -127,10 +143,12 @@ class StepMixin:
                     self._end(t, None, error=("sampling_failed", native.last_error() or "sampling failed"))
                 else:
                     self._on_token(t, tok, idx)
+                clk.token(c1 - c0, perf_counter_ns() - c1, self._delta_write_ns - pipe0)
             finally:
                 self._busy = None
         for t in [t for t in self._active if t.finished]:
             self._active.remove(t)
+        clk.end(n_prompt, n)
 
     def _learn_step_cost(self, n_prefill: int, seconds: float) -> None:
         """Update the step cost model ``seconds = base + per_token * n_prefill`` (moving averages):
@@ -255,7 +273,10 @@ class StepMixin:
         if len(t.logprobs) > t.logprobs_sent:
             d = dict(d, logprobs=t.logprobs[t.logprobs_sent:])
             t.logprobs_sent = len(t.logprobs)
-        self._emit(t, DeltaEvent(**d))
+        ev = DeltaEvent(**d)
+        c0 = perf_counter_ns()
+        self._emit(t, ev)   # on the worker process: the JSON line written to the pipe
+        self._delta_write_ns += perf_counter_ns() - c0
 
     def _end(self, t: Task, reason: Optional[str], error: Optional[tuple[str, str]] = None) -> None:
         """Finish ``t``: final parse, done (or error) event, slot released."""

@@ -75,6 +75,28 @@ def test_tiny_bench_end_to_end(tiny_model, tmp_path, monkeypatch, capsys):
     assert isinstance(res["warnings"], list) and "| hot-route share |" in md
     assert set(b["prefill"]["mean_counts"]) == {"upload_bytes", "upload_copies", "distinct_cold_experts", "prefetch_hits",
                                                 "prefetch_misses", "prefetch_wasted"}
+    # the worker's step timing of every daemon engine, ours and stock llama.cpp's alike (bench_steps)
+    daemons = ["ostinato", "stock-layers", "stock-cpu"] + (["stock-all-gpu"] if fit["run"] else [])
+    for name in daemons:
+        w = res["engines"][name]["step_breakdown"]["worker"]
+        d, pre = w["decode"], w["prefill"]
+        assert w["turns_with_stats"] == 2 and d["steps"] > 0 and d["turns"] > 0, (name, w)
+        for k in ("wall_ms", "call_ms", "sample_ms", "out_ms", "client_ms"):
+            assert d[k] > 0, (name, k, d)
+        # the parts of a decode step do not exceed its wall at the worker
+        assert d["call_ms"] + d["sample_ms"] + d["out_ms"] <= d["wall_ms"] + 1e-6, (name, d)
+        assert 0 <= d["wait_ms"] <= d["call_ms"] and 0 <= d["pipe_ms"] <= d["out_ms"], (name, d)
+        assert d["other_ms"] >= -1e-6 and d["outside_ms"] is not None, (name, d)
+        assert pre["passes"] > 0 and 0 < pre["call_ms"] <= pre["wall_ms"], (name, pre)
+        assert ("native_pass_ms" in d) == (name == "ostinato"), (name, d)   # native rows: ours only
+    assert 0 < o["step_breakdown"]["worker"]["decode"]["native_pass_ms"]
+    for label in ("decode: wall at the worker per step", "decode: llama_decode call to logits",
+                  "decode: sampling", "decode: other worker (batch, bookkeeping, loop)",
+                  "decode: outside the worker (client - worker wall)",
+                  "decode: of it the native pass (total_ms)", "prefill pass: wall"):
+        assert f"| {label} |" in md, label
+    head = next(line for line in md.splitlines() if line.startswith("| ms | ostinato"))
+    assert all(f" {n} |" in head for n in daemons), head
     # the sweep: two budgets, each with its Ostinato figures and ratios; the main one reused
     sw = res["sweep"]
     assert sw["budgets"] == [0.3, 0.6] and sw["baselines_budget_frac"] == 0.3

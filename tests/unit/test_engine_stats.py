@@ -19,7 +19,8 @@ import pytest
 from pydantic import ValidationError
 
 from ostinatod.control.snapshots import EXPERT_VIEW_KEYS, expert_view, pool_lines
-from ostinatod.engine.stats import EngineStats, ExpertStats, LoopProgress, ModelFacts
+from ostinatod.engine.stats import EngineStats, ExpertStats, LoopProgress, ModelFacts, StepTiming
+from ostinatod.engine.step_timing import STEP_TIMING_KEYS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engine_stats"
 
@@ -37,6 +38,11 @@ def test_the_engines_stats_parse_into_typed_fields():
     assert isinstance(ex, ExpertStats) and ex.active and ex.routes == raw["experts"]["routes"]
     assert set(ex.paths) == {"decode", "split", "upload"} and ex.pools and ex.pools[0].device == "CPU"
     assert (ex.switches, ex.auto_switch) == (0, raw["experts"]["auto_switch"])
+    # the steps' wall-clock parts (every engine, stock included): typed, in the worker's key order
+    tm = st.step_timing
+    assert tm is not None and list(raw["step_timing"]) == list(STEP_TIMING_KEYS) == list(StepTiming.model_fields)
+    assert tm.decode_steps > 0 and tm.prefill_passes > 0
+    assert 0 < tm.decode_call_ms + tm.decode_sample_ms + tm.decode_out_ms <= tm.decode_wall_ms
     back = st.with_state("ready", 0)
     assert (back.state, back.restarts, back.wire["state"]) == ("ready", 0, "ready")
     assert EngineStats.not_ready("loading", 2).wire == {"state": "loading", "restarts": 2}
@@ -44,7 +50,9 @@ def test_the_engines_stats_parse_into_typed_fields():
 
 @pytest.mark.parametrize("where,key", [("", "decode_calls"), ("", "slots"), ("experts", "routes"),
                                        ("experts", "paths"), ("experts", "switches"),
-                                       ("experts", "auto_switch"), ("experts", "workload")])
+                                       ("experts", "auto_switch"), ("experts", "workload"),
+                                       ("", "step_timing"), ("step_timing", "decode_call_ms"),
+                                       ("step_timing", "decode_steps"), ("step_timing", "prefill_wall_ms")])
 def test_a_missing_or_renamed_key_fails_the_parse(where, key):
     raw = copy.deepcopy(_stats())
     d = raw[where] if where else raw
