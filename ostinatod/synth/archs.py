@@ -21,10 +21,11 @@ from gguf import GGMLQuantizationType as QT
 
 from .shapes import Shape
 from .skew import router_strength
+from .copy_head import COPY_WRITES, copy_peak, copy_qk, copy_qk_bias, qk_norm_weight, rotary_dims
+from .quants import _rng, float_tensor
 from .tensors import (_PLANS as _BASE_PLANS, _Ctx, _T, _attn_gqa, _dense_ffn, _gauss, _kv_dims,
-                      _kv_experts, _ones, _output_tensors, _probs_bias, _rng, _routed_experts,
-                      _router, _shared_experts, _token_embd, COPY_WRITES, copy_peak, copy_qk, copy_qk_bias,
-                      float_tensor, qk_norm_weight, rotary_dims)
+                      _kv_experts, _ones, _output_tensors, _probs_bias, _routed_experts,
+                      _router, _shared_experts, _token_embd)
 
 
 def _norm(name: str, n: int) -> _T:
@@ -229,7 +230,7 @@ def _tid2eid(cx: _Ctx, il: int) -> np.ndarray:
     return out
 
 
-# The copy head of deepseek4 (tensors.py, "the copy head"): the first heads of the first output
+# The copy head of deepseek4 (copy_head.py): the first heads of the first output
 # groups of its first sliding-window layer. Their query (through the q LoRA's first rank, which
 # reads the anchor alone) and the key's rotary dims are constant, so they pick the position
 # ``copy_lag`` back in the window; the single KV head is also the value, so its unrotated dims

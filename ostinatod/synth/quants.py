@@ -17,6 +17,8 @@ docs/synthetic-models.md ("Quant recipes") for the tables and the sources.
 
 from __future__ import annotations
 
+import math
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -103,6 +105,75 @@ def random_blocks(raw: np.ndarray, qtype: QT, std: float, rng: np.random.Generat
     d = std / unit_std(qtype) * rng.uniform(0.5, 1.5, raw.shape[0])
     _set_scales(raw, qtype, d)
     return raw
+
+
+# --------------------------------------------------------------------------------------------
+# random tensors
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    # one independent, reproducible stream per (seed, tensor name)
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+_BLOCK = {t: (lay.bs, lay.nbytes) for t, lay in LAYOUTS.items()}
+quant_nbytes = nbytes
+
+
+def random_quant_blocks(shape: tuple[int, ...], qtype: QT, std: float, rng: np.random.Generator,
+                        pool: np.ndarray | None = None) -> np.ndarray:
+    """Random valid blocks of a quantised tensor whose values have roughly ``std``.
+
+    ``shape``: numpy shape (last dim a multiple of 32). Returns uint8 bytes shaped
+    ``shape[:-1] + (bytes per row,)``. Quants are random bytes (taken at a random offset of
+    ``pool`` when given, which is memcpy-fast for GB-sized tensors); f16 scales are
+    ``d * U(0.5, 1.5)`` with d chosen from the quant's value spread (K-quants, IQ4 and Q5 types:
+    :func:`.quants.random_blocks`).
+    """
+    bs, bb = _BLOCK[qtype]
+    n_blocks = int(np.prod(shape)) // bs
+    nbytes = n_blocks * bb
+    if pool is not None and pool.size >= nbytes + 4096:
+        off = int(rng.integers(0, pool.size - nbytes))
+        raw = pool[off:off + nbytes].copy()
+        # xor with a per-tensor word so that tensors sharing the pool differ everywhere
+        pad = (-raw.size) % 8
+        words = np.concatenate([raw, np.zeros(pad, np.uint8)]).view(np.uint64)
+        words ^= np.uint64(int(rng.integers(1, 2**63)))
+        raw = words.view(np.uint8)[:nbytes].copy() if pad else words.view(np.uint8)
+    else:
+        raw = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    blocks = raw.reshape(n_blocks, bb)
+    if qtype == QT.Q8_0:
+        d = std / 73.9  # uniform int8 has std ~73.9
+        scales = (d * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
+        blocks[:, 0:2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    elif qtype == QT.Q4_0:
+        d = std / 4.61  # uniform nibble - 8 has std ~4.61
+        scales = (d * rng.uniform(0.5, 1.5, n_blocks)).astype(np.float16)
+        blocks[:, 0:2] = scales.view(np.uint8).reshape(n_blocks, 2)
+    elif qtype == QT.MXFP4:
+        # e8m0 shared exponent; fp4 e2m1 values span +-6 (std ~3.1): 2^(e-127) * 3.1 ~ std
+        e = int(round(math.log2(std / 3.1))) + 127
+        blocks[:, 0] = (e + rng.integers(-1, 1, n_blocks, endpoint=True)).astype(np.uint8)
+    else:
+        random_blocks(blocks, qtype, std, rng)
+    return blocks.reshape(tuple(shape[:-1]) + (shape[-1] // bs * bb,))
+
+
+def float_tensor(arr: np.ndarray, qtype: QT) -> np.ndarray:
+    """``arr`` (float) converted to ``qtype``: f32/f16 as floats, quant types as uint8 blocks via
+    ``gguf.quants.quantize`` (row-chunked to bound memory)."""
+    if qtype == QT.F32:
+        return arr.astype(np.float32, copy=False)
+    if qtype == QT.F16:
+        return arr.astype(np.float16)
+    rows = arr.reshape(-1, arr.shape[-1])
+    out = np.empty((rows.shape[0], quant_nbytes((arr.shape[-1],), qtype)), dtype=np.uint8)
+    step = max(1, (1 << 24) // arr.shape[-1])
+    for i in range(0, rows.shape[0], step):
+        out[i:i + step] = gguf.quants.quantize(rows[i:i + step].astype(np.float32), qtype)
+    return out.reshape(arr.shape[:-1] + (out.shape[-1],))
 
 
 # --------------------------------------------------------------------------------------------

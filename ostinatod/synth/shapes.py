@@ -202,7 +202,7 @@ class Routing:
     ``copy_dims``: width of the copy subspace (at most a quarter of the hidden size), ``copy_gain``:
     size of the copy relative to the embedding, ``copy_sharpness``: by how much the copy head's
     score at the distance ``copy_lag`` (tokens back: the position it copies) beats its score at
-    any other distance (see :mod:`ostinatod.synth.tensors`, "the copy head"): what makes a decode
+    any other distance (see :mod:`ostinatod.synth.copy_head`): what makes a decode
     step route like a prompt token; ``copy_head``: whether the file has one (None: by shape,
     :func:`copy_head_by_default`).
     """

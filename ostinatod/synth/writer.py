@@ -42,14 +42,14 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
-from .quants import RECIPES
+from .quants import RECIPES, _BLOCK, _rng, quant_nbytes
 from .mix import cut_shape
 from .shapes import (ARCH_SHAPES, MERGED_GATE_UP_ARCHS, QUANTS, Routing, SHAPES, SYNTH_FORMAT, SynthError,
                      TOKEN_ENDOFTEXT, TOKEN_IM_END, copy_head_by_default, narrow_shape)
 from .vocab import load_tokenizer, named_tokens
 from .skew import router_strength
 from .archs import PLANS as _PLANS
-from .tensors import _BLOCK, _Ctx, _rng, quant_nbytes
+from .tensors import _Ctx
 
 
 def chat_template() -> str:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ostinatod.synth import cli as synth_cli
-from ostinatod.synth import shapes, vocab, tensors, writer
+from ostinatod.synth import copy_head, quants, shapes, vocab, tensors, writer
 
 
 def _sha(p: Path) -> str:
@@ -154,12 +154,12 @@ def test_routing_is_skewed_and_content_dependent():
 
 def test_copy_layer_by_architecture():
     q35 = shapes.SHAPES["qwen3.5-35b-a3b"]
-    assert tensors.copy_layer("qwen3moe", shapes.SHAPES["small"]) == 0
-    assert tensors.copy_layer("glm4moe", shapes.SHAPES["glm-4.5-air"]) == 0
-    assert tensors.copy_layer("qwen35moe", q35) == 3  # the first full-attention layer
-    assert tensors.copy_layer("qwen35moe", shapes.Shape(**{**q35.__dict__, "n_layer": 2})) is None
-    assert tensors.copy_layer("deepseek4", shapes.SHAPES["deepseek-v4-flash"]) == 0  # the first sliding-window layer
-    assert tensors.copy_layer("deepseek2", shapes.SHAPES["small"]) is None
+    assert copy_head.copy_layer("qwen3moe", shapes.SHAPES["small"]) == 0
+    assert copy_head.copy_layer("glm4moe", shapes.SHAPES["glm-4.5-air"]) == 0
+    assert copy_head.copy_layer("qwen35moe", q35) == 3  # the first full-attention layer
+    assert copy_head.copy_layer("qwen35moe", shapes.Shape(**{**q35.__dict__, "n_layer": 2})) is None
+    assert copy_head.copy_layer("deepseek4", shapes.SHAPES["deepseek-v4-flash"]) == 0  # the first sliding-window layer
+    assert copy_head.copy_layer("deepseek2", shapes.SHAPES["small"]) is None
 
 
 def test_copy_head_only_on_the_real_shapes_by_default():
@@ -254,7 +254,7 @@ def test_quant_blocks_are_valid():
 
     rng = np.random.default_rng(0)
     for qt in (shapes.QUANTS["q4_0"], shapes.QUANTS["q8_0"]):
-        blocks = tensors.random_quant_blocks((4, 64, 128), qt, 0.05, rng)
+        blocks = quants.random_quant_blocks((4, 64, 128), qt, 0.05, rng)
         vals = gguf.quants.dequantize(blocks, qt)
         assert vals.shape == (4, 64, 128)
         assert np.isfinite(vals).all()

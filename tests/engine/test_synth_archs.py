@@ -99,7 +99,7 @@ def test_recipe_mix_per_tensor_and_layer(tmp_path: Path):
 
 @pytest.mark.parametrize("qt", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS, QT.Q5_0, QT.Q5_1, QT.IQ4_NL])
 def test_random_blocks_are_valid(qt: QT):
-    from ostinatod.synth.tensors import random_quant_blocks
+    from ostinatod.synth.quants import random_quant_blocks
 
     blocks = random_quant_blocks((4, 16, 512), qt, 0.05, np.random.default_rng(0))
     vals = gguf.quants.dequantize(blocks, qt)

@@ -1,4 +1,4 @@
-"""The copy head's choice of position (ostinatod/synth/tensors.py, "the copy head"): a constant
+"""The copy head's choice of position (ostinatod/synth/copy_head.py): a constant
 query and key whose rotary phases put the score's peak at the distance ``copy_lag``, whatever
 the tokens, so a reply copies its context by occurrence. Pure functions: no file is written."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from ostinatod.synth import tensors
+from ostinatod.synth import copy_head, tensors
 from ostinatod.synth.shapes import SHAPES, Routing, narrow_shape
 
 
@@ -23,7 +23,7 @@ def _ctx(arch: str, shape: str, narrow: bool = True, **routing) -> tensors._Ctx:
 def _rope(x: np.ndarray, pos: int, n_rot: int, base: float, norm: bool = False) -> np.ndarray:
     """ggml's rope of one head vector at ``pos``: NEOX, dims i and i + n_rot/2 rotated by
     pos * theta_i; ``norm`` (deepseek4): dims 2i and 2i + 1 of the last n_rot dims."""
-    th = tensors.rope_thetas(n_rot, base) * pos
+    th = copy_head.rope_thetas(n_rot, base) * pos
     y = x.astype(np.float64).copy()
     if norm:
         o = len(x) - n_rot
@@ -38,14 +38,14 @@ def _rope(x: np.ndarray, pos: int, n_rot: int, base: float, norm: bool = False) 
 
 @pytest.mark.parametrize("n_rot,base", [(16, 1e7), (32, 1e6), (64, 1e6), (128, 1e6)])
 def test_copy_spectrum_peaks_at_the_lag(n_rot, base):
-    w, side = tensors.copy_spectrum(n_rot, base, lag=96, span=2048)
+    w, side = copy_head.copy_spectrum(n_rot, base, lag=96, span=2048)
     assert w.sum() == pytest.approx(1.0) and (w >= 0).all()
-    th = tensors.rope_thetas(n_rot, base)
+    th = copy_head.rope_thetas(n_rot, base)
     f = np.cos(np.outer(np.arange(2048) - 96, th)) @ w
     assert f.argmax() == 96 and f[96] == pytest.approx(1.0)
     assert np.delete(f, 96).max() == pytest.approx(side) and side < 0.97
     # more rotary pairs, a sharper peak
-    assert tensors.copy_spectrum(128, 1e6, 96, 2048)[1] < tensors.copy_spectrum(16, 1e7, 96, 2048)[1]
+    assert copy_head.copy_spectrum(128, 1e6, 96, 2048)[1] < copy_head.copy_spectrum(16, 1e7, 96, 2048)[1]
 
 
 @pytest.mark.parametrize("arch,shape", [("qwen3moe", "qwen3-30b-a3b"), ("glm4moe", "glm-4.5-air"),
@@ -56,8 +56,8 @@ def test_copy_head_scores_the_lag_highest_by_the_margin(arch, shape):
     applied as ggml does): the key ``copy_lag`` back scores ``copy_peak`` and beats every other by
     at least ``copy_sharpness``."""
     cx = _ctx(arch, shape, copy_lag=64)
-    n_rot, base = tensors._rope(cx)
-    q, k = tensors.copy_qk(cx)
+    n_rot, base = copy_head._rope(cx)
+    q, k = copy_head.copy_qk(cx)
     hd, ds4 = cx.shape.head_dim, arch == "deepseek4"
     rot = slice(hd - n_rot, hd) if ds4 else slice(0, n_rot)
     assert np.count_nonzero(q) == np.count_nonzero(q[rot]) and np.count_nonzero(k) == np.count_nonzero(k[rot])
@@ -66,7 +66,7 @@ def test_copy_head_scores_the_lag_highest_by_the_margin(arch, shape):
     scores = np.array([qr @ _rope(k, j, n_rot, base, ds4) for j in range(first, p + 1)]) / math.sqrt(hd)
     scores = np.concatenate([np.full(first, -np.inf), scores])
     assert scores.argmax() == p - 64
-    assert scores[p - 64] == pytest.approx(tensors.copy_peak(cx), rel=1e-4)
+    assert scores[p - 64] == pytest.approx(copy_head.copy_peak(cx), rel=1e-4)
     assert scores[p - 64] - np.delete(scores, p - 64).max() >= cx.routing.copy_sharpness - 1e-3
 
 
@@ -102,19 +102,19 @@ def test_copy_layer_weights_read_the_anchor_only():
     token alone; glm4moe's come from its biases."""
     cx = _ctx("qwen3moe", "qwen3-30b-a3b", narrow=False)
     s, d, hd = cx.shape, cx.shape.n_embd, cx.shape.head_dim
-    wq = tensors._copy_attn(cx, "blk.0.attn_q", (s.n_head * hd, d), d ** -0.5, "attn_q", False)()
-    wk = tensors._copy_attn(cx, "blk.0.attn_k", (s.n_head_kv * hd, d), d ** -0.5, "attn_k", False)()
+    wq = copy_head._copy_attn(cx, "blk.0.attn_q", (s.n_head * hd, d), d ** -0.5, "attn_q", False)()
+    wk = copy_head._copy_attn(cx, "blk.0.attn_k", (s.n_head_kv * hd, d), d ** -0.5, "attn_k", False)()
     deq = lambda b: tensors.gguf.quants.dequantize(b, tensors.QT.F16 if b.dtype == np.float16 else cx.qt("attn_q", 0, d))  # noqa: E731
     q, k = (deq(w) for w in (wq, wk))
     assert not q[:hd, :d - 1].any() and q[:hd, d - 1].any() and q[hd:, :d - 1].any()
     assert not k[:, :d - 1].any()
-    v = tensors._copy_value(cx)
+    v = copy_head._copy_value(cx)
     assert not v[:, d - 1].any()
-    assert not tensors._copy_out_rows(cx)[-1].any()
+    assert not copy_head._copy_out_rows(cx)[-1].any()
     g = _ctx("glm4moe", "glm-4.5-air", narrow=True)
     gs = g.shape
-    bq = tensors.copy_qk_bias(g, 0, "attn_q", gs.n_head * gs.head_dim, 0.02)()
-    bk = tensors.copy_qk_bias(g, 0, "attn_k", gs.n_head_kv * gs.head_dim, 0.02)()
-    qg, kg = tensors.copy_qk(g)
+    bq = copy_head.copy_qk_bias(g, 0, "attn_q", gs.n_head * gs.head_dim, 0.02)()
+    bk = copy_head.copy_qk_bias(g, 0, "attn_k", gs.n_head_kv * gs.head_dim, 0.02)()
+    qg, kg = copy_head.copy_qk(g)
     assert np.array_equal(bq[:gs.head_dim], qg) and np.array_equal(bk, np.tile(kg, gs.n_head_kv))
-    assert not np.array_equal(tensors.copy_qk_bias(g, 1, "attn_q", gs.n_head * gs.head_dim, 0.02)()[:gs.head_dim], qg)
+    assert not np.array_equal(copy_head.copy_qk_bias(g, 1, "attn_q", gs.n_head * gs.head_dim, 0.02)()[:gs.head_dim], qg)
