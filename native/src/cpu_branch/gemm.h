@@ -29,14 +29,14 @@
 
 // Activations of one expert's tokens (T of them, K values each, K a multiple of 256), packed once per
 // expert and read by every row chunk: tokens in tiles of 16 (the last one padded with zeros),
-// the values of each 64-value chunk in the tiles' byte order. Sizes in bytes:
+// the values of each 64-value chunk in the tiles' byte order, then per block and token its scale,
+// its 16-bit sums of 32 values (in pairs) and its sum. Sizes in bytes:
 size_t ost_gemm_pack_bytes(int K, int T);
-// Zeroes the pack (its padding tokens must be zero; call before the tokens are put).
-void ost_gemm_pack_clear(void * pack, int K, int T);
-// Zeroes the padding tokens of the last tile (what ost_gemm_pack_clear does for them alone).
-void ost_gemm_pack_pad(void * pack, int K, int T);
-// Puts token j's q8_K row (K / 256 blocks) into the pack. Threads may put different tokens at once.
-void ost_gemm_pack_token(void * pack, int K, int T, int j, const void * y_q8_K);
+// Packs token tile tt (tokens 16 tt .. min(T, 16 tt + 16)) for blocks [sb0, sb1) (of K / 256) from
+// the tokens' q8_K rows rows[n] (n < the tile's tokens), zeros for the tile's padding tokens. Every
+// byte it writes lies in 64-byte lines of the pack (the pack 64-byte aligned) that no other (tile,
+// block) writes: threads may pack different (tile, block range)s at once without sharing a line.
+void ost_gemm_pack_tile(void * pack, int K, int T, int tt, int sb0, int sb1, const void * const * rows);
 
 // Rows w + i * row_bytes (i < nrows) of type t (K values each) against the packed tokens:
 // out[j][i] = the row's product with token j (j < T), as ggml-cpu's tiled kernel computes it.
