@@ -169,11 +169,11 @@ void ensure() { std::call_once(g_once, check); }
 
 // The pack's parts: codes [tile][K / 64][16 kk][16 token][4]; then per block [K / 256] and token
 // [Tp] (Tp: T padded to 16): d (float), bsp [4] (32-value sums of sub-blocks 2p, 2p + 1 as two
-// 16-bit halves), qsum (the block's sum). Per block each part is Tp words, so a tile's 16 tokens
-// fill whole 64-byte lines.
+// 16-bit halves), qsum (the block's sum), bs16 [8] (16-value sums 2p, 2p + 1 as two 16-bit halves).
+// Per block each part is Tp words, so a tile's 16 tokens fill whole 64-byte lines.
 size_t ost_gemm_pack_bytes(int K, int T) {
     const size_t tp = (size_t) tiles(T) * 16, nsb = (size_t) K / 256;
-    return tp * (size_t) K + nsb * tp * sizeof(int32_t) * 6;   // codes; d; bsp [4]; qsum
+    return tp * (size_t) K + nsb * tp * sizeof(int32_t) * 14;   // codes; d; bsp [4]; qsum; bs16 [8]
 }
 
 void ost_gemm_pack_tile(void * pack, int K, int T, int tt, int sb0, int sb1, const void * const * rows) {
@@ -182,6 +182,7 @@ void ost_gemm_pack_tile(void * pack, int K, int T, int tt, int sb0, int sb1, con
     float * d = (float *) (codes + (size_t) tp * K);
     int32_t * bsp = (int32_t *) (d + (size_t) nsb * tp);
     int32_t * qsum = bsp + (size_t) nsb * 4 * tp;
+    int32_t * bs16 = qsum + (size_t) nsb * tp;
     for (int sb = sb0; sb < sb1; ++sb) {
         const size_t o = (size_t) sb * tp + (size_t) tt * 16;
         for (int n = 0; n < 16; ++n) {
@@ -200,6 +201,10 @@ void ost_gemm_pack_tile(void * pack, int K, int T, int tt, int sb0, int sb1, con
                 // 32-value sums of sub-blocks 2p and 2p + 1 (|sum| <= 4096: two 16-bit halves)
                 const uint16_t lo = (uint16_t) (bs[4 * p] + bs[4 * p + 1]), hi = (uint16_t) (bs[4 * p + 2] + bs[4 * p + 3]);
                 bsp[((size_t) sb * 4 + p) * tp + (size_t) tt * 16 + n] = (int32_t) ((uint32_t) lo | (uint32_t) hi << 16);
+            }
+            for (int p = 0; p < 8; ++p) {
+                bs16[((size_t) sb * 8 + p) * tp + (size_t) tt * 16 + n] =
+                    (int32_t) ((uint32_t) (uint16_t) bs[2 * p] | (uint32_t) (uint16_t) bs[2 * p + 1] << 16);
             }
         }
         for (int c = 0; c < 4; ++c) {

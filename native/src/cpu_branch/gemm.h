@@ -12,7 +12,11 @@
 //   r = f(s1) * d  (minus dmin * f(s2) in one fused multiply-add for q4_K / q5_K),
 //   acc = acc + r * d_y   (or one fused multiply-add, as ggml-cpu was built: see ost_gemm_epilogue)
 // over the blocks in ascending order from acc = 0. How the integers are found here:
-//   q * scale is split into two bytes, a + 128 b (q6_K: scale * (q - 32) + 4096 = a + 128 b), so that
+//   AVX-512 VNNI: the raw values q (unsigned bytes: 0-15, 0-31, 0-63) of each sub-block against the
+//   activations in one VPDPBUSD chain per row and token tile started from zero, the sum times the
+//   sub-block's scale in 32 bits, added up over the sub-blocks (q6_K: less 32 * sum_s scale_s *
+//   bsum16_s); the weights' preparation only unpacks the values.
+//   AMX: q * scale is split into two bytes, a + 128 b (q6_K: scale * (q - 32) + 4096 = a + 128 b), so that
 //   one integer dot product of each byte plane with the activations, over the whole block, gives
 //   s1 = dot(a, y) + 128 dot(b, y) (q6_K: less 4096 * sum y). Tiles multiply unsigned bytes (the
 //   weight planes, 16 rows x 64 values) by signed bytes (the activations, 64 values x 16 tokens).
@@ -30,7 +34,7 @@
 // Activations of one expert's tokens (T of them, K values each, K a multiple of 256), packed once per
 // expert and read by every row chunk: tokens in tiles of 16 (the last one padded with zeros),
 // the values of each 64-value chunk in the tiles' byte order, then per block and token its scale,
-// its 16-bit sums of 32 values (in pairs) and its sum. Sizes in bytes:
+// its 16-bit sums of 32 and of 16 values (in pairs) and its sum. Sizes in bytes:
 size_t ost_gemm_pack_bytes(int K, int T);
 // Packs token tile tt (tokens 16 tt .. min(T, 16 tt + 16)) for blocks [sb0, sb1) (of K / 256) from
 // the tokens' q8_K rows rows[n] (n < the tile's tokens), zeros for the tile's padding tokens. Every

@@ -130,6 +130,7 @@ struct pack_view {
     const float * d;        // [K / 256][Tp]
     const int32_t * bsp;    // [K / 256][4][Tp]
     const int32_t * qsum;   // [K / 256][Tp]
+    const int32_t * bs16;   // [K / 256][8][Tp]: 16-value sums 2p, 2p + 1 as two 16-bit halves
     int Tp, kc;             // tokens padded to 16; 64-value chunks per row
 };
 
@@ -162,30 +163,6 @@ OST_AMX_ISSUE(0, 1)
 OST_AMX_ISSUE(5, 6)
 #undef OST_AMX_ISSUE
 
-// The same sums with AVX-512 VNNI, stored as the tiles would be
-void vnni_sums(const prep_t & p, const int8_t * bt, int32_t (*ca)[16], int32_t (*cb)[16]) {
-    for (int h = 0; h < 2; ++h) {
-        __m512i sa[8], sbv[8];
-        for (int r = 0; r < 8; ++r) { sa[r] = _mm512_setzero_si512(); sbv[r] = _mm512_setzero_si512(); }
-        for (int c = 0; c < 4; ++c) {
-            for (int kk = 0; kk < 16; ++kk) {
-                const __m512i y = _mm512_loadu_si512((const __m512i *) (bt + c * 1024 + kk * 64));
-                for (int r = 0; r < 8; ++r) {
-                    int32_t wa, wb;
-                    memcpy(&wa, p.a[c][8 * h + r] + 4 * kk, 4);
-                    memcpy(&wb, p.b[c][8 * h + r] + 4 * kk, 4);
-                    sa[r] = _mm512_dpbusd_epi32(sa[r], _mm512_set1_epi32(wa), y);
-                    sbv[r] = _mm512_dpbusd_epi32(sbv[r], _mm512_set1_epi32(wb), y);
-                }
-            }
-        }
-        for (int r = 0; r < 8; ++r) {
-            _mm512_store_si512((__m512i *) ca[8 * h + r], sa[r]);
-            _mm512_store_si512((__m512i *) cb[8 * h + r], sbv[r]);
-        }
-    }
-}
-
 // ggml-cpu's tiled epilogue (ggml-cpu/tiled/tiled-kernel.cpp) for one block and 16 rows x 16 tokens:
 // r = f(s1) d - dmin f(s2) (one fused multiply-add), acc = acc + r dy (fused or not, as ggml was built)
 template <int TYPE, bool FMA>
@@ -216,6 +193,193 @@ inline void epilogue(const prep_t & p, const pack_view & pk, int sb, int tt, con
     }
 }
 
+// ---- AVX-512 VNNI: one plane of the raw values, the scales applied per sub-block ----
+//
+// Per row and block the integer sums are found as
+//   s1 = sum_s scale_s * dot_s(q, y)      (q6_K: less 32 * sum_s scale_s * bsum16_s)
+// with dot_s one sub-block's exact sum of unsigned values q (0-15 / 0-31 / 0-63) times the
+// activations (one VPDPBUSD chain per row and token tile, started from zero for each sub-block),
+// multiplied by the sub-block's scale in 32 bits and added up. Half the VPDPBUSDs of the two byte
+// planes, and the weights' preparation only unpacks the values.
+
+// One block of 16 weight rows, unpacked: per row its 256 values as bytes, q4_K / q5_K in the order
+// of the nibbles (bytes 128 m + 0..63: the low nibbles of qs[64 m .. 64 m + 63], 128 m + 64..127 the
+// high ones: sub-block s at 128 (s / 4) + 64 (s % 2) + 32 (s / 2 % 2)), q6_K in the values' order.
+struct alignas(64) prepv_t {
+    uint8_t q[16][256];
+    int32_t sc[16][16];    // the sub-blocks' scales (q4_K / q5_K: 8 of 32 values; q6_K: 16 of 16)
+    int32_t mp[16][8];     // q4_K / q5_K: the mins in pairs (as prep_t's minp); q6_K: the scales in pairs
+    float d[16], dmin[16];
+};
+
+template <int TYPE> void prepv_row(prepv_t & p, int r, const uint8_t * row, int sb);
+
+template <int TYPE> inline void prepv_k45(prepv_t & p, int r, const uint16_t * dd, const uint8_t * scales,
+                                          const uint8_t * qs, const uint8_t * qh) {
+    p.d[r] = h2f(dd[0]);
+    p.dmin[r] = h2f(dd[1]);
+    const __m128i sm = k_scales(scales);
+    _mm256_store_si256((__m256i *) p.sc[r], _mm256_cvtepu8_epi32(sm));
+    _mm_store_si128((__m128i *) p.mp[r], _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    __m512i h = _mm512_setzero_si512();
+    if (TYPE == T_Q5_K) h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) qh));
+    for (int m = 0; m < 2; ++m) {
+        const __m512i v = _mm512_loadu_si512((const __m512i *) (qs + 64 * m));
+        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        if (TYPE == T_Q5_K) {
+            // value l of sub-block s has its fifth bit in bit s of qh[l]: lo holds sub-blocks 4m, 4m + 2,
+            // hi 4m + 1, 4m + 3 (32 bytes each)
+            const __m512i blo = _mm512_inserti64x4(_mm512_set1_epi8((char) (1 << (4 * m))),
+                                                   _mm256_set1_epi8((char) (1 << (4 * m + 2))), 1);
+            const __m512i k16 = _mm512_set1_epi8(16);
+            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h, blo), lo, k16);
+            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h, _mm512_add_epi8(blo, blo)), hi, k16);
+        }
+        _mm512_store_si512((__m512i *) (p.q[r] + 128 * m), lo);
+        _mm512_store_si512((__m512i *) (p.q[r] + 128 * m + 64), hi);
+    }
+}
+
+template <> void prepv_row<T_Q4_K>(prepv_t & p, int r, const uint8_t * row, int sb) {
+    const blk_q4_K * x = (const blk_q4_K *) row + sb;
+    prepv_k45<T_Q4_K>(p, r, &x->d, x->scales, x->qs, nullptr);
+}
+
+template <> void prepv_row<T_Q5_K>(prepv_t & p, int r, const uint8_t * row, int sb) {
+    const blk_q5_K * x = (const blk_q5_K *) row + sb;
+    prepv_k45<T_Q5_K>(p, r, &x->d, x->scales, x->qs, x->qh);
+}
+
+template <> void prepv_row<T_Q6_K>(prepv_t & p, int r, const uint8_t * row, int sb) {
+    const blk_q6_K * x = (const blk_q6_K *) row + sb;
+    p.d[r] = h2f(x->d);
+    p.dmin[r] = 0.0f;
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *) x->scales);
+    _mm512_store_si512((__m512i *) p.sc[r], _mm512_cvtepi8_epi32(sc8));
+    _mm256_store_si256((__m256i *) p.mp[r], _mm256_cvtepi8_epi16(sc8));
+    const __m512i m4 = _mm512_set1_epi8(0xF), m3 = _mm512_set1_epi8(3);
+    // the top two bits of value l (l < 32) of chunk 2n + odd's first / second 32 values: qh[32 n + l]
+    // at bits 4 odd + 0 / 4 odd + 2 (words: the same shift for both bytes, masked after)
+    const __m512i sh0 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i sh1 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    for (int n = 0; n < 2; ++n) {
+        // half n: values l of chunk 2n + odd from ql[64 n + l] (l < 64; low nibbles in chunk 2n, high in 2n + 1)
+        const __m512i v = _mm512_loadu_si512((const __m512i *) (x->ql + 64 * n));
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (x->qh + 32 * n)));
+        const __m512i t0 = _mm512_and_si512(_mm512_srlv_epi16(h, sh0), m3);
+        const __m512i t1 = _mm512_and_si512(_mm512_srlv_epi16(h, sh1), m3);
+        const __m512i q0 = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_slli_epi16(t0, 4));
+        const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_slli_epi16(t1, 4));
+        _mm512_store_si512((__m512i *) (p.q[r] + 128 * n), q0);
+        _mm512_store_si512((__m512i *) (p.q[r] + 128 * n + 64), q1);
+    }
+}
+
+template <int TYPE> void prepv_block(prepv_t & p, const uint8_t * w, size_t rb, int nr, int sb) {
+    for (int r = 0; r < nr; ++r) prepv_row<TYPE>(p, r, w + (size_t) r * rb, sb);
+    for (int r = nr; r < 16; ++r) {
+        memset(p.q[r], 0, sizeof(p.q[r]));
+        memset(p.sc[r], 0, sizeof(p.sc[r]));
+        memset(p.mp[r], 0, sizeof(p.mp[r]));
+        p.d[r] = p.dmin[r] = 0.0f;
+    }
+}
+
+// Sub-blocks per block, 4-byte words per sub-block; word j (values 4 j .. 4 j + 3) of sub-block s is
+// word kk = kbase(s) + 4 (j / 2) + j % 2 of the pack's chunk chunk(s) (ost_gemm_pack_tile's order)
+// and bytes wbase(s) + 4 j of prepv_t's row
+template <int TYPE> struct subs {
+    static constexpr int N = TYPE == T_Q6_K ? 16 : 8;
+    static constexpr int W = TYPE == T_Q6_K ? 4 : 8;
+    static int chunk(int s) { return TYPE == T_Q6_K ? s / 4 : s / 2; }
+    static int kbase(int s) { return TYPE == T_Q6_K ? 8 * (s % 2) + 2 * (s % 4 / 2) : 2 * (s % 2); }
+    static int wbase(int s) { return TYPE == T_Q6_K ? 16 * s : 128 * (s / 4) + 64 * (s % 2) + 32 * (s / 2 % 2); }
+};
+
+inline __m512i bcast32(const void * p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// Rows 8 h .. 8 h + 7 of block sb against token tile tt: the integer sums and ggml's epilogue into
+// acc [16 rows][16 tokens].
+template <int TYPE, bool FMA>
+inline void vnni_rows8(const prepv_t & p, const pack_view & pk, int sb, int tt, int h, float * acc) {
+    using S = subs<TYPE>;
+    const int8_t * bt = pk.codes + ((size_t) tt * pk.kc + (size_t) sb * 4) * 1024;
+    __m512i tot[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) tot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int s = 0; s < S::N; ++s) {
+        const int8_t * yb = bt + S::chunk(s) * 1024 + S::kbase(s) * 64;
+        const uint8_t * qb = p.q[8 * h] + S::wbase(s);
+        const int32_t * sc = &p.sc[8 * h][s];
+        __m512i a[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < S::W; ++j) {
+            const __m512i y = _mm512_load_si512((const __m512i *) (yb + (4 * (j / 2) + j % 2) * 64));
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; ++r) a[r] = _mm512_dpbusd_epi32(a[r], bcast32(qb + r * 256 + 4 * j), y);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(a[r], bcast32(sc + r * 16)));
+    }
+    const size_t o = (size_t) sb * pk.Tp + (size_t) tt * 16;
+    const __m512 dy = _mm512_loadu_ps(pk.d + o);
+    __m512i bs[8];
+    if (TYPE == T_Q6_K) {
+        for (int i = 0; i < 8; ++i) bs[i] = _mm512_loadu_si512((const __m512i *) (pk.bs16 + ((size_t) sb * 8 + i) * pk.Tp + tt * 16));
+    } else {
+        for (int i = 0; i < 4; ++i) bs[i] = _mm512_loadu_si512((const __m512i *) (pk.bsp + ((size_t) sb * 4 + i) * pk.Tp + tt * 16));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+        const int row = 8 * h + r;
+        __m512i s1 = tot[r];
+        if (TYPE == T_Q6_K) {
+            __m512i c = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[0], _mm512_set1_epi32(p.mp[row][0]));
+            for (int i = 1; i < 8; ++i) c = _mm512_dpwssd_epi32(c, bs[i], _mm512_set1_epi32(p.mp[row][i]));
+            s1 = _mm512_sub_epi32(s1, _mm512_slli_epi32(c, 5));
+        }
+        __m512 res = _mm512_mul_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(p.d[row]));
+        if (TYPE != T_Q6_K) {
+            __m512i s2 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[0], _mm512_set1_epi32(p.mp[row][0]));
+            for (int i = 1; i < 4; ++i) s2 = _mm512_dpwssd_epi32(s2, bs[i], _mm512_set1_epi32(p.mp[row][i]));
+            res = _mm512_fnmadd_ps(_mm512_set1_ps(p.dmin[row]), _mm512_cvtepi32_ps(s2), res);
+        }
+        float * a = acc + (size_t) row * 16;
+        const __m512 av = _mm512_load_ps(a);
+        _mm512_store_ps(a, FMA ? _mm512_fmadd_ps(res, dy, av) : _mm512_add_ps(av, _mm512_mul_ps(res, dy)));
+    }
+}
+
+// 16 rows (nr of them real) of type TYPE against every token of the pack on AVX-512 VNNI.
+// acc: [tiles][16 rows][16 tokens].
+template <int TYPE, bool FMA>
+void rows16_vnni(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, int T, float * const * out,
+                 int row0, prepv_t & pv, float * acc) {
+    const int nsb = K / 256, ntt = pk.Tp / 16;
+    memset(acc, 0, sizeof(float) * 256 * (size_t) ntt);
+    for (int sb = 0; sb < nsb; ++sb) {
+        prepv_block<TYPE>(pv, w, rb, nr, sb);
+        for (int tt = 0; tt < ntt; ++tt) {
+            vnni_rows8<TYPE, FMA>(pv, pk, sb, tt, 0, acc + (size_t) tt * 256);
+            if (nr > 8) vnni_rows8<TYPE, FMA>(pv, pk, sb, tt, 1, acc + (size_t) tt * 256);
+        }
+    }
+    for (int tt = 0; tt < ntt; ++tt) {
+        for (int n = 0; n < 16 && tt * 16 + n < T; ++n) {
+            float * o = out[tt * 16 + n] + row0;
+            for (int r = 0; r < nr; ++r) o[r] = acc[(size_t) tt * 256 + (size_t) r * 16 + n];
+        }
+    }
+}
+
 // Block sb of 16 rows (nr of them real) prepared into p; rows past the end get zero planes (their
 // results are not stored).
 template <int TYPE> void prep_block(prep_t & p, const uint8_t * w, size_t rb, int nr, int sb) {
@@ -230,7 +394,7 @@ template <int TYPE> void prep_block(prep_t & p, const uint8_t * w, size_t rb, in
 // 16 rows (nr of them real) of type TYPE against every token of the pack. The block after the
 // current one is prepared on the vector units while the current one's sums run on the tiles, and
 // each token tile's epilogue runs while the next tile's sums do. acc: [tiles][16 rows][16 tokens].
-template <int TYPE, bool AMX, bool FMA>
+template <int TYPE, bool FMA>
 void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, int T, float * const * out,
             int row0, prep_t * pr, float * acc) {
     const int nsb = K / 256, ntt = pk.Tp / 16;
@@ -243,26 +407,18 @@ void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, i
         for (int tt = 0; tt < ntt; ++tt) {
             const int h = tt & 1;
             const int8_t * bt = bs + (size_t) tt * pk.kc * 1024;
-            if (AMX) {
-                if (h) amx_issue_5(p, bt);
-                else amx_issue_0(p, bt);
-            } else {
-                vnni_sums(p, bt, c0[h], c1[h]);
-            }
+            if (h) amx_issue_5(p, bt);
+            else amx_issue_0(p, bt);
             if (tt == 0 && sb + 1 < nsb) prep_block<TYPE>(pr[(sb + 1) & 1], w, rb, nr, sb + 1);
             if (tt > 0) {   // the previous tile's sums are done by now (or soon): its epilogue
-                if (AMX) {
-                    if (h) { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
-                    else { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
-                }
+                if (h) { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
+                else { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
                 epilogue<TYPE, FMA>(p, pk, sb, tt - 1, c0[h ^ 1], c1[h ^ 1], acc + (size_t) (tt - 1) * 256);
             }
         }
         const int h = (ntt - 1) & 1;
-        if (AMX) {
-            if (h) { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
-            else { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
-        }
+        if (h) { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
+        else { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
         epilogue<TYPE, FMA>(p, pk, sb, ntt - 1, c0[h], c1[h], acc + (size_t) (ntt - 1) * 256);
     }
     for (int tt = 0; tt < ntt; ++tt) {
@@ -275,7 +431,6 @@ void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, i
 
 template <int TYPE, bool AMX, bool FMA>
 void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T, float * const * out) {
-    static thread_local prep_t pr[2];
     static thread_local float * acc = nullptr;
     static thread_local int acc_tiles = 0;
     const int ntt = pk.Tp / 16;
@@ -284,11 +439,19 @@ void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & 
         acc = (float *) aligned_alloc(64, sizeof(float) * 256 * (size_t) ntt);
         acc_tiles = ntt;
     }
-    if (AMX) _tile_loadconfig(&TILES);
-    for (int r0 = 0; r0 < nrows; r0 += 16) {
-        rows16<TYPE, AMX, FMA>(K, w + (size_t) r0 * rb, rb, nrows - r0 < 16 ? nrows - r0 : 16, pk, T, out, r0, pr, acc);
+    if (!AMX) {
+        static thread_local prepv_t pv;
+        for (int r0 = 0; r0 < nrows; r0 += 16) {
+            rows16_vnni<TYPE, FMA>(K, w + (size_t) r0 * rb, rb, nrows - r0 < 16 ? nrows - r0 : 16, pk, T, out, r0, pv, acc);
+        }
+        return;
     }
-    if (AMX) _tile_release();
+    static thread_local prep_t pr[2];
+    _tile_loadconfig(&TILES);
+    for (int r0 = 0; r0 < nrows; r0 += 16) {
+        rows16<TYPE, FMA>(K, w + (size_t) r0 * rb, rb, nrows - r0 < 16 ? nrows - r0 : 16, pk, T, out, r0, pr, acc);
+    }
+    _tile_release();
 }
 
 template <int TYPE> bool rows_t(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T,
@@ -316,6 +479,7 @@ bool ost_gemm_rows_avx512(int type, int K, const void * w, size_t rb, int nrows,
     pk.d = (const float *) (pk.codes + (size_t) pk.Tp * K);
     pk.bsp = (const int32_t *) (pk.d + (size_t) nsb * pk.Tp);
     pk.qsum = pk.bsp + (size_t) nsb * 4 * pk.Tp;
+    pk.bs16 = pk.qsum + (size_t) nsb * pk.Tp;
     const uint8_t * wr = (const uint8_t *) w;
     switch (type) {
         case T_Q4_K: return rows_t<T_Q4_K>(K, wr, rb, nrows, pk, T, out, amx, fma);
