@@ -167,13 +167,13 @@ void ensure() { std::call_once(g_once, check); }
 
 }  // namespace
 
-// The pack's parts: codes [tile][K / 64][16 kk][16 token][4]; then per block [K / 256] and token
-// [Tp] (Tp: T padded to 16): d (float), bsp [4] (32-value sums of sub-blocks 2p, 2p + 1 as two
-// 16-bit halves), qsum (the block's sum), bs16 [8] (16-value sums 2p, 2p + 1 as two 16-bit halves).
-// Per block each part is Tp words, so a tile's 16 tokens fill whole 64-byte lines.
+// The pack's parts: codes [tile][K / 64][16 kk][16 token][4] (word kk of a token: values 4 kk ..
+// 4 kk + 3 of the chunk); then per block [K / 256] and token [Tp] (Tp: T padded to 16): d (float),
+// bsp [4] (32-value sums of sub-blocks 2p, 2p + 1 as two 16-bit halves), bs16 [8] (16-value sums
+// 2p, 2p + 1 likewise). Per block each part is Tp words, so a tile's 16 tokens fill whole 64-byte lines.
 size_t ost_gemm_pack_bytes(int K, int T) {
     const size_t tp = (size_t) tiles(T) * 16, nsb = (size_t) K / 256;
-    return tp * (size_t) K + nsb * tp * sizeof(int32_t) * 14;   // codes; d; bsp [4]; qsum; bs16 [8]
+    return tp * (size_t) K + nsb * tp * sizeof(int32_t) * 13;   // codes; d; bsp [4]; bs16 [8]
 }
 
 void ost_gemm_pack_tile(void * pack, int K, int T, int tt, int sb0, int sb1, const void * const * rows) {
@@ -181,8 +181,7 @@ void ost_gemm_pack_tile(void * pack, int K, int T, int tt, int sb0, int sb1, con
     int8_t * codes = (int8_t *) pack;
     float * d = (float *) (codes + (size_t) tp * K);
     int32_t * bsp = (int32_t *) (d + (size_t) nsb * tp);
-    int32_t * qsum = bsp + (size_t) nsb * 4 * tp;
-    int32_t * bs16 = qsum + (size_t) nsb * tp;
+    int32_t * bs16 = bsp + (size_t) nsb * 4 * tp;
     for (int sb = sb0; sb < sb1; ++sb) {
         const size_t o = (size_t) sb * tp + (size_t) tt * 16;
         for (int n = 0; n < 16; ++n) {
@@ -194,9 +193,6 @@ void ost_gemm_pack_tile(void * pack, int K, int T, int tt, int sb0, int sb1, con
                 memcpy(bs, blk + 4 + 256, sizeof(bs));
             }
             d[o + n] = dn;
-            int32_t sum = 0;
-            for (int i = 0; i < 16; ++i) sum += bs[i];
-            qsum[o + n] = sum;
             for (int p = 0; p < 4; ++p) {
                 // 32-value sums of sub-blocks 2p and 2p + 1 (|sum| <= 4096: two 16-bit halves)
                 const uint16_t lo = (uint16_t) (bs[4 * p] + bs[4 * p + 1]), hi = (uint16_t) (bs[4 * p + 2] + bs[4 * p + 3]);
@@ -209,11 +205,8 @@ void ost_gemm_pack_tile(void * pack, int K, int T, int tt, int sb0, int sb1, con
         }
         for (int c = 0; c < 4; ++c) {
             int8_t * tile = codes + ((size_t) tt * kc + (size_t) sb * 4 + c) * 1024;
-            // dword kk of a token holds values kk's 4 bytes of the prepared weights' order (cpu_branch/gemm_avx512.cpp,
-            // prep_t): bytes 16 i + 0..7 are values 8 i + 0..7, bytes 16 i + 8..15 values 32 + 8 i + 0..7
             for (int kk = 0; kk < 16; ++kk) {
-                const int i = kk / 4, q = kk % 4;
-                const int off = 64 * c + (q < 2 ? 8 * i + 4 * q : 24 + 8 * i + 4 * q);
+                const int off = 64 * c + 4 * kk;
                 int8_t * line = tile + kk * 64;
                 for (int n = 0; n < nt; ++n) memcpy(line + n * 4, (const uint8_t *) rows[n] + (size_t) sb * Q8K_BYTES + 4 + off, 4);
                 if (nt < 16) memset(line + nt * 4, 0, (size_t) (16 - nt) * 4);

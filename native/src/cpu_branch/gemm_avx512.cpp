@@ -34,187 +34,27 @@ inline __m128i k_scales(const uint8_t * q) {
                          (int) ((c & nib) | ((a >> 2) & top2)), (int) (a & low6));
 }
 
-// One block (256 values) of 16 weight rows, prepared: two byte planes a and b with
-// q * scale = a + 128 b (q6_K: scale * (q - 32) + 4096 = a + 128 b), each 4 chunks x 16 rows x 64
-// bytes (an AMX A tile per chunk). A chunk's 64 bytes are its values in the order of
-// _mm512_packus_epi16 of its two halves of 32: byte 16 i + j is value 8 i + j (j < 8) or
-// 32 + 8 i + j - 8 (j >= 8); the activations are packed in the same order (ost_gemm_pack_token).
+// How the integer sums of a row, block and token are found (AMX and VNNI alike):
+//   s1 = sum_s scale_s * dot_s(q, y)      (q6_K: less 32 * sum_s scale_s * bsum16_s)
+// dot_s: one sub-block's exact sum of the raw values q (unsigned bytes: 0-15, 0-31, 0-63) times
+// the activations, summed from zero for each sub-block (AMX: one tile product of K = 32 / 16 per
+// sub-block; VNNI: one VPDPBUSD chain per row and token tile), then multiplied by the sub-block's
+// scale in 32 bits and added up. The weights' preparation only unpacks the values into bytes.
+
+// One block (256 values) of 16 weight rows, unpacked: per row its 256 values as bytes, q4_K / q5_K
+// in the order of the nibbles (bytes 128 m + 0..63: the low nibbles of qs[64 m .. 64 m + 63],
+// 128 m + 64..127 the high ones: sub-block s at 128 (s / 4) + 64 (s % 2) + 32 (s / 2 % 2)), q6_K in
+// the values' order (sub-block s at 16 s). Rows are 256 bytes apart (an AMX A tile's stride).
 struct alignas(64) prep_t {
-    uint8_t a[4][16][64];
-    uint8_t b[4][16][64];
+    uint8_t q[16][256];
+    int32_t sc[16][16];    // the sub-blocks' scales (q4_K / q5_K: 8 of 32 values; q6_K: 16 of 16)
+    int32_t mp[16][8];     // pairs of 16-bit halves: q4_K / q5_K the mins of sub-blocks 2p, 2p + 1; q6_K their scales
     float d[16], dmin[16];
-    int32_t minp[16][4];   // q4_K / q5_K: mins of sub-blocks (2p, 2p + 1) as two 16-bit halves
 };
-
-// word i of x broadcast over all 32 words
-inline __m512i word(__m512i x, int i) { return _mm512_permutexvar_epi16(_mm512_set1_epi16((short) i), x); }
-inline __m512i words2(__m512i x, int i, int j) {   // word i in words 0-15, word j in words 16-31
-    return _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short) i), _mm256_set1_epi16((short) j), 1), x);
-}
-
-// w0, w1: the 32 + 32 values of a chunk times their scales (16-bit words, 0 <= w < 2^14)
-inline void put_planes(prep_t & p, int c, int r, __m512i w0, __m512i w1) {
-    const __m512i m7 = _mm512_set1_epi16(127);
-    _mm512_store_si512((__m512i *) p.a[c][r], _mm512_packus_epi16(_mm512_and_si512(w0, m7), _mm512_and_si512(w1, m7)));
-    _mm512_store_si512((__m512i *) p.b[c][r], _mm512_packus_epi16(_mm512_srli_epi16(w0, 7), _mm512_srli_epi16(w1, 7)));
-}
 
 template <int TYPE> void prep_row(prep_t & p, int r, const uint8_t * row, int sb);
 
-// q4_K / q5_K: scales and mins, the 4-bit values (and q5_K's fifth bits from qh)
 template <int TYPE> inline void prep_k45(prep_t & p, int r, const uint16_t * dd, const uint8_t * scales,
-                                         const uint8_t * qs, const uint8_t * qh) {
-    p.d[r] = h2f(dd[0]);
-    p.dmin[r] = h2f(dd[1]);
-    const __m128i sm = k_scales(scales);
-    _mm_store_si128((__m128i *) p.minp[r], _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
-    const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sm));   // words 0-7: the scales
-    const __m512i m4 = _mm512_set1_epi16(0xF);
-    __m512i h = _mm512_setzero_si512();
-    if (TYPE == T_Q5_K) h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) qh));
-    for (int c = 0; c < 4; ++c) {
-        const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (qs + 32 * c)));
-        __m512i q0 = _mm512_and_si512(q, m4), q1 = _mm512_srli_epi16(q, 4);
-        if (TYPE == T_Q5_K) {
-            // value l of sub-block 2c has its fifth bit in bit 2c of qh[l], of 2c + 1 in bit 2c + 1
-            const __m512i one = _mm512_set1_epi16(1);
-            q0 = _mm512_or_si512(q0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c), one), 4));
-            q1 = _mm512_or_si512(q1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
-        }
-        put_planes(p, c, r, _mm512_mullo_epi16(q0, word(sc, 2 * c)), _mm512_mullo_epi16(q1, word(sc, 2 * c + 1)));
-    }
-}
-
-template <> void prep_row<T_Q4_K>(prep_t & p, int r, const uint8_t * row, int sb) {
-    const blk_q4_K * x = (const blk_q4_K *) row + sb;
-    prep_k45<T_Q4_K>(p, r, &x->d, x->scales, x->qs, nullptr);
-}
-
-template <> void prep_row<T_Q5_K>(prep_t & p, int r, const uint8_t * row, int sb) {
-    const blk_q5_K * x = (const blk_q5_K *) row + sb;
-    prep_k45<T_Q5_K>(p, r, &x->d, x->scales, x->qs, x->qh);
-}
-
-template <> void prep_row<T_Q6_K>(prep_t & p, int r, const uint8_t * row, int sb) {
-    const blk_q6_K * x = (const blk_q6_K *) row + sb;
-    p.d[r] = h2f(x->d);
-    const __m512i m4 = _mm512_set1_epi16(0xF), m3 = _mm512_set1_epi16(3);
-    const __m512i k32 = _mm512_set1_epi16(32), k4096 = _mm512_set1_epi16(4096);
-    const __m512i sc = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) x->scales)));
-    for (int n = 0; n < 2; ++n) {
-        // half n of the block: values l (< 32) of chunk 2n + odd from ql[l] and 32 + l from ql[32 + l]
-        // (low nibbles in even chunks, high in odd ones), their top 2 bits from qh[l] at bits 4 odd + 0 / + 2
-        const __m512i x1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (x->ql + 64 * n)));
-        const __m512i x2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (x->ql + 64 * n + 32)));
-        const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (x->qh + 32 * n)));
-        for (int odd = 0; odd < 2; ++odd) {
-            const int c = 2 * n + odd;
-            const __m512i l1 = odd ? _mm512_srli_epi16(x1, 4) : _mm512_and_si512(x1, m4);
-            const __m512i l2 = odd ? _mm512_srli_epi16(x2, 4) : _mm512_and_si512(x2, m4);
-            const __m512i t1 = _mm512_and_si512(_mm512_srli_epi16(h, 4 * odd), m3);
-            const __m512i t2 = _mm512_and_si512(_mm512_srli_epi16(h, 4 * odd + 2), m3);
-            const __m512i q1 = _mm512_or_si512(l1, _mm512_slli_epi16(t1, 4));
-            const __m512i q2 = _mm512_or_si512(l2, _mm512_slli_epi16(t2, 4));
-            // one scale per 16 values: values 0-15, 16-31 of each half of the chunk
-            const __m512i w0 = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_sub_epi16(q1, k32), words2(sc, 4 * c, 4 * c + 1)), k4096);
-            const __m512i w1 = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_sub_epi16(q2, k32), words2(sc, 4 * c + 2, 4 * c + 3)), k4096);
-            put_planes(p, c, r, w0, w1);
-        }
-    }
-}
-
-// The pack's parts (ost_gemm_pack_bytes): codes, then d, then the 16-bit pairs of 32-value block
-// sums, then each block's sum of codes.
-struct pack_view {
-    const int8_t * codes;   // [tile][K / 64][16 kk][16 token][4]
-    const float * d;        // [K / 256][Tp]
-    const int32_t * bsp;    // [K / 256][4][Tp]
-    const int32_t * qsum;   // [K / 256][Tp]
-    const int32_t * bs16;   // [K / 256][8][Tp]: 16-value sums 2p, 2p + 1 as two 16-bit halves
-    int Tp, kc;             // tokens padded to 16; 64-value chunks per row
-};
-
-struct alignas(64) tilecfg_t {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-// Tiles 0-6 of 16 rows x 64 bytes: 0, 1 and 5, 6 the sums of a block (two blocks in flight), 2, 3
-// the weight planes, 4 the activations. Constant data, not a local: GCC 12 drops stores into a
-// local config that only ldtilecfg reads (the instruction then faults on the garbage).
-alignas(64) const tilecfg_t TILES = { 1, 0, {}, {64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16} };
-
-// Starts the block's integer sums on the tiles: sums of plane a in tile CA, of plane b in tile CB
-// (GCC's tile intrinsics take tile numbers as literal tokens: a macro, not a template).
-#define OST_AMX_ISSUE(CA, CB)                          \
-    inline void amx_issue_##CA(const prep_t & p, const int8_t * bt) { \
-        _tile_zero(CA);                                \
-        _tile_zero(CB);                                \
-        for (int c = 0; c < 4; ++c) {                  \
-            _tile_loadd(2, p.a[c], 64);                \
-            _tile_loadd(3, p.b[c], 64);                \
-            _tile_loadd(4, bt + c * 1024, 64);         \
-            _tile_dpbusd(CA, 2, 4);                    \
-            _tile_dpbusd(CB, 3, 4);                    \
-        }                                              \
-    }
-OST_AMX_ISSUE(0, 1)
-OST_AMX_ISSUE(5, 6)
-#undef OST_AMX_ISSUE
-
-// ggml-cpu's tiled epilogue (ggml-cpu/tiled/tiled-kernel.cpp) for one block and 16 rows x 16 tokens:
-// r = f(s1) d - dmin f(s2) (one fused multiply-add), acc = acc + r dy (fused or not, as ggml was built)
-template <int TYPE, bool FMA>
-inline void epilogue(const prep_t & p, const pack_view & pk, int sb, int tt, const int32_t (*ca)[16],
-                     const int32_t (*cb)[16], float * acc) {
-    const size_t o = (size_t) sb * pk.Tp + (size_t) tt * 16;
-    const __m512 dy = _mm512_loadu_ps(pk.d + o);
-    __m512i qs12 = _mm512_setzero_si512(), bs[4];
-    if (TYPE == T_Q6_K) {
-        qs12 = _mm512_slli_epi32(_mm512_loadu_si512((const __m512i *) (pk.qsum + o)), 12);
-    } else {
-        for (int i = 0; i < 4; ++i) bs[i] = _mm512_loadu_si512((const __m512i *) (pk.bsp + ((size_t) sb * 4 + i) * pk.Tp + tt * 16));
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < 16; ++r) {
-        __m512i s1 = _mm512_add_epi32(_mm512_load_si512((const __m512i *) ca[r]),
-                                      _mm512_slli_epi32(_mm512_load_si512((const __m512i *) cb[r]), 7));
-        if (TYPE == T_Q6_K) s1 = _mm512_sub_epi32(s1, qs12);
-        __m512 res = _mm512_mul_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(p.d[r]));
-        if (TYPE != T_Q6_K) {
-            __m512i s2 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[0], _mm512_set1_epi32(p.minp[r][0]));
-            for (int i = 1; i < 4; ++i) s2 = _mm512_dpwssd_epi32(s2, bs[i], _mm512_set1_epi32(p.minp[r][i]));
-            res = _mm512_fnmadd_ps(_mm512_set1_ps(p.dmin[r]), _mm512_cvtepi32_ps(s2), res);
-        }
-        float * a = acc + (size_t) r * 16;
-        const __m512 av = _mm512_load_ps(a);
-        _mm512_store_ps(a, FMA ? _mm512_fmadd_ps(res, dy, av) : _mm512_add_ps(av, _mm512_mul_ps(res, dy)));
-    }
-}
-
-// ---- AVX-512 VNNI: one plane of the raw values, the scales applied per sub-block ----
-//
-// Per row and block the integer sums are found as
-//   s1 = sum_s scale_s * dot_s(q, y)      (q6_K: less 32 * sum_s scale_s * bsum16_s)
-// with dot_s one sub-block's exact sum of unsigned values q (0-15 / 0-31 / 0-63) times the
-// activations (one VPDPBUSD chain per row and token tile, started from zero for each sub-block),
-// multiplied by the sub-block's scale in 32 bits and added up. Half the VPDPBUSDs of the two byte
-// planes, and the weights' preparation only unpacks the values.
-
-// One block of 16 weight rows, unpacked: per row its 256 values as bytes, q4_K / q5_K in the order
-// of the nibbles (bytes 128 m + 0..63: the low nibbles of qs[64 m .. 64 m + 63], 128 m + 64..127 the
-// high ones: sub-block s at 128 (s / 4) + 64 (s % 2) + 32 (s / 2 % 2)), q6_K in the values' order.
-struct alignas(64) prepv_t {
-    uint8_t q[16][256];
-    int32_t sc[16][16];    // the sub-blocks' scales (q4_K / q5_K: 8 of 32 values; q6_K: 16 of 16)
-    int32_t mp[16][8];     // q4_K / q5_K: the mins in pairs (as prep_t's minp); q6_K: the scales in pairs
-    float d[16], dmin[16];
-};
-
-template <int TYPE> void prepv_row(prepv_t & p, int r, const uint8_t * row, int sb);
-
-template <int TYPE> inline void prepv_k45(prepv_t & p, int r, const uint16_t * dd, const uint8_t * scales,
                                           const uint8_t * qs, const uint8_t * qh) {
     p.d[r] = h2f(dd[0]);
     p.dmin[r] = h2f(dd[1]);
@@ -241,17 +81,17 @@ template <int TYPE> inline void prepv_k45(prepv_t & p, int r, const uint16_t * d
     }
 }
 
-template <> void prepv_row<T_Q4_K>(prepv_t & p, int r, const uint8_t * row, int sb) {
+template <> void prep_row<T_Q4_K>(prep_t & p, int r, const uint8_t * row, int sb) {
     const blk_q4_K * x = (const blk_q4_K *) row + sb;
-    prepv_k45<T_Q4_K>(p, r, &x->d, x->scales, x->qs, nullptr);
+    prep_k45<T_Q4_K>(p, r, &x->d, x->scales, x->qs, nullptr);
 }
 
-template <> void prepv_row<T_Q5_K>(prepv_t & p, int r, const uint8_t * row, int sb) {
+template <> void prep_row<T_Q5_K>(prep_t & p, int r, const uint8_t * row, int sb) {
     const blk_q5_K * x = (const blk_q5_K *) row + sb;
-    prepv_k45<T_Q5_K>(p, r, &x->d, x->scales, x->qs, x->qh);
+    prep_k45<T_Q5_K>(p, r, &x->d, x->scales, x->qs, x->qh);
 }
 
-template <> void prepv_row<T_Q6_K>(prepv_t & p, int r, const uint8_t * row, int sb) {
+template <> void prep_row<T_Q6_K>(prep_t & p, int r, const uint8_t * row, int sb) {
     const blk_q6_K * x = (const blk_q6_K *) row + sb;
     p.d[r] = h2f(x->d);
     p.dmin[r] = 0.0f;
@@ -276,8 +116,8 @@ template <> void prepv_row<T_Q6_K>(prepv_t & p, int r, const uint8_t * row, int 
     }
 }
 
-template <int TYPE> void prepv_block(prepv_t & p, const uint8_t * w, size_t rb, int nr, int sb) {
-    for (int r = 0; r < nr; ++r) prepv_row<TYPE>(p, r, w + (size_t) r * rb, sb);
+template <int TYPE> void prep_block(prep_t & p, const uint8_t * w, size_t rb, int nr, int sb) {
+    for (int r = 0; r < nr; ++r) prep_row<TYPE>(p, r, w + (size_t) r * rb, sb);
     for (int r = nr; r < 16; ++r) {
         memset(p.q[r], 0, sizeof(p.q[r]));
         memset(p.sc[r], 0, sizeof(p.sc[r]));
@@ -286,14 +126,14 @@ template <int TYPE> void prepv_block(prepv_t & p, const uint8_t * w, size_t rb, 
     }
 }
 
-// Sub-blocks per block, 4-byte words per sub-block; word j (values 4 j .. 4 j + 3) of sub-block s is
-// word kk = kbase(s) + 4 (j / 2) + j % 2 of the pack's chunk chunk(s) (ost_gemm_pack_tile's order)
-// and bytes wbase(s) + 4 j of prepv_t's row
+// Sub-blocks per block and 4-byte words per sub-block; word j (values 4 j .. 4 j + 3) of sub-block s
+// is word kk = kbase(s) + j of the pack's chunk chunk(s) (the pack holds a chunk's 64 values in
+// order: ost_gemm_pack_tile) and bytes wbase(s) + 4 j of prep_t's row.
 template <int TYPE> struct subs {
     static constexpr int N = TYPE == T_Q6_K ? 16 : 8;
     static constexpr int W = TYPE == T_Q6_K ? 4 : 8;
     static int chunk(int s) { return TYPE == T_Q6_K ? s / 4 : s / 2; }
-    static int kbase(int s) { return TYPE == T_Q6_K ? 8 * (s % 2) + 2 * (s % 4 / 2) : 2 * (s % 2); }
+    static int kbase(int s) { return TYPE == T_Q6_K ? 4 * (s % 4) : 8 * (s % 2); }
     static int wbase(int s) { return TYPE == T_Q6_K ? 16 * s : 128 * (s / 4) + 64 * (s % 2) + 32 * (s / 2 % 2); }
 };
 
@@ -303,10 +143,53 @@ inline __m512i bcast32(const void * p) {
     return _mm512_set1_epi32(v);
 }
 
-// Rows 8 h .. 8 h + 7 of block sb against token tile tt: the integer sums and ggml's epilogue into
+// The pack's parts (ost_gemm_pack_bytes): codes, then d, then the 16-bit pairs of 32-value and of
+// 16-value sums.
+struct pack_view {
+    const int8_t * codes;   // [tile][K / 64][16 kk][16 token][4]
+    const float * d;        // [K / 256][Tp]
+    const int32_t * bsp;    // [K / 256][4][Tp]: 32-value sums 2p, 2p + 1 as two 16-bit halves
+    const int32_t * bs16;   // [K / 256][8][Tp]: 16-value sums 2p, 2p + 1 as two 16-bit halves
+    int Tp, kc;             // tokens padded to 16; 64-value chunks per row
+};
+
+// The per-token sums of block sb and token tile tt the epilogue needs (q4_K / q5_K: 4 pairs of
+// 32-value sums; q6_K: 8 pairs of 16-value sums)
+template <int TYPE> inline void block_sums(const pack_view & pk, int sb, int tt, __m512i * bs) {
+    if (TYPE == T_Q6_K) {
+        for (int i = 0; i < 8; ++i) bs[i] = _mm512_loadu_si512((const __m512i *) (pk.bs16 + ((size_t) sb * 8 + i) * pk.Tp + tt * 16));
+    } else {
+        for (int i = 0; i < 4; ++i) bs[i] = _mm512_loadu_si512((const __m512i *) (pk.bsp + ((size_t) sb * 4 + i) * pk.Tp + tt * 16));
+    }
+}
+
+// ggml-cpu's tiled epilogue (ggml-cpu/tiled/tiled-kernel.cpp) for one block, row `row` and 16 tokens,
+// from tot = sum_s scale_s * dot_s: r = f(s1) d - dmin f(s2) (one fused multiply-add),
+// acc = acc + r dy (fused or not, as ggml was built)
+template <int TYPE, bool FMA>
+inline void epilogue_row(const prep_t & p, int row, __m512i tot, const __m512i * bs, __m512 dy, float * a) {
+    __m512i s1 = tot;
+    if (TYPE == T_Q6_K) {
+        __m512i c = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[0], _mm512_set1_epi32(p.mp[row][0]));
+        for (int i = 1; i < 8; ++i) c = _mm512_dpwssd_epi32(c, bs[i], _mm512_set1_epi32(p.mp[row][i]));
+        s1 = _mm512_sub_epi32(s1, _mm512_slli_epi32(c, 5));
+    }
+    __m512 res = _mm512_mul_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(p.d[row]));
+    if (TYPE != T_Q6_K) {
+        __m512i s2 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[0], _mm512_set1_epi32(p.mp[row][0]));
+        for (int i = 1; i < 4; ++i) s2 = _mm512_dpwssd_epi32(s2, bs[i], _mm512_set1_epi32(p.mp[row][i]));
+        res = _mm512_fnmadd_ps(_mm512_set1_ps(p.dmin[row]), _mm512_cvtepi32_ps(s2), res);
+    }
+    const __m512 av = _mm512_load_ps(a);
+    _mm512_store_ps(a, FMA ? _mm512_fmadd_ps(res, dy, av) : _mm512_add_ps(av, _mm512_mul_ps(res, dy)));
+}
+
+// ---- AVX-512 VNNI ----
+
+// Rows 8 h .. 8 h + 7 of block sb against token tile tt: the integer sums and the epilogue into
 // acc [16 rows][16 tokens].
 template <int TYPE, bool FMA>
-inline void vnni_rows8(const prepv_t & p, const pack_view & pk, int sb, int tt, int h, float * acc) {
+inline void vnni_rows8(const prep_t & p, const pack_view & pk, int sb, int tt, int h, float * acc) {
     using S = subs<TYPE>;
     const int8_t * bt = pk.codes + ((size_t) tt * pk.kc + (size_t) sb * 4) * 1024;
     __m512i tot[8];
@@ -322,104 +205,99 @@ inline void vnni_rows8(const prepv_t & p, const pack_view & pk, int sb, int tt, 
         for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int j = 0; j < S::W; ++j) {
-            const __m512i y = _mm512_load_si512((const __m512i *) (yb + (4 * (j / 2) + j % 2) * 64));
+            const __m512i y = _mm512_load_si512((const __m512i *) (yb + j * 64));
 #pragma GCC unroll 8
             for (int r = 0; r < 8; ++r) a[r] = _mm512_dpbusd_epi32(a[r], bcast32(qb + r * 256 + 4 * j), y);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < 8; ++r) tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(a[r], bcast32(sc + r * 16)));
     }
-    const size_t o = (size_t) sb * pk.Tp + (size_t) tt * 16;
-    const __m512 dy = _mm512_loadu_ps(pk.d + o);
+    const __m512 dy = _mm512_loadu_ps(pk.d + (size_t) sb * pk.Tp + (size_t) tt * 16);
     __m512i bs[8];
-    if (TYPE == T_Q6_K) {
-        for (int i = 0; i < 8; ++i) bs[i] = _mm512_loadu_si512((const __m512i *) (pk.bs16 + ((size_t) sb * 8 + i) * pk.Tp + tt * 16));
-    } else {
-        for (int i = 0; i < 4; ++i) bs[i] = _mm512_loadu_si512((const __m512i *) (pk.bsp + ((size_t) sb * 4 + i) * pk.Tp + tt * 16));
-    }
+    block_sums<TYPE>(pk, sb, tt, bs);
 #pragma GCC unroll 8
-    for (int r = 0; r < 8; ++r) {
-        const int row = 8 * h + r;
-        __m512i s1 = tot[r];
-        if (TYPE == T_Q6_K) {
-            __m512i c = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[0], _mm512_set1_epi32(p.mp[row][0]));
-            for (int i = 1; i < 8; ++i) c = _mm512_dpwssd_epi32(c, bs[i], _mm512_set1_epi32(p.mp[row][i]));
-            s1 = _mm512_sub_epi32(s1, _mm512_slli_epi32(c, 5));
-        }
-        __m512 res = _mm512_mul_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(p.d[row]));
-        if (TYPE != T_Q6_K) {
-            __m512i s2 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[0], _mm512_set1_epi32(p.mp[row][0]));
-            for (int i = 1; i < 4; ++i) s2 = _mm512_dpwssd_epi32(s2, bs[i], _mm512_set1_epi32(p.mp[row][i]));
-            res = _mm512_fnmadd_ps(_mm512_set1_ps(p.dmin[row]), _mm512_cvtepi32_ps(s2), res);
-        }
-        float * a = acc + (size_t) row * 16;
-        const __m512 av = _mm512_load_ps(a);
-        _mm512_store_ps(a, FMA ? _mm512_fmadd_ps(res, dy, av) : _mm512_add_ps(av, _mm512_mul_ps(res, dy)));
-    }
+    for (int r = 0; r < 8; ++r) epilogue_row<TYPE, FMA>(p, 8 * h + r, tot[r], bs, dy, acc + (size_t) (8 * h + r) * 16);
 }
 
-// 16 rows (nr of them real) of type TYPE against every token of the pack on AVX-512 VNNI.
-// acc: [tiles][16 rows][16 tokens].
+// ---- AMX ----
+
+struct alignas(64) tilecfg_t {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+// Tiles 0, 1: a sub-block's sums (16 rows x 16 tokens, int32; two sub-blocks in flight), 2, 3: its
+// weights (16 rows x K bytes), 4, 5: its activations (K / 4 rows x 16 tokens x 4 bytes); K = 32
+// (q4_K / q5_K) or 16 (q6_K). Constant data, not a local: GCC 12 drops stores into a local config
+// that only ldtilecfg reads (the instruction then faults on the garbage).
+alignas(64) const tilecfg_t TILES_K32 = { 1, 0, {}, {64, 64, 32, 32, 64, 64}, {16, 16, 16, 16, 8, 8} };
+alignas(64) const tilecfg_t TILES_K16 = { 1, 0, {}, {64, 64, 16, 16, 64, 64}, {16, 16, 16, 16, 4, 4} };
+
+// Sub-block s's sums into tile C from weights in tile A and activations in tile B (GCC's tile
+// intrinsics take tile numbers as literal tokens: a macro)
+#define OST_AMX_SUB(C, A, B, s)                                                  \
+    do {                                                                         \
+        _tile_zero(C);                                                           \
+        _tile_loadd(A, p.q[0] + S::wbase(s), 256);                               \
+        _tile_loadd(B, bt + S::chunk(s) * 1024 + S::kbase(s) * 64, 64);          \
+        _tile_dpbusd(C, A, B);                                                   \
+    } while (0)
+
+// tot[r] += scale of (row r, sub-block s) * sums of row r (c: a stored tile)
+template <int TYPE> inline void amx_scale(const prep_t & p, const int32_t (*c)[16], int s, __m512i * tot) {
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r)
+        tot[r] = _mm512_add_epi32(tot[r], _mm512_mullo_epi32(_mm512_load_si512((const __m512i *) c[r]), bcast32(&p.sc[r][s])));
+}
+
+// All 16 rows of block sb against token tile tt on the tiles (configured: TILES_K32 / K16): each
+// sub-block's tile product runs while the previous one's sums are scaled on the vector units.
 template <int TYPE, bool FMA>
-void rows16_vnni(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, int T, float * const * out,
-                 int row0, prepv_t & pv, float * acc) {
-    const int nsb = K / 256, ntt = pk.Tp / 16;
-    memset(acc, 0, sizeof(float) * 256 * (size_t) ntt);
-    for (int sb = 0; sb < nsb; ++sb) {
-        prepv_block<TYPE>(pv, w, rb, nr, sb);
-        for (int tt = 0; tt < ntt; ++tt) {
-            vnni_rows8<TYPE, FMA>(pv, pk, sb, tt, 0, acc + (size_t) tt * 256);
-            if (nr > 8) vnni_rows8<TYPE, FMA>(pv, pk, sb, tt, 1, acc + (size_t) tt * 256);
+inline void amx_rows16(const prep_t & p, const pack_view & pk, int sb, int tt, float * acc) {
+    using S = subs<TYPE>;
+    const int8_t * bt = pk.codes + ((size_t) tt * pk.kc + (size_t) sb * 4) * 1024;
+    alignas(64) int32_t c[2][16][16];
+    __m512i tot[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) tot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int s = 0; s < S::N; s += 2) {
+        OST_AMX_SUB(0, 2, 4, s);
+        if (s > 0) {
+            _tile_stored(1, c[1], 64);
+            amx_scale<TYPE>(p, c[1], s - 1, tot);
         }
+        OST_AMX_SUB(1, 3, 5, s + 1);
+        _tile_stored(0, c[0], 64);
+        amx_scale<TYPE>(p, c[0], s, tot);
     }
-    for (int tt = 0; tt < ntt; ++tt) {
-        for (int n = 0; n < 16 && tt * 16 + n < T; ++n) {
-            float * o = out[tt * 16 + n] + row0;
-            for (int r = 0; r < nr; ++r) o[r] = acc[(size_t) tt * 256 + (size_t) r * 16 + n];
-        }
-    }
+    _tile_stored(1, c[1], 64);
+    amx_scale<TYPE>(p, c[1], S::N - 1, tot);
+    const __m512 dy = _mm512_loadu_ps(pk.d + (size_t) sb * pk.Tp + (size_t) tt * 16);
+    __m512i bs[8];
+    block_sums<TYPE>(pk, sb, tt, bs);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) epilogue_row<TYPE, FMA>(p, r, tot[r], bs, dy, acc + (size_t) r * 16);
 }
+#undef OST_AMX_SUB
 
-// Block sb of 16 rows (nr of them real) prepared into p; rows past the end get zero planes (their
-// results are not stored).
-template <int TYPE> void prep_block(prep_t & p, const uint8_t * w, size_t rb, int nr, int sb) {
-    for (int r = 0; r < nr; ++r) prep_row<TYPE>(p, r, w + (size_t) r * rb, sb);
-    for (int r = nr; r < 16; ++r) {
-        for (int c = 0; c < 4; ++c) { memset(p.a[c][r], 0, 64); memset(p.b[c][r], 0, 64); }
-        p.d[r] = p.dmin[r] = 0.0f;
-        memset(p.minp[r], 0, sizeof(p.minp[r]));
-    }
-}
-
-// 16 rows (nr of them real) of type TYPE against every token of the pack. The block after the
-// current one is prepared on the vector units while the current one's sums run on the tiles, and
-// each token tile's epilogue runs while the next tile's sums do. acc: [tiles][16 rows][16 tokens].
-template <int TYPE, bool FMA>
+// 16 rows (nr of them real) of type TYPE against every token of the pack. acc: [tiles][16 rows][16 tokens].
+template <int TYPE, bool AMX, bool FMA>
 void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, int T, float * const * out,
-            int row0, prep_t * pr, float * acc) {
+            int row0, prep_t & p, float * acc) {
     const int nsb = K / 256, ntt = pk.Tp / 16;
     memset(acc, 0, sizeof(float) * 256 * (size_t) ntt);
-    alignas(64) int32_t c0[2][16][16], c1[2][16][16];
-    prep_block<TYPE>(pr[0], w, rb, nr, 0);
     for (int sb = 0; sb < nsb; ++sb) {
-        const prep_t & p = pr[sb & 1];
-        const int8_t * bs = pk.codes + (size_t) sb * 4096;
+        prep_block<TYPE>(p, w, rb, nr, sb);
         for (int tt = 0; tt < ntt; ++tt) {
-            const int h = tt & 1;
-            const int8_t * bt = bs + (size_t) tt * pk.kc * 1024;
-            if (h) amx_issue_5(p, bt);
-            else amx_issue_0(p, bt);
-            if (tt == 0 && sb + 1 < nsb) prep_block<TYPE>(pr[(sb + 1) & 1], w, rb, nr, sb + 1);
-            if (tt > 0) {   // the previous tile's sums are done by now (or soon): its epilogue
-                if (h) { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
-                else { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
-                epilogue<TYPE, FMA>(p, pk, sb, tt - 1, c0[h ^ 1], c1[h ^ 1], acc + (size_t) (tt - 1) * 256);
+            if (AMX) {
+                amx_rows16<TYPE, FMA>(p, pk, sb, tt, acc + (size_t) tt * 256);
+            } else {
+                vnni_rows8<TYPE, FMA>(p, pk, sb, tt, 0, acc + (size_t) tt * 256);
+                if (nr > 8) vnni_rows8<TYPE, FMA>(p, pk, sb, tt, 1, acc + (size_t) tt * 256);
             }
         }
-        const int h = (ntt - 1) & 1;
-        if (h) { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
-        else { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
-        epilogue<TYPE, FMA>(p, pk, sb, ntt - 1, c0[h], c1[h], acc + (size_t) (ntt - 1) * 256);
     }
     for (int tt = 0; tt < ntt; ++tt) {
         for (int n = 0; n < 16 && tt * 16 + n < T; ++n) {
@@ -431,6 +309,7 @@ void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, i
 
 template <int TYPE, bool AMX, bool FMA>
 void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T, float * const * out) {
+    static thread_local prep_t p;
     static thread_local float * acc = nullptr;
     static thread_local int acc_tiles = 0;
     const int ntt = pk.Tp / 16;
@@ -439,19 +318,11 @@ void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & 
         acc = (float *) aligned_alloc(64, sizeof(float) * 256 * (size_t) ntt);
         acc_tiles = ntt;
     }
-    if (!AMX) {
-        static thread_local prepv_t pv;
-        for (int r0 = 0; r0 < nrows; r0 += 16) {
-            rows16_vnni<TYPE, FMA>(K, w + (size_t) r0 * rb, rb, nrows - r0 < 16 ? nrows - r0 : 16, pk, T, out, r0, pv, acc);
-        }
-        return;
-    }
-    static thread_local prep_t pr[2];
-    _tile_loadconfig(&TILES);
+    if (AMX) _tile_loadconfig(TYPE == T_Q6_K ? &TILES_K16 : &TILES_K32);
     for (int r0 = 0; r0 < nrows; r0 += 16) {
-        rows16<TYPE, FMA>(K, w + (size_t) r0 * rb, rb, nrows - r0 < 16 ? nrows - r0 : 16, pk, T, out, r0, pr, acc);
+        rows16<TYPE, AMX, FMA>(K, w + (size_t) r0 * rb, rb, nrows - r0 < 16 ? nrows - r0 : 16, pk, T, out, r0, p, acc);
     }
-    _tile_release();
+    if (AMX) _tile_release();
 }
 
 template <int TYPE> bool rows_t(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T,
@@ -478,8 +349,7 @@ bool ost_gemm_rows_avx512(int type, int K, const void * w, size_t rb, int nrows,
     pk.codes = (const int8_t *) pack;
     pk.d = (const float *) (pk.codes + (size_t) pk.Tp * K);
     pk.bsp = (const int32_t *) (pk.d + (size_t) nsb * pk.Tp);
-    pk.qsum = pk.bsp + (size_t) nsb * 4 * pk.Tp;
-    pk.bs16 = pk.qsum + (size_t) nsb * pk.Tp;
+    pk.bs16 = pk.bsp + (size_t) nsb * 4 * pk.Tp;
     const uint8_t * wr = (const uint8_t *) w;
     switch (type) {
         case T_Q4_K: return rows_t<T_Q4_K>(K, wr, rb, nrows, pk, T, out, amx, fma);
