@@ -17,7 +17,10 @@
 // weight bytes by signed activation bytes; AVX-512 VNNI: one VPDPBUSD chain per row and token tile),
 // that sum times the sub-block's scale in 32 bits, added up over the sub-blocks:
 //   s1 = sum_s scale_s * sum_{e in s} q_e * y_e   (q6_K: less 32 * sum_s scale_s * bsum16_s)
-// The weights' preparation only unpacks the values into bytes.
+// The weights' preparation only unpacks the values into bytes. The scaling grows with the tokens;
+// from 3 token tiles (q6_K: 2) AMX instead scales the weights once: q * scale is split into two
+// bytes, a + 128 b (q6_K: scale * (q - 32) + 4096 = a + 128 b), and one tile product of each plane
+// per 64 values gives s1 = dot(a, y) + 128 dot(b, y) (q6_K: less 4096 * sum y).
 //
 // Types: q4_K, q5_K, q6_K (the experts of the K-quant mixes: Q4_K_M, UD-Q4_K_XL). Activation rows
 // are q8_K (their vec_dot_type), packed per expert by ost_gemm_pack_tile into the layout below.

@@ -282,6 +282,211 @@ inline void amx_rows16(const prep_t & p, const pack_view & pk, int sb, int tt, f
 }
 #undef OST_AMX_SUB
 
+// ---- AMX, two byte planes (many token tiles) ----
+//
+// With many token tiles the per-tile scaling above costs more than scaling the weights once: the
+// block is prepared as two byte planes a and b with q * scale = a + 128 b (q6_K: scale * (q - 32)
+// + 4096 = a + 128 b), each 4 chunks x 16 rows x 64 bytes in the values' order (an AMX A tile per
+// chunk, against the pack's chunk as B), and s1 = dot(a, y) + 128 dot(b, y) over the whole block
+// (q6_K: less 4096 * sum y), two tile products per chunk, no scaling per token tile.
+struct alignas(64) prep2_t {
+    uint8_t a[4][16][64];
+    uint8_t b[4][16][64];
+    float d[16], dmin[16];
+    int32_t minp[16][4];   // q4_K / q5_K: mins of sub-blocks (2p, 2p + 1) as two 16-bit halves
+};
+
+// word i of x broadcast over all 32 words
+inline __m512i word(__m512i x, int i) { return _mm512_permutexvar_epi16(_mm512_set1_epi16((short) i), x); }
+inline __m512i words2(__m512i x, int i, int j) {   // word i in words 0-15, word j in words 16-31
+    return _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short) i), _mm256_set1_epi16((short) j), 1), x);
+}
+
+// w0, w1: the 32 + 32 values of a chunk times their scales (16-bit words, 0 <= w < 2^14), stored
+// as bytes in the values' order (packus interleaves the halves per 128 bits: the qword permute
+// undoes that)
+inline void put_planes(prep2_t & p, int c, int r, __m512i w0, __m512i w1) {
+    const __m512i m7 = _mm512_set1_epi16(127), order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+    _mm512_store_si512((__m512i *) p.a[c][r],
+                       _mm512_permutexvar_epi64(order, _mm512_packus_epi16(_mm512_and_si512(w0, m7), _mm512_and_si512(w1, m7))));
+    _mm512_store_si512((__m512i *) p.b[c][r],
+                       _mm512_permutexvar_epi64(order, _mm512_packus_epi16(_mm512_srli_epi16(w0, 7), _mm512_srli_epi16(w1, 7))));
+}
+
+template <int TYPE> void prep2_row(prep2_t & p, int r, const uint8_t * row, int sb);
+
+// q4_K / q5_K: scales and mins, the 4-bit values (and q5_K's fifth bits from qh)
+template <int TYPE> inline void prep2_k45(prep2_t & p, int r, const uint16_t * dd, const uint8_t * scales,
+                                         const uint8_t * qs, const uint8_t * qh) {
+    p.d[r] = h2f(dd[0]);
+    p.dmin[r] = h2f(dd[1]);
+    const __m128i sm = k_scales(scales);
+    _mm_store_si128((__m128i *) p.minp[r], _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
+    const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(sm));   // words 0-7: the scales
+    const __m512i m4 = _mm512_set1_epi16(0xF);
+    __m512i h = _mm512_setzero_si512();
+    if (TYPE == T_Q5_K) h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) qh));
+    for (int c = 0; c < 4; ++c) {
+        const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (qs + 32 * c)));
+        __m512i q0 = _mm512_and_si512(q, m4), q1 = _mm512_srli_epi16(q, 4);
+        if (TYPE == T_Q5_K) {
+            // value l of sub-block 2c has its fifth bit in bit 2c of qh[l], of 2c + 1 in bit 2c + 1
+            const __m512i one = _mm512_set1_epi16(1);
+            q0 = _mm512_or_si512(q0, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c), one), 4));
+            q1 = _mm512_or_si512(q1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
+        }
+        put_planes(p, c, r, _mm512_mullo_epi16(q0, word(sc, 2 * c)), _mm512_mullo_epi16(q1, word(sc, 2 * c + 1)));
+    }
+}
+
+template <> void prep2_row<T_Q4_K>(prep2_t & p, int r, const uint8_t * row, int sb) {
+    const blk_q4_K * x = (const blk_q4_K *) row + sb;
+    prep2_k45<T_Q4_K>(p, r, &x->d, x->scales, x->qs, nullptr);
+}
+
+template <> void prep2_row<T_Q5_K>(prep2_t & p, int r, const uint8_t * row, int sb) {
+    const blk_q5_K * x = (const blk_q5_K *) row + sb;
+    prep2_k45<T_Q5_K>(p, r, &x->d, x->scales, x->qs, x->qh);
+}
+
+template <> void prep2_row<T_Q6_K>(prep2_t & p, int r, const uint8_t * row, int sb) {
+    const blk_q6_K * x = (const blk_q6_K *) row + sb;
+    p.d[r] = h2f(x->d);
+    const __m512i m4 = _mm512_set1_epi16(0xF), m3 = _mm512_set1_epi16(3);
+    const __m512i k32 = _mm512_set1_epi16(32), k4096 = _mm512_set1_epi16(4096);
+    const __m512i sc = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) x->scales)));
+    for (int n = 0; n < 2; ++n) {
+        // half n of the block: values l (< 32) of chunk 2n + odd from ql[l] and 32 + l from ql[32 + l]
+        // (low nibbles in even chunks, high in odd ones), their top 2 bits from qh[l] at bits 4 odd + 0 / + 2
+        const __m512i x1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (x->ql + 64 * n)));
+        const __m512i x2 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (x->ql + 64 * n + 32)));
+        const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *) (x->qh + 32 * n)));
+        for (int odd = 0; odd < 2; ++odd) {
+            const int c = 2 * n + odd;
+            const __m512i l1 = odd ? _mm512_srli_epi16(x1, 4) : _mm512_and_si512(x1, m4);
+            const __m512i l2 = odd ? _mm512_srli_epi16(x2, 4) : _mm512_and_si512(x2, m4);
+            const __m512i t1 = _mm512_and_si512(_mm512_srli_epi16(h, 4 * odd), m3);
+            const __m512i t2 = _mm512_and_si512(_mm512_srli_epi16(h, 4 * odd + 2), m3);
+            const __m512i q1 = _mm512_or_si512(l1, _mm512_slli_epi16(t1, 4));
+            const __m512i q2 = _mm512_or_si512(l2, _mm512_slli_epi16(t2, 4));
+            // one scale per 16 values: values 0-15, 16-31 of each half of the chunk
+            const __m512i w0 = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_sub_epi16(q1, k32), words2(sc, 4 * c, 4 * c + 1)), k4096);
+            const __m512i w1 = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_sub_epi16(q2, k32), words2(sc, 4 * c + 2, 4 * c + 3)), k4096);
+            put_planes(p, c, r, w0, w1);
+        }
+    }
+}
+
+// Block sb of 16 rows (nr of them real) prepared into p; rows past the end get zero planes (their
+// results are not stored).
+template <int TYPE> void prep2_block(prep2_t & p, const uint8_t * w, size_t rb, int nr, int sb) {
+    for (int r = 0; r < nr; ++r) prep2_row<TYPE>(p, r, w + (size_t) r * rb, sb);
+    for (int r = nr; r < 16; ++r) {
+        for (int c = 0; c < 4; ++c) { memset(p.a[c][r], 0, 64); memset(p.b[c][r], 0, 64); }
+        p.d[r] = p.dmin[r] = 0.0f;
+        memset(p.minp[r], 0, sizeof(p.minp[r]));
+    }
+}
+
+// Tiles 0-6 of 16 rows x 64 bytes: 0, 1 and 5, 6 the sums of a block (two token tiles in flight),
+// 2, 3 the weight planes, 4 the activations.
+alignas(64) const tilecfg_t TILES_PLANES = { 1, 0, {}, {64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16} };
+
+// Starts the block's integer sums on the tiles: sums of plane a in tile CA, of plane b in tile CB
+#define OST_AMX_ISSUE(CA, CB)                                              \
+    inline void amx_issue_##CA(const prep2_t & p, const int8_t * bt) {    \
+        _tile_zero(CA);                                                    \
+        _tile_zero(CB);                                                    \
+        for (int c = 0; c < 4; ++c) {                                      \
+            _tile_loadd(2, p.a[c], 64);                                    \
+            _tile_loadd(3, p.b[c], 64);                                    \
+            _tile_loadd(4, bt + c * 1024, 64);                             \
+            _tile_dpbusd(CA, 2, 4);                                        \
+            _tile_dpbusd(CB, 3, 4);                                        \
+        }                                                                  \
+    }
+OST_AMX_ISSUE(0, 1)
+OST_AMX_ISSUE(5, 6)
+#undef OST_AMX_ISSUE
+
+// ggml-cpu's tiled epilogue for one block and 16 rows x 16 tokens from the planes' sums ca, cb
+template <int TYPE, bool FMA>
+inline void epilogue2(const prep2_t & p, const pack_view & pk, int sb, int tt, const int32_t (*ca)[16],
+                      const int32_t (*cb)[16], float * acc) {
+    const size_t o = (size_t) sb * pk.Tp + (size_t) tt * 16;
+    const __m512 dy = _mm512_loadu_ps(pk.d + o);
+    __m512i qs12 = _mm512_setzero_si512(), bs[4];
+    if (TYPE == T_Q6_K) {
+        // the block's sum of the activations, from its 16-value sums in pairs
+        const __m512i ones = _mm512_set1_epi16(1);
+        __m512i q = _mm512_setzero_si512();
+        for (int i = 0; i < 8; ++i)
+            q = _mm512_dpwssd_epi32(q, _mm512_loadu_si512((const __m512i *) (pk.bs16 + ((size_t) sb * 8 + i) * pk.Tp + tt * 16)), ones);
+        qs12 = _mm512_slli_epi32(q, 12);
+    } else {
+        for (int i = 0; i < 4; ++i) bs[i] = _mm512_loadu_si512((const __m512i *) (pk.bsp + ((size_t) sb * 4 + i) * pk.Tp + tt * 16));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 16; ++r) {
+        __m512i s1 = _mm512_add_epi32(_mm512_load_si512((const __m512i *) ca[r]),
+                                      _mm512_slli_epi32(_mm512_load_si512((const __m512i *) cb[r]), 7));
+        if (TYPE == T_Q6_K) s1 = _mm512_sub_epi32(s1, qs12);
+        __m512 res = _mm512_mul_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(p.d[r]));
+        if (TYPE != T_Q6_K) {
+            __m512i s2 = _mm512_dpwssd_epi32(_mm512_setzero_si512(), bs[0], _mm512_set1_epi32(p.minp[r][0]));
+            for (int i = 1; i < 4; ++i) s2 = _mm512_dpwssd_epi32(s2, bs[i], _mm512_set1_epi32(p.minp[r][i]));
+            res = _mm512_fnmadd_ps(_mm512_set1_ps(p.dmin[r]), _mm512_cvtepi32_ps(s2), res);
+        }
+        float * a = acc + (size_t) r * 16;
+        const __m512 av = _mm512_load_ps(a);
+        _mm512_store_ps(a, FMA ? _mm512_fmadd_ps(res, dy, av) : _mm512_add_ps(av, _mm512_mul_ps(res, dy)));
+    }
+}
+
+// 16 rows (nr of them real) against every token of the pack on the planes (tiles configured:
+// TILES_PLANES). The block after the current one is prepared on the vector units while the
+// current one's sums run on the tiles, and each token tile's epilogue runs while the next tile's
+// sums do. acc: [tiles][16 rows][16 tokens].
+template <int TYPE, bool FMA>
+void rows16_planes(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, int T, float * const * out,
+                   int row0, prep2_t * pr, float * acc) {
+    const int nsb = K / 256, ntt = pk.Tp / 16;
+    memset(acc, 0, sizeof(float) * 256 * (size_t) ntt);
+    alignas(64) int32_t c0[2][16][16], c1[2][16][16];
+    prep2_block<TYPE>(pr[0], w, rb, nr, 0);
+    for (int sb = 0; sb < nsb; ++sb) {
+        const prep2_t & p = pr[sb & 1];
+        const int8_t * bs = pk.codes + (size_t) sb * 4096;
+        for (int tt = 0; tt < ntt; ++tt) {
+            const int h = tt & 1;
+            const int8_t * bt = bs + (size_t) tt * pk.kc * 1024;
+            if (h) amx_issue_5(p, bt);
+            else amx_issue_0(p, bt);
+            if (tt == 0 && sb + 1 < nsb) prep2_block<TYPE>(pr[(sb + 1) & 1], w, rb, nr, sb + 1);
+            if (tt > 0) {   // the previous tile's sums are done by now (or soon): its epilogue
+                if (h) { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
+                else { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
+                epilogue2<TYPE, FMA>(p, pk, sb, tt - 1, c0[h ^ 1], c1[h ^ 1], acc + (size_t) (tt - 1) * 256);
+            }
+        }
+        const int h = (ntt - 1) & 1;
+        if (h) { _tile_stored(5, c0[1], 64); _tile_stored(6, c1[1], 64); }
+        else { _tile_stored(0, c0[0], 64); _tile_stored(1, c1[0], 64); }
+        epilogue2<TYPE, FMA>(p, pk, sb, ntt - 1, c0[h], c1[h], acc + (size_t) (ntt - 1) * 256);
+    }
+    for (int tt = 0; tt < ntt; ++tt) {
+        for (int n = 0; n < 16 && tt * 16 + n < T; ++n) {
+            float * o = out[tt * 16 + n] + row0;
+            for (int r = 0; r < nr; ++r) o[r] = acc[(size_t) tt * 256 + (size_t) r * 16 + n];
+        }
+    }
+}
+
+// From this many token tiles AMX takes the two planes (where the scaling per sub-block and token
+// tile costs more than the planes' preparation: measured on a VM of an AVX-512/AMX Xeon, q6_K's 16
+// sub-blocks reach it sooner)
+template <int TYPE> constexpr int planes_tiles() { return TYPE == T_Q6_K ? 2 : 3; }
+
 // 16 rows (nr of them real) of type TYPE against every token of the pack. acc: [tiles][16 rows][16 tokens].
 template <int TYPE, bool AMX, bool FMA>
 void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, int T, float * const * out,
@@ -309,7 +514,6 @@ void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, i
 
 template <int TYPE, bool AMX, bool FMA>
 void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T, float * const * out) {
-    static thread_local prep_t p;
     static thread_local float * acc = nullptr;
     static thread_local int acc_tiles = 0;
     const int ntt = pk.Tp / 16;
@@ -318,6 +522,16 @@ void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & 
         acc = (float *) aligned_alloc(64, sizeof(float) * 256 * (size_t) ntt);
         acc_tiles = ntt;
     }
+    if (AMX && ntt >= planes_tiles<TYPE>()) {
+        static thread_local prep2_t pr[2];
+        _tile_loadconfig(&TILES_PLANES);
+        for (int r0 = 0; r0 < nrows; r0 += 16) {
+            rows16_planes<TYPE, FMA>(K, w + (size_t) r0 * rb, rb, nrows - r0 < 16 ? nrows - r0 : 16, pk, T, out, r0, pr, acc);
+        }
+        _tile_release();
+        return;
+    }
+    static thread_local prep_t p;
     if (AMX) _tile_loadconfig(TYPE == T_Q6_K ? &TILES_K16 : &TILES_K32);
     for (int r0 = 0; r0 < nrows; r0 += 16) {
         rows16<TYPE, AMX, FMA>(K, w + (size_t) r0 * rb, rb, nrows - r0 < 16 ? nrows - r0 : 16, pk, T, out, r0, p, acc);
