@@ -126,6 +126,25 @@ template <int TYPE> void prep_block(prep_t & p, const uint8_t * w, size_t rb, in
     }
 }
 
+// The rows' bytes are asked for ahead of their use: all of them (into L2) when the rows are taken,
+// and each block (into L1) while the one before it is computed. A block of 16 rows is 16 short
+// pieces rb apart, which the hardware prefetchers do not foresee (measured here: 1.2-2.6x faster
+// from L3 at one token tile).
+inline void prefetch_rows(const uint8_t * w, size_t rb, int nr) {
+    const uint8_t * end = w + (size_t) nr * rb;
+    for (const uint8_t * line = (const uint8_t *) ((uintptr_t) w & ~(uintptr_t) 63); line < end; line += 64)
+        _mm_prefetch((const char *) line, _MM_HINT_T1);
+}
+
+template <int TYPE> inline void prefetch_block(const uint8_t * w, size_t rb, int nr, int sb) {
+    constexpr size_t bb = TYPE == T_Q4_K ? sizeof(blk_q4_K) : TYPE == T_Q5_K ? sizeof(blk_q5_K) : sizeof(blk_q6_K);
+    for (int r = 0; r < nr; ++r) {
+        const uint8_t * b = w + (size_t) r * rb + (size_t) sb * bb;
+        const uint8_t * line = (const uint8_t *) ((uintptr_t) b & ~(uintptr_t) 63);
+        for (; line < b + bb; line += 64) _mm_prefetch((const char *) line, _MM_HINT_T0);
+    }
+}
+
 // Sub-blocks per block and 4-byte words per sub-block; word j (values 4 j .. 4 j + 3) of sub-block s
 // is word kk = kbase(s) + j of the pack's chunk chunk(s) (the pack holds a chunk's 64 values in
 // order: ost_gemm_pack_tile) and bytes wbase(s) + 4 j of prep_t's row.
@@ -453,8 +472,11 @@ void rows16_planes(int K, const uint8_t * w, size_t rb, int nr, const pack_view 
     const int nsb = K / 256, ntt = pk.Tp / 16;
     memset(acc, 0, sizeof(float) * 256 * (size_t) ntt);
     alignas(64) int32_t c0[2][16][16], c1[2][16][16];
+    prefetch_rows(w, rb, nr);
+    if (nsb > 1) prefetch_block<TYPE>(w, rb, nr, 1);
     prep2_block<TYPE>(pr[0], w, rb, nr, 0);
     for (int sb = 0; sb < nsb; ++sb) {
+        if (sb + 2 < nsb) prefetch_block<TYPE>(w, rb, nr, sb + 2);
         const prep2_t & p = pr[sb & 1];
         const int8_t * bs = pk.codes + (size_t) sb * 4096;
         for (int tt = 0; tt < ntt; ++tt) {
@@ -493,7 +515,9 @@ void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, i
             int row0, prep_t & p, float * acc) {
     const int nsb = K / 256, ntt = pk.Tp / 16;
     memset(acc, 0, sizeof(float) * 256 * (size_t) ntt);
+    prefetch_rows(w, rb, nr);
     for (int sb = 0; sb < nsb; ++sb) {
+        if (sb + 1 < nsb) prefetch_block<TYPE>(w, rb, nr, sb + 1);
         prep_block<TYPE>(p, w, rb, nr, sb);
         for (int tt = 0; tt < ntt; ++tt) {
             if (AMX) {
