@@ -34,7 +34,8 @@ inline __m128i k_scales(const uint8_t * q) {
                          (int) ((c & nib) | ((a >> 2) & top2)), (int) (a & low6));
 }
 
-// How the integer sums of a row, block and token are found (AMX and VNNI alike):
+// How the integer sums of a row, block and token are found (VNNI, and AMX below planes_tiles()
+// token tiles; from there AMX takes the two byte planes further down):
 //   s1 = sum_s scale_s * dot_s(q, y)      (q6_K: less 32 * sum_s scale_s * bsum16_s)
 // dot_s: one sub-block's exact sum of the raw values q (unsigned bytes: 0-15, 0-31, 0-63) times
 // the activations, summed from zero for each sub-block (AMX: one tile product of K = 32 / 16 per
@@ -55,7 +56,7 @@ struct alignas(64) prep_t {
 template <int TYPE> void prep_row(prep_t & p, int r, const uint8_t * row, int sb);
 
 template <int TYPE> inline void prep_k45(prep_t & p, int r, const uint16_t * dd, const uint8_t * scales,
-                                          const uint8_t * qs, const uint8_t * qh) {
+                                         const uint8_t * qs, const uint8_t * qh) {
     p.d[r] = h2f(dd[0]);
     p.dmin[r] = h2f(dd[1]);
     const __m128i sm = k_scales(scales);
