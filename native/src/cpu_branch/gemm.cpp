@@ -17,7 +17,7 @@
 #endif
 
 bool ost_gemm_rows_avx512(int type, int K, const void * w, size_t rb, int nrows, const void * pack, int T,
-                          float * const * out, bool amx, bool fma);
+                          float * const * out, bool amx, bool fma, int planes);
 
 namespace {
 
@@ -35,6 +35,7 @@ std::once_flag g_once;
 bool g_avx512 = false;             // AVX-512 F/BW/VL/DQ/VNNI and F16C
 bool g_amx_cpu = false;            // AMX-TILE/INT8 on the CPU and granted by the kernel
 std::atomic<bool> g_amx_on{true};
+std::atomic<int> g_amx_planes{0};   // ost_gemm_set_amx_planes
 bool g_ok[GGML_TYPE_COUNT] = {};
 int g_fma = -1;                    // the epilogue ggml-cpu was found to use: 1 fused, 0 mul-add, -1 unknown
 
@@ -123,7 +124,7 @@ void compare(ggml_type t, int K, int nrows, int T, bool amx, bool * same_fma, bo
     for (int j = 0; j < T; ++j) outs[(size_t) j] = mine.data() + (size_t) j * nrows;
     for (int fma = 0; fma < 2 && computed; ++fma) {
         std::fill(mine.begin(), mine.end(), -1.0f);
-        if (!ost_gemm_rows_avx512((int) t, K, wq.data(), rb, nrows, pack, T, outs.data(), amx, fma)) break;
+        if (!ost_gemm_rows_avx512((int) t, K, wq.data(), rb, nrows, pack, T, outs.data(), amx, fma, 0)) break;
         const bool same = memcmp(mine.data(), y->data, mine.size() * sizeof(float)) == 0;
         (fma ? *same_fma : *same_mul) = same;
     }
@@ -224,7 +225,8 @@ bool ost_gemm_rows(ggml_type t, int K, const void * w, size_t row_bytes, int nro
                    float * const * out) {
     if (!ost_gemm_serves(t)) return false;
     return ost_gemm_rows_avx512((int) t, K, w, row_bytes, nrows, pack, T, out,
-                                g_amx_cpu && g_amx_on.load(std::memory_order_relaxed), g_fma == 1);
+                                g_amx_cpu && g_amx_on.load(std::memory_order_relaxed), g_fma == 1,
+                                g_amx_planes.load(std::memory_order_relaxed));
 }
 
 std::string ost_gemm_isa() {
@@ -250,3 +252,4 @@ std::string ost_gemm_epilogue() {
 }
 
 bool ost_gemm_set_amx(bool on) { return g_amx_on.exchange(on); }
+int ost_gemm_set_amx_planes(int tiles) { return g_amx_planes.exchange(tiles < 0 ? 0 : tiles); }

@@ -62,3 +62,8 @@ std::string ost_gemm_isa();
 std::string ost_gemm_types();
 std::string ost_gemm_epilogue();
 bool ost_gemm_set_amx(bool on);
+// From how many token tiles (of 16 tokens) AMX scales the weights once into two byte planes
+// instead of scaling each sub-block's sums per token tile (0, the default: q6_K from 2, q4_K and
+// q5_K from 3; 1: always the planes; INT_MAX: never). Process-wide, for `ostinato bench
+// cpu-branch`'s A/B (--amx 2, 3); returns the previous value. Same results either way.
+int ost_gemm_set_amx_planes(int tiles);

@@ -507,7 +507,7 @@ void rows16_planes(int K, const uint8_t * w, size_t rb, int nr, const pack_view 
 
 // From this many token tiles AMX takes the two planes (where the scaling per sub-block and token
 // tile costs more than the planes' preparation: measured on a VM of an AVX-512/AMX Xeon, q6_K's 16
-// sub-blocks reach it sooner)
+// sub-blocks reach it sooner); ost_gemm_set_amx_planes overrides it
 template <int TYPE> constexpr int planes_tiles() { return TYPE == T_Q6_K ? 2 : 3; }
 
 // 16 rows (nr of them real) of type TYPE against every token of the pack. acc: [tiles][16 rows][16 tokens].
@@ -538,7 +538,8 @@ void rows16(int K, const uint8_t * w, size_t rb, int nr, const pack_view & pk, i
 }
 
 template <int TYPE, bool AMX, bool FMA>
-void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T, float * const * out) {
+void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T, float * const * out,
+              int planes) {
     static thread_local float * acc = nullptr;
     static thread_local int acc_tiles = 0;
     const int ntt = pk.Tp / 16;
@@ -547,7 +548,7 @@ void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & 
         acc = (float *) aligned_alloc(64, sizeof(float) * 256 * (size_t) ntt);
         acc_tiles = ntt;
     }
-    if (AMX && ntt >= planes_tiles<TYPE>()) {
+    if (AMX && ntt >= (planes > 0 ? planes : planes_tiles<TYPE>())) {
         static thread_local prep2_t pr[2];
         _tile_loadconfig(&TILES_PLANES);
         for (int r0 = 0; r0 < nrows; r0 += 16) {
@@ -565,13 +566,13 @@ void rows_all(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & 
 }
 
 template <int TYPE> bool rows_t(int K, const uint8_t * w, size_t rb, int nrows, const pack_view & pk, int T,
-                               float * const * out, bool amx, bool fma) {
+                               float * const * out, bool amx, bool fma, int planes) {
     if (amx) {
-        if (fma) rows_all<TYPE, true, true>(K, w, rb, nrows, pk, T, out);
-        else rows_all<TYPE, true, false>(K, w, rb, nrows, pk, T, out);
+        if (fma) rows_all<TYPE, true, true>(K, w, rb, nrows, pk, T, out, planes);
+        else rows_all<TYPE, true, false>(K, w, rb, nrows, pk, T, out, planes);
     } else {
-        if (fma) rows_all<TYPE, false, true>(K, w, rb, nrows, pk, T, out);
-        else rows_all<TYPE, false, false>(K, w, rb, nrows, pk, T, out);
+        if (fma) rows_all<TYPE, false, true>(K, w, rb, nrows, pk, T, out, 0);
+        else rows_all<TYPE, false, false>(K, w, rb, nrows, pk, T, out, 0);
     }
     return true;
 }
@@ -579,7 +580,7 @@ template <int TYPE> bool rows_t(int K, const uint8_t * w, size_t rb, int nrows, 
 }  // namespace
 
 bool ost_gemm_rows_avx512(int type, int K, const void * w, size_t rb, int nrows, const void * pack, int T,
-                          float * const * out, bool amx, bool fma) {
+                          float * const * out, bool amx, bool fma, int planes) {
     if (K % 256 != 0 || T <= 0) return false;
     pack_view pk;
     pk.Tp = (T + 15) / 16 * 16;
@@ -591,15 +592,15 @@ bool ost_gemm_rows_avx512(int type, int K, const void * w, size_t rb, int nrows,
     pk.bs16 = pk.bsp + (size_t) nsb * 4 * pk.Tp;
     const uint8_t * wr = (const uint8_t *) w;
     switch (type) {
-        case T_Q4_K: return rows_t<T_Q4_K>(K, wr, rb, nrows, pk, T, out, amx, fma);
-        case T_Q5_K: return rows_t<T_Q5_K>(K, wr, rb, nrows, pk, T, out, amx, fma);
-        case T_Q6_K: return rows_t<T_Q6_K>(K, wr, rb, nrows, pk, T, out, amx, fma);
+        case T_Q4_K: return rows_t<T_Q4_K>(K, wr, rb, nrows, pk, T, out, amx, fma, planes);
+        case T_Q5_K: return rows_t<T_Q5_K>(K, wr, rb, nrows, pk, T, out, amx, fma, planes);
+        case T_Q6_K: return rows_t<T_Q6_K>(K, wr, rb, nrows, pk, T, out, amx, fma, planes);
         default:     return false;
     }
 }
 #else
 #include <stddef.h>
-bool ost_gemm_rows_avx512(int, int, const void *, size_t, int, const void *, int, float * const *, bool, bool) {
+bool ost_gemm_rows_avx512(int, int, const void *, size_t, int, const void *, int, float * const *, bool, bool, int) {
     return false;
 }
 #endif
