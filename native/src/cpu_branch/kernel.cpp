@@ -198,8 +198,9 @@ std::atomic<bool> g_phase_timing{false};
 // phases are lists of items (tokens to quantise, the tiled experts' packs of them, chunks of
 // gate/up rows, routes' activations, their packs, chunks of down rows) that whichever threads are
 // on a core claim one at a time; the thread that completes a phase's last item opens the next
-// phase that has items, the one that completes the last down chunk ends the run. A thread that is not running holds nothing (at most the one item it claimed), so the
-// layer's time is its work over the threads that are there.
+// phase that has items, the one that completes the last down chunk ends the run. A thread that is
+// not running holds nothing (at most the one item it claimed), so the layer's time is its work
+// over the threads that are there.
 //
 // One word says what can be claimed: (epoch, next item), epoch = run * 8 + phase, phase 7 = closed.
 // A claim is a compare-and-swap of that word, so it succeeds only while the epoch it read is still
