@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -262,14 +263,17 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
         if (claims_list.empty()) throw std::runtime_error("claims must not be empty");
         for (int v : claims_list) if (v != 0 && v != 1) throw std::runtime_error("claims must be 0 or 1");
         struct claims_t { bool was; ~claims_t() { ost_ffn_set_claims(was); } } claims_restore{claims_was};
-        // the tiled experts' integer sums on AMX tiles (1, where the CPU has them) or AVX-512 VNNI (0),
-        // per row of the grid (ost_gemm_set_amx)
+        // the tiled experts' integer sums on AMX tiles (1, where the CPU has them; 2 AMX with the
+        // per-sub-block scaling at any token count, 3 with the two byte planes at any token count)
+        // or AVX-512 VNNI (0), per row of the grid (ost_gemm_set_amx, ost_gemm_set_amx_planes)
         const bool amx_was = ost_gemm_set_amx(true);
         ost_gemm_set_amx(amx_was);
         const auto amx_list = a.value("amx", std::vector<int>{amx_was ? 1 : 0});
         if (amx_list.empty()) throw std::runtime_error("amx must not be empty");
-        for (int v : amx_list) if (v != 0 && v != 1) throw std::runtime_error("amx must be 0 or 1");
+        for (int v : amx_list) if (v < 0 || v > 3) throw std::runtime_error("amx must be 0, 1, 2 or 3");
         struct amx_t { bool was; ~amx_t() { ost_gemm_set_amx(was); } } amx_restore{amx_was};
+        const int planes_was = ost_gemm_set_amx_planes(0);
+        struct planes_t { int was; ~planes_t() { ost_gemm_set_amx_planes(was); } } planes_restore{planes_was};
         const int prefetch_was = ost_ffn_prefetch_rows();
         struct restore_t { int v; ~restore_t() { ost_ffn_set_prefetch_rows(v); } } restore{prefetch_was};
         // where the kernel reads the experts from, per row of the grid (place())
@@ -415,6 +419,7 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                 for (int ax : amx_list) for (int cl : claims_list) for (int rp : pairs_list) for (int sp : spins_list)
                 for (int pfr : prefetch_list) for (int nt : threads_list) {
                     ost_gemm_set_amx(ax != 0);
+                    ost_gemm_set_amx_planes(ax == 2 ? INT_MAX : ax == 3 ? 1 : 0);
                     ost_ffn_set_claims(cl != 0);
                     ost_ffn_set_prefetch_rows(pfr);
                     ost_ffn_set_spins(sp);
@@ -456,7 +461,9 @@ extern "C" const char * ostinato_cpu_branch_bench(const struct llama_model * mod
                             const double ms = median(ts);
                             // experts computed as ggml's tiled kernel does, on which instruction set
                             row["tiled_experts"] = st.tiled_experts;
-                            row["tiled_isa"] = st.tiled_experts ? ost_gemm_isa() : std::string("off");
+                            // AMX with one scheme forced (--amx 2, 3): which
+                            const std::string isa = ost_gemm_isa(), forced = ax == 2 ? "-scaled" : ax == 3 ? "-planes" : "";
+                            row["tiled_isa"] = st.tiled_experts ? isa + (isa == "amx" ? forced : std::string()) : std::string("off");
                             row["kernel_ms"] = ms;
                             row["kernel_gbps"] = st.bytes / ms / 1e6;
                             // median per phase over the runs (us): where the time goes

@@ -25,7 +25,8 @@ computes the experts' activation as ggml's clamped SwiGLU with that limit (deeps
 default: plain SwiGLU), the rows then saying what share of the activation's inputs the clamp changed.
 Experts of a K-quant type with 8 or more tokens are computed as ggml-cpu's tiled kernel computes them,
 all tokens at once (``tiled``: how many, on AMX or AVX-512 VNNI); ``--amx 1,0`` runs them on AMX tiles and
-on AVX-512 VNNI. ``--tokens`` defaults to 1, 8, 32 and 64 tokens per pass.
+on AVX-512 VNNI (``--amx 2,3``: AMX with one of its two schemes at every token count, for choosing
+where it switches). ``--tokens`` defaults to 1, 8, 32 and 64 tokens per pass.
 See docs/engine.md, "CPU branch kernel".
 """
 
@@ -227,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                     "vec_dot row by row, 1 row pairs in AVX2, 2 in AVX-512; e.g. 0,1,2 runs all three "
                     "(default: the engine's, 0)")
     ap.add_argument("--amx", type=_rows, default=None, help="where the tiled experts' integer sums run: 1 on "
-                    "AMX tiles (where the CPU has them), 0 on AVX-512 VNNI; e.g. 1,0 runs both (default: 1)")
+                    "AMX tiles (where the CPU has them), 0 on AVX-512 VNNI; 2 and 3 on AMX with one scheme "
+                    "at every token count (2: sub-block sums scaled per token tile, 3: the weights scaled "
+                    "once into two byte planes); e.g. 1,0 runs both (default: 1)")
     ap.add_argument("--swiglu-limit", type=float, default=0.0, help="the experts' activation as ggml's "
                     "clamped SwiGLU with this limit, as deepseek4's experts compute it (0: plain SwiGLU)")
     ap.add_argument("--reps", type=int, default=10)

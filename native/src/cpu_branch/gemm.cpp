@@ -17,7 +17,7 @@
 #endif
 
 bool ost_gemm_rows_avx512(int type, int K, const void * w, size_t rb, int nrows, const void * pack, int T,
-                          float * const * out, bool amx, bool fma);
+                          float * const * out, bool amx, bool fma, int planes);
 
 namespace {
 
@@ -35,6 +35,7 @@ std::once_flag g_once;
 bool g_avx512 = false;             // AVX-512 F/BW/VL/DQ/VNNI and F16C
 bool g_amx_cpu = false;            // AMX-TILE/INT8 on the CPU and granted by the kernel
 std::atomic<bool> g_amx_on{true};
+std::atomic<int> g_amx_planes{0};   // ost_gemm_set_amx_planes
 bool g_ok[GGML_TYPE_COUNT] = {};
 int g_fma = -1;                    // the epilogue ggml-cpu was found to use: 1 fused, 0 mul-add, -1 unknown
 
@@ -100,19 +101,30 @@ void compare(ggml_type t, int K, int nrows, int T, bool amx, bool * same_fma, bo
 
     const auto from_float = ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float;
     std::vector<uint8_t> yq(Q8K_BYTES * (size_t) (K / 256) * T);
-    std::vector<uint8_t> pack(ost_gemm_pack_bytes(K, T));
-    ost_gemm_pack_clear(pack.data(), K, T);
+    std::vector<uint8_t> pack_v(ost_gemm_pack_bytes(K, T) + 64);
+    uint8_t * pack = (uint8_t *) (((uintptr_t) pack_v.data() + 63) & ~(uintptr_t) 63);
+    std::vector<const void *> rows((size_t) T);
     for (int j = 0; j < T; ++j) {
         uint8_t * row = yq.data() + (size_t) j * Q8K_BYTES * (K / 256);
         from_float(xf.data() + (size_t) j * K, row, K);
-        ost_gemm_pack_token(pack.data(), K, T, j, row);
+        rows[(size_t) j] = row;
+    }
+    // the second tile from two block ranges (as a run's items may split it)
+    for (int tt = 0; tt < tiles(T); ++tt) {
+        const void * const * rt = rows.data() + (size_t) tt * 16;
+        if (tt == 1 && K / 256 > 1) {
+            ost_gemm_pack_tile(pack, K, T, tt, 0, 1, rt);
+            ost_gemm_pack_tile(pack, K, T, tt, 1, K / 256, rt);
+        } else {
+            ost_gemm_pack_tile(pack, K, T, tt, 0, K / 256, rt);
+        }
     }
     std::vector<float> mine((size_t) nrows * T);
     std::vector<float *> outs((size_t) T);
     for (int j = 0; j < T; ++j) outs[(size_t) j] = mine.data() + (size_t) j * nrows;
     for (int fma = 0; fma < 2 && computed; ++fma) {
         std::fill(mine.begin(), mine.end(), -1.0f);
-        if (!ost_gemm_rows_avx512((int) t, K, wq.data(), rb, nrows, pack.data(), T, outs.data(), amx, fma)) break;
+        if (!ost_gemm_rows_avx512((int) t, K, wq.data(), rb, nrows, pack, T, outs.data(), amx, fma, 0)) break;
         const bool same = memcmp(mine.data(), y->data, mine.size() * sizeof(float)) == 0;
         (fma ? *same_fma : *same_mul) = same;
     }
@@ -156,58 +168,49 @@ void ensure() { std::call_once(g_once, check); }
 
 }  // namespace
 
+// The pack's parts: codes [tile][K / 64][16 kk][16 token][4] (word kk of a token: values 4 kk ..
+// 4 kk + 3 of the chunk); then per block [K / 256] and token [Tp] (Tp: T padded to 16): d (float),
+// bsp [4] (32-value sums of sub-blocks 2p, 2p + 1 as two 16-bit halves), bs16 [8] (16-value sums
+// 2p, 2p + 1 likewise). Per block each part is Tp words, so a tile's 16 tokens fill whole 64-byte lines.
 size_t ost_gemm_pack_bytes(int K, int T) {
     const size_t tp = (size_t) tiles(T) * 16, nsb = (size_t) K / 256;
-    return tp * (size_t) K + nsb * tp * sizeof(int32_t) * 6;   // codes; d; bsp [4]; qsum
+    return tp * (size_t) K + nsb * tp * sizeof(int32_t) * 13;   // codes; d; bsp [4]; bs16 [8]
 }
 
-void ost_gemm_pack_clear(void * pack, int K, int T) { memset(pack, 0, ost_gemm_pack_bytes(K, T)); }
-
-void ost_gemm_pack_pad(void * pack, int K, int T) {
-    const int tp = tiles(T) * 16, nsb = K / 256, kc = K / 64, n0 = T % 16;
-    if (n0 == 0) return;
+void ost_gemm_pack_tile(void * pack, int K, int T, int tt, int sb0, int sb1, const void * const * rows) {
+    const int tp = tiles(T) * 16, nsb = K / 256, kc = K / 64, nt = std::min(16, T - 16 * tt);
     int8_t * codes = (int8_t *) pack;
     float * d = (float *) (codes + (size_t) tp * K);
     int32_t * bsp = (int32_t *) (d + (size_t) nsb * tp);
-    int32_t * qsum = bsp + (size_t) nsb * 4 * tp;
-    int8_t * last = codes + (size_t) (tp / 16 - 1) * kc * 1024;
-    for (int row = 0; row < kc * 16; ++row) memset(last + (size_t) row * 64 + n0 * 4, 0, (size_t) (16 - n0) * 4);
-    for (int sb = 0; sb < nsb; ++sb) {
-        memset(d + (size_t) sb * tp + T, 0, sizeof(float) * (size_t) (tp - T));
-        memset(qsum + (size_t) sb * tp + T, 0, sizeof(int32_t) * (size_t) (tp - T));
-        for (int p = 0; p < 4; ++p) memset(bsp + ((size_t) sb * 4 + p) * tp + T, 0, sizeof(int32_t) * (size_t) (tp - T));
-    }
-}
-
-void ost_gemm_pack_token(void * pack, int K, int T, int j, const void * y_q8_K) {
-    const int tp = tiles(T) * 16, nsb = K / 256, kc = K / 64, tt = j / 16, n = j % 16;
-    int8_t * codes = (int8_t *) pack;
-    float * d = (float *) (codes + (size_t) tp * K);
-    int32_t * bsp = (int32_t *) (d + (size_t) nsb * tp);
-    int32_t * qsum = bsp + (size_t) nsb * 4 * tp;
-    const uint8_t * y = (const uint8_t *) y_q8_K;
-    for (int sb = 0; sb < nsb; ++sb) {
-        const uint8_t * blk = y + (size_t) sb * Q8K_BYTES;
-        int16_t bs[16];
-        memcpy(&d[(size_t) sb * tp + j], blk, sizeof(float));
-        memcpy(bs, blk + 4 + 256, sizeof(bs));
-        int32_t sum = 0;
-        for (int i = 0; i < 16; ++i) sum += bs[i];
-        qsum[(size_t) sb * tp + j] = sum;
-        for (int p = 0; p < 4; ++p) {
-            // 32-value sums of sub-blocks 2p and 2p + 1 (|sum| <= 4096: two 16-bit halves)
-            const uint16_t lo = (uint16_t) (bs[4 * p] + bs[4 * p + 1]), hi = (uint16_t) (bs[4 * p + 2] + bs[4 * p + 3]);
-            bsp[((size_t) sb * 4 + p) * tp + j] = (int32_t) ((uint32_t) lo | (uint32_t) hi << 16);
+    int32_t * bs16 = bsp + (size_t) nsb * 4 * tp;
+    for (int sb = sb0; sb < sb1; ++sb) {
+        const size_t o = (size_t) sb * tp + (size_t) tt * 16;
+        for (int n = 0; n < 16; ++n) {
+            float dn = 0.0f;
+            int16_t bs[16] = {};
+            if (n < nt) {
+                const uint8_t * blk = (const uint8_t *) rows[n] + (size_t) sb * Q8K_BYTES;
+                memcpy(&dn, blk, sizeof(float));
+                memcpy(bs, blk + 4 + 256, sizeof(bs));
+            }
+            d[o + n] = dn;
+            for (int p = 0; p < 4; ++p) {
+                // 32-value sums of sub-blocks 2p and 2p + 1 (|sum| <= 4096: two 16-bit halves)
+                const uint16_t lo = (uint16_t) (bs[4 * p] + bs[4 * p + 1]), hi = (uint16_t) (bs[4 * p + 2] + bs[4 * p + 3]);
+                bsp[((size_t) sb * 4 + p) * tp + (size_t) tt * 16 + n] = (int32_t) ((uint32_t) lo | (uint32_t) hi << 16);
+            }
+            for (int p = 0; p < 8; ++p) {
+                bs16[((size_t) sb * 8 + p) * tp + (size_t) tt * 16 + n] =
+                    (int32_t) ((uint32_t) (uint16_t) bs[2 * p] | (uint32_t) (uint16_t) bs[2 * p + 1] << 16);
+            }
         }
-        const uint8_t * qs = blk + 4;
         for (int c = 0; c < 4; ++c) {
-            int8_t * tile = codes + ((size_t) tt * kc + (size_t) sb * 4 + c) * 1024 + n * 4;
-            // dword kk holds values kk's 4 bytes of the prepared weights' order (cpu_branch/gemm_avx512.cpp,
-            // prep_t): bytes 16 i + 0..7 are values 8 i + 0..7, bytes 16 i + 8..15 values 32 + 8 i + 0..7
+            int8_t * tile = codes + ((size_t) tt * kc + (size_t) sb * 4 + c) * 1024;
             for (int kk = 0; kk < 16; ++kk) {
-                const int i = kk / 4, q = kk % 4;
-                const int off = q < 2 ? 8 * i + 4 * q : 24 + 8 * i + 4 * q;
-                memcpy(tile + kk * 64, qs + 64 * c + off, 4);
+                const int off = 64 * c + 4 * kk;
+                int8_t * line = tile + kk * 64;
+                for (int n = 0; n < nt; ++n) memcpy(line + n * 4, (const uint8_t *) rows[n] + (size_t) sb * Q8K_BYTES + 4 + off, 4);
+                if (nt < 16) memset(line + nt * 4, 0, (size_t) (16 - nt) * 4);
             }
         }
     }
@@ -222,7 +225,8 @@ bool ost_gemm_rows(ggml_type t, int K, const void * w, size_t row_bytes, int nro
                    float * const * out) {
     if (!ost_gemm_serves(t)) return false;
     return ost_gemm_rows_avx512((int) t, K, w, row_bytes, nrows, pack, T, out,
-                                g_amx_cpu && g_amx_on.load(std::memory_order_relaxed), g_fma == 1);
+                                g_amx_cpu && g_amx_on.load(std::memory_order_relaxed), g_fma == 1,
+                                g_amx_planes.load(std::memory_order_relaxed));
 }
 
 std::string ost_gemm_isa() {
@@ -248,3 +252,4 @@ std::string ost_gemm_epilogue() {
 }
 
 bool ost_gemm_set_amx(bool on) { return g_amx_on.exchange(on); }
+int ost_gemm_set_amx_planes(int tiles) { return g_amx_planes.exchange(tiles < 0 ? 0 : tiles); }

@@ -195,11 +195,12 @@ std::atomic<bool> g_phase_timing{false};
 // one thread that the scheduler has taken off its core (it yielded while another thread was
 // runnable there: the thread that launches the CUDA graph and waits for it, the HTTP server, an
 // interrupt) holds the whole layer until it runs again, up to a time slice. On the board a run's
-// phases are lists of items (tokens to quantise, chunks of gate/up rows, routes' activations, chunks
-// of down rows) that whichever threads are on a core claim one at a time; the thread that completes
-// a phase's last item opens the next phase, the one that completes the last down chunk ends the
-// run. A thread that is not running holds nothing (at most the one item it claimed), so the
-// layer's time is its work over the threads that are there.
+// phases are lists of items (tokens to quantise, the tiled experts' packs of them, chunks of
+// gate/up rows, routes' activations, their packs, chunks of down rows) that whichever threads are
+// on a core claim one at a time; the thread that completes a phase's last item opens the next
+// phase that has items, the one that completes the last down chunk ends the run. A thread that is
+// not running holds nothing (at most the one item it claimed), so the layer's time is its work
+// over the threads that are there.
 //
 // One word says what can be claimed: (epoch, next item), epoch = run * 8 + phase, phase 7 = closed.
 // A claim is a compare-and-swap of that word, so it succeeds only while the epoch it read is still
@@ -276,22 +277,19 @@ void board_work(ost_board * b, int ith) {
         run_t & r = b->r;   // this run's state until the item is counted done
         const int ph = (int) (epoch & 7);
         if (r.timing && r.t_start[(size_t) ith] == 0) r.t_start[(size_t) ith] = now_ns();
-        switch (ph) {
-            case PH_QUANT:   quant_item(r, (int32_t) item); break;
-            case PH_GATE_UP: rows_item(r, item, false); break;
-            case PH_ACT:     act_item(r, (size_t) item); break;
-            default:         rows_item(r, item, true); break;
-        }
+        run_item(r, ph, item);
         const int64_t total = b->total[ph].load(std::memory_order_relaxed);
         if (b->done[ph].v.fetch_add(1, std::memory_order_acq_rel) + 1 != total) continue;
-        // the phase's last item: open the next phase (they follow in order; only the first may be
-        // empty), or end the run
+        // the phase's last item: open the next phase that has items (they follow in order; the
+        // down rows always have some), or end the run
         if (r.timing) b->t_close[ph].store(now_ns(), std::memory_order_relaxed);
         if (ph == PH_DOWN) {
             b->finished.store(epoch >> 3, std::memory_order_release);
         } else {
-            if (r.timing) b->t_open[ph + 1].store(now_ns(), std::memory_order_relaxed);
-            board_publish(b, board_word(epoch + 1, 0));
+            int next = ph + 1;
+            while (b->total[next].load(std::memory_order_relaxed) == 0) ++next;
+            if (r.timing) b->t_open[next].store(now_ns(), std::memory_order_relaxed);
+            board_publish(b, board_word(epoch - ph + next, 0));
         }
     }
 }
@@ -303,15 +301,16 @@ void board_free(ost_board * b) { delete b; }
 // phase than the word holds.
 bool board_run(ost_board * b) {
     run_t & r = b->r;
-    const int64_t totals[PH_N] = { r.xq_done ? 0 : (int64_t) r.job->n, phase_chunks(r, false),
-                                   (int64_t) r.routes.size(), phase_chunks(r, true) };
+    int64_t totals[PH_N];
+    for (int ph = 0; ph < PH_N; ++ph) totals[ph] = phase_items(r, ph);
     for (int64_t x : totals) if (x > (int64_t) ITEM_MASK) return false;
     const uint64_t run = ++b->run;
     for (int ph = 0; ph < PH_N; ++ph) {
         b->total[ph].store(totals[ph], std::memory_order_relaxed);
         b->done[ph].v.store(0, std::memory_order_relaxed);
     }
-    const int first = r.xq_done ? PH_GATE_UP : PH_QUANT;
+    int first = 0;
+    while (totals[first] == 0) ++first;   // the down rows have items
     if (r.timing) {
         for (int ph = 0; ph < PH_N; ++ph) { b->t_open[ph] = 0; b->t_close[ph] = 0; }
         b->t_open[first] = r.t_launch;
@@ -344,11 +343,12 @@ void fill_board_timing(const ost_board * b, int64_t t0, int64_t t_end, ost_ffn_s
     }
     st->wake_ns = took ? wake / took : 0;
     st->threads = took + 1;
-    int64_t * span[PH_N] = { &st->quant_ns, &st->gate_up_ns, &st->act_ns, &st->down_ns };
-    int64_t idle = 0;
-    for (int ph = r.xq_done ? PH_GATE_UP : PH_QUANT; ph < PH_N; ++ph) {
-        *span[ph] = b->t_close[ph] - b->t_open[ph];
-        if (ph + 1 < PH_N) idle += b->t_open[ph + 1] - b->t_close[ph];
+    int64_t idle = 0, close = 0;
+    for (int ph = 0; ph < PH_N; ++ph) {
+        if (b->total[ph].load(std::memory_order_relaxed) == 0) continue;   // not run
+        if (close) idle += b->t_open[ph] - close;
+        *phase_stat(st, ph) += b->t_close[ph] - b->t_open[ph];
+        close = b->t_close[ph];
     }
     st->idle_ns = idle;
 }

@@ -82,7 +82,8 @@ struct ost_ffn_stats {
     // where a run's time went (ns; filled only while ost_ffn_set_phase_timing(true), ost_ffn_run):
     // the caller's grouping and scratch layout; the team's start (mean over its other threads of
     // their first step after the launch; on the claim board over those that took an item); the input
-    // rows' quantisation, the gate/up rows, the activations, the down rows (each from its start to
+    // rows' quantisation (with the tiled experts' packs of them), the gate/up rows, the activations
+    // (with their packs), the down rows (each from its start to
     // the last thread's arrival at its barrier; on the board to the completion of its last item);
     // the mean time a thread waited at those barriers (on the board: the handoffs between phases);
     // the whole run

@@ -57,6 +57,8 @@ namespace {
 // Rows of about this many bytes make a chunk: a few microseconds of a thread's work, so that taking
 // a chunk (one contended atomic add) costs little beside it.
 constexpr int64_t CHUNK_BYTES = 16 * 1024;
+// Blocks (256 values) of one token tile per pack item at most: 16 KiB of a pack
+constexpr int PACK_BLOCKS = 4;
 
 }  // namespace
 
@@ -193,25 +195,29 @@ void swiglu_clamp_row(int n, float * y, const float * g, const float * u, float 
     }
 }
 
-// Token t's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float).
-// Token t's quantised input row into the packs of its routes' tiled groups.
-void pack_item(run_t & r, int32_t t) {
-    const char * row = r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row;
-    for (int j = 0; j < r.job->k; ++j) {
-        const int32_t q = r.route_of[(size_t) t * r.job->k + j];
-        if (q < 0) continue;
-        const group_t & g = r.groups[(size_t) r.group_of[(size_t) q]];
-        if (g.gu_tiled) ost_gemm_pack_token(r.base + g.gu_pack, (int) r.f->n_embd, g.nr, q - g.r0, row);
-    }
-}
-
 }  // namespace
 
+// Token t's input row quantised once, as ggml's MUL_MAT_ID does (per src1 row, same from_float); the
+// packs of its tiled groups are written afterwards, by pack items.
 void quant_item(run_t & r, int32_t t) {
     if (r.tok_slot[(size_t) t] < 0) return;
     ggml_get_type_traits_cpu(r.xt)->from_float(r.job->cur + (int64_t) t * r.job->cur_stride,
                                                (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), r.f->n_embd);
-    if (r.any_tiled) pack_item(r, t);
+}
+
+// Pack item i of the gate/up packs (!down: from the input rows) or the down packs (the activations).
+void pack_item(run_t & r, size_t i, bool down) {
+    const run_t::pack_item_t & it = (down ? r.pack3 : r.pack1)[i];
+    const group_t & g = r.groups[(size_t) it.g];
+    const int32_t q0 = g.r0 + 16 * it.tt, nt = std::min<int32_t>(16, g.nr - 16 * it.tt);
+    const void * rows[16];
+    for (int32_t n = 0; n < nt; ++n) {
+        const int32_t q = q0 + n;
+        rows[n] = down ? (const void *) (r.actq + (size_t) q * r.actq_row)
+                       : (const void *) (r.xq + (size_t) r.tok_slot[(size_t) r.routes[(size_t) q].t] * r.xq_row);
+    }
+    ost_gemm_pack_tile(r.base + (down ? g.down_pack : g.gu_pack), (int) (down ? r.f->n_ff : r.f->n_embd), g.nr,
+                       it.tt, it.sb0, it.sb1, rows);
 }
 
 // Route q's activation over its whole row, as ggml's GLU op computes it, then its quantisation for
@@ -228,9 +234,27 @@ void act_item(run_t & r, size_t q) {
     }
     ggml_get_type_traits_cpu(ggml_get_type_traits_cpu(f.down->type)->vec_dot_type)->from_float(
         act.data(), r.actq + q * r.actq_row, f.n_ff);
-    if (r.any_tiled) {
-        const group_t & g = r.groups[(size_t) r.group_of[q]];
-        if (g.down_tiled) ost_gemm_pack_token(r.base + g.down_pack, (int) f.n_ff, g.nr, (int) q - g.r0, r.actq + q * r.actq_row);
+}
+
+int64_t phase_items(const run_t & r, int ph) {
+    switch (ph) {
+        case PH_QUANT:   return r.xq_done ? 0 : (int64_t) r.job->n;
+        case PH_PACK1:   return r.xq_done ? 0 : (int64_t) r.pack1.size();
+        case PH_GATE_UP: return phase_chunks(r, false);
+        case PH_ACT:     return (int64_t) r.routes.size();
+        case PH_PACK3:   return (int64_t) r.pack3.size();
+        default:         return phase_chunks(r, true);
+    }
+}
+
+void run_item(run_t & r, int ph, int64_t item) {
+    switch (ph) {
+        case PH_QUANT:   quant_item(r, (int32_t) item); break;
+        case PH_PACK1:   pack_item(r, (size_t) item, false); break;
+        case PH_GATE_UP: rows_item(r, item, false); break;
+        case PH_ACT:     act_item(r, (size_t) item); break;
+        case PH_PACK3:   pack_item(r, (size_t) item, true); break;
+        default:         rows_item(r, item, true); break;
     }
 }
 
@@ -252,11 +276,19 @@ template <class Barrier> void run_phases(run_t & r, int ith, int nth, Barrier ba
     if (!r.xq_done) {
         for (int32_t t = ith; t < job.n; t += nth) quant_item(r, t);
         barrier(PH_QUANT);
+        if (!r.pack1.empty()) {
+            for (size_t i = (size_t) ith; i < r.pack1.size(); i += (size_t) nth) pack_item(r, i, false);
+            barrier(PH_PACK1);
+        }
     }
     phase_rows(r, false);
     barrier(PH_GATE_UP);
     for (size_t q = (size_t) ith; q < r.routes.size(); q += (size_t) nth) act_item(r, q);
     barrier(PH_ACT);
+    if (!r.pack3.empty()) {
+        for (size_t i = (size_t) ith; i < r.pack3.size(); i += (size_t) nth) pack_item(r, i, true);
+        barrier(PH_PACK3);
+    }
     phase_rows(r, true);
     // the run's last barrier is the caller's (ost_team_run's, or the shared state's)
     if (timing) r.t_arrive[(size_t) PH_DOWN * nth + ith] = now_ns();
@@ -316,7 +348,6 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
     }
     r.routes.resize((size_t) n_routes);
     r.tok_slot.assign((size_t) job.n, -1);
-    r.route_of.assign((size_t) job.n * job.k, -1);
     int32_t n_tok = 0;
     for (int32_t t = 0; t < job.n; ++t) {
         for (int32_t j = 0; j < job.k; ++j) {
@@ -324,15 +355,7 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
             if (e < 0 || e >= f.n_expert) continue;
             const int32_t q = r.start[(size_t) e]++;
             r.routes[(size_t) q] = route_t{ t, j };
-            r.route_of[(size_t) t * job.k + j] = q;
             if (r.tok_slot[(size_t) t] < 0) r.tok_slot[(size_t) t] = n_tok++;
-        }
-    }
-    if (r.any_tiled) {
-        r.group_of.resize((size_t) n_routes);
-        for (size_t gi = 0; gi < r.groups.size(); ++gi) {
-            const group_t & g = r.groups[gi];
-            for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) r.group_of[(size_t) q] = (int32_t) gi;
         }
     }
     // scratch: quantised input rows, gate/up rows, quantised activation rows
@@ -356,9 +379,21 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
     r.xq = base;
     r.gu = (float *) (base + o_gu);
     r.actq = base + o_act;
-    for (const group_t & g : r.groups) {
-        if (g.gu_tiled) ost_gemm_pack_pad(base + g.gu_pack, (int) f.n_embd, g.nr);
-        if (g.down_tiled) ost_gemm_pack_pad(base + g.down_pack, (int) f.n_ff, g.nr);
+    // the packs' items: each (group, token tile) in ranges of at most PACK_BLOCKS blocks
+    r.pack1.clear();
+    r.pack3.clear();
+    if (r.any_tiled) {
+        auto items = [](std::vector<run_t::pack_item_t> & v, int32_t gi, int32_t nr, int64_t K) {
+            const int nsb = (int) (K / 256), nrange = (nsb + PACK_BLOCKS - 1) / PACK_BLOCKS, per = (nsb + nrange - 1) / nrange;
+            for (int tt = 0; tt < (nr + 15) / 16; ++tt)
+                for (int sb = 0; sb < nsb; sb += per)
+                    v.push_back({ gi, (int16_t) tt, (int16_t) sb, (int16_t) std::min(nsb, sb + per) });
+        };
+        for (size_t gi = 0; gi < r.groups.size(); ++gi) {
+            const group_t & g = r.groups[gi];
+            if (g.gu_tiled) items(r.pack1, (int32_t) gi, g.nr, f.n_embd);
+            if (g.down_tiled) items(r.pack3, (int32_t) gi, g.nr, f.n_ff);
+        }
     }
     // one token (a decode step) is quantised here; more are spread over the threads
     r.xq_done = n_tok == 1 || nth == 1;
@@ -368,8 +403,8 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
             if (r.tok_slot[(size_t) t] < 0) continue;
             from_float(job.cur + (int64_t) t * job.cur_stride,
                        (void *) (r.xq + (size_t) r.tok_slot[(size_t) t] * r.xq_row), f.n_embd);
-            if (r.any_tiled) pack_item(r, t);
         }
+        for (size_t i = 0; i < r.pack1.size(); ++i) pack_item(r, i, false);
     }
     // chunks of about CHUNK_BYTES of weight rows (gate/up rows are n_embd long, down rows n_ff)
     const ggml_tensor * gw = f.merged ? f.up : f.gate;
@@ -400,6 +435,16 @@ void fill_stats(const run_t & r, bool empty, ost_ffn_stats * st) {
 // Where a timed run's time went (ost_ffn_stats' phase fields): each phase from its start (thread 0's
 // start, or the first thread to leave the barrier before it: the barrier's release, whichever thread
 // the scheduler runs first) to the last thread's arrival at its barrier.
+// The stats field phase ph's time goes to (a pack phase's to the phase whose rows it packs)
+int64_t * phase_stat(ost_ffn_stats * st, int ph) {
+    switch (ph) {
+        case PH_QUANT: case PH_PACK1: return &st->quant_ns;
+        case PH_GATE_UP:              return &st->gate_up_ns;
+        case PH_ACT: case PH_PACK3:   return &st->act_ns;
+        default:                      return &st->down_ns;
+    }
+}
+
 void fill_timing(const run_t & r, int64_t t0, int64_t t_end, ost_ffn_stats * st) {
     if (!st || !r.timing) return;
     const int nth = r.nth;
@@ -410,11 +455,11 @@ void fill_timing(const run_t & r, int64_t t0, int64_t t_end, ost_ffn_stats * st)
     st->wake_ns = nth > 1 ? wake / (nth - 1) : 0;
     st->threads = nth;
     int64_t begin = r.t_start[0], idle = 0;
-    int64_t * span[PH_N] = { &st->quant_ns, &st->gate_up_ns, &st->act_ns, &st->down_ns };
-    for (int ph = r.xq_done ? PH_GATE_UP : PH_QUANT; ph < PH_N; ++ph) {
+    for (int ph = 0; ph < PH_N; ++ph) {
+        if (phase_items(r, ph) == 0 && ph != PH_DOWN) continue;   // not run (no barrier)
         const int64_t * a = r.t_arrive.data() + (size_t) ph * nth;
         const int64_t last = *std::max_element(a, a + nth);
-        *span[ph] = last - begin;
+        *phase_stat(st, ph) += last - begin;
         int64_t w = 0;
         for (int i = 0; i < nth; ++i) w += last - a[i];
         idle += w / nth;

@@ -37,9 +37,12 @@ struct run_t {
     const char * xq = nullptr;
     size_t xq_row = 0;
     std::vector<int32_t> tok_slot;   // token -> row of xq
-    std::vector<int32_t> route_of;   // [n][k]: the route of (token, j), or -1
-    std::vector<int32_t> group_of;   // route -> its group
     char * base = nullptr;           // the scratch (packs at their groups' offsets)
+    // the packs' items (tiled groups only): (group, token tile, block range), each written by one
+    // thread after the rows it reads are quantised (a pack line holds 16 tokens: packing per token
+    // from many threads shared every line among them)
+    struct pack_item_t { int32_t g; int16_t tt, sb0, sb1; };
+    std::vector<pack_item_t> pack1, pack3;   // the gate/up packs (input rows), the down packs (activations)
     ggml_type xt = GGML_TYPE_F32;    // the input rows' vec_dot type
     bool any_tiled = false;          // some group is tiled (its activations are packed)
     bool xq_done = false;            // the input rows were quantised by prepare
@@ -60,18 +63,25 @@ struct run_t {
     std::vector<int64_t> t_start, t_arrive, t_leave;
 };
 
-enum { PH_QUANT, PH_GATE_UP, PH_ACT, PH_DOWN, PH_N };
+// The phases in order; the pack phases have items only where some group is tiled (never in a decode
+// step), and the quantisation and its pack only where prepare did not do them (one token, one thread).
+enum { PH_QUANT, PH_PACK1, PH_GATE_UP, PH_ACT, PH_PACK3, PH_DOWN, PH_N };
 
 int64_t now_ns();
 // software prefetch distance of the row loop (ost_ffn_set_prefetch_rows)
 extern std::atomic<int> g_prefetch_rows;
 int32_t tiled_rows_of(ggml_type t);
 
-// a run's items: chunk c of phase 1 or 3, token t's input row, route q's activation
+// a run's items: chunk c of phase 1 or 3, token t's input row, route q's activation, pack item i
 void rows_item(run_t & r, int64_t c, bool down);
 int64_t phase_chunks(const run_t & r, bool down);
 void quant_item(run_t & r, int32_t t);
 void act_item(run_t & r, size_t q);
+void pack_item(run_t & r, size_t i, bool down);
+// items of phase ph (PH_*) in the prepared run r: 0 for a phase that does not run
+int64_t phase_items(const run_t & r, int ph);
+// the item of phase ph
+void run_item(run_t & r, int ph, int64_t item);
 void zero_unrouted_rows(const ost_ffn_job & job, int ith, int nth);
 
 // a run on ost_team_run with a barrier after each phase (ctx: a team_ctx)
@@ -84,5 +94,6 @@ void team_fn(void * ctx, int ith, int nth);
 bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int nth, bool * empty);
 void fill_stats(const run_t & r, bool empty, ost_ffn_stats * st);
 void fill_timing(const run_t & r, int64_t t0, int64_t t_end, ost_ffn_stats * st);
+int64_t * phase_stat(ost_ffn_stats * st, int ph);
 
 }  // namespace ost_kernel
