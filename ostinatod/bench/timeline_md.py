@@ -19,6 +19,12 @@ def _get(d: Optional[dict[str, Any]], *path: str) -> Any:
     return d
 
 
+def _paths(paths: Any) -> str:
+    """The paths a call's passes took (``{"split": 1, ...}`` -> ``split``; several: ``split 1 + upload 1``)."""
+    used = {k: v for k, v in (paths or {}).items() if v}
+    return " + ".join(f"{k} {v}" for k, v in used.items()) if len(used) > 1 else (next(iter(used), "n/a"))
+
+
 def _phase_rows(names: list[str], eng: dict[str, Any], phase: str) -> list[str]:
     def row(label: str, f) -> str:
         return f"| {label} | " + " | ".join(fmt(f(eng[n])) for n in names) + " |"
@@ -114,7 +120,7 @@ def markdown(result: dict[str, Any]) -> str:
                   row("decode ms/step (after the first)", dec),
                   row("first decode step ms", lambda e: e["wall"]["decode_ms"][0]),
                   row("native: prefill path / upload ms / total ms", lambda e: None if not _get(e, "native", "prefill")
-                      else f"{e['native']['prefill'].get('paths')} / {fmt(e['native']['prefill'].get('upload_ms'))}"
+                      else f"{_paths(e['native']['prefill'].get('paths'))} / {fmt(e['native']['prefill'].get('upload_ms'))}"
                       f" / {fmt(e['native']['prefill'].get('total_ms'))}"),
                   row("profiled", lambda e: "yes" if e.get("timeline") else "no"), ""]
         timed = [n for n in ok if eng[n].get("timeline")]

@@ -25,7 +25,9 @@ the multiply into both). A kernel name qualifies when it occurs ``passes * (m * 
 times in the phase, ``m >= 1`` per layer, ``r`` in {0, 1} (the output norm); of those the smallest
 ``m``, then the earliest first launch. Layer i of a pass spans from its marker ``i * m`` to layer
 i + 1's (the last layer to the output norm, or to the pass's last kernel); kernels are attributed by
-their start time (all streams; a copy stream's uploads go to the layer whose span they start in).
+their start time (all streams; a copy stream's uploads go to the layer whose span they start in);
+``pre_us`` is what runs before the first pass's first marker (embeddings, inputs), ``post_us`` what
+runs after a pass's output norm, up to the next pass's first marker (the next pass's inputs included).
 It fails (``None`` with a note naming the marker counts) where no name fits: layers of different
 kinds with a different number of such norms (qwen35moe's linear- and full-attention layers may),
 a fusion that differs per layer, or a trace without kernel names. Check ``marker`` in the result.
