@@ -92,7 +92,7 @@ def engine_settings(name: str, a: argparse.Namespace) -> dict[str, Any]:
 def _torch(spec: dict[str, Any]) -> tuple[Any, str]:
     """(torch, "") when the profiler can run, else (None, why not)."""
     if not spec["profile"]:
-        return None, "no profiler: --no-profile"
+        return None, "no profiler: off for this run (--no-profile, or the rerun after a failure under it)"
     try:
         import torch  # lazy: a dev tool's optional dependency, never the package's
         import torch.profiler  # noqa: F401
