@@ -30,6 +30,14 @@
 #   q35:      45% pool on /tmp/a-qwen35moe.gguf (the Qwen3.5-35B-A3B shape's 40 layers, UD-Q4_K_XL; written
 #             here when missing, ~110 s): ostinato, stock-all-gpu, llama-server, ostinato-no-dprefetch, 2 x 6
 #             turns (~4 min); bench args given go last (a later --engines replaces the list)
+#   timeline: `ostinato bench timeline` after q35 (same warm machine): /tmp/a-qwen35moe.gguf with q35's
+#             plan /tmp/bench-work-engines-h200-qwen35moe-45/residency.json (missing: the file is written and
+#             a 45% plan made by a one-turn `bench engines --engines ostinato` in /tmp/bench-work-timeline-plan,
+#             ~3 min), then per engine (ostinato, stock-all-gpu) in its own process: 2000 cached tokens, a
+#             timed prefill of 420 and 8 decode steps under torch.profiler (CUPTI) -> timeline.{json,md},
+#             timeline-<engine>.trace.json.gz (chrome://tracing, Perfetto) and .log, timeline.cmd.txt
+#             (~1-2 min with the file and plan there); TL_ARGS: more `bench timeline` arguments (the bench
+#             args after LAYERS are not passed to it)
 #   q35peers: the same file and pool with every peer: ostinato, stock-all-gpu, ik-llama-server (stage
 #             ikbuild first), llama-server, stock-layers (~4 min: 224 s on 2026-12-03)
 #   exact:    GPU exactness tests and the op-level tests of the patches (on failure: rerun the first
@@ -428,6 +436,25 @@ q35run() {
 }
 if has q35; then
   q35run engines-h200-qwen35moe-45 ostinato,stock-all-gpu,llama-server,ostinato-no-dprefetch "$@"
+fi
+if has timeline; then
+  # where the prefill's and the decode step's own GPU work goes: ours beside the limit, kernel by kernel
+  m=/tmp/a-qwen35moe.gguf; res=/tmp/bench-work-engines-h200-qwen35moe-45/residency.json
+  repro_family qwen3.5-35b-a3b; tsynth=("${REPRO_SYNTH[@]}")
+  [ -f $m ] || repro_model $m "${tsynth[@]}"
+  if [ ! -f $res ]; then
+    res=/tmp/bench-work-timeline-plan/residency.json
+    [ -f $res ] || $PY -m ostinatod.cli bench engines --model $m --sessions-dir .carry/sessions --budget-frac 0.45 \
+      --sessions 1 --turns 1 --engines ostinato --no-server --out-dir /tmp/timeline-plan-out \
+      --work-dir /tmp/bench-work-timeline-plan --name timeline-plan 2>&1 | grep -E "plan at|Error|error" | tail -5
+  fi
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tail -1
+  REPRO_CMD=($PY -m ostinatod.cli bench timeline --model $m --residency $res --out-dir "$OUT"
+             --work-dir /tmp/timeline-work ${TL_ARGS:-})
+  repro_cmd_txt timeline "stage of: STAGES=\"$STAGES\" TL_ARGS=\"${TL_ARGS:-}\" bash scripts/device-run.sh $SCRIPT_ARGS; model: synth ${tsynth[*]}"
+  echo "[$(el)s] timeline: ${REPRO_CMD[*]}"
+  timeout $(( 590 - $(el) )) "${REPRO_CMD[@]}" > "$OUT/timeline.log" 2>&1; echo "[$(el)s] timeline rc=$?"
+  grep -E "^\[ " "$OUT/timeline.log" | tail -8; [ -f "$OUT/timeline.md" ] && head -60 "$OUT/timeline.md"
 fi
 if has q35peers; then
   # every peer side by side on the file whose routing is as skewed as a real model's

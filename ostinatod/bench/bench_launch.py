@@ -192,6 +192,13 @@ def gpu_env(a: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def settings_env(settings: dict[str, Any]) -> dict[str, str]:
+    """The daemon's settings ``settings`` as its environment variables (``OSTINATO_<NAME>``; the
+    [engine] table's by their nested variable ``OSTINATO_ENGINE__<NAME>``); None values are left out."""
+    return {f"OSTINATO_{'ENGINE__' if k in ENGINE_KEYS else ''}{k.upper()}": str(v)
+            for k, v in settings.items() if v is not None}
+
+
 def start_daemon(name: str, model: Path, settings: dict[str, Any], run_dir: Path,
                  a: argparse.Namespace) -> Server:
     """``ostinatod run`` in its own OSTINATO_HOME under ``run_dir`` with ``settings`` as env vars."""
@@ -205,9 +212,7 @@ def start_daemon(name: str, model: Path, settings: dict[str, Any], run_dir: Path
             "n_threads": a.threads, "prefill_threshold": a.prefill_threshold, "log_level": "INFO",
             # a rerun in the same work dir must not restore the prompts of the last run from disk
             "cache_disk_mb": 0}
-    for k, v in {**base, **settings}.items():
-        if v is not None:   # the [engine] table's settings by their nested variable
-            env[f"OSTINATO_{'ENGINE__' if k in ENGINE_KEYS else ''}{k.upper()}"] = str(v)
+    env.update(settings_env({**base, **settings}))
     cmd = [sys.executable, "-m", "ostinatod.daemon_cli", "run", "--port", "0", "--host", "127.0.0.1"]
     paths = home_paths(home)
     srv = Server(name, cmd, env, run_dir / f"{name}.log", url_file=paths.runtime / "ostinatod.json")

@@ -8,6 +8,8 @@ Subcommands (each a module with ``main(argv) -> int``):
   table    the results page's rows (and their plot) from stored engines JSONs (ostinatod.bench.bench_table)
   reliability  fuzzing, crashes, slow connections (ostinatod.bench.bench_reliability)
   cpu-branch   the CPU branch alone on a model's expert tensors (ostinatod.bench.bench_cpu)
+  timeline     per-kernel GPU timeline of one prefill and a few decode steps, ours beside
+               stock-all-gpu (ostinatod.bench.bench_timeline)
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                     "fuzz every route, crash and stop the worker, slow connections: 5xx, hangs, RSS"),
     "cpu-branch": ("ostinatod.bench.bench_cpu", "main",
                    "the CPU branch's kernel vs llama.cpp's mul_mat_id on a model's experts, vs read bandwidth"),
+    "timeline": ("ostinatod.bench.bench_timeline", "main",
+                 "per-kernel GPU timeline (torch.profiler/CUPTI) of one prefill and decode steps, vs stock-all-gpu"),
 }
 
 
