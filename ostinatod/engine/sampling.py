@@ -59,8 +59,9 @@ def sample(smpl: Any, ctx: Any, idx: int) -> int:
 # The demo model's cap on a turn that makes a tool call (the call is grammar-driven and ends by
 # itself; a call cut here ends as "length", never as a finished turn).
 DEMO_CALL_MAX_TOKENS = 512
-# bias on a JSON answer's closers with the demo model: the end-of-turn bias alone left random strings
-# open for 200 tokens in 1 of 3 tries (tests/agents/test_agents_ask.py::test_demo_json_mode_is_json)
+# bias on the closers of a JSON answer or a forced call with the demo model: the end-of-turn bias alone
+# left random strings open for 200 tokens in 1 of 3 tries (tests/agents/test_agents_ask.py::
+# test_demo_json_mode_is_json), and a forced call's arguments could run to DEMO_CALL_MAX_TOKENS
 DEMO_JSON_CLOSE_BIAS = 20.0
 
 
@@ -85,17 +86,19 @@ def demo_turn(req: GenRequest, vocab: Any, settings: Settings) -> Optional[int]:
     on the end-of-turn token (``demo_end_bias``; a client's own bias on it wins) and ``max_tokens``
     capped at ``demo_max_tokens``. Returns the cap when it applies (the answer then ends as a
     finished turn), else None. A forced call (:func:`demo_choice`) and a JSON answer
-    (``response_format``) are not capped that way: their strings get a bias on the closing quote (so
-    random weights end them; a JSON answer keeps the end-of-turn bias too) and the cap is
+    (``response_format``) are not capped that way: their closing quote, brace and bracket get a bias
+    (:data:`DEMO_JSON_CLOSE_BIAS`, so random weights end them; a JSON answer keeps the end-of-turn
+    bias too) and the cap is
     :data:`DEMO_CALL_MAX_TOKENS`, reached only as "length"."""
     import llama_cpp  # lazy: the native engine, loaded only where it runs
     forced = bool(req.tools) and req.tool_choice not in (None, "auto", "none")
     json_answer = req.json_schema is not None
     if forced or json_answer:
-        # a JSON answer's objects and arrays get the bias on their closers too: random weights
-        # would otherwise add members until the cap
-        bias = max(settings.demo_end_bias, DEMO_JSON_CLOSE_BIAS) if json_answer else settings.demo_end_bias
-        for closer in ('"', "}", "]") if json_answer else ('"',):
+        # the objects and arrays of a JSON answer or a call's arguments get the bias on their
+        # closers too: random weights would otherwise add members until the cap (a forced call to
+        # one of Claude Code's tools ran to the 512-token cap with the quote's bias alone)
+        bias = max(settings.demo_end_bias, DEMO_JSON_CLOSE_BIAS)
+        for closer in ('"', "}", "]"):
             tok = loading.tokenize(vocab, closer, add_special=False)
             if len(tok) == 1 and settings.demo_end_bias:
                 req.logit_bias = dict(req.logit_bias or {})
