@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -22,10 +22,11 @@ from .errors import MessageError
 
 
 def _number_types(annotation: Any) -> tuple:
-    """The number types (int, float) an annotation admits, Optional[...] included."""
+    """The number types (int, float) an annotation admits, Optional[...] and Annotated[...] included."""
     import typing
 
     args = typing.get_args(annotation) or (annotation,)
+    args = [typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in args]
     return tuple(a for a in args if a in (int, float))
 
 
@@ -63,14 +64,15 @@ class EngineTuning(BaseModel):
                                     "fewest routes, that a CPU branch computes while the others are "
                                     "uploaded; -1: adapted per layer. 0 (default): the cost model's "
                                     "split (prefill_cpu_split) decides instead. Measurements only.")
-    decode_prefetch_experts: int = Field(2, ge=0, le=16, description="Decode prefetch: in each "
-                                         "decode step a layer predicts the next layer's routes (that "
-                                         "layer's router on its own input) and copies up to this many of "
-                                         "the predicted cold experts to the GPU while it computes; their "
-                                         "routes then run on the GPU instead of the CPU branch. The choice "
-                                         "depends on the model's computation only, so runs repeat exactly. "
-                                         "0: off. Needs prefill_prefetch_depth 2 (its staging regions; "
-                                         "docs/engine.md, \"Decode prefetch\").")
+    decode_prefetch_experts: Union[Annotated[int, Field(ge=0, le=16)], Literal["auto"]] = Field(
+        2, description="Decode prefetch: in each decode step a layer predicts the next layer's routes "
+        "(that layer's router on its own input) and copies up to this many of the predicted cold "
+        "experts to the GPU while it computes; their routes then run on the GPU instead of the CPU "
+        "branch. The choice depends on the model's computation only, so runs repeat exactly. 0: off. "
+        "auto: the count whose copies fit in one layer's GPU time, from the calibration (largest "
+        "expert / pinned bandwidth against G per layer; 2 without a calibration of this model; bench "
+        "variant ostinato-dprefetch-auto). Needs prefill_prefetch_depth 2 (its staging regions; "
+        "docs/engine.md, \"Decode prefetch\").")
     decode_prefetch_copy_blocks: int = Field(8, ge=1, le=1024, description="Decode prefetch: "
                                              "blocks of 512 threads of the GPU kernel that copies the "
                                              "staged experts over PCIe, beside the decode step's own "

@@ -37,8 +37,11 @@ One command (docs/design.md "Testing and measuring"; paper arXiv 2611.11533 Sect
    ``ostinato-cpu-prefetch``, ``ostinato-cpu-spin``, ``ostinato-pairs-avx2``, ``ostinato-pairs-avx512`` (the CPU branch
    kernel's dot products two weight rows per pass, setting ``cpu_branch_row_pairs``), ``ostinato-no-dprefetch``, ``ostinato-dprefetch1``,
    ``ostinato-dprefetch4``, ``ostinato-cpu8``, ``ostinato-cpu8-spin``, ``ostinato-cpu8-dprefetch4``,
-   ``ostinato-copy2``, ``ostinato-copy4``, ``ostinato-copy32``, ``ostinato-barriers``
-   (only when named; the last ten: decode prefetch off / 1 / 4 experts per layer, the CPU branch on
+   ``ostinato-copy2``, ``ostinato-copy4``, ``ostinato-copy32``, ``ostinato-barriers``,
+   ``ostinato-dprefetch-auto`` (decode prefetch's count from the calibration, setting
+   ``decode_prefetch_experts = "auto"``; the count and why: ``decode_prefetch_choice`` of the
+   engine's stats in the JSON)
+   (only when named; the ten before it: decode prefetch off / 1 / 4 experts per layer, the CPU branch on
    8 threads, with 4096 pauses before a yield, with 4 experts per layer, decode prefetch's copy
    kernel on 2 / 4 / 32 blocks, default 8, the CPU branch's team with a barrier after each phase
    instead of claims, ``cpu_branch_claims = false``) the Ostinato engine with the same

@@ -340,6 +340,7 @@ def expert_stats(home: Path) -> dict[str, Any]:
             "upload_bytes": eng.get("upload_bytes"), "prefill_threshold": eng.get("prefill_threshold"),
             "prefill": eng.get("prefill"), "decode_graph": eng.get("decode_graph"),
             "decode_graph_steps": eng.get("decode_graph_steps"), "decode_timeline": eng.get("decode_timeline"),
+            "decode_prefetch_choice": eng.get("decode_prefetch_choice"),
             "ubatch": (snap.get("engine") or {}).get("ubatch")}
 
 

@@ -38,6 +38,9 @@ class EngineOptions(EngineTuning):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # the setting's "auto" is resolved to a count (resolve_options, decode_prefetch_choice); same place
+    decode_prefetch_experts: int = Field(2, ge=0, le=16, description="Decode prefetch: predicted cold "
+                                         "experts a layer stages for the next one (0 off).")
     prefill_threshold: int = Field(512, ge=1, json_schema_extra={"c": "int64"},
                                    description="Np (tokens): forward passes of at least Np tokens take the "
                                    "upload path (docs/engine.md, \"Np\").")
@@ -149,6 +152,8 @@ class ResolvedOptions(BaseModel):
     prefetch_requested: int = 0         # the settings' prefill prefetch depth (the pool gets what its set allows)
     cpu_split: Optional[dict[str, float]] = None   # residency.cost.cpu_split_params (with "threads"), or None
     cpu_split_source: str = "no GPU pool"
+    # the decode prefetch count (options.decode_prefetch_experts) and why: decode_prefetch_choice
+    decode_prefetch: dict[str, Any] = {}
 
 
 def engine_settings(settings: Any) -> Any:
@@ -223,14 +228,48 @@ def cpu_split_choice(settings: Any, fingerprint: Optional[str], gpu_pool: bool, 
     return split, source
 
 
-def resolve_options(settings: Any, model: dict[str, Any], residency: Any = None, *, gpu_pool: bool
-                    ) -> ResolvedOptions:
+DECODE_PREFETCH_DEFAULT = 2   # the measured default, kept where "auto" has no calibration
+
+
+def decode_prefetch_choice(setting: Any, fingerprint: Optional[str], gpu_pool: bool,
+                           expert_bytes: Optional[int], path: Any = None) -> dict[str, Any]:
+    """The decode prefetch count per layer for the setting ``decode_prefetch_experts``: a number as
+    it is (source "settings"); "auto": :func:`..residency.cost.decode_prefetch_count` (the most
+    experts whose copies, w / B each plus the chain's fixed cost, fit in G, the GPU time of a layer)
+    of ``expert_bytes`` (the largest expert of the model's MoE layers) and the calibration's G and
+    pinned bandwidth (:func:`..residency.calibration.decode_prefetch_inputs`, source "calibration"),
+    else :data:`DECODE_PREFETCH_DEFAULT` with the reason as source. Returns ``{"experts", "setting",
+    "source", "why"}`` plus, when computed, ``{"expert_bytes", "h2d_gbps", "gpu_layer_ms",
+    "copy_us", "chain_us"}`` (the engine's log and stats()["decode_prefetch_choice"])."""
+    from ..residency.calibration import decode_prefetch_inputs
+    from ..residency.cost import decode_prefetch_count
+
+    if setting != "auto":
+        return {"experts": int(setting), "setting": setting, "source": "settings", "why": "set"}
+    base = {"experts": DECODE_PREFETCH_DEFAULT, "setting": "auto"}
+    if not gpu_pool:
+        return {**base, "source": "no GPU pool", "why": "auto needs a GPU pool: the default count"}
+    if not expert_bytes:
+        return {**base, "source": "no expert size", "why": "the model's expert size is unknown: the default count"}
+    g_ms, h2d, source = decode_prefetch_inputs(path, model_fingerprint=fingerprint)
+    if g_ms is None or h2d is None:
+        return {**base, "source": source, "why": f"{source}: the default count ('ostinato calibrate' measures G)"}
+    r = decode_prefetch_count(int(expert_bytes), h2d, g_ms)
+    why = (f"{r['chain_us']:.0f} us + n x {r['copy_us']:.0f} us ({int(expert_bytes) / 1e6:.1f} MB / "
+           f"{h2d:.1f} GB/s) <= G {r['window_us']:.0f} us")
+    return {**base, "experts": r["experts"], "source": source, "why": why, "expert_bytes": int(expert_bytes),
+            "h2d_gbps": h2d, "gpu_layer_ms": g_ms, "copy_us": r["copy_us"], "chain_us": r["chain_us"]}
+
+
+def resolve_options(settings: Any, model: dict[str, Any], residency: Any = None, *, gpu_pool: bool,
+                    expert_bytes: Optional[int] = None) -> ResolvedOptions:
     """The engine's options for a load of ``model`` (its GGUF block: fingerprint) with ``residency``
     (a :class:`..residency.sets.ResidencySet` or None), once: the [engine] settings as they are, Np
     (settings, calibration, probe, default), decode overlap, threads and graph (settings, else the
     calibration), the thread counts of the context and of the decode graph's pool, the prefill
-    prefetch depth the set's plan leaves room for, and the prefill's CPU split. ``gpu_pool``: the
-    pool is on a GPU (a GPU build, not a CPU pool). Reads the stored calibration; raises nothing for
+    prefetch depth the set's plan leaves room for, the prefill's CPU split and the decode prefetch
+    count (:func:`decode_prefetch_choice`; ``expert_bytes``: the largest expert of the model's MoE
+    layers, for "auto"). ``gpu_pool``: the pool is on a GPU (a GPU build, not a CPU pool). Reads the stored calibration; raises nothing for
     a missing or unreadable one."""
     from ..residency.calibration import decode_choices, decode_graph_choice
     from ..residency.planner import prefetch_depth_setting
@@ -243,10 +282,12 @@ def resolve_options(settings: Any, model: dict[str, Any], residency: Any = None,
     batch_threads, pool_threads = thread_counts(settings, decode_threads, graph, gpu_pool)
     requested = prefetch_depth_setting(eng)
     split, split_source = cpu_split_choice(settings, fp, gpu_pool, batch_threads)
+    dpf = decode_prefetch_choice(eng.decode_prefetch_experts, fp, gpu_pool, expert_bytes)
     tuning = {name: getattr(eng, name) for name in EngineTuning.model_fields}
+    tuning["decode_prefetch_experts"] = dpf["experts"]
     opts = EngineOptions(**tuning, prefill_threshold=np_tokens, decode_overlap=overlap, decode_graph=graph,
                          cpu_threads=pool_threads, prefetch_depth=prefetch_for(requested, residency),
                          **split_fields(split))
     return ResolvedOptions(options=opts, np_source=np_source, decode_threads=decode_threads,
                            batch_threads=batch_threads, prefetch_requested=requested, cpu_split=split,
-                           cpu_split_source=split_source)
+                           cpu_split_source=split_source, decode_prefetch=dpf)

@@ -41,6 +41,17 @@ log = logging.getLogger("ostinatod.experts")
 SUPPORTED_ARCHS = ("qwen3moe", "deepseek2", "gpt-oss", "glm4moe", "minimax-m2", "qwen35moe", "deepseek4")
 
 
+def largest_expert_bytes(model_path: Path) -> Optional[int]:
+    """Bytes of the largest expert of the model's MoE layers (``ModelInfo.expert_bytes``; the
+    description is cached), or None where the file cannot be described."""
+    from ..residency.model import describe_model
+
+    try:
+        return max(describe_model(model_path).expert_bytes or [0]) or None
+    except Exception:  # noqa: BLE001 - "auto" then keeps the default count
+        return None
+
+
 class ExpertRuntime:
     """One model's expert engine in the worker process (see module docstring)."""
 
@@ -69,6 +80,8 @@ class ExpertRuntime:
         # the prefill's CPU/upload split (residency.cost.cpu_split_params, with its threads) and where it came from
         self.cpu_split: Optional[dict[str, float]] = None
         self.cpu_split_source = "no GPU pool"
+        # the decode prefetch count and why (options.decode_prefetch_choice), set by prepare
+        self.decode_prefetch: dict[str, Any] = {}
         # (one-token, batch) threads of the context, set by the loader; follows_graph: the loader
         # gave one-token steps 1 thread for the decode graph (follow_decode_graph keeps it true)
         self.context_threads: Optional[tuple[int, int]] = None
@@ -143,7 +156,8 @@ class ExpertRuntime:
         if residency is not None and len(residency.devices) > 1:
             layer_dev = full_layer_devices(residency, int(model["n_layer"]))
         gpu_pool = dev >= 0 and native.has_gpu()
-        res = resolve_options(settings, model, residency, gpu_pool=gpu_pool)
+        res = resolve_options(settings, model, residency, gpu_pool=gpu_pool,
+                              expert_bytes=largest_expert_bytes(Path(model_path)))
         opts = res.options
         config = experts_config(hot, device=dev, prefill_threshold=opts.prefill_threshold,
                                 layer_device=dict(enumerate(layer_dev)) if layer_dev else None)
@@ -157,6 +171,9 @@ class ExpertRuntime:
         rt.batch_threads = res.batch_threads
         rt.prefetch = res.prefetch_requested
         rt.cpu_split, rt.cpu_split_source = res.cpu_split, res.cpu_split_source
+        rt.decode_prefetch = dict(res.decode_prefetch)
+        log.info("experts: decode prefetch %d experts per layer (%s, setting %s: %s)", opts.decode_prefetch_experts,
+                 res.decode_prefetch.get("source"), res.decode_prefetch.get("setting"), res.decode_prefetch.get("why"))
         rt._log_split()
         rt.load_config = config
         return rt
@@ -292,6 +309,7 @@ class ExpertRuntime:
         d["prefill_threshold"] = self.prefill_threshold
         d["prefill_threshold_source"] = self.prefill_threshold_source
         d["prefill_cpu_split"] = {"params": self.cpu_split, "source": self.cpu_split_source}
+        d["decode_prefetch_choice"] = {**self.decode_prefetch, "experts": self.options.decode_prefetch_experts}
         return d
 
     def take_request_stats(self) -> dict[str, Any]:

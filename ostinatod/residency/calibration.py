@@ -167,3 +167,23 @@ def h2d_from_profile(path: Optional[Path] = None) -> Optional[float]:
         return float(max(vals)) if vals else None
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def decode_prefetch_inputs(path: Optional[Path] = None, model_fingerprint: Optional[str] = None
+                           ) -> tuple[Optional[float], Optional[float], str]:
+    """What the automatic decode prefetch count is made from
+    (:func:`ostinatod.residency.cost.decode_prefetch_count`): ``(g_ms, h2d_gbps, source)`` with the
+    GPU-branch time per MoE layer of decode steps (``gpu_branch_ms``, G of the cost model; it depends
+    on the model, so the record must be of ``model_fingerprint`` where both are known) and the pinned
+    host->GPU bandwidth (``h2d_pinned_gbps``, else the profile's measured one) of a full calibration
+    that is not stale: source ``"calibration"``; else ``(None, None, why)``."""
+    cal = load_calibration(path)
+    if not _is_full(cal):
+        return None, None, "not calibrated"
+    fp = (cal.get("model") or {}).get("fingerprint")
+    if model_fingerprint and fp and fp != model_fingerprint:
+        return None, None, "calibrated on another model"
+    g, h2d = cal.get("gpu_branch_ms"), cal.get("h2d_pinned_gbps") or h2d_from_profile(path)
+    if not g or not h2d:
+        return None, None, "calibration without GPU terms"
+    return float(g), float(h2d), "calibration"

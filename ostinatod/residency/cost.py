@@ -432,3 +432,45 @@ def expert_time_savings(counts_prefill: np.ndarray, counts_decode: np.ndarray,
         for n, times in sizes.items():
             per_byte = per_byte + times * upload_pass_cost(P * (n / total), cpu_s, up_s)
     return per_byte * w[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# Decode prefetch: how many predicted cold experts a layer's chain copies
+# --------------------------------------------------------------------------------------------
+
+#: a decode prefetch chain's fixed cost beside its copies (us): router product, top k and stage list
+#: on the side stream. H100 host, Qwen3.5 (2026-12-06 runs, "decode prefetch chains"): 67 us per
+#: chain of which 50 us copies (~1.08 experts of 2.1 MB at ~45 GB/s)
+DECODE_PREFETCH_CHAIN_US = 17.0
+#: the most experts a chain may stage (the setting's and the native check's limit)
+DECODE_PREFETCH_MAX = 16
+
+
+def decode_prefetch_count(expert_bytes: float, h2d_gbps: float, gpu_layer_ms: float, *,
+                          chain_us: float = DECODE_PREFETCH_CHAIN_US, most: int = DECODE_PREFETCH_MAX
+                          ) -> dict[str, float]:
+    """The decode prefetch count per layer that the cost model fits in one layer's GPU time.
+
+    Layer l's chain (forked before layer l's router) copies predicted cold experts of layer l+1 on a
+    side stream, and the ops after route(l+1) wait for its copies: they are free while they end
+    within about one layer's GPU time ``g`` (paper Sec. 3.2: the GPU branch G_l; App. B, Prop. B.1:
+    an overlapped layer costs max{C, G_l}), and every expert more delays the step by its whole copy.
+    One copy costs ``w / B`` (Sec. 3.2, Rule 2; phi2 = w/B of Prop. 3.2), so
+
+        n = max{ n in 0..most : chain_us + n * w / B <= g }  =  floor((g - chain_us) / (w / B))
+
+    with ``w`` = ``expert_bytes`` (the largest expert of the model's MoE layers, bytes), ``B`` =
+    ``h2d_gbps`` (pinned host->GPU, 1e9 bytes/s) and ``chain_us`` the chain's fixed cost
+    (:data:`DECODE_PREFETCH_CHAIN_US`). n is an upper bound: a chain stages only the experts its
+    prediction finds cold, so the CPU side needs no cap of its own (a layer with fewer predicted cold
+    routes copies fewer). Returns ``{"experts", "copy_us", "window_us", "chain_us"}``; ValueError for
+    a non-positive or non-finite input."""
+    vals = (expert_bytes, h2d_gbps, gpu_layer_ms)
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in vals):
+        raise ValueError(f"decode_prefetch_count: expert bytes, bandwidth and GPU time must be > 0, got {vals}")
+    copy_us = float(expert_bytes) / (float(h2d_gbps) * 1e9) * 1e6
+    window_us = float(gpu_layer_ms) * 1e3
+    room = window_us - chain_us
+    n = 0 if room <= 0 else int(math.floor(room / copy_us + 1e-9))
+    return {"experts": max(0, min(int(most), n)), "copy_us": copy_us, "window_us": window_us,
+            "chain_us": float(chain_us)}

@@ -96,6 +96,8 @@ def test_runtime_end_to_end(moe, tmp_path, monkeypatch):
             batch.seq_id[0][0] = 0
             return batch
         st0 = rt.stats()
+        assert st0["decode_prefetch_choice"]["experts"] == rt.options.decode_prefetch_experts == 2
+        assert st0["decode_prefetch_choice"]["source"] == "settings"
         assert llama_cpp.llama_decode(ctx, step(0, 0)) == 0
         llama_cpp.llama_synchronize(ctx)   # the count op's table is read as the device has it
         st = rt.stats()   # every layer all-resident: its routes come from the count op at this call
