@@ -1,6 +1,6 @@
 """``ostinato bench timeline``: a per-kernel GPU timeline of ONE prefill pass after a tool output
-and a few decode steps of the same tokens, Ostinato's engine beside ``stock-all-gpu`` (issue 47
-item 4, issue 42 item 4: where our prefill's and decode step's own GPU work goes).
+and a few decode steps of the same tokens, Ostinato's engine beside ``stock-all-gpu`` (where our
+prefill's and decode step's own GPU work goes, against the limit's).
 
 Per engine, in a fresh subprocess (its own ``OSTINATO_HOME`` with a copy of this machine's hardware
 profile, as ``bench engines`` gives each daemon), the model is loaded by the daemon's own worker
