@@ -59,9 +59,16 @@ struct tok_t {
     float * out;
 };
 
-// Rows a, c (c = a for a lone last row: only a's result is written when !two) x N tokens
+// Blocks of rows a and c decoded once for several token tiles: per block the values (+ 12) and the scales
+struct dec_t {
+    __m512i w;
+    __m512 e;
+};
+
+// Rows a, c (c = a for a lone last row: only a's result is written when !two) x N tokens; with dc,
+// the blocks as decode_all left them (more token tiles than one share them)
 template <int N>
-void pass(int nb, const uint8_t * a, const uint8_t * c, bool two, const tok_t * tk, bool fma_tail) {
+void pass(int nb, const uint8_t * a, const uint8_t * c, bool two, const tok_t * tk, bool fma_tail, const dec_t * dc) {
     const __m512i tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) KV12));
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc1[N], acc2[N];
@@ -69,8 +76,14 @@ void pass(int nb, const uint8_t * a, const uint8_t * c, bool two, const tok_t * 
     int ib = 0;
     for (; ib + 1 < nb; ib += 2) {
         const uint8_t * a0 = a + (size_t) ib * XB, * c0 = c + (size_t) ib * XB;
-        const __m512i w0 = decode(a0, c0, tbl, m4), w1 = decode(a0 + XB, c0 + XB, tbl, m4);
-        const __m512 e0 = scales(a0, c0), e1 = scales(a0 + XB, c0 + XB);
+        __m512i w0, w1;
+        __m512 e0, e1;
+        if (dc) {
+            w0 = dc[ib].w; w1 = dc[ib + 1].w; e0 = dc[ib].e; e1 = dc[ib + 1].e;
+        } else {
+            w0 = decode(a0, c0, tbl, m4); w1 = decode(a0 + XB, c0 + XB, tbl, m4);
+            e0 = scales(a0, c0); e1 = scales(a0 + XB, c0 + XB);
+        }
 #pragma GCC unroll 8
         for (int t = 0; t < N; ++t) {
             const uint8_t * y = tk[t].y + (size_t) ib * YB;
@@ -114,14 +127,10 @@ void pass(int nb, const uint8_t * a, const uint8_t * c, bool two, const tok_t * 
 }
 
 template <int N>
-void rows(int nb, const uint8_t * w, size_t rb, int nrows, tok_t * tk, bool fma_tail) {
+void rows(int nb, const uint8_t * w, size_t rb, int i, tok_t * tk, bool fma_tail, bool two, const dec_t * dc) {
     float * base[NT];
-    for (int t = 0; t < N; ++t) base[t] = tk[t].out;
-    for (int i = 0; i < nrows; i += 2) {
-        const bool two = i + 1 < nrows;
-        for (int t = 0; t < N; ++t) tk[t].out = base[t] + i;
-        pass<N>(nb, w + (size_t) i * rb, w + (size_t) (two ? i + 1 : i) * rb, two, tk, fma_tail);
-    }
+    for (int t = 0; t < N; ++t) { base[t] = tk[t].out; tk[t].out = base[t] + i; }
+    pass<N>(nb, w + (size_t) i * rb, w + (size_t) (two ? i + 1 : i) * rb, two, tk, fma_tail, dc);
     for (int t = 0; t < N; ++t) tk[t].out = base[t];
 }
 
@@ -148,23 +157,40 @@ bool ost_mxfp4_rows_avx512(int K, const void * w, size_t rb, int nrows, const vo
             dv[(size_t) t * nb + b] = _cvtsh_ss(h);
         }
     }
+    // per row pair: its blocks decoded once when more than one token tile reads them, then each tile
+    thread_local std::vector<dec_t> dec;
+    const bool cache = T > NT;
+    if (cache) dec.resize((size_t) nb);
+    const __m512i tbl = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) KV12));
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
     tok_t tk[NT];
     const uint8_t * wb = (const uint8_t *) w;
-    for (int t0 = 0; t0 < T; t0 += NT) {
-        const int n = T - t0 < NT ? T - t0 : NT;
-        for (int t = 0; t < n; ++t) {
-            tk[t] = tok_t{ (const uint8_t *) y[t0 + t], neg.data() + (size_t) (t0 + t) * nb, dv.data() + (size_t) (t0 + t) * nb,
-                           out[t0 + t] };
+    for (int i = 0; i < nrows; i += 2) {
+        const bool two = i + 1 < nrows;
+        const uint8_t * a = wb + (size_t) i * rb, * c = wb + (size_t) (two ? i + 1 : i) * rb;
+        if (cache) {
+            for (int b = 0; b < (nb & ~1); ++b) {   // the pairs (an odd last block: the tail decodes it)
+                dec[(size_t) b].w = decode(a + (size_t) b * XB, c + (size_t) b * XB, tbl, m4);
+                dec[(size_t) b].e = scales(a + (size_t) b * XB, c + (size_t) b * XB);
+            }
         }
-        switch (n) {
-            case 1: rows<1>(nb, wb, rb, nrows, tk, fma_tail); break;
-            case 2: rows<2>(nb, wb, rb, nrows, tk, fma_tail); break;
-            case 3: rows<3>(nb, wb, rb, nrows, tk, fma_tail); break;
-            case 4: rows<4>(nb, wb, rb, nrows, tk, fma_tail); break;
-            case 5: rows<5>(nb, wb, rb, nrows, tk, fma_tail); break;
-            case 6: rows<6>(nb, wb, rb, nrows, tk, fma_tail); break;
-            case 7: rows<7>(nb, wb, rb, nrows, tk, fma_tail); break;
-            default: rows<8>(nb, wb, rb, nrows, tk, fma_tail); break;
+        for (int t0 = 0; t0 < T; t0 += NT) {
+            const int n = T - t0 < NT ? T - t0 : NT;
+            for (int t = 0; t < n; ++t) {
+                tk[t] = tok_t{ (const uint8_t *) y[t0 + t], neg.data() + (size_t) (t0 + t) * nb, dv.data() + (size_t) (t0 + t) * nb,
+                               out[t0 + t] };
+            }
+            const dec_t * dc = cache ? dec.data() : nullptr;
+            switch (n) {
+                case 1: rows<1>(nb, wb, rb, i, tk, fma_tail, two, dc); break;
+                case 2: rows<2>(nb, wb, rb, i, tk, fma_tail, two, dc); break;
+                case 3: rows<3>(nb, wb, rb, i, tk, fma_tail, two, dc); break;
+                case 4: rows<4>(nb, wb, rb, i, tk, fma_tail, two, dc); break;
+                case 5: rows<5>(nb, wb, rb, i, tk, fma_tail, two, dc); break;
+                case 6: rows<6>(nb, wb, rb, i, tk, fma_tail, two, dc); break;
+                case 7: rows<7>(nb, wb, rb, i, tk, fma_tail, two, dc); break;
+                default: rows<8>(nb, wb, rb, i, tk, fma_tail, two, dc); break;
+            }
         }
     }
     return true;
