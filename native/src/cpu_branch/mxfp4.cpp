@@ -115,7 +115,10 @@ bool ost_mxfp4_serves() {
     return g_ok;
 }
 
-int ost_mxfp4_min_tokens() { return 2; }
+int ost_mxfp4_min_tokens() {
+    static const int n = [] { const char * e = getenv("OST_MXFP4_MIN_TOKENS"); return e && atoi(e) > 0 ? atoi(e) : 2; }();
+    return n;
+}
 
 bool ost_mxfp4_set_enabled(bool on) { return g_on.exchange(on); }
 

@@ -30,7 +30,8 @@ bool ost_mxfp4_rows(int K, const void * w, size_t row_bytes, int nrows, const vo
 // first-use check against ggml-cpu's own vec_dot passed bit for bit (odd and even block counts, row
 // and token counts that fill no tile). Off process-wide with ost_mxfp4_set_enabled(false).
 bool ost_mxfp4_serves();
-// From how many routes of one expert the CPU branch uses ost_mxfp4_rows (default 2).
+// From how many routes of one expert the CPU branch uses ost_mxfp4_rows (default 2; the environment's
+// OST_MXFP4_MIN_TOKENS, read once, for measurements: at 1 route both forms run near the read bandwidth).
 int ost_mxfp4_min_tokens();
 // Process-wide switch (for `ostinato bench cpu-branch` A/B and tests); returns the previous value.
 bool ost_mxfp4_set_enabled(bool on);

@@ -42,8 +42,9 @@ inline float hsum_float_8(__m256 x) {
 
 // Block b of rows a (low half) and c (high half): values + 12 as bytes, each half in value order
 inline __m512i decode(const uint8_t * a, const uint8_t * c, __m512i tbl, __m512i m4) {
-    const __m128i qa = _mm_loadu_si128((const __m128i *) (a + 1)), qc = _mm_loadu_si128((const __m128i *) (c + 1));
-    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(qa, qa)), _mm256_set_m128i(qc, qc), 1);
+    // 128-bit lanes: a's codes, a's codes, c's codes, c's codes
+    __m512i z = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) (a + 1))), 0xFF00,
+                                            _mm_loadu_si128((const __m128i *) (c + 1)));
     z = _mm512_mask_srli_epi16(z, 0xFF00FF00u, z, 4);   // 128-bit lanes 1 and 3: the high nibbles
     return _mm512_shuffle_epi8(tbl, _mm512_and_si512(z, m4));
 }
