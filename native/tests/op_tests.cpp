@@ -11,6 +11,7 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "decode_graph/decode_ops.h"
+#include "cpu_branch/mxfp4.h"
 
 #include <algorithm>
 #include <cmath>
@@ -352,5 +353,77 @@ extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_p
         }
     }
     out = std::string("{\"ok\": ") + (ok ? "true" : "false") + ", \"cases\": [" + cases + "]}";
+    return out.c_str();
+}
+
+// The CPU branch's MXFP4 rows x many tokens (cpu_branch/mxfp4.h, ost_mxfp4_rows in libllama) against
+// ggml-cpu's vec_dot (ggml_vec_dot_mxfp4_q8_0) per (row, token), bit for bit: block counts 1, 2, 3,
+// 5, 8, 65 (odd ones end in ggml's scalar tail, there with large same-signed products so that its
+// rounding shows), row counts 1-17 (odd: a lone last row), tokens 1-40 (tiles of 8 and every
+// remainder), rows at a padded stride. {"served", "tail", "ok", "cases", "mismatches", "first_bad"}.
+extern "C" __attribute__((visibility("default"))) const char * ostinato_optest_mxfp4_rows(void) {
+    static std::string out;
+    const bool served = ost_mxfp4_serves();
+    std::mt19937 rng(47);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    const auto * tr = ggml_get_type_traits_cpu(GGML_TYPE_MXFP4);
+    const auto * ty = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
+    int cases = 0, mismatches = 0;
+    std::string first_bad = "null";
+    for (const int K : {32, 64, 96, 160, 256, 2080}) {
+        const int nb = K / 32;
+        for (const int nrows : {1, 2, 3, 7, 17}) {
+            const size_t rb = ggml_row_size(GGML_TYPE_MXFP4, K), stride = rb + (nrows % 2 ? 5 : 0);
+            std::vector<float> wf((size_t) K * nrows);
+            for (size_t i = 0; i < wf.size(); ++i) {
+                wf[i] = nd(rng) * (i % 53 == 0 ? 40.0f : 1.0f);
+                if ((nb % 2) && (int) (i % (size_t) K) >= K - 32 && (i / (size_t) K) % 2 == 0) wf[i] = 3.0f + std::fabs(wf[i]);
+            }
+            std::vector<uint8_t> wq(rb * nrows), w(stride * nrows);
+            ggml_quantize_chunk(GGML_TYPE_MXFP4, wf.data(), wq.data(), 0, nrows, K, nullptr);
+            for (int i = 0; i < nrows; ++i) memcpy(w.data() + i * stride, wq.data() + i * rb, rb);
+            const int T = 40;
+            const size_t yb = ggml_row_size(GGML_TYPE_Q8_0, K);
+            std::vector<uint8_t> yq(yb * T);
+            std::vector<float> yf((size_t) K);
+            for (int j = 0; j < T; ++j) {
+                for (int i = 0; i < K; ++i) yf[(size_t) i] = nd(rng) * (j % 4 == 0 ? 25.0f : 1.0f);
+                if (nb % 2) for (int i = K - 32; i < K; ++i) yf[(size_t) i] = 90.0f + 15.0f * nd(rng);
+                ty->from_float(yf.data(), yq.data() + (size_t) j * yb, K);
+            }
+            std::vector<float> ref((size_t) T * nrows);
+            for (int j = 0; j < T; ++j)
+                for (int i = 0; i < nrows; ++i)
+                    tr->vec_dot(K, &ref[(size_t) j * nrows + i], 0, w.data() + i * stride, 0, yq.data() + (size_t) j * yb, 0, 1);
+            for (int n = 1; n <= T && served; ++n) {
+                // tokens in a shuffled order, outputs at their own places
+                std::vector<const void *> ys((size_t) n);
+                std::vector<float> mine((size_t) n * nrows + 1, -7.0f);
+                std::vector<float *> outs((size_t) n);
+                for (int j = 0; j < n; ++j) {
+                    const int src = (j * 7 + 3) % T;
+                    ys[(size_t) j] = yq.data() + (size_t) src * yb;
+                    outs[(size_t) j] = mine.data() + (size_t) j * nrows;
+                }
+                const bool ran = ost_mxfp4_rows(K, w.data(), stride, nrows, ys.data(), n, outs.data());
+                int bad = 0;
+                for (int j = 0; j < n && ran; ++j) {
+                    const int src = (j * 7 + 3) % T;
+                    bad += memcmp(outs[(size_t) j], &ref[(size_t) src * nrows], sizeof(float) * nrows) != 0;
+                }
+                if (!ran || mine.back() != -7.0f) bad += 1;
+                ++cases;
+                if (bad && first_bad == "null") {
+                    char buf[96];
+                    snprintf(buf, sizeof(buf), "{\"K\": %d, \"rows\": %d, \"tokens\": %d, \"ran\": %s}", K, nrows, n, ran ? "true" : "false");
+                    first_bad = buf;
+                }
+                mismatches += bad;
+            }
+        }
+    }
+    out = std::string("{\"served\": ") + (served ? "true" : "false") + ", \"tail\": \"" + ost_mxfp4_tail() +
+          "\", \"ok\": " + (served && mismatches == 0 ? "true" : "false") + ", \"cases\": " + std::to_string(cases) +
+          ", \"mismatches\": " + std::to_string(mismatches) + ", \"first_bad\": " + first_bad + "}";
     return out.c_str();
 }

@@ -102,6 +102,7 @@ def test_gpu_backend_2d_copy_moves_rows_at_two_pitches_and_refuses_the_rest():
     ("qwen3moe", "ci", "q4_k_m", False, 0.0),
     ("qwen35moe", "ci", "ud-q4_k_xl", True, 0.0),
     ("qwen35moe", "ci", "ud-q4_k_xl", True, 0.5),
+    ("deepseek4", "ci", "mxfp4", False, 0.5),
 ])
 def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shape, quant, merged, limit):
     """The CPU branch's own kernel (native/src/cpu_branch/kernel.cpp, with ggml-cpu's SwiGLU row
@@ -157,3 +158,21 @@ def test_cpu_branch_kernel_is_bitwise_llama_cpps_mul_mat_id(tmp_path, arch, shap
             if limit:   # the clamp changed part of the activation's inputs, not all or none of them
                 assert 0.05 < r["swiglu_clamped_share"] < 0.95, r
     assert [b["threads"] for b in res["read_bw"]] == [1, 3] and all(b["gbps"] > 0 for b in res["read_bw"])
+
+
+def test_cpu_branch_mxfp4_rows_are_bitwise_ggml_vec_dot_for_every_token_count():
+    """The CPU branch's MXFP4 rows x many tokens (native/src/cpu_branch/mxfp4.h: each weight block
+    decoded once for all of an expert's tokens, AVX-512 VNNI) against ggml-cpu's own
+    ggml_vec_dot_mxfp4_q8_0 per (row, token): block counts 1, 2, 3, 5, 8 and 65 (the odd ones end in
+    ggml's scalar tail, with products large enough that a fused and an unfused tail differ), 1-17
+    rows (a lone last row), 1-40 tokens (every remainder of the kernel's tiles of 8), rows at a padded
+    stride, nothing written past the outputs. Skipped where the kernel is not served (a CPU without
+    AVX-512 VNNI keeps vec_dot)."""
+    report = json.loads(_optest("ostinato_optest_mxfp4_rows")().decode())
+    if not report["served"]:
+        flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+        assert not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c"} <= flags, \
+            f"AVX-512 VNNI here, yet the MXFP4 rows failed their first-use check: {report}"
+        pytest.skip("MXFP4 rows not served on this CPU")
+    print(f"\n[optest] mxfp4 rows: {report['cases']} cases, tail {report['tail']}")
+    assert report["ok"] and report["mismatches"] == 0 and report["cases"] == 6 * 5 * 40, report

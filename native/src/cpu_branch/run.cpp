@@ -2,6 +2,7 @@
 #include "cpu_branch/run.h"
 #include "cpu_branch/dot.h"
 #include "cpu_branch/gemm.h"
+#include "cpu_branch/mxfp4.h"
 
 #include "ggml-cpu.h"
 
@@ -59,6 +60,7 @@ namespace {
 constexpr int64_t CHUNK_BYTES = 16 * 1024;
 // Blocks (256 values) of one token tile per pack item at most: 16 KiB of a pack
 constexpr int PACK_BLOCKS = 4;
+constexpr int64_t MXFP4_CHUNK_BYTES = 64 * 1024;
 
 }  // namespace
 
@@ -116,6 +118,21 @@ void tensor_rows(run_t & r, const group_t & g, int64_t row0, int64_t row1, bool 
                                       r.base + (down ? g.down_pack : g.gu_pack), g.nr, outs.data());
         GGML_ASSERT(ok);   // prepare marks a group tiled only for a type ost_gemm_serves
         return;
+    }
+    if (w->type == GGML_TYPE_MXFP4 && g.nr >= ost_mxfp4_min_tokens() && ost_mxfp4_serves()) {
+        // every route of the group at once, each (row, token) bitwise ggml's vec_dot (cpu_branch/mxfp4.h)
+        thread_local std::vector<float *> mo;
+        thread_local std::vector<const void *> my;
+        mo.resize((size_t) g.nr);
+        my.resize((size_t) g.nr);
+        for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
+            const route_t & rt = r.routes[(size_t) q];
+            mo[(size_t) (q - g.r0)] = down ? r.job->out + ((int64_t) rt.t * r.job->k + rt.j) * f.n_embd + row0
+                                           : r.gu + (size_t) q * 2 * f.n_ff + row0;
+            my[(size_t) (q - g.r0)] = down ? (const void *) (r.actq + (size_t) q * r.actq_row)
+                                           : (const void *) (r.xq + (size_t) r.tok_slot[(size_t) rt.t] * r.xq_row);
+        }
+        if (ost_mxfp4_rows((int) (down ? f.n_ff : f.n_embd), w0, w->nb[1], (int) (row1 - row0), my.data(), g.nr, mo.data())) return;
     }
     if (pf == 0 && ost_dot_serves(w->type)) {
         for (int32_t q = g.r0; q < g.r0 + g.nr; ++q) {
@@ -411,6 +428,14 @@ bool prepare(run_t & r, const ost_ffn_job & job, std::vector<uint8_t> & ws, int 
     // an even number of rows: the row-pair dot products pair a chunk's rows
     r.chunk1 = std::max<int64_t>(2, (CHUNK_BYTES / (int64_t) gw->nb[1]) & ~(int64_t) 1);
     r.chunk3 = std::max<int64_t>(2, (CHUNK_BYTES / (int64_t) f.down->nb[1]) & ~(int64_t) 1);
+    // MXFP4 groups of several routes (cpu_branch/mxfp4.h) prepare each token's sums per chunk: chunks
+    // of about MXFP4_CHUNK_BYTES keep that small beside the rows' work
+    const bool mx_gu = gw->type == GGML_TYPE_MXFP4, mx_dn = f.down->type == GGML_TYPE_MXFP4;
+    if ((mx_gu || mx_dn) && ost_mxfp4_serves() &&
+        std::any_of(r.groups.begin(), r.groups.end(), [](const group_t & g) { return g.nr >= ost_mxfp4_min_tokens(); })) {
+        if (mx_gu) r.chunk1 = std::max<int64_t>(r.chunk1, (MXFP4_CHUNK_BYTES / (int64_t) gw->nb[1]) & ~(int64_t) 1);
+        if (mx_dn) r.chunk3 = std::max<int64_t>(r.chunk3, (MXFP4_CHUNK_BYTES / (int64_t) f.down->nb[1]) & ~(int64_t) 1);
+    }
     if (r.any_tiled) {   // ost_gemm_rows takes rows 16 at a time
         r.chunk1 = std::max<int64_t>(16, r.chunk1 / 16 * 16);
         r.chunk3 = std::max<int64_t>(16, r.chunk3 / 16 * 16);

@@ -3,6 +3,7 @@
 #include "engine/engine.h"
 #include "cpu_branch/kernel.h"
 #include "cpu_branch/dot.h"
+#include "cpu_branch/mxfp4.h"
 
 using namespace ost;
 
@@ -33,7 +34,9 @@ json decode_graph_json() {
         d["cpu_kernel"] = json{{"on", (bool) o.cpu_branch_kernel}, {"layers_kernel", nf}, {"layers_ggml", ng},
                                {"prefetch_rows", ost_ffn_prefetch_rows()},
                                {"row_pairs", json{{"mode", ost_dot_mode()}, {"isa", ost_dot_isa()},
-                                                  {"types", ost_dot_types()}}}};
+                                                  {"types", ost_dot_types()}}},
+                               {"mxfp4_rows", json{{"isa", ost_mxfp4_isa()}, {"tail", ost_mxfp4_tail()},
+                                                   {"min_routes", ost_mxfp4_min_tokens()}}}};
         if (!note.empty()) d["cpu_kernel"]["unmatched"] = note;
     }
     // decode prefetch: how many layers' route ops stage the next layer's predicted experts
