@@ -1,5 +1,6 @@
 // Row-pair dot products: dispatch by instruction set and the first-use check (cpu_branch/dot.h).
 #include "cpu_branch/dot.h"
+#include "cpu_branch/check_data.h"
 
 #include "ggml-cpu.h"
 
@@ -67,15 +68,7 @@ bool same_as_ggml(isa_t isa, const kind_t & k, bool fused) {
     const auto * tr = ggml_get_type_traits_cpu(k.t);
     const auto * ty = ggml_get_type_traits_cpu(tr->vec_dot_type);
     if (!tr->vec_dot || !ty->from_float) return false;
-    uint64_t s = 0x9e3779b97f4a7c15ULL;
-    auto rnd = [&] {   // ~N(0, 1) from a sum of uniforms
-        float a = 0;
-        for (int i = 0; i < 4; ++i) {
-            s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-            a += (float) (s >> 40) / (float) (1 << 24) - 0.5f;
-        }
-        return a * 1.7f;
-    };
+    ost_check_rng rnd;
     for (int n : {512, 2048}) {
         const int nrows = 7;
         std::vector<float> wf((size_t) n * nrows), yf((size_t) n);

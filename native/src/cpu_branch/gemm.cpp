@@ -1,6 +1,7 @@
 // Expert products of many tokens at once: the activation pack, dispatch by instruction set and the
 // first-use check against ggml-cpu's tiled kernel (cpu_branch/gemm.h).
 #include "cpu_branch/gemm.h"
+#include "cpu_branch/check_data.h"
 
 #include "ggml-cpu.h"
 
@@ -53,26 +54,7 @@ bool amx_granted() {
 #endif
 }
 
-bool avx512_here() {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
-#else
-    return false;
-#endif
-}
-
-uint64_t g_rng = 0x9e3779b97f4a7c15ULL;
-float rnd() {   // ~N(0, 1) from a sum of uniforms
-    float a = 0;
-    for (int i = 0; i < 4; ++i) {
-        g_rng ^= g_rng << 13; g_rng ^= g_rng >> 7; g_rng ^= g_rng << 17;
-        a += (float) (g_rng >> 40) / (float) (1 << 24) - 0.5f;
-    }
-    return a * 1.7f;
-}
+ost_check_rng rnd;
 
 // ggml-cpu's result for K x nrows weights of type t and T tokens (mul_mat: its tiled kernel for
 // T >= 8) against ours with AMX or not and either epilogue; *same_fma / *same_mul: bit for bit equal.
@@ -134,7 +116,7 @@ void compare(ggml_type t, int K, int nrows, int T, bool amx, bool * same_fma, bo
 // Each type against ggml-cpu on this machine: two lengths, row counts that are not a multiple of
 // 16, token counts that are not either, AMX and VNNI. Exactly one epilogue must match everywhere.
 void check() {
-    g_avx512 = avx512_here();
+    g_avx512 = ost_cpu_has_avx512_vnni();
     if (!g_avx512) return;
     g_amx_cpu = amx_granted();
     const char * tiled = getenv("GGML_CPU_TILED_MM");

@@ -1,5 +1,6 @@
 // MXFP4 rows x many tokens: dispatch and the first-use check against ggml-cpu's vec_dot (cpu_branch/mxfp4.h).
 #include "cpu_branch/mxfp4.h"
+#include "cpu_branch/check_data.h"
 
 #include "ggml.h"
 #include "ggml-cpu.h"
@@ -25,30 +26,11 @@ bool g_ok = false;
 int g_fma = -1;   // the odd last block's form in ggml-cpu's build: 1 fused, 0 multiply then add, -1 unknown
 std::atomic<bool> g_on{true};
 
-bool avx512_here() {
-#if defined(__x86_64__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
-#else
-    return false;
-#endif
-}
-
 // K x nrows random MXFP4 weights and T tokens (some of large magnitude) against ggml-cpu's
 // vec_dot per (row, token), with either form of the odd last block; *same_fma / *same_mul: bit for bit
 void compare(int K, int nrows, int T, uint64_t seed, bool * same_fma, bool * same_mul) {
     *same_fma = *same_mul = false;
-    uint64_t s = seed;
-    auto rnd = [&] {   // ~N(0, 1) from a sum of uniforms
-        float a = 0;
-        for (int i = 0; i < 4; ++i) {
-            s ^= s << 13; s ^= s >> 7; s ^= s << 17;
-            a += (float) (s >> 40) / (float) (1 << 24) - 0.5f;
-        }
-        return a * 1.7f;
-    };
+    ost_check_rng rnd{seed};
     const auto * tr = ggml_get_type_traits_cpu(GGML_TYPE_MXFP4);
     const auto * ty = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0);
     if (!tr->vec_dot || tr->vec_dot_type != GGML_TYPE_Q8_0 || !ty->from_float) return;
@@ -84,7 +66,7 @@ void compare(int K, int nrows, int T, uint64_t seed, bool * same_fma, bool * sam
 }
 
 void check() {
-    g_avx512 = avx512_here();
+    g_avx512 = ost_cpu_has_avx512_vnni();
     if (!g_avx512) return;
     ggml_cpu_init();
     bool f = true, m = true, f_odd = true, m_odd = true;
