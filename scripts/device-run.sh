@@ -437,14 +437,17 @@ q35run() {
 if has q35; then
   q35run engines-h200-qwen35moe-45 ostinato,stock-all-gpu,llama-server,ostinato-no-dprefetch "$@"
 fi
-if has timeline; then
+if has timeline && [ $(( 590 - $(el) )) -lt 120 ]; then
+  echo "[$(el)s] timeline: not run, $(( 590 - $(el) )) s left in this call (STAGES=timeline in a call of its own)"
+elif has timeline; then
   # where the prefill's and the decode step's own GPU work goes: ours beside the limit, kernel by kernel
   m=/tmp/a-qwen35moe.gguf; res=/tmp/bench-work-engines-h200-qwen35moe-45/residency.json
   repro_family qwen3.5-35b-a3b; tsynth=("${REPRO_SYNTH[@]}")
   [ -f $m ] || repro_model $m "${tsynth[@]}"
   if [ ! -f $res ]; then
     res=/tmp/bench-work-timeline-plan/residency.json
-    [ -f $res ] || $PY -m ostinatod.cli bench engines --model $m --sessions-dir .carry/sessions --budget-frac 0.45 \
+    [ -f $res ] || timeout $(( 590 - $(el) )) $PY -m ostinatod.cli bench engines --model $m --sessions-dir .carry/sessions \
+      --budget-frac 0.45 --time-limit $(( 565 - $(el) )) \
       --sessions 1 --turns 1 --engines ostinato --no-server --out-dir /tmp/timeline-plan-out \
       --work-dir /tmp/bench-work-timeline-plan --name timeline-plan 2>&1 | grep -E "plan at|Error|error" | tail -5
   fi
@@ -453,7 +456,9 @@ if has timeline; then
              --work-dir /tmp/timeline-work ${TL_ARGS:-})
   repro_cmd_txt timeline "stage of: STAGES=\"$STAGES\" TL_ARGS=\"${TL_ARGS:-}\" bash scripts/device-run.sh $SCRIPT_ARGS; model: synth ${tsynth[*]}"
   echo "[$(el)s] timeline: ${REPRO_CMD[*]}"
-  timeout $(( 590 - $(el) )) "${REPRO_CMD[@]}" > "$OUT/timeline.log" 2>&1; echo "[$(el)s] timeline rc=$?"
+  left=$(( 590 - $(el) ))
+  if [ $left -lt 30 ]; then echo "[$(el)s] timeline: the plan took the call's time (${left} s left); run STAGES=timeline again"
+  else timeout $left "${REPRO_CMD[@]}" > "$OUT/timeline.log" 2>&1; echo "[$(el)s] timeline rc=$?"; fi
   grep -E "^\[ " "$OUT/timeline.log" | tail -8; [ -f "$OUT/timeline.md" ] && head -60 "$OUT/timeline.md"
 fi
 if has q35peers; then

@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layer-marker", default="rms_norm",
                     help="substring of the kernel name that marks layers (timeline_trace.per_layer)")
     ap.add_argument("--trace-from", choices=("context", "load"), default="context",
-                    help="start the profiler before the context prefill (default) or before the load")
+                    help="start the profiler before the context prefill (default: torch is imported after "
+                         "the load) or before the load (torch first: its CUDA runtime and cuBLAS may "
+                         "then be the ones llama.cpp's kernels use; the notes list them)")
     ap.add_argument("--no-profile", action="store_true", help="wall times only, even with torch and CUDA")
     ap.add_argument("--out-dir", default="timeline-out", help="where the results go")
     ap.add_argument("--work-dir", help="the children's homes (default: a temporary dir)")
@@ -136,6 +138,17 @@ class _Profile:
         return path
 
 
+def _cuda_libraries() -> list[str]:
+    """Paths of the CUDA runtime and cuBLAS mapped in this process (Linux /proc/self/maps; [] elsewhere
+    or without them): which copies the timed kernels came from when torch shares the process."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {ln.split()[-1] for ln in f if "/libcudart" in ln or "/libcublas" in ln}
+    except OSError:
+        return []
+    return sorted(paths)
+
+
 def _native_stats(rt: Any) -> Optional[dict[str, Any]]:
     """Ostinato's own figures of the calls since the last take (None for stock)."""
     if rt is None:
@@ -154,16 +167,25 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     from ..engine.worker import Worker
     from ..settings import load_settings
 
-    torch, why = _torch(spec)
+    # torch after the load unless the trace starts before it: torch's wheels load their own CUDA
+    # runtime and cuBLAS, and llama.cpp's CUDA library, loaded first, keeps the ones it was built with
+    early = spec["trace_from"] == "load"
+    torch, why = _torch(spec) if early else (None, "")
     prof = _Profile(torch)
-    notes = [why] if why else []
     settings = load_settings()   # the engine's settings come as the daemon's: environment variables
     w = Worker(settings, Path(spec["model"]))
-    if torch is not None and spec["trace_from"] == "load":
+    if torch is not None:
         prof.start()
     t0 = time.perf_counter()
     w.load()
     load_s = time.perf_counter() - t0
+    if not early:
+        torch, why = _torch(spec)
+        prof = _Profile(torch)
+    notes = [why] if why else []
+    libs = _cuda_libraries()
+    if libs:
+        notes.append("CUDA libraries in this process: " + ", ".join(libs))
     if torch is not None and not native.has_gpu():
         prof.prof and prof.prof.stop()
         prof = _Profile(None)

@@ -360,11 +360,12 @@ def prefill_passes(new_tokens: Iterable[int], ubatch: int) -> list[int]:
 
 
 def upload_pass_cost(lam: np.ndarray, cpu_s: float, upload_s: float) -> np.ndarray:
-    """Expected cost (seconds per byte of the expert) of a cold expert in an upload-path pass whose
-    routes to it are Poisson(``lam``): ``E[min(C cpu_s, 1{C > 0} upload_s)]``, C ~ Poisson(lam).
+    """Expected cost (time per byte of the expert, in the unit of ``cpu_s`` and ``upload_s``) of a cold
+    expert in an upload-path pass whose routes to it are Poisson(``lam``): ``E[min(C cpu_s, 1{C > 0}
+    upload_s)]``, C ~ Poisson(lam).
 
-    ``cpu_s``: seconds per byte of one route on the CPU branch (1 / CPU bandwidth); ``upload_s``:
-    seconds per byte of one upload (1 / link bandwidth). The min is the engine's per-expert choice
+    ``cpu_s``: time per byte of one route on the CPU branch (1 / CPU bandwidth); ``upload_s``: time
+    per byte of one upload (1 / link bandwidth); :func:`expert_time_savings` passes ms per byte. The min is the engine's per-expert choice
     between computing an expert's routes in the CPU share and uploading it once
     (native/src/paths/hybrid_split.h; paper Sec. 3.2 C(r) = alpha + beta r, alpha left out). Exact
     for up to 256 routes below the upload's price (beyond, the CPU terms are cut there). Same shape

@@ -243,7 +243,8 @@ def phase_costs_for(settings: Any = None, path: Optional[Path] = None,
     """The cost terms the planner prices each phase with (:class:`.cost.PhaseCosts`), from what this
     machine has measured, else documented defaults; ``source`` says which.
 
-    ``cpu_gbps``: the fastest row of the calibration's (full or load probe, not stale)
+    ``cpu_gbps``: the fastest row of the calibration's (full or load probe, not stale; of this model
+    when both its and ``model_fingerprint`` are known)
     ``cpu_branch_bandwidth`` (decode runs at the calibration's fastest threads), else
     :data:`.cost.DEFAULT_CPU_BRANCH_GBPS` (the paper's beta); ``h2d_gbps``: the calibration's
     ``h2d_pinned_gbps``, else the profile's measured pinned bandwidth, else
@@ -259,10 +260,15 @@ def phase_costs_for(settings: Any = None, path: Optional[Path] = None,
     cal = load_calibration(path)
     if not isinstance(cal, dict) or cal.get("stale") or cal.get("error"):
         cal = {}
-    rows = [r for r in cal.get("cpu_branch_bandwidth") or [] if isinstance(r, dict)
+    # the CPU branch's bandwidth is measured on the calibrated model's experts (their types): another
+    # model's does not price this one's (the link's bandwidth is the machine's and stays)
+    fp = (cal.get("model") or {}).get("fingerprint")
+    same_model = model_fingerprint is None or fp is None or fp == model_fingerprint
+    rows = [r for r in (cal.get("cpu_branch_bandwidth") or [] if same_model else []) if isinstance(r, dict)
             and isinstance(r.get("bw_gbps"), (int, float)) and 0 < r["bw_gbps"] < float("inf")]
     cpu = max((float(r["bw_gbps"]) for r in rows), default=None)
-    src["cpu_gbps"] = "calibration" if cpu else "default (paper: 13.4 MB per 0.184 ms route)"
+    src["cpu_gbps"] = ("calibration" if cpu else "default (paper: 13.4 MB per 0.184 ms route)"
+                       + ("" if same_model else "; the calibration is of another model"))
     h2d = cal.get("h2d_pinned_gbps")
     if isinstance(h2d, (int, float)) and h2d > 0:
         src["h2d_gbps"] = "calibration"

@@ -151,6 +151,14 @@ def test_phase_costs_from_the_calibration_else_defaults(tmp_path):
                         "np_tokens": "calibration", "ubatch": "settings"}
     c = phase_costs_for(settings, prof, np_tokens=256, ubatch=4096)
     assert (c.np_tokens, c.ubatch) == (256, 4096)
+    # the CPU branch's bandwidth of another model's calibration does not price this one (the link's does)
+    cal = json.loads(prof.read_text())
+    cal["calibration"]["model"] = {"fingerprint": "aaa", "name": "other"}
+    prof.write_text(json.dumps(cal))
+    c = phase_costs_for(settings, prof, model_fingerprint="bbb", np_tokens=256)
+    assert (c.cpu_gbps, c.h2d_gbps) == (DEFAULT_CPU_BRANCH_GBPS, 50.0)
+    assert "another model" in c.source["cpu_gbps"]
+    assert phase_costs_for(settings, prof, model_fingerprint="aaa", np_tokens=256).cpu_gbps == 90.0
 
 
 def test_plan_reports_hot_shares_per_phase_and_the_ranking():
