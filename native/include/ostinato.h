@@ -147,11 +147,6 @@ char * ostinato_chat_info(void * tmpls);
 // "thinking_end_tags"} or {"error": ...}.
 char * ostinato_chat_apply(void * tmpls, const char * json_request);
 
-// Grammar sampler for an apply result (tool-call / json_schema grammar; lazy with its triggers).
-// Returns NULL if the result has no grammar (ostinato_last_error() == "") or on error.
-struct llama_sampler * ostinato_chat_grammar_sampler(const struct llama_model * model,
-                                                     const char * json_apply_result);
-
 // Streaming output parser built from an apply result (format, generation_prompt, parser).
 // json_options: {"parse_tool_calls": bool, "reasoning": bool} or NULL.
 void * ostinato_chat_parser_new(const char * json_apply_result, const char * json_options);

@@ -376,21 +376,6 @@ class ChatTemplates(_NativeHandle):
         return res
 
 
-def grammar_sampler(model_ptr: int, rendered: RenderedPrompt) -> Any:
-    """A ``llama_sampler *`` (llama_cpp's pointer type) enforcing the rendered prompt's grammar (None if it has none).
-
-    Raises EngineError("invalid_request") if the grammar does not compile.
-    """
-    if not rendered.grammar:
-        return None
-
-    import llama_cpp  # lazy: the native engine, loaded only where it runs
-    ptr = native.fn("ostinato_chat_grammar_sampler")(model_ptr, rendered.raw.encode())
-    if not ptr:
-        raise EngineError("invalid_request", native.last_error() or "grammar failed to compile")
-    return ctypes.cast(ptr, llama_cpp.llama_sampler_p_ctypes)  # the type llama_cpp's bindings take
-
-
 @dataclass
 class ParseResult:
     """One parse of the text so far: the message and the diffs since the previous parse."""

@@ -59,7 +59,6 @@ _DECLS: dict[str, tuple[list[Any], Any]] = {
     "ostinato_chat_free": ([c_void_p], None),
     "ostinato_chat_info": ([c_void_p], c_void_p),
     "ostinato_chat_apply": ([c_void_p, c_char_p], c_void_p),
-    "ostinato_chat_grammar_sampler": ([c_void_p, c_char_p], c_void_p),
     "ostinato_chat_parser_new": ([c_char_p, c_char_p], c_void_p),
     "ostinato_chat_parser_free": ([c_void_p], None),
     "ostinato_chat_parser_feed": ([c_void_p, c_char_p, c_int], c_void_p),

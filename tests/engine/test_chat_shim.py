@@ -147,15 +147,19 @@ def test_plain_text_without_tools(templates):
 
 
 def test_grammar_sampler_compiles(templates):
-    import llama_cpp
-
-    from ostinatod.engine.chat import grammar_sampler
+    """The request sampler (the one the worker samples with) compiles a forced call's grammar; a
+    prompt without tools has none."""
+    from ostinatod.engine.sampling import free_sampler, make_sampler
+    from ostinatod.engine.types import GenRequest
+    from ostinatod.settings import Settings
     t, model = templates
-    r = t.render([{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice="required")
-    s = grammar_sampler(model, r)
+    msgs = [{"role": "user", "content": "hi"}]
+    r = t.render(msgs, tools=TOOLS, tool_choice="required")
+    assert r.grammar
+    s = make_sampler(model, GenRequest(id="g", messages=msgs, tools=TOOLS, tool_choice="required"), r, Settings())
     assert s
-    llama_cpp.llama_sampler_free(s)
-    assert grammar_sampler(model, t.render([{"role": "user", "content": "hi"}])) is None
+    free_sampler(s)
+    assert not t.render(msgs).grammar
 
 
 @pytest.mark.parametrize("broken", [
